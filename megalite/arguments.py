@@ -1,0 +1,114 @@
+"""Command-line arguments of the pretraining entry points, and their validation.
+
+Validation runs before any process group exists, from the world size torchrun announces, so a
+bad layout ends every rank at once with the same one-line message.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megalite.models.config import PRESETS, TransformerConfig, preset
+from megalite.runtime import UsageError
+
+
+def build_parser(description: str, default_model: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    g.add_argument("--vpp", type=int, default=None, help="virtual stages (model chunks) per pipeline rank")
+    g.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence (tp>1)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=default_model, choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--num-layers", type=int, help="override the preset")
+    g.add_argument("--hidden-size", type=int, help="override the preset")
+    g.add_argument("--num-attention-heads", type=int, help="override the preset")
+    g.add_argument("--ffn-hidden-size", type=int, help="override the preset (default 4 x hidden)")
+    g.add_argument("--vocab-size", type=int, help="override the preset (synthetic data only)")
+    g.add_argument("--seq-length", type=int, help="tokens per sample (default: the preset's positions)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout on the residual stream (0 is usual for pretraining)")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probabilities")
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recomputation")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", help="JSON lines, one record per logged iteration")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-GPU peak for MFU (default: the datasheet bf16 peak of known GPUs)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    return p
+
+
+def model_config(args) -> TransformerConfig:
+    overrides = {
+        k: v for k, v in {
+            "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+            "num_attention_heads": args.num_attention_heads, "ffn_hidden_size": args.ffn_hidden_size,
+            "vocab_size": args.vocab_size,
+        }.items() if v is not None
+    }
+    try:
+        config = preset(args.model, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                        sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                        **overrides)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.seq_length is None:
+        args.seq_length = config.max_position_embeddings
+    if args.seq_length > config.max_position_embeddings:
+        config = config.replace(max_position_embeddings=args.seq_length)
+    return config
+
+
+def validate(args, world_size: int, config: TransformerConfig) -> int:
+    """Check the layout against the world and the model; return the data-parallel size."""
+    tp, pp = args.tp, args.pp
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch-size", args.micro_batch_size),
+                    ("--global-batch-size", args.global_batch_size), ("--train-iters", args.train_iters),
+                    ("--log-interval", args.log_interval), ("--seq-length", args.seq_length)):
+        if v < 1:
+            raise UsageError(f"{flag} must be >= 1, got {v}")
+    if world_size % tp:
+        raise UsageError(f"--tp {tp} does not divide the number of ranks ({world_size}): "
+                         f"use a --tp among the divisors of {world_size}, or launch a multiple of {tp} ranks")
+    if world_size % (tp * pp):
+        raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of ranks ({world_size}): "
+                         f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
+    dp = world_size // (tp * pp)
+    try:
+        config.check_tensor_parallel(tp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if config.vocab_size < 2:
+        raise UsageError(f"vocabulary size must be >= 2, got {config.vocab_size}")
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size % per_step:
+        raise UsageError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}: use a multiple of {per_step}"
+        )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by --tp ({tp})")
+    return dp

@@ -1,0 +1,73 @@
+"""Training metrics: model FLOPs, a log line, and JSON-lines records.
+
+FLOPs per iteration follow Megatron-LM's model-FLOPs formula for a GPT (Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters", 2021, eq. 3 without
+recomputation): 72 * B * s * L * h^2 * (1 + s / (6 h) + V / (12 L h)), B the global batch in
+sequences, s the sequence length, L layers, h hidden size, V the (padded) vocabulary. It counts
+forward and backward matmuls (backward = 2x forward); recomputation is not counted, so TFLOP/s
+and MFU are comparable across recompute settings.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+# bf16 dense datasheet peaks (TFLOP/s) for MFU when --peak-tflops is not given.
+_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def gpt_flops_per_iteration(global_batch: int, seq_length: int, num_layers: int, hidden: int,
+                            vocab: int) -> float:
+    return 72.0 * global_batch * seq_length * num_layers * hidden ** 2 * (
+        1.0 + seq_length / (6.0 * hidden) + vocab / (12.0 * num_layers * hidden)
+    )
+
+
+def default_peak_tflops() -> float | None:
+    """The datasheet bf16 peak of this rank's GPU, if it is one we know; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+
+
+class MetricsWriter:
+    """Writes one JSON object a line; the file is flushed after each record so a crash keeps them."""
+
+    def __init__(self, path: str | None):
+        self._file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            self._file.write(json.dumps(clean) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def format_log_line(r: dict) -> str:
+    parts = [
+        f"iter {r['iteration']:>6}/{r['train_iters']}",
+        f"samples {r['consumed_samples']}",
+        f"loss {r['loss']:.6f}",
+        f"lr {r['lr']:.3e}",
+        f"grad_norm {r['grad_norm']:.3f}",
+        f"loss_scale {r['loss_scale']:g}",
+        f"skipped {r['skipped']}",
+        f"{r['ms_per_iter']:.1f} ms/it",
+        f"{r['tokens_per_sec']:.0f} tok/s",
+        f"{r['tflops_per_gpu']:.2f} TFLOP/s/gpu",
+    ]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    return " | ".join(parts)

@@ -1,0 +1,6 @@
+"""Transformer models built from the tensor-parallel layers, one pipeline stage at a time."""
+from megalite.models.config import PRESETS, TransformerConfig, preset
+from megalite.models.gpt import GPTModel
+from megalite.models.transformer import TransformerLayer
+
+__all__ = ["GPTModel", "PRESETS", "TransformerConfig", "TransformerLayer", "preset"]

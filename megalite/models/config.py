@@ -1,0 +1,88 @@
+"""TransformerConfig: the shape and regularization of a transformer, plus named presets."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int = 50257
+    max_position_embeddings: int = 1024
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128  # padded to a multiple of this times TP
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    recompute_num_layers: int | None = None  # full: how many layers per stage (default all)
+    recompute_method: str = "uniform"  # full: uniform | block
+    params_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ValueError naming both numbers when the model cannot be split over `tp` ranks."""
+        for what, n in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+        ):
+            if n % tp:
+                raise ValueError(
+                    f"{what} ({n}) is not divisible by the tensor-parallel size ({tp}): "
+                    f"choose --tp among the divisors of {n}"
+                )
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence parallelism needs a tensor-parallel size > 1 (got --tp 1)")
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# Named shapes. Vocabulary sizes are those of the tokenizers they are used with; the GPT-2
+# family follows the GPT-2 / Megatron-LM papers.
+PRESETS: dict[str, dict] = {
+    "gpt-tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, max_position_embeddings=128,
+                     vocab_size=1024),
+    "gpt2-124m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, max_position_embeddings=1024),
+    "gpt2-350m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, max_position_embeddings=1024),
+    "gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, max_position_embeddings=2048),
+    "gpt-175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, max_position_embeddings=2048),
+    "bert-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=2, max_position_embeddings=512),
+    "bert-base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, max_position_embeddings=512),
+    "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, max_position_embeddings=512),
+}
+
+
+def preset(name: str, **overrides) -> TransformerConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return TransformerConfig(**{**PRESETS[name], **overrides})

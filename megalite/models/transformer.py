@@ -1,0 +1,184 @@
+"""GPT/BERT transformer layer built from the tensor-parallel layers.
+
+Activations are [sequence, batch, hidden] (sequence-sharded over TP with sequence parallelism).
+Heads are split across TP ranks: QKV is column-parallel with rows ordered [head, (q, k, v),
+head_dim], so a contiguous block of rows is whole heads; the output projection is row-parallel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from megalite.models.config import TransformerConfig
+from megalite.parallel import state
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megalite.parallel.random import get_rng_tracker
+
+
+def init_generator(seed: int, component: int) -> torch.Generator:
+    """RNG for one model component (embedding, layer n, ...): depends on the seed and the
+    component alone, never on the pipeline stage or TP size that builds it."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + component)
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on activations replicated across TP (default RNG, same on every TP rank).
+
+    Under sequence parallelism each rank holds a slice of the sequence: it draws the mask for
+    the whole sequence and keeps its slice, so the result equals the run without it.
+    """
+    if not training or p == 0.0:
+        return x
+    tp = state.get_tensor_model_parallel_world_size()
+    if not sequence_parallel or tp == 1:
+        return F.dropout(x, p, True)
+    full = torch.empty((x.shape[0] * tp, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    keep = full.bernoulli_(1.0 - p).div_(1.0 - p).chunk(tp, dim=0)[state.get_tensor_model_parallel_rank()]
+    return x * keep
+
+
+def checkpoint_with_tp_rng(fn, *args):
+    """Activation checkpoint whose recomputation replays the same dropout masks, in the default
+    RNG (torch restores it) and in the TP-rank RNG stream (restored here)."""
+    tracker = get_rng_tracker()
+    states_at_forward = tracker.get_states()
+    calls = [0]
+
+    def run(*a):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*a)
+        now = tracker.get_states()
+        tracker.set_states(states_at_forward)
+        try:
+            return fn(*a)
+        finally:
+            tracker.set_states(now)
+
+    return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose parameters are marked as replicated inside the sequence-parallel
+    region (their gradients are partial per TP rank and get summed over TP)."""
+
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device):
+        super().__init__(size, eps=eps, dtype=dtype, device=device)
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        config.check_tensor_parallel(tp)
+        self.config = config
+        self.heads_per_rank = config.num_attention_heads // tp
+        sp, dtype = config.sequence_parallel, config.params_dtype
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size, 3 * config.hidden_size, init_method=init_method,
+            sequence_parallel=sp, params_dtype=dtype, device=device,
+        )
+        self.proj = RowParallelLinear(
+            config.hidden_size, config.hidden_size, init_method=output_init_method,
+            sequence_parallel=sp, params_dtype=dtype, device=device,
+        )
+
+    def _core(self, q, k, v, attention_mask):
+        p = self.config.attention_dropout if self.training else 0.0
+        with get_rng_tracker().fork():  # heads differ per TP rank, so must their dropout
+            if attention_mask is None:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, self.heads_per_rank, 3, self.config.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        if self.config.recompute == "selective" and self.training:
+            ctx = checkpoint_with_tp_rng(self._core, q, k, v, attention_mask)
+        else:
+            ctx = self._core(q, k, v, attention_mask)  # [b, heads, s, head_dim]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.config.head_dim)
+        return self.proj(ctx)
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
+        super().__init__()
+        sp, dtype = config.sequence_parallel, config.params_dtype
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size, init_method=init_method,
+            sequence_parallel=sp, params_dtype=dtype, device=device,
+        )
+        self.fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, init_method=output_init_method,
+            sequence_parallel=sp, params_dtype=dtype, device=device,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm layer: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    `layer_number` (0-based, global over the whole model) and `seed` fix the initialization.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, seed: int, device=None):
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        gen = init_generator(seed, 1000 + layer_number)
+        init = normal_init(config.init_method_std, gen)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) to keep the stream's variance.
+        out_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers), gen)
+        ln = lambda: LayerNorm(  # noqa: E731
+            config.hidden_size, config.layernorm_epsilon, config.sequence_parallel, config.params_dtype, device
+        )
+        self.input_layernorm = ln()
+        self.attention = ParallelAttention(config, init, out_init, device)
+        self.post_attention_layernorm = ln()
+        self.mlp = ParallelMLP(config, init, out_init, device)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        x = x + hidden_dropout(self.attention(self.input_layernorm(x), attention_mask), c.hidden_dropout,
+                               self.training, c.sequence_parallel)
+        x = x + hidden_dropout(self.mlp(self.post_attention_layernorm(x)), c.hidden_dropout,
+                               self.training, c.sequence_parallel)
+        return x
+
+
+def _run_chunk(layers):
+    def run(x, attention_mask):
+        for layer in layers:
+            x = layer(x, attention_mask)
+        return x
+    return run
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, attention_mask, config: TransformerConfig,
+               training: bool) -> torch.Tensor:
+    """Run this stage's layers, checkpointing them as `--recompute full` asks.
+
+    uniform: consecutive chunks of `recompute_num_layers` layers (default 1) are each one
+    checkpoint, keeping only each chunk's input. block: the first `recompute_num_layers` layers
+    (default all) are checkpointed one by one; the rest keep their activations.
+    """
+    if config.recompute != "full" or not training:
+        return _run_chunk(layers)(x, attention_mask)
+    if config.recompute_method == "uniform":
+        k = config.recompute_num_layers or 1
+        for start in range(0, len(layers), k):
+            x = checkpoint_with_tp_rng(_run_chunk(layers[start:start + k]), x, attention_mask)
+        return x
+    k = len(layers) if config.recompute_num_layers is None else config.recompute_num_layers
+    for i, layer in enumerate(layers):
+        x = checkpoint_with_tp_rng(layer, x, attention_mask) if i < k else layer(x, attention_mask)
+    return x

@@ -1,0 +1,222 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Initialization is layout-free: every rank initializes the *full* weight from the same RNG
+(`init_method` receives the full fp32 matrix) and keeps its contiguous block, so a model built
+at any TP size from one seed holds the same full weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.parallel import state
+from megalite.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
+    """N(0, std) init; with `generator`, draws from it instead of the global RNG."""
+    return lambda w: w.normal_(0.0, std, generator=generator)
+
+
+def divide(numerator: int, denominator: int, what: str, by: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by {by} ({denominator}): choose sizes so that it divides"
+        )
+    return numerator // denominator
+
+
+def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Smallest size >= vocab_size divisible by multiple * tp (fast matmuls, even shards)."""
+    step = multiple * tp
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None) -> nn.Parameter:
+    """Initialize the full matrix in fp32 on CPU, keep this TP rank's contiguous block."""
+    tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+    rows = full_shape[0] if real_rows is None else real_rows
+    full = torch.zeros(full_shape, dtype=torch.float32)
+    init_method(full[:rows])  # padding rows (vocab) stay zero whatever the padding is
+    shard = full.chunk(tp, dim=shard_dim)[rank]
+    param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
+    param.tensor_model_parallel = True
+    param.partition_dim = shard_dim
+    return param
+
+
+def _bias(size: int, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
+
+
+def _default_device(device):
+    return device if device is not None else (torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by rows (output features) over TP ranks.
+
+    Input is replicated across TP (or, with `sequence_parallel`, sharded along the sequence,
+    dim 0, and all-gathered here). Output is this rank's slice of the features unless
+    `gather_output`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, tp, "output_size", "the tensor-parallel size")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
+        device = _default_device(device)
+        self.weight = _sharded_parameter(
+            (output_size, input_size), 0, init_method or normal_init(), params_dtype, device
+        )
+        if bias:
+            self.bias = _bias(self.output_size_per_partition, params_dtype, device)
+            self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, out_per_rank={self.output_size_per_partition}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by columns (input features) over TP ranks.
+
+    Input is this rank's slice of the features (`input_is_parallel`) or is split here. The
+    partial products are summed over TP (all-reduce, or reduce-scatter along the sequence with
+    `sequence_parallel`); the whole bias is added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, tp, "input_size", "the tensor-parallel size")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        device = _default_device(device)
+        self.weight = _sharded_parameter(
+            (output_size, input_size), 1, init_method or normal_init(), params_dtype, device
+        )
+        if bias:
+            self.bias = _bias(output_size, params_dtype, device)
+            # Added to a sequence shard, its gradient is partial per TP rank and must be summed.
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, in_per_rank={self.input_size_per_partition}, out={self.output_size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by rows (vocabulary) over TP ranks.
+
+    `num_embeddings` is the table size, divisible by TP (use `pad_vocab_size`); rows from
+    `num_real_embeddings` on are padding, initialized to zero. Each rank looks up the ids it
+    owns, zeros the rest, and the partial results are summed over TP (reduce-scattered along
+    dim 0, the sequence, with `sequence_parallel`, which expects ids shaped [seq, batch]).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        init_method: InitMethod | None = None,
+        num_real_embeddings: int | None = None,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_real_embeddings = num_real_embeddings or num_embeddings
+        if self.num_real_embeddings > num_embeddings:
+            raise ValueError(
+                f"num_real_embeddings ({self.num_real_embeddings}) exceeds num_embeddings ({num_embeddings})"
+            )
+        self.num_embeddings_per_partition = divide(
+            num_embeddings, tp, "num_embeddings (vocabulary after padding)", "the tensor-parallel size"
+        )
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.sequence_parallel = sequence_parallel
+        self.weight = _sharded_parameter(
+            (num_embeddings, embedding_dim),
+            0,
+            init_method or normal_init(),
+            params_dtype,
+            _default_device(device),
+            real_rows=self.num_real_embeddings,
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if state.get_tensor_model_parallel_world_size() > 1:
+            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out)
+        return reduce_from_tensor_model_parallel_region(out)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows {self.vocab_start_index}:{self.vocab_end_index}"

@@ -1,0 +1,92 @@
+"""Process start-up and shut-down: torch.distributed from torchrun's (or Slurm's) environment,
+device choice, and turning usage errors into one clear line and a non-zero exit."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class UsageError(ValueError):
+    """A problem with the user's arguments, data or files: reported as one line, no traceback."""
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else one process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
+    """Join the process group (NCCL when this rank has a GPU, else gloo); return this rank's device."""
+    rank, world, local_rank = env_world()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if world == 1:
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def say(*parts, all_ranks: bool = False) -> None:
+    """Print from global rank 0 (or every rank), flushed, unless MEGALITE_QUIET is set."""
+    if os.environ.get("MEGALITE_QUIET"):
+        return
+    rank = dist.get_rank() if dist.is_initialized() else env_world()[0]
+    if all_ranks or rank == 0:
+        print(*parts, flush=True)
+
+
+def _tell_torchrun(message: str) -> None:
+    """torchrun's failure summary shows a worker's error file: put our one line there, not a
+    pointer to how to enable tracebacks."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
+def run_main(fn, *args) -> int:
+    """Run fn(*args) as a rank's whole life: usage errors become one line on stderr (printed once
+    per node) and exit code 2; the process group is always torn down."""
+    code = 0
+    try:
+        fn(*args)
+    except UsageError as e:
+        message = f"megalite: error: {e}"
+        if env_world()[2] == 0:
+            print(message, file=sys.stderr, flush=True)
+        _tell_torchrun(message)
+        code = 2
+    finally:
+        from megalite.parallel import destroy_model_parallel
+
+        destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code
