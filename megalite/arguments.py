@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from megalite.models.config import PRESETS, TransformerConfig, preset
+from megalite.pipeline.partition import stage_layer_counts
 from megalite.runtime import UsageError
 
 
@@ -17,6 +18,8 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     g.add_argument("--vpp", type=int, default=None, help="virtual stages (model chunks) per pipeline rank")
+    g.add_argument("--pipeline-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence (tp>1)")
 
     g = p.add_argument_group("model")
@@ -56,6 +59,8 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--metrics-file", help="JSON lines, one record per logged iteration")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="per-GPU peak for MFU (default: the datasheet bf16 peak of known GPUs)")
+    g.add_argument("--timeline", metavar="PATH", help="write a Chrome-trace timeline of all ranks (one row each)")
+    g.add_argument("--timeline-iters", type=int, default=3, help="iterations recorded in the timeline")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     return p
 
@@ -97,8 +102,13 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of ranks ({world_size}): "
                          f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
     dp = world_size // (tp * pp)
+    if args.vpp is not None and args.vpp < 1:
+        raise UsageError(f"--vpp must be >= 1, got {args.vpp}")
+    if args.vpp and args.vpp > 1 and pp == 1:
+        raise UsageError(f"--vpp {args.vpp} needs pipeline parallelism (--pp > 1)")
     try:
         config.check_tensor_parallel(tp)
+        stage_layer_counts(config.num_layers, pp, args.vpp, args.pipeline_layers)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if config.vocab_size < 2:
@@ -108,6 +118,13 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
         raise UsageError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {dp} = {per_step}: use a multiple of {per_step}"
+        )
+    micro_batches = args.global_batch_size // per_step
+    if args.vpp and args.vpp > 1 and micro_batches % pp:
+        raise UsageError(
+            f"the interleaved schedule (--vpp {args.vpp}) needs the micro-batches per step ({micro_batches} = "
+            f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
+            f"data-parallel size {dp})) to be a multiple of --pp ({pp}): raise --global-batch-size"
         )
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by --tp ({tp})")

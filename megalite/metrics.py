@@ -70,4 +70,52 @@ def format_log_line(r: dict) -> str:
     ]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("bubble_theory"):
+        measured = r.get("bubble_measured")
+        parts.append(f"bubble {100 * measured:.1f}% (theory {100 * r['bubble_theory']:.1f}%)" if measured is not None
+                     else f"bubble theory {100 * r['bubble_theory']:.1f}%")
     return " | ".join(parts)
+
+
+class Timeline:
+    """Per-rank spans (name, category, start, duration) merged into one Chrome-trace file
+    (chrome://tracing, ui.perfetto.dev) with one row per rank."""
+
+    def __init__(self, path: str | None, max_iterations: int):
+        self.path, self.max_iterations = path, max_iterations
+        self.events: list[dict] = []
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        """Call right after a barrier, so that every rank's clock starts together."""
+        import time
+
+        self.t0 = time.perf_counter()
+
+    def records(self, iteration: int) -> bool:
+        return bool(self.path) and iteration < self.max_iterations
+
+    def add(self, rank: int, iteration: int, spans) -> None:
+        for name, category, start, dur in spans:
+            self.events.append({"name": name, "cat": category, "ph": "X", "pid": rank, "tid": 0,
+                                "ts": (start - self.t0) * 1e6, "dur": dur * 1e6, "args": {"iteration": iteration}})
+
+    def write(self, labels: dict[int, str]) -> None:
+        """Gather every rank's events on rank 0 and write the file atomically."""
+        import torch.distributed as dist
+
+        if not self.path:
+            return
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(self.events, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return
+        events = [e for part in gathered for e in part]
+        for rank, label in labels.items():
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+        tmp = f"{self.path}.tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, self.path)

@@ -19,6 +19,8 @@ class UsageError(ValueError):
 def env_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else one process."""
     env = os.environ
+    if dist.is_initialized():  # already in a group (tests, notebooks): that is the truth
+        return dist.get_rank(), dist.get_world_size(), int(env.get("LOCAL_RANK", dist.get_rank()))
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:

@@ -1,5 +1,5 @@
-"""The training loop: layout set-up, micro-batches through the schedule, gradient reduction,
-clipping, optimizer step, and logging."""
+"""The training loop: layout set-up, micro-batches through the pipeline schedule, gradient
+reduction, clipping, optimizer step, logging and the timeline."""
 from __future__ import annotations
 
 import time
@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 
 from megalite import arguments, parallel
-from megalite.metrics import MetricsWriter, default_peak_tflops, format_log_line, gpt_flops_per_iteration
+from megalite.metrics import (
+    MetricsWriter,
+    Timeline,
+    default_peak_tflops,
+    format_log_line,
+    gpt_flops_per_iteration,
+)
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
     LRSchedule,
@@ -20,21 +26,24 @@ from megalite.optim import (
     clip_grads,
     global_grad_norm,
 )
-from megalite.pipeline.schedules import forward_backward_no_pipelining
+from megalite.pipeline.partition import layers_of, stage_layer_counts
+from megalite.pipeline.schedules import build_program, run_schedule, theoretical_bubble
 from megalite.runtime import UsageError, env_world, init_distributed, say
 
 
 @dataclass
 class Task:
     """What an entry point plugs into the loop."""
-    build_model: Callable[[TransformerConfig, object, torch.device], torch.nn.Module]
+    # build_model(config, args, device, pre_process, post_process, layer_numbers) -> one model chunk
+    build_model: Callable[..., torch.nn.Module]
     build_data: Callable[[TransformerConfig, object], object]  # has .batch(sample_indices) -> dict
-    loss_fn: Callable[[torch.nn.Module, dict], torch.Tensor]  # summed loss of a micro-batch
+    # forward_step(chunk, batch): summed loss on the last stage, hidden states elsewhere
+    forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
 
 
-def gpt_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    per_token = model(batch["tokens"], labels=batch["labels"])
-    return (per_token * batch["loss_mask"]).sum()
+def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    out = model(batch["tokens"], labels=batch["labels"])
+    return (out * batch["loss_mask"]).sum() if model.post_process else out
 
 
 def _allreduce_data_parallel_grads(params) -> None:
@@ -74,49 +83,109 @@ def setup(args, world_size: int):
     return config, dp, device
 
 
-def pretrain(args, task: Task) -> list[dict]:
-    """Train as `args` say; return the logged records (on every rank)."""
+def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual stage it runs (chunk c is virtual stage c*pp + r)."""
+    p, r, v = args.pp, parallel.get_pipeline_model_parallel_rank(), args.vpp or 1
+    counts = stage_layer_counts(config.num_layers, p, args.vpp, args.pipeline_layers)
+    chunks = []
+    for c in range(v):
+        vs = c * p + r
+        chunks.append(task.build_model(config, args, device, pre_process=vs == 0,
+                                       post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
+    return chunks
+
+
+def _rank_label(rank: int, tp: int, dp: int) -> str:
+    return f"rank {rank} (pp {rank // (dp * tp)}, dp {(rank // tp) % dp}, tp {rank % tp})"
+
+
+@dataclass
+class TrainingRun:
+    records: list[dict]  # the logged records (on every rank)
+    model_chunks: list[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+
+
+def pretrain(args, task: Task) -> TrainingRun:
+    """Train as `args` say."""
     _, world_size, _ = env_world()
     config, dp, device = setup(args, world_size)
-    model = task.build_model(config, args, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_adamw([model], args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+    chunks = build_model_chunks(task, config, args, device)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    optimizer = build_adamw(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                           args.lr_decay_style)
     data = task.build_data(config, args)
+
+    rank = dist.get_rank()
     dp_rank, dp_group = parallel.get_data_parallel_rank(), parallel.get_data_parallel_group()
-    is_logger = dist.get_rank() == 0
-    metrics = MetricsWriter(args.metrics_file if is_logger else None)
+    pp, pp_rank, pp_group = args.pp, parallel.get_pipeline_model_parallel_rank(), parallel.get_pipeline_model_parallel_group()
+    last_stage = parallel.get_pipeline_model_parallel_ranks()[-1]
+    m = args.global_batch_size // (args.micro_batch_size * dp)
+    program = build_program(pp, pp_rank, m, args.vpp)
+    seq = args.seq_length // args.tp if args.sequence_parallel else args.seq_length
+    tensor_shape = (seq, args.micro_batch_size, config.hidden_size)
+    bubble_theory = theoretical_bubble(pp, m, args.vpp)
+    # Host timings of GPU work are meaningless without synchronizing; only the timeline does that.
+    measure_bubble = device.type == "cpu" or bool(args.timeline)
+
+    metrics = MetricsWriter(args.metrics_file if rank == 0 else None)
+    timeline = Timeline(args.timeline, args.timeline_iters)
     flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, config.num_layers,
                                     config.hidden_size, config.vocab_size)
     peak = args.peak_tflops or default_peak_tflops()
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
-        f"tp={args.tp} pp={args.pp} dp={dp}, global batch {args.global_batch_size} x {args.seq_length} tokens")
+        f"tp={args.tp} pp={pp} dp={dp}" + (f" vpp={args.vpp}" if args.vpp else "") +
+        f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
 
-    records, window_start, window_loss, window_iters = [], time.perf_counter(), None, 0
-    model.train()
+    dist.barrier()
+    timeline.start()
+    records, window_start, window_iters = [], time.perf_counter(), 0
+    window_loss = torch.zeros((), device=device)
+    window_bubble = 0.0
+    for c in chunks:
+        c.train()
     for iteration in range(args.train_iters):
+        record_spans = timeline.records(iteration)
+        spans = []
         micro_batches = _micro_batches(data, iteration, args, dp, dp_rank, device)
         num_tokens = sum(b["loss_mask"].sum() for b in micro_batches).float()
         if dp > 1:
             dist.all_reduce(num_tokens, group=dp_group)
-        loss_sum = forward_backward_no_pipelining(model, micro_batches, task.loss_fn, num_tokens)
+        stats = run_schedule(program, chunks, micro_batches, task.forward_step, num_tokens, tensor_shape,
+                             config.params_dtype, record_spans=record_spans)
+        spans += stats.spans
 
+        t = time.perf_counter()
         _allreduce_data_parallel_grads(params)
         allreduce_sequence_parallel_grads(params)
-        allreduce_embedding_grads([model])
+        allreduce_embedding_grads(chunks)
         grad_norm = global_grad_norm(params)
+        if record_spans:
+            spans.append(("grad reduce", "grad-reduce", t, time.perf_counter() - t))
+        t = time.perf_counter()
         clip_grads(params, args.clip_grad, grad_norm)
         lr = schedule.apply(optimizer, iteration)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if record_spans:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            spans.append(("optimizer", "optimizer", t, time.perf_counter() - t))
+            timeline.add(rank, iteration, spans)
 
-        step_loss = loss_sum / num_tokens
-        window_loss = step_loss if window_loss is None else window_loss + step_loss
+        window_loss += stats.loss_sum / num_tokens
+        window_bubble += 1.0 - stats.busy_s / max(stats.wall_s, 1e-12)
         window_iters += 1
         if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
+            stats_t = torch.stack([window_loss, torch.tensor(window_bubble, device=device)])
             if dp > 1:
-                dist.all_reduce(window_loss, group=dp_group)
+                dist.all_reduce(stats_t[:1], group=dp_group)
+            if pp > 1:  # the loss lives on the last stage; the bubble is averaged over stages
+                bubble = stats_t[1:].clone()
+                dist.all_reduce(bubble, group=pp_group)
+                dist.broadcast(stats_t, src=last_stage, group=pp_group)
+                stats_t[1] = bubble[0] / pp
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - window_start) / window_iters
@@ -125,7 +194,7 @@ def pretrain(args, task: Task) -> list[dict]:
                 "iteration": iteration + 1,
                 "train_iters": args.train_iters,
                 "consumed_samples": (iteration + 1) * args.global_batch_size,
-                "loss": (window_loss / window_iters).item(),
+                "loss": (stats_t[0] / window_iters).item(),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "loss_scale": 1.0,
@@ -134,13 +203,17 @@ def pretrain(args, task: Task) -> list[dict]:
                 "tokens_per_sec": args.global_batch_size * args.seq_length / elapsed,
                 "tflops_per_gpu": tflops,
                 "mfu": tflops / peak if peak else None,
+                "bubble_theory": bubble_theory,
+                "bubble_measured": (stats_t[1] / window_iters).item() if measure_bubble and pp > 1 else None,
             }
             records.append(record)
-            if is_logger:
+            if rank == 0:
                 say(format_log_line(record))
                 metrics.write(record)
-            window_start, window_loss, window_iters = time.perf_counter(), None, 0
+            window_start, window_iters, window_bubble = time.perf_counter(), 0, 0.0
+            window_loss = torch.zeros((), device=device)
     metrics.close()
+    timeline.write({r: _rank_label(r, args.tp, dp) for r in range(world_size)})
     if not records:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
-    return records
+    return TrainingRun(records, chunks, optimizer)

@@ -1,24 +1,300 @@
-"""Forward-backward schedules over the micro-batches of one training step."""
+"""Forward-backward schedules over the micro-batches of one training step.
+
+A schedule is a *program* per rank: the order of its forward (F) and backward (B) passes over
+(model chunk, micro-batch), with exchange points (X) between them. At an exchange point the rank
+sends what the passes since the last one produced for other stages and receives what the passes
+up to the next one need, in one batch. One executor runs every program:
+
+- no pipelining (pp=1): F B F B ... -- gradient accumulation;
+- 1F1B (Narayanan et al. 2021, PipeDream-Flush): stage r runs p-r-1 warm-up forwards, then
+  alternates one forward and one backward, then drains the backwards. At most p micro-batches
+  are in flight on the first stage, whatever the number of micro-batches m;
+- interleaved 1F1B: each rank holds v model chunks (virtual stages r, r+p, r+2p, ...); forwards
+  go through the chunks in groups of p micro-batches, shrinking the bubble from
+  (p-1)/(m+p-1) to (p-1)/(v*m+p-1); needs m to be a multiple of p;
+- GPipe (all forwards, then all backwards): for comparison; keeps all m micro-batches in flight.
+"""
 from __future__ import annotations
 
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
-LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
+from megalite.parallel import state
+from megalite.pipeline import p2p
+
+ForwardStep = Callable[[torch.nn.Module, dict], torch.Tensor]
 
 
-def forward_backward_no_pipelining(model: torch.nn.Module, micro_batches: Sequence[dict], loss_fn: LossFn,
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F", "B" or "X"
+    chunk: int = 0
+    micro_batch: int = 0
+
+
+def _x() -> Op:
+    return Op("X")
+
+
+def program_no_pipelining(m: int) -> list[Op]:
+    out = []
+    for i in range(m):
+        out += [Op("F", 0, i), Op("B", 0, i)]
+    return out
+
+
+def program_1f1b(p: int, r: int, m: int) -> list[Op]:
+    warmup = min(p - r - 1, m)
+    out = [_x()]
+    for i in range(warmup):
+        out += [Op("F", 0, i), _x()]
+    for i in range(m - warmup):
+        out += [Op("F", 0, warmup + i), _x(), Op("B", 0, i), _x()]
+    for i in range(m - warmup, m):
+        out += [Op("B", 0, i), _x()]
+    return out
+
+
+def program_gpipe(p: int, r: int, m: int) -> list[Op]:
+    out = [_x()]
+    for i in range(m):
+        out += [Op("F", 0, i), _x()]
+    for i in range(m):
+        out += [Op("B", 0, i), _x()]
+    return out
+
+
+def program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
+    if m % p:
+        raise ValueError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of "
+                         f"the pipeline size ({p})")
+    total = m * v
+
+    def forward(k):  # k-th forward on this rank: chunks advance every p micro-batches
+        group, within = divmod(k, p * v)
+        return Op("F", within // p, group * p + within % p)
+
+    def backward(k):
+        group, within = divmod(k, p * v)
+        return Op("B", v - 1 - within // p, group * p + within % p)
+
+    # Warm-up: enough forwards that the first backward's gradient can come back round the ring.
+    warmup = total if m == p else min(total, (p - r - 1) * 2 + (v - 1) * p)
+    out = [_x()]
+    for k in range(warmup):
+        out += [forward(k), _x()]
+    for k in range(total - warmup):
+        out += [forward(warmup + k), backward(k), _x()]
+    for k in range(total - warmup, total):
+        out += [backward(k), _x()]
+    return out
+
+
+def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b") -> list[Op]:
+    if p == 1:
+        return program_no_pipelining(m)
+    if v and v > 1:
+        return program_interleaved(p, r, m, v)
+    return {"1f1b": program_1f1b, "gpipe": program_gpipe}[kind](p, r, m)
+
+
+@dataclass
+class ScheduleStats:
+    loss_sum: torch.Tensor  # summed loss over this rank's micro-batches (last stage; 0 elsewhere)
+    peak_in_flight: int = 0  # micro-batches forwarded but not yet backwarded, at most
+    busy_s: float = 0.0  # time in forward and backward passes
+    wall_s: float = 0.0
+    spans: list = field(default_factory=list)  # (name, category, start_s, duration_s)
+
+
+class _Recorder:
+    def __init__(self, stats: ScheduleStats, record_spans: bool, sync_cuda: bool):
+        self.stats, self.record_spans, self.sync_cuda = stats, record_spans, sync_cuda
+
+    def span(self, name: str, category: str):
+        return _Span(self, name, category)
+
+
+class _Span:
+    def __init__(self, rec: _Recorder, name: str, category: str):
+        self.rec, self.name, self.category = rec, name, category
+
+    def __enter__(self):
+        if self.rec.sync_cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.rec.sync_cuda:
+            torch.cuda.synchronize()
+        dur = time.perf_counter() - self.start
+        if self.category in ("forward", "backward"):
+            self.rec.stats.busy_s += dur
+        if self.rec.record_spans:
+            self.rec.stats.spans.append((self.name, self.category, self.start, dur))
+
+
+def run_schedule(
+    program: Sequence[Op],
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict],
+    forward_step: ForwardStep,
+    num_tokens: torch.Tensor,
+    tensor_shape,
+    dtype: torch.dtype,
+    record_spans: bool = False,
+) -> ScheduleStats:
+    """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
+    virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
+    global batch's) before backward, so gradients accumulate to those of the global mean."""
+    device = num_tokens.device
+    p = state.get_pipeline_model_parallel_world_size()
+    r = state.get_pipeline_model_parallel_rank()
+    last_virtual = p * len(model_chunks) - 1
+    stats = ScheduleStats(loss_sum=torch.zeros((), dtype=torch.float32, device=device))
+    rec = _Recorder(stats, record_spans, sync_cuda=record_spans and device.type == "cuda")
+
+    def virtual_stage(chunk):
+        return chunk * p + r
+
+    def needs_input(op):  # what op must receive from another rank before it runs
+        if op.kind == "F" and virtual_stage(op.chunk) != 0:
+            return p2p.Recv(("F", op.chunk, op.micro_batch), p2p.prev_rank(), p2p.FORWARD_TAG)
+        if op.kind == "B" and virtual_stage(op.chunk) != last_virtual:
+            return p2p.Recv(("B", op.chunk, op.micro_batch), p2p.next_rank(), p2p.BACKWARD_TAG)
+        return None
+
+    # For each exchange point, the receives needed before the next one.
+    recvs_at: dict[int, list] = {}
+    last_x = None
+    for i, op in enumerate(program):
+        if op.kind == "X":
+            last_x = i
+            recvs_at[i] = []
+        else:
+            need = needs_input(op)
+            if need is not None:
+                if last_x is None:
+                    raise RuntimeError(f"schedule program receives before any exchange point: {op}")
+                recvs_at[last_x].append(need)
+
+    received: dict[tuple, torch.Tensor] = {}
+    stash: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) kept for the backward
+    sends: list[p2p.Send] = []
+    start = time.perf_counter()
+    for i, op in enumerate(program):
+        if op.kind == "X":
+            if sends or recvs_at[i]:
+                with rec.span("send/recv", "p2p"):
+                    received.update(p2p.exchange(sends, recvs_at[i], tensor_shape, dtype, device))
+            sends = []
+            continue
+        key = (op.chunk, op.micro_batch)
+        vs = virtual_stage(op.chunk)
+        state.set_virtual_pipeline_model_parallel_rank(op.chunk)
+        if op.kind == "F":
+            with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward"):
+                x = None
+                if vs != 0:
+                    x = received.pop(("F",) + key).requires_grad_()
+                model = model_chunks[op.chunk]
+                if hasattr(model, "set_input_tensor"):
+                    model.set_input_tensor(x)
+                out = forward_step(model, micro_batches[op.micro_batch])
+                if vs == last_virtual:
+                    stats.loss_sum += out.detach().float()
+                    out = out / num_tokens
+                else:
+                    sends.append(p2p.Send(out.detach(), p2p.next_rank(), p2p.FORWARD_TAG))
+                stash[key] = (x, out)
+                stats.peak_in_flight = max(stats.peak_in_flight, len(stash))
+        else:
+            with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward"):
+                x, out = stash.pop(key)
+                if vs == last_virtual:
+                    out.backward()
+                else:
+                    out.backward(received.pop(("B",) + key))
+                if vs != 0:
+                    sends.append(p2p.Send(x.grad, p2p.prev_rank(), p2p.BACKWARD_TAG))
+    if sends:  # a program always ends with an exchange point; this guards hand-written ones
+        p2p.exchange(sends, [], tensor_shape, dtype, device)
+    if stash or received:
+        raise RuntimeError(f"schedule left work behind: {sorted(stash)} {sorted(received)}")
+    state.set_virtual_pipeline_model_parallel_rank(0 if len(model_chunks) > 1 else None)
+    stats.wall_s = time.perf_counter() - start
+    return stats
+
+
+def forward_backward_no_pipelining(model: torch.nn.Module, micro_batches: Sequence[dict], forward_step: ForwardStep,
                                    num_tokens: torch.Tensor) -> torch.Tensor:
-    """Gradient accumulation: forward and backward each micro-batch in turn.
+    """Gradient accumulation on one stage; returns the summed loss (detached)."""
+    stats = run_schedule(program_no_pipelining(len(micro_batches)), [model], micro_batches, forward_step,
+                         num_tokens, None, None)
+    return stats.loss_sum
 
-    `loss_fn(model, batch)` returns the summed loss of the batch; each is divided by the token
-    count of the whole global batch, so the accumulated gradient is that of the global mean and
-    data-parallel reduction is a plain sum. Returns the summed (undivided) loss, detached.
-    """
-    total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
-    for batch in micro_batches:
-        loss_sum = loss_fn(model, batch)
-        (loss_sum / num_tokens).backward()
-        total += loss_sum.detach()
-    return total
+
+def theoretical_bubble(p: int, m: int, v: int | None = None) -> float:
+    """Idle fraction of a pipeline step: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved."""
+    return (p - 1) / ((v or 1) * m + p - 1)
+
+
+def simulate(p: int, m: int, v: int | None = None, kind: str = "1f1b", forward_time: int = 1,
+             backward_time: int = 2) -> tuple[list[list[str]], float]:
+    """Play every rank's program on an ideal machine (free communication, fixed pass times) and
+    return one row of cells per rank (micro-batch digit, lower case for backward, '.' idle) and
+    the idle fraction, for documentation and to check the programs against the bubble formula."""
+    v = v or 1
+    programs = [[op for op in build_program(p, r, m, v if v > 1 else None, kind) if op.kind != "X"]
+                for r in range(p)]
+    done: dict[tuple, int] = {}  # (kind, virtual stage, micro-batch) -> finish time
+    clock, pos = [0] * p, [0] * p
+    rows = [[] for _ in range(p)]
+    while any(pos[r] < len(programs[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if pos[r] == len(programs[r]):
+                continue
+            op = programs[r][pos[r]]
+            vs = op.chunk * p + r
+            if op.kind == "F":
+                dep = ("F", vs - 1, op.micro_batch) if vs > 0 else None
+            else:
+                dep = ("B", vs + 1, op.micro_batch) if vs < p * v - 1 else ("F", vs, op.micro_batch)
+            if dep is not None and dep not in done:
+                continue
+            start = max(clock[r], done[dep] if dep else 0)
+            dur = forward_time if op.kind == "F" else backward_time
+            mark = str(op.micro_batch % 10) if op.kind == "F" else "abcdefghij"[op.micro_batch % 10]
+            rows[r] += ["."] * (start - clock[r]) + [mark] * dur
+            clock[r] = start + dur
+            done[(op.kind, vs, op.micro_batch)] = clock[r]
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError("schedule programs deadlock")
+    end = max(clock)
+    for r in range(p):
+        rows[r] += ["."] * (end - clock[r])
+    idle = sum(row.count(".") for row in rows) / (p * end)
+    return rows, idle
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print a pipeline schedule as a timeline (digits: forward of "
+                                             "micro-batch N, letters: its backward, '.': idle).")
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--kind", choices=["1f1b", "gpipe"], default="1f1b")
+    a = ap.parse_args()
+    rows, idle = simulate(a.pp, a.micro_batches, a.vpp, a.kind)
+    for r, row in enumerate(rows):
+        print(f"stage {r}: {''.join(row)}")
+    print(f"bubble {100 * idle:.1f}% (formula {100 * theoretical_bubble(a.pp, a.micro_batches, a.vpp):.1f}%)")

@@ -1,0 +1,4 @@
+"""python -m megalite.pipeline --pp 4 --micro-batches 8 [--vpp 2]: print a schedule's timeline."""
+from megalite.pipeline.schedules import main
+
+main()

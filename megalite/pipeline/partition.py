@@ -1,0 +1,37 @@
+"""Which layers each pipeline stage (and virtual stage) holds."""
+from __future__ import annotations
+
+
+def stage_layer_counts(num_layers: int, pp: int, vpp: int | None = None,
+                       explicit: list[int] | None = None) -> list[int]:
+    """Layer count of each virtual stage, in virtual-stage order (chunk c of rank r is stage c*pp + r).
+
+    Without an explicit split the layers must divide evenly; an explicit split lists one count per
+    virtual stage (pp * vpp of them), each >= 1, summing to num_layers.
+    """
+    v = vpp or 1
+    stages = pp * v
+    if explicit is not None:
+        if len(explicit) != stages:
+            raise ValueError(f"--pipeline-layers lists {len(explicit)} stages but the layout has {stages} "
+                             f"(--pp {pp} x --vpp {v}): give one layer count per virtual stage")
+        if any(n < 1 for n in explicit) or sum(explicit) != num_layers:
+            raise ValueError(f"--pipeline-layers {','.join(map(str, explicit))} must be counts >= 1 summing to "
+                             f"the number of layers ({num_layers})")
+        return list(explicit)
+    if pp > num_layers:
+        raise ValueError(f"--pp {pp} is larger than the number of layers ({num_layers}): every stage needs a layer")
+    if num_layers % pp:
+        raise ValueError(f"the number of layers ({num_layers}) is not divisible by --pp ({pp}): choose another "
+                         f"--pp or give an explicit split with --pipeline-layers (e.g. one count per stage)")
+    per_stage = num_layers // pp
+    if per_stage % v:
+        raise ValueError(f"--vpp {v} does not divide the layers per pipeline stage ({per_stage} = {num_layers} "
+                         f"layers / --pp {pp}): choose a --vpp among the divisors of {per_stage}")
+    return [num_layers // stages] * stages
+
+
+def layers_of(counts: list[int], virtual_stage: int) -> range:
+    """Global layer numbers held by one virtual stage."""
+    start = sum(counts[:virtual_stage])
+    return range(start, start + counts[virtual_stage])

@@ -1,0 +1,140 @@
+"""Pipeline parallelism: every layout trains to the single-device losses; 1F1B bounds the
+activations in flight; tied embeddings stay tied; bad layouts are refused clearly."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import rel_err
+from megalite import parallel
+from megalite.pipeline.schedules import build_program, program_1f1b, program_interleaved, run_schedule
+from megalite.testing import run_ranks
+from training_ranks import parse, train_and_check_tied_embeddings, train_losses
+
+COMMON = ["--train-iters", "20", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(train_losses, 1, args=(COMMON + ["--micro-batch-size", "2"],))[0]
+
+
+# (tp, pp, dp, extra flags): micro-batches per step m = 16 / (mbs * dp), below and above pp.
+LAYOUTS = [
+    (1, 2, 1, ["--micro-batch-size", "2"]),  # m=8 > p
+    (1, 2, 1, ["--micro-batch-size", "16"]),  # m=1 < p
+    (1, 4, 1, ["--micro-batch-size", "2"]),  # m=8 > p
+    (1, 4, 1, ["--micro-batch-size", "8"]),  # m=2 < p
+    (2, 2, 1, ["--micro-batch-size", "4"]),
+    (1, 2, 2, ["--micro-batch-size", "2"]),
+    (2, 2, 2, ["--micro-batch-size", "2"]),
+    (1, 2, 1, ["--micro-batch-size", "2", "--vpp", "2"]),  # interleaved, m=8
+    (1, 2, 1, ["--micro-batch-size", "8", "--vpp", "2"]),  # interleaved, m=p
+    (1, 2, 1, ["--micro-batch-size", "2", "--pipeline-layers", "1,3"]),  # explicit uneven split
+]
+
+
+@pytest.mark.parametrize("tp,pp,dp,extra", LAYOUTS, ids=lambda v: str(v).replace(" ", ""))
+def test_layout_trains_to_single_device_losses(reference, tp, pp, dp, extra):
+    argv = COMMON + ["--tp", str(tp), "--pp", str(pp)] + extra
+    results = run_ranks(train_and_check_tied_embeddings, tp * pp * dp, args=(argv,))
+    for losses, tied in results:
+        assert len(losses) == 20
+        assert rel_err(torch.tensor(losses), torch.tensor(reference)) <= 1e-5, (losses, reference)
+        assert tied in (None, True), "the first and last stage's word embeddings drifted apart"
+
+
+class _Stage(nn.Module):
+    """A toy stage: one linear layer; the last one also sums its output as the 'loss'."""
+
+    def __init__(self, last):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.post_process, self.input_tensor = nn.Linear(4, 4), last, None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+
+def _toy_step(model, batch):
+    x = batch["x"] if model.input_tensor is None else model.input_tensor
+    y = torch.tanh(model.lin(x))
+    return y.sum() if model.post_process else y
+
+
+def in_flight(rank, world, m, kind):
+    parallel.initialize_model_parallel(1, world)
+    model = _Stage(last=rank == world - 1)
+    batches = [{"x": torch.full((2, 3, 4), float(i))} for i in range(m)]
+    stats = run_schedule(build_program(world, rank, m, kind=kind), [model], batches, _toy_step,
+                         torch.tensor(1.0), (2, 3, 4), torch.float32)
+    return stats.peak_in_flight, model.lin.weight.grad.clone()
+
+
+def test_1f1b_keeps_at_most_p_micro_batches_in_flight_while_gpipe_keeps_m():
+    p, m = 4, 8
+    one_f_one_b = run_ranks(in_flight, p, args=(m, "1f1b"))
+    gpipe = run_ranks(in_flight, p, args=(m, "gpipe"))
+    assert one_f_one_b[0][0] == p, "stage 0 under 1F1B holds p micro-batches at most"
+    assert [peak for peak, _ in one_f_one_b] == [p - r for r in range(p)]
+    assert gpipe[0][0] == m, "GPipe order holds all m"
+    for (_, g1), (_, g2) in zip(one_f_one_b, gpipe):
+        assert torch.allclose(g1, g2, rtol=1e-6), "the order must not change the gradients"
+
+
+def test_programs_run_every_forward_and_backward_once():
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 2)]:
+        for r in range(p):
+            ops = [(o.kind, o.chunk, o.micro_batch) for o in program_interleaved(p, r, m, v) if o.kind != "X"]
+            want = {(k, c, i) for k in "FB" for c in range(v) for i in range(m)}
+            assert sorted(ops) == sorted(want) and len(ops) == len(want)
+            done = set()
+            for kind, c, i in ops:  # a chunk's backward comes after its forward
+                assert kind == "F" or ("F", c, i) in done
+                done.add((kind, c, i))
+    assert [o.kind for o in program_1f1b(2, 0, 1) if o.kind != "X"] == ["F", "B"]
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--pp", "8"], 8, "--pp 8 is larger than the number of layers (4)"),
+    (["--pp", "2", "--vpp", "4"], 2, "--vpp 4 does not divide the layers per pipeline stage (2"),
+    (["--pp", "2", "--vpp", "2", "--micro-batch-size", "16"], 2,
+     "needs the micro-batches per step (1 = --global-batch-size 16"),
+    (["--pp", "3"], 3, "the number of layers (4) is not divisible by --pp (3)"),
+    (["--pp", "2", "--pipeline-layers", "1,2"], 2, "must be counts >= 1 summing to the number of layers (4)"),
+    (["--vpp", "2"], 1, "--vpp 2 needs pipeline parallelism"),
+])
+def test_bad_pipeline_layouts_are_refused_with_one_clear_message(argv, world, message):
+    from megalite.arguments import model_config, validate
+    from megalite.runtime import UsageError
+
+    args = parse(argv)
+    with pytest.raises(UsageError) as err:
+        validate(args, world, model_config(args))
+    assert message in str(err.value)
+
+
+def test_timeline_has_a_row_per_rank_with_every_kind_of_span(tmp_path):
+    path = tmp_path / "trace.json"
+    argv = ["--train-iters", "3", "--seq-length", "16", "--pp", "2", "--timeline", str(path), "--timeline-iters", "2"]
+    run_ranks(train_losses, 4, args=(argv,))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert {e["cat"] for e in spans} == {"forward", "backward", "p2p", "grad-reduce", "optimizer"}
+    m = 16 // (2 * 2)  # global batch 16, micro-batch 2, dp 2
+    for rank in range(4):
+        names = [e["name"] for e in spans if e["pid"] == rank and e["args"]["iteration"] == 0]
+        assert sorted(n for n in names if n.startswith("F")) == sorted(f"F c0 mb{i}" for i in range(m))
+    labels = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert labels[2] == "rank 2 (pp 1, dp 0, tp 0)"
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 1, None), (4, 2, None), (4, 8, None), (4, 16, None), (2, 4, 2), (4, 8, 2),
+                                   (4, 4, 2), (4, 8, 3), (3, 9, 3)])
+def test_programs_reach_the_theoretical_bubble(p, m, v):
+    from megalite.pipeline.schedules import simulate, theoretical_bubble
+
+    _, idle = simulate(p, m, v)
+    assert idle == pytest.approx(theoretical_bubble(p, m, v), abs=1e-9)
