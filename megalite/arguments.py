@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from megalite.models.config import PRESETS, TransformerConfig, preset
 from megalite.pipeline.partition import stage_layer_counts
 from megalite.runtime import UsageError
@@ -54,6 +56,23 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
 
+    g = p.add_argument_group("data parallelism and precision")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam states over data-parallel ranks (ZeRO-1)")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
+                   help="gradient elements per data-parallel reduction bucket")
+    g.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of the data-parallel gradient reduction (bf16 halves the traffic)")
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="bf16 model, fp32 master weights")
+    precision.add_argument("--fp16", action="store_true", help="fp16 model, fp32 master weights, loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16: a fixed loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the scale grows")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflowing steps before the scale shrinks")
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--use-apex-adam", action="store_true", help="NVIDIA apex FusedAdam, if you built apex")
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--metrics-file", help="JSON lines, one record per logged iteration")
@@ -85,6 +104,11 @@ def model_config(args) -> TransformerConfig:
     if args.seq_length > config.max_position_embeddings:
         config = config.replace(max_position_embeddings=args.seq_length)
     return config
+
+
+def model_dtype(args) -> torch.dtype:
+    """The dtype parameters and activations train in (the model is built, and masters kept, in fp32)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 def validate(args, world_size: int, config: TransformerConfig) -> int:
@@ -126,6 +150,16 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
             f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
             f"data-parallel size {dp})) to be a multiple of --pp ({pp}): raise --global-batch-size"
         )
+    if args.ddp_bucket_size < 1:
+        raise UsageError(f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}")
+    if args.loss_scale is not None and not args.fp16:
+        raise UsageError("--loss-scale applies to --fp16 only")
+    if args.use_apex_adam:
+        try:
+            import apex.optimizers  # noqa: F401
+        except ImportError:
+            raise UsageError("--use-apex-adam needs NVIDIA apex built from source (the PyPI package named "
+                             "'apex' is unrelated); drop the flag to use PyTorch's fused AdamW") from None
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by --tp ({tp})")
     return dp

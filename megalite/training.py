@@ -19,12 +19,12 @@ from megalite.metrics import (
 )
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
+    ConstantLossScaler,
+    DynamicLossScaler,
     LRSchedule,
-    allreduce_embedding_grads,
+    MegaliteOptimizer,
+    ParamAndGradBuffer,
     allreduce_sequence_parallel_grads,
-    build_adamw,
-    clip_grads,
-    global_grad_norm,
 )
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.pipeline.schedules import build_program, run_schedule, theoretical_bubble
@@ -44,22 +44,6 @@ class Task:
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     out = model(batch["tokens"], labels=batch["labels"])
     return (out * batch["loss_mask"]).sum() if model.post_process else out
-
-
-def _allreduce_data_parallel_grads(params) -> None:
-    """Sum gradients over data-parallel replicas (each rank's loss is already divided by the
-    global token count), one coalesced all-reduce per dtype."""
-    if parallel.get_data_parallel_world_size() == 1:
-        return
-    group = parallel.get_data_parallel_group()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def _micro_batches(data, iteration: int, args, dp: int, dp_rank: int, device) -> list[dict]:
@@ -103,7 +87,35 @@ def _rank_label(rank: int, tp: int, dp: int) -> str:
 class TrainingRun:
     records: list[dict]  # the logged records (on every rank)
     model_chunks: list[torch.nn.Module]
-    optimizer: torch.optim.Optimizer
+    optimizer: MegaliteOptimizer
+    buffers: list[ParamAndGradBuffer]
+
+
+def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOptimizer]:
+    """Lay each chunk's parameters out in gradient buckets and build the optimizer over them."""
+    dtype = arguments.model_dtype(args)
+    tied_across_stages = args.pp > 1
+    buffers = [
+        ParamAndGradBuffer(
+            [p for p in chunk.parameters() if p.requires_grad], param_dtype=dtype, grad_dtype=torch.float32,
+            bucket_numel=args.ddp_bucket_size, dp_group=parallel.get_data_parallel_group(),
+            dp_size=parallel.get_data_parallel_world_size(), reduce_scatter=args.use_distributed_optimizer,
+            comm_dtype=torch.bfloat16 if args.grad_reduce_dtype == "bf16" else None,
+            deferred=lambda p: tied_across_stages and getattr(p, "tied_embedding", False),
+            embedding_group=parallel.get_embedding_group() if tied_across_stages else None,
+        )
+        for chunk in chunks
+    ]
+    if args.fp16:
+        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
+            args.initial_loss_scale, args.loss_scale_window, args.hysteresis, args.min_loss_scale)
+    else:
+        scaler = ConstantLossScaler()
+    optimizer = MegaliteOptimizer(buffers, lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                  distributed=args.use_distributed_optimizer, loss_scaler=scaler,
+                                  use_apex=args.use_apex_adam)
+    return buffers, optimizer
 
 
 def pretrain(args, task: Task) -> TrainingRun:
@@ -112,7 +124,8 @@ def pretrain(args, task: Task) -> TrainingRun:
     config, dp, device = setup(args, world_size)
     chunks = build_model_chunks(task, config, args, device)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-    optimizer = build_adamw(chunks, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+    buffers, optimizer = build_optimizer(args, chunks)
+    dtype = arguments.model_dtype(args)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                           args.lr_decay_style)
     data = task.build_data(config, args)
@@ -142,7 +155,7 @@ def pretrain(args, task: Task) -> TrainingRun:
     timeline.start()
     records, window_start, window_iters = [], time.perf_counter(), 0
     window_loss = torch.zeros((), device=device)
-    window_bubble = 0.0
+    window_bubble, window_skipped = 0.0, 0
     for c in chunks:
         c.train()
     for iteration in range(args.train_iters):
@@ -152,22 +165,26 @@ def pretrain(args, task: Task) -> TrainingRun:
         num_tokens = sum(b["loss_mask"].sum() for b in micro_batches).float()
         if dp > 1:
             dist.all_reduce(num_tokens, group=dp_group)
+        loss_scale = optimizer.loss_scaler.scale
         stats = run_schedule(program, chunks, micro_batches, task.forward_step, num_tokens, tensor_shape,
-                             config.params_dtype, record_spans=record_spans)
+                             dtype, record_spans=record_spans, loss_scale=loss_scale,
+                             on_last_backward=lambda c: buffers[c].enable_sync())
         spans += stats.spans
 
         t = time.perf_counter()
-        _allreduce_data_parallel_grads(params)
+        for buf in buffers:
+            buf.finish_grad_sync()
         allreduce_sequence_parallel_grads(params)
-        allreduce_embedding_grads(chunks)
-        grad_norm = global_grad_norm(params)
         if record_spans:
-            spans.append(("grad reduce", "grad-reduce", t, time.perf_counter() - t))
+            spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
         t = time.perf_counter()
-        clip_grads(params, args.clip_grad, grad_norm)
-        lr = schedule.apply(optimizer, iteration)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = schedule(iteration)
+        grad_norm, skipped = optimizer.step(lr, args.clip_grad)
+        optimizer.zero_grad()
+        if skipped:
+            window_skipped += 1
+            say(f"megalite: iteration {iteration + 1}: inf/NaN gradients, step skipped "
+                f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
         if record_spans:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -197,12 +214,13 @@ def pretrain(args, task: Task) -> TrainingRun:
                 "loss": (stats_t[0] / window_iters).item(),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
-                "loss_scale": 1.0,
-                "skipped": 0,
+                "loss_scale": optimizer.loss_scaler.scale,
+                "skipped": window_skipped,
                 "ms_per_iter": elapsed * 1e3,
                 "tokens_per_sec": args.global_batch_size * args.seq_length / elapsed,
                 "tflops_per_gpu": tflops,
                 "mfu": tflops / peak if peak else None,
+                "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,
                 "bubble_theory": bubble_theory,
                 "bubble_measured": (stats_t[1] / window_iters).item() if measure_bubble and pp > 1 else None,
             }
@@ -210,10 +228,10 @@ def pretrain(args, task: Task) -> TrainingRun:
             if rank == 0:
                 say(format_log_line(record))
                 metrics.write(record)
-            window_start, window_iters, window_bubble = time.perf_counter(), 0, 0.0
+            window_start, window_iters, window_bubble, window_skipped = time.perf_counter(), 0, 0.0, 0
             window_loss = torch.zeros((), device=device)
     metrics.close()
     timeline.write({r: _rank_label(r, args.tp, dp) for r in range(world_size)})
     if not records:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
-    return TrainingRun(records, chunks, optimizer)
+    return TrainingRun(records, chunks, optimizer, buffers)

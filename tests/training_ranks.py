@@ -33,3 +33,34 @@ def train_and_check_tied_embeddings(rank, world, argv):
         torch.distributed.all_reduce(other, group=group)  # first + last
         same = torch.equal(other, 2 * w)
     return [r["loss"] for r in run.records], same
+
+
+def train_params(rank, world, argv):
+    """Parameters after training (fp32 copies), with the records and optimizer-state bytes."""
+    run = gpt_run(argv)
+    params = {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(run.model_chunks)
+              for n, p in c.named_parameters()}
+    adam_steps = [int(s["step"]) for s in run.optimizer.inner.state.values() if "step" in s]
+    return {"params": params, "records": run.records, "state_bytes": run.optimizer.state_bytes(),
+            "adam_steps": max(adam_steps) if adam_steps else 0}
+
+
+def train_with_inf_at(rank, world, argv, bad_iteration):
+    """Train, making every micro-batch loss of one iteration infinite (a forced overflow)."""
+    from megalite.training import Task
+
+    base = pretrain_gpt.task()
+    calls = {"n": 0}
+    args = parse(argv)
+    per_iteration = args.global_batch_size // args.micro_batch_size  # dp=1, pp=1 in this test
+
+    def forward_step(model, batch):
+        out = base.forward_step(model, batch)
+        calls["n"] += 1
+        if (calls["n"] - 1) // per_iteration == bad_iteration - 1:
+            out = out * float("inf")
+        return out
+
+    run = pretrain(args, Task(base.build_model, base.build_data, forward_step))
+    steps = [int(s["step"]) for s in run.optimizer.inner.state.values() if "step" in s]
+    return run.records, max(steps)

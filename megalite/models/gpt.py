@@ -65,7 +65,9 @@ class GPTModel(nn.Module):
                 init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT)),
                 num_real_embeddings=config.vocab_size, sequence_parallel=sp, params_dtype=dtype, device=device,
             )
-            # The copy on a last stage that is not also the first: same weight, counted once.
+            # Tied: its gradient is summed over the first and last stage (when they differ). The
+            # copy on a last stage that is not also the first is the same weight, counted once.
+            self.word_embeddings.weight.tied_embedding = True
             self.word_embeddings.weight.shared_embedding = not pre_process
         if pre_process:
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,

@@ -1,14 +1,12 @@
-"""Optimizer, learning-rate schedule and gradient reduction / clipping across the 3D layout."""
-from megalite.optim.grads import (
-    allreduce_embedding_grads,
-    allreduce_sequence_parallel_grads,
-    clip_grads,
-    global_grad_norm,
-)
+"""Gradient buffers with overlapped DP reduction, the (distributed) mixed-precision optimizer,
+loss scaling and learning-rate schedules."""
+from megalite.optim.buffers import ParamAndGradBuffer
+from megalite.optim.grads import allreduce_sequence_parallel_grads, counts_once
+from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optim.lr import LRSchedule
-from megalite.optim.optimizer import build_adamw, param_groups
+from megalite.optim.optimizer import MegaliteOptimizer, param_groups
 
 __all__ = [
-    "LRSchedule", "allreduce_embedding_grads", "allreduce_sequence_parallel_grads", "build_adamw",
-    "clip_grads", "global_grad_norm", "param_groups",
+    "ConstantLossScaler", "DynamicLossScaler", "LRSchedule", "MegaliteOptimizer", "ParamAndGradBuffer",
+    "allreduce_sequence_parallel_grads", "counts_once", "param_groups",
 ]

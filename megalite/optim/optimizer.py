@@ -1,26 +1,174 @@
-"""AdamW with the usual parameter groups: no weight decay on biases and norm weights."""
+"""AdamW over fp32 master weights, plain or distributed (ZeRO-1), with loss scaling and clipping.
+
+The model's parameters live in `ParamAndGradBuffer`s. The optimizer updates fp32 *master*
+tensors: with fp32 parameters and no sharding, the parameters themselves; otherwise fp32 copies of
+the pieces this rank owns -- all of each parameter (plain) or, with the distributed optimizer,
+only the parts that fall in this DP rank's shard of each bucket. Adam's states live beside the
+masters, so their bytes per rank fall as 1/dp. After the update the masters are written back into
+the parameter buffer (cast to the model dtype) and, sharded, all-gathered over DP.
+
+Every operation of the update is elementwise, so the distributed optimizer and the plain one
+produce the same bits from the same reduced gradients.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
+
+from megalite.optim.buffers import ParamAndGradBuffer
+from megalite.optim.grads import counts_once
+from megalite.parallel import state
 
 
 def param_groups(model_chunks, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices and embeddings; none on biases and norm weights (1-D)."""
     decay, no_decay = [], []
     for chunk in model_chunks:
-        for name, p in chunk.named_parameters():
-            if not p.requires_grad:
+        for p in chunk.parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim == 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class _Piece:
+    """A run of one parameter's elements updated here: buffer[lo:hi] <- master."""
+    param: torch.nn.Parameter
+    buffer: ParamAndGradBuffer
+    lo: int
+    hi: int
+    master: torch.Tensor
+
+
+class MegaliteOptimizer:
+    def __init__(self, buffers: list[ParamAndGradBuffer], *, lr: float, weight_decay: float = 0.01,
+                 betas=(0.9, 0.95), eps: float = 1e-8, distributed: bool = False, loss_scaler=None,
+                 use_apex: bool = False):
+        from megalite.optim.loss_scaler import ConstantLossScaler
+
+        self.buffers, self.distributed = buffers, distributed
+        self.loss_scaler = loss_scaler or ConstantLossScaler()
+        self.pieces: list[_Piece] = []
+        for buf in buffers:
+            if buf.fp32_init is None and buf.param_dtype != torch.float32:
+                raise ValueError("low-precision parameters need their fp32 initial values (fp32_init)")
+            for bucket in buf.buckets:
+                own_lo, own_hi = buf.owned_range(bucket) if distributed else (0, bucket.numel)
+                own_lo, own_hi = bucket.start + own_lo, bucket.start + own_hi
+                for p in bucket.params:
+                    p_lo, p_hi = buf.param_range(p)
+                    lo, hi = max(p_lo, own_lo), min(p_hi, own_hi)
+                    if lo < hi:
+                        self.pieces.append(_Piece(p, buf, lo, hi, self._master(p, buf, lo, hi, p_lo, p_hi)))
+        for buf in buffers:
+            buf.fp32_init = None  # the masters hold these values now
+        groups = {0.0: [], weight_decay: []}
+        for piece in self.pieces:
+            groups[weight_decay if piece.param.ndim > 1 else 0.0].append(piece.master)
+        param_groups_ = [{"params": ps, "weight_decay": wd} for wd, ps in groups.items() if ps]
+        if not param_groups_:
+            param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
+        self.inner = _adamw(param_groups_, lr, betas, eps, use_apex)
+
+    def _master(self, p, buf, lo, hi, p_lo, p_hi) -> torch.Tensor:
+        whole = lo == p_lo and hi == p_hi
+        if p.dtype == torch.float32:
+            if whole and not self.distributed:
+                return p  # fp32 and unsharded: the parameter is its own master
+            master = buf.param_data[lo:hi]  # fp32 shard: update the parameter buffer in place
+        else:
+            master = buf.fp32_init[lo:hi].clone()
+        return master.view(p.shape) if whole else master
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def zero_grad(self) -> None:
+        for buf in self.buffers:
+            buf.zero_grad()
+
+    def _attach_grads(self) -> None:
+        for piece in self.pieces:
+            if piece.master is piece.param:
+                # The same object the buffer's hook recognises as accumulating in place.
+                piece.param.grad = piece.param.main_grad
                 continue
-            # 1-D parameters are biases and norm weights; embeddings and matrices decay.
-            (no_decay if p.ndim == 1 else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+            g = piece.buffer.grad_data[piece.lo:piece.hi]
+            g = g if g.dtype == torch.float32 else g.float()
+            piece.master.grad = g.view(piece.master.shape)
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradient: each element counted once over TP, PP, DP."""
+        grads = [piece.master.grad for piece in self.pieces if counts_once(piece.param)]
+        device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            sq += torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if self.distributed and state.get_data_parallel_world_size() > 1:
+                dist.all_reduce(sq, group=state.get_data_parallel_group())
+            dist.all_reduce(sq, group=state.get_model_parallel_group())
+        return sq.sqrt()[0]
+
+    def step(self, lr: float, clip_grad: float) -> tuple[torch.Tensor, bool]:
+        """Unscale, measure the norm, skip on inf/NaN, clip, update, publish the new weights.
+        Returns (grad norm, whether the step was skipped)."""
+        self._attach_grads()
+        scale = self.loss_scaler.scale
+        if scale != 1.0:
+            torch._foreach_mul_([p.master.grad for p in self.pieces], 1.0 / scale)
+        norm = self.grad_norm()
+        skipped = not torch.isfinite(norm).item()
+        self.loss_scaler.update(skipped)
+        if skipped:
+            return norm, True
+        if clip_grad > 0:
+            coeff = (clip_grad / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([p.master.grad for p in self.pieces], coeff)
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        self._publish()
+        return norm, False
+
+    def _in_place(self, piece: _Piece) -> bool:
+        return piece.master.data_ptr() == piece.buffer.param_data[piece.lo:piece.hi].data_ptr()
+
+    def _publish(self) -> None:
+        for piece in self.pieces:
+            if not self._in_place(piece):
+                piece.buffer.param_data[piece.lo:piece.hi].copy_(piece.master.detach().reshape(-1))
+        if self.distributed:
+            for buf in self.buffers:
+                buf.all_gather_params()
+
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: fp32 masters that are copies, plus Adam states."""
+        total = sum(p.master.numel() * 4 for p in self.pieces if not self._in_place(p))
+        for st in self.inner.state.values():
+            total += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+        return total
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd["inner"])
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
 
 
-def build_adamw(model_chunks, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.95),
-                eps: float = 1e-8) -> torch.optim.Optimizer:
-    params = [p for c in model_chunks for p in c.parameters()]
-    fused = bool(params) and all(p.is_cuda for p in params)
-    return torch.optim.AdamW(param_groups(model_chunks, weight_decay), lr=lr, betas=betas, eps=eps,
-                             fused=fused or None, foreach=None if fused else True)
+def _adamw(groups, lr, betas, eps, use_apex):
+    if use_apex:
+        try:
+            from apex.optimizers import FusedAdam  # NVIDIA apex, only if the user built it
+        except ImportError as e:
+            raise RuntimeError("--use-apex-adam needs NVIDIA apex built from source (it is not the PyPI "
+                               "package named apex); drop the flag to use PyTorch's fused AdamW") from e
+        return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
+    on_gpu = all(p.is_cuda for g in groups for p in g["params"])
+    if on_gpu:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)

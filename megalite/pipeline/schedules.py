@@ -147,10 +147,14 @@ def run_schedule(
     tensor_shape,
     dtype: torch.dtype,
     record_spans: bool = False,
+    loss_scale: float = 1.0,
+    on_last_backward: Callable[[int], None] | None = None,
 ) -> ScheduleStats:
     """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
     virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
-    global batch's) before backward, so gradients accumulate to those of the global mean."""
+    global batch's) and multiplied by `loss_scale` before backward, so gradients accumulate to
+    those of the (scaled) global mean. `on_last_backward(chunk)` is called just before a chunk's
+    last backward of the step (data-parallel reduction may overlap it)."""
     device = num_tokens.device
     p = state.get_pipeline_model_parallel_world_size()
     r = state.get_pipeline_model_parallel_rank()
@@ -208,12 +212,16 @@ def run_schedule(
                 if vs == last_virtual:
                     stats.loss_sum += out.detach().float()
                     out = out / num_tokens
+                    if loss_scale != 1.0:
+                        out = out * loss_scale
                 else:
                     sends.append(p2p.Send(out.detach(), p2p.next_rank(), p2p.FORWARD_TAG))
                 stash[key] = (x, out)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(stash))
         else:
             with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward"):
+                if on_last_backward is not None and op.micro_batch == len(micro_batches) - 1:
+                    on_last_backward(op.chunk)
                 x, out = stash.pop(key)
                 if vs == last_virtual:
                     out.backward()

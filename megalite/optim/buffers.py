@@ -1,0 +1,184 @@
+"""Contiguous parameter and gradient buffers with bucketed, overlapped data-parallel reduction.
+
+Each model chunk's parameters are laid out, in reverse definition order (roughly the order backward
+produces their gradients), in one flat parameter buffer (model dtype) and one flat gradient buffer
+(fp32 by default). Parameters become views of the first; `param.main_grad` is a view of the second.
+The gradient buffer is cut into buckets of about `bucket_numel` elements, each padded to a multiple
+of the data-parallel size so that it splits evenly into DP shards (the distributed optimizer owns
+shard i of every bucket on DP rank i).
+
+During the backward of the last micro-batch of a step (`enable_sync()`), a hook on every parameter
+marks its gradient ready; the moment a bucket's last gradient is ready, its all-reduce (or
+reduce-scatter, for the distributed optimizer) starts asynchronously, overlapping the rest of
+backward. `finish_grad_sync()` launches what is left and waits. Earlier micro-batches only
+accumulate, so gradients are reduced once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.12 renamed the single-tensor collectives; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list
+    start: int
+    end: int
+    deferred: bool = False  # reduced only in finish_grad_sync (tied embeddings: summed over stages first)
+    ready: set = field(default_factory=set)
+    work: object = None
+    comm: torch.Tensor | None = None  # low-precision copy being reduced, if any
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class ParamAndGradBuffer:
+    def __init__(self, params: list[torch.nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 bucket_numel: int, dp_group, dp_size: int, reduce_scatter: bool,
+                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, embedding_group=None):
+        if not params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+        self.dp_group, self.dp_size, self.reduce_scatter = dp_group, dp_size, reduce_scatter
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
+        self.comm_dtype = comm_dtype if comm_dtype not in (None, grad_dtype) else None
+        self.embedding_group = embedding_group
+        self.launch_log: list[tuple[int, int]] = []  # (bucket index, gradients ready so far) per launch
+        self._hooks_seen = 0
+        self.sync_enabled = False
+
+        # Plan the layout: reverse order, buckets closed at bucket_numel, deferred params alone.
+        plan: list[tuple[list, bool]] = []
+        current: list = []
+        size = 0
+        for p in reversed(params):
+            if deferred(p):
+                plan.append(([p], True))
+                continue
+            current.append(p)
+            size += p.numel()
+            if size >= bucket_numel:
+                plan.append((current, False))
+                current, size = [], 0
+        if current:
+            plan.append((current, False))
+
+        self.buckets: list[Bucket] = []
+        self.offset: dict[int, int] = {}  # id(param) -> start in the buffers
+        self.bucket_of: dict[int, Bucket] = {}
+        offset = 0
+        for i, (ps, is_deferred) in enumerate(plan):
+            start = offset
+            for p in ps:
+                self.offset[id(p)] = offset
+                offset += p.numel()
+            offset += (-(offset - start)) % dp_size  # pad the bucket to a multiple of the DP size
+            bucket = Bucket(i, ps, start, offset, deferred=is_deferred)
+            self.buckets.append(bucket)
+            for p in ps:
+                self.bucket_of[id(p)] = bucket
+        self.numel = offset
+        device = params[0].device
+        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        # fp32 values as initialized, for the optimizer's master weights when the model is cast down.
+        self.fp32_init = None
+        if param_dtype != torch.float32:
+            self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.params = [p for ps, _ in plan for p in ps]
+        for p in self.params:
+            lo, n = self.offset[id(p)], p.numel()
+            if self.fp32_init is not None:
+                self.fp32_init[lo:lo + n].copy_(p.detach().reshape(-1))
+            self.param_data[lo:lo + n].copy_(p.detach().reshape(-1))
+            p.data = self.param_data[lo:lo + n].view(p.shape)
+            p.main_grad = self.grad_data[lo:lo + n].view(p.shape)
+            if p.dtype == grad_dtype:
+                p.grad = p.main_grad  # autograd accumulates in place: no copy
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- backward side -------------------------------------------------------------------------
+    def enable_sync(self) -> None:
+        """The next backward is the step's last for this chunk: reduce buckets as they fill."""
+        self.sync_enabled = True
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if p.grad is not p.main_grad:  # low-precision parameter: accumulate into fp32
+            p.main_grad.add_(p.grad)
+            p.grad = None
+        self._hooks_seen += 1
+        if not self.sync_enabled:
+            return
+        bucket = self.bucket_of[id(p)]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params) and not bucket.deferred and bucket.work is None:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.launch_log.append((bucket.index, self._hooks_seen))
+        if self.dp_size == 1:
+            bucket.work = True
+            return
+        data = self.grad_data[bucket.start:bucket.end]
+        if self.comm_dtype is not None:
+            bucket.comm = data.to(self.comm_dtype)
+            data = bucket.comm
+        if self.reduce_scatter and not bucket.deferred:
+            shard = bucket.numel // self.dp_size
+            out = data[self.dp_rank * shard:(self.dp_rank + 1) * shard]
+            bucket.work = _reduce_scatter_single(out, data, group=self.dp_group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce whatever is not yet in flight, wait for everything, reset for the next step."""
+        for bucket in self.buckets:
+            if bucket.deferred and self.embedding_group is not None:
+                dist.all_reduce(self.grad_data[bucket.start:bucket.end], group=self.embedding_group)
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not True:
+                bucket.work.wait()
+            if bucket.comm is not None:
+                lo, hi = self.owned_range(bucket) if self.reduce_scatter and not bucket.deferred else (0, bucket.numel)
+                self.grad_data[bucket.start + lo:bucket.start + hi].copy_(bucket.comm[lo:hi])
+            bucket.work, bucket.comm = None, None
+            bucket.ready.clear()
+        self.sync_enabled = False
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+        self.launch_log.clear()
+        self._hooks_seen = 0
+
+    # -- optimizer side ------------------------------------------------------------------------
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        """This DP rank's shard of a bucket, relative to the bucket's start."""
+        shard = bucket.numel // self.dp_size
+        return self.dp_rank * shard, (self.dp_rank + 1) * shard
+
+    def param_range(self, p) -> tuple[int, int]:
+        lo = self.offset[id(p)]
+        return lo, lo + p.numel()
+
+    def all_gather_params(self) -> None:
+        """After each DP rank updated its shard of every bucket, give every rank the whole."""
+        if self.dp_size == 1:
+            return
+        works = []
+        for bucket in self.buckets:
+            lo, hi = self.owned_range(bucket)
+            full = self.param_data[bucket.start:bucket.end]
+            works.append(_all_gather_single(full, full[lo:hi], group=self.dp_group, async_op=True))
+        for w in works:
+            w.wait()
