@@ -37,6 +37,8 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probabilities")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation")
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "torch"], default="auto",
+                   help="sdpa: PyTorch's fused attention (auto); torch: explicit softmax matrices")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
@@ -95,6 +97,7 @@ def model_config(args) -> TransformerConfig:
     try:
         config = preset(args.model, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                        attention_backend="sdpa" if args.attention_backend == "auto" else args.attention_backend,
                         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                         **overrides)
     except ValueError as e:

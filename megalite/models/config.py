@@ -24,6 +24,7 @@ class TransformerConfig:
     recompute: str = "none"  # none | selective | full
     recompute_num_layers: int | None = None  # full: how many layers per stage (default all)
     recompute_method: str = "uniform"  # full: uniform | block
+    attention_backend: str = "sdpa"  # sdpa (fused, flash where available) | torch (explicit softmax)
     params_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
@@ -42,6 +43,8 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.attention_backend not in ("sdpa", "torch"):
+            raise ValueError(f"attention_backend must be sdpa or torch, got {self.attention_backend!r}")
         if self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
 

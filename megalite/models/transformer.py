@@ -72,6 +72,20 @@ class LayerNorm(nn.LayerNorm):
             p.sequence_parallel = sequence_parallel
 
 
+def _explicit_attention(q, k, v, allowed, dropout_p):
+    """Attention with the score and probability matrices materialized (the layout the activation
+    formula and selective recomputation are about); `allowed` True = attend, None = causal."""
+    s = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if allowed is None:
+        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # kept in the activation dtype, as the formula assumes
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p, True)
+    return torch.matmul(probs, v)
+
+
 class ParallelAttention(nn.Module):
     def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
         super().__init__()
@@ -90,8 +104,11 @@ class ParallelAttention(nn.Module):
         )
 
     def _core(self, q, k, v, attention_mask):
+        """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q, k, v [b, heads, s, d]."""
         p = self.config.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork():  # heads differ per TP rank, so must their dropout
+            if self.config.attention_backend == "torch":
+                return _explicit_attention(q, k, v, attention_mask, p)
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
