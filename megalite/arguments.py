@@ -42,6 +42,13 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
+                   help="indexed dataset prefix, or weight-prefix pairs to blend (default: the embedded corpus)")
+    g.add_argument("--tokenizer", help="SentencePiece .model file or Hugging Face tokenizer directory")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of the documents")
+    g.add_argument("--mock-data", action="store_true", help="a deterministic synthetic token stream")
+
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=100)
     g.add_argument("--micro-batch-size", type=int, default=2)
@@ -77,6 +84,10 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100, help="validate every N iterations (0: never)")
+    g.add_argument("--eval-iters", type=int, default=4, help="global batches per validation")
+    g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here (needs megalite[tb])")
+    g.add_argument("--no-progress-bar", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--metrics-file", help="JSON lines, one record per logged iteration")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="per-GPU peak for MFU (default: the datasheet bf16 peak of known GPUs)")
@@ -153,6 +164,15 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
             f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
             f"data-parallel size {dp})) to be a multiple of --pp ({pp}): raise --global-batch-size"
         )
+    if args.eval_interval < 0 or args.eval_iters < 0:
+        raise UsageError("--eval-interval and --eval-iters must be >= 0")
+    if args.data_path and args.mock_data:
+        raise UsageError("--mock-data and --data-path exclude each other")
+    if args.tensorboard_dir:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard-dir needs tensorboard: pip install 'megalite[tb]'") from None
     if args.ddp_bucket_size < 1:
         raise UsageError(f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}")
     if args.loss_scale is not None and not args.fp16:

@@ -119,3 +119,75 @@ class Timeline:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
         os.replace(tmp, self.path)
+
+
+_TENSORBOARD_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
+                     "bubble_measured", "skipped")
+
+
+class TrainingLogger:
+    """Where the logging rank's records go: a log line, the metrics file, TensorBoard, and a
+    progress bar when attached to a terminal."""
+
+    def __init__(self, active: bool, metrics_file: str | None, tensorboard_dir: str | None, total_iters: int,
+                 progress_bar: bool):
+        import sys
+
+        self.active = active
+        self.metrics = MetricsWriter(metrics_file if active else None)
+        self.tb = None
+        if active and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tensorboard_dir)
+        self.bar = None
+        if active and progress_bar and sys.stdout.isatty() and not os.environ.get("MEGALITE_QUIET"):
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_iters, unit="it", dynamic_ncols=True, leave=False)
+            except ImportError:
+                pass
+
+    def say(self, line: str) -> None:
+        if not self.active or os.environ.get("MEGALITE_QUIET"):
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def step(self, loss: float | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def train(self, record: dict) -> None:
+        if not self.active:
+            return
+        self.say(format_log_line(record))
+        self.metrics.write(record)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}")
+        if self.tb is not None:
+            for key in _TENSORBOARD_KEYS:
+                if record.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", record[key], record["iteration"])
+            self.tb.flush()
+
+    def evaluation(self, iteration: int, loss: float) -> None:
+        if not self.active:
+            return
+        ppl = math.exp(min(loss, 80.0))
+        self.say(f"validation at iteration {iteration} | loss {loss:.6f} | perplexity {ppl:.3f}")
+        self.metrics.write({"iteration": iteration, "split": "valid", "valid_loss": loss, "valid_ppl": ppl})
+        if self.tb is not None:
+            self.tb.add_scalar("valid/loss", loss, iteration)
+            self.tb.add_scalar("valid/ppl", ppl, iteration)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.metrics.close()

@@ -10,13 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import arguments, parallel
-from megalite.metrics import (
-    MetricsWriter,
-    Timeline,
-    default_peak_tflops,
-    format_log_line,
-    gpt_flops_per_iteration,
-)
+from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
     ConstantLossScaler,
@@ -36,9 +30,12 @@ class Task:
     """What an entry point plugs into the loop."""
     # build_model(config, args, device, pre_process, post_process, layer_numbers) -> one model chunk
     build_model: Callable[..., torch.nn.Module]
-    build_data: Callable[[TransformerConfig, object], object]  # has .batch(sample_indices) -> dict
+    # build_data(config, args) -> (train, valid or None), each with .batch(sample_indices) -> dict
+    build_data: Callable[[TransformerConfig, object], tuple]
     # forward_step(chunk, batch): summed loss on the last stage, hidden states elsewhere
     forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
+    # prepare(args): before anything else, resolve data and tokenizer (may set args.vocab_size)
+    prepare: Callable[[object], None] | None = None
 
 
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -77,6 +74,30 @@ def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module
         chunks.append(task.build_model(config, args, device, pre_process=vs == 0,
                                        post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
     return chunks
+
+
+def evaluate(args, chunks, data, forward_step, program, tensor_shape, dtype, dp, device) -> float:
+    """Mean loss over `--eval-iters` global batches of `data` (the same ones each time), forward
+    only through the pipeline; the same value on every rank."""
+    for c in chunks:
+        c.eval()
+    loss, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
+    with torch.no_grad():
+        for j in range(args.eval_iters):
+            batches = _micro_batches(data, j, args, dp, parallel.get_data_parallel_rank(), device)
+            n = sum(b["loss_mask"].sum() for b in batches).float()
+            stats = run_schedule(program, chunks, batches, forward_step, n, tensor_shape, dtype)
+            loss += stats.loss_sum
+            tokens += n
+    both = torch.stack([loss, tokens])
+    if dp > 1:
+        dist.all_reduce(both, group=parallel.get_data_parallel_group())
+    if args.pp > 1:
+        dist.broadcast(both, src=parallel.get_pipeline_model_parallel_ranks()[-1],
+                       group=parallel.get_pipeline_model_parallel_group())
+    for c in chunks:
+        c.train()
+    return (both[0] / both[1]).item()
 
 
 def _rank_label(rank: int, tp: int, dp: int) -> str:
@@ -121,6 +142,8 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
 def pretrain(args, task: Task) -> TrainingRun:
     """Train as `args` say."""
     _, world_size, _ = env_world()
+    if task.prepare is not None:
+        task.prepare(args)
     config, dp, device = setup(args, world_size)
     chunks = build_model_chunks(task, config, args, device)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
@@ -128,7 +151,7 @@ def pretrain(args, task: Task) -> TrainingRun:
     dtype = arguments.model_dtype(args)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                           args.lr_decay_style)
-    data = task.build_data(config, args)
+    data, valid_data = task.build_data(config, args)
 
     rank = dist.get_rank()
     dp_rank, dp_group = parallel.get_data_parallel_rank(), parallel.get_data_parallel_group()
@@ -142,7 +165,9 @@ def pretrain(args, task: Task) -> TrainingRun:
     # Host timings of GPU work are meaningless without synchronizing; only the timeline does that.
     measure_bubble = device.type == "cpu" or bool(args.timeline)
 
-    metrics = MetricsWriter(args.metrics_file if rank == 0 else None)
+    logger = TrainingLogger(rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
+                            not args.no_progress_bar)
+    eval_program = build_program(pp, pp_rank, m, args.vpp, kind="forward-only")
     timeline = Timeline(args.timeline, args.timeline_iters)
     flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, config.num_layers,
                                     config.hidden_size, config.vocab_size)
@@ -181,9 +206,10 @@ def pretrain(args, task: Task) -> TrainingRun:
         lr = schedule(iteration)
         grad_norm, skipped = optimizer.step(lr, args.clip_grad)
         optimizer.zero_grad()
+        logger.step()
         if skipped:
             window_skipped += 1
-            say(f"megalite: iteration {iteration + 1}: inf/NaN gradients, step skipped "
+            logger.say(f"megalite: iteration {iteration + 1}: inf/NaN gradients, step skipped "
                 f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
         if record_spans:
             if device.type == "cuda":
@@ -225,12 +251,14 @@ def pretrain(args, task: Task) -> TrainingRun:
                 "bubble_measured": (stats_t[1] / window_iters).item() if measure_bubble and pp > 1 else None,
             }
             records.append(record)
-            if rank == 0:
-                say(format_log_line(record))
-                metrics.write(record)
+            logger.train(record)
             window_start, window_iters, window_bubble, window_skipped = time.perf_counter(), 0, 0.0, 0
             window_loss = torch.zeros((), device=device)
-    metrics.close()
+        if valid_data is not None and args.eval_interval and args.eval_iters and (
+                (iteration + 1) % args.eval_interval == 0 or iteration + 1 == args.train_iters):
+            logger.evaluation(iteration + 1, evaluate(args, chunks, valid_data, task.forward_step, eval_program,
+                                                      tensor_shape, dtype, dp, device))
+    logger.close()
     timeline.write({r: _rank_label(r, args.tp, dp) for r in range(world_size)})
     if not records:
         raise UsageError("no iteration was run: --train-iters must be >= 1")

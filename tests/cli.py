@@ -18,9 +18,11 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dic
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
+def records(path: Path, split: str = "train") -> list[dict]:
+    """Training records (or validation ones, split='valid') of a metrics file."""
+    out = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in out if r.get("split", "train") == split]
+
+
 def losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["loss"] for r in records(path)]

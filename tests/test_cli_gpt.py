@@ -7,7 +7,7 @@ from helpers import rel_err
 
 import torch
 
-COMMON = ["--train-iters", "20", "--log-interval", "1", "--seq-length", "32"]
+COMMON = ["--mock-data", "--train-iters", "20", "--log-interval", "1", "--seq-length", "32"]
 KEYS = {"iteration", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_sec", "tflops_per_gpu", "mfu"}
 
 
@@ -52,3 +52,35 @@ def test_bad_layouts_exit_with_one_clear_message(args, message):
     # No traceback from megalite or the entry point (torchrun's own launcher summary aside).
     assert "megalite/" not in run.stderr.split("ChildFailedError")[0].replace(ours[0], "")
     assert 'pretrain_gpt.py", line' not in run.stderr
+
+
+def test_default_run_trains_on_the_embedded_corpus(tmp_path):
+    """No data flags: the standard library's sources, tokenized once into the cache."""
+    path = tmp_path / "m.jsonl"
+    run = torchrun("pretrain_gpt.py", 4, "--tp", "2", "--pp", "2", "--train-iters", "40", "--metrics-file", str(path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = records(path)
+    assert [r["iteration"] for r in recs] == [10, 20, 30, 40]
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, recs
+    valid = records(path, split="valid")
+    assert valid and valid[-1]["iteration"] == 40 and valid[-1]["valid_ppl"] > 1
+
+
+def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megalite.testing import run_ranks
+    from training_ranks import train_losses
+
+    argv = ["--train-iters", "6", "--log-interval", "2", "--seq-length", "16", "--eval-interval", "3",
+            "--tensorboard-dir", str(tmp_path / "tb")]
+    losses_logged = run_ranks(train_losses, 2, args=(argv,))[0]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "valid/loss", "valid/ppl"):
+        assert tag in tags, tags
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == [2, 4, 6]
+    assert [e.value for e in events] == pytest.approx(losses_logged, rel=1e-6)
+    assert [e.step for e in acc.Scalars("valid/loss")] == [3, 6]

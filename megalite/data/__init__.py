@@ -1,4 +1,38 @@
-"""Datasets and tokenizers."""
-from megalite.data.synthetic import SyntheticTokens
+"""Datasets and tokenizers: indexed .bin/.idx files, GPT and BERT samples, the embedded corpus."""
+from __future__ import annotations
 
-__all__ = ["SyntheticTokens"]
+from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, build_gpt_datasets
+from megalite.data.indexed import DatasetError, IndexedDataset, IndexedDatasetWriter
+from megalite.data.synthetic import SyntheticTokens
+from megalite.data.tokenizers import Tokenizer, build_tokenizer, train_sentencepiece
+
+
+def resolve_data(args, kind: str) -> None:
+    """Fill in --data-path and --tokenizer (the embedded corpus when none is given) and set
+    args.vocab_size from the tokenizer. Problems become one-line usage errors."""
+    from megalite.data.corpus import embedded_corpus
+    from megalite.runtime import UsageError, say
+
+    if args.mock_data:
+        return
+    try:
+        if not args.data_path:
+            if args.tokenizer:
+                raise UsageError("--tokenizer needs --data-path (data preprocessed with that tokenizer)")
+            corpus = embedded_corpus(log=say)
+            args.data_path = [corpus.gpt_prefix if kind == "gpt" else corpus.bert_prefix]
+            args.tokenizer = corpus.tokenizer
+        elif not args.tokenizer:
+            raise UsageError("--data-path needs --tokenizer: the tokenizer the data was preprocessed with")
+        tokenizer = build_tokenizer(args.tokenizer)
+    except (FileNotFoundError, ImportError, DatasetError, OSError) as e:
+        raise UsageError(str(e)) from None
+    if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
+        raise UsageError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+    args.vocab_size = args.vocab_size or tokenizer.vocab_size
+    args.tokenizer_object = tokenizer
+
+
+__all__ = ["BlendedDataset", "DatasetError", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter",
+           "SyntheticTokens", "Tokenizer", "build_gpt_datasets", "build_tokenizer", "resolve_data",
+           "train_sentencepiece"]

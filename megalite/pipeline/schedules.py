@@ -94,7 +94,19 @@ def program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
     return out
 
 
+def program_forward_only(p: int, r: int, m: int, v: int | None = None) -> list[Op]:
+    """Evaluation: every forward in the training order, no backward."""
+    v = v or 1
+    order = [op for op in build_program(p, r, m, v if v > 1 else None) if op.kind == "F"]
+    out = [_x()]
+    for op in order:
+        out += [op, _x()]
+    return out
+
+
 def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b") -> list[Op]:
+    if kind == "forward-only":
+        return program_forward_only(p, r, m, v)
     if p == 1:
         return program_no_pipelining(m)
     if v and v > 1:
@@ -204,7 +216,9 @@ def run_schedule(
             with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward"):
                 x = None
                 if vs != 0:
-                    x = received.pop(("F",) + key).requires_grad_()
+                    x = received.pop(("F",) + key)
+                    if torch.is_grad_enabled():
+                        x.requires_grad_()
                 model = model_chunks[op.chunk]
                 if hasattr(model, "set_input_tensor"):
                     model.set_input_tensor(x)
@@ -216,7 +230,8 @@ def run_schedule(
                         out = out * loss_scale
                 else:
                     sends.append(p2p.Send(out.detach(), p2p.next_rank(), p2p.FORWARD_TAG))
-                stash[key] = (x, out)
+                if torch.is_grad_enabled():  # forward-only (evaluation) keeps nothing for backward
+                    stash[key] = (x, out)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(stash))
         else:
             with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward"):

@@ -1,0 +1,200 @@
+"""GPT samples from indexed datasets: documents concatenated and cut into seq_length + 1 tokens.
+
+For a split (a contiguous range of documents) and a seed, three index arrays are built once and
+cached next to the data (`<prefix>.cache/`), so every run, rank and data-parallel size sees the
+same samples in the same order:
+- order:  the split's sequences in a seeded random order, repeated over as many epochs as needed;
+- starts: for each sample, where it starts in that order (position, token offset); sample i
+          covers tokens [i * s, (i + 1) * s + 1) of the concatenation (one token overlaps, so
+          labels are the inputs shifted by one);
+- shuffle: a seeded permutation of the samples.
+Sample k of training is `shuffle[k]`, so resuming from N consumed samples continues exactly.
+Blending several datasets (`--data-path 0.7 A 0.3 B`) assigns each global sample to a dataset so
+that every prefix of the stream keeps the weights as closely as possible.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megalite.data.indexed import DatasetError, IndexedDataset
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Many ranks may start together: one builds an index, the others wait, then load it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_arrays(cache_dir: Path, key: dict, build) -> dict[str, np.ndarray]:
+    """Load the arrays cached under `key`, or build, write atomically and load them."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    base = cache_dir / f"{key['kind']}-{digest}"
+    done = base.with_suffix(".npz")
+    with _file_lock(cache_dir / f".{digest}.lock"):
+        if not done.exists():
+            arrays = build()
+            tmp = base.with_suffix(".tmp.npz")
+            np.savez(tmp, **arrays)
+            os.replace(tmp, done)
+    with np.load(done) as z:
+        return {k: z[k] for k in z.files}
+
+
+def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
+    """'949,50,1' -> train/valid/test document ranges, in proportion."""
+    try:
+        weights = [float(x) for x in split.split(",")]
+    except ValueError:
+        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 949,50,1") from None
+    weights += [0.0] * (3 - len(weights))
+    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} must be up to three non-negative numbers with a positive sum")
+    bounds = np.round(np.cumsum([0.0] + weights) / sum(weights) * num_documents).astype(int)
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+
+
+class GPTDataset:
+    def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], num_samples: int, seq_length: int,
+                 seed: int, name: str = "train"):
+        self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
+        doc_lo, doc_hi = documents
+        seq_lo, seq_hi = int(indexed.document_indices[doc_lo]), int(indexed.document_indices[doc_hi])
+        lengths = indexed.sequence_lengths[seq_lo:seq_hi].astype(np.int64)
+        tokens_per_epoch = int(lengths.sum())
+        if tokens_per_epoch <= seq_length:
+            raise DatasetError(f"the {name} split of {indexed.prefix} has {tokens_per_epoch} tokens, too few for "
+                               f"one sample of {seq_length + 1}: use more data or change --split")
+        idx_path = Path(indexed.prefix + ".idx")
+        key = {"kind": f"gpt-{name}", "prefix": os.path.realpath(indexed.prefix), "size": idx_path.stat().st_size,
+               "mtime": idx_path.stat().st_mtime_ns, "sequences": [seq_lo, seq_hi], "num_samples": num_samples,
+               "seq_length": seq_length, "seed": seed}
+
+        def build():
+            epochs = math.ceil((num_samples * seq_length + 1) / tokens_per_epoch)
+            rng = np.random.RandomState(seed % 2**32)
+            order = np.concatenate([rng.permutation(seq_hi - seq_lo) for _ in range(epochs)]) + seq_lo
+            ends = np.cumsum(indexed.sequence_lengths[order].astype(np.int64))
+            first_token = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+            pos = np.searchsorted(ends, first_token, side="right")
+            offset = first_token - np.concatenate([[0], ends])[pos]
+            shuffle = np.random.RandomState((seed + 1) % 2**32).permutation(num_samples)
+            return {"order": order.astype(np.int64), "pos": pos.astype(np.int64), "offset": offset.astype(np.int64),
+                    "shuffle": shuffle.astype(np.int64)}
+
+        arrays = cached_arrays(Path(indexed.prefix + ".cache"), key, build)
+        self.order, self.pos, self.offset, self.shuffle = (arrays[k] for k in ("order", "pos", "offset", "shuffle"))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, k: int) -> np.ndarray:
+        """seq_length + 1 token ids of the k-th sample in training order."""
+        i = int(self.shuffle[k % self.num_samples])
+        pos, offset = int(self.pos[i]), int(self.offset[i])
+        need, parts = self.seq_length + 1, []
+        while need > 0:
+            seq = int(self.order[pos])
+            piece = self.indexed.get(seq, offset, min(need, int(self.indexed.sequence_lengths[seq]) - offset))
+            parts.append(piece)
+            need -= len(piece)
+            pos, offset = pos + 1, 0
+        return np.concatenate(parts).astype(np.int64)
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        tokens = torch.from_numpy(np.stack([self.sample(k) for k in indices]))
+        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": torch.ones(len(tokens), self.seq_length)}
+
+
+class BlendedDataset:
+    """Sample k comes from dataset `choice[k]`, as its `within[k]`-th sample; the choice keeps every
+    prefix of the stream as close to the weights as possible (greedy on the largest deficit)."""
+
+    def __init__(self, datasets, weights, num_samples: int, cache_dir: Path, seed: int):
+        w = np.asarray(weights, dtype=np.float64)
+        self.datasets, self.weights, self.num_samples = datasets, w / w.sum(), num_samples
+        key = {"kind": "blend", "weights": self.weights.tolist(), "num_samples": num_samples, "seed": seed,
+               "datasets": [os.path.realpath(d.indexed.prefix) for d in datasets]}
+
+        def build():
+            counts = np.zeros(len(datasets), dtype=np.int64)
+            choice = np.empty(num_samples, dtype=np.int64)
+            within = np.empty(num_samples, dtype=np.int64)
+            for k in range(num_samples):
+                j = int(np.argmax(self.weights * (k + 1) - counts))
+                choice[k], within[k] = j, counts[j]
+                counts[j] += 1
+            return {"choice": choice, "within": within}
+
+        arrays = cached_arrays(cache_dir, key, build)
+        self.choice, self.within = arrays["choice"], arrays["within"]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, k: int) -> np.ndarray:
+        k %= self.num_samples
+        return self.datasets[int(self.choice[k])].sample(int(self.within[k]))
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        tokens = torch.from_numpy(np.stack([self.sample(k) for k in indices]))
+        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                "loss_mask": torch.ones(len(tokens), tokens.shape[1] - 1)}
+
+
+def parse_data_path(spec: list[str]) -> list[tuple[float, str]]:
+    """['A'] or ['0.7', 'A', '0.3', 'B'] -> [(weight, prefix), ...]."""
+    if len(spec) == 1:
+        return [(1.0, spec[0])]
+    if len(spec) % 2:
+        raise ValueError("--data-path takes one prefix, or weight-prefix pairs: --data-path 0.7 A 0.3 B")
+    pairs = []
+    for w, p in zip(spec[::2], spec[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"--data-path: {w!r} is not a weight (pairs are: weight prefix)") from None
+        if weight <= 0:
+            raise ValueError(f"--data-path: weights must be positive, got {weight}")
+        pairs.append((weight, p))
+    return pairs
+
+
+def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, num_samples: tuple[int, int, int],
+                       seed: int):
+    """(train, valid, test) datasets; a split with no documents or no samples asked gives None."""
+    pairs = parse_data_path(data_path)
+    indexed = [(w, IndexedDataset(p)) for w, p in pairs]
+    out = []
+    for which, name in enumerate(("train", "valid", "test")):
+        n = num_samples[which]
+        parts = []
+        for w, ds in indexed:
+            lo, hi = split_ranges(ds.num_documents, split)[which]
+            if hi > lo and n > 0:
+                share = w / sum(x for x, _ in indexed)
+                parts.append((w, GPTDataset(ds, (lo, hi), int(math.ceil(n * share * 1.005)) + 1, seq_length,
+                                            seed, name)))
+        if not parts:
+            out.append(None)
+        elif len(parts) == 1:
+            out.append(parts[0][1])
+        else:
+            out.append(BlendedDataset([d for _, d in parts], [w for w, _ in parts], n,
+                                      Path(parts[0][1].indexed.prefix + ".cache"), seed))
+    return tuple(out)

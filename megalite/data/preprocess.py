@@ -1,0 +1,130 @@
+"""Tokenize text into an indexed dataset (.bin/.idx, Megatron-LM's layout).
+
+    python -m megalite.data.preprocess --input corpus.jsonl --tokenizer tok.model --output-prefix data/corpus \\
+        --append-eod --workers 8
+
+Input: JSON lines (`.jsonl`/`.json`, one document per line, text under --json-key) or plain text
+(one document per file, or per line with --plain-text-docs line). With --split-sentences each
+document is stored as its lines (non-empty), one sequence each, as BERT's sentence pairs need.
+Documents are tokenized in parallel workers, written in input order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from multiprocessing import get_context
+from pathlib import Path
+
+from megalite.data.indexed import IndexedDatasetWriter, token_dtype
+from megalite.data.tokenizers import build_tokenizer
+
+_TOKENIZER = None
+
+
+def read_documents(paths, json_key: str = "text", plain_text_docs: str = "file"):
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {path} does not exist")
+        if path.suffix in (".jsonl", ".json"):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield json.loads(line)[json_key]
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        raise ValueError(f"{path}:{lineno}: not a JSON object with a {json_key!r} field ({e})") from None
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if plain_text_docs == "line":
+                yield from (line for line in text.splitlines() if line.strip())
+            else:
+                yield text
+
+
+def _init_worker(tokenizer_spec):
+    global _TOKENIZER
+    _TOKENIZER = build_tokenizer(tokenizer_spec)
+
+
+def _encode(job):
+    text, split_sentences, append_eod = job
+    tok = _TOKENIZER
+    parts = [line for line in text.splitlines() if line.strip()] if split_sentences else [text]
+    seqs = [tok.tokenize(p + ("\n" if split_sentences else "")) for p in parts]
+    seqs = [s for s in seqs if s]
+    if append_eod and seqs:
+        seqs[-1] = seqs[-1] + [tok.eod]
+    return seqs, len(text.encode("utf-8", errors="replace"))
+
+
+def preprocess(inputs, tokenizer_spec: str, output_prefix: str, workers: int = 1, json_key: str = "text",
+               plain_text_docs: str = "file", split_sentences: bool = False, append_eod: bool = False,
+               progress: bool | None = None) -> dict:
+    """Write output_prefix.bin/.idx; return counts {documents, sequences, tokens, bytes}."""
+    tokenizer = build_tokenizer(tokenizer_spec)
+    if append_eod:
+        tokenizer.require("eod")
+    writer = IndexedDatasetWriter(output_prefix, token_dtype(tokenizer.vocab_size))
+    jobs = ((text, split_sentences, append_eod) for text in read_documents(inputs, json_key, plain_text_docs))
+    stats = {"documents": 0, "sequences": 0, "tokens": 0, "bytes": 0}
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(unit="doc", desc="preprocess", file=sys.stderr)
+        except ImportError:
+            bar = None
+    pool = get_context("spawn").Pool(workers, _init_worker, (tokenizer_spec,)) if workers > 1 else None
+    try:
+        if pool is None:
+            _init_worker(tokenizer_spec)
+            results = map(_encode, jobs)
+        else:
+            results = pool.imap(_encode, jobs, chunksize=16)
+        for seqs, nbytes in results:
+            if not seqs:
+                continue
+            writer.add_document(seqs)
+            stats["documents"] += 1
+            stats["sequences"] += len(seqs)
+            stats["tokens"] += sum(len(s) for s in seqs)
+            stats["bytes"] += nbytes
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        if bar is not None:
+            bar.close()
+    writer.finalize()
+    return stats
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m megalite.data.preprocess", description=__doc__.split("\n")[0])
+    ap.add_argument("--input", nargs="+", required=True, help="JSON-lines or plain-text files")
+    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file or Hugging Face tokenizer dir")
+    ap.add_argument("--output-prefix", required=True)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--json-key", default="text")
+    ap.add_argument("--plain-text-docs", choices=["file", "line"], default="file")
+    ap.add_argument("--split-sentences", action="store_true", help="one sequence per line (BERT)")
+    ap.add_argument("--append-eod", action="store_true", help="end each document with the EOD token (GPT)")
+    a = ap.parse_args(argv)
+    try:
+        stats = preprocess(a.input, a.tokenizer, a.output_prefix, a.workers, a.json_key, a.plain_text_docs,
+                           a.split_sentences, a.append_eod)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"megalite: error: {e}")
+    print(f"wrote {a.output_prefix}.bin/.idx: {stats['documents']} documents, {stats['sequences']} sequences, "
+          f"{stats['tokens']} tokens from {stats['bytes']} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Tokenizers: SentencePiece (load a .model, or train one) and Hugging Face tokenizers saved in a
+local directory, behind one small interface with the special tokens GPT and BERT need.
+
+    python -m megalite.data.tokenizers train --input a.txt b.txt --vocab-size 8000 --output-prefix tok
+    -> tok.model, usable as --tokenizer tok.model
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+BERT_SPECIALS = ("[CLS]", "[SEP]", "[MASK]")
+
+
+class Tokenizer:
+    """ids = tok.tokenize(text); tok.vocab_size; special ids: eod (end of document, GPT), cls, sep,
+    mask, pad (BERT). A special id is None when the tokenizer has no such token."""
+
+    vocab_size: int
+    eod: int | None = None
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+    pad: int | None = None
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids) -> str:
+        raise NotImplementedError
+
+    def require(self, *names: str) -> None:
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s), which this model needs")
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, model_path: str | os.PathLike):
+        import sentencepiece as spm
+
+        if not Path(model_path).is_file():
+            raise FileNotFoundError(f"SentencePiece model {model_path} does not exist")
+        self.path = str(model_path)
+        self.sp = spm.SentencePieceProcessor(model_file=self.path)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eod = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
+        for name, piece in zip(("cls", "sep", "mask"), BERT_SPECIALS):
+            pid = self.sp.piece_to_id(piece)
+            setattr(self, name, pid if pid != self.sp.unk_id() else None)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def detokenize(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """Any tokenizer saved with `save_pretrained` in a local directory (nothing is downloaded)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise ImportError("Hugging Face tokenizers need `pip install megalite[hf]` (transformers)") from e
+        if not Path(directory).is_dir():
+            raise FileNotFoundError(f"Hugging Face tokenizer directory {directory} does not exist")
+        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        self.vocab_size = len(self.tok)
+        self.eod = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
+        self.cls, self.sep = self.tok.cls_token_id, self.tok.sep_token_id
+        self.mask, self.pad = self.tok.mask_token_id, self.tok.pad_token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
+    """A `.model` file is SentencePiece; a directory is a Hugging Face tokenizer."""
+    path = Path(spec)
+    if path.is_dir():
+        return HuggingFaceTokenizer(path)
+    if path.suffix == ".model" or path.is_file():
+        return SentencePieceTokenizer(path)
+    raise FileNotFoundError(f"tokenizer {spec} not found: give a SentencePiece .model file or a directory "
+                            f"holding a Hugging Face tokenizer")
+
+
+def train_sentencepiece(inputs, output_prefix: str, vocab_size: int, model_type: str = "bpe",
+                        max_sentences: int = 2_000_000) -> SentencePieceTokenizer:
+    """Train a SentencePiece model on text files (one sentence per line), with end-of-document,
+    padding and the BERT special tokens built in. Writes output_prefix.model / .vocab."""
+    import sentencepiece as spm
+
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        input=[str(p) for p in inputs], model_prefix=str(output_prefix), vocab_size=vocab_size,
+        model_type=model_type, character_coverage=1.0, byte_fallback=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=3, user_defined_symbols=list(BERT_SPECIALS),
+        input_sentence_size=max_sentences, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
+        minloglevel=2, split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+    )
+    return SentencePieceTokenizer(f"{output_prefix}.model")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m megalite.data.tokenizers")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train a SentencePiece model on text files")
+    t.add_argument("--input", nargs="+", required=True)
+    t.add_argument("--vocab-size", type=int, default=32000)
+    t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    t.add_argument("--output-prefix", required=True)
+    a = ap.parse_args(argv)
+    tok = train_sentencepiece(a.input, a.output_prefix, a.vocab_size, a.model_type)
+    print(f"wrote {a.output_prefix}.model ({tok.vocab_size} pieces)")
+
+
+if __name__ == "__main__":
+    main()
