@@ -54,6 +54,17 @@ def _micro_batches(data, iteration: int, args, dp: int, dp_rank: int, device) ->
     return out
 
 
+def _global_normalizer(micro_batches, args, dp_group) -> torch.Tensor:
+    """Loss-mask count of the whole global batch (summed over DP). Each micro-batch also carries
+    it, with the global batch size, for losses with more than one term (BERT: MLM + SOP)."""
+    num_tokens = sum(b["loss_mask"].sum() for b in micro_batches).float()
+    if dp_group is not None and parallel.get_data_parallel_world_size() > 1:
+        dist.all_reduce(num_tokens, group=dp_group)
+    for b in micro_batches:
+        b["num_tokens"], b["global_batch_size"] = num_tokens, args.global_batch_size
+    return num_tokens
+
+
 def setup(args, world_size: int):
     """Validate the layout, start the process groups, seed the RNG streams."""
     config = arguments.model_config(args)
@@ -85,7 +96,7 @@ def evaluate(args, chunks, data, forward_step, program, tensor_shape, dtype, dp,
     with torch.no_grad():
         for j in range(args.eval_iters):
             batches = _micro_batches(data, j, args, dp, parallel.get_data_parallel_rank(), device)
-            n = sum(b["loss_mask"].sum() for b in batches).float()
+            n = _global_normalizer(batches, args, parallel.get_data_parallel_group())
             stats = run_schedule(program, chunks, batches, forward_step, n, tensor_shape, dtype)
             loss += stats.loss_sum
             tokens += n
@@ -187,9 +198,7 @@ def pretrain(args, task: Task) -> TrainingRun:
         record_spans = timeline.records(iteration)
         spans = []
         micro_batches = _micro_batches(data, iteration, args, dp, dp_rank, device)
-        num_tokens = sum(b["loss_mask"].sum() for b in micro_batches).float()
-        if dp > 1:
-            dist.all_reduce(num_tokens, group=dp_group)
+        num_tokens = _global_normalizer(micro_batches, args, dp_group)
         loss_scale = optimizer.loss_scaler.scale
         stats = run_schedule(program, chunks, micro_batches, task.forward_step, num_tokens, tensor_shape,
                              dtype, record_spans=record_spans, loss_scale=loss_scale,

@@ -30,3 +30,31 @@ class SyntheticTokens:
             "labels": tokens[:, 1:].contiguous(),
             "loss_mask": torch.ones(len(indices), self.seq_length),
         }
+
+
+class SyntheticBERT:
+    """Deterministic BERT-shaped batches (sample i depends on (seed, i) only): the learnable
+    stream above with 15% of positions masked, a sentence-order label from the first token's parity."""
+
+    def __init__(self, vocab_size: int, seq_length: int, seed: int = 0):
+        if vocab_size < 8:
+            raise ValueError("SyntheticBERT needs a vocabulary of at least 8")
+        self.stream = SyntheticTokens(vocab_size - 4, seq_length, seed)
+        self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
+        self.mask_id = vocab_size - 1  # the top ids play the special tokens
+
+    def _one(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.stream.sample(index)[:-1]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index + 7)
+        chosen = torch.rand(self.seq_length, generator=gen) < 0.15
+        chosen[0] = True
+        masked = tokens.masked_fill(chosen, self.mask_id)
+        half = self.seq_length // 2
+        return {"tokens": masked, "token_types": (torch.arange(self.seq_length) >= half).long(),
+                "padding_mask": torch.ones(self.seq_length, dtype=torch.bool),
+                "labels": tokens.masked_fill(~chosen, 0), "loss_mask": chosen.float(),
+                "sop_labels": tokens[0] % 2}
+
+    def batch(self, indices) -> dict[str, torch.Tensor]:
+        samples = [self._one(i) for i in indices]
+        return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

@@ -1,7 +1,11 @@
 """Transformer models built from the tensor-parallel layers, one pipeline stage at a time."""
+from megalite.models.bert import BERTModel
 from megalite.models.config import PRESETS, TransformerConfig, preset
 from megalite.models.gpt import GPTModel
 from megalite.models.memory import activation_bytes_per_layer
 from megalite.models.transformer import TransformerLayer
 
-__all__ = ["activation_bytes_per_layer", "GPTModel", "PRESETS", "TransformerConfig", "TransformerLayer", "preset"]
+__all__ = [
+    "activation_bytes_per_layer", "BERTModel", "GPTModel", "PRESETS", "TransformerConfig", "TransformerLayer",
+    "preset",
+]

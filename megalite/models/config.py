@@ -25,6 +25,10 @@ class TransformerConfig:
     recompute_num_layers: int | None = None  # full: how many layers per stage (default all)
     recompute_method: str = "uniform"  # full: uniform | block
     attention_backend: str = "sdpa"  # sdpa (fused, flash where available) | torch (explicit softmax)
+    # Architecture switches; the defaults are GPT-2's, BERT as published is post / gelu / not causal.
+    layernorm_position: str = "pre"  # pre: x + f(LN(x)) | post: LN(x + f(x))
+    activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf)
+    causal: bool = True  # attention: to earlier positions only, or bidirectional
     params_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
@@ -47,6 +51,12 @@ class TransformerConfig:
             raise ValueError(f"attention_backend must be sdpa or torch, got {self.attention_backend!r}")
         if self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
+        if self.layernorm_position not in ("pre", "post"):
+            raise ValueError(f"layernorm_position must be pre or post, got {self.layernorm_position!r}")
+        if self.activation not in ("gelu_tanh", "gelu"):
+            raise ValueError(f"activation must be gelu_tanh or gelu, got {self.activation!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +80,12 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
 
+# BERT as published (Devlin et al. 2019; Hugging Face's bert-*-uncased). Attention direction is
+# left to the model class: BERTModel is always bidirectional, GPTModel causal.
+_BERT = dict(layernorm_position="post", activation="gelu", layernorm_epsilon=1e-12)
+
 # Named shapes. Vocabulary sizes are those of the tokenizers they are used with; the GPT-2
-# family follows the GPT-2 / Megatron-LM papers.
+# family follows the GPT-2 / Megatron-LM papers, BERT's the 30522-token WordPiece vocabulary.
 PRESETS: dict[str, dict] = {
     "gpt-tiny": dict(num_layers=4, hidden_size=128, num_attention_heads=4, max_position_embeddings=128,
                      vocab_size=1024),
@@ -79,9 +93,12 @@ PRESETS: dict[str, dict] = {
     "gpt2-350m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, max_position_embeddings=1024),
     "gpt-1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, max_position_embeddings=2048),
     "gpt-175b": dict(num_layers=96, hidden_size=12288, num_attention_heads=96, max_position_embeddings=2048),
-    "bert-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=2, max_position_embeddings=512),
-    "bert-base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, max_position_embeddings=512),
-    "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, max_position_embeddings=512),
+    "bert-tiny": dict(num_layers=2, hidden_size=128, num_attention_heads=2, max_position_embeddings=128,
+                      vocab_size=30522, **_BERT),
+    "bert-base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, max_position_embeddings=512,
+                      vocab_size=30522, **_BERT),
+    "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, max_position_embeddings=512,
+                       vocab_size=30522, **_BERT),
 }
 
 

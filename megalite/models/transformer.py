@@ -1,6 +1,8 @@
 """GPT/BERT transformer layer built from the tensor-parallel layers.
 
 Activations are [sequence, batch, hidden] (sequence-sharded over TP with sequence parallelism).
+`attention_mask`, where given, is bool and broadcastable to [b, heads, s, s], True = attend (SDPA's
+convention), and is the whole mask; without one, attention is causal or full as `config.causal` says.
 Heads are split across TP ranks: QKV is column-parallel with rows ordered [head, (q, k, v),
 head_dim], so a contiguous block of rows is whole heads; the output projection is row-parallel.
 """
@@ -72,14 +74,15 @@ class LayerNorm(nn.LayerNorm):
             p.sequence_parallel = sequence_parallel
 
 
-def _explicit_attention(q, k, v, allowed, dropout_p):
+def _explicit_attention(q, k, v, allowed, dropout_p, causal):
     """Attention with the score and probability matrices materialized (the layout the activation
-    formula and selective recomputation are about); `allowed` True = attend, None = causal."""
+    formula and selective recomputation are about); `allowed` True = attend, None = causal or all."""
     s = q.shape[-2]
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    if allowed is None:
+    if allowed is None and causal:
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # kept in the activation dtype, as the formula assumes
     if dropout_p:
         probs = F.dropout(probs, dropout_p, True)
@@ -108,9 +111,9 @@ class ParallelAttention(nn.Module):
         p = self.config.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork():  # heads differ per TP rank, so must their dropout
             if self.config.attention_backend == "torch":
-                return _explicit_attention(q, k, v, attention_mask, p)
+                return _explicit_attention(q, k, v, attention_mask, p, self.config.causal)
             if attention_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.config.causal)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,14 +140,18 @@ class ParallelMLP(nn.Module):
             config.ffn_hidden_size, config.hidden_size, init_method=output_init_method,
             sequence_parallel=sp, params_dtype=dtype, device=device,
         )
+        self.approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm layer: x + attn(ln(x)), then x + mlp(ln(x)).
+    """Pre-LayerNorm (GPT-2): x + attn(ln(x)), then x + mlp(ln(x)); or post-LayerNorm (original
+    BERT, `layernorm_position="post"`): ln(x + attn(x)), then ln(x + mlp(x)).
 
+    The norms are named by where they sit: `input_layernorm` (pre only), `post_attention_layernorm`
+    (both: on the stream after the attention residual), `post_mlp_layernorm` (post only).
     `layer_number` (0-based, global over the whole model) and `seed` fix the initialization.
     """
 
@@ -158,18 +165,23 @@ class TransformerLayer(nn.Module):
         ln = lambda: LayerNorm(  # noqa: E731
             config.hidden_size, config.layernorm_epsilon, config.sequence_parallel, config.params_dtype, device
         )
-        self.input_layernorm = ln()
+        self.post_norm = config.layernorm_position == "post"
+        if not self.post_norm:
+            self.input_layernorm = ln()
         self.attention = ParallelAttention(config, init, out_init, device)
         self.post_attention_layernorm = ln()
         self.mlp = ParallelMLP(config, init, out_init, device)
+        if self.post_norm:
+            self.post_mlp_layernorm = ln()
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        x = x + hidden_dropout(self.attention(self.input_layernorm(x), attention_mask), c.hidden_dropout,
-                               self.training, c.sequence_parallel)
-        x = x + hidden_dropout(self.mlp(self.post_attention_layernorm(x)), c.hidden_dropout,
-                               self.training, c.sequence_parallel)
-        return x
+        drop = lambda y: hidden_dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)  # noqa: E731
+        if self.post_norm:
+            x = self.post_attention_layernorm(x + drop(self.attention(x, attention_mask)))
+            return self.post_mlp_layernorm(x + drop(self.mlp(x)))
+        x = x + drop(self.attention(self.input_layernorm(x), attention_mask))
+        return x + drop(self.mlp(self.post_attention_layernorm(x)))
 
 
 def _run_chunk(layers):

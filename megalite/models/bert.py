@@ -1,0 +1,212 @@
+"""BERT model for one pipeline stage: word, position and token-type embeddings, bidirectional
+layers, a masked-LM head tied to the word embedding and a binary (next-sentence / sentence-order)
+head on the first token.
+
+With `layernorm_position="post"` and `activation="gelu"` (the `bert-*` presets) it is the BERT of
+Devlin et al. 2019, computing what Hugging Face's `BertForPreTraining` computes; its weights map
+one to one (ours <- theirs, under `bert.` / `cls.`):
+    word_embeddings[:vocab], position_embeddings, tokentype_embeddings, embedding_layernorm
+        <- embeddings.{word,position,token_type}_embeddings, embeddings.LayerNorm
+    layers.i.attention.qkv   <- encoder.layer.i.attention.self.{query,key,value} stacked as rows
+                                [head, (q, k, v), head_dim]
+    layers.i.attention.proj, .post_attention_layernorm <- attention.output.dense, attention.output.LayerNorm
+    layers.i.mlp.fc1, .mlp.fc2, .post_mlp_layernorm    <- intermediate.dense, output.dense, output.LayerNorm
+    lm_dense, lm_layernorm, lm_bias[:vocab]            <- predictions.transform.{dense,LayerNorm}, predictions.bias
+    pooler, binary_head                                <- pooler.dense, seq_relationship
+With "pre" it is the pre-LayerNorm variant (no embedding norm, a final norm before the heads),
+which trains stably when deep.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.models.config import TransformerConfig
+from megalite.models.transformer import LayerNorm, TransformerLayer, hidden_dropout, init_generator, run_layers
+from megalite.parallel import state
+from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.layers import VocabParallelEmbedding, normal_init, pad_vocab_size
+from megalite.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+(WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT, TOKENTYPE_EMBEDDING_COMPONENT,
+ LM_HEAD_COMPONENT, POOLER_COMPONENT, BINARY_HEAD_COMPONENT) = range(6)
+
+
+class BERTModel(nn.Module):
+    """The part of a BERT that one pipeline stage holds.
+
+    pre_process: this stage embeds tokens (the first stage); post_process: it holds the heads
+    (the last stage): the masked-LM head, whose output weight is the word embedding (the last
+    stage keeps its own copy, initialized identically, its gradient summed with the first
+    stage's over the embedding group each step), and with `add_binary_head` the pooler and the
+    two-way classifier. `layer_numbers` are the global indices (0-based) of the layers held
+    here; every component is initialized from `seed` and its own identity alone, so every TP
+    size and pipeline split holds the same full weights. Attention is always bidirectional:
+    the layers run with `config.causal` set to False whatever the given config says.
+
+    forward(input_ids [b, s], token_type_ids=None, padding_mask=None, lm_labels=None,
+    sop_labels=None). padding_mask: bool [b, s], True = a real token; padding is never attended
+    to (a sample needs at least one real token). On the last stage, with lm_labels, returns
+    (mlm_loss [b, s] fp32 per token, sop_loss [b] fp32 or None); weight mlm_loss with the
+    masked positions, as labels elsewhere (e.g. -1) give finite meaningless values. Without
+    labels returns (mlm_logits [b, s, padded_vocab / tp] with padding columns -inf, sop_logits
+    [b, 2] or None). sop_loss / sop_logits are None without a binary head (and sop_loss without
+    sop_labels). A stage without pre_process reads its input from `set_input_tensor`; one without
+    post_process returns hidden states [s, b, h] (sequence-sharded under sequence parallelism).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: Sequence[int] | None = None,
+        seed: int | None = None,
+        device=None,
+        num_tokentypes: int = 2,
+        add_binary_head: bool = True,
+    ):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        config.check_tensor_parallel(tp)
+        if num_tokentypes < 0:
+            raise ValueError(f"num_tokentypes must be >= 0, got {num_tokentypes}")
+        config = config.replace(causal=False) if config.causal else config
+        self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        self.num_tokentypes, self.add_binary_head = num_tokentypes, add_binary_head
+        seed = torch.initial_seed() if seed is None else seed
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
+        self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
+        h, std, dtype, sp = config.hidden_size, config.init_method_std, config.params_dtype, config.sequence_parallel
+        post_norm = config.layernorm_position == "post"
+        norm = lambda: LayerNorm(h, config.layernorm_epsilon, sp, dtype, device)  # noqa: E731
+
+        def replicated(module: nn.Module, component: int) -> nn.Module:
+            """Same full weight on every rank: N(0, std) from the component's generator, biases zero."""
+            with torch.no_grad():
+                full = torch.empty(module.weight.shape)
+                normal_init(std, init_generator(seed, component))(full)
+                module.weight.copy_(full)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            return module
+
+        if pre_process or post_process:
+            self.word_embeddings = VocabParallelEmbedding(
+                self.padded_vocab_size, h,
+                init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT)),
+                num_real_embeddings=config.vocab_size, sequence_parallel=sp, params_dtype=dtype, device=device,
+            )
+            # Tied: its gradient is summed over the first and last stage (when they differ). The
+            # copy on a last stage that is not also the first is the same weight, counted once.
+            self.word_embeddings.weight.tied_embedding = True
+            self.word_embeddings.weight.shared_embedding = not pre_process
+        if pre_process:
+            self.position_embeddings = replicated(
+                nn.Embedding(config.max_position_embeddings, h, dtype=dtype, device=device),
+                POSITION_EMBEDDING_COMPONENT)
+            if num_tokentypes:
+                self.tokentype_embeddings = replicated(
+                    nn.Embedding(num_tokentypes, h, dtype=dtype, device=device), TOKENTYPE_EMBEDDING_COMPONENT)
+            if post_norm:  # post-LN normalizes the embeddings; pre-LN leaves that to the first layer
+                self.embedding_layernorm = norm()
+        self.layers = nn.ModuleList(TransformerLayer(config, n, seed, device) for n in self.layer_numbers)
+        if post_process:
+            if not post_norm:  # post-LN layers already end in a norm
+                self.final_layernorm = norm()
+            # Masked-LM head: dense + activation + norm per token, then logits through the word
+            # embedding plus a bias sharded over the vocabulary like the embedding's rows.
+            self.lm_dense = replicated(nn.Linear(h, h, dtype=dtype, device=device), LM_HEAD_COMPONENT)
+            for p in self.lm_dense.parameters():  # applied to a sequence shard under SP: partial grads
+                p.sequence_parallel = sp
+            self.lm_layernorm = norm()
+            self.lm_bias = nn.Parameter(torch.zeros(self.padded_vocab_size // tp, dtype=dtype, device=device))
+            self.lm_bias.tensor_model_parallel, self.lm_bias.partition_dim = True, 0
+            if add_binary_head:  # on the first token, gathered whole to every rank: full grads
+                self.pooler = replicated(nn.Linear(h, h, dtype=dtype, device=device), POOLER_COMPONENT)
+                self.binary_head = replicated(nn.Linear(h, 2, dtype=dtype, device=device), BINARY_HEAD_COMPONENT)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Hidden states [s, b, h] received from the previous pipeline stage."""
+        self.input_tensor = tensor
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        s = input_ids.shape[1]
+        if s > c.max_position_embeddings:
+            raise ValueError(f"sequence length ({s}) exceeds max_position_embeddings ({c.max_position_embeddings})")
+        x = self.word_embeddings(input_ids.t())  # [s, b, h], sequence-sharded under SP
+        extra = self.position_embeddings(torch.arange(s, device=input_ids.device)).unsqueeze(1)  # [s, 1, h]
+        if token_type_ids is not None:
+            if not self.num_tokentypes:
+                raise ValueError("token_type_ids given to a BERTModel built with num_tokentypes=0")
+            extra = extra + self.tokentype_embeddings(token_type_ids.t())
+        elif self.num_tokentypes:  # absent types are type 0, as in BERT
+            extra = extra + self.tokentype_embeddings.weight[0]
+        if c.sequence_parallel:  # [s, 1 or b, h]: keep this rank's slice of the sequence
+            extra = scatter_to_sequence_parallel_region(extra)
+        x = x + extra
+        if c.layernorm_position == "post":
+            x = self.embedding_layernorm(x)
+        return hidden_dropout(x, c.hidden_dropout, self.training, c.sequence_parallel)
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp], padding at -inf."""
+        c = self.config
+        x = F.gelu(self.lm_dense(x), approximate="tanh" if c.activation == "gelu_tanh" else "none")
+        x = self.lm_layernorm(x)
+        if c.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        logits = F.linear(x, self.word_embeddings.weight, self.lm_bias)
+        emb = self.word_embeddings
+        first_padding = c.vocab_size - emb.vocab_start_index
+        if first_padding < emb.num_embeddings_per_partition:
+            logits[..., max(first_padding, 0):].fill_(float("-inf"))  # padding never wins
+        return logits
+
+    def binary_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [s, b, h] -> [b, 2] from the first token, pooled by dense + tanh."""
+        if self.config.sequence_parallel:
+            # Each rank's first row; TP rank 0's is the sequence's first token. Every rank then
+            # computes the same pooler, so the gradient is whole: split it, do not sum it.
+            x = gather_from_sequence_parallel_region(x[:1], output_grad_is_parallel=False)
+        return self.binary_head(torch.tanh(self.pooler(x[0])))
+
+    def forward(self, input_ids=None, token_type_ids=None, padding_mask=None, lm_labels=None, sop_labels=None):
+        if self.post_process and sop_labels is not None:
+            if lm_labels is None:
+                raise ValueError("sop_labels need lm_labels too: losses are returned together")
+            if not self.add_binary_head:
+                raise ValueError("sop_labels given to a BERTModel built with add_binary_head=False")
+        if self.pre_process:
+            x = self.embed(input_ids, token_type_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
+            x = self.input_tensor
+        # Keys that are padding are masked for every query: [b, 1 (heads), 1 (queries), s (keys)].
+        mask = None if padding_mask is None else padding_mask.to(torch.bool)[:, None, None, :]
+        x = run_layers(self.layers, x, mask, self.config, self.training)
+        if not self.post_process:
+            return x
+        if self.config.layernorm_position == "pre":
+            x = self.final_layernorm(x)
+        logits = self.lm_logits(x)
+        binary = self.binary_logits(x) if self.add_binary_head else None
+        if lm_labels is None:
+            return logits.transpose(0, 1), binary
+        lm_loss = vocab_parallel_cross_entropy(logits, lm_labels.t()).t()
+        sop_loss = None if sop_labels is None else F.cross_entropy(binary.float(), sop_labels, reduction="none")
+        return lm_loss, sop_loss

@@ -1,0 +1,69 @@
+"""Pretrain a BERT (masked language model + sentence order) with tensor, pipeline and data parallelism.
+
+    torchrun --standalone --nproc_per_node 4 pretrain_bert.py --tp 2 --pp 2
+
+With no --data-path it trains on the embedded corpus (standard-library sources, one sentence per
+line); --mock-data uses a synthetic stream.
+"""
+import sys
+
+from megalite import arguments
+from megalite.data import resolve_data
+from megalite.data.bert_dataset import build_bert_datasets
+from megalite.data.synthetic import SyntheticBERT
+from megalite.models import BERTModel
+from megalite.runtime import UsageError, run_main
+from megalite.training import Task, pretrain
+
+
+def prepare(args):
+    resolve_data(args, kind="bert")
+    if args.data_path and len(args.data_path) != 1:
+        raise UsageError("pretrain_bert.py takes one --data-path prefix (blending is for GPT)")
+
+
+def build_model(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
+    return BERTModel(config, pre_process, post_process, layer_numbers, seed=args.seed, device=device)
+
+
+def build_data(config, args):
+    if args.mock_data:
+        return (SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed),
+                SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed + 1))
+    valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
+    try:
+        train, valid, _ = build_bert_datasets(args.data_path[0], args.split, args.seq_length,
+                                              (args.train_iters * args.global_batch_size, valid_samples, 0),
+                                              args.seed, args.tokenizer_object)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if train is None:
+        raise UsageError(f"--split {args.split} leaves no training documents")
+    return train, valid
+
+
+def bert_forward_step(model, batch):
+    """Summed MLM loss over masked tokens plus the sentence-order loss weighted so that, divided by
+    the global masked-token count, the objective is mean MLM + mean SOP over the global batch."""
+    out = model(batch["tokens"], token_type_ids=batch["token_types"], padding_mask=batch["padding_mask"],
+                lm_labels=batch["labels"], sop_labels=batch["sop_labels"])
+    if not model.post_process:
+        return out
+    mlm, sop = out
+    loss = (mlm * batch["loss_mask"]).sum()
+    if sop is not None:
+        loss = loss + sop.sum() * batch["num_tokens"] / batch["global_batch_size"]
+    return loss
+
+
+def task() -> Task:
+    return Task(build_model, build_data, bert_forward_step, prepare)
+
+
+def main(argv=None) -> int:
+    args = arguments.build_parser("Pretrain a BERT with megalite.", default_model="bert-tiny").parse_args(argv)
+    return run_main(pretrain, args, task())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

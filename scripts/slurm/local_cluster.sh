@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# A real one-node Slurm cluster on this machine, for tests and for trying the sbatch scripts:
+#
+#   scripts/slurm/local_cluster.sh start     # munged + slurmctld + slurmd, waits until the node is idle
+#   export SLURM_CONF=/tmp/megalite-slurm/etc/slurm.conf
+#   sbatch --wait scripts/slurm/pretrain_gpt.sbatch --train-iters 5
+#   scripts/slurm/local_cluster.sh stop      # cancels jobs, stops the daemons; safe to repeat
+#
+# Everything (config, munge key and socket, spool and state dirs, pid files, logs) lives in one
+# state dir, MEGALITE_SLURM_DIR (default /tmp/megalite-slurm), so nothing under /etc or /run is
+# touched and a system Slurm, if any, is left alone. Needs slurm-wlm and munge (.ci/setup_slurm.sh).
+# Tested as root; as another user the daemons run as that user.
+set -euo pipefail
+
+STATE=${MEGALITE_SLURM_DIR:-/tmp/megalite-slurm}
+# Not Slurm's default ports 6817/6818, so a system Slurm on the same machine does not clash.
+CTLD_PORT=${MEGALITE_SLURMCTLD_PORT:-16817}
+SLURMD_PORT=${MEGALITE_SLURMD_PORT:-16818}
+START_TIMEOUT=${MEGALITE_SLURM_START_TIMEOUT:-60}
+
+CONF=$STATE/etc/slurm.conf
+MUNGE_SOCKET=$STATE/munge/munge.socket
+NODE=$(hostname -s)
+export SLURM_CONF=$CONF
+
+log() { echo "local_cluster: $*" >&2; }
+
+# pid from a pid file if that process is alive and is the daemon we started, with our state dir
+# on its command line (pids get reused; a system Slurm is not ours to stop).
+daemon_pid() {
+  local pidfile=$1 name=$2 pid cmdline
+  [ -s "$pidfile" ] || return 1
+  pid=$(cat "$pidfile")
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  case $cmdline in *"$name"*"$STATE"*) echo "$pid" ;; *) return 1 ;; esac
+}
+
+show_logs() {
+  local f
+  for f in "$STATE"/log/*.log; do
+    [ -f "$f" ] || continue
+    echo "----- $f (last 40 lines) -----" >&2
+    tail -n 40 "$f" >&2
+  done
+}
+
+fail() {
+  log "error: $*"
+  show_logs
+  stop_daemons
+  exit 1
+}
+
+write_config() {
+  local cpus mem user
+  cpus=$(nproc)
+  # slurmd drains a node that reports less memory than configured: leave a margin.
+  mem=$(free -m | awk '/^Mem:/ {print $2}')
+  mem=$((mem - mem / 10))
+  user=$(id -un)
+  mkdir -p "$STATE"/{etc,munge,ctld,spool,log,run}
+  # Clients of any user reach the socket through this dir; the key itself stays 0400.
+  chmod 711 "$STATE/munge"
+
+  cat >"$CONF" <<EOF
+# Written by scripts/slurm/local_cluster.sh: one node, no accounting, no cgroups.
+ClusterName=megalite-local
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
+SlurmUser=$user
+SlurmdUser=$user
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$MUNGE_SOCKET
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool
+SlurmctldPidFile=$STATE/run/slurmctld.pid
+SlurmdPidFile=$STATE/run/slurmd.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# linuxproc follows the process tree, so it still finds torchrun's ranks, which start their own
+# sessions (proctrack/pgid would lose them); task/none: no binding and no cgroups needed.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+MailProg=/bin/true
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+# Use the configured CPUs/memory even if slurmd detects a different topology (containers).
+SlurmdParameters=config_overrides
+ReturnToService=2
+KillWait=10
+# sbatch --wait polls every 2 s while MinJobAge/2 <= 2, instead of backing off to 32 s (a test
+# would wait up to half a minute for a finished job); 4 s still outlives one poll interval.
+MinJobAge=4
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+EOF
+  # Not read with proctrack/linuxproc + task/none; written so that the state dir holds a complete
+  # config with every cgroup constraint off, should a plugin be switched to cgroups.
+  cat >"$STATE/etc/cgroup.conf" <<EOF
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainDevices=no
+EOF
+
+  if [ ! -s "$STATE/munge/munge.key" ]; then
+    dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
+  fi
+  chmod 400 "$STATE/munge/munge.key"
+}
+
+start() {
+  for cmd in munged slurmctld slurmd sinfo; do
+    command -v "$cmd" >/dev/null 2>&1 || PATH=$PATH:/usr/sbin:/sbin
+    command -v "$cmd" >/dev/null 2>&1 || { log "error: $cmd not found; run .ci/setup_slurm.sh"; exit 1; }
+  done
+  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
+    log "already running (state dir $STATE); 'stop' first to restart"
+    status
+    return
+  fi
+  stop_daemons  # leftovers of a half-started cluster
+  write_config
+  rm -f "$STATE"/log/*.log
+
+  munged --force --socket="$MUNGE_SOCKET" --key-file="$STATE/munge/munge.key" \
+    --pid-file="$STATE/run/munged.pid" --log-file="$STATE/log/munged.log" \
+    --seed-file="$STATE/munge/munged.seed" || fail "munged did not start"
+  # -c: start from a clean state, not from jobs of an earlier run.
+  slurmctld -c -f "$CONF" || fail "slurmctld did not start"
+  slurmd -f "$CONF" || fail "slurmd did not start"
+
+  local deadline=$((SECONDS + START_TIMEOUT)) state="" name
+  while [ $SECONDS -lt $deadline ]; do
+    state=$(timeout 10 sinfo -h -N -n "$NODE" -o %t 2>/dev/null || true)
+    [ "$state" = idle ] && break
+    for name in slurmctld slurmd; do
+      daemon_pid "$STATE/run/$name.pid" "$name" >/dev/null || fail "$name exited (see its log below)"
+    done
+    sleep 1
+  done
+  [ "$state" = idle ] || fail "node $NODE not idle after ${START_TIMEOUT}s (sinfo state: '${state:-no answer}')"
+  log "up: node $NODE idle, $(nproc) CPUs; export SLURM_CONF=$CONF"
+}
+
+stop_daemons() {
+  local name pid pids=() alive
+  for name in slurmd slurmctld munged; do
+    pid=$(daemon_pid "$STATE/run/$name.pid" "$name") && pids+=("$pid")
+  done
+  # All at once: each takes a second or two to shut down.
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do
+      alive=0
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+      [ $alive = 0 ] && break
+      sleep 0.2
+    done
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null; done
+  fi
+  rm -f "$STATE"/run/*.pid
+}
+
+stop() {
+  # Cancel jobs first: their slurmstepd processes outlive slurmd otherwise.
+  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
+    timeout 10 scancel --full --partition=debug 2>/dev/null || true
+    local deadline=$((SECONDS + 30))
+    while [ $SECONDS -lt $deadline ] && [ -n "$(timeout 10 squeue -h -o %i 2>/dev/null || true)" ]; do
+      sleep 1
+    done
+  fi
+  stop_daemons
+  log "stopped (logs kept in $STATE/log)"
+}
+
+status() {
+  local name pid rc=0
+  for name in munged slurmctld slurmd; do
+    if pid=$(daemon_pid "$STATE/run/$name.pid" "$name"); then
+      echo "$name: running (pid $pid)"
+    else
+      echo "$name: stopped"
+      rc=1
+    fi
+  done
+  [ $rc = 0 ] && timeout 10 sinfo -N -l
+  return $rc
+}
+
+case ${1:-} in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 {start|stop|status}" >&2; exit 2 ;;
+esac
