@@ -57,7 +57,7 @@ def bert_forward_step(model, batch):
 
 
 def task() -> Task:
-    return Task(build_model, build_data, bert_forward_step, prepare)
+    return Task(build_model, build_data, bert_forward_step, prepare, model_kind="bert")
 
 
 def main(argv=None) -> int:

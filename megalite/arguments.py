@@ -82,6 +82,19 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--use-apex-adam", action="store_true", help="NVIDIA apex FusedAdam, if you built apex")
 
+    g = p.add_argument_group("checkpoints and exits")
+    g.add_argument("--save", metavar="DIR", help="save checkpoints here")
+    g.add_argument("--load", metavar="DIR", help="resume from the newest checkpoint here (at any layout)")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    g.add_argument("--save-async", action="store_true", help="write checkpoints in the background")
+    g.add_argument("--no-load-optim", action="store_true", help="load weights only (fresh optimizer)")
+    g.add_argument("--exit-interval", type=int, default=None, help="save and exit at an iteration divisible by N")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this long")
+    g.add_argument("--no-exit-signal-handler", action="store_true",
+                   help="do not turn SIGTERM/SIGUSR1 into save-and-exit")
+    g.add_argument("--max-skipped-iters", type=int, default=30,
+                   help="stop after this many iterations in a row with inf/NaN gradients")
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100, help="validate every N iterations (0: never)")
@@ -173,6 +186,12 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UsageError("--tensorboard-dir needs tensorboard: pip install 'megalite[tb]'") from None
+    if args.save_interval is not None and args.save_interval < 1:
+        raise UsageError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.save_interval and not args.save:
+        raise UsageError("--save-interval needs --save DIR")
+    if args.max_skipped_iters < 1:
+        raise UsageError(f"--max-skipped-iters must be >= 1, got {args.max_skipped_iters}")
     if args.ddp_bucket_size < 1:
         raise UsageError(f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}")
     if args.loss_scale is not None and not args.fp16:

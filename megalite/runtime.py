@@ -16,6 +16,28 @@ class UsageError(ValueError):
     """A problem with the user's arguments, data or files: reported as one line, no traceback."""
 
 
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. gradients inf/NaN too many times): one line, non-zero exit."""
+
+
+# What this rank is doing, so that a collective's time-out can say where it hung.
+_PHASE = ["start-up"]
+
+
+def set_phase(name: str) -> None:
+    _PHASE[0] = name
+
+
+def _lost_peer(e: BaseException) -> str | None:
+    """'timed out' or 'lost contact' when a collective failed because another rank is gone."""
+    text = f"{type(e).__name__} {e}".lower()
+    if "timed out" in text or "timeout" in text or "deadline" in text:
+        return "timed out"
+    if any(w in text for w in ("connection closed", "connection reset", "broken pipe", "peer", "socket")):
+        return "lost contact with another rank"
+    return None
+
+
 def env_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's variables, else Slurm's, else one process."""
     env = os.environ
@@ -85,10 +107,29 @@ def run_main(fn, *args) -> int:
             print(message, file=sys.stderr, flush=True)
         _tell_torchrun(message)
         code = 2
+    except TrainingStopped as e:
+        message = f"megalite: error: {e}"
+        if env_world()[0] == 0:
+            print(message, file=sys.stderr, flush=True)
+        _tell_torchrun(message)
+        code = 3
+    except Exception as e:
+        what = _lost_peer(e)
+        if what is None:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]}: another rank stopped or "
+                   f"hangs (limit: --distributed-timeout-minutes). {first[:300]}")
+        print(message, file=sys.stderr, flush=True)
+        _tell_torchrun(message)
+        code = 4
     finally:
         from megalite.parallel import destroy_model_parallel
 
         destroy_model_parallel()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group after a failure must not mask it
+                pass
     return code

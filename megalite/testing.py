@@ -27,7 +27,7 @@ class RankFailure(RuntimeError):
     pass
 
 
-def _rank_main(fn, rank, world_size, store_path, backend, args, results):
+def _rank_main(fn, rank, world_size, store_path, backend, args, results, env):
     import torch
     import torch.distributed as dist
 
@@ -35,6 +35,7 @@ def _rank_main(fn, rank, world_size, store_path, backend, args, results):
 
     torch.set_num_threads(1)  # many ranks share few cores
     os.environ.setdefault("MEGALITE_QUIET", "1")
+    os.environ.update(env or {})  # forked from the fork server, ranks do not see later changes
     try:
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
@@ -57,14 +58,16 @@ def _context():
     return ctx
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, backend: str = "gloo") -> list:
-    """Run fn(rank, world_size, *args) on `world_size` ranks; return the per-rank results."""
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, backend: str = "gloo",
+              env: dict | None = None) -> list:
+    """Run fn(rank, world_size, *args) on `world_size` ranks, with `env` added to their environment;
+    return the per-rank results."""
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megalite-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_rank_main, args=(fn, r, world_size, store, backend, args, results), daemon=True)
+            ctx.Process(target=_rank_main, args=(fn, r, world_size, store, backend, args, results, env), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -22,7 +22,8 @@ from megalite.optim import (
 )
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.pipeline.schedules import build_program, run_schedule, theoretical_bubble
-from megalite.runtime import UsageError, env_world, init_distributed, say
+from megalite import checkpoint
+from megalite.runtime import TrainingStopped, UsageError, env_world, init_distributed, say, set_phase
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Task:
     forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
     # prepare(args): before anything else, resolve data and tokenizer (may set args.vocab_size)
     prepare: Callable[[object], None] | None = None
+    model_kind: str = "gpt"  # recorded in checkpoints
 
 
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -43,10 +45,11 @@ def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return (out * batch["loss_mask"]).sum() if model.post_process else out
 
 
-def _micro_batches(data, iteration: int, args, dp: int, dp_rank: int, device) -> list[dict]:
-    """This DP rank's contiguous slice of the global batch, cut into micro-batches."""
+def _micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
+    """This DP rank's contiguous slice of global batch `step` (the one starting at sample
+    `consumed`, default step * global batch), cut into micro-batches."""
     per_rank = args.global_batch_size // dp
-    first = iteration * args.global_batch_size + dp_rank * per_rank
+    first = (step * args.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
     out = []
     for start in range(first, first + per_rank, args.micro_batch_size):
         batch = data.batch(range(start, start + args.micro_batch_size))
@@ -111,6 +114,52 @@ def evaluate(args, chunks, data, forward_step, program, tensor_shape, dtype, dp,
     return (both[0] / both[1]).item()
 
 
+class ExitWatch:
+    """SIGTERM / SIGUSR1 (Slurm's preemption warnings), --exit-duration-in-mins and --exit-interval:
+    every rank learns at the same iteration that it is time to save and stop."""
+
+    def __init__(self, args, device):
+        import signal
+
+        self.args, self.device, self.start = args, device, time.monotonic()
+        self.signal_name: str | None = None
+        if not args.no_exit_signal_handler:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        import signal
+
+        self.signal_name = signal.Signals(signum).name
+
+    def reason(self, iteration: int) -> str | None:
+        """Why to stop after `iteration` (1-based), agreed by every rank; None to go on."""
+        a = self.args
+        if a.exit_interval and iteration % a.exit_interval == 0:
+            return f"--exit-interval {a.exit_interval}"
+        late = a.exit_duration_in_mins is not None and time.monotonic() - self.start >= 60 * a.exit_duration_in_mins
+        flags = torch.tensor([self.signal_name is not None, late], dtype=torch.float32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return f"signal {self.signal_name or 'received by another rank'}"
+        if flags[1] > 0:
+            return f"--exit-duration-in-mins {a.exit_duration_in_mins}"
+        return None
+
+
+def _load_checkpoint(args, task, config, chunks):
+    """Weights before the optimizer exists (its masters copy them); returns the reader or None."""
+    if not args.load:
+        return None
+    if not checkpoint.CheckpointReader.exists(args.load):
+        say(f"megalite: no checkpoint in {args.load} yet: starting from scratch")
+        return None
+    reader = checkpoint.CheckpointReader(args.load)
+    checkpoint.check_compatible(reader, config, task.model_kind)
+    checkpoint.load_model_weights(args.load, chunks, reader)
+    return reader
+
+
 def _rank_label(rank: int, tp: int, dp: int) -> str:
     return f"rank {rank} (pp {rank // (dp * tp)}, dp {(rank // tp) % dp}, tp {rank % tp})"
 
@@ -157,8 +206,22 @@ def pretrain(args, task: Task) -> TrainingRun:
         task.prepare(args)
     config, dp, device = setup(args, world_size)
     chunks = build_model_chunks(task, config, args, device)
+    set_phase("loading the checkpoint")
+    reader = _load_checkpoint(args, task, config, chunks)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     buffers, optimizer = build_optimizer(args, chunks)
+    start_iteration, consumed = 0, 0
+    layout = {"tp": args.tp, "pp": args.pp, "dp": world_size // (args.tp * args.pp), "vpp": args.vpp,
+              "world": world_size}
+    if reader is not None:
+        start_iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
+        loaded_optim = not args.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
+        same_rng = checkpoint.restore_rng(reader, layout)
+        say(f"megalite: resumed from {reader.path} (iteration {start_iteration}, {consumed} samples consumed; "
+            f"optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams "
+            f"{'restored' if same_rng else 'from the seed (layout changed)'})")
+    saver = checkpoint.Checkpointer(args.save, args.save_async) if args.save else None
+    exits = ExitWatch(args, device)
     dtype = arguments.model_dtype(args)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                           args.lr_decay_style)
@@ -187,17 +250,27 @@ def pretrain(args, task: Task) -> TrainingRun:
         f"tp={args.tp} pp={pp} dp={dp}" + (f" vpp={args.vpp}" if args.vpp else "") +
         f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
 
+    def save(iteration: int) -> None:
+        set_phase(f"saving the checkpoint of iteration {iteration}")
+        meta = checkpoint.build_metadata(config, task.model_kind, iteration, consumed, layout)
+        saver.save(chunks, optimizer, iteration, meta)
+        say(f"megalite: saved checkpoint iteration {iteration} to {args.save}"
+            + (" (writing in the background)" if args.save_async else ""))
+
     dist.barrier()
     timeline.start()
+    skipped_in_a_row = 0
     records, window_start, window_iters = [], time.perf_counter(), 0
     window_loss = torch.zeros((), device=device)
     window_bubble, window_skipped = 0.0, 0
     for c in chunks:
         c.train()
-    for iteration in range(args.train_iters):
-        record_spans = timeline.records(iteration)
+    stop_reason = None
+    for iteration in range(start_iteration, args.train_iters):
+        record_spans = timeline.records(iteration - start_iteration)
         spans = []
-        micro_batches = _micro_batches(data, iteration, args, dp, dp_rank, device)
+        set_phase(f"iteration {iteration + 1}: the forward/backward schedule (pipeline send/recv)")
+        micro_batches = _micro_batches(data, iteration, args, dp, dp_rank, device, consumed)
         num_tokens = _global_normalizer(micro_batches, args, dp_group)
         loss_scale = optimizer.loss_scaler.scale
         stats = run_schedule(program, chunks, micro_batches, task.forward_step, num_tokens, tensor_shape,
@@ -206,6 +279,7 @@ def pretrain(args, task: Task) -> TrainingRun:
         spans += stats.spans
 
         t = time.perf_counter()
+        set_phase(f"iteration {iteration + 1}: gradient reduction")
         for buf in buffers:
             buf.finish_grad_sync()
         allreduce_sequence_parallel_grads(params)
@@ -213,13 +287,21 @@ def pretrain(args, task: Task) -> TrainingRun:
             spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
         t = time.perf_counter()
         lr = schedule(iteration)
+        set_phase(f"iteration {iteration + 1}: the optimizer step")
         grad_norm, skipped = optimizer.step(lr, args.clip_grad)
         optimizer.zero_grad()
+        consumed += args.global_batch_size
         logger.step()
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
         if skipped:
             window_skipped += 1
             logger.say(f"megalite: iteration {iteration + 1}: inf/NaN gradients, step skipped "
-                f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
+                       f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
+            if skipped_in_a_row >= args.max_skipped_iters:
+                raise TrainingStopped(
+                    f"stopping at iteration {iteration + 1}: {skipped_in_a_row} iterations in a row had inf/NaN "
+                    f"gradients (loss scale {optimizer.loss_scaler.scale:g}); lower --lr, check the data, or "
+                    f"use --bf16. The last checkpoint is intact.")
         if record_spans:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -245,7 +327,7 @@ def pretrain(args, task: Task) -> TrainingRun:
             record = {
                 "iteration": iteration + 1,
                 "train_iters": args.train_iters,
-                "consumed_samples": (iteration + 1) * args.global_batch_size,
+                "consumed_samples": consumed,
                 "loss": (stats_t[0] / window_iters).item(),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
@@ -265,10 +347,22 @@ def pretrain(args, task: Task) -> TrainingRun:
             window_loss = torch.zeros((), device=device)
         if valid_data is not None and args.eval_interval and args.eval_iters and (
                 (iteration + 1) % args.eval_interval == 0 or iteration + 1 == args.train_iters):
+            set_phase(f"iteration {iteration + 1}: validation")
             logger.evaluation(iteration + 1, evaluate(args, chunks, valid_data, task.forward_step, eval_program,
                                                       tensor_shape, dtype, dp, device))
+        stop_reason = exits.reason(iteration + 1)
+        if saver is not None and (stop_reason or iteration + 1 == args.train_iters or (
+                args.save_interval and (iteration + 1) % args.save_interval == 0)):
+            save(iteration + 1)
+        if stop_reason:
+            logger.say(f"megalite: stopping after iteration {iteration + 1} ({stop_reason})"
+                       + (", checkpoint saved" if saver is not None else ""))
+            break
+    if saver is not None:
+        set_phase("finishing the last checkpoint")
+        saver.finalize()
     logger.close()
     timeline.write({r: _rank_label(r, args.tp, dp) for r in range(world_size)})
-    if not records:
+    if not records and not stop_reason and start_iteration < args.train_iters:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
     return TrainingRun(records, chunks, optimizer, buffers)

@@ -48,8 +48,9 @@ def train_params(rank, world, argv):
             "adam_steps": max(adam_steps) if adam_steps else 0}
 
 
-def train_with_inf_at(rank, world, argv, bad_iteration):
-    """Train, making every micro-batch loss of one iteration infinite (a forced overflow)."""
+def train_with_inf_at(rank, world, argv, bad_iteration, through=None):
+    """Train, making every micro-batch loss of iterations bad_iteration..through (default just
+    that one) infinite (a forced overflow)."""
     from megalite.training import Task
 
     base = pretrain_gpt.task()
@@ -60,7 +61,7 @@ def train_with_inf_at(rank, world, argv, bad_iteration):
     def forward_step(model, batch):
         out = base.forward_step(model, batch)
         calls["n"] += 1
-        if (calls["n"] - 1) // per_iteration == bad_iteration - 1:
+        if bad_iteration - 1 <= (calls["n"] - 1) // per_iteration <= (through or bad_iteration) - 1:
             out = out * float("inf")
         return out
 

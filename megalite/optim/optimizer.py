@@ -131,13 +131,14 @@ class MegaliteOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
-        self._publish()
+        self.publish()
         return norm, False
 
     def _in_place(self, piece: _Piece) -> bool:
         return piece.master.data_ptr() == piece.buffer.param_data[piece.lo:piece.hi].data_ptr()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Write the masters into the parameters (cast) and all-gather the shards."""
         for piece in self.pieces:
             if not self._in_place(piece):
                 piece.buffer.param_data[piece.lo:piece.hi].copy_(piece.master.detach().reshape(-1))

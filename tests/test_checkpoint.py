@@ -1,0 +1,165 @@
+"""Checkpoints: exact resume, resharding to other layouts (distributed optimizer included),
+atomic saves that survive a crash, clean exits on SIGTERM, guards and clear errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli import ROOT, records
+from helpers import rel_err
+from megalite import checkpoint
+from megalite.runtime import UsageError
+from megalite.testing import RankFailure, run_ranks
+from training_ranks import train_losses, train_with_inf_at
+
+BASE = ["--train-iters", "20", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
+        "--micro-batch-size", "2"]
+
+
+def layout(tp, pp):
+    return ["--tp", str(tp), "--pp", str(pp)]
+
+
+@pytest.fixture(scope="module")
+def unbroken():
+    return run_ranks(train_losses, 1, args=(BASE,))[0]
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    argv = BASE + layout(2, 1) + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                                  "--use-distributed-optimizer"]
+    whole = run_ranks(train_losses, 4, args=(argv,))[0]  # (tp, pp, dp) = (2, 1, 2)
+    first = run_ranks(train_losses, 4, args=(argv + ["--save", str(tmp_path), "--exit-interval", "10"],))[0]
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000010"
+    second = run_ranks(train_losses, 4, args=(argv + ["--load", str(tmp_path)],))[0]
+    assert first + second == whole, "10 + 10 resumed iterations must equal 20 unbroken ones, bit for bit"
+
+
+@pytest.mark.parametrize("saved,loads", [
+    ((2, 2, []), [(1, 1, []), (4, 1, []), (1, 2, ["--use-distributed-optimizer"])]),
+    ((1, 2, ["--use-distributed-optimizer"]), [(2, 1, []), (1, 1, ["--use-distributed-optimizer"])]),
+], ids=["from-221", "from-122-zero1"])
+def test_reshard_to_other_layouts_continues_the_unbroken_run(tmp_path, unbroken, saved, loads):
+    tp, pp, extra = saved
+    world = 4
+    run_ranks(train_losses, world, args=(BASE + layout(tp, pp) + extra + ["--save", str(tmp_path),
+                                                                           "--exit-interval", "10"],))
+    for tp2, pp2, extra2 in loads:
+        for world2 in {tp2 * pp2, tp2 * pp2 * 2} if tp2 * pp2 < 4 else {tp2 * pp2}:
+            losses = run_ranks(train_losses, world2, args=(BASE + layout(tp2, pp2) + extra2 + ["--load", str(tmp_path)],))[0]
+            assert len(losses) == 10
+            assert rel_err(torch.tensor(losses), torch.tensor(unbroken[10:])) <= 1e-5, (tp2, pp2, world2, losses)
+
+
+def test_async_save_is_committed_and_resumes(tmp_path, unbroken):
+    run_ranks(train_losses, 2, args=(BASE + ["--save", str(tmp_path), "--save-async", "--exit-interval", "10"],))
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000010"
+    losses = run_ranks(train_losses, 2, args=(BASE + ["--load", str(tmp_path)],))[0]
+    assert rel_err(torch.tensor(losses), torch.tensor(unbroken[10:])) <= 1e-5
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    argv = BASE + layout(2, 1) + ["--save", str(tmp_path), "--save-interval", "5", "--distributed-timeout-minutes", "0.3"]
+    with pytest.raises(RankFailure, match="exited with code 17"):
+        run_ranks(train_losses, 2, args=(argv,), timeout=120, env={"MEGALITE_TEST_CRASH_IN_SAVE": "1@10"})
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
+    assert (tmp_path / "iter_0000010.tmp").exists() and not (tmp_path / "iter_0000010").exists()
+    config, kind, sd = checkpoint.load_full_state_dict(tmp_path)
+    assert kind == "gpt" and config.num_layers == 4 and sd["word_embeddings.weight"].shape[0] % 128 == 0
+    losses = run_ranks(train_losses, 2, args=(BASE + layout(2, 1) + ["--load", str(tmp_path)],))[0]
+    assert len(losses) == 15  # resumed from iteration 5
+
+
+def test_bad_checkpoints_get_one_clear_message(tmp_path):
+    run_ranks(train_losses, 1, args=(BASE + ["--save", str(tmp_path), "--exit-interval", "2"],))
+    rank_file = tmp_path / "iter_0000002" / "rank_00000.pt"
+    data = rank_file.read_bytes()
+    rank_file.write_bytes(data[:-100])
+    with pytest.raises(UsageError, match="corrupt or truncated"):
+        checkpoint.CheckpointReader(tmp_path)
+    rank_file.write_bytes(data[:50] + b"\0" * (len(data) - 50))  # same size, garbage inside
+    with pytest.raises(UsageError, match="rank_00000.pt is corrupt"):
+        checkpoint.CheckpointReader(tmp_path).files
+    rank_file.unlink()
+    with pytest.raises(UsageError, match="rank_00000.pt is missing"):
+        checkpoint.CheckpointReader(tmp_path)
+    (tmp_path / "latest").write_text("iter_0000099\n")
+    with pytest.raises(UsageError, match="iter_0000099 named by .*latest is missing"):
+        checkpoint.CheckpointReader(tmp_path)
+
+
+def test_another_model_shape_is_refused_from_the_command_line(tmp_path):
+    from cli import torchrun
+
+    run_ranks(train_losses, 1, args=(BASE + ["--save", str(tmp_path), "--exit-interval", "1"],))
+    run = torchrun("pretrain_gpt.py", 1, "--mock-data", "--train-iters", "2", "--seq-length", "32",
+                   "--hidden-size", "64", "--load", str(tmp_path))
+    assert run.returncode != 0  # the rank exits 2; torchrun reports any failure as 1
+    assert "holds a model of another shape: hidden_size 128 (checkpoint) vs 64 (now)" in run.stderr
+    assert 'pretrain_gpt.py", line' not in run.stderr and 'megalite/checkpoint.py", line' not in run.stderr
+
+
+def test_repeated_inf_gradients_stop_training_with_a_clear_message():
+    argv = BASE + ["--max-skipped-iters", "3"]
+    with pytest.raises(RankFailure, match="3 iterations in a row had inf/NaN gradients"):
+        run_ranks(train_with_inf_at, 1, args=(argv, 4, 20))
+
+
+def _launch_ranks(world, argv, env_extra=None):
+    """Ranks started directly (as srun does), not through torchrun."""
+    port = 29000 + os.getpid() % 1000
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        env.pop("MEGALITE_QUIET", None)
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    return procs
+
+
+def _wait_for_iterations(path: Path, n: int, procs, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(records(path)) >= n:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a rank ended early: " + "\n".join(p.communicate()[1][-2000:] for p in procs))
+        time.sleep(0.2)
+    raise AssertionError("training did not get going")
+
+
+def test_sigterm_makes_every_rank_save_and_exit_zero(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    procs = _launch_ranks(2, ["--mock-data", "--tp", "2", "--train-iters", "100000", "--log-interval", "1",
+                              "--seq-length", "32", "--save", str(tmp_path / "ckpt"), "--metrics-file", str(metrics)])
+    _wait_for_iterations(metrics, 3, procs)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    saved = int((tmp_path / "ckpt" / "latest").read_text().strip().split("_")[1])
+    meta = json.loads((tmp_path / "ckpt" / f"iter_{saved:07d}" / "metadata.json").read_text())
+    assert meta["iteration"] == saved == records(metrics)[-1]["iteration"] >= 3
+    assert "stopping after iteration" in outs[0][0] and "signal SIGTERM" in outs[0][0]
+
+
+def test_a_lost_rank_ends_the_others_with_a_message_naming_the_phase(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    procs = _launch_ranks(2, ["--mock-data", "--pp", "2", "--train-iters", "100000", "--log-interval", "1",
+                              "--seq-length", "32", "--metrics-file", str(metrics),
+                              "--distributed-timeout-minutes", "0.25"])
+    _wait_for_iterations(metrics, 2, procs)
+    procs[1].kill()
+    out, err = procs[0].communicate(timeout=90)
+    assert procs[0].returncode == 4, err[-3000:]
+    line = [x for x in err.splitlines() if x.startswith("megalite: error:")]
+    assert line and "rank 0" in line[0] and "iteration" in line[0], err[-3000:]
+    procs[1].communicate()
