@@ -283,6 +283,9 @@ class CheckpointReader:
     def __init__(self, directory):
         self.directory = Path(directory)
         latest = self.directory / "latest"
+        if not latest.is_file():
+            raise UsageError(f"no checkpoint in {self.directory} (no 'latest' file): give a directory "
+                             f"written by --save or by `python -m megalite.tools.convert_hf import`")
         name = latest.read_text().strip()
         self.path = self.directory / name
         meta_path = self.path / "metadata.json"

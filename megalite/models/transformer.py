@@ -8,6 +8,7 @@ head_dim], so a contiguous block of rows is whole heads; the output projection i
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -24,7 +25,7 @@ from megalite.parallel.random import get_rng_tracker
 def init_generator(seed: int, component: int) -> torch.Generator:
     """RNG for one model component (embedding, layer n, ...): depends on the seed and the
     component alone, never on the pipeline stage or TP size that builds it."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + component)
+    return torch.Generator().manual_seed((seed * 1_000_003 + component) % 2**63)
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -109,7 +110,8 @@ class ParallelAttention(nn.Module):
     def _core(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q, k, v [b, heads, s, d]."""
         p = self.config.attention_dropout if self.training else 0.0
-        with get_rng_tracker().fork():  # heads differ per TP rank, so must their dropout
+        # Heads differ per TP rank, so must their dropout; without dropout no RNG is drawn.
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             if self.config.attention_backend == "torch":
                 return _explicit_attention(q, k, v, attention_mask, p, self.config.causal)
             if attention_mask is None:

@@ -1,0 +1,1 @@
+"""Command-line tools: `python -m megalite.tools.convert_hf` (Hugging Face import / export)."""
