@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -66,7 +67,53 @@ def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
         )
+        if world > 1:
+            start_heartbeat()
     return device
+
+
+_HEARTBEAT_PERIOD_S = 1.0
+_heartbeat_stop = threading.Event()
+
+
+def start_heartbeat() -> None:
+    """Every rank refreshes megalite/alive/<rank> in the rendezvous store each second, from a
+    daemon thread, so that when a collective fails the survivors can tell which ranks are gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store, no names in failure messages
+        return
+    rank = dist.get_rank()
+    key = f"megalite/alive/{rank}"
+    store.set(key, repr(time.time()))
+    _heartbeat_stop.clear()
+
+    def beat():
+        while not _heartbeat_stop.wait(_HEARTBEAT_PERIOD_S):
+            try:
+                store.set(key, repr(time.time()))
+            except Exception:  # noqa: BLE001 - the store is gone; the failure path reports it
+                return
+
+    threading.Thread(target=beat, daemon=True, name="megalite-heartbeat").start()
+
+
+def lost_ranks(wait_s: float = 8.0) -> str:
+    """Which ranks stopped beating: 'rank 2, rank 3', or why that cannot be told."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=3))
+        world = dist.get_world_size()
+        deadline = time.monotonic() + wait_s
+        while True:
+            beats = {r: float(store.get(f"megalite/alive/{r}")) for r in range(world)}
+            newest = max(beats.values())
+            stale = [r for r, t in beats.items() if newest - t > 3.5 * _HEARTBEAT_PERIOD_S]
+            if stale or time.monotonic() > deadline:
+                return ", ".join(f"rank {r}" for r in stale) or "none found stale (a rank may hang)"
+            time.sleep(0.5)
+    except Exception:  # noqa: BLE001
+        return "rank 0 or its host (the rendezvous store there does not answer)"
 
 
 def _free_port() -> int:
@@ -118,14 +165,15 @@ def run_main(fn, *args) -> int:
         if what is None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        message = (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]}: another rank stopped or "
-                   f"hangs (limit: --distributed-timeout-minutes). {first[:300]}")
+        message = (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} (lost: {lost_ranks()}); "
+                   f"limit: --distributed-timeout-minutes. {first[:300]}")
         print(message, file=sys.stderr, flush=True)
         _tell_torchrun(message)
         code = 4
     finally:
         from megalite.parallel import destroy_model_parallel
 
+        _heartbeat_stop.set()
         destroy_model_parallel()
         if dist.is_initialized():
             try:

@@ -162,4 +162,5 @@ def test_a_lost_rank_ends_the_others_with_a_message_naming_the_phase(tmp_path):
     assert procs[0].returncode == 4, err[-3000:]
     line = [x for x in err.splitlines() if x.startswith("megalite: error:")]
     assert line and "rank 0" in line[0] and "iteration" in line[0], err[-3000:]
+    assert "(lost: rank 1)" in line[0], line[0]
     procs[1].communicate()
