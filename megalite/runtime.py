@@ -142,34 +142,30 @@ def _tell_torchrun(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
+def _fail(message: str, code: int, show: bool) -> int:
+    if show:
+        print(message, file=sys.stderr, flush=True)
+    _tell_torchrun(message)
+    return code
+
+
 def run_main(fn, *args) -> int:
     """Run fn(*args) as a rank's whole life: usage errors become one line on stderr (printed once
     per node) and exit code 2; the process group is always torn down."""
     code = 0
     try:
         fn(*args)
-    except UsageError as e:
-        message = f"megalite: error: {e}"
-        if env_world()[2] == 0:
-            print(message, file=sys.stderr, flush=True)
-        _tell_torchrun(message)
-        code = 2
-    except TrainingStopped as e:
-        message = f"megalite: error: {e}"
-        if env_world()[0] == 0:
-            print(message, file=sys.stderr, flush=True)
-        _tell_torchrun(message)
-        code = 3
+    except UsageError as e:  # the same on every rank: once per node
+        code = _fail(f"megalite: error: {e}", 2, env_world()[2] == 0)
+    except TrainingStopped as e:  # agreed by every rank: once per job
+        code = _fail(f"megalite: error: {e}", 3, env_world()[0] == 0)
     except Exception as e:
         what = _lost_peer(e)
         if what is None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        message = (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} (lost: {lost_ranks()}); "
-                   f"limit: --distributed-timeout-minutes. {first[:300]}")
-        print(message, file=sys.stderr, flush=True)
-        _tell_torchrun(message)
-        code = 4
+        code = _fail(f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} (lost: {lost_ranks()}); "
+                     f"limit: --distributed-timeout-minutes. {first[:300]}", 4, True)
     finally:
         from megalite.parallel import destroy_model_parallel
 

@@ -170,10 +170,7 @@ class BERTModel(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x)
         logits = F.linear(x, self.word_embeddings.weight, self.lm_bias)
-        emb = self.word_embeddings
-        first_padding = c.vocab_size - emb.vocab_start_index
-        if first_padding < emb.num_embeddings_per_partition:
-            logits[..., max(first_padding, 0):].fill_(float("-inf"))  # padding never wins
+        self.word_embeddings.mask_padding_logits(logits)  # padding never wins
         return logits
 
     def binary_logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,7 @@ class GPTModel(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x)
         logits = F.linear(x, self.word_embeddings.weight)
-        emb = self.word_embeddings
-        first_padding = self.config.vocab_size - emb.vocab_start_index
-        if first_padding < emb.num_embeddings_per_partition:
-            logits[..., max(first_padding, 0):].fill_(float("-inf"))  # padding never wins
+        self.word_embeddings.mask_padding_logits(logits)  # padding never wins
         return logits
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None):

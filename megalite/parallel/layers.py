@@ -218,5 +218,13 @@ class VocabParallelEmbedding(nn.Module):
             return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tensor_model_parallel_region(out)
 
+    def mask_padding_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set, in place, the logit columns of padding rows of this rank's shard to -inf, so that
+        padding never takes probability. `logits` [..., num_embeddings / tp]."""
+        first_padding = self.num_real_embeddings - self.vocab_start_index
+        if first_padding < self.num_embeddings_per_partition:
+            logits[..., max(first_padding, 0):].fill_(float("-inf"))
+        return logits
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows {self.vocab_start_index}:{self.vocab_end_index}"
