@@ -93,8 +93,8 @@ def test_default_bert_run_trains_on_the_embedded_corpus(tmp_path):
     from cli import records, torchrun
 
     path = tmp_path / "m.jsonl"
-    run = torchrun("pretrain_bert.py", 4, "--tp", "2", "--pp", "2", "--train-iters", "40", "--metrics-file", str(path))
+    run = torchrun("pretrain_bert.py", 4, "--tp", "2", "--pp", "2", "--train-iters", "30", "--metrics-file", str(path))
     assert run.returncode == 0, run.stderr[-3000:]
     recs = records(path)
-    assert [r["iteration"] for r in recs] == [10, 20, 30, 40]
+    assert [r["iteration"] for r in recs] == [10, 20, 30]
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, recs
