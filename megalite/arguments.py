@@ -82,6 +82,11 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--use-apex-adam", action="store_true", help="NVIDIA apex FusedAdam, if you built apex")
 
+    g.add_argument("--plan", action="store_true",
+                   help="before training, predict memory and step time of this layout and warn if it will not fit")
+    g.add_argument("--plan-gpu-memory-gib", type=float, default=None,
+                   help="GPU memory for --plan (default: this GPU's)")
+
     g = p.add_argument_group("checkpoints and exits")
     g.add_argument("--save", metavar="DIR", help="save checkpoints here")
     g.add_argument("--load", metavar="DIR", help="resume from the newest checkpoint here (at any layout)")

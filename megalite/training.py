@@ -68,10 +68,33 @@ def _global_normalizer(micro_batches, args, dp_group) -> torch.Tensor:
     return num_tokens
 
 
+def _plan_warning(args, world_size: int) -> None:
+    """--plan: the layout planner's prediction for this run, with a warning if it will not fit."""
+    from megalite.tools.plan import check_args
+
+    memory = args.plan_gpu_memory_gib * 2 ** 30 if args.plan_gpu_memory_gib else None
+    if memory is None and not torch.cuda.is_available():
+        raise UsageError("--plan on a machine without GPUs needs --plan-gpu-memory-gib (the GPUs' memory)")
+    try:
+        fits, pred = check_args(args, world_size, gpu_memory_bytes=memory)
+    except ValueError as e:
+        say(f"megalite: --plan cannot model this run: {e}")
+        return
+    gib = pred.memory["total"] / 2 ** 30
+    if fits:
+        say(f"megalite: plan: this layout needs about {gib:.1f} GiB per GPU, a step about "
+            f"{pred.time['total'] * 1e3:.0f} ms (see python -m megalite.tools.plan --explain)")
+    else:
+        say(f"megalite: warning: the planner predicts this layout will not fit: {pred.reason}. "
+            f"`python -m megalite.tools.plan` lists layouts that do")
+
+
 def setup(args, world_size: int):
     """Validate the layout, start the process groups, seed the RNG streams."""
     config = arguments.model_config(args)
     dp = arguments.validate(args, world_size, config)
+    if args.plan:
+        _plan_warning(args, world_size)
     device = init_distributed(args.distributed_timeout_minutes)
     parallel.initialize_model_parallel(args.tp, args.pp, args.vpp)
     parallel.model_parallel_manual_seed(args.seed)

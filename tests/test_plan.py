@@ -1,0 +1,236 @@
+"""The layout planner (megalite.tools.plan): its parameter, gradient and optimizer bytes equal what
+megalite allocates; published layouts come out feasible and near-best; the command line."""
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megalite import arguments
+from megalite.models import preset
+from megalite.pipeline.schedules import build_program
+from megalite.testing import run_ranks
+from megalite.tools import plan as P
+from training_ranks import parse
+
+TINY = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "1",
+        "--ddp-bucket-size", "30000"]
+
+
+def held_bytes(rank, world, argv, variants):
+    """Build the model and optimizer as training does, once per variant (extra flags), take one
+    optimizer step (Adam allocates its states lazily) and report what this rank holds."""
+    import torch
+
+    import pretrain_gpt
+    from megalite import parallel, training
+
+    training.setup(parse(argv), world)  # process groups once: the variants share the layout
+    device = torch.device("cpu")
+    out = []
+    for extra in variants:
+        args = parse(argv + extra)
+        config = arguments.model_config(args)
+        chunks = training.build_model_chunks(pretrain_gpt.task(), config, args, device)
+        buffers, optimizer = training.build_optimizer(args, chunks)
+        optimizer.step(1e-3, 1.0)
+        params = [p for c in chunks for p in c.parameters()]
+        out.append({
+            "pp_rank": parallel.get_pipeline_model_parallel_rank(), "dp_rank": parallel.get_data_parallel_rank(),
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "param_buffer": sum(b.param_data.numel() * b.param_data.element_size() for b in buffers),
+            "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
+            "grad_padding": sum((b.numel - sum(p.numel() for p in b.params)) * 4 for b in buffers),
+            "optimizer": optimizer.state_bytes(),
+            "fp32_masters_in_place": all(optimizer._in_place(pc) for pc in optimizer.pieces),
+        })
+    return out
+
+
+PLAIN, DIST = [], ["--use-distributed-optimizer"]
+CASES = [  # (tp, pp, dp, extra flags, variants: each built and stepped on the same process groups)
+    (1, 1, 1, [], [PLAIN, DIST]),
+    (2, 1, 1, [], [PLAIN, DIST]),
+    (1, 2, 1, [], [PLAIN, DIST]),
+    (2, 2, 1, ["--vpp", "2"], [PLAIN, DIST]),  # interleaved: two model chunks per rank
+    (1, 2, 2, [], [PLAIN, DIST, ["--bf16"], ["--bf16", *DIST]]),  # bf16: fp32 master copies
+    (2, 2, 2, [], [PLAIN, DIST]),
+    # dp = 3: buckets padded to a multiple of 3, shards cut through parameters, ranks own different amounts
+    (1, 1, 3, ["--global-batch-size", "12"], [PLAIN, DIST, ["--bf16", *DIST]]),
+]
+
+
+@pytest.mark.parametrize("tp,pp,dp,extra,variants", CASES, ids=[f"tp{c[0]}-pp{c[1]}-dp{c[2]}" for c in CASES])
+def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, variants):
+    argv = TINY + ["--tp", str(tp), "--pp", str(pp)] + extra
+    results = run_ranks(held_bytes, tp * pp * dp, args=(argv, variants), timeout=120)
+    for v, flags in enumerate(variants):
+        args = parse(argv + flags)
+        config = arguments.model_config(args)
+        dtype = "bf16" if args.bf16 else "fp32"
+        dist_opt = args.use_distributed_optimizer
+        per_rank = [r[v] for r in results]
+        for got in per_rank:
+            want = P.rank_state_bytes(config, tp=tp, pp=pp, dp=dp, vpp=args.vpp, pp_rank=got["pp_rank"],
+                                      dp_rank=got["dp_rank"], dtype=dtype, distributed_optimizer=dist_opt,
+                                      seq_length=args.seq_length, ddp_bucket_size=args.ddp_bucket_size)
+            label = f"tp{tp} pp{pp} dp{dp} {flags} rank (pp {got['pp_rank']}, dp {got['dp_rank']})"
+            assert got["params"] == want.params, label
+            assert got["param_buffer"] == want.param_buffer, label
+            assert got["grads"] == want.grads, label
+            assert got["grad_padding"] == want.grad_padding, label
+            assert got["optimizer"] == want.optimizer, label
+            assert got["fp32_masters_in_place"] == (dtype == "fp32"), label
+        if dp == 3:
+            assert any(r["grad_padding"] for r in per_rank), "the dp=3 case should exercise bucket padding"
+            if dist_opt:
+                assert len({r["optimizer"] for r in per_rank}) > 1, "shards should differ in size"
+        # The planner's per-GPU figures are those of the fullest rank.
+        pred = P.predict(config, P.Layout(tp, pp, dp, args.vpp, args.micro_batch_size, "none", False, dist_opt),
+                         P.Cluster(gpus=tp * pp * dp), args.global_batch_size, args.seq_length, dtype=dtype,
+                         ddp_bucket_size=args.ddp_bucket_size)
+        peak = max(per_rank, key=lambda r: r["param_buffer"] + r["grads"] + r["optimizer"])
+        assert pred.memory["parameters"] == max(r["param_buffer"] for r in per_rank)
+        assert pred.memory["gradients"] == max(r["grads"] for r in per_rank)
+        assert pred.memory["optimizer"] == max(r["optimizer"] for r in per_rank)
+        assert (pred.memory["parameters"] + pred.memory["gradients"] + pred.memory["optimizer"]
+                == peak["param_buffer"] + peak["grads"] + peak["optimizer"])
+
+
+def test_in_flight_micro_batches_match_the_schedule_programs():
+    for p in range(1, 6):
+        for v in (1, 2, 3):
+            if v > 1 and p == 1:
+                continue
+            for m in range(1, 11):
+                if v > 1 and m % p:
+                    continue
+                for r in range(p):
+                    live = peak = 0
+                    for op in build_program(p, r, m, v if v > 1 else None):
+                        live += {"F": 1, "B": -1}.get(op.kind, 0)
+                        peak = max(peak, live)
+                    assert P._in_flight_chunks(p, r, m, v) == peak, (p, v, m, r)
+
+
+# GPT-3 175B as Narayanan et al. 2021 trained it (arXiv:2104.04473, Table 1): tp 8, pp 16, micro-batch 1,
+# global batch 1536, sequence 2048, A100-80GB (312 TFLOP/s bf16, NVLink 300 GB/s per direction, 8 x
+# 200 Gb/s HDR InfiniBand per node = 25 GB/s per GPU). Attention without fused kernels (2021).
+A100 = dict(gpu_memory_gib=80, gpus_per_node=8, intra_node_gbps=300, inter_node_gbps=25, peak_tflops=312,
+            hbm_gbps=2039)
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan():
+    cluster = P.Cluster(gpus=1024, **A100)
+    return cluster, P.plan(preset("gpt-175b"), cluster, 1536, 2048, attention_backend="torch")
+
+
+def test_published_gpt3_layout_is_feasible_and_near_best(gpt3_plan):
+    cluster, result = gpt3_plan
+    best = result.best.step_time
+    published = [x for x in result if (x.layout.tp, x.layout.pp, x.layout.micro_batch_size) == (8, 16, 1)]
+    assert published, "tp 8 pp 16 micro-batch 1 should fit"
+    assert published[0].step_time <= 1.10 * best, (published[0].layout, published[0].step_time, best)
+    # As published: full recomputation, no interleaving, plain optimizer; predicted to fit in 80 GB.
+    fits, pred = P.check_layout(preset("gpt-175b"), tp=8, pp=16, dp=8, micro_batch_size=1, global_batch_size=1536,
+                                seq_length=2048, recompute="full", attention_backend="torch",
+                                gpu_memory_bytes=80 * P.GIB, cluster=cluster)
+    assert fits and pred.peak_bytes < 0.5 * 80 * P.GIB, pred.memory
+    # Without recomputation (and without sequence parallelism) 16 micro-batches of 6 layers do not fit.
+    fits, pred = P.check_layout(preset("gpt-175b"), tp=8, pp=16, dp=8, vpp=2, micro_batch_size=1,
+                                global_batch_size=1536, seq_length=2048, recompute="none", attention_backend="torch",
+                                gpu_memory_bytes=80 * P.GIB, cluster=cluster)
+    assert not fits and "activations" in pred.reason
+    # Every feasible layout keeps tp within a node, and nothing without model parallelism fits.
+    assert all(x.layout.tp <= 8 and x.layout.tp * x.layout.pp >= 16 for x in result)
+    assert "tp > gpus per node" in result.rejected and "heads % tp" not in result.rejected
+
+
+def test_small_model_on_small_memory_needs_small_micro_batches_or_recompute():
+    config = preset("gpt2-350m")
+    roomy = P.plan(config, P.Cluster(gpus=1, gpu_memory_gib=80), 8, 1024)
+    assert len(roomy) == roomy.evaluated == 4 * 3  # micro-batch 1, 2, 4, 8 x recompute, all fit
+    tight = P.plan(config, P.Cluster(gpus=1, gpu_memory_gib=10), 8, 1024)
+    shapes = {(x.layout.micro_batch_size, x.layout.recompute) for x in tight}
+    assert shapes and all(b <= 2 for b, _ in shapes) and (8, "none") not in shapes
+    assert (2, "full") in shapes and (2, "none") not in shapes  # recomputation buys the larger micro-batch
+    assert tight.rejected["does not fit"][0] == tight.evaluated - len(tight)
+    # Recomputation costs time: the fastest layout recomputes nothing.
+    assert roomy.best.layout.recompute == "none"
+    full = next(x for x in roomy if x.layout.recompute == "full" and x.layout.micro_batch_size == 1)
+    assert full.time["compute"] > roomy.best.time["compute"] * 1.25
+
+
+def run_cli(argv, capsys):
+    code = P.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_table_rejections_and_a_command_megalite_accepts(capsys):
+    code, out, _ = run_cli(["--model", "gpt-1.3b", "--gpus", "16", "--gpu-memory-gib", "24", "--global-batch-size",
+                            "64", "--seq-length", "2048", "--top", "3", "--explain"], capsys)
+    assert code == 0
+    assert "step s" in out and "rejected" in out and "does not fit" in out
+    lines = out.splitlines()
+    table = [ln for ln in lines if ln[:3].strip().isdigit() and "|" in ln]
+    assert len(table) == 3
+    cmd = next(ln.strip() for ln in lines if ln.strip().startswith("torchrun"))
+    assert "compute" in out and "bubble" in out  # --explain
+    words = shlex.split(cmd)
+    flags = words[words.index("pretrain_gpt.py") + 1:]
+    args = arguments.build_parser("x", default_model="gpt-tiny").parse_args(flags)
+    config = arguments.model_config(args)
+    assert arguments.validate(args, 16, config) == 16 // (args.tp * args.pp)
+
+
+def test_cli_json_and_custom_shape(capsys):
+    code, out, _ = run_cli(["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+                            "--vocab-size", "32000", "--gpus", "4", "--global-batch-size", "16", "--seq-length", "512",
+                            "--json", "--top", "2"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["feasible"] > 0 and len(data["best"]) == 2 and data["rejected"] is not None
+    b = data["best"][0]
+    assert b["fits"] and b["time_s"]["total"] > 0 and b["memory_bytes"]["total"] > 0
+    assert "--num-layers 8" in data["command"] and "--vocab-size 32000" in data["command"]
+
+
+def test_cli_model_too_large_fails_with_one_message(capsys):
+    code, out, err = run_cli(["--model", "gpt-175b", "--gpus", "8", "--global-batch-size", "8",
+                              "--seq-length", "2048"], capsys)
+    assert code != 0 and out == ""
+    assert err.count("\n") == 1 and "no layout of gpt-175b fits 8 GPUs" in err
+
+
+def test_cli_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "megalite.tools.plan", "--model", "gpt2-124m", "--gpus", "2",
+                           "--global-batch-size", "8", "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["best"][0]["layout"]["tp"] in (1, 2)
+    proc = subprocess.run([sys.executable, "-m", "megalite.tools.plan", "--model", "gpt2-124m", "--gpus", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--global-batch-size" in proc.stderr
+
+
+def test_check_args_takes_a_pretrain_namespace():
+    args = parse(["--model", "gpt2-350m", "--tp", "2", "--micro-batch-size", "4", "--global-batch-size", "64",
+                  "--seq-length", "1024", "--bf16", "--recompute", "selective", "--sequence-parallel"])
+    fits, pred = P.check_args(args, world_size=4, gpu_memory_bytes=80 * P.GIB)
+    assert fits and pred.layout == P.Layout(2, 1, 2, None, 4, "selective", True, False)
+    fits, pred = P.check_args(args, world_size=4, gpu_memory_bytes=4 * P.GIB)
+    assert not fits and pred.reason.startswith("does not fit")
+
+
+def test_pretrain_plan_flag_warns_before_training(tmp_path):
+    from cli import torchrun
+
+    run = torchrun("pretrain_gpt.py", 1, "--mock-data", "--train-iters", "1", "--seq-length", "32", "--plan",
+                   "--plan-gpu-memory-gib", "0.5")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "warning: the planner predicts this layout will not fit: does not fit" in run.stdout
+    run = torchrun("pretrain_gpt.py", 1, "--mock-data", "--train-iters", "1", "--seq-length", "32", "--plan",
+                   "--plan-gpu-memory-gib", "80")
+    assert "plan: this layout needs about" in run.stdout
