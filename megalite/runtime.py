@@ -164,7 +164,12 @@ def run_main(fn, *args) -> int:
         if what is None:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        code = _fail(f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} (lost: {lost_ranks()}); "
+        if _PHASE[0] == "start-up":  # no heartbeats yet: most often the wrong network interface
+            hint = ("check that every node reaches MASTER_ADDR and that GLOO_SOCKET_IFNAME / "
+                    "NCCL_SOCKET_IFNAME name the interface between nodes")
+        else:
+            hint = f"lost: {lost_ranks()}"
+        code = _fail(f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} ({hint}); "
                      f"limit: --distributed-timeout-minutes. {first[:300]}", 4, True)
     finally:
         from megalite.parallel import destroy_model_parallel

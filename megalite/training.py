@@ -96,7 +96,10 @@ def setup(args, world_size: int):
     if args.plan:
         _plan_warning(args, world_size)
     device = init_distributed(args.distributed_timeout_minutes)
-    parallel.initialize_model_parallel(args.tp, args.pp, args.vpp)
+    import datetime
+
+    parallel.initialize_model_parallel(args.tp, args.pp, args.vpp,
+                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     parallel.model_parallel_manual_seed(args.seed)
     return config, dp, device
 

@@ -41,8 +41,10 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    timeout=None,
 ) -> None:
-    """Build the TP, PP, DP, model-parallel and embedding groups on every rank."""
+    """Build the TP, PP, DP, model-parallel and embedding groups on every rank. `timeout` (a
+    timedelta) bounds every collective in them; by default torch's default for the backend."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError(
@@ -82,28 +84,28 @@ def initialize_model_parallel(
     for p in range(pp):
         for d in range(dp):
             ranks = [rank_of(p, d, t) for t in range(tp)]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.tp_group = group
     for p in range(pp):
         for t in range(tp):
             ranks = [rank_of(p, d, t) for d in range(dp)]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.dp_group = group
     for d in range(dp):
         ranks = [rank_of(p, d, t) for p in range(pp) for t in range(tp)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             state.model_parallel_group = group
     for d in range(dp):
         for t in range(tp):
             ranks = [rank_of(p, d, t) for p in range(pp)]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.pp_group, state.pp_ranks = group, ranks
             emb_ranks = sorted({ranks[0], ranks[-1]})
-            group = dist.new_group(emb_ranks)
+            group = dist.new_group(emb_ranks, timeout=timeout)
             if rank in emb_ranks:
                 state.embedding_group, state.embedding_ranks = group, emb_ranks
     _STATE = state

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install iproute2 (the `ip` command) so tests/test_multinode.py can build its test hosts: network
+# namespaces joined by a bridge (tests/netns.py). Does nothing when `ip` is already there.
+# Creating namespaces needs root (CI runs as root); the test fails in CI if it cannot.
+set -euo pipefail
+
+if PATH=$PATH:/usr/sbin:/sbin command -v ip >/dev/null 2>&1; then
+  echo "setup_netns: iproute2 already installed ($(PATH=$PATH:/usr/sbin:/sbin command -v ip))"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+  SUDO="sudo"
+fi
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null
+
+PATH=$PATH:/usr/sbin:/sbin command -v ip >/dev/null 2>&1 || { echo "setup_netns: ip still missing after apt-get install" >&2; exit 1; }
+echo "setup_netns: installed iproute2 $(dpkg-query -W -f='${Version}' iproute2)"

@@ -1,0 +1,269 @@
+#!/usr/bin/env bash
+# A real multi-node Slurm cluster on one machine: slurmctld in the root network namespace, one
+# slurmd per node, each inside its own network namespace ("host") with its own address, so that
+# multi-node jobs talk over a real (virtual) network. tests/netns.py makes the hosts:
+#
+#   python tests/netns.py --hosts 2 --names node0,node1 -- bash -c '
+#     scripts/slurm/two_node_cluster.sh start &&
+#     SLURM_CONF=/tmp/megalite-slurm-nodes/etc/slurm.conf GLOO_SOCKET_IFNAME=$MEGALITE_NETNS_IFNAME \
+#       MEGALITE_NPROC_PER_NODE=2 sbatch --wait -N 2 scripts/slurm/pretrain_gpt.sbatch --mock-data --tp 2 --pp 2
+#     scripts/slurm/two_node_cluster.sh stop'
+#
+# Nodes, controller address (environment):
+#   MEGALITE_SLURM_NODES     "name:netns:addr ..." one per node (default: $MEGALITE_NETNS_HOSTS, which
+#                            tests/netns.py sets); netns "-" runs that slurmd in the root namespace
+#   MEGALITE_SLURMCTLD_ADDR  slurmctld's address, reachable from every node (default:
+#                            $MEGALITE_NETNS_GATEWAY, the bridge's address; else 127.0.0.1)
+#   MEGALITE_SLURM_DIR       state dir (default /tmp/megalite-slurm-nodes): config, munge, spool, logs
+#   MEGALITE_SLURMCTLD_PORT, MEGALITE_SLURMD_PORT  (node i listens on MEGALITE_SLURMD_PORT + i)
+#
+# Node names must resolve to their addresses inside the nodes (the sbatch scripts rendezvous at
+# the first node's name): tests/netns.py writes /etc/netns/<netns>/hosts, which `ip netns exec`
+# mounts over /etc/hosts. One munged in the root namespace serves every node: its socket is a file,
+# and Unix sockets bound to a path are reachable from every network namespace.
+# Like local_cluster.sh: proctrack/linuxproc, task/none, no cgroups, no accounting. Needs root
+# (ip netns exec) and slurm-wlm + munge (.ci/setup_slurm.sh).
+set -euo pipefail
+
+STATE=${MEGALITE_SLURM_DIR:-/tmp/megalite-slurm-nodes}
+CTLD_PORT=${MEGALITE_SLURMCTLD_PORT:-16827}
+SLURMD_PORT=${MEGALITE_SLURMD_PORT:-16828}
+START_TIMEOUT=${MEGALITE_SLURM_START_TIMEOUT:-60}
+NODES=${MEGALITE_SLURM_NODES:-${MEGALITE_NETNS_HOSTS:-}}
+CTLD_ADDR=${MEGALITE_SLURMCTLD_ADDR:-${MEGALITE_NETNS_GATEWAY:-127.0.0.1}}
+
+CONF=$STATE/etc/slurm.conf
+MUNGE_SOCKET=$STATE/munge/munge.socket
+CTLD_NAME=$(hostname -s)
+export SLURM_CONF=$CONF
+
+log() { echo "two_node_cluster: $*" >&2; }
+
+# "name:netns:addr" entries -> parallel arrays.
+names=() netns=() addrs=()
+for entry in $NODES; do
+  IFS=: read -r n s a <<<"$entry"
+  if [ -z "$n" ] || [ -z "$s" ] || [ -z "$a" ]; then
+    log "error: bad node entry '$entry' (want name:netns:addr)"
+    exit 2
+  fi
+  names+=("$n") netns+=("$s") addrs+=("$a")
+done
+
+# pid from a pid file, if that process is alive and was started by us: its command line names
+# the daemon and this state dir (pids get reused; a system Slurm is not ours to stop).
+daemon_pid() {
+  local pidfile=$1 name=$2 pid cmdline
+  [ -s "$pidfile" ] || return 1
+  pid=$(cat "$pidfile")
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  case $cmdline in *"$name"*"$STATE"*) echo "$pid" ;; *) return 1 ;; esac
+}
+
+show_logs() {
+  local f
+  for f in "$STATE"/log/*.log; do
+    [ -f "$f" ] || continue
+    echo "----- $f (last 40 lines) -----" >&2
+    tail -n 40 "$f" >&2
+  done
+}
+
+fail() {
+  log "error: $*"
+  show_logs
+  stop_daemons
+  exit 1
+}
+
+# Start node i's slurmd, in its namespace ("-": the root namespace).
+# `ip netns exec` gives what it runs a mount namespace of its own with a fresh /sys (so that /sys
+# shows the namespace's network devices), which drops the cgroup mounts under /sys/fs/cgroup,
+# and slurmd 22.05 will not start without them (even with task/none and proctrack/linuxproc:
+# "No filesystem mounted on /sys/fs/cgroup ... slurmd initialization failed"). So mount the
+# same cgroup filesystems again, with the root namespace's types and options, inside that
+# private mount namespace (the host's mounts are not touched) before exec'ing slurmd.
+start_slurmd() {
+  local i=$1
+  if [ "${netns[$i]}" = - ]; then
+    slurmd -f "$CONF" -N "${names[$i]}"
+    return
+  fi
+  local mounts
+  mounts=$(awk '$2 == "/sys/fs/cgroup" || $2 ~ "^/sys/fs/cgroup/" {print $3, $2, $4}' /proc/self/mounts)
+  ip netns exec "${netns[$i]}" env MOUNTS="$mounts" bash -c '
+    set -e
+    while read -r type dir opts; do
+      [ -n "$type" ] || continue
+      mkdir -p "$dir"
+      mount -t "$type" -o "$opts" "$type" "$dir"
+    done <<<"$MOUNTS"
+    unset MOUNTS
+    exec slurmd -f "$0" -N "$1"' "$CONF" "${names[$i]}"
+}
+
+write_config() {
+  local cpus mem user i nodelist
+  cpus=$(nproc)
+  # The nodes share this machine: each claims all of it (slurmd drains a node that reports less
+  # memory than configured, so leave a margin).
+  mem=$(free -m | awk '/^Mem:/ {print $2}')
+  mem=$((mem - mem / 10))
+  user=$(id -un)
+  mkdir -p "$STATE"/{etc,munge,ctld,spool,log,run}
+  chmod 711 "$STATE/munge"
+  nodelist=$(IFS=,; echo "${names[*]}")
+
+  cat >"$CONF" <<EOF
+# Written by scripts/slurm/two_node_cluster.sh: ${#names[@]} nodes on one machine, one network
+# namespace each; no accounting, no cgroups.
+ClusterName=megalite-nodes
+SlurmctldHost=$CTLD_NAME($CTLD_ADDR)
+SlurmctldPort=$CTLD_PORT
+SlurmUser=$user
+SlurmdUser=$user
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$MUNGE_SOCKET
+StateSaveLocation=$STATE/ctld
+# %n: the node name, so every slurmd has its own spool, pid file and log.
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$STATE/run/slurmctld.pid
+SlurmdPidFile=$STATE/run/slurmd-%n.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+MailProg=/bin/true
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+KillWait=10
+MinJobAge=4
+EOF
+  for i in "${!names[@]}"; do
+    echo "NodeName=${names[$i]} NodeAddr=${addrs[$i]} Port=$((SLURMD_PORT + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN" >>"$CONF"
+  done
+  echo "PartitionName=debug Nodes=$nodelist Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+  cat >"$STATE/etc/cgroup.conf" <<EOF
+ConstrainCores=no
+ConstrainRAMSpace=no
+ConstrainDevices=no
+EOF
+  if [ ! -s "$STATE/munge/munge.key" ]; then
+    dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
+  fi
+  chmod 400 "$STATE/munge/munge.key"
+}
+
+node_states() {
+  timeout 10 sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true
+}
+
+start() {
+  if [ ${#names[@]} -eq 0 ]; then
+    log "error: no nodes: set MEGALITE_SLURM_NODES='name:netns:addr ...' (or run under tests/netns.py)"
+    exit 2
+  fi
+  local cmd
+  for cmd in munged slurmctld slurmd sinfo ip; do
+    command -v "$cmd" >/dev/null 2>&1 || PATH=$PATH:/usr/sbin:/sbin
+    command -v "$cmd" >/dev/null 2>&1 || { log "error: $cmd not found (.ci/setup_slurm.sh, .ci/setup_netns.sh)"; exit 1; }
+  done
+  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
+    log "already running (state dir $STATE); 'stop' first to restart"
+    status
+    return
+  fi
+  stop_daemons
+  write_config
+  rm -f "$STATE"/log/*.log
+
+  munged --force --socket="$MUNGE_SOCKET" --key-file="$STATE/munge/munge.key" \
+    --pid-file="$STATE/run/munged.pid" --log-file="$STATE/log/munged.log" \
+    --seed-file="$STATE/munge/munged.seed" || fail "munged did not start"
+  slurmctld -c -f "$CONF" || fail "slurmctld did not start"
+  local i
+  for i in "${!names[@]}"; do
+    mkdir -p "$STATE/spool/${names[$i]}"
+    start_slurmd "$i" || fail "slurmd -N ${names[$i]} did not start"
+  done
+
+  local deadline=$((SECONDS + START_TIMEOUT)) states="" want="" n
+  for n in "${names[@]}"; do want+="$n=idle "; done
+  want=$(tr ' ' '\n' <<<"$want" | sed '/^$/d' | sort -u | tr '\n' ' ')
+  while [ $SECONDS -lt $deadline ]; do
+    states=$(node_states)
+    [ "$states" = "$want" ] && break
+    daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null || fail "slurmctld exited (see its log below)"
+    for n in "${names[@]}"; do
+      daemon_pid "$STATE/run/slurmd-$n.pid" slurmd >/dev/null || fail "slurmd of $n exited (see its log below)"
+    done
+    sleep 1
+  done
+  [ "$states" = "$want" ] || fail "nodes not idle after ${START_TIMEOUT}s (sinfo: '${states:-no answer}', want '$want')"
+  log "up: ${names[*]} idle, controller $CTLD_ADDR:$CTLD_PORT; export SLURM_CONF=$CONF"
+}
+
+stop_daemons() {
+  local f name pid pids=() alive
+  for f in "$STATE"/run/slurmd-*.pid; do
+    [ -e "$f" ] || continue
+    pid=$(daemon_pid "$f" slurmd) && pids+=("$pid")
+  done
+  for name in slurmctld munged; do
+    pid=$(daemon_pid "$STATE/run/$name.pid" "$name") && pids+=("$pid")
+  done
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do
+      alive=0
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+      [ $alive = 0 ] && break
+      sleep 0.2
+    done
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null; done
+  fi
+  rm -f "$STATE"/run/*.pid
+}
+
+stop() {
+  # Cancel jobs first: their slurmstepd processes outlive slurmd otherwise.
+  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
+    timeout 10 scancel --full --partition=debug 2>/dev/null || true
+    local deadline=$((SECONDS + 30))
+    while [ $SECONDS -lt $deadline ] && [ -n "$(timeout 10 squeue -h -o %i 2>/dev/null || true)" ]; do
+      sleep 1
+    done
+  fi
+  stop_daemons
+  log "stopped (logs kept in $STATE/log)"
+}
+
+status() {
+  local f pid rc=0 name
+  for name in munged slurmctld; do
+    if pid=$(daemon_pid "$STATE/run/$name.pid" "$name"); then echo "$name: running (pid $pid)"; else echo "$name: stopped"; rc=1; fi
+  done
+  for name in "${names[@]}"; do
+    f=$STATE/run/slurmd-$name.pid
+    if pid=$(daemon_pid "$f" slurmd); then echo "slurmd $name: running (pid $pid)"; else echo "slurmd $name: stopped"; rc=1; fi
+  done
+  [ $rc = 0 ] && timeout 10 sinfo -N -l
+  return $rc
+}
+
+case ${1:-} in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 {start|stop|status}" >&2; exit 2 ;;
+esac

@@ -1,0 +1,440 @@
+"""Several "hosts" on one machine: Linux network namespaces on a bridge, for multi-node tests.
+
+    with netns.hosts(2) as net:            # needs root (CAP_NET_ADMIN) and iproute2's `ip`
+        p = net[1].popen(["python", "-c", "..."], env={...})
+        net[0].addr, net[0].ifname          # 10.77.X.10, "ml0"
+
+Each host is a network namespace with loopback up and one veth, named `ml0` inside every host
+(so one GLOO_SOCKET_IFNAME fits all), whose other end is a port of a bridge in the root namespace.
+The bridge holds the subnet's `.1` (the root namespace is reachable from every host there, e.g. for
+a Slurm controller), host i holds `.10 + i`. The subnet is 10.77.X.0/24 with the first X that no
+address or route of the root namespace uses. There is no default route: a host reaches its
+subnet and nothing else.
+
+Every host also gets /etc/netns/<namespace>/hosts and resolv.conf, which `ip netns exec`
+bind-mounts over /etc/hosts and /etc/resolv.conf for what it starts: the machine's hosts file plus
+every host's name, so host names (e.g. Slurm node names) resolve to their bridge addresses inside
+the hosts; and a resolver on the host's own loopback, so no DNS query goes anywhere.
+
+Names are `ml<tag><pid>h<i>` (namespaces), `ml<tag><pid>br` (bridge), `ml<tag><pid>v<i>` (veths,
+root side); the pid is the creating process's. Leaving the context (normally, on an exception,
+on KeyboardInterrupt) SIGKILLs whatever still runs in the namespaces and removes namespaces,
+veths, bridge and /etc/netns files. Leftovers of a crashed run, i.e. objects of this naming whose
+pid is not a live process (or is ours, from a reused pid), are removed before creating anything.
+
+Run a command with hosts around it (they are removed when it ends):
+
+    python tests/netns.py --hosts 2 --names node0,node1 -- bash -c 'env | grep MEGALITE_NETNS'
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+INNER_IFNAME = "ml0"
+NETNS_ETC = "/etc/netns"
+# ml<tag letter><pid><suffix>: suffix h<i> for namespaces, br for the bridge, v<i> for veths.
+_NAME = re.compile(r"^ml[a-z](\d+)(?:h\d+|br|v\d+)$")
+_IP_TIMEOUT = 20
+
+
+class NetnsError(RuntimeError):
+    """The hosts could not be set up (no privileges, no `ip`, blocked bridge traffic, ...)."""
+
+
+def ip_command() -> str | None:
+    return shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip")
+                                       if os.access(p, os.X_OK)), None)
+
+
+def _ip(*args: str, check: bool = True, netns: str | None = None) -> subprocess.CompletedProcess:
+    ip = ip_command()
+    if ip is None:
+        raise NetnsError("iproute2's `ip` is not installed (bash .ci/setup_netns.sh installs it)")
+    cmd = [ip, *(("-n", netns) if netns else ()), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT)
+    if check and run.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed (exit {run.returncode}): {run.stderr.strip()}")
+    return run
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_CREATED_ETC = [False]  # whether this process created /etc/netns (then it removes it when empty)
+_ACTIVE: set[str] = set()  # stems (ml<tag><pid>) of this process's networks that are in use
+
+
+def _stale(name: str) -> bool:
+    """Ours by name, and left behind: by a dead process, or by an earlier owner of our pid."""
+    m = _NAME.match(name)
+    if not m:
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return name[:3 + len(m.group(1))] not in _ACTIVE
+    return not _pid_alive(pid)
+
+
+def netns_pids(name: str) -> list[int]:
+    run = _ip("netns", "pids", name, check=False)
+    return [int(x) for x in run.stdout.split()] if run.returncode == 0 else []
+
+
+def kill_netns_processes(name: str, sig: int = signal.SIGKILL, timeout: float = 15.0) -> list[int]:
+    """Send `sig` to every process in namespace `name` until none is left (bounded: `timeout`
+    seconds); returns the pids signalled. Processes that outlive the bound are left as they are."""
+    signalled: list[int] = []
+    deadline = time.monotonic() + timeout
+    for _ in range(200):
+        pids = [p for p in netns_pids(name) if p != os.getpid()]
+        if not pids or time.monotonic() > deadline:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            if pid not in signalled:
+                signalled.append(pid)
+        if sig != signal.SIGKILL:
+            break
+        time.sleep(0.1)
+    return signalled
+
+
+def _remove_netns(name: str) -> None:
+    kill_netns_processes(name)
+    _ip("netns", "delete", name, check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+
+
+def _remove_link(name: str) -> None:
+    _ip("link", "delete", name, check=False)
+
+
+def clean_stale() -> list[str]:
+    """Remove namespaces, links and /etc/netns dirs of this naming left by dead processes."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if _stale(name):
+            _remove_netns(name)
+            removed.append(name)
+    links = _ip("-o", "link", "show", check=False).stdout.splitlines()
+    names = [ln.split(":")[1].strip().split("@")[0] for ln in links if ln.count(":") >= 2]
+    # veths first (deleting one end deletes its peer), then bridges.
+    for name in sorted((n for n in names if _stale(n)), key=lambda n: n.endswith("br")):
+        _remove_link(name)
+        removed.append(name)
+    if os.path.isdir(NETNS_ETC):
+        stale = [name for name in os.listdir(NETNS_ETC) if _stale(name)]
+        for name in stale:
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+        if stale or removed:  # a crashed run of ours made it: remove it once empty
+            with contextlib.suppress(OSError):
+                os.rmdir(NETNS_ETC)
+    return removed
+
+
+def _exit_on_sigterm():
+    """While hosts exist, SIGTERM (timeout(1), a CI runner cancelling the job) raises SystemExit
+    instead of killing the process outright, so the clean-up in `hosts` still runs. Only where
+    SIGTERM has its default action and in the main thread; returns the function that undoes it."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    def restore():
+        if signal.getsignal(signal.SIGTERM) is on_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return restore
+
+
+@contextlib.contextmanager
+def _machine_lock(timeout: float = 60.0):
+    """An exclusive lock shared by every process on this machine (a file lock), bounded."""
+    import fcntl
+
+    with open(os.path.join("/tmp", "megalite-netns.lock"), "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NetnsError(f"/tmp/megalite-netns.lock held for over {timeout:.0f} s")
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _pick_subnet() -> ipaddress.IPv4Network:
+    """10.77.X.0/24 with the first X that no address or route of the root namespace touches."""
+    used = _ip("-4", "-o", "addr", "show", check=False).stdout + _ip("-4", "route", "show", "table", "all",
+                                                                    check=False).stdout
+    for x in range(256):
+        net = ipaddress.IPv4Network(f"10.77.{x}.0/24")
+        if not any(ipaddress.IPv4Network(m, strict=False).overlaps(net)
+                   for m in re.findall(r"\b(10\.77\.\d+\.\d+(?:/\d+)?)", used)):
+            return net
+    raise NetnsError("no free 10.77.X.0/24 subnet")
+
+
+@dataclass
+class Host:
+    name: str  # the hostname (e.g. Slurm node name), resolvable inside every host
+    netns: str
+    addr: str
+    veth: str  # root-namespace end
+    ifname: str = INNER_IFNAME  # this host's end, inside its namespace
+    procs: list = field(default_factory=list)
+
+    def command(self, argv: list[str]) -> list[str]:
+        return [ip_command(), "netns", "exec", self.netns, *argv]
+
+    def popen(self, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        """Start argv inside this host (`ip netns exec` execs it: the Popen's pid is argv's)."""
+        p = subprocess.Popen(self.command(argv), env=env, **kw)
+        self.procs.append(p)
+        return p
+
+    def run(self, argv: list[str], timeout: float = 60, env: dict | None = None,
+            **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(argv), env=env, timeout=timeout, capture_output=True, text=True,
+                              **kw)
+
+    def pids(self) -> list[int]:
+        return netns_pids(self.netns)
+
+    def kill_all(self, sig: int = signal.SIGKILL, timeout: float = 15.0) -> list[int]:
+        """Every process in this host's namespace (a node whose processes all die: the kernel
+        still closes their connections, so peers see them go at once)."""
+        return kill_netns_processes(self.netns, sig, timeout)
+
+    def unplug(self) -> None:
+        """Take this host's link to the bridge down (a network partition: packets vanish, no
+        connection is closed, so peers notice only through time-outs)."""
+        _ip("link", "set", self.veth, "down")
+
+    def plug(self) -> None:
+        _ip("link", "set", self.veth, "up")
+
+
+@dataclass
+class Network:
+    bridge: str
+    subnet: ipaddress.IPv4Network
+    gateway: str  # the bridge's address: the root namespace as seen from the hosts
+    hosts: list[Host]
+
+    def __getitem__(self, i: int) -> Host:
+        return self.hosts[i]
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def env(self) -> dict[str, str]:
+        """The layout as environment variables (for scripts): MEGALITE_NETNS_HOSTS holds
+        'name:netns:addr' per host, space separated."""
+        return {"MEGALITE_NETNS_HOSTS": " ".join(f"{h.name}:{h.netns}:{h.addr}" for h in self.hosts),
+                "MEGALITE_NETNS_GATEWAY": self.gateway, "MEGALITE_NETNS_IFNAME": INNER_IFNAME}
+
+    def check(self, timeout: float = 10.0) -> None:
+        """Every host reaches host 0 and the gateway over TCP (bounded: `timeout` seconds)."""
+        listener = (
+            "import socket,sys\n"
+            "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "s.bind(('0.0.0.0', 0)); s.listen(16); s.settimeout(%r)\n"
+            "print(s.getsockname()[1], flush=True)\n"
+            "for _ in range(%d):\n"
+            "    c, _a = s.accept(); c.close()\n" % (timeout, len(self.hosts)))
+        server = self.hosts[0].popen([sys.executable, "-c", listener], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        try:
+            port = int(server.stdout.readline().strip() or 0)
+            if not port:
+                raise NetnsError(f"no listener in {self.hosts[0].netns}: {server.stderr.read()[-500:]}")
+            connect = ("import socket,sys\n"
+                       "socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=%r).close()\n" % timeout)
+            for h in self.hosts:
+                r = h.run([sys.executable, "-c", connect, self.hosts[0].addr, str(port)], timeout=timeout + 5)
+                if r.returncode != 0:
+                    raise NetnsError(
+                        f"{h.netns} cannot reach {self.hosts[0].addr}:{port} over bridge {self.bridge}: "
+                        f"{r.stderr.strip().splitlines()[-1:]}. If br_netfilter is loaded with an iptables "
+                        f"FORWARD policy of DROP (Docker hosts), bridged traffic is filtered.")
+            server.wait(timeout=timeout)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+            for f in (server.stdout, server.stderr):
+                f.close()
+
+
+@contextlib.contextmanager
+def hosts(n: int = 2, names: list[str] | None = None, tag: str = "t", check: bool = True):
+    """`n` hosts on a fresh bridge; yields a Network. `tag` (one letter) keeps the names of two
+    networks of one process apart. Everything is removed on exit, whatever the reason."""
+    if not (len(tag) == 1 and tag.isalpha() and tag.islower()):
+        raise ValueError("tag must be one lowercase letter")
+    if n < 1 or n > 200:
+        raise ValueError("1 <= n <= 200")
+    names = list(names or [f"host{i}" for i in range(n)])
+    if len(names) != n:
+        raise ValueError(f"{n} hosts but {len(names)} names")
+    if ip_command() is None:
+        raise NetnsError("iproute2's `ip` is not installed (bash .ci/setup_netns.sh installs it)")
+    stem = f"ml{tag}{os.getpid()}"
+    bridge = f"{stem}br"
+    if len(bridge) > 15 or len(f"{stem}v{n - 1}") > 15:
+        raise NetnsError(f"interface names from pid {os.getpid()} exceed 15 characters")
+    if stem in _ACTIVE:
+        raise ValueError(f"a network with tag {tag!r} is already up in this process")
+    restore = _exit_on_sigterm()
+    try:
+        with _hosts(n, names, stem, bridge, check) as net:
+            yield net
+    finally:
+        restore()
+
+
+@contextlib.contextmanager
+def _hosts(n: int, names: list[str], stem: str, bridge: str, check: bool):
+    with _machine_lock():  # two test runs at once must not pick the same subnet
+        clean_stale()
+        subnet = _pick_subnet()
+        addrs = list(subnet.hosts())
+        gateway = str(addrs[0])  # .1
+        net = Network(bridge, subnet, gateway, [
+            Host(name=names[i], netns=f"{stem}h{i}", addr=str(addrs[9 + i]), veth=f"{stem}v{i}")
+            for i in range(n)])
+        _ACTIVE.add(stem)
+        try:
+            _ip("link", "add", bridge, "type", "bridge")
+            _ip("addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", bridge)
+        except BaseException:
+            teardown(net)
+            _ACTIVE.discard(stem)
+            raise
+    try:
+        _ip("link", "set", bridge, "up")
+        hosts_file = _hosts_file(net)
+        for h in net.hosts:
+            _ip("netns", "add", h.netns)
+            if not os.path.isdir(NETNS_ETC):
+                os.makedirs(NETNS_ETC, exist_ok=True)
+                _CREATED_ETC[0] = True
+            os.makedirs(os.path.join(NETNS_ETC, h.netns), exist_ok=True)
+            with open(os.path.join(NETNS_ETC, h.netns, "hosts"), "w") as f:
+                f.write(hosts_file)
+            # No DNS server is reachable from a host: lookups that miss the hosts file fail at
+            # once on the host's own loopback instead of waiting for a server on another network.
+            with open(os.path.join(NETNS_ETC, h.netns, "resolv.conf"), "w") as f:
+                f.write("# tests/netns.py: no DNS inside test hosts\nnameserver 127.0.0.1\n"
+                        "options timeout:1 attempts:1\n")
+            # The inner end is created directly in the namespace, under the same name in every host.
+            _ip("link", "add", h.veth, "type", "veth", "peer", "name", h.ifname, "netns", h.netns)
+            _ip("link", "set", h.veth, "master", bridge)
+            _ip("link", "set", h.veth, "up")
+            _ip("link", "set", "lo", "up", netns=h.netns)
+            _ip("addr", "add", f"{h.addr}/{subnet.prefixlen}", "dev", h.ifname, netns=h.netns)
+            _ip("link", "set", h.ifname, "up", netns=h.netns)
+        if check:
+            net.check()
+        yield net
+    finally:
+        teardown(net)
+        _ACTIVE.discard(stem)
+
+
+def _hosts_file(net: Network) -> str:
+    """The machine's /etc/hosts (localhost, its own name) plus every host's name."""
+    try:
+        with open("/etc/hosts") as f:
+            base = f.read()
+    except OSError:
+        base = "127.0.0.1 localhost\n"
+    if base and not base.endswith("\n"):
+        base += "\n"
+    return base + "# megalite test hosts (tests/netns.py)\n" + "".join(f"{h.addr} {h.name}\n" for h in net.hosts)
+
+
+def teardown(net: Network) -> None:
+    """Kill what runs in the hosts, then remove namespaces, veths, bridge and /etc/netns files."""
+    for h in net.hosts:
+        for p in h.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+        with contextlib.suppress(Exception):
+            _remove_netns(h.netns)
+        with contextlib.suppress(Exception):
+            _remove_link(h.veth)  # gone with the namespace already, normally
+        for p in h.procs:
+            with contextlib.suppress(Exception):
+                p.wait(timeout=5)
+    with contextlib.suppress(Exception):
+        _remove_link(net.bridge)
+    if _CREATED_ETC[0]:
+        with contextlib.suppress(OSError):  # only if we made it, and only when empty
+            os.rmdir(NETNS_ETC)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="run a command with N network-namespace hosts around it")
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--names", default=None, help="comma-separated host names (default host0,host1,...)")
+    ap.add_argument("--tag", default="c")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- command ... (MEGALITE_NETNS_* in its env)")
+    a = ap.parse_args(argv)
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd:
+        ap.error("no command given")
+    with hosts(a.hosts, a.names.split(",") if a.names else None, tag=a.tag) as net:
+        for h in net.hosts:
+            print(f"netns: {h.name} = {h.netns} {h.addr} ({h.ifname})", file=sys.stderr)
+        print(f"netns: bridge {net.bridge} {net.gateway}/{net.subnet.prefixlen}", file=sys.stderr)
+        child = subprocess.Popen(cmd, env={**os.environ, **net.env()})
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            if child.poll() is None:
+                child.terminate()
+                try:
+                    child.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
