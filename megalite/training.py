@@ -2,6 +2,7 @@
 reduction, clipping, optimizer step, logging and the timeline."""
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -9,7 +10,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megalite import arguments, parallel
+from megalite import arguments, checkpoint, parallel
 from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
@@ -22,7 +23,6 @@ from megalite.optim import (
 )
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.pipeline.schedules import build_program, run_schedule, theoretical_bubble
-from megalite import checkpoint
 from megalite.runtime import TrainingStopped, UsageError, env_world, init_distributed, say, set_phase
 
 
@@ -96,8 +96,6 @@ def setup(args, world_size: int):
     if args.plan:
         _plan_warning(args, world_size)
     device = init_distributed(args.distributed_timeout_minutes)
-    import datetime
-
     parallel.initialize_model_parallel(args.tp, args.pp, args.vpp,
                                        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     parallel.model_parallel_manual_seed(args.seed)
