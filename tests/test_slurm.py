@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "scripts" / "slurm"
-SHELL_SCRIPTS = [SLURM / "local_cluster.sh", SLURM / "pretrain_gpt.sbatch", SLURM / "pretrain_bert.sbatch",
+SHELL_SCRIPTS = [SLURM / "local_cluster.sh", SLURM / "cluster_common.sh", SLURM / "two_node_cluster.sh",
+                 SLURM / "pretrain_gpt.sbatch", SLURM / "pretrain_bert.sbatch",
                  ROOT / ".ci" / "setup_slurm.sh"]
 CPUS = len(os.sched_getaffinity(0))
 TRAIN = ["--mock-data", "--tp", "2", "--log-interval", "1", "--seq-length", "32"]

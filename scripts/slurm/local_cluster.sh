@@ -25,31 +25,7 @@ export SLURM_CONF=$CONF
 
 log() { echo "local_cluster: $*" >&2; }
 
-# pid from a pid file if that process is alive and is the daemon we started, with our state dir
-# on its command line (pids get reused; a system Slurm is not ours to stop).
-daemon_pid() {
-  local pidfile=$1 name=$2 pid cmdline
-  [ -s "$pidfile" ] || return 1
-  pid=$(cat "$pidfile")
-  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
-  case $cmdline in *"$name"*"$STATE"*) echo "$pid" ;; *) return 1 ;; esac
-}
-
-show_logs() {
-  local f
-  for f in "$STATE"/log/*.log; do
-    [ -f "$f" ] || continue
-    echo "----- $f (last 40 lines) -----" >&2
-    tail -n 40 "$f" >&2
-  done
-}
-
-fail() {
-  log "error: $*"
-  show_logs
-  stop_daemons
-  exit 1
-}
+. "$(dirname "${BASH_SOURCE[0]}")/cluster_common.sh"
 
 write_config() {
   local cpus mem user
@@ -149,38 +125,6 @@ start() {
   done
   [ "$state" = idle ] || fail "node $NODE not idle after ${START_TIMEOUT}s (sinfo state: '${state:-no answer}')"
   log "up: node $NODE idle, $(nproc) CPUs; export SLURM_CONF=$CONF"
-}
-
-stop_daemons() {
-  local name pid pids=() alive
-  for name in slurmd slurmctld munged; do
-    pid=$(daemon_pid "$STATE/run/$name.pid" "$name") && pids+=("$pid")
-  done
-  # All at once: each takes a second or two to shut down.
-  if [ ${#pids[@]} -gt 0 ]; then
-    kill -TERM "${pids[@]}" 2>/dev/null || true
-    for _ in $(seq 50); do
-      alive=0
-      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-      [ $alive = 0 ] && break
-      sleep 0.2
-    done
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null; done
-  fi
-  rm -f "$STATE"/run/*.pid
-}
-
-stop() {
-  # Cancel jobs first: their slurmstepd processes outlive slurmd otherwise.
-  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
-    timeout 10 scancel --full --partition=debug 2>/dev/null || true
-    local deadline=$((SECONDS + 30))
-    while [ $SECONDS -lt $deadline ] && [ -n "$(timeout 10 squeue -h -o %i 2>/dev/null || true)" ]; do
-      sleep 1
-    done
-  fi
-  stop_daemons
-  log "stopped (logs kept in $STATE/log)"
 }
 
 status() {

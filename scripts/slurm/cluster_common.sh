@@ -1,0 +1,63 @@
+# Process bookkeeping shared by local_cluster.sh and two_node_cluster.sh (sourced, not run).
+# The caller sets STATE (the cluster's state dir, pid files in $STATE/run) and defines log().
+
+# pid from a pid file, if that process is alive and was started by us: its command line names
+# the daemon and this state dir (pids get reused; a system Slurm is not ours to stop).
+daemon_pid() {
+  local pidfile=$1 name=$2 pid cmdline
+  [ -s "$pidfile" ] || return 1
+  pid=$(cat "$pidfile")
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  case $cmdline in *"$name"*"$STATE"*) echo "$pid" ;; *) return 1 ;; esac
+}
+
+show_logs() {
+  local f
+  for f in "$STATE"/log/*.log; do
+    [ -f "$f" ] || continue
+    echo "----- $f (last 40 lines) -----" >&2
+    tail -n 40 "$f" >&2
+  done
+}
+
+# Every daemon with a pid file under $STATE/run (slurmd-NAME.pid is a slurmd), all at once:
+# each takes a second or two to shut down.
+stop_daemons() {
+  local f name pid pids=() alive
+  for f in "$STATE"/run/*.pid; do
+    [ -e "$f" ] || continue
+    name=$(basename "$f" .pid)
+    pid=$(daemon_pid "$f" "${name%%-*}") && pids+=("$pid")
+  done
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do
+      alive=0
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+      [ $alive = 0 ] && break
+      sleep 0.2
+    done
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null; done
+  fi
+  rm -f "$STATE"/run/*.pid
+}
+
+fail() {
+  log "error: $*"
+  show_logs
+  stop_daemons
+  exit 1
+}
+
+stop() {
+  # Cancel jobs first: their slurmstepd processes outlive slurmd otherwise.
+  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
+    timeout 10 scancel --full --partition=debug 2>/dev/null || true
+    local deadline=$((SECONDS + 30))
+    while [ $SECONDS -lt $deadline ] && [ -n "$(timeout 10 squeue -h -o %i 2>/dev/null || true)" ]; do
+      sleep 1
+    done
+  fi
+  stop_daemons
+  log "stopped (logs kept in $STATE/log)"
+}
