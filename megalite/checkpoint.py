@@ -365,12 +365,14 @@ def _assemble(slices) -> torch.Tensor:
     if whole:
         return whole[0]
     dim = slices[0][0]
-    size = max(start + t.shape[dim] for _, start, t in slices)
+    # Empty slices (TP ranks holding only vocabulary padding) say nothing about the size.
+    size = max((start + t.shape[dim] for _, start, t in slices if t.shape[dim] > 0), default=0)
     shape = list(slices[0][2].shape)
     shape[dim] = size
     full = torch.zeros(shape, dtype=slices[0][2].dtype)
     for _, start, t in slices:
-        full.narrow(dim, start, t.shape[dim]).copy_(t)
+        if t.shape[dim] > 0:
+            full.narrow(dim, start, t.shape[dim]).copy_(t)
     return full
 
 
@@ -415,22 +417,22 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
 def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> bool:
     """Masters and Adam moments, resharded to this rank's pieces. False if the checkpoint has none."""
     names = {id(p): (chunk, local) for chunk in model_chunks for local, p in chunk.named_parameters()}
-    cache: dict[str, dict | None] = {}
     step = max((f.get("step", 0) for f in reader.files), default=0)
     if not any(f.get("optim") for f in reader.files):
         return False
     with torch.no_grad():
+        # A parameter lies in one bucket, so this rank holds at most one piece of it: assemble its
+        # full state, copy the piece, and let the full tensors go before the next parameter.
         for piece in optimizer.pieces:
             chunk, local = names[id(piece.param)]
             name = global_name(chunk, local)
-            if name not in cache:
-                cache[name] = reader.full_optimizer_state(name)
-            full = cache[name]
+            full = reader.full_optimizer_state(name)
             if full is None:
                 raise UsageError(f"checkpoint {reader.path} has no optimizer state for {name}")
             p_lo, _ = piece.buffer.param_range(piece.param)
             lo, hi = piece.lo - p_lo, piece.hi - p_lo
             local_values = {k: _local_piece(chunk, local, piece.param, v).reshape(-1)[lo:hi] for k, v in full.items()}
+            del full
             piece.master.view(-1).copy_(local_values["master"])
             if "exp_avg" in local_values:
                 st = optimizer.inner.state[piece.master]
@@ -439,7 +441,9 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
                 fused = bool(optimizer.inner.defaults.get("fused"))
                 st["step"] = torch.tensor(float(step), device=piece.master.device if fused else "cpu")
     scaler = next((f["loss_scaler"] for f in reader.files if "loss_scaler" in f), None)
-    if scaler is not None:
+    # Only a dynamic scaler carries state worth resuming; a constant one (bf16, fp32, or an explicit
+    # --loss-scale) keeps what this run asked for, and an fp16 <-> bf16 switch starts the scaler anew.
+    if scaler is not None and set(scaler) == set(optimizer.loss_scaler.state_dict()) and len(scaler) > 1:
         optimizer.loss_scaler.load_state_dict(scaler)
     optimizer.publish()
     return True

@@ -322,6 +322,8 @@ def pretrain(args, task: Task) -> TrainingRun:
             logger.say(f"megalite: iteration {iteration + 1}: inf/NaN gradients, step skipped "
                        f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
             if skipped_in_a_row >= args.max_skipped_iters:
+                if saver is not None:  # every rank stops here together: commit a pending async save
+                    saver.finalize()
                 raise TrainingStopped(
                     f"stopping at iteration {iteration + 1}: {skipped_in_a_row} iterations in a row had inf/NaN "
                     f"gradients (loss scale {optimizer.loss_scaler.scale:g}); lower --lr, check the data, or "

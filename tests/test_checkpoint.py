@@ -162,3 +162,26 @@ def test_a_lost_rank_ends_the_others_with_a_message_naming_the_phase(tmp_path):
     assert line and "rank 0" in line[0] and "iteration" in line[0], err[-3000:]
     assert "(lost: rank 1)" in line[0], line[0]
     procs[1].communicate()
+
+
+def test_full_state_dict_of_a_tp4_checkpoint_has_single_device_padding(tmp_path):
+    """Vocabulary 100 at tp=4: three TP ranks hold padding only; the single-device table is 128 rows."""
+    run_ranks(train_losses, 4, args=(BASE + ["--tp", "4", "--vocab-size", "100", "--save", str(tmp_path),
+                                             "--exit-interval", "1"],))
+    _, _, sd = checkpoint.load_full_state_dict(tmp_path)
+    assert sd["word_embeddings.weight"].shape[0] == 128
+    assert torch.count_nonzero(sd["word_embeddings.weight"][100:]) == 0
+
+
+def test_a_bf16_checkpoint_resumes_under_fp16_with_a_fresh_loss_scaler(tmp_path):
+    run_ranks(train_losses, 1, args=(BASE + ["--bf16", "--save", str(tmp_path), "--exit-interval", "2"],))
+    out = run_ranks(train_params_fp16, 1, args=(BASE + ["--fp16", "--load", str(tmp_path), "--train-iters", "4",
+                                                        "--initial-loss-scale", "1024"],))[0]
+    assert [r["iteration"] for r in out["records"]] == [3, 4]
+    assert out["records"][0]["loss_scale"] == 1024
+
+
+def train_params_fp16(rank, world, argv):
+    from training_ranks import train_params
+
+    return train_params(rank, world, argv)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -30,10 +31,15 @@ from megalite.data.indexed import DatasetError, IndexedDataset
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """Many ranks may start together: one builds an index, the others wait, then load it."""
+    """Many ranks may start together: one builds an index, the others wait, then load it. Where
+    the file system has no flock (some Lustre mounts), everyone builds: writes are still atomic."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
         try:
             yield
         finally:
@@ -48,8 +54,12 @@ def cached_arrays(cache_dir: Path, key: dict, build) -> dict[str, np.ndarray]:
     with _file_lock(cache_dir / f".{digest}.lock"):
         if not done.exists():
             arrays = build()
-            tmp = base.with_suffix(".tmp.npz")
-            np.savez(tmp, **arrays)
+            # A name of our own: a lock that does not span nodes must not let two writers share a file.
+            tmp = base.with_suffix(f".{socket.gethostname()}.{os.getpid()}.tmp.npz")
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, done)
     with np.load(done) as z:
         return {k: z[k] for k in z.files}
@@ -183,13 +193,13 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, num_sa
     out = []
     for which, name in enumerate(("train", "valid", "test")):
         n = num_samples[which]
+        with_docs = [(w, ds, split_ranges(ds.num_documents, split)[which]) for w, ds in indexed]
+        with_docs = [(w, ds, r) for w, ds, r in with_docs if r[1] > r[0]]
+        total = sum(w for w, _, _ in with_docs)  # shares among the datasets this split has
         parts = []
-        for w, ds in indexed:
-            lo, hi = split_ranges(ds.num_documents, split)[which]
-            if hi > lo and n > 0:
-                share = w / sum(x for x, _ in indexed)
-                parts.append((w, GPTDataset(ds, (lo, hi), int(math.ceil(n * share * 1.005)) + 1, seq_length,
-                                            seed, name)))
+        for w, ds, (lo, hi) in with_docs if n > 0 else []:
+            parts.append((w, GPTDataset(ds, (lo, hi), int(math.ceil(n * w / total * 1.005)) + 1, seq_length,
+                                        seed, name)))
         if not parts:
             out.append(None)
         elif len(parts) == 1:
