@@ -61,3 +61,60 @@ stop() {
   stop_daemons
   log "stopped (logs kept in $STATE/log)"
 }
+
+# The state dir's layout, the munge key (0400; clients of any user reach the socket through the
+# 0711 dir) and a cgroup.conf with every constraint off (not read with proctrack/linuxproc +
+# task/none; there so the state dir holds a complete config should a plugin switch to cgroups).
+prepare_state_dir() {
+  mkdir -p "$STATE"/{etc,munge,ctld,spool,log,run}
+  chmod 711 "$STATE/munge"
+  if [ ! -s "$STATE/munge/munge.key" ]; then
+    dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
+  fi
+  chmod 400 "$STATE/munge/munge.key"
+  printf 'ConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n' >"$STATE/etc/cgroup.conf"
+}
+
+# Memory a node may claim: slurmd drains a node that reports less than configured, so leave a margin.
+node_memory_mib() {
+  local mem
+  mem=$(free -m | awk '/^Mem:/ {print $2}')
+  echo $((mem - mem / 10))
+}
+
+# slurm.conf lines both clusters share; each adds its controller, node-specific files and nodes.
+common_slurm_conf() {
+  local user
+  user=$(id -un)
+  cat <<EOF
+SlurmUser=$user
+SlurmdUser=$user
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$MUNGE_SOCKET
+StateSaveLocation=$STATE/ctld
+SlurmctldPidFile=$STATE/run/slurmctld.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# linuxproc follows the process tree, so it still finds torchrun's ranks, which start their own
+# sessions (proctrack/pgid would lose them); task/none: no binding and no cgroups needed.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+MailProg=/bin/true
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+# Use the configured CPUs/memory even if slurmd detects a different topology (containers).
+SlurmdParameters=config_overrides
+ReturnToService=2
+KillWait=10
+# sbatch --wait polls every 2 s while MinJobAge/2 <= 2, instead of backing off to 32 s (a test
+# would wait up to half a minute for a finished job); 4 s still outlives one poll interval.
+MinJobAge=4
+EOF
+}

@@ -28,69 +28,20 @@ log() { echo "local_cluster: $*" >&2; }
 . "$(dirname "${BASH_SOURCE[0]}")/cluster_common.sh"
 
 write_config() {
-  local cpus mem user
-  cpus=$(nproc)
-  # slurmd drains a node that reports less memory than configured: leave a margin.
-  mem=$(free -m | awk '/^Mem:/ {print $2}')
-  mem=$((mem - mem / 10))
-  user=$(id -un)
-  mkdir -p "$STATE"/{etc,munge,ctld,spool,log,run}
-  # Clients of any user reach the socket through this dir; the key itself stays 0400.
-  chmod 711 "$STATE/munge"
-
-  cat >"$CONF" <<EOF
-# Written by scripts/slurm/local_cluster.sh: one node, no accounting, no cgroups.
-ClusterName=megalite-local
-SlurmctldHost=$NODE(127.0.0.1)
-SlurmctldPort=$CTLD_PORT
-SlurmdPort=$SLURMD_PORT
-SlurmUser=$user
-SlurmdUser=$user
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCKET
-StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
-SlurmctldPidFile=$STATE/run/slurmctld.pid
-SlurmdPidFile=$STATE/run/slurmd.pid
-SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-# linuxproc follows the process tree, so it still finds torchrun's ranks, which start their own
-# sessions (proctrack/pgid would lose them); task/none: no binding and no cgroups needed.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-MailProg=/bin/true
-SwitchType=switch/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-# Use the configured CPUs/memory even if slurmd detects a different topology (containers).
-SlurmdParameters=config_overrides
-ReturnToService=2
-KillWait=10
-# sbatch --wait polls every 2 s while MinJobAge/2 <= 2, instead of backing off to 32 s (a test
-# would wait up to half a minute for a finished job); 4 s still outlives one poll interval.
-MinJobAge=4
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
-EOF
-  # Not read with proctrack/linuxproc + task/none; written so that the state dir holds a complete
-  # config with every cgroup constraint off, should a plugin be switched to cgroups.
-  cat >"$STATE/etc/cgroup.conf" <<EOF
-ConstrainCores=no
-ConstrainRAMSpace=no
-ConstrainDevices=no
-EOF
-
-  if [ ! -s "$STATE/munge/munge.key" ]; then
-    dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
-  fi
-  chmod 400 "$STATE/munge/munge.key"
+  prepare_state_dir
+  {
+    echo "# Written by scripts/slurm/local_cluster.sh: one node, no accounting, no cgroups."
+    echo "ClusterName=megalite-local"
+    echo "SlurmctldHost=$NODE(127.0.0.1)"
+    echo "SlurmctldPort=$CTLD_PORT"
+    echo "SlurmdPort=$SLURMD_PORT"
+    common_slurm_conf
+    echo "SlurmdSpoolDir=$STATE/spool"
+    echo "SlurmdPidFile=$STATE/run/slurmd.pid"
+    echo "SlurmdLogFile=$STATE/log/slurmd.log"
+    echo "NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$(node_memory_mib) State=UNKNOWN"
+    echo "PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP"
+  } >"$CONF"
 }
 
 start() {

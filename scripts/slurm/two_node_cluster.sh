@@ -79,65 +79,27 @@ start_slurmd() {
 }
 
 write_config() {
-  local cpus mem user i nodelist
+  local i cpus mem
+  # The nodes share this machine: each claims all of it.
   cpus=$(nproc)
-  # The nodes share this machine: each claims all of it (slurmd drains a node that reports less
-  # memory than configured, so leave a margin).
-  mem=$(free -m | awk '/^Mem:/ {print $2}')
-  mem=$((mem - mem / 10))
-  user=$(id -un)
-  mkdir -p "$STATE"/{etc,munge,ctld,spool,log,run}
-  chmod 711 "$STATE/munge"
-  nodelist=$(IFS=,; echo "${names[*]}")
-
-  cat >"$CONF" <<EOF
-# Written by scripts/slurm/two_node_cluster.sh: ${#names[@]} nodes on one machine, one network
-# namespace each; no accounting, no cgroups.
-ClusterName=megalite-nodes
-SlurmctldHost=$CTLD_NAME($CTLD_ADDR)
-SlurmctldPort=$CTLD_PORT
-SlurmUser=$user
-SlurmdUser=$user
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCKET
-StateSaveLocation=$STATE/ctld
-# %n: the node name, so every slurmd has its own spool, pid file and log.
-SlurmdSpoolDir=$STATE/spool/%n
-SlurmctldPidFile=$STATE/run/slurmctld.pid
-SlurmdPidFile=$STATE/run/slurmd-%n.pid
-SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-MailProg=/bin/true
-SwitchType=switch/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-ReturnToService=2
-KillWait=10
-MinJobAge=4
-EOF
-  for i in "${!names[@]}"; do
-    echo "NodeName=${names[$i]} NodeAddr=${addrs[$i]} Port=$((SLURMD_PORT + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN" >>"$CONF"
-  done
-  echo "PartitionName=debug Nodes=$nodelist Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
-  cat >"$STATE/etc/cgroup.conf" <<EOF
-ConstrainCores=no
-ConstrainRAMSpace=no
-ConstrainDevices=no
-EOF
-  if [ ! -s "$STATE/munge/munge.key" ]; then
-    dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
-  fi
-  chmod 400 "$STATE/munge/munge.key"
+  mem=$(node_memory_mib)
+  prepare_state_dir
+  {
+    echo "# Written by scripts/slurm/two_node_cluster.sh: ${#names[@]} nodes on one machine, one network"
+    echo "# namespace each; no accounting, no cgroups."
+    echo "ClusterName=megalite-nodes"
+    echo "SlurmctldHost=$CTLD_NAME($CTLD_ADDR)"
+    echo "SlurmctldPort=$CTLD_PORT"
+    common_slurm_conf
+    echo "# %n: the node name, so every slurmd has its own spool, pid file and log."
+    echo "SlurmdSpoolDir=$STATE/spool/%n"
+    echo "SlurmdPidFile=$STATE/run/slurmd-%n.pid"
+    echo "SlurmdLogFile=$STATE/log/slurmd-%n.log"
+    for i in "${!names[@]}"; do
+      echo "NodeName=${names[$i]} NodeAddr=${addrs[$i]} Port=$((SLURMD_PORT + i)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+    done
+    echo "PartitionName=debug Nodes=$(IFS=,; echo "${names[*]}") Default=YES MaxTime=INFINITE State=UP"
+  } >"$CONF"
 }
 
 node_states() {
