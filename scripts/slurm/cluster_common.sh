@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Process bookkeeping shared by local_cluster.sh and two_node_cluster.sh (sourced, not run).
 # The caller sets STATE (the cluster's state dir, pid files in $STATE/run) and defines log().
 
