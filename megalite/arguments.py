@@ -37,8 +37,12 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on attention probabilities")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation")
-    g.add_argument("--attention-backend", choices=["auto", "sdpa", "torch"], default="auto",
-                   help="sdpa: PyTorch's fused attention (auto); torch: explicit softmax matrices")
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "fused", "torch"], default="auto",
+                   help="sdpa: PyTorch's fused attention (what auto picks); fused: score matmuls + megalite's "
+                        "fused softmax kernel; torch: explicit softmax matrices")
+    g.add_argument("--norm-backend", choices=["auto", "fused", "torch"], default="auto",
+                   help="LayerNorm: megalite's fused kernel where it runs, else PyTorch (auto); fused: the "
+                        "kernel or an error saying why it cannot run; torch: F.layer_norm")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
@@ -127,6 +131,7 @@ def model_config(args) -> TransformerConfig:
         config = preset(args.model, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                         attention_backend="sdpa" if args.attention_backend == "auto" else args.attention_backend,
+                        norm_backend=args.norm_backend,
                         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                         **overrides)
     except ValueError as e:
@@ -207,6 +212,13 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
         except ImportError:
             raise UsageError("--use-apex-adam needs NVIDIA apex built from source (the PyPI package named "
                              "'apex' is unrelated); drop the flag to use PyTorch's fused AdamW") from None
+    for flag, value in (("--attention-backend", args.attention_backend), ("--norm-backend", args.norm_backend)):
+        if value == "fused":
+            from megalite import ops
+            status = ops.kernels_available()
+            if not status:
+                raise UsageError(f"{flag} fused needs megalite's CUDA kernels, which cannot run here: {status.reason}. "
+                                 f"Use {flag} auto (or torch), or fix the cause")
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by --tp ({tp})")
     return dp

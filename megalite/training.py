@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megalite import arguments, checkpoint, parallel
+from megalite import arguments, checkpoint, ops, parallel
 from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
@@ -273,6 +273,9 @@ def pretrain(args, task: Task) -> TrainingRun:
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
         f"tp={args.tp} pp={pp} dp={dp}" + (f" vpp={args.vpp}" if args.vpp else "") +
         f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
+    if device.type == "cuda" and config.norm_backend != "torch":
+        # Build (or load) the fused kernels now, not inside the first step, and say which path runs.
+        say(f"megalite: {ops.kernels_available()}")
 
     def save(iteration: int) -> None:
         set_phase(f"saving the checkpoint of iteration {iteration}")

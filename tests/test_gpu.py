@@ -28,3 +28,154 @@ def test_selective_recompute_saves_at_least_70_percent_of_the_formula_on_gpu():
         none, selective = (script.measure(s, b, h, a, m, dev) for m in ("none", "selective"))
         predicted = activation_bytes_per_layer(s, b, h, a) - activation_bytes_per_layer(s, b, h, a, recompute="selective")
         assert none - selective >= 0.7 * predicted
+
+
+# -- fused kernels (CPU counterpart: tests/test_ops.py, same float64 references) ---------------------
+
+from test_ops import layer_norm64, softmax64, softmax64_backward  # noqa: E402
+
+from megalite import ops  # noqa: E402
+from megalite.ops import build  # noqa: E402
+
+# Per dtype: the output's own rounding plus fp32 arithmetic.
+KERNEL_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _extension():
+    module, status = build.load()
+    assert status, f"the kernels must build and load on the GPU machine: {status}"
+    return module
+
+
+def _poison(*tensors_like):
+    """Fill freed allocator blocks of these sizes with NaN bytes: an output element a kernel
+    forgets to write then reads back as NaN instead of a lucky zero."""
+    blocks = [torch.full((t.numel() * t.element_size() // 4 + 1,), float("nan"), device="cuda") for t in tensors_like]
+    del blocks
+
+
+def _misaligned(shape, dtype):
+    """A contiguous tensor whose data pointer is not 16-byte aligned (the one-element-a-time path)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.empty(n + 1, dtype=dtype, device="cuda")[1:].view(shape)
+
+
+def test_kernels_build_load_and_pass_their_self_check():
+    build.reset()
+    status = ops.kernels_available()
+    assert status, str(status)
+    assert _extension().max_cols == ops.MAX_COLS
+
+
+SOFTMAX_LENGTHS = [1, 7, 31, 32, 33, 100, 128, 255, 256, 257, 1000, 1024, 2047, 2048, 3000, 4096, 5000, 8192, 16384]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_kernels_match_float64(dtype, causal):
+    ext = _extension()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    atol, rtol = KERNEL_TOL[dtype]
+    for sk in SOFTMAX_LENGTHS:
+        for b, heads, sq, mask_batch, aligned in ((2, 3, 9, 2, True), (3, 2, 5, 1, False)):
+            if sk > 4096 and b == 3:
+                continue
+            shape = (b, heads, sq, sk)
+            x = (4 * torch.randn(shape, device="cuda", generator=g)).to(dtype)
+            if not aligned:
+                x = _misaligned(shape, dtype).copy_(x)
+            dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
+            hidden = None
+            if not causal:
+                hidden = torch.rand(mask_batch, 1, sq, sk, device="cuda", generator=g) < 0.3
+                hidden[0, 0, sq // 2] = True  # a row with every key hidden
+            _poison(x, x)
+            y = ext.softmax_forward(x, hidden, 0.125, causal)
+            full_hidden = torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1)[None, None] if causal else hidden
+            want = softmax64(x, full_hidden, 0.125)
+            assert torch.isfinite(y).all(), f"unwritten or NaN output, sk={sk}"
+            torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, msg=f"forward sk={sk} {shape}")
+            if not causal:
+                assert (y[0, :, sq // 2] == 0).all(), "a fully hidden row must be zeros"
+            _poison(x)
+            dx = ext.softmax_backward(dy, y, 0.125, causal)
+            assert torch.isfinite(dx).all()
+            torch.testing.assert_close(dx.double(), softmax64_backward(y, dy, 0.125), atol=atol, rtol=rtol,
+                                       msg=f"backward sk={sk} {shape}")
+
+
+def test_public_softmax_autograd_uses_the_kernel_and_falls_back_beyond_its_limit():
+    _extension()
+    for sk in (300, ops.MAX_COLS + 1):
+        x = torch.randn(1, 2, 3, sk, device="cuda", requires_grad=True)
+        dy = torch.randn_like(x)
+        y = ops.scaled_causal_softmax(x, 0.5)
+        y.backward(dy)
+        want = softmax64(x.detach(), torch.ones(3, sk, dtype=torch.bool, device="cuda").triu(1)[None, None], 0.5)
+        torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad.double(), softmax64_backward(want, dy, 0.5), atol=1e-5, rtol=1e-5)
+        assert (y.grad_fn.name() == "FusedSoftmaxBackward") == (sk <= ops.MAX_COLS)
+
+
+NORM_SIZES = [1, 7, 64, 100, 127, 128, 256, 768, 1000, 1024, 2048, 4096, 5120, 8192, 12288, 16384]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms,with_bias", [(False, True), (False, False), (True, False)])
+def test_norm_kernels_match_float64(dtype, rms, with_bias):
+    _extension()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    atol, rtol = KERNEL_TOL[dtype]
+    for h in NORM_SIZES:
+        for rows, aligned in ((37, True), (1000, False)):
+            if h >= 8192 and rows == 1000:
+                rows = 300
+            x = (1 + 2 * torch.randn(rows, h, device="cuda", generator=g)).to(dtype)
+            if not aligned:
+                x = _misaligned((rows, h), dtype).copy_(x)
+            x.requires_grad_(True)
+            w = (1 + 0.2 * torch.randn(h, device="cuda", generator=g)).to(dtype).requires_grad_(True)
+            b = (0.2 * torch.randn(h, device="cuda", generator=g)).to(dtype).requires_grad_(True) if with_bias else None
+            dy = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
+            _poison(x, x)
+            y = ops.rms_norm(x, w, 1e-5) if rms else ops.layer_norm(x, w, b, 1e-5)
+            assert y.grad_fn.name() == "FusedNormBackward"
+            leaves = [x, w] + ([b] if with_bias else [])
+            grads = torch.autograd.grad(y, leaves, dy)
+            ref = [t.detach().double().requires_grad_(True) for t in leaves]
+            want = layer_norm64(ref[0], ref[1], ref[2] if with_bias else None, 1e-5, rms)
+            want_grads = torch.autograd.grad(want, ref, dy.double())
+            torch.testing.assert_close(y.double(), want.detach(), atol=atol, rtol=rtol, msg=f"forward h={h}")
+            for got, exp, name in zip(grads, want_grads, ["x", "weight", "bias"]):
+                scale = exp.abs().max().item() or 1.0
+                assert torch.isfinite(got).all(), f"grad of {name}, h={h}"
+                torch.testing.assert_close(got.double() / scale, exp / scale, atol=4 * atol, rtol=0,
+                                           msg=f"grad of {name}, h={h} rows={rows} {dtype}")
+
+
+def test_norm_backward_is_bitwise_reproducible():
+    _extension()
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    runs = [torch.autograd.grad(ops.layer_norm(x, w, b, 1e-5), [x, w, b], dy) for _ in range(3)]
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert torch.equal(a, c)
+
+
+def test_gpt_with_fused_backends_matches_torch_backends_on_gpu():
+    """CPU counterpart: tests/test_ops.py::test_gpt_with_fused_backends_equals_torch_backends"""
+    from megalite.testing import run_ranks
+    from test_ops import _gpt_backends_on
+
+    out = run_ranks(_gpt_backends_on, 1, args=(7, "cuda"))[0]
+    ref_loss, ref_grads = out["torch", "torch"]
+    loss, grads = out["fused", "fused"]
+    torch.testing.assert_close(loss, ref_loss, atol=0, rtol=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)

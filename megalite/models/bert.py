@@ -88,7 +88,7 @@ class BERTModel(nn.Module):
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
         h, std, dtype, sp = config.hidden_size, config.init_method_std, config.params_dtype, config.sequence_parallel
         post_norm = config.layernorm_position == "post"
-        norm = lambda: LayerNorm(h, config.layernorm_epsilon, sp, dtype, device)  # noqa: E731
+        norm = lambda: LayerNorm(h, config.layernorm_epsilon, sp, dtype, device, config.norm_backend)  # noqa: E731
 
         def replicated(module: nn.Module, component: int) -> nn.Module:
             """Same full weight on every rank: N(0, std) from the component's generator, biases zero."""

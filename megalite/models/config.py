@@ -24,7 +24,10 @@ class TransformerConfig:
     recompute: str = "none"  # none | selective | full
     recompute_num_layers: int | None = None  # full: how many layers per stage (default all)
     recompute_method: str = "uniform"  # full: uniform | block
-    attention_backend: str = "sdpa"  # sdpa (fused, flash where available) | torch (explicit softmax)
+    # sdpa: PyTorch's fused attention (flash where available); fused: score matmuls + megalite's
+    # fused softmax kernel; torch: explicit matmuls and softmax (the layout the memory formula counts)
+    attention_backend: str = "sdpa"
+    norm_backend: str = "auto"  # auto | fused: megalite.ops (kernel where it runs) | torch: F.layer_norm
     # Architecture switches; the defaults are GPT-2's, BERT as published is post / gelu / not causal.
     layernorm_position: str = "pre"  # pre: x + f(LN(x)) | post: LN(x + f(x))
     activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf)
@@ -47,8 +50,10 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
-        if self.attention_backend not in ("sdpa", "torch"):
-            raise ValueError(f"attention_backend must be sdpa or torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ("sdpa", "fused", "torch"):
+            raise ValueError(f"attention_backend must be sdpa, fused or torch, got {self.attention_backend!r}")
+        if self.norm_backend not in ("auto", "fused", "torch"):
+            raise ValueError(f"norm_backend must be auto, fused or torch, got {self.norm_backend!r}")
         if self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
         if self.layernorm_position not in ("pre", "post"):

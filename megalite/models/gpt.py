@@ -78,7 +78,8 @@ class GPTModel(nn.Module):
                 self.position_embeddings.weight.copy_(full)
         self.layers = nn.ModuleList(TransformerLayer(config, n, seed, device) for n in self.layer_numbers)
         if post_process:
-            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype, device)
+            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype, device,
+                                             config.norm_backend)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from megalite import ops
 from megalite.models.config import TransformerConfig
 from megalite.parallel import state
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
@@ -67,12 +68,20 @@ def checkpoint_with_tp_rng(fn, *args):
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose parameters are marked as replicated inside the sequence-parallel
-    region (their gradients are partial per TP rank and get summed over TP)."""
+    region (their gradients are partial per TP rank and get summed over TP). `backend` "torch"
+    runs F.layer_norm; "auto" and "fused" run megalite.ops.layer_norm (the fused kernel where it
+    runs, F.layer_norm elsewhere)."""
 
-    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device):
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto"):
         super().__init__(size, eps=eps, dtype=dtype, device=device)
+        self.backend = backend
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return super().forward(x)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 def _explicit_attention(q, k, v, allowed, dropout_p, causal):
@@ -85,6 +94,21 @@ def _explicit_attention(q, k, v, allowed, dropout_p, causal):
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # kept in the activation dtype, as the formula assumes
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p, True)
+    return torch.matmul(probs, v)
+
+
+def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal):
+    """The explicit layout with the scale, mask and softmax in one fused kernel (megalite.ops);
+    `allowed` True = attend, None = causal or all."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if allowed is None:
+        probs = ops.scaled_causal_softmax(scores, scale) if causal else ops.scaled_masked_softmax(scores, None, scale)
+    else:
+        hidden = ~allowed.expand(allowed.shape[0], 1, scores.shape[-2], scores.shape[-1])
+        probs = ops.scaled_masked_softmax(scores, hidden, scale)
     if dropout_p:
         probs = F.dropout(probs, dropout_p, True)
     return torch.matmul(probs, v)
@@ -114,6 +138,8 @@ class ParallelAttention(nn.Module):
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             if self.config.attention_backend == "torch":
                 return _explicit_attention(q, k, v, attention_mask, p, self.config.causal)
+            if self.config.attention_backend == "fused":
+                return _fused_softmax_attention(q, k, v, attention_mask, p, self.config.causal)
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.config.causal)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
@@ -165,7 +191,8 @@ class TransformerLayer(nn.Module):
         # GPT-2: residual projections scaled by 1/sqrt(2 * layers) to keep the stream's variance.
         out_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers), gen)
         ln = lambda: LayerNorm(  # noqa: E731
-            config.hidden_size, config.layernorm_epsilon, config.sequence_parallel, config.params_dtype, device
+            config.hidden_size, config.layernorm_epsilon, config.sequence_parallel, config.params_dtype, device,
+            config.norm_backend,
         )
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:

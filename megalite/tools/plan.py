@@ -137,7 +137,8 @@ class Run:
     seq_length: int
     dtype: str = "bf16"  # bf16 | fp16 | fp32: the model dtype (masters are always fp32)
     ddp_bucket_size: int = 40_000_000  # --ddp-bucket-size
-    attention_backend: str = "sdpa"  # sdpa: fused attention stores no s^2 matrices; torch: it does
+    # sdpa: fused attention stores no s^2 matrices; torch and fused (softmax kernel) store them
+    attention_backend: str = "sdpa"
     pipeline_layers: tuple | None = None  # --pipeline-layers, explicit layer count per virtual stage
     recompute_method: str = "uniform"
     recompute_num_layers: int | None = None
@@ -145,8 +146,8 @@ class Run:
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.attention_backend not in ("sdpa", "torch"):
-            raise ValueError(f"attention_backend must be sdpa or torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ("sdpa", "fused", "torch"):
+            raise ValueError(f"attention_backend must be sdpa, fused or torch, got {self.attention_backend!r}")
         for name in ("global_batch_size", "seq_length", "ddp_bucket_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -815,8 +816,8 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
         parts.append("--use-distributed-optimizer")
     if run.dtype != "fp32":
         parts.append(f"--{run.dtype}")
-    if run.attention_backend == "torch":
-        parts += ["--attention-backend", "torch"]
+    if run.attention_backend != "sdpa":
+        parts += ["--attention-backend", run.attention_backend]
     if run.ddp_bucket_size != 40_000_000:
         parts += ["--ddp-bucket-size", str(run.ddp_bucket_size)]
     return " ".join(parts)
@@ -978,7 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp16", action="store_const", const="fp16", dest="dtype")
     prec.add_argument("--fp32", action="store_const", const="fp32", dest="dtype")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000)
-    g.add_argument("--attention-backend", choices=["sdpa", "torch"], default="sdpa")
+    g.add_argument("--attention-backend", choices=["sdpa", "fused", "torch"], default="sdpa")
     g = ap.add_argument_group("restrict the search")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)

@@ -1,0 +1,152 @@
+// Shared pieces of megalite's fused kernels: dtype conversion, vector loads, row-group reductions
+// and the launch configurations that map one row to a warp or a block.
+//
+// Every kernel here works on rows: a softmax row (one query's scores over the keys) or a
+// normalization row (one token's hidden vector). A row of `cols` values is held in registers by a
+// *group* of THREADS threads, ITEMS values each, loaded VEC at a time (16-byte loads when the row
+// length and the pointers allow it). Statistics are computed in fp32 whatever the input dtype.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <algorithm>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace megalite {
+
+// Longest row any kernel takes (512 threads x 32 values); longer rows use PyTorch's path.
+constexpr int kMaxCols = 16384;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
+
+// N consecutive elements starting at p (p aligned to N * sizeof(T) when N > 1).
+template <typename T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(v.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+  __device__ __forceinline__ static float identity() { return 0.f; }
+};
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ __forceinline__ static float identity() { return -INFINITY; }
+};
+
+// Reduce v over the THREADS threads of a row group; every thread of the group gets the result.
+// A group of 32 is one warp (several groups share a block); a larger group is the whole block, and
+// `scratch` (32 floats of shared memory) carries the per-warp partials. The order of operations is
+// fixed, so results are bitwise reproducible.
+template <int THREADS, typename Op>
+__device__ __forceinline__ float group_reduce(float v, Op op, float* scratch) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if constexpr (THREADS > 32) {
+    constexpr int kWarps = THREADS / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // the previous reduction may still be reading scratch
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < kWarps ? scratch[lane] : Op::identity();
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+
+// How many rows one block serves: four warps of one row each for short rows, else one row.
+template <int THREADS>
+constexpr int rows_per_block() { return THREADS == 32 ? 4 : 1; }
+
+// Candidate (threads per row, values per thread) pairs, shortest rows first: a warp for rows up to
+// 256 values, then a block with 8 values a thread (few registers, so many blocks stay resident)
+// up to 4096, then 16 or 32 values a thread. The first pair whose THREADS * ITEMS covers the row
+// and whose ITEMS is a multiple of the vector width is launched: `launch(threads, items, vec)`
+// receives std::integral_constant arguments.
+template <int VEC, typename Launch>
+bool dispatch_row_config(int cols, Launch&& launch) {
+  using std::integral_constant;
+  bool done = false;
+  auto try_config = [&](auto threads, auto items) {
+    constexpr int TH = decltype(threads)::value, IT = decltype(items)::value;
+    if constexpr (IT % VEC == 0) {
+      if (!done && TH * IT >= cols) {
+        launch(threads, items, integral_constant<int, VEC>{});
+        done = true;
+      }
+    }
+  };
+  try_config(integral_constant<int, 32>{}, integral_constant<int, 4>{});
+  try_config(integral_constant<int, 32>{}, integral_constant<int, 8>{});
+  try_config(integral_constant<int, 64>{}, integral_constant<int, 8>{});
+  try_config(integral_constant<int, 128>{}, integral_constant<int, 8>{});
+  try_config(integral_constant<int, 256>{}, integral_constant<int, 8>{});
+  try_config(integral_constant<int, 512>{}, integral_constant<int, 8>{});
+  try_config(integral_constant<int, 512>{}, integral_constant<int, 16>{});
+  try_config(integral_constant<int, 512>{}, integral_constant<int, 32>{});
+  return done;
+}
+
+// 16-byte vectors when every row starts 16-byte aligned, else one element at a time.
+template <typename T>
+constexpr int vector_width() { return 16 / sizeof(T); }
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// Calls fn(T{}) with T the C++ type of `dtype` (float, at::Half, at::BFloat16).
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, const char* what, Fn&& fn) {
+  switch (dtype) {
+    case at::ScalarType::Float: fn(float{}); break;
+    case at::ScalarType::Half: fn(at::Half{}); break;
+    case at::ScalarType::BFloat16: fn(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, what, ": dtype ", dtype, " is not supported (float32, float16, bfloat16)");
+  }
+}
+
+// Streaming multiprocessors of the current device (ATen's CUDAContext would pull in the cuBLAS and
+// cuSPARSE headers for this one number).
+inline int multiprocessor_count() {
+  int device = 0, count = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+// Blocks for a row-parallel kernel: enough to fill the device several times over; the kernels
+// loop over rows with a grid stride, so any row count works.
+inline int grid_for_rows(int64_t rows, int rows_per_block) {
+  int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  const int cap = multiprocessor_count() * 32;
+  return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
+}
+
+}  // namespace megalite

@@ -1,0 +1,281 @@
+// LayerNorm and RMSNorm over the last dimension, forward and backward, with fp32 statistics.
+//
+// x is viewed as [rows, cols]. LayerNorm: y = (x - mean) * rstd * w + b, rstd = 1/sqrt(var + eps);
+// RMSNorm: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps). The forward keeps mean and rstd (fp32,
+// one per row) for the backward:
+//   xhat = (x - mean) * rstd, g = dy * w,
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))      (RMSNorm: without the mean(g) term)
+//   dw = sum over rows of dy * xhat, db = sum over rows of dy.
+// dw and db are summed per block in registers (a thread keeps the same columns for every row it
+// visits) into a [blocks, cols] fp32 buffer whose rows the caller sums: no atomics, so the result is
+// the same bit for bit on every run.
+#include "common.cuh"
+
+namespace megalite {
+
+template <typename T, int THREADS, int ITEMS, int VEC>
+__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
+norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                    T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                    int64_t rows, int cols, float eps, bool rms) {
+  __shared__ float scratch[32];
+  constexpr int kRows = rows_per_block<THREADS>();
+  constexpr int kChunks = ITEMS / VEC;
+  const int t = threadIdx.x % THREADS;
+  for (int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / THREADS; row < rows;
+       row += int64_t(gridDim.x) * kRows) {
+    const T* xr = x + row * cols;
+    float v[ITEMS];
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      float chunk[VEC];
+      if (col < cols) {
+        load<T, VEC>(xr + col, chunk);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) chunk[i] = 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        v[c * VEC + i] = chunk[i];
+        sum += chunk[i];
+      }
+    }
+    const float mean = rms ? 0.f : group_reduce<THREADS>(sum, SumOp{}, scratch) / cols;
+    // Two passes over the registers: the variance of the centred values, not E[x^2] - mean^2.
+    float squares = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      if (col < cols) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const float d = v[c * VEC + i] - mean;
+          squares += d * d;
+        }
+      }
+    }
+    const float rstd = rsqrtf(group_reduce<THREADS>(squares, SumOp{}, scratch) / cols + eps);
+    if (t == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+    T* yr = y + row * cols;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      if (col < cols) {
+        float wc[VEC], bc[VEC], out[VEC];
+        load<T, VEC>(w + col, wc);
+        if (b != nullptr) {
+          load<T, VEC>(b + col, bc);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) bc[i] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = (v[c * VEC + i] - mean) * rstd * wc[i] + bc[i];
+        store<T, VEC>(yr + col, out);
+      }
+    }
+  }
+}
+
+template <typename T, int THREADS, int ITEMS, int VEC>
+__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
+norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                     const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+                     T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
+                     int64_t rows, int cols, bool rms) {
+  __shared__ float scratch[32];
+  constexpr int kRows = rows_per_block<THREADS>();
+  constexpr int kChunks = ITEMS / VEC;
+  const int t = threadIdx.x % THREADS;
+  const int group = threadIdx.x / THREADS;
+  float dw_acc[ITEMS], db_acc[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) dw_acc[i] = db_acc[i] = 0.f;
+
+  for (int64_t row = int64_t(blockIdx.x) * kRows + group; row < rows; row += int64_t(gridDim.x) * kRows) {
+    const float mean = mean_in[row], rstd = rstd_in[row];
+    const int64_t base = row * cols;
+    float xhat[ITEMS], g[ITEMS];
+    float g_sum = 0.f, gx_sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      float dyc[VEC], xc[VEC], wc[VEC];
+      if (col < cols) {
+        load<T, VEC>(dy + base + col, dyc);
+        load<T, VEC>(x + base + col, xc);
+        load<T, VEC>(w + col, wc);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dyc[i] = xc[i] = wc[i] = 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int k = c * VEC + i;
+        xhat[k] = col < cols ? (xc[i] - mean) * rstd : 0.f;
+        g[k] = dyc[i] * wc[i];
+        dw_acc[k] += dyc[i] * xhat[k];
+        db_acc[k] += dyc[i];
+        g_sum += g[k];
+        gx_sum += g[k] * xhat[k];
+      }
+    }
+    const float g_mean = rms ? 0.f : group_reduce<THREADS>(g_sum, SumOp{}, scratch) / cols;
+    const float gx_mean = group_reduce<THREADS>(gx_sum, SumOp{}, scratch) / cols;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      if (col < cols) {
+        float out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int k = c * VEC + i;
+          out[i] = rstd * (g[k] - g_mean - xhat[k] * gx_mean);
+        }
+        store<T, VEC>(dx + base + col, out);
+      }
+    }
+  }
+
+  // One partial row per block: the row groups of a block add theirs in a fixed order.
+  if constexpr (kRows > 1) {
+    __shared__ float stage[kRows - 1][2][THREADS * ITEMS];
+    if (group > 0) {
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        stage[group - 1][0][k * THREADS + t] = dw_acc[k];
+        stage[group - 1][1][k * THREADS + t] = db_acc[k];
+      }
+    }
+    __syncthreads();
+    if (group > 0) return;
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      for (int r = 0; r < kRows - 1; ++r) {
+        dw_acc[k] += stage[r][0][k * THREADS + t];
+        db_acc[k] += stage[r][1][k * THREADS + t];
+      }
+    }
+  }
+  float* dwr = dw_part + int64_t(blockIdx.x) * cols;
+  float* dbr = db_part + int64_t(blockIdx.x) * cols;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int col = (c * THREADS + t) * VEC;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      if (col + i < cols) {
+        dwr[col + i] = dw_acc[c * VEC + i];
+        dbr[col + i] = db_acc[c * VEC + i];
+      }
+    }
+  }
+}
+
+namespace {
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
+  TORCH_CHECK(x.is_cuda() && w.is_cuda(), what, ": expected CUDA tensors");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), what, ": expected contiguous tensors");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), what, ": weight ", w.sizes(),
+              " does not match the last dimension of ", x.sizes());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), what, ": weight dtype ", w.scalar_type(),
+              " differs from the input's ", x.scalar_type());
+  TORCH_CHECK(x.size(-1) >= 1 && x.size(-1) <= kMaxCols, what, ": the normalized size must be in [1, ",
+              kMaxCols, "], got ", x.size(-1));
+}
+
+int backward_blocks(int64_t rows, int rows_per_block, int block_threads) {
+  // Each block adds its rows into one partial row of dw/db: several rows per row group keep that
+  // buffer small next to the activations, and the cap keeps about 1-2K threads on each SM.
+  const int64_t sms = multiprocessor_count();
+  const int64_t cap = sms * std::max<int64_t>(4, 1024 / block_threads);
+  const int64_t wanted = (rows + int64_t(rows_per_block) * 4 - 1) / (int64_t(rows_per_block) * 4);
+  return static_cast<int>(std::max<int64_t>(1, std::min(cap, wanted)));
+}
+
+}  // namespace
+
+std::vector<at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                                     double eps, bool rms) {
+  check_rows(x, w, "norm_forward");
+  if (b.has_value()) {
+    TORCH_CHECK(b->is_cuda() && b->is_contiguous() && b->sizes() == w.sizes() && b->scalar_type() == w.scalar_type(),
+                "norm_forward: bias must be a contiguous CUDA tensor shaped and typed like the weight");
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  at::Tensor y = at::empty_like(x);
+  auto stat_options = x.options().dtype(at::ScalarType::Float);
+  at::Tensor mean = at::empty({rows}, stat_options), rstd = at::empty({rows}, stat_options);
+  if (rows == 0) return {y, mean, rstd};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), "norm_forward", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = vector_width<T>();
+    const T* bp = b.has_value() ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
+    const bool vec = cols % kVec == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
+                     aligned16(w.data_ptr()) && (bp == nullptr || aligned16(bp));
+    auto launch = [&](auto threads, auto items, auto width) {
+      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
+      norm_forward_kernel<T, TH, IT, V><<<grid_for_rows(rows, rows_per_block<TH>()), TH * rows_per_block<TH>(), 0, stream>>>(
+          reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(w.data_ptr()), bp,
+          reinterpret_cast<T*>(y.data_ptr()), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, int(cols),
+          float(eps), rms);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool ok = vec ? dispatch_row_config<kVec>(int(cols), launch) : dispatch_row_config<1>(int(cols), launch);
+    TORCH_CHECK(ok, "norm_forward: no launch configuration for ", cols, " columns");
+  });
+  return {y, mean, rstd};
+}
+
+// Returns dx, and the per-block partial sums of dw and db ([blocks, cols], fp32) for the caller to
+// add up over blocks.
+std::vector<at::Tensor> norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                      const at::Tensor& mean, const at::Tensor& rstd, bool rms) {
+  check_rows(x, w, "norm_backward");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+              "norm_backward: the gradient ", dy.sizes(), " does not match the input ", x.sizes());
+  const at::Tensor g = dy.contiguous();
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows, "norm_backward: statistics do not match the input");
+  at::Tensor dx = at::empty_like(x);
+  auto part_options = x.options().dtype(at::ScalarType::Float);
+  if (rows == 0) {
+    return {dx, at::zeros({1, cols}, part_options), at::zeros({1, cols}, part_options)};
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor dw_part, db_part;
+  dispatch_dtype(x.scalar_type(), "norm_backward", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = vector_width<T>();
+    const bool vec = cols % kVec == 0 && aligned16(g.data_ptr()) && aligned16(x.data_ptr()) &&
+                     aligned16(w.data_ptr()) && aligned16(dx.data_ptr());
+    auto launch = [&](auto threads, auto items, auto width) {
+      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
+      constexpr int kRows = rows_per_block<TH>();
+      const int blocks = backward_blocks(rows, kRows, TH * kRows);
+      dw_part = at::empty({blocks, cols}, part_options);
+      db_part = at::empty({blocks, cols}, part_options);
+      norm_backward_kernel<T, TH, IT, V><<<blocks, TH * kRows, 0, stream>>>(
+          reinterpret_cast<const T*>(g.data_ptr()), reinterpret_cast<const T*>(x.data_ptr()),
+          reinterpret_cast<const T*>(w.data_ptr()), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+          reinterpret_cast<T*>(dx.data_ptr()), dw_part.data_ptr<float>(), db_part.data_ptr<float>(), rows,
+          int(cols), rms);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool ok = vec ? dispatch_row_config<kVec>(int(cols), launch) : dispatch_row_config<1>(int(cols), launch);
+    TORCH_CHECK(ok, "norm_backward: no launch configuration for ", cols, " columns");
+  });
+  return {dx, dw_part, db_part};
+}
+
+}  // namespace megalite

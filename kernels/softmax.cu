@@ -1,0 +1,228 @@
+// Scaled masked softmax and scaled causal (upper-triangular masked) softmax, forward and backward.
+//
+// x is [batch, heads, sq, sk], contiguous; each row is one query's sk scores. Forward:
+//   y = softmax(scale * x) over the keys a query may see, 0 on the others.
+// Masked: the keys with mask[b or 0, 0, q, k] true are hidden (the mask is broadcast over heads).
+// Causal: key k is hidden from query q when k > q (top-left aligned, as in SDPA's is_causal);
+// the mask is never materialised and the hidden part of a row is never read.
+// Without a mask and not causal it is the plain scaled softmax.
+// A row with every key hidden gives zeros (no NaN). Backward: dx = scale * y * (dy - sum(dy * y)).
+#include "common.cuh"
+
+namespace megalite {
+
+template <typename T, int THREADS, int ITEMS, int VEC, bool CAUSAL>
+__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
+softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, T* __restrict__ y,
+                       int64_t rows, int cols, int sq, int64_t rows_per_mask_batch, bool mask_per_batch,
+                       float scale) {
+  __shared__ float scratch[32];
+  constexpr int kRows = rows_per_block<THREADS>();
+  constexpr int kChunks = ITEMS / VEC;
+  const int t = threadIdx.x % THREADS;
+  for (int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / THREADS; row < rows;
+       row += int64_t(gridDim.x) * kRows) {
+    const int q = static_cast<int>(row % sq);
+    const int visible = CAUSAL ? min(q + 1, cols) : cols;  // keys [0, visible) may be seen
+    const T* xr = x + row * cols;
+    const uint8_t* mr = nullptr;
+    if (!CAUSAL && mask != nullptr) {
+      const int64_t mask_batch = mask_per_batch ? row / rows_per_mask_batch : 0;
+      mr = mask + (mask_batch * sq + q) * int64_t(cols);
+    }
+    float v[ITEMS];
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      float chunk[VEC];
+      if (col < visible) {
+        load<T, VEC>(xr + col, chunk);
+        uint8_t hidden[VEC] = {};
+        if (!CAUSAL && mr != nullptr) {
+          Vec<uint8_t, VEC> m = *reinterpret_cast<const Vec<uint8_t, VEC>*>(mr + col);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) hidden[i] = m.v[i];
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const bool off = CAUSAL ? (col + i >= visible) : (hidden[i] != 0);
+          chunk[i] = off ? -INFINITY : chunk[i] * scale;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) chunk[i] = -INFINITY;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        v[c * VEC + i] = chunk[i];
+        row_max = fmaxf(row_max, chunk[i]);
+      }
+    }
+    row_max = group_reduce<THREADS>(row_max, MaxOp{}, scratch);
+    float sum = 0.f;
+    if (row_max != -INFINITY) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        v[i] = v[i] == -INFINITY ? 0.f : expf(v[i] - row_max);
+        sum += v[i];
+      }
+    }
+    sum = group_reduce<THREADS>(sum, SumOp{}, scratch);
+    // Every key hidden: row_max is -inf, sum 0, and the row is written as zeros.
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    T* yr = y + row * cols;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      if (col < cols) {
+        float out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = row_max == -INFINITY ? 0.f : v[c * VEC + i] * inv;
+        store<T, VEC>(yr + col, out);
+      }
+    }
+  }
+}
+
+template <typename T, int THREADS, int ITEMS, int VEC, bool CAUSAL>
+__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
+softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+                        int64_t rows, int cols, int sq, float scale) {
+  __shared__ float scratch[32];
+  constexpr int kRows = rows_per_block<THREADS>();
+  constexpr int kChunks = ITEMS / VEC;
+  const int t = threadIdx.x % THREADS;
+  for (int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / THREADS; row < rows;
+       row += int64_t(gridDim.x) * kRows) {
+    // y is 0 on hidden keys, so their gradient is 0; causal rows need not read them at all.
+    const int visible = CAUSAL ? min(static_cast<int>(row % sq) + 1, cols) : cols;
+    const int64_t base = row * cols;
+    float g[ITEMS], p[ITEMS];
+    float dot = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      float gc[VEC], pc[VEC];
+      if (col < visible) {
+        load<T, VEC>(dy + base + col, gc);
+        load<T, VEC>(y + base + col, pc);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) gc[i] = pc[i] = 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        g[c * VEC + i] = gc[i];
+        p[c * VEC + i] = pc[i];
+        dot += gc[i] * pc[i];
+      }
+    }
+    dot = group_reduce<THREADS>(dot, SumOp{}, scratch);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int col = (c * THREADS + t) * VEC;
+      if (col < cols) {
+        float out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = scale * p[c * VEC + i] * (g[c * VEC + i] - dot);
+        store<T, VEC>(dx + base + col, out);
+      }
+    }
+  }
+}
+
+namespace {
+
+void check_scores(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.is_cuda(), what, ": expected a CUDA tensor");
+  TORCH_CHECK(x.dim() == 4, what, ": expected [batch, heads, sq, sk], got ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), what, ": expected a contiguous tensor");
+  TORCH_CHECK(x.size(3) >= 1 && x.size(3) <= kMaxCols, what, ": sk must be in [1, ", kMaxCols, "], got ",
+              x.size(3));
+}
+
+}  // namespace
+
+at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask, double scale,
+                           bool causal) {
+  check_scores(x, "softmax_forward");
+  const int64_t b = x.size(0), heads = x.size(1), sq = x.size(2), sk = x.size(3);
+  const uint8_t* mask_ptr = nullptr;
+  bool mask_per_batch = false;
+  if (!causal && mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::ScalarType::Bool && m.is_contiguous() && m.dim() == 4,
+                "softmax_forward: mask must be a contiguous CUDA bool tensor [batch or 1, 1, sq, sk]");
+    TORCH_CHECK((m.size(0) == b || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == sq && m.size(3) == sk,
+                "softmax_forward: mask ", m.sizes(), " does not broadcast over scores ", x.sizes());
+    mask_ptr = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    mask_per_batch = m.size(0) == b && b > 1;
+  }
+  const c10::cuda::OptionalCUDAGuard guard(x.device());
+  at::Tensor y = at::empty_like(x);
+  const int64_t rows = x.numel() / sk;
+  if (rows == 0) return y;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(x.scalar_type(), "softmax_forward", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = vector_width<T>();
+    const bool vec = sk % kVec == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
+                     (mask_ptr == nullptr || aligned16(mask_ptr));
+    auto launch = [&](auto threads, auto items, auto width) {
+      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
+      const int grid = grid_for_rows(rows, rows_per_block<TH>());
+      const int block = TH * rows_per_block<TH>();
+      const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+      T* yp = reinterpret_cast<T*>(y.data_ptr());
+      if (causal) {
+        softmax_forward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(
+            xp, nullptr, yp, rows, int(sk), int(sq), heads * sq, false, float(scale));
+      } else {
+        softmax_forward_kernel<T, TH, IT, V, false><<<grid, block, 0, stream>>>(
+            xp, mask_ptr, yp, rows, int(sk), int(sq), heads * sq, mask_per_batch, float(scale));
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool ok = vec ? dispatch_row_config<kVec>(int(sk), launch) : dispatch_row_config<1>(int(sk), launch);
+    TORCH_CHECK(ok, "softmax_forward: no launch configuration for sk=", sk);
+  });
+  return y;
+}
+
+at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y, double scale, bool causal) {
+  check_scores(y, "softmax_backward");
+  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(),
+              "softmax_backward: the gradient ", dy.sizes(), " does not match the output ", y.sizes());
+  const at::Tensor g = dy.contiguous();
+  const int64_t sq = y.size(2), sk = y.size(3);
+  const c10::cuda::OptionalCUDAGuard guard(y.device());
+  at::Tensor dx = at::empty_like(y);
+  const int64_t rows = y.numel() / sk;
+  if (rows == 0) return dx;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(y.scalar_type(), "softmax_backward", [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = vector_width<T>();
+    const bool vec = sk % kVec == 0 && aligned16(g.data_ptr()) && aligned16(y.data_ptr()) && aligned16(dx.data_ptr());
+    auto launch = [&](auto threads, auto items, auto width) {
+      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
+      const int grid = grid_for_rows(rows, rows_per_block<TH>());
+      const int block = TH * rows_per_block<TH>();
+      const T* gp = reinterpret_cast<const T*>(g.data_ptr());
+      const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+      T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+      if (causal) {
+        softmax_backward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(gp, yp, dxp, rows, int(sk), int(sq), float(scale));
+      } else {
+        softmax_backward_kernel<T, TH, IT, V, false><<<grid, block, 0, stream>>>(gp, yp, dxp, rows, int(sk), int(sq), float(scale));
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool ok = vec ? dispatch_row_config<kVec>(int(sk), launch) : dispatch_row_config<1>(int(sk), launch);
+    TORCH_CHECK(ok, "softmax_backward: no launch configuration for sk=", sk);
+  });
+  return dx;
+}
+
+}  // namespace megalite

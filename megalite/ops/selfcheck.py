@@ -1,0 +1,42 @@
+"""A few-millisecond check, run once after the kernels load, that each of them agrees with the
+PyTorch path on small inputs: a broken build or driver falls back instead of training on wrong
+numbers."""
+from __future__ import annotations
+
+import torch
+
+from megalite.ops import reference
+
+
+def self_check(ext) -> str | None:
+    """None when every kernel agrees with the reference, else what disagreed."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.device("cuda")
+    # Odd and vector-friendly sizes, a warp-per-row and a block-per-row configuration.
+    for sk, dtype, tol in ((77, torch.float32, 1e-5), (1024, torch.float32, 1e-5), (640, torch.bfloat16, 1e-2)):
+        x = torch.randn(2, 3, 5, sk, device=dev, generator=g).to(dtype)
+        mask = torch.rand(2, 1, 5, sk, device=dev, generator=g) < 0.3
+        mask[0, 0, 1] = True  # one row with every key hidden
+        dy = torch.randn(2, 3, 5, sk, device=dev, generator=g).to(dtype)
+        for causal in (False, True):
+            m = None if causal else mask
+            y = ext.softmax_forward(x, m, 0.5, causal)
+            want = reference.scaled_causal_softmax(x, 0.5) if causal else reference.scaled_masked_softmax(x, m, 0.5)
+            if not torch.allclose(y.float(), want.float(), atol=tol, rtol=tol):
+                return f"softmax forward, sk={sk}, {dtype}, causal={causal}"
+            dx = ext.softmax_backward(dy, y, 0.5, causal)
+            yf = y.float()
+            want_dx = 0.5 * yf * (dy.float() - (dy.float() * yf).sum(-1, keepdim=True))
+            if not torch.allclose(dx.float(), want_dx, atol=tol, rtol=tol):
+                return f"softmax backward, sk={sk}, {dtype}, causal={causal}"
+    for h, dtype, tol in ((100, torch.float32, 1e-4), (1024, torch.float32, 1e-4), (2048, torch.bfloat16, 5e-2)):
+        x = torch.randn(37, h, device=dev, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(h, device=dev, generator=g)).to(dtype)
+        b = (0.1 * torch.randn(h, device=dev, generator=g)).to(dtype)
+        for rms in (False, True):
+            y, _, _ = ext.norm_forward(x, w, None if rms else b, 1e-5, rms)
+            want = reference.rms_norm(x, w, 1e-5) if rms else reference.layer_norm(x, w, b, 1e-5)
+            if not torch.allclose(y.float(), want.float(), atol=tol, rtol=tol):
+                return f"{'rms' if rms else 'layer'}_norm forward, hidden={h}, {dtype}"
+    torch.cuda.synchronize()
+    return None

@@ -1,0 +1,334 @@
+"""megalite.ops on the CPU: the PyTorch paths against float64 references, the model's fused
+backends against its explicit ones, and the build logic (cache names, lock, failures, no compiler).
+The CUDA kernels themselves are checked on the GPU by tests/test_gpu.py against the same references."""
+import multiprocessing as mp
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import fresh_seed
+from megalite import ops
+from megalite.ops import build
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- float64 references, written from the definitions -------------------------------------------
+
+def softmax64(x, hidden, scale):
+    """softmax over the visible keys, 0 on hidden ones and on rows with none visible."""
+    s = x.double() * scale
+    e = torch.where(hidden, torch.zeros_like(s), torch.exp(s - s.masked_fill(hidden, -1e300).amax(-1, keepdim=True)))
+    total = e.sum(-1, keepdim=True)
+    return torch.where(total > 0, e / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(e))
+
+
+def softmax64_backward(y, dy, scale):
+    y, dy = y.double(), dy.double()
+    return scale * y * (dy - (dy * y).sum(-1, keepdim=True))
+
+
+def layer_norm64(x, w, b, eps, rms=False):
+    x = x.double()
+    mean = torch.zeros_like(x[..., :1]) if rms else x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    y = (x - mean) / torch.sqrt(var + eps) * w.double()
+    return y if b is None else y + b.double()
+
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+def _scores(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(shape, generator=g)).to(dtype).requires_grad_(True), torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("mask_batch", [1, 2])
+def test_masked_softmax_matches_float64(dtype, mask_batch):
+    seed = fresh_seed()
+    x, dy = _scores((2, 3, 5, 37), dtype, seed)
+    hidden = torch.rand(mask_batch, 1, 5, 37, generator=torch.Generator().manual_seed(seed + 1)) < 0.4
+    hidden[0, 0, 2] = True  # a row with every key hidden
+    y = ops.scaled_masked_softmax(x, hidden, 0.7)
+    assert y.dtype == dtype and y.shape == x.shape
+    want = softmax64(x.detach(), hidden, 0.7)
+    torch.testing.assert_close(y.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(y[:, :, 2][0], torch.zeros_like(y[:, :, 2][0])), "a fully hidden row must be zeros"
+    y.backward(dy)
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad.double(), softmax64_backward(want, dy, 0.7), atol=4 * TOL[dtype],
+                               rtol=4 * TOL[dtype])
+
+
+def test_padding_mask_broadcasts_over_heads_and_queries():
+    x, _ = _scores((2, 4, 6, 6), torch.float32, fresh_seed())
+    keys_hidden = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])[:, None, None, :]  # [b, 1, 1, sk]
+    y = ops.scaled_masked_softmax(x, keys_hidden, 1.0)
+    torch.testing.assert_close(y.double(), softmax64(x.detach(), keys_hidden.expand(2, 1, 6, 6), 1.0))
+    assert torch.all(y[1, ..., 4:] == 0)
+
+
+def test_unmasked_softmax_is_plain_softmax():
+    x, _ = _scores((1, 2, 3, 9), torch.float32, fresh_seed())
+    torch.testing.assert_close(ops.scaled_masked_softmax(x, None, 0.3), torch.softmax(x * 0.3, -1))
+
+
+@pytest.mark.parametrize("sq,sk", [(7, 7), (3, 8)])
+def test_causal_softmax_hides_later_keys(sq, sk):
+    x, dy = _scores((2, 2, sq, sk), torch.float32, fresh_seed())
+    y = ops.scaled_causal_softmax(x, 0.5)
+    hidden = torch.ones(sq, sk, dtype=torch.bool).triu(1)  # key k > query q, top-left aligned like SDPA
+    want = softmax64(x.detach(), hidden[None, None], 0.5)
+    torch.testing.assert_close(y.double(), want, atol=2e-6, rtol=2e-6)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad.double(), softmax64_backward(want, dy, 0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask,message", [
+    (torch.zeros(2, 3, 5, 7, dtype=torch.bool), "does not broadcast"),
+    (torch.zeros(2, 1, 4, 7, dtype=torch.bool), "does not broadcast"),
+    (torch.zeros(2, 1, 5, 7), "must be bool"),
+])
+def test_bad_masks_are_clear_errors(mask, message):
+    with pytest.raises(ValueError, match=message):
+        ops.scaled_masked_softmax(torch.zeros(2, 3, 5, 7), mask, 1.0)
+    with pytest.raises(ValueError, match=r"\[batch, heads, sq, sk\]"):
+        ops.scaled_causal_softmax(torch.zeros(5, 7), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms,with_bias", [(False, True), (False, False), (True, False)])
+def test_norms_match_float64(dtype, rms, with_bias):
+    g = torch.Generator().manual_seed(fresh_seed())
+    x = (2 + 3 * torch.randn(4, 3, 45, generator=g)).to(dtype).requires_grad_(True)
+    w = (1 + 0.2 * torch.randn(45, generator=g)).to(dtype).requires_grad_(True)
+    b = (0.2 * torch.randn(45, generator=g)).to(dtype).requires_grad_(True) if with_bias else None
+    dy = torch.randn(4, 3, 45, generator=g).to(dtype)
+    y = ops.rms_norm(x, w, 1e-5) if rms else ops.layer_norm(x, w, b, 1e-5)
+    assert y.dtype == dtype
+    leaves = [x, w] + ([b] if with_bias else [])
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True) if with_bias else None
+    want = layer_norm64(x64, w64, b64, 1e-5, rms)
+    tol = TOL[dtype] * (1 if dtype == torch.float32 else 2)
+    torch.testing.assert_close(y.double(), want.detach(), atol=tol, rtol=tol)
+    grads = torch.autograd.grad(y, leaves, dy)
+    want_grads = torch.autograd.grad(want, [x64, w64] + ([b64] if with_bias else []), dy.double())
+    for got, ref, name in zip(grads, want_grads, ["x", "weight", "bias"]):
+        scale = ref.abs().max().item() or 1.0  # weight/bias grads are sums over rows
+        torch.testing.assert_close(got.double() / scale, ref / scale, atol=8 * tol, rtol=0, msg=f"grad of {name}")
+
+
+def test_norm_shape_errors_name_the_shapes():
+    with pytest.raises(ValueError, match=r"weight \(5,\).*\(2, 4\)"):
+        ops.layer_norm(torch.zeros(2, 4), torch.ones(5), None, 1e-5)
+
+
+# -- the model's fused backends equal its explicit ones ----------------------------------------------
+
+def _attention_inputs(seed, b=2, heads=3, s=8, d=4):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, heads, s, d, generator=g, requires_grad=True) for _ in range(3)]
+
+
+@pytest.mark.parametrize("case", ["causal", "bidirectional", "padding"])
+def test_fused_softmax_attention_equals_explicit_attention(case):
+    from megalite.models.transformer import _explicit_attention, _fused_softmax_attention
+    seed = fresh_seed()
+    allowed = None
+    if case == "padding":
+        allowed = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+        allowed[1, ..., 5:] = False
+    causal = case == "causal"
+    outs, grads = [], []
+    for fn in (_explicit_attention, _fused_softmax_attention):
+        q, k, v = _attention_inputs(seed)
+        out = fn(q, k, v, allowed, 0.0, causal)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([t.grad for t in (q, k, v)])
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _gpt_backends(rank, world, seed):
+    return _gpt_backends_on(rank, world, seed, "cpu")
+
+
+def _gpt_backends_on(rank, world, seed, device):
+    from megalite import parallel
+    from megalite.models import GPTModel, TransformerConfig
+    parallel.initialize_model_parallel(1)
+    out = {}
+    for attn, norm in (("torch", "torch"), ("fused", "auto"), ("fused", "fused")):
+        parallel.model_parallel_manual_seed(seed)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                   max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0,
+                                   attention_backend=attn, norm_backend=norm)
+        model = GPTModel(config, seed=seed, device=device)
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed)).to(device)
+        loss = model(ids, labels=ids.roll(-1, 1)).mean()
+        loss.backward()
+        out[attn, norm] = (loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()})
+    return out
+
+
+def test_gpt_with_fused_backends_equals_torch_backends():
+    out = __import__("megalite.testing", fromlist=["run_ranks"]).run_ranks(_gpt_backends, 1, args=(fresh_seed(),))[0]
+    ref_loss, ref_grads = out["torch", "torch"]
+    for key in (("fused", "auto"), ("fused", "fused")):
+        loss, grads = out[key]
+        torch.testing.assert_close(loss, ref_loss, atol=0, rtol=1e-6)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-7, rtol=1e-5, msg=f"{name} with {key}")
+
+
+# -- build logic -----------------------------------------------------------------------------------
+
+def test_cpu_falls_back_and_says_why(monkeypatch):
+    monkeypatch.delenv("MEGALITE_KERNELS", raising=False)
+    build.reset()
+    status = ops.kernels_available()
+    assert not status and "CUDA" in status.reason and str(status).startswith("PyTorch fallback")
+    monkeypatch.setenv("MEGALITE_KERNELS", "0")
+    build.reset()
+    assert ops.kernels_available().reason == "disabled by MEGALITE_KERNELS=0"
+    build.reset()
+
+
+def test_missing_compiler_falls_back_with_a_clear_reason(monkeypatch):
+    """As on a GPU machine without the CUDA toolkit: no build is tried, the ops still work."""
+    from torch.utils import cpp_extension
+    monkeypatch.delenv("MEGALITE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(build, "locked_build", lambda *a, **k: pytest.fail("no build may start without nvcc"))
+    build.reset()
+    try:
+        status = ops.kernels_available()
+        assert not status and "nvcc was not found" in status.reason and "CUDA_HOME" in status.reason
+        x = torch.randn(1, 1, 2, 3)
+        torch.testing.assert_close(ops.scaled_causal_softmax(x, 1.0), softmax64(x, torch.ones(2, 3, dtype=torch.bool).triu(1), 1.0).float())
+    finally:
+        build.reset()
+
+
+def test_missing_sources_are_named(monkeypatch):
+    monkeypatch.delenv("MEGALITE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build, "source_dir", lambda: None)
+    assert "kernel sources" in build.unavailable_reason()
+
+
+def test_build_name_follows_sources_and_architecture(tmp_path):
+    src = tmp_path / "kernels"
+    shutil.copytree(build.source_dir(), src)
+    name = build.build_name(src, "9.0")
+    assert name == build.build_name(src, "9.0")
+    assert name != build.build_name(src, "8.0;9.0")
+    (src / "softmax.cu").write_text((src / "softmax.cu").read_text() + "\n// changed\n")
+    assert build.build_name(src, "9.0") != name, "an edited source must never load an old build"
+
+
+def _fake_build(counter: Path, delay: float, fail: bool):
+    def build_fn(build_dir: Path):
+        with open(counter, "a") as f:
+            f.write("built\n")
+        time.sleep(delay)
+        if fail:
+            raise RuntimeError("Error building extension 'x':\nsoftmax.cu(12): error: identifier \"foo\" is undefined\n")
+        (build_dir / f"{build_dir.name}.so").write_text("library")
+    return build_fn
+
+
+def _read_library(name, path):
+    text = Path(path).read_text()
+    if text != "library":
+        raise ImportError("half-written")
+    return text
+
+
+def _rank_build(cache, counter, fail, queue):
+    module, status = build.locked_build(Path(cache), "megalite_kernels_test", _fake_build(Path(counter), 0.5, fail),
+                                        load=_read_library)
+    queue.put((module, status.available, status.reason))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_many_ranks_build_once_and_share_the_result(tmp_path, fail):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    counter = tmp_path / "count"
+    procs = [ctx.Process(target=_rank_build, args=(str(tmp_path / "cache"), str(counter), fail, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert counter.read_text().count("built") == 1, "exactly one rank compiles; the others wait for it"
+    if fail:
+        assert all(not ok for _, ok, _ in results)
+        assert all('identifier "foo" is undefined' in reason for _, _, reason in results)
+        assert sum("another process" in reason for _, _, reason in results) == 2
+        # A later run tries again rather than trusting an old failure.
+        _, status = build.locked_build(tmp_path / "cache", "megalite_kernels_test",
+                                       _fake_build(counter, 0.0, False), load=_read_library)
+        assert status and counter.read_text().count("built") == 2
+    else:
+        assert [m for m, _, _ in results] == ["library"] * 3
+
+
+def test_half_written_library_is_rebuilt(tmp_path):
+    lib_dir = tmp_path / "megalite_kernels_test"
+    lib_dir.mkdir()
+    (lib_dir / "megalite_kernels_test.so").write_text("trunc")
+    (lib_dir / "lock").write_text("")  # torch's own build lock, left by a killed build
+    counter = tmp_path / "count"
+    module, status = build.locked_build(tmp_path, "megalite_kernels_test", _fake_build(counter, 0.0, False),
+                                        load=_read_library)
+    assert module == "library" and status and counter.read_text().count("built") == 1
+
+
+def test_fused_backend_on_cpu_is_a_clear_cli_error():
+    from cli import torchrun
+    r = torchrun("pretrain_gpt.py", 1, "--model", "gpt-tiny", "--mock-data", "--train-iters", "1",
+                 "--global-batch-size", "2", "--micro-batch-size", "2", "--attention-backend", "fused", timeout=120)
+    assert r.returncode != 0
+    assert "--attention-backend fused needs megalite's CUDA kernels" in r.stderr
+    assert "no CUDA" in r.stderr or "has no CUDA support" in r.stderr
+
+
+def test_wheel_ships_the_kernel_sources(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("megalite-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in build.SOURCES + build.HEADERS:
+        assert f"megalite/_kernels/{f}" in names
+
+
+def test_kernel_benchmark_script_runs_and_reports_every_case(tmp_path):
+    """The GPU benchmark's own logic (cases, byte counts, ratios, JSON), on tiny CPU shapes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "scripts" / "bench_kernels.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.main(["--device", "cpu", "--quick", "--reps", "1", "--json", str(tmp_path / "k.json")])
+    import json
+    saved = json.loads((tmp_path / "k.json").read_text())
+    assert saved["cases"] == out["cases"] and saved["copy_gbs"] > 0
+    assert [c["case"] for c in out["cases"]] == ["causal softmax", "masked softmax", "layer_norm", "rms_norm"]
+    for c in out["cases"]:
+        assert c["megalite_fwd_ms"] > 0 and c["fwd_speedup_vs_eager"] > 0 and 0 < c["fwd_copy_fraction"]
