@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -84,7 +85,7 @@ __device__ __forceinline__ float group_reduce(float v, Op op, float* scratch) {
 
 // How many rows one block serves: four warps of one row each for short rows, else one row.
 template <int THREADS>
-constexpr int rows_per_block() { return THREADS == 32 ? 4 : 1; }
+__host__ __device__ constexpr int rows_per_block() { return THREADS == 32 ? 4 : 1; }
 
 // Candidate (threads per row, values per thread) pairs, shortest rows first: a warp for rows up to
 // 256 values, then a block with 8 values a thread (few registers, so many blocks stay resident)
@@ -134,10 +135,17 @@ void dispatch_dtype(at::ScalarType dtype, const char* what, Fn&& fn) {
 
 // Streaming multiprocessors of the current device (ATen's CUDAContext would pull in the cuBLAS and
 // cuSPARSE headers for this one number).
+// Asked once per device and kept (the count never changes).
 inline int multiprocessor_count() {
-  int device = 0, count = 0;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  int count = device < kMaxDevices ? counts[device].load(std::memory_order_relaxed) : 0;
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    if (device < kMaxDevices) counts[device].store(count, std::memory_order_relaxed);
+  }
   return count;
 }
 

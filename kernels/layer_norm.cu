@@ -181,7 +181,7 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
 namespace {
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
-  TORCH_CHECK(x.is_cuda() && w.is_cuda(), what, ": expected CUDA tensors");
+  TORCH_CHECK(x.is_cuda() && w.is_cuda() && x.device() == w.device(), what, ": expected CUDA tensors on one device");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), what, ": expected contiguous tensors");
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && x.size(-1) == w.size(0), what, ": weight ", w.sizes(),
               " does not match the last dimension of ", x.sizes());
@@ -206,7 +206,7 @@ std::vector<at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& w, c
                                      double eps, bool rms) {
   check_rows(x, w, "norm_forward");
   if (b.has_value()) {
-    TORCH_CHECK(b->is_cuda() && b->is_contiguous() && b->sizes() == w.sizes() && b->scalar_type() == w.scalar_type(),
+    TORCH_CHECK(b->is_cuda() && b->device() == x.device() && b->is_contiguous() && b->sizes() == w.sizes() && b->scalar_type() == w.scalar_type(),
                 "norm_forward: bias must be a contiguous CUDA tensor shaped and typed like the weight");
   }
   const c10::cuda::OptionalCUDAGuard guard(x.device());
@@ -241,12 +241,15 @@ std::vector<at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& w, c
 std::vector<at::Tensor> norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                       const at::Tensor& mean, const at::Tensor& rstd, bool rms) {
   check_rows(x, w, "norm_backward");
-  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type() && dy.device() == x.device(),
               "norm_backward: the gradient ", dy.sizes(), " does not match the input ", x.sizes());
   const at::Tensor g = dy.contiguous();
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t cols = x.size(-1), rows = x.numel() / cols;
-  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows, "norm_backward: statistics do not match the input");
+  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows && mean.device() == x.device() &&
+                  rstd.device() == x.device() && mean.scalar_type() == at::ScalarType::Float &&
+                  rstd.scalar_type() == at::ScalarType::Float && mean.is_contiguous() && rstd.is_contiguous(),
+              "norm_backward: statistics do not match the input");
   at::Tensor dx = at::empty_like(x);
   auto part_options = x.options().dtype(at::ScalarType::Float);
   if (rows == 0) {

@@ -2,9 +2,11 @@
 //
 // x is [batch, heads, sq, sk], contiguous; each row is one query's sk scores. Forward:
 //   y = softmax(scale * x) over the keys a query may see, 0 on the others.
-// Masked: the keys with mask[b or 0, 0, q, k] true are hidden (the mask is broadcast over heads).
+// Masked: the keys with mask[b or 0, 0, q or 0, k] true are hidden (the mask is broadcast over
+// heads, and over queries when its third dimension is 1, as a padding mask is).
 // Causal: key k is hidden from query q when k > q (top-left aligned, as in SDPA's is_causal);
-// the mask is never materialised and the hidden part of a row is never read.
+// the mask is never materialised, and of the hidden part of a row only what shares a vector
+// load with visible keys is read.
 // Without a mask and not causal it is the plain scaled softmax.
 // A row with every key hidden gives zeros (no NaN). Backward: dx = scale * y * (dy - sum(dy * y)).
 #include "common.cuh"
@@ -14,8 +16,8 @@ namespace megalite {
 template <typename T, int THREADS, int ITEMS, int VEC, bool CAUSAL>
 __global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
 softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, T* __restrict__ y,
-                       int64_t rows, int cols, int sq, int64_t rows_per_mask_batch, bool mask_per_batch,
-                       float scale) {
+                       int64_t rows, int cols, int sq, int64_t rows_per_mask_batch, int64_t mask_batch_stride,
+                       int64_t mask_query_stride, float scale) {
   __shared__ float scratch[32];
   constexpr int kRows = rows_per_block<THREADS>();
   constexpr int kChunks = ITEMS / VEC;
@@ -27,8 +29,7 @@ softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask
     const T* xr = x + row * cols;
     const uint8_t* mr = nullptr;
     if (!CAUSAL && mask != nullptr) {
-      const int64_t mask_batch = mask_per_batch ? row / rows_per_mask_batch : 0;
-      mr = mask + (mask_batch * sq + q) * int64_t(cols);
+      mr = mask + (row / rows_per_mask_batch) * mask_batch_stride + q * mask_query_stride;
     }
     float v[ITEMS];
     float row_max = -INFINITY;
@@ -149,15 +150,19 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
   check_scores(x, "softmax_forward");
   const int64_t b = x.size(0), heads = x.size(1), sq = x.size(2), sk = x.size(3);
   const uint8_t* mask_ptr = nullptr;
-  bool mask_per_batch = false;
+  int64_t mask_batch_stride = 0, mask_query_stride = 0;
   if (!causal && mask.has_value()) {
     const at::Tensor& m = *mask;
-    TORCH_CHECK(m.is_cuda() && m.scalar_type() == at::ScalarType::Bool && m.is_contiguous() && m.dim() == 4,
-                "softmax_forward: mask must be a contiguous CUDA bool tensor [batch or 1, 1, sq, sk]");
-    TORCH_CHECK((m.size(0) == b || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == sq && m.size(3) == sk,
+    TORCH_CHECK(m.is_cuda() && m.device() == x.device() && m.scalar_type() == at::ScalarType::Bool &&
+                    m.is_contiguous() && m.dim() == 4,
+                "softmax_forward: mask must be a contiguous bool tensor [batch or 1, 1, sq or 1, sk] on the "
+                "scores' device");
+    TORCH_CHECK((m.size(0) == b || m.size(0) == 1) && m.size(1) == 1 && (m.size(2) == sq || m.size(2) == 1) &&
+                    m.size(3) == sk,
                 "softmax_forward: mask ", m.sizes(), " does not broadcast over scores ", x.sizes());
     mask_ptr = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
-    mask_per_batch = m.size(0) == b && b > 1;
+    mask_query_stride = m.size(2) == 1 ? 0 : sk;
+    mask_batch_stride = m.size(0) == 1 ? 0 : m.size(2) * sk;
   }
   const c10::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor y = at::empty_like(x);
@@ -177,10 +182,11 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
       T* yp = reinterpret_cast<T*>(y.data_ptr());
       if (causal) {
         softmax_forward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(
-            xp, nullptr, yp, rows, int(sk), int(sq), heads * sq, false, float(scale));
+            xp, nullptr, yp, rows, int(sk), int(sq), heads * sq, 0, 0, float(scale));
       } else {
         softmax_forward_kernel<T, TH, IT, V, false><<<grid, block, 0, stream>>>(
-            xp, mask_ptr, yp, rows, int(sk), int(sq), heads * sq, mask_per_batch, float(scale));
+            xp, mask_ptr, yp, rows, int(sk), int(sq), heads * sq, mask_batch_stride, mask_query_stride,
+            float(scale));
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -192,7 +198,7 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
 
 at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y, double scale, bool causal) {
   check_scores(y, "softmax_backward");
-  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(),
+  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type() && dy.device() == y.device(),
               "softmax_backward: the gradient ", dy.sizes(), " does not match the output ", y.sizes());
   const at::Tensor g = dy.contiguous();
   const int64_t sq = y.size(2), sk = y.size(3);

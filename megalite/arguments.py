@@ -40,6 +40,8 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--attention-backend", choices=["auto", "sdpa", "fused", "torch"], default="auto",
                    help="sdpa: PyTorch's fused attention (what auto picks); fused: score matmuls + megalite's "
                         "fused softmax kernel; torch: explicit softmax matrices")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="torch.compile each transformer layer (fuses bias+GeLU, dropout+residual, norms)")
     g.add_argument("--norm-backend", choices=["auto", "fused", "torch"], default="auto",
                    help="LayerNorm: megalite's fused kernel where it runs, else PyTorch (auto); fused: the "
                         "kernel or an error saying why it cannot run; torch: F.layer_norm")

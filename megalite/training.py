@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megalite import arguments, checkpoint, ops, parallel
 from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
+from megalite.models import compile_layers
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
     ConstantLossScaler,
@@ -111,6 +112,8 @@ def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module
         vs = c * p + r
         chunks.append(task.build_model(config, args, device, pre_process=vs == 0,
                                        post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
+        if getattr(args, "torch_compile", False):
+            compile_layers(chunks[-1])
     return chunks
 
 
@@ -223,6 +226,28 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
     return buffers, optimizer
 
 
+def train_step(program, chunks, micro_batches, forward_step, num_tokens, tensor_shape, dtype, buffers, params,
+               optimizer, lr: float, clip_grad: float, record_spans: bool = False, label: str = "step"):
+    """One optimizer step: the schedule's forwards and backwards (gradient reduction overlapped),
+    the wait for the last reductions, clipping and the update. Returns (schedule stats, grad norm
+    tensor, skipped, start time of the optimizer span); scripts/benchmark_gpt.py times this."""
+    stats = run_schedule(program, chunks, micro_batches, forward_step, num_tokens, tensor_shape, dtype,
+                         record_spans=record_spans, loss_scale=optimizer.loss_scaler.scale,
+                         on_last_backward=lambda c: buffers[c].enable_sync())
+    t = time.perf_counter()
+    set_phase(f"{label}: gradient reduction")
+    for buf in buffers:
+        buf.finish_grad_sync()
+    allreduce_sequence_parallel_grads(params)
+    if record_spans:
+        stats.spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
+    t = time.perf_counter()
+    set_phase(f"{label}: the optimizer step")
+    grad_norm, skipped = optimizer.step(lr, clip_grad)
+    optimizer.zero_grad()
+    return stats, grad_norm, skipped, t
+
+
 def pretrain(args, task: Task) -> TrainingRun:
     """Train as `args` say."""
     _, world_size, _ = env_world()
@@ -300,23 +325,11 @@ def pretrain(args, task: Task) -> TrainingRun:
         micro_batches = _micro_batches(data, iteration, args, dp, dp_rank, device, consumed)
         num_tokens = _global_normalizer(micro_batches, args, dp_group)
         loss_scale = optimizer.loss_scaler.scale
-        stats = run_schedule(program, chunks, micro_batches, task.forward_step, num_tokens, tensor_shape,
-                             dtype, record_spans=record_spans, loss_scale=loss_scale,
-                             on_last_backward=lambda c: buffers[c].enable_sync())
-        spans += stats.spans
-
-        t = time.perf_counter()
-        set_phase(f"iteration {iteration + 1}: gradient reduction")
-        for buf in buffers:
-            buf.finish_grad_sync()
-        allreduce_sequence_parallel_grads(params)
-        if record_spans:
-            spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
-        t = time.perf_counter()
         lr = schedule(iteration)
-        set_phase(f"iteration {iteration + 1}: the optimizer step")
-        grad_norm, skipped = optimizer.step(lr, args.clip_grad)
-        optimizer.zero_grad()
+        stats, grad_norm, skipped, t = train_step(program, chunks, micro_batches, task.forward_step, num_tokens,
+                                                  tensor_shape, dtype, buffers, params, optimizer, lr,
+                                                  args.clip_grad, record_spans, f"iteration {iteration + 1}")
+        spans += stats.spans
         consumed += args.global_batch_size
         logger.step()
         skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0

@@ -80,7 +80,8 @@ def test_softmax_kernels_match_float64(dtype, causal):
     g = torch.Generator(device="cuda").manual_seed(1)
     atol, rtol = KERNEL_TOL[dtype]
     for sk in SOFTMAX_LENGTHS:
-        for b, heads, sq, mask_batch, aligned in ((2, 3, 9, 2, True), (3, 2, 5, 1, False)):
+        for b, heads, sq, mask_batch, aligned, mask_queries in ((2, 3, 9, 2, True, 9), (3, 2, 5, 1, False, 5),
+                                                                 (2, 2, 6, 2, True, 1)):
             if sk > 4096 and b == 3:
                 continue
             shape = (b, heads, sq, sk)
@@ -90,8 +91,8 @@ def test_softmax_kernels_match_float64(dtype, causal):
             dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
             hidden = None
             if not causal:
-                hidden = torch.rand(mask_batch, 1, sq, sk, device="cuda", generator=g) < 0.3
-                hidden[0, 0, sq // 2] = True  # a row with every key hidden
+                hidden = torch.rand(mask_batch, 1, mask_queries, sk, device="cuda", generator=g) < 0.3
+                hidden[0, 0, min(sq // 2, mask_queries - 1)] = True  # rows with every key hidden
             _poison(x, x)
             y = ext.softmax_forward(x, hidden, 0.125, causal)
             full_hidden = torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1)[None, None] if causal else hidden
@@ -99,7 +100,7 @@ def test_softmax_kernels_match_float64(dtype, causal):
             assert torch.isfinite(y).all(), f"unwritten or NaN output, sk={sk}"
             torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, msg=f"forward sk={sk} {shape}")
             if not causal:
-                assert (y[0, :, sq // 2] == 0).all(), "a fully hidden row must be zeros"
+                assert (y[0, :, min(sq // 2, mask_queries - 1)] == 0).all(), "a fully hidden row must be zeros"
             _poison(x)
             dx = ext.softmax_backward(dy, y, 0.125, causal)
             assert torch.isfinite(dx).all()

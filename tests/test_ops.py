@@ -95,6 +95,7 @@ def test_causal_softmax_hides_later_keys(sq, sk):
 @pytest.mark.parametrize("mask,message", [
     (torch.zeros(2, 3, 5, 7, dtype=torch.bool), "does not broadcast"),
     (torch.zeros(2, 1, 4, 7, dtype=torch.bool), "does not broadcast"),
+    (torch.zeros(3, 1, 5, 7, dtype=torch.bool), "does not broadcast"),
     (torch.zeros(2, 1, 5, 7), "must be bool"),
 ])
 def test_bad_masks_are_clear_errors(mask, message):
@@ -259,8 +260,9 @@ def _read_library(name, path):
     return text
 
 
-def _rank_build(cache, counter, fail, queue):
-    module, status = build.locked_build(Path(cache), "megalite_kernels_test", _fake_build(Path(counter), 0.5, fail),
+def _rank_build(cache, counter, fail, queue, barrier):
+    barrier.wait()  # all ranks ask at once, as ranks starting together do
+    module, status = build.locked_build(Path(cache), "megalite_kernels_test", _fake_build(Path(counter), 1.0, fail),
                                         load=_read_library)
     queue.put((module, status.available, status.reason))
 
@@ -268,9 +270,10 @@ def _rank_build(cache, counter, fail, queue):
 @pytest.mark.parametrize("fail", [False, True])
 def test_many_ranks_build_once_and_share_the_result(tmp_path, fail):
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, barrier = ctx.Queue(), ctx.Barrier(3)
     counter = tmp_path / "count"
-    procs = [ctx.Process(target=_rank_build, args=(str(tmp_path / "cache"), str(counter), fail, queue)) for _ in range(3)]
+    procs = [ctx.Process(target=_rank_build, args=(str(tmp_path / "cache"), str(counter), fail, queue, barrier))
+             for _ in range(3)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in procs]
@@ -332,3 +335,59 @@ def test_kernel_benchmark_script_runs_and_reports_every_case(tmp_path):
     assert [c["case"] for c in out["cases"]] == ["causal softmax", "masked softmax", "layer_norm", "rms_norm"]
     for c in out["cases"]:
         assert c["megalite_fwd_ms"] > 0 and c["fwd_speedup_vs_eager"] > 0 and 0 < c["fwd_copy_fraction"]
+
+
+def _compiled_vs_eager(rank, world, seed):
+    import torch._dynamo  # noqa: F401 - for its counters
+
+    from megalite import parallel
+    from megalite.models import GPTModel, TransformerConfig, compile_layers
+    parallel.initialize_model_parallel(1)
+    out = []
+    for compiled in (False, True):
+        parallel.model_parallel_manual_seed(seed)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                   max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+        model = GPTModel(config, seed=seed)
+        names = [n for n, _ in model.named_parameters()]
+        if compiled:
+            compile_layers(model, backend="aot_eager")  # dynamo + AOT autograd, no code generation
+            assert [n for n, _ in model.named_parameters()] == names, "compiling must not rename parameters"
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+        loss = model(ids, labels=ids.roll(-1, 1)).mean()
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return out, graphs
+
+
+def test_compiled_layers_equal_eager_layers():
+    from megalite.testing import run_ranks
+    (eager, compiled), graphs = run_ranks(_compiled_vs_eager, 1, args=(fresh_seed(),), timeout=300)[0]
+    assert graphs >= 1, "the layers were not compiled"
+    torch.testing.assert_close(compiled[0], eager[0], atol=0, rtol=1e-6)
+    for name, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], g, atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_an_unwritable_cache_falls_back_instead_of_raising(monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.delenv("MEGALITE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(build, "cuda_arch_list", lambda: "9.0")
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/home/me/.cache/megalite/kernels")
+    monkeypatch.setattr(build, "locked_build", read_only)
+    build.reset()
+    try:
+        status = ops.kernels_available()
+        assert not status and "building or loading the kernels failed" in status.reason
+        assert "Permission denied" in status.reason
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(ops.rms_norm(x, torch.ones(8), 1e-5), layer_norm64(x, torch.ones(8), None, 1e-5, True).float())
+    finally:
+        build.reset()

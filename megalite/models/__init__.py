@@ -3,9 +3,9 @@ from megalite.models.bert import BERTModel
 from megalite.models.config import PRESETS, TransformerConfig, preset
 from megalite.models.gpt import GPTModel
 from megalite.models.memory import activation_bytes_per_layer
-from megalite.models.transformer import TransformerLayer
+from megalite.models.transformer import TransformerLayer, compile_layers
 
 __all__ = [
-    "activation_bytes_per_layer", "BERTModel", "GPTModel", "PRESETS", "TransformerConfig", "TransformerLayer",
+    "activation_bytes_per_layer", "BERTModel", "compile_layers", "GPTModel", "PRESETS", "TransformerConfig", "TransformerLayer",
     "preset",
 ]

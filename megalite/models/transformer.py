@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -107,8 +108,7 @@ def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal):
     if allowed is None:
         probs = ops.scaled_causal_softmax(scores, scale) if causal else ops.scaled_masked_softmax(scores, None, scale)
     else:
-        hidden = ~allowed.expand(allowed.shape[0], 1, scores.shape[-2], scores.shape[-1])
-        probs = ops.scaled_masked_softmax(scores, hidden, scale)
+        probs = ops.scaled_masked_softmax(scores, ~allowed, scale)  # e.g. [b, 1, 1, s]: no s x s copy
     if dropout_p:
         probs = F.dropout(probs, dropout_p, True)
     return torch.matmul(probs, v)
@@ -211,6 +211,21 @@ class TransformerLayer(nn.Module):
             return self.post_mlp_layernorm(x + drop(self.mlp(x)))
         x = x + drop(self.attention(self.input_layernorm(x), attention_mask))
         return x + drop(self.mlp(self.post_attention_layernorm(x)))
+
+
+def compile_layers(model: nn.Module, backend: str | None = None) -> nn.Module:
+    """torch.compile each transformer layer of `model` in place (`model.layers`): the layers are
+    where the element-wise work (bias + GeLU, dropout + residual, LayerNorm) fuses; the embedding,
+    loss and pipeline boundaries stay eager. Parameters and state_dict names do not change.
+    `backend` defaults to $MEGALITE_COMPILE_BACKEND, else inductor."""
+    import torch._dynamo
+
+    backend = backend or os.environ.get("MEGALITE_COMPILE_BACKEND", "inductor")
+    # Every layer is its own module instance: leave room for one compiled entry each.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(model.layers))
+    for layer in model.layers:
+        layer.compile(backend=backend)
+    return model
 
 
 def _run_chunk(layers):

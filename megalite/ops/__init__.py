@@ -1,6 +1,6 @@
 """Fused kernels with PyTorch fallbacks: the same function on every path, autograd-aware.
 
-    scaled_masked_softmax(x, mask, scale)   x [b, heads, sq, sk]; mask bool [b or 1, 1, sq, sk],
+    scaled_masked_softmax(x, mask, scale)   x [b, heads, sq, sk]; mask bool [b or 1, 1, sq or 1, sk],
                                             True = hidden (None: no mask)
     scaled_causal_softmax(x, scale)         key k hidden from query q when k > q
     layer_norm(x, weight, bias, eps)        over the last dimension, fp32 statistics
@@ -48,18 +48,16 @@ def _check_scores(x: torch.Tensor, what: str) -> None:
 
 
 def _broadcast_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """mask as [b or 1, 1, sq, sk] bool, from any shape that broadcasts to that."""
+    """mask as [b or 1, 1, sq or 1, sk] bool: broadcast over heads (and queries, for padding masks)
+    without copying; a mask broadcast over keys is expanded."""
     b, _, sq, sk = x.shape
     if mask.dtype != torch.bool:
         raise ValueError(f"scaled_masked_softmax: mask must be bool (True = hidden), got {mask.dtype}")
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, b):
+    if (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, b) or mask.shape[2] not in (1, sq)
+            or mask.shape[3] not in (1, sk)):
         raise ValueError(f"scaled_masked_softmax: mask of shape {tuple(mask.shape)} does not broadcast as "
-                         f"[batch or 1, 1, sq, sk] over scores of shape {tuple(x.shape)}")
-    try:
-        return mask.expand(mask.shape[0], 1, sq, sk)
-    except RuntimeError:
-        raise ValueError(f"scaled_masked_softmax: mask of shape {tuple(mask.shape)} does not broadcast over "
-                         f"scores of shape {tuple(x.shape)}") from None
+                         f"[batch or 1, 1, sq or 1, sk] over scores of shape {tuple(x.shape)}")
+    return mask.expand(*mask.shape[:3], sk)
 
 
 def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -4,7 +4,8 @@ The build lives in a cache directory named after a hash of the kernel sources, t
 architectures, the torch and CUDA versions and the Python ABI: a changed source or a new torch
 gets a new name, so a stale build is never loaded. Many ranks may start together: an exclusive
 file lock lets one build while the others wait and then load its result (the operating system
-drops the lock of a killed builder, so nobody waits on a stale lock). A failed build is recorded,
+drops the lock of a killed builder, so nobody waits on a stale lock; where the file system has no
+flock, torch's own build lock serialises the builds). A failed build is recorded,
 so the ranks that waited on it fall back at once instead of each failing the same build again;
 the next run tries again.
 """
@@ -96,26 +97,43 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@dataclass
+class LockState:
+    held: bool  # False where the file system has no flock
+    waited: bool  # another process held it first
+
+
 @contextlib.contextmanager
 def exclusive(lock_path: Path, waiting_message: str | None = None):
-    """Hold an exclusive lock on `lock_path`. Where the file system has no flock (some network
-    mounts), go on without it: builds then race, but each writes its own complete library."""
+    """Hold an exclusive lock on `lock_path`; yields a LockState. Where the file system has no flock
+    (some network mounts) the lock is not held and the caller relies on torch's own build lock."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as f:
+        state = LockState(held=True, waited=False)
         try:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                state.waited = True
                 if waiting_message:
                     print(waiting_message, file=sys.stderr, flush=True)
                 fcntl.flock(f, fcntl.LOCK_EX)
         except OSError:
-            yield
+            yield LockState(held=False, waited=False)
             return
         try:
-            yield
+            yield state
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _file_identity(path: Path):
+    """What changes whenever the file is written anew (it is always replaced, so a new inode)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def import_library(name: str, path: Path):
@@ -132,20 +150,29 @@ def locked_build(cache: Path, name: str, build, load=import_library):
     build_dir = cache / name
     library = build_dir / f"{name}.so"
     failed = build_dir / FAILED_MARKER
-    started = time.time()
-    with exclusive(cache / f"{name}.lock", f"megalite: waiting for another process building the kernels in {build_dir}"):
-        # A failure recorded while this process waited: the same build would fail again.
-        if failed.exists() and failed.stat().st_mtime >= started - 1.0:
-            return None, KernelStatus(False, f"the kernel build failed in another process: {failed.read_text().strip()}",
-                                      str(build_dir))
+    failure_before = _file_identity(failed)
+    waiting = f"megalite: waiting for another process building the kernels in {build_dir}"
+    with exclusive(cache / f"{name}.lock", waiting) as lock:
+        locked = lock.held
+        # A failure recorded while this process waited for the builder: the same build would fail
+        # again. A failure from an earlier run is retried.
+        if lock.waited and _file_identity(failed) not in (None, failure_before):
+            try:
+                reason = failed.read_text().strip()
+            except OSError:
+                reason = "(no reason recorded)"
+            return None, KernelStatus(False, f"the kernel build failed in another process: {reason}", str(build_dir))
         if library.exists():
             try:
                 return load(name, library), KernelStatus(True, f"loaded from {build_dir}", str(build_dir))
             except (ImportError, OSError):
-                library.unlink()  # a half-written library from a killed build: build it again
+                if not locked:
+                    raise  # maybe another process is still writing it
+                library.unlink(missing_ok=True)  # a half-written library from a killed build: build it again
         build_dir.mkdir(parents=True, exist_ok=True)
-        # torch's own build lock, left behind by a killed build, would block us for ever; ours is held.
-        (build_dir / "lock").unlink(missing_ok=True)
+        if locked:
+            # torch's own build lock, left behind by a killed build, would block us for ever; ours is held.
+            (build_dir / "lock").unlink(missing_ok=True)
         print(f"megalite: building the fused CUDA kernels in {build_dir} (once per machine, about a minute)",
               file=sys.stderr, flush=True)
         t0 = time.time()
@@ -204,17 +231,31 @@ def load():
             if reason is not None:
                 _loaded = (None, KernelStatus(False, reason))
             else:
-                src, arch = source_dir(), cuda_arch_list()
-                name = build_name(src, arch)
-                module, status = locked_build(cache_root(), name, compile_extension(name, src, arch))
-                if module is not None:
-                    from megalite.ops.selfcheck import self_check
-                    problem = self_check(module)
-                    if problem is not None:
-                        module, status = None, KernelStatus(False, f"the kernels failed their self-check ({problem}); "
-                                                                   "please report this", status.build_dir)
-                _loaded = (module, status)
+                _loaded = _build_and_check()
         return _loaded
+
+
+def _build_and_check():
+    """Build or load, then self-check; any failure (an unwritable cache, a GPU the build cannot
+    run on, a kernel that disagrees) becomes a fallback with its reason, never an exception."""
+    from megalite.ops.selfcheck import self_check
+
+    status = None
+    try:
+        src, arch = source_dir(), cuda_arch_list()
+        name = build_name(src, arch)
+        module, status = locked_build(cache_root(), name, compile_extension(name, src, arch))
+        if module is None:
+            return None, status
+        problem = self_check(module)
+    except Exception as e:  # noqa: BLE001
+        where = "building or loading" if status is None else "running"
+        return None, KernelStatus(False, f"{where} the kernels failed: {_summarize(e)}",
+                                  None if status is None else status.build_dir)
+    if problem is not None:
+        return None, KernelStatus(False, f"the kernels failed their self-check ({problem}); please report this",
+                                  status.build_dir)
+    return module, status
 
 
 def reset() -> None:

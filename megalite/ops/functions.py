@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 class FusedSoftmax(torch.autograd.Function):
-    """y = softmax(scale * x) with a [b or 1, 1, sq, sk] mask (True = hidden), causal, or neither."""
+    """y = softmax(scale * x) with a [b or 1, 1, sq or 1, sk] mask (True = hidden), causal, or neither.
+    The backwards are first-order only (a double backward raises rather than treating them as constants)."""
 
     @staticmethod
     def forward(ctx, ext, x, mask, scale: float, causal: bool):
@@ -15,6 +17,7 @@ class FusedSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         return None, ctx.ext.softmax_backward(dy.contiguous(), y, ctx.scale, ctx.causal), None, None, None
@@ -31,6 +34,7 @@ class FusedNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw_part, db_part = ctx.ext.norm_backward(dy.contiguous(), x, weight, mean, rstd, ctx.rms)

@@ -15,11 +15,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         tp, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
-        logits = logits.float()
-        logits_max = logits.max(dim=-1).values
+        logits_max = logits.max(dim=-1).values.float()
         if tp > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        # One fp32 working copy, shifted in place (16-bit logits: no second vocabulary-sized copy).
+        shifted = logits.to(torch.float32, copy=True)
+        shifted -= logits_max.unsqueeze(-1)
 
         part = logits.shape[-1]
         start = state.get_tensor_model_parallel_rank() * part

@@ -1,0 +1,43 @@
+"""scripts/benchmark_gpt.py's own logic on tiny CPU shapes: every implementation timed, the formula's
+TFLOP/s and MFU consistent, and the training log's MFU read back for the same run. The H100 figures
+come from the same script (docs/BENCHMARKS.md)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from megalite.metrics import gpt_flops_per_iteration
+from megalite.models import preset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("benchmark_gpt", ROOT / "scripts" / "benchmark_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_in_rank(rank, world, out):
+    return _script().main(["--device", "cpu", "--quick", "--variants", "eager", "--json", out])
+
+
+def test_benchmark_reports_plain_and_megalite_and_the_log_mfu(tmp_path):
+    from megalite.testing import run_ranks
+    out = tmp_path / "gpt.json"
+    results = run_ranks(_run_in_rank, 1, args=(str(out),), timeout=300)[0]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    runs = {r["implementation"]: r for r in results["runs"]}
+    assert set(runs) == {"plain eager", "megalite eager"}
+    c = preset("gpt-tiny")
+    flops = gpt_flops_per_iteration(2, 64, c.num_layers, c.hidden_size, c.vocab_size)
+    for r in runs.values():
+        assert r["tflops"] == pytest.approx(flops / (r["ms_per_step"] * 1e-3) / 1e12)
+        assert r["mfu_datasheet"] == pytest.approx(r["tflops"] / results["datasheet_tflops"])
+        assert r["tokens_per_sec"] == pytest.approx(2 * 64 / (r["ms_per_step"] * 1e-3))
+    logged = runs["megalite eager"]["log_mfu"]
+    assert 0 < logged < 1, "the training log's MFU must be read back"
+    assert runs["megalite eager"]["log_mfu_difference_points"] == pytest.approx(
+        100 * (logged - runs["megalite eager"]["mfu_datasheet"]))
