@@ -122,17 +122,6 @@ constexpr int vector_width() { return 16 / sizeof(T); }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
-// Calls fn(T{}) with T the C++ type of `dtype` (float, at::Half, at::BFloat16).
-template <typename Fn>
-void dispatch_dtype(at::ScalarType dtype, const char* what, Fn&& fn) {
-  switch (dtype) {
-    case at::ScalarType::Float: fn(float{}); break;
-    case at::ScalarType::Half: fn(at::Half{}); break;
-    case at::ScalarType::BFloat16: fn(at::BFloat16{}); break;
-    default: TORCH_CHECK(false, what, ": dtype ", dtype, " is not supported (float32, float16, bfloat16)");
-  }
-}
-
 // Streaming multiprocessors of the current device (ATen's CUDAContext would pull in the cuBLAS and
 // cuSPARSE headers for this one number).
 // Asked once per device and kept (the count never changes).
@@ -155,6 +144,33 @@ inline int grid_for_rows(int64_t rows, int rows_per_block) {
   int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   const int cap = multiprocessor_count() * 32;
   return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
+}
+
+// Chooses the vector width (16-byte vectors when the row length and `pointers_aligned` allow) and
+// the row configuration for `cols`, then calls launch(threads, items, vec, grid, block): the first
+// three as std::integral_constant, grid and block the usual row-parallel launch shape.
+template <typename T, typename Launch>
+void launch_over_rows(const char* what, int64_t rows, int cols, bool pointers_aligned, Launch&& launch) {
+  constexpr int kVec = vector_width<T>();
+  auto with_shape = [&](auto threads, auto items, auto width) {
+    constexpr int TH = decltype(threads)::value;
+    launch(threads, items, width, grid_for_rows(rows, rows_per_block<TH>()), TH * rows_per_block<TH>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  const bool ok = pointers_aligned && cols % kVec == 0 ? dispatch_row_config<kVec>(cols, with_shape)
+                                                       : dispatch_row_config<1>(cols, with_shape);
+  TORCH_CHECK(ok, what, ": no launch configuration for rows of ", cols);
+}
+
+// Calls fn(T{}) with T the C++ type of `dtype` (float, at::Half, at::BFloat16).
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, const char* what, Fn&& fn) {
+  switch (dtype) {
+    case at::ScalarType::Float: fn(float{}); break;
+    case at::ScalarType::Half: fn(at::Half{}); break;
+    case at::ScalarType::BFloat16: fn(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, what, ": dtype ", dtype, " is not supported (float32, float16, bfloat16)");
+  }
 }
 
 }  // namespace megalite

@@ -218,20 +218,17 @@ std::vector<at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& w, c
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), "norm_forward", [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kVec = vector_width<T>();
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* wp = reinterpret_cast<const T*>(w.data_ptr());
     const T* bp = b.has_value() ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
-    const bool vec = cols % kVec == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
-                     aligned16(w.data_ptr()) && (bp == nullptr || aligned16(bp));
-    auto launch = [&](auto threads, auto items, auto width) {
+    T* yp = reinterpret_cast<T*>(y.data_ptr());
+    const bool aligned = aligned16(xp) && aligned16(yp) && aligned16(wp) && (bp == nullptr || aligned16(bp));
+    launch_over_rows<T>("norm_forward", rows, int(cols), aligned, [&](auto threads, auto items, auto width, int grid,
+                                                                      int block) {
       constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      norm_forward_kernel<T, TH, IT, V><<<grid_for_rows(rows, rows_per_block<TH>()), TH * rows_per_block<TH>(), 0, stream>>>(
-          reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(w.data_ptr()), bp,
-          reinterpret_cast<T*>(y.data_ptr()), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, int(cols),
-          float(eps), rms);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    const bool ok = vec ? dispatch_row_config<kVec>(int(cols), launch) : dispatch_row_config<1>(int(cols), launch);
-    TORCH_CHECK(ok, "norm_forward: no launch configuration for ", cols, " columns");
+      norm_forward_kernel<T, TH, IT, V><<<grid, block, 0, stream>>>(
+          xp, wp, bp, yp, mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, int(cols), float(eps), rms);
+    });
   });
   return {y, mean, rstd};
 }
@@ -259,24 +256,22 @@ std::vector<at::Tensor> norm_backward(const at::Tensor& dy, const at::Tensor& x,
   at::Tensor dw_part, db_part;
   dispatch_dtype(x.scalar_type(), "norm_backward", [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kVec = vector_width<T>();
-    const bool vec = cols % kVec == 0 && aligned16(g.data_ptr()) && aligned16(x.data_ptr()) &&
-                     aligned16(w.data_ptr()) && aligned16(dx.data_ptr());
-    auto launch = [&](auto threads, auto items, auto width) {
+    const T* gp = reinterpret_cast<const T*>(g.data_ptr());
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+    T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+    const bool aligned = aligned16(gp) && aligned16(xp) && aligned16(wp) && aligned16(dxp);
+    launch_over_rows<T>("norm_backward", rows, int(cols), aligned, [&](auto threads, auto items, auto width, int,
+                                                                       int block) {
       constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      constexpr int kRows = rows_per_block<TH>();
-      const int blocks = backward_blocks(rows, kRows, TH * kRows);
+      // Fewer blocks than the forward: each adds its rows into one partial row of dw / db.
+      const int blocks = backward_blocks(rows, rows_per_block<TH>(), block);
       dw_part = at::empty({blocks, cols}, part_options);
       db_part = at::empty({blocks, cols}, part_options);
-      norm_backward_kernel<T, TH, IT, V><<<blocks, TH * kRows, 0, stream>>>(
-          reinterpret_cast<const T*>(g.data_ptr()), reinterpret_cast<const T*>(x.data_ptr()),
-          reinterpret_cast<const T*>(w.data_ptr()), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-          reinterpret_cast<T*>(dx.data_ptr()), dw_part.data_ptr<float>(), db_part.data_ptr<float>(), rows,
-          int(cols), rms);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    const bool ok = vec ? dispatch_row_config<kVec>(int(cols), launch) : dispatch_row_config<1>(int(cols), launch);
-    TORCH_CHECK(ok, "norm_backward: no launch configuration for ", cols, " columns");
+      norm_backward_kernel<T, TH, IT, V><<<blocks, block, 0, stream>>>(
+          gp, xp, wp, mean.data_ptr<float>(), rstd.data_ptr<float>(), dxp, dw_part.data_ptr<float>(),
+          db_part.data_ptr<float>(), rows, int(cols), rms);
+    });
   });
   return {dx, dw_part, db_part};
 }

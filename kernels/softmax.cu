@@ -171,15 +171,12 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), "softmax_forward", [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kVec = vector_width<T>();
-    const bool vec = sk % kVec == 0 && aligned16(x.data_ptr()) && aligned16(y.data_ptr()) &&
-                     (mask_ptr == nullptr || aligned16(mask_ptr));
-    auto launch = [&](auto threads, auto items, auto width) {
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    T* yp = reinterpret_cast<T*>(y.data_ptr());
+    const bool aligned = aligned16(xp) && aligned16(yp) && (mask_ptr == nullptr || aligned16(mask_ptr));
+    launch_over_rows<T>("softmax_forward", rows, int(sk), aligned, [&](auto threads, auto items, auto width, int grid,
+                                                                       int block) {
       constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      const int grid = grid_for_rows(rows, rows_per_block<TH>());
-      const int block = TH * rows_per_block<TH>();
-      const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-      T* yp = reinterpret_cast<T*>(y.data_ptr());
       if (causal) {
         softmax_forward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(
             xp, nullptr, yp, rows, int(sk), int(sq), heads * sq, 0, 0, float(scale));
@@ -188,10 +185,7 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
             xp, mask_ptr, yp, rows, int(sk), int(sq), heads * sq, mask_batch_stride, mask_query_stride,
             float(scale));
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    const bool ok = vec ? dispatch_row_config<kVec>(int(sk), launch) : dispatch_row_config<1>(int(sk), launch);
-    TORCH_CHECK(ok, "softmax_forward: no launch configuration for sk=", sk);
+    });
   });
   return y;
 }
@@ -209,24 +203,18 @@ at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y, double sc
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(y.scalar_type(), "softmax_backward", [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kVec = vector_width<T>();
-    const bool vec = sk % kVec == 0 && aligned16(g.data_ptr()) && aligned16(y.data_ptr()) && aligned16(dx.data_ptr());
-    auto launch = [&](auto threads, auto items, auto width) {
+    const T* gp = reinterpret_cast<const T*>(g.data_ptr());
+    const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+    T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+    launch_over_rows<T>("softmax_backward", rows, int(sk), aligned16(gp) && aligned16(yp) && aligned16(dxp),
+                        [&](auto threads, auto items, auto width, int grid, int block) {
       constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      const int grid = grid_for_rows(rows, rows_per_block<TH>());
-      const int block = TH * rows_per_block<TH>();
-      const T* gp = reinterpret_cast<const T*>(g.data_ptr());
-      const T* yp = reinterpret_cast<const T*>(y.data_ptr());
-      T* dxp = reinterpret_cast<T*>(dx.data_ptr());
       if (causal) {
         softmax_backward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(gp, yp, dxp, rows, int(sk), int(sq), float(scale));
       } else {
         softmax_backward_kernel<T, TH, IT, V, false><<<grid, block, 0, stream>>>(gp, yp, dxp, rows, int(sk), int(sq), float(scale));
       }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    const bool ok = vec ? dispatch_row_config<kVec>(int(sk), launch) : dispatch_row_config<1>(int(sk), launch);
-    TORCH_CHECK(ok, "softmax_backward: no launch configuration for sk=", sk);
+    });
   });
   return dx;
 }
