@@ -42,9 +42,11 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
                         "fused softmax kernel; torch: explicit softmax matrices")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (fuses bias+GeLU, dropout+residual, norms)")
+    g.add_argument("--normalization", choices=["layernorm", "rmsnorm"], default=None,
+                   help="the norm of every layer (default: the preset's, layernorm)")
     g.add_argument("--norm-backend", choices=["auto", "fused", "torch"], default="auto",
-                   help="LayerNorm: megalite's fused kernel where it runs, else PyTorch (auto); fused: the "
-                        "kernel or an error saying why it cannot run; torch: F.layer_norm")
+                   help="LayerNorm / RMSNorm: megalite's fused kernel where it runs, else PyTorch (auto); fused: the "
+                        "kernel or an error saying why it cannot run; torch: PyTorch ops")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
@@ -126,7 +128,7 @@ def model_config(args) -> TransformerConfig:
         k: v for k, v in {
             "num_layers": args.num_layers, "hidden_size": args.hidden_size,
             "num_attention_heads": args.num_attention_heads, "ffn_hidden_size": args.ffn_hidden_size,
-            "vocab_size": args.vocab_size,
+            "vocab_size": args.vocab_size, "normalization": args.normalization,
         }.items() if v is not None
     }
     try:

@@ -40,7 +40,7 @@ from megalite.runtime import UsageError
 FORMAT_VERSION = 1
 _VOCAB_PARAMS = ("word_embeddings.weight", "lm_bias")  # rows past the vocabulary are padding
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                 "layernorm_position", "activation")
+                 "layernorm_position", "activation", "normalization")
 
 
 # ---------------------------------------------------------------------------------------------

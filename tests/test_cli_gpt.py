@@ -85,3 +85,13 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     assert [e.step for e in events] == [2, 4, 6]
     assert [e.value for e in events] == pytest.approx(losses_logged, rel=1e-6)
     assert [e.step for e in acc.Scalars("valid/loss")] == [3, 6]
+
+
+def test_normalization_and_backends_reach_the_model_config():
+    from megalite import arguments
+    args = arguments.build_parser("t", "gpt-tiny").parse_args(
+        ["--normalization", "rmsnorm", "--norm-backend", "torch", "--attention-backend", "fused"])
+    config = arguments.model_config(args)
+    assert (config.normalization, config.norm_backend, config.attention_backend) == ("rmsnorm", "torch", "fused")
+    default = arguments.model_config(arguments.build_parser("t", "gpt-tiny").parse_args([]))
+    assert (default.normalization, default.norm_backend, default.attention_backend) == ("layernorm", "auto", "sdpa")

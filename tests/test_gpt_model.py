@@ -23,10 +23,10 @@ def _full(name, t, p):
     return full[:VOCAB] if name == "word_embeddings.weight" else full
 
 
-def gpt_forward_backward(rank, world, seed):
+def gpt_forward_backward(rank, world, seed, **config):
     parallel.initialize_model_parallel(world)
     parallel.model_parallel_manual_seed(seed)
-    model = GPTModel(tiny_config(), seed=seed)
+    model = GPTModel(tiny_config(**config), seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, VOCAB, (3, 16), generator=gen)
     labels = torch.randint(0, VOCAB, (3, 16), generator=gen)
@@ -35,6 +35,9 @@ def gpt_forward_backward(rank, world, seed):
     assert torch.isinf(logits[..., VOCAB:]).all(), "vocabulary padding must be -inf"
     loss = model(ids, labels=labels)
     loss.mean().backward()
+    for p in model.parameters():  # sequence-parallel grads are partial per TP rank; the training loop sums them
+        if getattr(p, "sequence_parallel", False) and world > 1:
+            dist.all_reduce(p.grad, group=parallel.get_tensor_model_parallel_group())
     grads = {n: _full(n, p.grad, p) for n, p in model.named_parameters()}
     return {"weights": weights, "logits": logits[..., :VOCAB], "loss": loss.detach(), "grads": grads}
 
@@ -47,6 +50,20 @@ def seed():
 @pytest.fixture(scope="module")
 def reference(seed):
     return run_ranks(gpt_forward_backward, 1, args=(seed,))[0]
+
+
+def rmsnorm_forward_backward(rank, world, seed):
+    return gpt_forward_backward(rank, world, seed, normalization="rmsnorm", sequence_parallel=world > 1)
+
+
+def test_rmsnorm_gpt_with_sequence_parallelism_matches_single_device(seed):
+    """RMSNorm weights are replicated in the sequence-parallel region like LayerNorm's."""
+    single = run_ranks(rmsnorm_forward_backward, 1, args=(seed,))[0]
+    assert not any(name.endswith("layernorm.bias") for name in single["weights"]), "RMSNorm has no bias"
+    for r in run_ranks(rmsnorm_forward_backward, 2, args=(seed,)):
+        assert_rel_close(r["logits"], single["logits"], what="logits")
+        for name, g in single["grads"].items():
+            assert_rel_close(r["grads"][name], g, what=f"grad {name}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -353,6 +353,7 @@ def _compiled_vs_eager(rank, world, seed):
         if compiled:
             compile_layers(model, backend="aot_eager")  # dynamo + AOT autograd, no code generation
             assert [n for n, _ in model.named_parameters()] == names, "compiling must not rename parameters"
+            assert model.layers[0].input_layernorm.backend == "torch", "auto norms compile as F.layer_norm"
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
         loss = model(ids, labels=ids.roll(-1, 1)).mean()
         loss.backward()

@@ -6,6 +6,6 @@ from megalite.models.memory import activation_bytes_per_layer
 from megalite.models.transformer import TransformerLayer, compile_layers
 
 __all__ = [
-    "activation_bytes_per_layer", "BERTModel", "compile_layers", "GPTModel", "PRESETS", "TransformerConfig", "TransformerLayer",
-    "preset",
+    "activation_bytes_per_layer", "BERTModel", "compile_layers", "GPTModel", "PRESETS", "TransformerConfig",
+    "TransformerLayer", "preset",
 ]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
-from megalite.models.transformer import LayerNorm, TransformerLayer, hidden_dropout, init_generator, run_layers
+from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import VocabParallelEmbedding, normal_init, pad_vocab_size
@@ -88,7 +88,7 @@ class BERTModel(nn.Module):
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
         h, std, dtype, sp = config.hidden_size, config.init_method_std, config.params_dtype, config.sequence_parallel
         post_norm = config.layernorm_position == "post"
-        norm = lambda: LayerNorm(h, config.layernorm_epsilon, sp, dtype, device, config.norm_backend)  # noqa: E731
+        norm = lambda: norm_layer(config, device)  # noqa: E731
 
         def replicated(module: nn.Module, component: int) -> nn.Module:
             """Same full weight on every rank: N(0, std) from the component's generator, biases zero."""

@@ -30,6 +30,7 @@ class TransformerConfig:
     norm_backend: str = "auto"  # auto | fused: megalite.ops (kernel where it runs) | torch: F.layer_norm
     # Architecture switches; the defaults are GPT-2's, BERT as published is post / gelu / not causal.
     layernorm_position: str = "pre"  # pre: x + f(LN(x)) | post: LN(x + f(x))
+    normalization: str = "layernorm"  # layernorm (weight and bias) | rmsnorm (weight only)
     activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf)
     causal: bool = True  # attention: to earlier positions only, or bidirectional
     params_dtype: torch.dtype = torch.float32
@@ -52,6 +53,8 @@ class TransformerConfig:
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.attention_backend not in ("sdpa", "fused", "torch"):
             raise ValueError(f"attention_backend must be sdpa, fused or torch, got {self.attention_backend!r}")
+        if self.normalization not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"normalization must be layernorm or rmsnorm, got {self.normalization!r}")
         if self.norm_backend not in ("auto", "fused", "torch"):
             raise ValueError(f"norm_backend must be auto, fused or torch, got {self.norm_backend!r}")
         if self.recompute_method not in ("uniform", "block"):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
-from megalite.models.transformer import LayerNorm, TransformerLayer, hidden_dropout, init_generator, run_layers
+from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.layers import VocabParallelEmbedding, normal_init, pad_vocab_size
@@ -78,8 +78,7 @@ class GPTModel(nn.Module):
                 self.position_embeddings.weight.copy_(full)
         self.layers = nn.ModuleList(TransformerLayer(config, n, seed, device) for n in self.layer_numbers)
         if post_process:
-            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype, device,
-                                             config.norm_backend)
+            self.final_layernorm = norm_layer(config, device)
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:

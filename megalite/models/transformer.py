@@ -100,6 +100,29 @@ def _explicit_attention(q, k, v, allowed, dropout_p, causal):
     return torch.matmul(probs, v)
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, fp32 statistics (megalite.ops);
+    the weight is marked for sequence parallelism like LayerNorm's."""
+
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps, self.backend = eps, backend
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return ops.reference.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def norm_layer(config: TransformerConfig, device=None) -> nn.Module:
+    """The config's normalization (LayerNorm or RMSNorm) over the hidden size, on its backend."""
+    cls = RMSNorm if config.normalization == "rmsnorm" else LayerNorm
+    return cls(config.hidden_size, config.layernorm_epsilon, config.sequence_parallel, config.params_dtype, device,
+               config.norm_backend)
+
+
 def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal):
     """The explicit layout with the scale, mask and softmax in one fused kernel (megalite.ops);
     `allowed` True = attend, None = causal or all."""
@@ -190,10 +213,7 @@ class TransformerLayer(nn.Module):
         init = normal_init(config.init_method_std, gen)
         # GPT-2: residual projections scaled by 1/sqrt(2 * layers) to keep the stream's variance.
         out_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers), gen)
-        ln = lambda: LayerNorm(  # noqa: E731
-            config.hidden_size, config.layernorm_epsilon, config.sequence_parallel, config.params_dtype, device,
-            config.norm_backend,
-        )
+        ln = lambda: norm_layer(config, device)  # noqa: E731
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:
             self.input_layernorm = ln()
@@ -216,7 +236,8 @@ class TransformerLayer(nn.Module):
 def compile_layers(model: nn.Module, backend: str | None = None) -> nn.Module:
     """torch.compile each transformer layer of `model` in place (`model.layers`): the layers are
     where the element-wise work (bias + GeLU, dropout + residual, LayerNorm) fuses; the embedding,
-    loss and pipeline boundaries stay eager. Parameters and state_dict names do not change.
+    loss and pipeline boundaries stay eager. Parameters and state_dict names do not change. Norms
+    left on "auto" run F.layer_norm inside the compiled layers.
     `backend` defaults to $MEGALITE_COMPILE_BACKEND, else inductor."""
     import torch._dynamo
 
@@ -224,6 +245,10 @@ def compile_layers(model: nn.Module, backend: str | None = None) -> nn.Module:
     # Every layer is its own module instance: leave room for one compiled entry each.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(model.layers))
     for layer in model.layers:
+        for module in layer.modules():
+            # Inductor fuses F.layer_norm with its neighbours; a custom kernel would break the graph.
+            if isinstance(module, (LayerNorm, RMSNorm)) and module.backend == "auto":
+                module.backend = "torch"
         layer.compile(backend=backend)
     return model
 

@@ -358,6 +358,8 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if kind == "gpt" and (c.layernorm_position != "pre" or not c.causal):
         problems.append(f"GPT-2 is a causal pre-LayerNorm model (config: layernorm_position="
                         f"{c.layernorm_position!r}, causal={c.causal})")
+    if c.normalization != "layernorm":
+        problems.append(f"GPT-2 and BERT use LayerNorm (config: normalization={c.normalization!r})")
     if kind == "bert" and c.layernorm_position != "post":
         problems.append("BertForPreTraining is post-LayerNorm (config: layernorm_position='pre')")
     missing = [ours for ours, _, _ in table if ours not in state_dict]
