@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check and figure of the repository, in two parts that each fit one 10-minute call on
+# the H100 (the device tool's limit); results go to $OUT (or ./gpu-results).
+#   bash scripts/gpu_checks.sh kernels   # build the kernels, pytest -m gpu, bench_kernels.py, activation memory
+#   bash scripts/gpu_checks.sh training [--presets gpt2-350m]  # benchmark_gpt.py (plain eager/compile,
+#                                        # megalite eager/compile, log MFU); one preset a call if the two overrun
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 MEGALITE_KERNEL_CACHE=${MEGALITE_KERNEL_CACHE:-/tmp/megalite-kernels}
+pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
+status=0
+case "${1:-}" in
+  kernels)
+    python -c "from megalite import ops; print(ops.kernels_available())" 2>&1 | tee "$out/build.txt"
+    python -m pytest -m gpu -q tests/test_gpu.py 2>&1 | tee "$out/pytest_gpu.txt" || status=1
+    python scripts/bench_kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt" || status=1
+    python scripts/activation_memory.py --json "$out/act.json" 2>&1 | tee "$out/act.txt" || status=1
+    ;;
+  training)
+    shift
+    tag=$(echo "$*" | tr -c 'a-zA-Z0-9.\n-' '_')
+    python scripts/benchmark_gpt.py --json "$out/gpt${tag:+_$tag}.json" "$@" 2>&1 | tee "$out/gpt${tag:+_$tag}.txt" || status=1
+    ;;
+  *)
+    echo "usage: bash scripts/gpu_checks.sh {kernels|training}" >&2
+    exit 2
+    ;;
+esac
+exit $status
