@@ -6,6 +6,10 @@
 #                                        # megalite eager/compile, log MFU); one preset a call if the two overrun
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  kernels|training) ;;
+  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]}" >&2; exit 2 ;;
+esac
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 MEGALITE_KERNEL_CACHE=${MEGALITE_KERNEL_CACHE:-/tmp/megalite-kernels}
@@ -24,10 +28,6 @@ case "${1:-}" in
     shift
     tag=$(echo "$*" | tr -c 'a-zA-Z0-9.\n-' '_')
     python scripts/benchmark_gpt.py --json "$out/gpt${tag:+_$tag}.json" "$@" 2>&1 | tee "$out/gpt${tag:+_$tag}.txt" || status=1
-    ;;
-  *)
-    echo "usage: bash scripts/gpu_checks.sh {kernels|training}" >&2
-    exit 2
     ;;
 esac
 exit $status
