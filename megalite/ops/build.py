@@ -145,7 +145,8 @@ def import_library(name: str, path: Path):
 
 def locked_build(cache: Path, name: str, build, load=import_library):
     """Load the library `name` built under `cache`, building it first (once, under a lock) when
-    it is not there. `build(build_dir)` compiles `build_dir/name.so` and raises on failure.
+    it is not there. `build(build_dir)` compiles `build_dir/name.so` (returning the imported module,
+    or None to have it loaded here) and raises on failure.
     Returns (module or None, KernelStatus)."""
     build_dir = cache / name
     library = build_dir / f"{name}.so"
@@ -177,8 +178,9 @@ def locked_build(cache: Path, name: str, build, load=import_library):
               file=sys.stderr, flush=True)
         t0 = time.time()
         try:
-            build(build_dir)
-            module = load(name, library)
+            module = build(build_dir)  # cpp_extension returns the module it imported; a test build may not
+            if module is None:
+                module = load(name, library)
         except Exception as e:  # noqa: BLE001 - any build failure means: fall back, and say why
             summary = _summarize(e)
             tmp = failed.with_suffix(f".{os.getpid()}.tmp")
@@ -191,7 +193,8 @@ def locked_build(cache: Path, name: str, build, load=import_library):
 
 
 def _summarize(e: Exception) -> str:
-    """The compiler's first error line when there is one, else the exception's last line."""
+    """The compiler's first error line when there is one, else the first line naming an error,
+    else the first line."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     compiler = [line for line in lines if re.search(r"\berror\s*:", line, re.IGNORECASE)]
     errors = [line for line in lines if "error" in line.lower()]
@@ -202,13 +205,14 @@ def compile_extension(name: str, src: Path, arch_list: str):
     """The build step of locked_build: torch.utils.cpp_extension with ninja, for `arch_list`."""
     from torch.utils import cpp_extension
 
-    def build(build_dir: Path) -> None:
+    def build(build_dir: Path):
         saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
         try:
-            cpp_extension.load(name=name, sources=[str(src / f) for f in SOURCES], build_directory=str(build_dir),
-                               extra_cflags=list(CXX_FLAGS), extra_cuda_cflags=list(CUDA_FLAGS),
-                               extra_include_paths=[str(src)], verbose=False)
+            return cpp_extension.load(name=name, sources=[str(src / f) for f in SOURCES],
+                                      build_directory=str(build_dir), extra_cflags=list(CXX_FLAGS),
+                                      extra_cuda_cflags=list(CUDA_FLAGS), extra_include_paths=[str(src)],
+                                      verbose=False)
         finally:
             if saved is None:
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
