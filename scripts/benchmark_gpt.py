@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -107,6 +108,7 @@ def time_steps(step, device, warmup: int, iters: int) -> float:
 
 
 def reset_memory(device):
+    gc.collect()  # the previous run's model and optimizer, if a cycle still holds them
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -150,22 +152,23 @@ def megalite_args(preset: str, mb: int, seq: int, extra: list[str], iters: int, 
     return args + extra
 
 
-def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick) -> float:
-    """train_step of megalite.training, over the same pieces pretrain() builds."""
+def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_batch: int | None = None) -> float:
+    """Milliseconds per train_step of megalite.training, over the same pieces pretrain() builds
+    (global_batch / mb micro-batches a step; default one)."""
     import pretrain_gpt
     from megalite import arguments, training
     from megalite.pipeline.schedules import build_program
 
     reset_memory(device)
     args = arguments.build_parser("benchmark", "gpt-tiny").parse_args(
-        megalite_args(preset, mb, seq, extra, warmup + iters, quick))
+        megalite_args(preset, mb, seq, extra, warmup + iters, quick) + ["--global-batch-size", str(global_batch or mb)])
     task = pretrain_gpt.task()
     config, _, _ = training.setup(args, 1)
     chunks = training.build_model_chunks(task, config, args, device)
     buffers, optimizer = training.build_optimizer(args, chunks)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     data, _ = task.build_data(config, args)
-    program = build_program(1, 0, 1, None)
+    program = build_program(1, 0, args.global_batch_size // mb, None)
     for c in chunks:
         c.train()
     counter = iter(range(10 ** 9))

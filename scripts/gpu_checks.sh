@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Every GPU check and figure of the repository, in two parts that each fit one 10-minute call on
+# Every GPU check and figure of the repository, in parts that each fit one 10-minute call on
 # the H100 (the device tool's limit); results go to $OUT (or ./gpu-results).
 #   bash scripts/gpu_checks.sh kernels   # build the kernels, pytest -m gpu, bench_kernels.py, activation memory
 #   bash scripts/gpu_checks.sh training [--presets gpt2-350m]  # benchmark_gpt.py (plain eager/compile,
 #                                        # megalite eager/compile, log MFU); one preset a call if the two overrun
+#   bash scripts/gpu_checks.sh planner   # validate_planner.py: predicted vs measured memory and step time
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  kernels|training) ;;
-  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]}" >&2; exit 2 ;;
+  kernels|training|planner) ;;
+  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner}" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -28,6 +29,9 @@ case "${1:-}" in
     shift
     tag=$(echo "$*" | tr -c 'a-zA-Z0-9.\n-' '_')
     python scripts/benchmark_gpt.py --json "$out/gpt${tag:+_$tag}.json" "$@" 2>&1 | tee "$out/gpt${tag:+_$tag}.txt" || status=1
+    ;;
+  planner)
+    python scripts/validate_planner.py --json "$out/planner.json" 2>&1 | tee "$out/planner.txt" || status=1
     ;;
 esac
 exit $status

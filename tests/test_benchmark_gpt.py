@@ -41,3 +41,25 @@ def test_benchmark_reports_plain_and_megalite_and_the_log_mfu(tmp_path):
     assert 0 < logged < 1, "the training log's MFU must be read back"
     assert runs["megalite eager"]["log_mfu_difference_points"] == pytest.approx(
         100 * (logged - runs["megalite eager"]["mfu_datasheet"]))
+
+
+def _validate_in_rank(rank, world, out):
+    spec = importlib.util.spec_from_file_location("validate_planner", ROOT / "scripts" / "validate_planner.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--device", "cpu", "--quick", "--json", out])
+
+
+def test_planner_validation_compares_the_planners_figures_with_measured_steps(tmp_path):
+    from megalite.testing import run_ranks
+    from megalite.tools import plan
+    results = run_ranks(_validate_in_rank, 1, args=(str(tmp_path / "p.json"),), timeout=300)[0]
+    assert [r["recompute"] for r in results["rows"]] == ["none", "selective", "full"]
+    for r in results["rows"]:
+        config = preset("gpt-tiny", recompute=r["recompute"], hidden_dropout=0.0, attention_dropout=0.0)
+        _, pred = plan.check_layout(config, micro_batch_size=2, global_batch_size=4, seq_length=64,
+                                    recompute=r["recompute"], dtype="bf16", gpu_memory_bytes=80 * 2 ** 30)
+        assert r["predicted_ms"] == pytest.approx(pred.step_time * 1e3)
+        assert r["predicted_bytes"] == pytest.approx(pred.peak_bytes - pred.memory["overhead"])
+        assert r["measured_ms"] > 0 and r["time_error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
+    assert json.loads((tmp_path / "p.json").read_text())["rows"] == json.loads(json.dumps(results["rows"]))
