@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,8 +19,8 @@ import pytest
 
 import netns
 from cli import ROOT, records
+from slurm_cluster import SLURM, SlurmTestCluster, free_port
 
-SLURM = ROOT / "scripts" / "slurm"
 PORT = 29500  # inside a fresh namespace every port is free
 MODEL = ["--mock-data", "--log-interval", "1", "--seq-length", "32"]
 LAYOUT = ["--tp", "2", "--pp", "2"]
@@ -213,18 +212,14 @@ def test_a_partitioned_host_times_out(hosts, tmp_path):
 
 # ---- two-node Slurm: slurmctld on the bridge, one slurmd per host --------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class SlurmNodes(SlurmTestCluster):
+    script_name = "two_node_cluster.sh"
 
-
-class SlurmNodes:
     def __init__(self, net: netns.Network, state: Path):
-        self.state = state
+        super().__init__(state)
         self.env = _env(**net.env(),
                         MEGALITE_SLURM_DIR=str(state),
-                        MEGALITE_SLURMCTLD_PORT=str(_free_port()),
+                        MEGALITE_SLURMCTLD_PORT=str(free_port()),
                         MEGALITE_SLURMD_PORT="16828",  # inside the hosts: free, whatever the machine runs
                         SLURM_CONF=str(state / "etc" / "slurm.conf"),
                         MEGALITE_PYTHON=sys.executable,
@@ -232,17 +227,6 @@ class SlurmNodes:
                         GLOO_SOCKET_IFNAME=netns.INNER_IFNAME)
         self.env.pop("OMP_NUM_THREADS")  # the sbatch script sets it from the CPUs per rank
 
-    def script(self, action: str, timeout: float = 120):
-        return subprocess.run(["bash", str(SLURM / "two_node_cluster.sh"), action], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
-
-    def run(self, *cmd: str, timeout: float = 30, cwd=None, env=None):
-        return subprocess.run(list(cmd), env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd)
-
-    def daemon_logs(self) -> str:
-        return "\n".join(f"----- {p} -----\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted((self.state / "log").glob("*.log")))
 
 
 @pytest.fixture

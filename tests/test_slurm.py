@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SLURM = ROOT / "scripts" / "slurm"
+from cli import ROOT
+from slurm_cluster import SLURM, SlurmTestCluster, free_port
+
 SHELL_SCRIPTS = [SLURM / "local_cluster.sh", SLURM / "cluster_common.sh", SLURM / "two_node_cluster.sh",
                  SLURM / "pretrain_gpt.sbatch", SLURM / "pretrain_bert.sbatch",
                  ROOT / ".ci" / "setup_slurm.sh"]
@@ -26,21 +27,17 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Cluster(SlurmTestCluster):
+    script_name = "local_cluster.sh"
 
-
-class Cluster:
     def __init__(self, state: Path):
-        self.state = state
+        super().__init__(state)
         self.env = {
             **os.environ,
             "MEGALITE_SLURM_DIR": str(state),
             # Free ports, so a cluster someone started by hand (default ports) is left alone.
-            "MEGALITE_SLURMCTLD_PORT": str(_free_port()),
-            "MEGALITE_SLURMD_PORT": str(_free_port()),
+            "MEGALITE_SLURMCTLD_PORT": str(free_port()),
+            "MEGALITE_SLURMD_PORT": str(free_port()),
             "SLURM_CONF": str(state / "etc" / "slurm.conf"),
             # The job runs with the interpreter (and packages) of this test run.
             "MEGALITE_PYTHON": sys.executable,
@@ -57,17 +54,6 @@ class Cluster:
         except OSError:
             self.env["MASTER_ADDR"] = "127.0.0.1"
 
-    def script(self, action: str, timeout: float = 120):
-        return subprocess.run(["bash", str(SLURM / "local_cluster.sh"), action], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
-
-    def run(self, *cmd: str, timeout: float = 30, cwd=None, env=None):
-        return subprocess.run(list(cmd), env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd)
-
-    def daemon_logs(self) -> str:
-        return "\n".join(f"----- {p} -----\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted((self.state / "log").glob("*.log")))
 
 
 @pytest.fixture(scope="module")

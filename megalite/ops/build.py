@@ -229,6 +229,8 @@ _loaded: tuple | None = None  # (module or None, KernelStatus)
 def load():
     """(module or None, KernelStatus), building on first use; the answer is kept for the process."""
     global _loaded
+    if _loaded is not None:  # every op call asks: no lock once the answer is known
+        return _loaded
     with _lock:
         if _loaded is None:
             reason = unavailable_reason()
