@@ -7,6 +7,8 @@ line); --mock-data uses a synthetic stream.
 """
 import sys
 
+import torch
+
 from megalite import arguments
 from megalite.data import resolve_data
 from megalite.data.bert_dataset import build_bert_datasets
@@ -32,9 +34,12 @@ def build_data(config, args):
                 SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed + 1))
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
     try:
+        # Ids are checked against the model's vocabulary; a rank waits for another building a cache
+        # no longer than for a collective.
         train, valid, _ = build_bert_datasets(args.data_path[0], args.split, args.seq_length,
                                               (args.train_iters * args.global_batch_size, valid_samples, 0),
-                                              args.seed, args.tokenizer_object)
+                                              args.seed, args.tokenizer_object, vocab_size=config.vocab_size,
+                                              lock_timeout=args.distributed_timeout_minutes * 60)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if train is None:
@@ -50,14 +55,19 @@ def bert_forward_step(model, batch):
     if not model.post_process:
         return out
     mlm, sop = out
-    loss = (mlm * batch["loss_mask"]).sum()
-    if sop is not None:
-        loss = loss + sop.sum() * batch["num_tokens"] / batch["global_batch_size"]
-    return loss
+    mlm_sum = (mlm * batch["loss_mask"]).sum()
+    if sop is None:
+        batch["loss_terms"] = {"mlm_loss": mlm_sum.detach(), "sop_loss": torch.zeros_like(mlm_sum)}
+        return mlm_sum
+    sop_sum = sop.sum() * batch["num_tokens"] / batch["global_batch_size"]
+    # The two parts, normalized like the loss, for the log: the loop divides them by the token count.
+    batch["loss_terms"] = {"mlm_loss": mlm_sum.detach(), "sop_loss": sop_sum.detach()}
+    return mlm_sum + sop_sum
 
 
 def task() -> Task:
-    return Task(build_model, build_data, bert_forward_step, prepare, model_kind="bert")
+    return Task(build_model, build_data, bert_forward_step, prepare, model_kind="bert",
+                loss_terms=("mlm_loss", "sop_loss"), perplexity_of="mlm_loss")
 
 
 def main(argv=None) -> int:

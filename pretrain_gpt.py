@@ -29,8 +29,12 @@ def build_data(config, args):
                 SyntheticTokens(config.vocab_size, args.seq_length, seed=args.seed + 1))
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
     try:
+        # Ids are checked against the model's vocabulary; a rank waits for another building a cache
+        # no longer than for a collective.
         train, valid, _ = build_gpt_datasets(args.data_path, args.split, args.seq_length,
-                                             (args.train_iters * args.global_batch_size, valid_samples, 0), args.seed)
+                                             (args.train_iters * args.global_batch_size, valid_samples, 0), args.seed,
+                                             vocab_size=config.vocab_size,
+                                             lock_timeout=args.distributed_timeout_minutes * 60)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if train is None:

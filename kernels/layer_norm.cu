@@ -13,8 +13,12 @@
 
 namespace megalite {
 
+// Both kernels state a minimum of one block per SM in their launch bounds: without it ptxas (CUDA 13)
+// held some configurations to fewer registers than they need and spilled 4-16 B (the vectorized
+// 64- and 128-thread backward on sm_90, the scalar fp32 512 x 16 forward on sm_80).
+// scripts/check_kernel_spills.sh keeps it so.
 template <typename T, int THREADS, int ITEMS, int VEC>
-__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
+__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>(), 1)
 norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                     int64_t rows, int cols, float eps, bool rms) {
@@ -83,8 +87,23 @@ norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* _
   }
 }
 
+// dy, x (row at `base`) and w at column `col`, VEC values each; zeros past the end of the row.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_row_chunk(const T* __restrict__ dy, const T* __restrict__ x,
+                                               const T* __restrict__ w, int64_t base, int col, int cols,
+                                               float (&dyc)[VEC], float (&xc)[VEC], float (&wc)[VEC]) {
+  if (col < cols) {
+    load<T, VEC>(dy + base + col, dyc);
+    load<T, VEC>(x + base + col, xc);
+    load<T, VEC>(w + col, wc);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dyc[i] = xc[i] = wc[i] = 0.f;
+  }
+}
+
 template <typename T, int THREADS, int ITEMS, int VEC>
-__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
+__global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>(), 1)
 norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                      const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
                      T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
@@ -94,6 +113,12 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
   constexpr int kChunks = ITEMS / VEC;
   const int t = threadIdx.x % THREADS;
   const int group = threadIdx.x / THREADS;
+  // Up to 16 values a thread, the row's xhat and g stay in registers between the two passes. Beyond
+  // that they would not fit beside the dw / db accumulators (ptxas spilled 288-528 B a thread at
+  // 512 x 32): the second pass reads dy, x and w again instead (the block has just read them, so
+  // they come from cache) and recomputes the same values, bit for bit.
+  constexpr bool kKeepRow = ITEMS <= 16;
+  constexpr int kKept = kKeepRow ? ITEMS : 1;
   float dw_acc[ITEMS], db_acc[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) dw_acc[i] = db_acc[i] = 0.f;
@@ -101,29 +126,26 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
   for (int64_t row = int64_t(blockIdx.x) * kRows + group; row < rows; row += int64_t(gridDim.x) * kRows) {
     const float mean = mean_in[row], rstd = rstd_in[row];
     const int64_t base = row * cols;
-    float xhat[ITEMS], g[ITEMS];
+    float xhat[kKept], g[kKept];
     float g_sum = 0.f, gx_sum = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int col = (c * THREADS + t) * VEC;
       float dyc[VEC], xc[VEC], wc[VEC];
-      if (col < cols) {
-        load<T, VEC>(dy + base + col, dyc);
-        load<T, VEC>(x + base + col, xc);
-        load<T, VEC>(w + col, wc);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) dyc[i] = xc[i] = wc[i] = 0.f;
-      }
+      load_row_chunk<T, VEC>(dy, x, w, base, col, cols, dyc, xc, wc);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const int k = c * VEC + i;
-        xhat[k] = col < cols ? (xc[i] - mean) * rstd : 0.f;
-        g[k] = dyc[i] * wc[i];
-        dw_acc[k] += dyc[i] * xhat[k];
+        const float xh = col < cols ? (xc[i] - mean) * rstd : 0.f;
+        const float gk = dyc[i] * wc[i];
+        if constexpr (kKeepRow) {
+          xhat[k] = xh;
+          g[k] = gk;
+        }
+        dw_acc[k] += dyc[i] * xh;
         db_acc[k] += dyc[i];
-        g_sum += g[k];
-        gx_sum += g[k] * xhat[k];
+        g_sum += gk;
+        gx_sum += gk * xh;
       }
     }
     const float g_mean = rms ? 0.f : group_reduce<THREADS>(g_sum, SumOp{}, scratch) / cols;
@@ -132,11 +154,14 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
     for (int c = 0; c < kChunks; ++c) {
       const int col = (c * THREADS + t) * VEC;
       if (col < cols) {
-        float out[VEC];
+        float dyc[VEC], xc[VEC], wc[VEC], out[VEC];
+        if constexpr (!kKeepRow) load_row_chunk<T, VEC>(dy, x, w, base, col, cols, dyc, xc, wc);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const int k = c * VEC + i;
-          out[i] = rstd * (g[k] - g_mean - xhat[k] * gx_mean);
+          const float xh = kKeepRow ? xhat[k] : (xc[i] - mean) * rstd;
+          const float gk = kKeepRow ? g[k] : dyc[i] * wc[i];
+          out[i] = rstd * (gk - g_mean - xh * gx_mean);
         }
         store<T, VEC>(dx + base + col, out);
       }

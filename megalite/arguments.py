@@ -6,16 +6,28 @@ bad layout ends every rank at once with the same one-line message.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
 from megalite.models.config import PRESETS, TransformerConfig, preset
 from megalite.pipeline.partition import stage_layer_counts
-from megalite.runtime import UsageError
+from megalite.runtime import UsageError, tell_torchrun, env_world
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line once per node: under torchrun every rank parses the
+    same argv, and N copies of the usage text bury the one line that matters."""
+
+    def error(self, message):
+        if env_world()[2] != 0:
+            raise SystemExit(2)
+        tell_torchrun(f"{self.prog}: error: {message}")
+        super().error(message)
 
 
 def build_parser(description: str, default_model: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -88,6 +100,8 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the scale grows")
     g.add_argument("--hysteresis", type=int, default=2, help="overflowing steps before the scale shrinks")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--no-tf32", action="store_true",
+                   help="fp32 runs: full-FP32 matmuls instead of TF32 tensor cores (MFU then against the FP32 peak)")
     g.add_argument("--use-apex-adam", action="store_true", help="NVIDIA apex FusedAdam, if you built apex")
 
     g.add_argument("--plan", action="store_true",
@@ -101,6 +115,9 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
     g.add_argument("--save-async", action="store_true", help="write checkpoints in the background")
     g.add_argument("--no-load-optim", action="store_true", help="load weights only (fresh optimizer)")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: take the weights only and start a new run (iteration 0, data from the "
+                        "start, fresh optimizer and RNG streams)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit at an iteration divisible by N")
     g.add_argument("--exit-duration-in-mins", type=float, default=None, help="save and exit after this long")
     g.add_argument("--no-exit-signal-handler", action="store_true",
@@ -116,7 +133,7 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--no-progress-bar", action="store_true", help="no progress bar even on a terminal")
     g.add_argument("--metrics-file", help="JSON lines, one record per logged iteration")
     g.add_argument("--peak-tflops", type=float, default=None,
-                   help="per-GPU peak for MFU (default: the datasheet bf16 peak of known GPUs)")
+                   help="per-GPU peak for MFU (default: the datasheet dense peak of known GPUs for the dtype in use)")
     g.add_argument("--timeline", metavar="PATH", help="write a Chrome-trace timeline of all ranks (one row each)")
     g.add_argument("--timeline-iters", type=int, default=3, help="iterations recorded in the timeline")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -124,6 +141,7 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
 
 
 def model_config(args) -> TransformerConfig:
+    check_numbers(args)
     overrides = {
         k: v for k, v in {
             "num_layers": args.num_layers, "hidden_size": args.hidden_size,
@@ -152,14 +170,66 @@ def model_dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+# (flag, attribute, rule, what the rule says). Rules see the value only when the flag is set (not
+# None). Every number a run depends on is checked here, before anything starts, so a typo such as
+# `--loss-scale 0` or `--recompute-num-layers -1` ends the run instead of silently meaning something else.
+_POSITIVE_INT, _NON_NEGATIVE = (lambda v: v >= 1, "an integer >= 1"), (lambda v: v >= 0, ">= 0")
+_POSITIVE, _PROBABILITY = (lambda v: v > 0, "> 0"), (lambda v: 0 <= v < 1, "in [0, 1)")
+_NUMERIC_FLAGS = [
+    ("--tp", "tp", _POSITIVE_INT), ("--pp", "pp", _POSITIVE_INT), ("--vpp", "vpp", _POSITIVE_INT),
+    ("--num-layers", "num_layers", _POSITIVE_INT), ("--hidden-size", "hidden_size", _POSITIVE_INT),
+    ("--num-attention-heads", "num_attention_heads", _POSITIVE_INT),
+    ("--ffn-hidden-size", "ffn_hidden_size", _POSITIVE_INT), ("--seq-length", "seq_length", _POSITIVE_INT),
+    ("--vocab-size", "vocab_size", (lambda v: v >= 2, "an integer >= 2")),
+    ("--hidden-dropout", "hidden_dropout", _PROBABILITY), ("--attention-dropout", "attention_dropout", _PROBABILITY),
+    ("--recompute-num-layers", "recompute_num_layers", _POSITIVE_INT),
+    ("--train-iters", "train_iters", _POSITIVE_INT), ("--micro-batch-size", "micro_batch_size", _POSITIVE_INT),
+    ("--global-batch-size", "global_batch_size", _POSITIVE_INT),
+    ("--seed", "seed", (lambda v: 0 <= v < 2 ** 63, "in [0, 2**63)")),
+    ("--lr", "lr", _POSITIVE), ("--min-lr", "min_lr", _NON_NEGATIVE),
+    ("--lr-warmup-iters", "lr_warmup_iters", _NON_NEGATIVE), ("--lr-decay-iters", "lr_decay_iters", _POSITIVE_INT),
+    ("--weight-decay", "weight_decay", _NON_NEGATIVE),
+    ("--adam-beta1", "adam_beta1", _PROBABILITY), ("--adam-beta2", "adam_beta2", _PROBABILITY),
+    ("--adam-eps", "adam_eps", _POSITIVE), ("--clip-grad", "clip_grad", _NON_NEGATIVE),
+    ("--ddp-bucket-size", "ddp_bucket_size", _POSITIVE_INT),
+    ("--loss-scale", "loss_scale", _POSITIVE), ("--initial-loss-scale", "initial_loss_scale", _POSITIVE),
+    ("--loss-scale-window", "loss_scale_window", _POSITIVE_INT), ("--hysteresis", "hysteresis", _POSITIVE_INT),
+    ("--min-loss-scale", "min_loss_scale", _POSITIVE),
+    ("--plan-gpu-memory-gib", "plan_gpu_memory_gib", _POSITIVE),
+    ("--save-interval", "save_interval", _POSITIVE_INT), ("--exit-interval", "exit_interval", _POSITIVE_INT),
+    ("--exit-duration-in-mins", "exit_duration_in_mins", _POSITIVE),
+    ("--max-skipped-iters", "max_skipped_iters", _POSITIVE_INT), ("--log-interval", "log_interval", _POSITIVE_INT),
+    ("--eval-interval", "eval_interval", _NON_NEGATIVE), ("--eval-iters", "eval_iters", _NON_NEGATIVE),
+    ("--peak-tflops", "peak_tflops", _POSITIVE), ("--timeline-iters", "timeline_iters", _POSITIVE_INT),
+    ("--distributed-timeout-minutes", "distributed_timeout_minutes", _POSITIVE),
+]
+
+
+def check_numbers(args) -> None:
+    """Every numeric flag in its range (and finite), each problem one line naming the flag."""
+    for flag, attr, (ok, rule) in _NUMERIC_FLAGS:
+        v = getattr(args, attr, None)
+        if v is None:
+            continue
+        if not math.isfinite(v) or not ok(v):
+            raise UsageError(f"{flag} must be {rule}, got {v}")
+    for i, n in enumerate(args.pipeline_layers or []):
+        if n < 1:
+            raise UsageError(f"--pipeline-layers: stage {i} gets {n} layers; every stage needs at least 1")
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays from --lr to --min-lr")
+    if args.fp16 and args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
+        raise UsageError(f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale "
+                         f"{args.initial_loss_scale}")
+    if args.recompute_num_layers is not None and args.recompute != "full":
+        raise UsageError(f"--recompute-num-layers {args.recompute_num_layers} applies to --recompute full only "
+                         f"(got --recompute {args.recompute})")
+
+
 def validate(args, world_size: int, config: TransformerConfig) -> int:
     """Check the layout against the world and the model; return the data-parallel size."""
+    check_numbers(args)
     tp, pp = args.tp, args.pp
-    for flag, v in (("--tp", tp), ("--pp", pp), ("--micro-batch-size", args.micro_batch_size),
-                    ("--global-batch-size", args.global_batch_size), ("--train-iters", args.train_iters),
-                    ("--log-interval", args.log_interval), ("--seq-length", args.seq_length)):
-        if v < 1:
-            raise UsageError(f"{flag} must be >= 1, got {v}")
     if world_size % tp:
         raise UsageError(f"--tp {tp} does not divide the number of ranks ({world_size}): "
                          f"use a --tp among the divisors of {world_size}, or launch a multiple of {tp} ranks")
@@ -167,8 +237,6 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of ranks ({world_size}): "
                          f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
     dp = world_size // (tp * pp)
-    if args.vpp is not None and args.vpp < 1:
-        raise UsageError(f"--vpp must be >= 1, got {args.vpp}")
     if args.vpp and args.vpp > 1 and pp == 1:
         raise UsageError(f"--vpp {args.vpp} needs pipeline parallelism (--pp > 1)")
     try:
@@ -191,8 +259,6 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
             f"--global-batch-size {args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
             f"data-parallel size {dp})) to be a multiple of --pp ({pp}): raise --global-batch-size"
         )
-    if args.eval_interval < 0 or args.eval_iters < 0:
-        raise UsageError("--eval-interval and --eval-iters must be >= 0")
     if args.data_path and args.mock_data:
         raise UsageError("--mock-data and --data-path exclude each other")
     if args.tensorboard_dir:
@@ -200,14 +266,10 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UsageError("--tensorboard-dir needs tensorboard: pip install 'megalite[tb]'") from None
-    if args.save_interval is not None and args.save_interval < 1:
-        raise UsageError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.finetune and not args.load:
+        raise UsageError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.save_interval and not args.save:
         raise UsageError("--save-interval needs --save DIR")
-    if args.max_skipped_iters < 1:
-        raise UsageError(f"--max-skipped-iters must be >= 1, got {args.max_skipped_iters}")
-    if args.ddp_bucket_size < 1:
-        raise UsageError(f"--ddp-bucket-size must be >= 1, got {args.ddp_bucket_size}")
     if args.loss_scale is not None and not args.fp16:
         raise UsageError("--loss-scale applies to --fp16 only")
     if args.use_apex_adam:

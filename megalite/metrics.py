@@ -15,8 +15,16 @@ import os
 
 import torch
 
-# bf16 dense datasheet peaks (TFLOP/s) for MFU when --peak-tflops is not given.
-_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# Dense datasheet peaks (TFLOP/s, no sparsity) by the dtype the matmuls run in, for MFU when
+# --peak-tflops is not given. Most specific device names first: the H100's three forms differ.
+_PEAK_TFLOPS = (
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    ("H200 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    ("H100", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),  # SXM ("H100 80GB HBM3")
+    ("H200", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+)
 
 
 def gpt_flops_per_iteration(global_batch: int, seq_length: int, num_layers: int, hidden: int,
@@ -26,12 +34,18 @@ def gpt_flops_per_iteration(global_batch: int, seq_length: int, num_layers: int,
     )
 
 
-def default_peak_tflops() -> float | None:
-    """The datasheet bf16 peak of this rank's GPU, if it is one we know; None on CPU."""
+def peak_tflops_of(device_name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = True) -> float | None:
+    """The datasheet peak of a GPU for matmuls in `dtype` (fp16 counts as bf16; fp32 as TF32 when
+    TF32 is allowed); None for a GPU not in the table."""
+    kind = "bf16" if dtype in (torch.bfloat16, torch.float16) else "tf32" if tf32 else "fp32"
+    return next((peaks[kind] for name, peaks in _PEAK_TFLOPS if name in device_name), None)
+
+
+def default_peak_tflops(dtype: torch.dtype = torch.bfloat16, tf32: bool = True) -> float | None:
+    """This rank's GPU's peak for `dtype`, if it is one we know; None on CPU."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name(), dtype, tf32)
 
 
 class MetricsWriter:
@@ -55,11 +69,22 @@ class MetricsWriter:
             self._file = None
 
 
+def ppl_key(loss_key: str) -> str:
+    """The record key of a loss term's perplexity: mlm_loss -> mlm_ppl."""
+    return loss_key.removesuffix("_loss") + "_ppl"
+
+
+def _loss_term_keys(r: dict) -> list[str]:
+    """A task's named loss terms in a record (BERT: mlm_loss, sop_loss), and their perplexities."""
+    return [k for k in r if k.endswith(("_loss", "_ppl")) and k not in ("valid_loss", "valid_ppl")]
+
+
 def format_log_line(r: dict) -> str:
     parts = [
         f"iter {r['iteration']:>6}/{r['train_iters']}",
         f"samples {r['consumed_samples']}",
         f"loss {r['loss']:.6f}",
+        *(f"{k} {r[k]:.6f}" if k.endswith("_loss") else f"{k} {r[k]:.3f}" for k in _loss_term_keys(r)),
         f"lr {r['lr']:.3e}",
         f"grad_norm {r['grad_norm']:.3f}",
         f"loss_scale {r['loss_scale']:g}",
@@ -73,7 +98,8 @@ def format_log_line(r: dict) -> str:
     if r.get("bubble_theory"):
         measured = r.get("bubble_measured")
         parts.append(f"bubble {100 * measured:.1f}% (theory {100 * r['bubble_theory']:.1f}%)" if measured is not None
-                     else f"bubble theory {100 * r['bubble_theory']:.1f}%")
+                     else f"bubble theory {100 * r['bubble_theory']:.1f}%, measured n/a (GPU not synchronized "
+                          f"outside --timeline iterations)")
     return " | ".join(parts)
 
 
@@ -169,19 +195,27 @@ class TrainingLogger:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")
         if self.tb is not None:
-            for key in _TENSORBOARD_KEYS:
+            for key in (*_TENSORBOARD_KEYS, *_loss_term_keys(record)):
                 if record.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", record[key], record["iteration"])
             self.tb.flush()
 
-    def evaluation(self, iteration: int, loss: float) -> None:
+    def evaluation(self, iteration: int, values: dict[str, float], perplexity_of: str | None = None) -> None:
+        """values: {'loss': mean loss, and the task's named terms}. The perplexity is exp of the
+        term `perplexity_of` (BERT: the MLM loss alone), else of the whole loss."""
         if not self.active:
             return
-        ppl = math.exp(min(loss, 80.0))
-        self.say(f"validation at iteration {iteration} | loss {loss:.6f} | perplexity {ppl:.3f}")
-        self.metrics.write({"iteration": iteration, "split": "valid", "valid_loss": loss, "valid_ppl": ppl})
+        loss = values["loss"]
+        ppl = math.exp(min(values[perplexity_of or "loss"], 80.0))
+        terms = {f"valid_{k}": v for k, v in values.items() if k != "loss"}
+        what = f"{perplexity_of.removesuffix('_loss')} perplexity" if perplexity_of else "perplexity"
+        self.say(" | ".join([f"validation at iteration {iteration}", f"loss {loss:.6f}",
+                             *(f"{k.removeprefix('valid_')} {v:.6f}" for k, v in terms.items()), f"{what} {ppl:.3f}"]))
+        self.metrics.write({"iteration": iteration, "split": "valid", "valid_loss": loss, **terms, "valid_ppl": ppl})
         if self.tb is not None:
             self.tb.add_scalar("valid/loss", loss, iteration)
+            for k, v in terms.items():
+                self.tb.add_scalar(f"valid/{k.removeprefix('valid_')}", v, iteration)
             self.tb.add_scalar("valid/ppl", ppl, iteration)
             self.tb.flush()
 

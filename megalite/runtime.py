@@ -29,12 +29,26 @@ def set_phase(name: str) -> None:
     _PHASE[0] = name
 
 
+# Texts of the errors that gloo, NCCL and the rendezvous store raise when another rank is gone or a
+# collective hangs (lower case). Only errors of the types below are read at all: a TypeError that
+# mentions a "peer" is a bug with its own traceback, not a lost rank.
+_TIMEOUT_TEXTS = ("timed out", "timeout", "deadline exceeded", "watchdog caught collective operation")
+_LOST_TEXTS = ("connection closed by peer", "connection reset by peer", "connection refused", "broken pipe",
+               "socket", "nccl communicator was aborted", "ncclremoteerror", "remote process exited",
+               "ncclsystemerror", "nccl error", "some nccl operations have failed", "process group aborted")
+_COMMUNICATION_ERRORS = (RuntimeError, OSError, TimeoutError, getattr(dist, "DistError", RuntimeError))
+_NOT_COMMUNICATION = (NotImplementedError, RecursionError)
+
+
 def _lost_peer(e: BaseException) -> str | None:
     """'timed out' or 'lost contact' when a collective failed because another rank is gone."""
+    if not isinstance(e, _COMMUNICATION_ERRORS) or isinstance(e, _NOT_COMMUNICATION):
+        return None
     text = f"{type(e).__name__} {e}".lower()
-    if "timed out" in text or "timeout" in text or "deadline" in text:
+    if any(w in text for w in _TIMEOUT_TEXTS):
         return "timed out"
-    if any(w in text for w in ("connection closed", "connection reset", "broken pipe", "peer", "socket")):
+    if isinstance(e, (ConnectionError, getattr(dist, "DistNetworkError", ConnectionError))) or any(
+            w in text for w in _LOST_TEXTS):
         return "lost contact with another rank"
     return None
 
@@ -51,15 +65,21 @@ def env_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def select_device() -> torch.device:
+    """This rank's device, made current before anything touches CUDA: otherwise the first CUDA
+    call (a kernel build, a seed) opens a context on GPU 0 from every local rank."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", env_world()[2] % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
     """Join the process group (NCCL when this rank has a GPU, else gloo); return this rank's device."""
-    rank, world, local_rank = env_world()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    rank, world, _ = env_world()
+    device = select_device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:
@@ -76,26 +96,59 @@ _HEARTBEAT_PERIOD_S = 1.0
 _heartbeat_stop = threading.Event()
 
 
+def heartbeat_timeout_s() -> float:
+    """How long a rank may go without a heartbeat before its neighbour declares it lost."""
+    return float(os.environ.get("MEGALITE_HEARTBEAT_TIMEOUT_S", "60"))
+
+
 def start_heartbeat() -> None:
     """Every rank refreshes megalite/alive/<rank> in the rendezvous store each second, from a
-    daemon thread, so that when a collective fails the survivors can tell which ranks are gone."""
+    daemon thread, so that when a collective fails the survivors can tell which ranks are gone.
+
+    The same thread watches one neighbour (rank + 1, a ring, so the store serves O(world) reads):
+    a neighbour whose beat is older than `heartbeat_timeout_s()` and that did not finish is lost.
+    That catches a dead rank even where collectives never block the host (NCCL queues them and
+    its watchdog would abort the process with a message of its own much later): this rank then
+    ends with megalite's one line and exit code 4."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store, no names in failure messages
         return
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     key = f"megalite/alive/{rank}"
     store.set(key, repr(time.time()))
     _heartbeat_stop.clear()
+    neighbour = (rank + 1) % world
+    timeout = heartbeat_timeout_s()
 
     def beat():
+        seen_at, last_beat = time.monotonic(), None
         while not _heartbeat_stop.wait(_HEARTBEAT_PERIOD_S):
             try:
                 store.set(key, repr(time.time()))
+                if neighbour == rank or store.check([f"megalite/done/{neighbour}"]):
+                    continue
+                value = store.get(f"megalite/alive/{neighbour}")
             except Exception:  # noqa: BLE001 - the store is gone; the failure path reports it
                 return
+            if value != last_beat:  # compare to our own clock: hosts' clocks need not agree
+                seen_at, last_beat = time.monotonic(), value
+            elif time.monotonic() - seen_at > timeout and not _heartbeat_stop.is_set():
+                _fail(f"megalite: error: rank {rank} lost contact with another rank in {_PHASE[0]} (lost: rank "
+                      f"{neighbour}, no heartbeat for {timeout:.0f} s); limit: MEGALITE_HEARTBEAT_TIMEOUT_S", 4, True)
+                os._exit(4)
 
     threading.Thread(target=beat, daemon=True, name="megalite-heartbeat").start()
+
+
+def stop_heartbeat() -> None:
+    """This rank is done (finished or failed on its own): its neighbour must not call it lost."""
+    _heartbeat_stop.set()
+    try:
+        if dist.is_initialized():
+            dist.distributed_c10d._get_default_store().set(f"megalite/done/{dist.get_rank()}", "1")
+    except Exception:  # noqa: BLE001 - no store: nobody is watching either
+        pass
 
 
 def lost_ranks(wait_s: float = 8.0) -> str:
@@ -133,7 +186,7 @@ def say(*parts, all_ranks: bool = False) -> None:
         print(*parts, flush=True)
 
 
-def _tell_torchrun(message: str) -> None:
+def tell_torchrun(message: str) -> None:
     """torchrun's failure summary shows a worker's error file: put our one line there, not a
     pointer to how to enable tracebacks."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -145,7 +198,7 @@ def _tell_torchrun(message: str) -> None:
 def _fail(message: str, code: int, show: bool) -> int:
     if show:
         print(message, file=sys.stderr, flush=True)
-    _tell_torchrun(message)
+    tell_torchrun(message)
     return code
 
 
@@ -174,7 +227,7 @@ def run_main(fn, *args) -> int:
     finally:
         from megalite.parallel import destroy_model_parallel
 
-        _heartbeat_stop.set()
+        stop_heartbeat()
         destroy_model_parallel()
         if dist.is_initialized():
             try:

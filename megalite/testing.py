@@ -10,12 +10,15 @@ a rank that hangs is killed after `timeout` seconds (or a few seconds after anot
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
+from fractions import Fraction
 
 import torch
 import torch.multiprocessing as mp
@@ -102,3 +105,141 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, bac
             lines.append(f"--- rank {r} --- hung: killed after the timeout ({timeout:.0f} s) or another rank's failure")
         raise RankFailure("\n".join(lines))
     return [torch.load(io.BytesIO(done[r][1]), weights_only=False) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# host synchronizations
+
+
+_SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def mark_host_side(t: torch.Tensor) -> torch.Tensor:
+    """Mark a tensor that lives on the host even in a GPU run (e.g. flags exchanged over gloo), so
+    `count_host_syncs` does not count reading it."""
+    t._megalite_host_side = True
+    return t
+
+
+class HostSyncs:
+    """What `count_host_syncs` saw: (label, what) per call; `label()` names the moment (a phase)."""
+
+    def __init__(self, label):
+        self.label, self.calls = label, []
+
+    def during(self, predicate) -> list[tuple[str, str]]:
+        return [c for c in self.calls if predicate(c[0])]
+
+
+def _megalite_caller() -> str | None:
+    """file:line of the innermost megalite frame calling, or None when the call comes from the data
+    loader (`megalite/data/`: host tensors by design, built before they move to the device)."""
+    frame, where = sys._getframe(2), None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if f"{os.sep}megalite{os.sep}data{os.sep}" in filename:
+            return None
+        if where is None and f"{os.sep}megalite{os.sep}" in filename and not filename.endswith("testing.py"):
+            where = f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return where or "outside megalite"
+
+
+@contextlib.contextmanager
+def count_host_syncs(label=lambda: ""):
+    """Count the calls that, on a GPU, make the host wait for the device: reading a tensor's value
+    (`.item()`, `.tolist()`, `bool(t)`, `float(t)`, ...), `.cpu()`, `torch.cuda.synchronize()`.
+    On CPU nothing waits, but the same calls run, so the count is the GPU run's. Tensors marked
+    with `mark_host_side` are not counted."""
+    seen = HostSyncs(label)
+    originals = {name: getattr(torch.Tensor, name) for name in (*_SYNC_METHODS, "cpu")}
+    original_sync = torch.cuda.synchronize
+
+    def wrap(name, fn):
+        def counted(self, *a, **k):
+            if not getattr(self, "_megalite_host_side", False) and not counting[0]:
+                where = _megalite_caller()
+                if where is not None:
+                    seen.calls.append((seen.label(), f"Tensor.{name} at {where}"))
+            counting[0] += 1  # nested calls (tolist -> item) count once
+            try:
+                return fn(self, *a, **k)
+            finally:
+                counting[0] -= 1
+        return counted
+
+    counting = [0]
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    torch.cuda.synchronize = lambda *a, **k: seen.calls.append((seen.label(), f"torch.cuda.synchronize at "
+                                                                             f"{_megalite_caller()}"))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        torch.cuda.synchronize = original_sync
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes on the wire
+
+
+def ring_bytes(kind: str, nbytes: int, group_size: int) -> Fraction:
+    """Bytes one rank sends in a ring collective over `nbytes` (all-reduce = reduce-scatter +
+    all-gather, each sending (n-1)/n of the data)."""
+    share = Fraction(group_size - 1, group_size) * nbytes
+    return 2 * share if kind == "all_reduce" else share
+
+
+def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
+    """(bytes this rank sends, the minimum for its layout, whether it holds a tied-embedding
+    bucket) in one step's gradient reduction and,
+    with the distributed optimizer, the parameter all-gather: collectives wrapped and counted.
+    The minimum: each buffer's gradients reduced once (reduce-scatter with the distributed
+    optimizer, else all-reduce), its parameters all-gathered once (distributed optimizer), and the
+    tied embedding summed once over the embedding group. Call inside a process group."""
+    import torch.distributed as dist
+
+    from megalite import parallel, training
+    from megalite.models import GPTModel
+    from megalite.optim import buffers as buffers_module
+
+    def build_gpt(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
+        return GPTModel(config, pre_process, post_process, layer_numbers, seed=args.seed, device=device)
+
+    config, _, device = training.setup(args, world)
+    task = training.Task(build_gpt, build_data=None, forward_step=training.gpt_forward_step)
+    chunks = training.build_model_chunks(task, config, args, device)
+    buffers, optimizer = training.build_optimizer(args, chunks)
+    sent: list[Fraction] = []
+
+    def counted(kind, fn, nbytes_of):
+        def wrapper(*a, group=None, **kw):
+            sent.append(ring_bytes(kind, nbytes_of(*a), dist.get_world_size(group)))
+            return fn(*a, group=group, **kw)
+        return wrapper
+
+    saved = dist.all_reduce, buffers_module._reduce_scatter_single, buffers_module._all_gather_single
+    dist.all_reduce = counted("all_reduce", dist.all_reduce, lambda t: t.nbytes)
+    buffers_module._reduce_scatter_single = counted("reduce_scatter", saved[1], lambda out, inp: inp.nbytes)
+    buffers_module._all_gather_single = counted("all_gather", saved[2], lambda out, inp: out.nbytes)
+    try:
+        for buf in buffers:
+            buf.enable_sync()
+            buf.finish_grad_sync()
+        optimizer.publish()
+    finally:
+        dist.all_reduce, buffers_module._reduce_scatter_single, buffers_module._all_gather_single = saved
+    dp = parallel.get_data_parallel_world_size()
+    minimum = Fraction(0)
+    for buf in buffers:
+        if args.use_distributed_optimizer:
+            minimum += ring_bytes("reduce_scatter", buf.grad_data.nbytes, dp)
+            minimum += ring_bytes("all_gather", buf.param_data.nbytes, dp)
+        else:
+            minimum += ring_bytes("all_reduce", buf.grad_data.nbytes, dp)
+        if buf.embedding_group is not None:
+            emb = sum(b.numel for b in buf.buckets if b.deferred) * buf.grad_data.element_size()
+            minimum += ring_bytes("all_reduce", emb, dist.get_world_size(buf.embedding_group))
+    return sum(sent, Fraction(0)), minimum, any(b.deferred for buf in buffers for b in buf.buckets)

@@ -3,7 +3,10 @@ reduction, clipping, optimizer step, logging and the timeline."""
 from __future__ import annotations
 
 import datetime
+import math
+import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -11,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import arguments, checkpoint, ops, parallel
-from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
+from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration, ppl_key
 from megalite.models import compile_layers
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
@@ -22,9 +25,18 @@ from megalite.optim import (
     ParamAndGradBuffer,
     allreduce_sequence_parallel_grads,
 )
+from megalite.exits import ExitWatch
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.pipeline.schedules import build_program, run_schedule, theoretical_bubble
-from megalite.runtime import TrainingStopped, UsageError, env_world, init_distributed, say, set_phase
+from megalite.runtime import (
+    TrainingStopped,
+    UsageError,
+    env_world,
+    init_distributed,
+    say,
+    select_device,
+    set_phase,
+)
 
 
 @dataclass
@@ -39,11 +51,32 @@ class Task:
     # prepare(args): before anything else, resolve data and tokenizer (may set args.vocab_size)
     prepare: Callable[[object], None] | None = None
     model_kind: str = "gpt"  # recorded in checkpoints
+    # Named parts of the loss that forward_step leaves in batch["loss_terms"] on the last stage, as
+    # sums normalized like the loss (divided by the global token count they are means): logged
+    # beside the loss. BERT: ("mlm_loss", "sop_loss").
+    loss_terms: tuple[str, ...] = ()
+    # The term whose exp is the perplexity logged at validation (None: the whole loss).
+    perplexity_of: str | None = None
 
 
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     out = model(batch["tokens"], labels=batch["labels"])
     return (out * batch["loss_mask"]).sum() if model.post_process else out
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls and convolutions (Ampere and later): on by default, as the
+    MFU of an fp32 run is reported against the TF32 peak. bf16/fp16 runs do not use it."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A host batch on `device`: through pinned memory when it is a GPU, so the copy is truly
+    asynchronous (from pageable memory `non_blocking` copies synchronously)."""
+    if device.type == "cpu":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
@@ -53,9 +86,25 @@ def _micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consume
     first = (step * args.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
     out = []
     for start in range(first, first + per_rank, args.micro_batch_size):
-        batch = data.batch(range(start, start + args.micro_batch_size))
-        out.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        out.append(to_device(data.batch(range(start, start + args.micro_batch_size)), device))
     return out
+
+
+def _loss_terms(task: Task, micro_batches, device) -> torch.Tensor:
+    """The task's named loss terms summed over this rank's micro-batches (zeros off the last stage)."""
+    out = torch.zeros(len(task.loss_terms), device=device)
+    for b in micro_batches:
+        terms = b.get("loss_terms")
+        if terms:
+            out += torch.stack([terms[name].float() for name in task.loss_terms])
+    return out
+
+
+def _perplexity(task: Task, terms: dict[str, float]) -> dict[str, float]:
+    """{'mlm_ppl': exp(mlm_loss)} for a task that names its perplexity term; {} otherwise."""
+    if task.perplexity_of is None:
+        return {}
+    return {ppl_key(task.perplexity_of): math.exp(min(terms[task.perplexity_of], 80.0))}
 
 
 def _global_normalizer(micro_batches, args, dp_group) -> torch.Tensor:
@@ -92,8 +141,10 @@ def _plan_warning(args, world_size: int) -> None:
 
 def setup(args, world_size: int):
     """Validate the layout, start the process groups, seed the RNG streams."""
+    select_device()  # first: validation may build the fused kernels on the current GPU
     config = arguments.model_config(args)
     dp = arguments.validate(args, world_size, config)
+    set_tf32(not args.no_tf32)
     if args.plan:
         _plan_warning(args, world_size)
     device = init_distributed(args.distributed_timeout_minutes)
@@ -117,74 +168,78 @@ def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module
     return chunks
 
 
-def evaluate(args, chunks, data, forward_step, program, tensor_shape, dtype, dp, device) -> float:
-    """Mean loss over `--eval-iters` global batches of `data` (the same ones each time), forward
-    only through the pipeline; the same value on every rank."""
+def evaluate(args, task: Task, chunks, data, program, tensor_shape, dtype, dp, device) -> dict[str, float]:
+    """Mean loss (and the task's loss terms) over `--eval-iters` global batches of `data` (the same
+    ones each time), forward only through the pipeline; the same values on every rank."""
     for c in chunks:
         c.eval()
-    loss, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
+    sums = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the terms
+    tokens = torch.zeros((), device=device)
     with torch.no_grad():
         for j in range(args.eval_iters):
             batches = _micro_batches(data, j, args, dp, parallel.get_data_parallel_rank(), device)
             n = _global_normalizer(batches, args, parallel.get_data_parallel_group())
-            stats = run_schedule(program, chunks, batches, forward_step, n, tensor_shape, dtype)
-            loss += stats.loss_sum
-            tokens += n
-    both = torch.stack([loss, tokens])
+            stats = run_schedule(program, chunks, batches, task.forward_step, n, tensor_shape, dtype)
+            sums[0] += stats.loss_sum
+            sums[1:] += _loss_terms(task, batches, device)
+            tokens += n  # already global (`_global_normalizer`): only the sums are per DP rank
     if dp > 1:
-        dist.all_reduce(both, group=parallel.get_data_parallel_group())
+        dist.all_reduce(sums, group=parallel.get_data_parallel_group())
     if args.pp > 1:
-        dist.broadcast(both, src=parallel.get_pipeline_model_parallel_ranks()[-1],
+        dist.broadcast(sums, src=parallel.get_pipeline_model_parallel_ranks()[-1],
                        group=parallel.get_pipeline_model_parallel_group())
     for c in chunks:
         c.train()
-    return (both[0] / both[1]).item()
+    means = (sums / tokens).tolist()
+    return {"loss": means[0], **dict(zip(task.loss_terms, means[1:]))}
 
 
-class ExitWatch:
-    """SIGTERM / SIGUSR1 (Slurm's preemption warnings), --exit-duration-in-mins and --exit-interval:
-    every rank learns at the same iteration that it is time to save and stop."""
-
-    def __init__(self, args, device):
-        import signal
-
-        self.args, self.device, self.start = args, device, time.monotonic()
-        self.signal_name: str | None = None
-        if not args.no_exit_signal_handler:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        import signal
-
-        self.signal_name = signal.Signals(signum).name
-
-    def reason(self, iteration: int) -> str | None:
-        """Why to stop after `iteration` (1-based), agreed by every rank; None to go on."""
-        a = self.args
-        if a.exit_interval and iteration % a.exit_interval == 0:
-            return f"--exit-interval {a.exit_interval}"
-        late = a.exit_duration_in_mins is not None and time.monotonic() - self.start >= 60 * a.exit_duration_in_mins
-        flags = torch.tensor([self.signal_name is not None, late], dtype=torch.float32, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] > 0:
-            return f"signal {self.signal_name or 'received by another rank'}"
-        if flags[1] > 0:
-            return f"--exit-duration-in-mins {a.exit_duration_in_mins}"
-        return None
+def _same_directory(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _load_checkpoint(args, task, config, chunks):
-    """Weights before the optimizer exists (its masters copy them); returns the reader or None."""
+    """Weights before the optimizer exists (its masters copy them); returns the reader or None.
+    `--load` names a --save directory (its newest checkpoint) or one `iter_NNNNNNN` in it. Only
+    the restart idiom (`--load` equal to `--save`) may find nothing there and start from scratch."""
     if not args.load:
         return None
+    if args.finetune and args.save and not _same_directory(args.load, args.save) \
+            and checkpoint.CheckpointReader.exists(args.save):
+        # A requeued fine-tuning job: its own checkpoints are newer than the weights it started from.
+        say(f"megalite: --save {args.save} already holds this fine-tuning run's checkpoints: resuming them "
+            f"instead of starting again from --load {args.load}")
+        args.load, args.finetune = args.save, False
     if not checkpoint.CheckpointReader.exists(args.load):
-        say(f"megalite: no checkpoint in {args.load} yet: starting from scratch")
-        return None
+        path = Path(args.load)
+        if path.is_file():
+            raise UsageError(f"--load {args.load} is a file: give the directory that --save wrote "
+                             f"(or one of its iter_NNNNNNN directories)")
+        if _same_directory(args.load, args.save):
+            say(f"megalite: no checkpoint in {args.load} yet: starting from scratch")
+            return None
+        if not path.exists():
+            raise UsageError(f"--load {args.load} does not exist: check the path; to start from scratch drop "
+                             f"--load, or give it the same directory as --save (the restart idiom)")
+        raise UsageError(f"--load {args.load} holds no checkpoint (no 'latest' file, no metadata.json): give a "
+                         f"directory written by --save or by `python -m megalite.tools.convert_hf import`")
     reader = checkpoint.CheckpointReader(args.load)
     checkpoint.check_compatible(reader, config, task.model_kind)
-    checkpoint.load_model_weights(args.load, chunks, reader)
+    checkpoint.load_model_weights(reader.path, chunks, reader)
     return reader
+
+
+def _resume_point(args, reader) -> tuple[int, int]:
+    """(first iteration, consumed samples) after loading: where the checkpoint stopped, or 0 with
+    --finetune (a new run from loaded weights). A checkpoint past --train-iters is refused."""
+    if reader is None or args.finetune:
+        return 0, 0
+    iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
+    if iteration > args.train_iters:
+        raise UsageError(f"the checkpoint {reader.path} is at iteration {iteration}, past --train-iters "
+                         f"{args.train_iters}: raise --train-iters to continue it, or add --finetune to train "
+                         f"{args.train_iters} new iterations from its weights")
+    return iteration, consumed
 
 
 def _rank_label(rank: int, tp: int, dp: int) -> str:
@@ -215,7 +270,7 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
         for chunk in chunks
     ]
     if args.fp16:
-        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale else DynamicLossScaler(
+        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale is not None else DynamicLossScaler(
             args.initial_loss_scale, args.loss_scale_window, args.hysteresis, args.min_loss_scale)
     else:
         scaler = ConstantLossScaler()
@@ -226,11 +281,17 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
     return buffers, optimizer
 
 
+def _sync_gpu(chunks) -> None:
+    if next(chunks[0].parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def train_step(program, chunks, micro_batches, forward_step, num_tokens, tensor_shape, dtype, buffers, params,
                optimizer, lr: float, clip_grad: float, record_spans: bool = False, label: str = "step"):
     """One optimizer step: the schedule's forwards and backwards (gradient reduction overlapped),
     the wait for the last reductions, clipping and the update. Returns (schedule stats, grad norm
-    tensor, skipped, start time of the optimizer span); scripts/benchmark_gpt.py times this."""
+    tensor, found_inf tensor (1.0: the step was skipped), start time of the optimizer span);
+    scripts/benchmark_gpt.py times this."""
     stats = run_schedule(program, chunks, micro_batches, forward_step, num_tokens, tensor_shape, dtype,
                          record_spans=record_spans, loss_scale=optimizer.loss_scaler.scale,
                          on_last_backward=lambda c: buffers[c].enable_sync())
@@ -240,12 +301,41 @@ def train_step(program, chunks, micro_batches, forward_step, num_tokens, tensor_
         buf.finish_grad_sync()
     allreduce_sequence_parallel_grads(params)
     if record_spans:
+        _sync_gpu(chunks)  # a span of GPU work ends when the GPU is done, not when it was queued
         stats.spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
     t = time.perf_counter()
     set_phase(f"{label}: the optimizer step")
-    grad_norm, skipped = optimizer.step(lr, clip_grad)
+    grad_norm, found_inf = optimizer.step(lr, clip_grad)
     optimizer.zero_grad()
-    return stats, grad_norm, skipped, t
+    return stats, grad_norm, found_inf, t
+
+
+class SkippedSteps:
+    """Steps skipped for inf/NaN gradients, counted on the device and read by the host only at log
+    lines, so the steps between make no host sync. Where the host knows each skip anyway (fp16's
+    dynamic loss scaler reads the flag), the counts are kept on the host instead."""
+
+    def __init__(self, device):
+        self.device_counts = torch.zeros(2, device=device)  # [skipped in the window, in a row]
+        self.window = self.in_a_row = 0
+        self.on_device = False
+
+    def add(self, found_inf: torch.Tensor, known: bool | None) -> None:
+        if known is None:
+            self.on_device = True
+            self.device_counts[0] += found_inf
+            self.device_counts[1] = (self.device_counts[1] + found_inf) * found_inf
+        else:
+            self.window += int(known)
+            self.in_a_row = self.in_a_row + 1 if known else 0
+
+    def read(self, end_window: bool) -> tuple[int, int]:
+        """(skipped in the log window so far, skipped in a row now); `end_window` starts a new window."""
+        window, in_a_row = (int(v) for v in self.device_counts.tolist()) if self.on_device else (0, 0)
+        window += self.window
+        if end_window:
+            self.device_counts[0], self.window = 0, 0
+        return window, max(in_a_row, self.in_a_row)
 
 
 def pretrain(args, task: Task) -> TrainingRun:
@@ -262,15 +352,22 @@ def pretrain(args, task: Task) -> TrainingRun:
     start_iteration, consumed = 0, 0
     layout = {"tp": args.tp, "pp": args.pp, "dp": world_size // (args.tp * args.pp), "vpp": args.vpp,
               "world": world_size}
-    if reader is not None:
-        start_iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
+    start_iteration, consumed = _resume_point(args, reader)
+    if reader is not None and args.finetune:
+        say(f"megalite: fine-tuning from the weights of {reader.path} (iteration {reader.metadata['iteration']}): "
+            f"iteration, data position, optimizer state and RNG streams start anew")
+    elif reader is not None:
         loaded_optim = not args.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
         same_rng = checkpoint.restore_rng(reader, layout)
         say(f"megalite: resumed from {reader.path} (iteration {start_iteration}, {consumed} samples consumed; "
             f"optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams "
             f"{'restored' if same_rng else 'from the seed (layout changed)'})")
+        if start_iteration == args.train_iters:
+            say(f"megalite: the checkpoint is already at --train-iters {args.train_iters}: nothing to train "
+                f"(raise --train-iters to continue, or add --finetune to start a new run from these weights)")
     saver = checkpoint.Checkpointer(args.save, args.save_async) if args.save else None
-    exits = ExitWatch(args, device)
+    exits = ExitWatch(args, checkpoint_error=saver.poll if saver is not None else lambda: None,
+                      watch_checkpoints=saver is not None and args.save_async)
     dtype = arguments.model_dtype(args)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                           args.lr_decay_style)
@@ -285,8 +382,6 @@ def pretrain(args, task: Task) -> TrainingRun:
     seq = args.seq_length // args.tp if args.sequence_parallel else args.seq_length
     tensor_shape = (seq, args.micro_batch_size, config.hidden_size)
     bubble_theory = theoretical_bubble(pp, m, args.vpp)
-    # Host timings of GPU work are meaningless without synchronizing; only the timeline does that.
-    measure_bubble = device.type == "cpu" or bool(args.timeline)
 
     logger = TrainingLogger(rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                             not args.no_progress_bar)
@@ -294,7 +389,7 @@ def pretrain(args, task: Task) -> TrainingRun:
     timeline = Timeline(args.timeline, args.timeline_iters)
     flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, config.num_layers,
                                     config.hidden_size, config.vocab_size)
-    peak = args.peak_tflops or default_peak_tflops()
+    peak = args.peak_tflops or default_peak_tflops(dtype, tf32=not args.no_tf32)
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
         f"tp={args.tp} pp={pp} dp={dp}" + (f" vpp={args.vpp}" if args.vpp else "") +
         f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
@@ -306,15 +401,16 @@ def pretrain(args, task: Task) -> TrainingRun:
         set_phase(f"saving the checkpoint of iteration {iteration}")
         meta = checkpoint.build_metadata(config, task.model_kind, iteration, consumed, layout)
         saver.save(chunks, optimizer, iteration, meta)
-        say(f"megalite: saved checkpoint iteration {iteration} to {args.save}"
-            + (" (writing in the background)" if args.save_async else ""))
+        say(f"megalite: checkpoint iteration {iteration} writing in the background to {args.save} (committed "
+            f"when every rank has written)" if args.save_async else
+            f"megalite: saved checkpoint iteration {iteration} to {args.save}")
 
     dist.barrier()
     timeline.start()
-    skipped_in_a_row = 0
+    skips = SkippedSteps(device)
     records, window_start, window_iters = [], time.perf_counter(), 0
-    window_loss = torch.zeros((), device=device)
-    window_bubble, window_skipped = 0.0, 0
+    window_loss = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the task's terms
+    window_bubble, window_bubble_iters = 0.0, 0
     for c in chunks:
         c.train()
     stop_reason = None
@@ -326,22 +422,24 @@ def pretrain(args, task: Task) -> TrainingRun:
         num_tokens = _global_normalizer(micro_batches, args, dp_group)
         loss_scale = optimizer.loss_scaler.scale
         lr = schedule(iteration)
-        stats, grad_norm, skipped, t = train_step(program, chunks, micro_batches, task.forward_step, num_tokens,
+        stats, grad_norm, found_inf, t = train_step(program, chunks, micro_batches, task.forward_step, num_tokens,
                                                   tensor_shape, dtype, buffers, params, optimizer, lr,
                                                   args.clip_grad, record_spans, f"iteration {iteration + 1}")
         spans += stats.spans
         consumed += args.global_batch_size
         logger.step()
-        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-        if skipped:
-            window_skipped += 1
+        skips.add(found_inf, optimizer.last_skipped)
+        if optimizer.last_skipped:
             logger.say(f"megalite: iteration {iteration + 1}: inf/NaN gradients, step skipped "
                        f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
-            if skipped_in_a_row >= args.max_skipped_iters:
+        log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
+        if log_now or optimizer.last_skipped is not None:  # the host reads the skips only now
+            window_skipped, in_a_row = skips.read(end_window=log_now)
+            if in_a_row >= args.max_skipped_iters:
                 if saver is not None:  # every rank stops here together: commit a pending async save
                     saver.finalize()
                 raise TrainingStopped(
-                    f"stopping at iteration {iteration + 1}: {skipped_in_a_row} iterations in a row had inf/NaN "
+                    f"stopping at iteration {iteration + 1}: {in_a_row} iterations in a row had inf/NaN "
                     f"gradients (loss scale {optimizer.loss_scaler.scale:g}); lower --lr, check the data, or "
                     f"use --bf16. The last checkpoint is intact.")
         if record_spans:
@@ -350,18 +448,25 @@ def pretrain(args, task: Task) -> TrainingRun:
             spans.append(("optimizer", "optimizer", t, time.perf_counter() - t))
             timeline.add(rank, iteration, spans)
 
-        window_loss += stats.loss_sum / num_tokens
-        window_bubble += 1.0 - stats.busy_s / max(stats.wall_s, 1e-12)
+        window_loss[0] += stats.loss_sum / num_tokens
+        window_loss[1:] += _loss_terms(task, micro_batches, device) / num_tokens
+        # Host timings of GPU work mean something only while synchronized: on a GPU, only in the
+        # iterations the timeline records (spans synchronize); elsewhere the bubble is "unmeasured".
+        if device.type == "cpu" or record_spans:
+            window_bubble += 1.0 - stats.busy_s / max(stats.wall_s, 1e-12)
+            window_bubble_iters += 1
         window_iters += 1
-        if (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters:
-            stats_t = torch.stack([window_loss, torch.tensor(window_bubble, device=device)])
+        if log_now:
+            n_loss = window_loss.numel()
+            stats_t = torch.cat([window_loss, torch.tensor([window_bubble], device=device)])
             if dp > 1:
-                dist.all_reduce(stats_t[:1], group=dp_group)
+                dist.all_reduce(stats_t[:n_loss], group=dp_group)
             if pp > 1:  # the loss lives on the last stage; the bubble is averaged over stages
-                bubble = stats_t[1:].clone()
+                bubble = stats_t[n_loss:].clone()
                 dist.all_reduce(bubble, group=pp_group)
                 dist.broadcast(stats_t, src=last_stage, group=pp_group)
-                stats_t[1] = bubble[0] / pp
+                stats_t[n_loss] = bubble[0] / pp
+            means = (stats_t / window_iters).tolist()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - window_start) / window_iters
@@ -370,7 +475,9 @@ def pretrain(args, task: Task) -> TrainingRun:
                 "iteration": iteration + 1,
                 "train_iters": args.train_iters,
                 "consumed_samples": consumed,
-                "loss": (stats_t[0] / window_iters).item(),
+                "loss": means[0],
+                **dict(zip(task.loss_terms, means[1:n_loss])),
+                **_perplexity(task, dict(zip(task.loss_terms, means[1:n_loss]))),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "loss_scale": optimizer.loss_scaler.scale,
@@ -381,17 +488,18 @@ def pretrain(args, task: Task) -> TrainingRun:
                 "mfu": tflops / peak if peak else None,
                 "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,
                 "bubble_theory": bubble_theory,
-                "bubble_measured": (stats_t[1] / window_iters).item() if measure_bubble and pp > 1 else None,
+                "bubble_measured": (stats_t[n_loss].item() / window_bubble_iters
+                                    if window_bubble_iters and pp > 1 else None),
             }
             records.append(record)
             logger.train(record)
-            window_start, window_iters, window_bubble, window_skipped = time.perf_counter(), 0, 0.0, 0
-            window_loss = torch.zeros((), device=device)
+            window_start, window_iters, window_bubble, window_bubble_iters = time.perf_counter(), 0, 0.0, 0
+            window_loss = torch.zeros_like(window_loss)
         if valid_data is not None and args.eval_interval and args.eval_iters and (
                 (iteration + 1) % args.eval_interval == 0 or iteration + 1 == args.train_iters):
             set_phase(f"iteration {iteration + 1}: validation")
-            logger.evaluation(iteration + 1, evaluate(args, chunks, valid_data, task.forward_step, eval_program,
-                                                      tensor_shape, dtype, dp, device))
+            logger.evaluation(iteration + 1, evaluate(args, task, chunks, valid_data, eval_program, tensor_shape,
+                                                      dtype, dp, device), task.perplexity_of)
         stop_reason = exits.reason(iteration + 1)
         if saver is not None and (stop_reason or iteration + 1 == args.train_iters or (
                 args.save_interval and (iteration + 1) % args.save_interval == 0)):
@@ -400,9 +508,10 @@ def pretrain(args, task: Task) -> TrainingRun:
             logger.say(f"megalite: stopping after iteration {iteration + 1} ({stop_reason})"
                        + (", checkpoint saved" if saver is not None else ""))
             break
+    exits.close()
     if saver is not None:
         set_phase("finishing the last checkpoint")
-        saver.finalize()
+        saver.close()  # waits for a background commit, then gives the directory up
     logger.close()
     timeline.write({r: _rank_label(r, args.tp, dp) for r in range(world_size)})
     if not records and not stop_reason and start_iteration < args.train_iters:

@@ -5,11 +5,13 @@
 #   bash scripts/gpu_checks.sh training [--presets gpt2-350m]  # benchmark_gpt.py (plain eager/compile,
 #                                        # megalite eager/compile, log MFU); one preset a call if the two overrun
 #   bash scripts/gpu_checks.sh planner   # validate_planner.py: predicted vs measured memory and step time
+#   bash scripts/gpu_checks.sh gpupath   # kernel register spills (ptxas -v) and a gpt-175b stage's build time
+#                                        # with weights drawn on the GPU (the GPU tests run under `kernels`)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  kernels|training|planner) ;;
-  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner}" >&2; exit 2 ;;
+  kernels|training|planner|gpupath) ;;
+  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner|gpupath}" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -32,6 +34,11 @@ case "${1:-}" in
     ;;
   planner)
     python scripts/validate_planner.py --json "$out/planner.json" 2>&1 | tee "$out/planner.txt" || status=1
+    ;;
+  gpupath)
+    bash scripts/check_kernel_spills.sh 2>&1 | tee "$out/spills.txt" || status=1
+    python scripts/bench_model_build.py --device cuda --layers 2 --json "$out/build.json" 2>&1 \
+      | tee "$out/build.txt" || status=1
     ;;
 esac
 exit $status

@@ -1,5 +1,31 @@
 import os
 import tempfile
 
+import pytest
+
 # One embedded-corpus cache per test session (built once, ~15 s), never the user's ~/.cache.
 os.environ.setdefault("MEGALITE_CACHE", tempfile.mkdtemp(prefix="megalite-cache-"))
+
+# The slowest end-to-end tests (over ~10 s each on 2 cores): `python -m pytest -m "not slow and not gpu"`
+# leaves them out for a fast loop while working; CI runs everything.
+SLOW = {
+    "test_bert_data.py::test_default_bert_run_trains_on_the_embedded_corpus",
+    "test_bert_data.py::test_bert_trains_to_the_same_losses_in_every_layout",
+    "test_cli_gpt.py::test_default_run_trains_on_the_embedded_corpus",
+    "test_cli_gpt.py::test_layouts_give_the_single_device_losses",
+    "test_checkpoint.py::test_reshard_to_other_layouts_continues_the_unbroken_run",
+    "test_checkpoint.py::test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_intact",
+    "test_checkpoint.py::test_resume_is_bitwise_exact",
+    "test_multinode.py::test_a_partitioned_host_times_out",
+    "test_multinode.py::test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint",
+    "test_multinode.py::test_sbatch_on_two_slurm_nodes_trains_like_one_process",
+    "test_activation_memory.py::test_sequence_parallel_trains_like_tensor_parallel_alone",
+    "test_optim.py::test_bf16_loss_curve_tracks_fp32",
+    "test_launch.py::test_a_signal_to_the_launcher_saves_and_exits_zero",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("/")[-1].split("[")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)

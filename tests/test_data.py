@@ -133,7 +133,7 @@ def test_gpt_samples_are_windows_of_the_shuffled_concatenation(tmp_path):
 
 def test_gpt_index_is_cached_and_identical_across_runs(tmp_path):
     a = _dataset(tmp_path)
-    cached = sorted((tmp_path / "c.cache").glob("*.npz"))
+    cached = sorted((tmp_path / "c.cache").glob("gpt-train-*.json"))  # the manifest, written last
     assert len(cached) == 1
     stamp = cached[0].stat().st_mtime_ns
     b = GPTDataset(IndexedDataset(tmp_path / "c"), (0, 60), 40, 7, 3)
@@ -150,10 +150,11 @@ def test_samples_do_not_depend_on_data_parallel_size_and_resume_exactly(tmp_path
 
     ds = _dataset(tmp_path)
     args = SimpleNamespace(global_batch_size=8, micro_batch_size=2)
+    cpu = torch.device("cpu")
     for iteration in range(3):
-        whole = torch.cat([b["tokens"] for b in _micro_batches(ds, iteration, args, 1, 0, "cpu")])
+        whole = torch.cat([b["tokens"] for b in _micro_batches(ds, iteration, args, 1, 0, cpu)])
         for dp in (2, 4):
-            parts = [b["tokens"] for r in range(dp) for b in _micro_batches(ds, iteration, args, dp, r, "cpu")]
+            parts = [b["tokens"] for r in range(dp) for b in _micro_batches(ds, iteration, args, dp, r, cpu)]
             assert torch.equal(torch.cat(parts), whole)
     # Resuming after N consumed samples reads exactly the next ones of an unbroken stream.
     resumed = GPTDataset(IndexedDataset(tmp_path / "c"), (0, 60), 40, 7, 3)

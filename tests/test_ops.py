@@ -392,3 +392,50 @@ def test_an_unwritable_cache_falls_back_instead_of_raising(monkeypatch):
         torch.testing.assert_close(ops.rms_norm(x, torch.ones(8), 1e-5), layer_norm64(x, torch.ones(8), None, 1e-5, True).float())
     finally:
         build.reset()
+
+
+class _ReferenceExtension:
+    """The compiled extension's interface computed on the PyTorch path, so the self-check's
+    logic runs on a CPU. norm_backward's partial sums come back as one [1, h] block."""
+
+    def softmax_forward(self, x, mask, scale, causal):
+        from megalite.ops import reference
+
+        return reference.scaled_causal_softmax(x, scale) if causal else reference.scaled_masked_softmax(x, mask, scale)
+
+    def softmax_backward(self, dy, y, scale, causal):
+        yf, dyf = y.float(), dy.float()
+        return (scale * yf * (dyf - (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+    def norm_forward(self, x, w, b, eps, rms):
+        xf = x.float()
+        mean = torch.zeros_like(xf[..., 0]) if rms else xf.mean(-1)
+        var = xf.pow(2).mean(-1) if rms else (xf - mean[..., None]).pow(2).mean(-1)
+        rstd = torch.rsqrt(var + eps)
+        y = (xf - mean[..., None]) * rstd[..., None] * w.float() + (0 if b is None else b.float())
+        return y.to(x.dtype), mean, rstd
+
+    def norm_backward(self, dy, x, w, mean, rstd, rms):
+        xhat = (x.float() - mean[..., None]) * rstd[..., None]
+        g = dy.float() * w.float()
+        inner = g - (g * xhat).mean(-1, keepdim=True) * xhat
+        if not rms:
+            inner = inner - g.mean(-1, keepdim=True)
+        dx = (rstd[..., None] * inner).to(x.dtype)
+        return dx, (dy.float() * xhat).sum(0, keepdim=True), dy.float().sum(0, keepdim=True)
+
+
+class _WrongNormGradient(_ReferenceExtension):
+    def norm_backward(self, *args):
+        dx, dw, db = super().norm_backward(*args)
+        return dx * 1.5, dw, db
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_self_check_passes_when_first_called_under_no_grad_or_inference_mode(mode):
+    from megalite.ops.selfcheck import self_check
+
+    with mode():
+        assert self_check(_ReferenceExtension(), device="cpu") is None
+        assert "layer_norm, hidden=100, torch.float32: backward dx" == self_check(_WrongNormGradient(), device="cpu")
+    assert self_check(_ReferenceExtension(), device="cpu") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, build_gpt_datasets
 from megalite.data.indexed import DatasetError, IndexedDataset, IndexedDatasetWriter
 from megalite.data.synthetic import SyntheticTokens
-from megalite.data.tokenizers import Tokenizer, build_tokenizer, train_sentencepiece
+from megalite.data.tokenizers import Tokenizer, TokenizerError, build_tokenizer, train_sentencepiece
 
 
 def resolve_data(args, kind: str) -> None:
@@ -34,5 +34,5 @@ def resolve_data(args, kind: str) -> None:
 
 
 __all__ = ["BlendedDataset", "DatasetError", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter",
-           "SyntheticTokens", "Tokenizer", "build_gpt_datasets", "build_tokenizer", "resolve_data",
+           "SyntheticTokens", "Tokenizer", "TokenizerError", "build_gpt_datasets", "build_tokenizer", "resolve_data",
            "train_sentencepiece"]

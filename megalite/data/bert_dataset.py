@@ -19,14 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megalite.data.gpt_dataset import cached_arrays, split_ranges
+from megalite.data.cache import cached_arrays
+from megalite.data.gpt_dataset import split_ranges
 from megalite.data.indexed import DatasetError, IndexedDataset
 
 
 class BERTDataset:
     def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], num_samples: int, seq_length: int,
                  seed: int, vocab_size: int, specials: dict, name: str = "train", mask_prob: float = 0.15,
-                 short_seq_prob: float = 0.1):
+                 short_seq_prob: float = 0.1, lock_timeout: float | None = None):
         self.indexed, self.seq_length, self.num_samples, self.seed = indexed, seq_length, num_samples, seed
         self.vocab_size, self.mask_prob = vocab_size, mask_prob
         self.cls, self.sep, self.mask, self.pad = (specials[k] for k in ("cls", "sep", "mask", "pad"))
@@ -62,7 +63,7 @@ class BERTDataset:
             segments_arr = np.asarray(segments[:num_samples], dtype=np.int64)
             return {"segments": segments_arr[np.random.RandomState((seed + 1) % 2**32).permutation(num_samples)]}
 
-        self.segments = cached_arrays(Path(indexed.prefix + ".cache"), key, build)["segments"]
+        self.segments = cached_arrays(Path(indexed.prefix + ".cache"), key, build, lock_timeout)["segments"]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -111,16 +112,20 @@ class BERTDataset:
 
 
 def build_bert_datasets(prefix: str, split: str, seq_length: int, num_samples: tuple[int, int, int], seed: int,
-                        tokenizer) -> tuple:
+                        tokenizer, vocab_size: int | None = None, lock_timeout: float | None = None) -> tuple:
+    """(train, valid, test); None for a split with no documents or no samples asked. The dataset's
+    ids must lie below `vocab_size` (the model's; default the tokenizer's), else DatasetError.
+    `lock_timeout`: seconds to wait for another rank building the cache."""
     tokenizer.require("cls", "sep", "mask", "pad")
     if seq_length < 8:
         raise ValueError(f"--seq-length {seq_length} is too short for BERT sentence pairs (at least 8)")
     indexed = IndexedDataset(prefix)
+    indexed.check_token_ids(vocab_size or tokenizer.vocab_size, lock_timeout)
     specials = {k: getattr(tokenizer, k) for k in ("cls", "sep", "mask", "pad")}
     out = []
     for which, name in enumerate(("train", "valid", "test")):
         lo, hi = split_ranges(indexed.num_documents, split)[which]
         n = num_samples[which]
-        out.append(BERTDataset(indexed, (lo, hi), n, seq_length, seed, tokenizer.vocab_size, specials, name)
-                   if hi > lo and n > 0 else None)
+        out.append(BERTDataset(indexed, (lo, hi), n, seq_length, seed, tokenizer.vocab_size, specials, name,
+                               lock_timeout=lock_timeout) if hi > lo and n > 0 else None)
     return tuple(out)

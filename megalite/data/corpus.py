@@ -15,7 +15,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalite.data.gpt_dataset import _file_lock
+from megalite.data.cache import file_lock
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizers import train_sentencepiece
 
@@ -59,7 +59,7 @@ def embedded_corpus(vocab_size: int = 4096, max_bytes: int = 6_000_000, cache_di
     out = (cache_dir or default_cache_dir()) / f"stdlib-corpus-{fingerprint}"
     corpus = EmbeddedCorpus(str(out / "tokenizer.model"), str(out / "gpt"), str(out / "bert"))
     done = out / "READY"
-    with _file_lock(out.parent / f".{out.name}.lock"):
+    with file_lock(out.parent / f".{out.name}.lock"):
         if not done.exists():
             out.mkdir(parents=True, exist_ok=True)
             log(f"megalite: building the embedded corpus from {len(files)} standard-library files "

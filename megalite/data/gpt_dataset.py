@@ -1,8 +1,8 @@
 """GPT samples from indexed datasets: documents concatenated and cut into seq_length + 1 tokens.
 
 For a split (a contiguous range of documents) and a seed, three index arrays are built once and
-cached next to the data (`<prefix>.cache/`), so every run, rank and data-parallel size sees the
-same samples in the same order:
+cached next to the data (`<prefix>.cache/`, memory-mapped .npy files: megalite.data.cache), so
+every run, rank and data-parallel size sees the same samples in the same order:
 - order:  the split's sequences in a seeded random order, repeated over as many epochs as needed;
 - starts: for each sample, where it starts in that order (position, token offset); sample i
           covers tokens [i * s, (i + 1) * s + 1) of the concatenation (one token overlaps, so
@@ -14,55 +14,15 @@ that every prefix of the stream keeps the weights as closely as possible.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from megalite.data.cache import cached_arrays
 from megalite.data.indexed import DatasetError, IndexedDataset
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """Many ranks may start together: one builds an index, the others wait, then load it. Where
-    the file system has no flock (some Lustre mounts), everyone builds: writes are still atomic."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def cached_arrays(cache_dir: Path, key: dict, build) -> dict[str, np.ndarray]:
-    """Load the arrays cached under `key`, or build, write atomically and load them."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    base = cache_dir / f"{key['kind']}-{digest}"
-    done = base.with_suffix(".npz")
-    with _file_lock(cache_dir / f".{digest}.lock"):
-        if not done.exists():
-            arrays = build()
-            # A name of our own: a lock that does not span nodes must not let two writers share a file.
-            tmp = base.with_suffix(f".{socket.gethostname()}.{os.getpid()}.tmp.npz")
-            with open(tmp, "wb") as f:
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, done)
-    with np.load(done) as z:
-        return {k: z[k] for k in z.files}
 
 
 def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
@@ -80,7 +40,7 @@ def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
 
 class GPTDataset:
     def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], num_samples: int, seq_length: int,
-                 seed: int, name: str = "train"):
+                 seed: int, name: str = "train", lock_timeout: float | None = None):
         self.indexed, self.seq_length, self.num_samples = indexed, seq_length, num_samples
         doc_lo, doc_hi = documents
         seq_lo, seq_hi = int(indexed.document_indices[doc_lo]), int(indexed.document_indices[doc_hi])
@@ -106,7 +66,7 @@ class GPTDataset:
             return {"order": order.astype(np.int64), "pos": pos.astype(np.int64), "offset": offset.astype(np.int64),
                     "shuffle": shuffle.astype(np.int64)}
 
-        arrays = cached_arrays(Path(indexed.prefix + ".cache"), key, build)
+        arrays = cached_arrays(Path(indexed.prefix + ".cache"), key, build, lock_timeout)
         self.order, self.pos, self.offset, self.shuffle = (arrays[k] for k in ("order", "pos", "offset", "shuffle"))
 
     def __len__(self) -> int:
@@ -135,7 +95,8 @@ class BlendedDataset:
     """Sample k comes from dataset `choice[k]`, as its `within[k]`-th sample; the choice keeps every
     prefix of the stream as close to the weights as possible (greedy on the largest deficit)."""
 
-    def __init__(self, datasets, weights, num_samples: int, cache_dir: Path, seed: int):
+    def __init__(self, datasets, weights, num_samples: int, cache_dir: Path, seed: int,
+                 lock_timeout: float | None = None):
         w = np.asarray(weights, dtype=np.float64)
         self.datasets, self.weights, self.num_samples = datasets, w / w.sum(), num_samples
         key = {"kind": "blend", "weights": self.weights.tolist(), "num_samples": num_samples, "seed": seed,
@@ -151,7 +112,7 @@ class BlendedDataset:
                 counts[j] += 1
             return {"choice": choice, "within": within}
 
-        arrays = cached_arrays(cache_dir, key, build)
+        arrays = cached_arrays(cache_dir, key, build, lock_timeout)
         self.choice, self.within = arrays["choice"], arrays["within"]
 
     def __len__(self) -> int:
@@ -186,10 +147,15 @@ def parse_data_path(spec: list[str]) -> list[tuple[float, str]]:
 
 
 def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, num_samples: tuple[int, int, int],
-                       seed: int):
-    """(train, valid, test) datasets; a split with no documents or no samples asked gives None."""
+                       seed: int, vocab_size: int | None = None, lock_timeout: float | None = None):
+    """(train, valid, test) datasets; a split with no documents or no samples asked gives None.
+    With `vocab_size`, a dataset holding an id outside it is refused (DatasetError). `lock_timeout`:
+    seconds to wait for another rank building a cache (megalite.data.cache.lock_timeout_s)."""
     pairs = parse_data_path(data_path)
     indexed = [(w, IndexedDataset(p)) for w, p in pairs]
+    if vocab_size is not None:
+        for _, ds in indexed:
+            ds.check_token_ids(vocab_size, lock_timeout)
     out = []
     for which, name in enumerate(("train", "valid", "test")):
         n = num_samples[which]
@@ -199,12 +165,12 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, num_sa
         parts = []
         for w, ds, (lo, hi) in with_docs if n > 0 else []:
             parts.append((w, GPTDataset(ds, (lo, hi), int(math.ceil(n * w / total * 1.005)) + 1, seq_length,
-                                        seed, name)))
+                                        seed, name, lock_timeout)))
         if not parts:
             out.append(None)
         elif len(parts) == 1:
             out.append(parts[0][1])
         else:
             out.append(BlendedDataset([d for _, d in parts], [w for w, _ in parts], n,
-                                      Path(parts[0][1].indexed.prefix + ".cache"), seed))
+                                      Path(parts[0][1].indexed.prefix + ".cache"), seed, lock_timeout))
     return tuple(out)

@@ -22,26 +22,45 @@ from megalite.data.tokenizers import build_tokenizer
 _TOKENIZER = None
 
 
+def _decode(data: bytes, path: Path, first_line: int = 1) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data.count(b"\n", 0, e.start)
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x}): convert the file to UTF-8, "
+                         f"e.g. with iconv") from None
+
+
+def _json_lines(path: Path, json_key: str):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(raw, path, lineno)
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[json_key]
+            except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON object with a {json_key!r} field ({e})") from None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: the {json_key!r} field is {type(text).__name__} "
+                                 f"{json.dumps(text)[:40]}, not a string")
+            yield text
+
+
 def read_documents(paths, json_key: str = "text", plain_text_docs: str = "file"):
+    """Documents as strings; bad input raises ValueError naming the file and line."""
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"input file {path} does not exist")
         if path.suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)[json_key]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise ValueError(f"{path}:{lineno}: not a JSON object with a {json_key!r} field ({e})") from None
+            yield from _json_lines(path, json_key)
+            continue
+        text = _decode(path.read_bytes(), path).replace("\r\n", "\n").replace("\r", "\n")  # as read_text()
+        if plain_text_docs == "line":
+            yield from (line for line in text.splitlines() if line.strip())
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if plain_text_docs == "line":
-                yield from (line for line in text.splitlines() if line.strip())
-            else:
-                yield text
+            yield text
 
 
 def _init_worker(tokenizer_spec):
@@ -67,7 +86,15 @@ def preprocess(inputs, tokenizer_spec: str, output_prefix: str, workers: int = 1
     tokenizer = build_tokenizer(tokenizer_spec)
     if append_eod:
         tokenizer.require("eod")
-    writer = IndexedDatasetWriter(output_prefix, token_dtype(tokenizer.vocab_size))
+    with IndexedDatasetWriter(output_prefix, token_dtype(tokenizer.vocab_size)) as writer:
+        stats = _write_documents(writer, inputs, tokenizer_spec, workers, json_key, plain_text_docs, split_sentences,
+                                 append_eod, progress)
+        writer.finalize()
+    return stats
+
+
+def _write_documents(writer, inputs, tokenizer_spec, workers, json_key, plain_text_docs, split_sentences, append_eod,
+                     progress) -> dict:
     jobs = ((text, split_sentences, append_eod) for text in read_documents(inputs, json_key, plain_text_docs))
     stats = {"documents": 0, "sequences": 0, "tokens": 0, "bytes": 0}
     show = sys.stderr.isatty() if progress is None else progress
@@ -102,7 +129,6 @@ def preprocess(inputs, tokenizer_spec: str, output_prefix: str, workers: int = 1
             pool.join()
         if bar is not None:
             bar.close()
-    writer.finalize()
     return stats
 
 

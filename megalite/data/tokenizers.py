@@ -10,7 +10,17 @@ import argparse
 import os
 from pathlib import Path
 
+from megalite.data.indexed import DatasetError
+
 BERT_SPECIALS = ("[CLS]", "[SEP]", "[MASK]")
+# Files a Hugging Face tokenizer directory holds (at least one): fast, WordPiece, BPE, SentencePiece.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
+                      "tokenizer.model", "sentencepiece.bpe.model")
+_EXPECTED = "a SentencePiece .model file or a directory holding a Hugging Face tokenizer (save_pretrained)"
+
+
+class TokenizerError(DatasetError):
+    """A tokenizer file or directory is missing, empty or unreadable."""
 
 
 class Tokenizer:
@@ -43,7 +53,12 @@ class SentencePieceTokenizer(Tokenizer):
         if not Path(model_path).is_file():
             raise FileNotFoundError(f"SentencePiece model {model_path} does not exist")
         self.path = str(model_path)
-        self.sp = spm.SentencePieceProcessor(model_file=self.path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=self.path)
+        except (RuntimeError, OSError) as e:  # sentencepiece reports a bad file as RuntimeError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TokenizerError(f"tokenizer {model_path} is not a readable SentencePiece model ({first}): "
+                                 f"give {_EXPECTED}") from None
         self.vocab_size = self.sp.get_piece_size()
         self.eod = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
         self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
@@ -62,13 +77,19 @@ class HuggingFaceTokenizer(Tokenizer):
     """Any tokenizer saved with `save_pretrained` in a local directory (nothing is downloaded)."""
 
     def __init__(self, directory: str | os.PathLike):
+        if not Path(directory).is_dir():
+            raise FileNotFoundError(f"Hugging Face tokenizer directory {directory} does not exist")
+        _check_tokenizer_directory(Path(directory))
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
             raise ImportError("Hugging Face tokenizers need `pip install megalite[hf]` (transformers)") from e
-        if not Path(directory).is_dir():
-            raise FileNotFoundError(f"Hugging Face tokenizer directory {directory} does not exist")
-        self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for bad files
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise TokenizerError(f"tokenizer directory {directory} could not be loaded as a Hugging Face tokenizer "
+                                 f"({type(e).__name__}: {first}): give {_EXPECTED}") from None
         self.vocab_size = len(self.tok)
         self.eod = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
         self.cls, self.sep = self.tok.cls_token_id, self.tok.sep_token_id
@@ -81,6 +102,16 @@ class HuggingFaceTokenizer(Tokenizer):
         return self.tok.decode([int(i) for i in ids])
 
 
+def _check_tokenizer_directory(directory: Path) -> None:
+    """An empty directory, or one without tokenizer files (a wrong path), is named with what it lacks."""
+    names = {p.name for p in directory.iterdir()}
+    if not names:
+        raise TokenizerError(f"tokenizer directory {directory} is empty: give {_EXPECTED}")
+    if not names & set(HF_TOKENIZER_FILES):
+        raise TokenizerError(f"tokenizer directory {directory} holds no tokenizer files (expected one of "
+                             f"{', '.join(HF_TOKENIZER_FILES)}): give {_EXPECTED}")
+
+
 def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
     """A `.model` file is SentencePiece; a directory is a Hugging Face tokenizer."""
     path = Path(spec)
@@ -88,8 +119,7 @@ def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
         return HuggingFaceTokenizer(path)
     if path.suffix == ".model" or path.is_file():
         return SentencePieceTokenizer(path)
-    raise FileNotFoundError(f"tokenizer {spec} not found: give a SentencePiece .model file or a directory "
-                            f"holding a Hugging Face tokenizer")
+    raise FileNotFoundError(f"tokenizer {spec} not found: give {_EXPECTED}")
 
 
 def train_sentencepiece(inputs, output_prefix: str, vocab_size: int, model_type: str = "bpe",

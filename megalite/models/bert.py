@@ -28,7 +28,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import VocabParallelEmbedding, normal_init, pad_vocab_size
+from megalite.parallel.layers import VocabParallelEmbedding, init_device, normal_init, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -93,8 +93,8 @@ class BERTModel(nn.Module):
         def replicated(module: nn.Module, component: int) -> nn.Module:
             """Same full weight on every rank: N(0, std) from the component's generator, biases zero."""
             with torch.no_grad():
-                full = torch.empty(module.weight.shape)
-                normal_init(std, init_generator(seed, component))(full)
+                full = torch.empty(module.weight.shape, device=init_device(device))
+                normal_init(std, init_generator(seed, component, device))(full)
                 module.weight.copy_(full)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
@@ -103,7 +103,7 @@ class BERTModel(nn.Module):
         if pre_process or post_process:
             self.word_embeddings = VocabParallelEmbedding(
                 self.padded_vocab_size, h,
-                init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT)),
+                init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT, device)),
                 num_real_embeddings=config.vocab_size, sequence_parallel=sp, params_dtype=dtype, device=device,
             )
             # Tied: its gradient is summed over the first and last stage (when they differ). The

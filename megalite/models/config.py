@@ -15,8 +15,10 @@ class TransformerConfig:
     vocab_size: int = 50257
     max_position_embeddings: int = 1024
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
+    # No dropout by default, as usual for pretraining and as the CLI's --hidden-dropout and
+    # --attention-dropout; fine-tuning (and BERT as published, 0.1) passes it explicitly.
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this times TP

@@ -12,7 +12,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import VocabParallelEmbedding, normal_init, pad_vocab_size
+from megalite.parallel.layers import VocabParallelEmbedding, init_device, normal_init, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -62,7 +62,7 @@ class GPTModel(nn.Module):
         if pre_process or post_process:
             self.word_embeddings = VocabParallelEmbedding(
                 self.padded_vocab_size, config.hidden_size,
-                init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT)),
+                init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT, device)),
                 num_real_embeddings=config.vocab_size, sequence_parallel=sp, params_dtype=dtype, device=device,
             )
             # Tied: its gradient is summed over the first and last stage (when they differ). The
@@ -73,8 +73,8 @@ class GPTModel(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                     dtype=dtype, device=device)
             with torch.no_grad():
-                full = torch.empty(self.position_embeddings.weight.shape)
-                normal_init(std, init_generator(seed, POSITION_EMBEDDING_COMPONENT))(full)
+                full = torch.empty(self.position_embeddings.weight.shape, device=init_device(device))
+                normal_init(std, init_generator(seed, POSITION_EMBEDDING_COMPONENT, device))(full)
                 self.position_embeddings.weight.copy_(full)
         self.layers = nn.ModuleList(TransformerLayer(config, n, seed, device) for n in self.layer_numbers)
         if post_process:

@@ -18,7 +18,7 @@ import torch
 
 from megalite.ops import build, reference
 from megalite.ops.build import KernelStatus
-from megalite.ops.functions import FusedNorm, FusedSoftmax
+from megalite.ops.functions import fused_norm, fused_softmax
 
 __all__ = ["KernelStatus", "kernels_available", "layer_norm", "rms_norm", "scaled_causal_softmax",
            "scaled_masked_softmax"]
@@ -67,8 +67,7 @@ def scaled_masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
         mask = _broadcast_mask(x, mask)
     ext = _extension_for(x)
     if ext is not None and (mask is None or mask.device == x.device):
-        return FusedSoftmax.apply(ext, x.contiguous(), None if mask is None else mask.contiguous(),
-                                  float(scale), False)
+        return fused_softmax(x.contiguous(), None if mask is None else mask.contiguous(), float(scale), False)
     return reference.scaled_masked_softmax(x, mask, scale)
 
 
@@ -77,7 +76,7 @@ def scaled_causal_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
     _check_scores(x, "scaled_causal_softmax")
     ext = _extension_for(x)
     if ext is not None:
-        return FusedSoftmax.apply(ext, x.contiguous(), None, float(scale), True)
+        return fused_softmax(x.contiguous(), None, float(scale), True)
     return reference.scaled_causal_softmax(x, scale)
 
 
@@ -94,8 +93,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _check_norm(x, weight, bias, "layer_norm")
     ext = _extension_for(x, weight, bias)
     if ext is not None:
-        return FusedNorm.apply(ext, x.contiguous(), weight.contiguous(),
-                               None if bias is None else bias.contiguous(), float(eps), False)
+        return fused_norm(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
+                          float(eps), False)
     return reference.layer_norm(x, weight, bias, eps)
 
 
@@ -104,5 +103,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_norm(x, weight, None, "rms_norm")
     ext = _extension_for(x, weight)
     if ext is not None:
-        return FusedNorm.apply(ext, x.contiguous(), weight.contiguous(), None, float(eps), True)
+        return fused_norm(x.contiguous(), weight.contiguous(), None, float(eps), True)
     return reference.rms_norm(x, weight, eps)

@@ -8,10 +8,16 @@ import torch
 from megalite.ops import reference
 
 
-def self_check(ext) -> str | None:
-    """None when every kernel agrees with the reference, else what disagreed."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    dev = torch.device("cuda")
+def self_check(ext, device="cuda") -> str | None:
+    """None when every kernel agrees with the reference, else what disagreed. The first kernel
+    call may come from evaluation under no_grad / inference_mode, while the check differentiates
+    the reference: it runs with autograd on, whatever the caller's mode."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _compare(ext, torch.device(device))
+
+
+def _compare(ext, dev: torch.device) -> str | None:
+    g = torch.Generator(device=dev).manual_seed(0)
     # Odd and vector-friendly sizes, a warp-per-row and a block-per-row configuration.
     for sk, dtype, tol in ((77, torch.float32, 1e-5), (1024, torch.float32, 1e-5), (640, torch.bfloat16, 1e-2),
                            (333, torch.float16, 2e-3)):
@@ -50,5 +56,6 @@ def self_check(ext) -> str | None:
                 scale = e.abs().max().clamp_min(1.0)
                 if not torch.allclose(a / scale, e / scale, atol=4 * tol, rtol=0):
                     return f"{what}: backward {name}"
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
     return None

@@ -7,6 +7,11 @@ The gradient buffer is cut into buckets of about `bucket_numel` elements, each p
 of the data-parallel size so that it splits evenly into DP shards (the distributed optimizer owns
 shard i of every bucket on DP rank i).
 
+Every parameter starts at a multiple of `ALIGN_NUMEL` (64) elements, and every bucket is padded to
+a multiple of 64 * dp so that its DP shards start aligned too: cuBLAS, fused norms, fused Adam and
+NCCL all take slower paths on addresses that are not 16-byte aligned. `plan_layout` is the whole
+layout as a pure function (the planner in megalite.tools.plan uses it as well).
+
 During the backward of the last micro-batch of a step (`enable_sync()`), a hook on every parameter
 marks its gradient ready; the moment a bucket's last gradient is ready, its all-reduce (or
 reduce-scatter, for the distributed optimizer) starts asynchronously, overlapping the rest of
@@ -23,6 +28,69 @@ import torch.distributed as dist
 # torch >= 2.12 renamed the single-tensor collectives; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+ALIGN_NUMEL = 64  # every parameter, bucket and DP shard starts at a multiple of this many elements
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One planned bucket: `members` index the parameter list given to `plan_layout`, `ranges`
+    are their (lo, hi) element ranges in the buffer, [start, end) the bucket's padded extent."""
+    members: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    start: int
+    end: int
+    deferred: bool
+
+    @property
+    def real_numel(self) -> int:
+        return sum(hi - lo for lo, hi in self.ranges)
+
+    def owned_numel(self, dp_size: int, dp_rank: int) -> int:
+        """Parameter elements (padding excluded) in DP rank `dp_rank`'s shard of this bucket."""
+        shard = (self.end - self.start) // dp_size
+        own_lo = self.start + dp_rank * shard
+        own_hi = own_lo + shard
+        return sum(max(0, min(hi, own_hi) - max(lo, own_lo)) for lo, hi in self.ranges)
+
+
+def plan_layout(params: list[tuple[int, bool]], bucket_numel: int, dp_size: int) -> list[BucketLayout]:
+    """Buffer layout of parameters given as (numel, deferred) in definition order: reverse order
+    (roughly the order backward produces gradients), a bucket closes once its parameters hold
+    bucket_numel elements, deferred parameters in buckets of their own. Each parameter starts at a
+    multiple of ALIGN_NUMEL; each bucket's size is a multiple of ALIGN_NUMEL * dp_size, so it
+    splits into equal DP shards that start aligned."""
+    groups: list[tuple[list[int], bool]] = []
+    current: list[int] = []
+    size = 0
+    for k in reversed(range(len(params))):
+        numel, is_deferred = params[k]
+        if is_deferred:
+            groups.append(([k], True))
+            continue
+        current.append(k)
+        size += numel
+        if size >= bucket_numel:
+            groups.append((current, False))
+            current, size = [], 0
+    if current:
+        groups.append((current, False))
+
+    layout, offset = [], 0
+    for members, is_deferred in groups:
+        start, ranges = offset, []
+        for k in members:
+            offset = _round_up(offset, ALIGN_NUMEL)
+            ranges.append((offset, offset + params[k][0]))
+            offset += params[k][0]
+        offset = start + _round_up(offset - start, ALIGN_NUMEL * dp_size)
+        layout.append(BucketLayout(tuple(members), tuple(ranges), start, offset, is_deferred))
+    return layout
 
 
 @dataclass
@@ -44,11 +112,15 @@ class Bucket:
 class ParamAndGradBuffer:
     def __init__(self, params: list[torch.nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  bucket_numel: int, dp_group, dp_size: int, reduce_scatter: bool,
-                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, embedding_group=None):
+                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, embedding_group=None,
+                 dp_rank: int | None = None):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.dp_group, self.dp_size, self.reduce_scatter = dp_group, dp_size, reduce_scatter
-        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        # dp_rank: only to lay out and shard without a process group (tests, planning).
+        if dp_rank is None:
+            dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.dp_rank = dp_rank
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
         self.comm_dtype = comm_dtype if comm_dtype not in (None, grad_dtype) else None
         self.embedding_group = embedding_group
@@ -56,37 +128,18 @@ class ParamAndGradBuffer:
         self._hooks_seen = 0
         self.sync_enabled = False
 
-        # Plan the layout: reverse order, buckets closed at bucket_numel, deferred params alone.
-        plan: list[tuple[list, bool]] = []
-        current: list = []
-        size = 0
-        for p in reversed(params):
-            if deferred(p):
-                plan.append(([p], True))
-                continue
-            current.append(p)
-            size += p.numel()
-            if size >= bucket_numel:
-                plan.append((current, False))
-                current, size = [], 0
-        if current:
-            plan.append((current, False))
-
+        layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size)
         self.buckets: list[Bucket] = []
         self.offset: dict[int, int] = {}  # id(param) -> start in the buffers
         self.bucket_of: dict[int, Bucket] = {}
-        offset = 0
-        for i, (ps, is_deferred) in enumerate(plan):
-            start = offset
-            for p in ps:
-                self.offset[id(p)] = offset
-                offset += p.numel()
-            offset += (-(offset - start)) % dp_size  # pad the bucket to a multiple of the DP size
-            bucket = Bucket(i, ps, start, offset, deferred=is_deferred)
+        for i, planned in enumerate(layout):
+            ps = [params[k] for k in planned.members]
+            bucket = Bucket(i, ps, planned.start, planned.end, deferred=planned.deferred)
             self.buckets.append(bucket)
-            for p in ps:
+            for p, (lo, _) in zip(ps, planned.ranges):
+                self.offset[id(p)] = lo
                 self.bucket_of[id(p)] = bucket
-        self.numel = offset
+        self.numel = layout[-1].end
         device = params[0].device
         self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
@@ -94,7 +147,7 @@ class ParamAndGradBuffer:
         self.fp32_init = None
         if param_dtype != torch.float32:
             self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.params = [p for ps, _ in plan for p in ps]
+        self.params = [p for b in self.buckets for p in b.params]
         for p in self.params:
             lo, n = self.offset[id(p)], p.numel()
             if self.fp32_init is not None:
@@ -132,7 +185,7 @@ class ParamAndGradBuffer:
         if self.comm_dtype is not None:
             bucket.comm = data.to(self.comm_dtype)
             data = bucket.comm
-        if self.reduce_scatter and not bucket.deferred:
+        if self.reduce_scatter:  # deferred buckets too: the optimizer reads only its shard of them
             shard = bucket.numel // self.dp_size
             out = data[self.dp_rank * shard:(self.dp_rank + 1) * shard]
             bucket.work = _reduce_scatter_single(out, data, group=self.dp_group, async_op=True)
@@ -150,7 +203,7 @@ class ParamAndGradBuffer:
             if bucket.work is not True:
                 bucket.work.wait()
             if bucket.comm is not None:
-                lo, hi = self.owned_range(bucket) if self.reduce_scatter and not bucket.deferred else (0, bucket.numel)
+                lo, hi = self.owned_range(bucket) if self.reduce_scatter else (0, bucket.numel)
                 self.grad_data[bucket.start + lo:bucket.start + hi].copy_(bucket.comm[lo:hi])
             bucket.work, bucket.comm = None, None
             bucket.ready.clear()

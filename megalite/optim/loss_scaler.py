@@ -3,6 +3,8 @@ from __future__ import annotations
 
 
 class ConstantLossScaler:
+    needs_found_inf = False  # nothing to adjust: the optimizer never reads the overflow flag for it
+
     def __init__(self, scale: float = 1.0):
         self.scale = float(scale)
 
@@ -23,6 +25,8 @@ class DynamicLossScaler:
     necessarily consecutive since the last growth) the scale is multiplied by `backoff`, never below
     `min_scale`. After `growth_interval` clean steps in a row it is multiplied by `growth`.
     """
+
+    needs_found_inf = True  # the scale changes with overflows, read on the host (one sync a step)
 
     def __init__(self, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000, hysteresis: int = 2,
                  min_scale: float = 1.0, growth: float = 2.0, backoff: float = 0.5):

@@ -1,4 +1,12 @@
-"""Learning-rate schedule: linear warm-up, then cosine, linear or constant decay to min_lr."""
+"""Learning-rate schedule: linear warm-up, then cosine, linear or constant decay to min_lr.
+
+Warm-up: step i (0-based) of W warm-up steps trains at lr * (i + 1) / W, so the first step
+already moves the weights (lr / W) and step W - 1 reaches lr; with the 1-based iteration numbers
+of the log, iteration k trains at lr * k / W. This is one step ahead of Megatron-LM's
+lr * i / W, whose first step runs at lr 0 and so only spends a batch (and, for Adam, feeds the
+moment estimates a gradient that never moves a weight). Decay starts after the warm-up, at lr,
+so lr is held for two steps (W - 1 and W) where the two phases meet.
+"""
 from __future__ import annotations
 
 import math

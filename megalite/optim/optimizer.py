@@ -71,6 +71,7 @@ class MegaliteOptimizer:
         if not param_groups_:
             param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
         self.inner = _adamw(param_groups_, lr, betas, eps, use_apex)
+        self.last_skipped: bool | None = None  # the last step's skip, where the host read it
 
     def _master(self, p, buf, lo, hi, p_lo, p_hi) -> torch.Tensor:
         whole = lo == p_lo and hi == p_hi
@@ -105,34 +106,48 @@ class MegaliteOptimizer:
         grads = [piece.master.grad for piece in self.pieces if counts_once(piece.param)]
         device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         sq = torch.zeros(1, dtype=torch.float32, device=device)
-        if grads:
-            sq += torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
+        if grads:  # one multi-tensor kernel for all the norms, not one kernel per parameter
+            sq += torch.stack(torch._foreach_norm(grads)).square().sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             if self.distributed and state.get_data_parallel_world_size() > 1:
                 dist.all_reduce(sq, group=state.get_data_parallel_group())
             dist.all_reduce(sq, group=state.get_model_parallel_group())
         return sq.sqrt()[0]
 
-    def step(self, lr: float, clip_grad: float) -> tuple[torch.Tensor, bool]:
+    def step(self, lr: float, clip_grad: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, measure the norm, skip on inf/NaN, clip, update, publish the new weights.
-        Returns (grad norm, whether the step was skipped)."""
+        Returns (grad norm, found_inf): device tensors, found_inf 1.0 when the step was skipped.
+
+        The skip is decided on the device (fused AdamW's `found_inf` leaves weights, moments and
+        step count alone), so a step makes no host sync. Only a dynamic fp16 loss scaler reads the
+        flag on the host, to adjust the scale: one sync a step, there alone; apex's FusedAdam, which
+        has no such input, reads it too."""
         self._attach_grads()
         scale = self.loss_scaler.scale
         if scale != 1.0:
             torch._foreach_mul_([p.master.grad for p in self.pieces], 1.0 / scale)
         norm = self.grad_norm()
-        skipped = not torch.isfinite(norm).item()
-        self.loss_scaler.update(skipped)
-        if skipped:
-            return norm, True
+        found_inf = (~torch.isfinite(norm)).float()
+        self.last_skipped = None  # known on the host only where it was read
+        if self.loss_scaler.needs_found_inf or not self._device_skip:
+            self.last_skipped = bool(found_inf.item())
+            self.loss_scaler.update(self.last_skipped)
+        if self.last_skipped:
+            return norm, found_inf
         if clip_grad > 0:
             coeff = (clip_grad / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_([p.master.grad for p in self.pieces], coeff)
         for group in self.inner.param_groups:
             group["lr"] = lr
+        if self._device_skip:
+            self.inner.found_inf = found_inf
         self.inner.step()
         self.publish()
-        return norm, False
+        return norm, found_inf
+
+    @property
+    def _device_skip(self) -> bool:
+        return bool(self.inner.defaults.get("fused"))
 
     def _in_place(self, piece: _Piece) -> bool:
         return piece.master.data_ptr() == piece.buffer.param_data[piece.lo:piece.hi].data_ptr()
@@ -169,7 +184,5 @@ def _adamw(groups, lr, betas, eps, use_apex):
             raise RuntimeError("--use-apex-adam needs NVIDIA apex built from source (it is not the PyPI "
                                "package named apex); drop the flag to use PyTorch's fused AdamW") from e
         return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
-    on_gpu = all(p.is_cuda for g in groups for p in g["params"])
-    if on_gpu:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    # Fused on CPU too: one code path, and its `found_inf` input skips a step without a host sync.
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)

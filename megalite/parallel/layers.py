@@ -7,6 +7,7 @@ at any TP size from one seed holds the same full weights.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -22,8 +23,14 @@ from megalite.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megalite.runtime import UsageError
 
 InitMethod = Callable[[torch.Tensor], object]
+DEBUG_IDS_ENV = "MEGALITE_DEBUG_IDS"
+
+
+class TokenIdError(UsageError):
+    """An input token id the embedding table does not have (data from another tokenizer)."""
 
 
 def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
@@ -45,11 +52,20 @@ def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
+def init_device(device) -> torch.device:
+    """Where full weights are generated: the target device when it is a GPU (the draws of a large
+    stage take minutes on a CPU and seconds on a GPU), else the CPU. Either way every TP size draws
+    the same full matrix, so layouts agree; a GPU-built model's draws are the GPU RNG's."""
+    device = torch.device(device if device is not None else "cpu")
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
 def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None) -> nn.Parameter:
-    """Initialize the full matrix in fp32 on CPU, keep this TP rank's contiguous block."""
+    """Initialize the full matrix in fp32 (on `init_device`), keep this TP rank's contiguous block.
+    The init method's generator must live on that device (`megalite.models` builds it there)."""
     tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     rows = full_shape[0] if real_rows is None else real_rows
-    full = torch.zeros(full_shape, dtype=torch.float32)
+    full = torch.zeros(full_shape, dtype=torch.float32, device=init_device(device))
     init_method(full[:rows])  # padding rows (vocab) stay zero whatever the padding is
     shard = full.chunk(tp, dim=shard_dim)[rank]
     param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
@@ -172,6 +188,10 @@ class VocabParallelEmbedding(nn.Module):
     `num_real_embeddings` on are padding, initialized to zero. Each rank looks up the ids it
     owns, zeros the rest, and the partial results are summed over TP (reduce-scattered along
     dim 0, the sequence, with `sequence_parallel`, which expects ids shaped [seq, batch]).
+
+    An id outside [0, num_real_embeddings) is a data error that tp>1 would hide (it looks up as
+    zeros). `check_ids=True`, or MEGALITE_DEBUG_IDS=1 when `check_ids` is None, refuses it with
+    an error naming the id; off by default: the check costs a reduction and a host sync a step.
     """
 
     def __init__(
@@ -183,9 +203,11 @@ class VocabParallelEmbedding(nn.Module):
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device=None,
+        check_ids: bool | None = None,
     ):
         super().__init__()
         tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.check_ids = os.environ.get(DEBUG_IDS_ENV, "") not in ("", "0") if check_ids is None else check_ids
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_real_embeddings = num_real_embeddings or num_embeddings
         if self.num_real_embeddings > num_embeddings:
@@ -208,6 +230,8 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.check_ids:
+            self._check_ids(ids)
         if state.get_tensor_model_parallel_world_size() > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
@@ -217,6 +241,17 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tensor_model_parallel_region(out)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Every TP rank holds all the ids, so each finds a bad one alone: no collective needed."""
+        if ids.numel() == 0:
+            return
+        low, high = (int(v) for v in torch.stack(ids.aminmax()).tolist())  # one host sync
+        bad = high if high >= self.num_real_embeddings else low if low < 0 else None
+        if bad is not None:
+            raise TokenIdError(f"token id {bad} is outside the vocabulary of {self.num_real_embeddings} ids "
+                               f"(0..{self.num_real_embeddings - 1}): the data was made with another tokenizer; "
+                               f"give the right --tokenizer or --vocab-size")
 
     def mask_padding_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Set, in place, the logit columns of padding rows of this rank's shard to -inf, so that

@@ -4,7 +4,9 @@ Shapes are known in advance ([seq (/tp with sequence parallelism), micro-batch, 
 shape handshake precedes a transfer. All sends and receives of one exchange point go out as one
 batch (`batch_isend_irecv`): under NCCL a lone send to a neighbour that is itself sending to us
 would wait forever; batched, both progress. Forward and backward messages carry different tags so
-that gloo never confuses them when two stages exchange both kinds (pp=2 with virtual stages).
+that gloo never confuses them when two stages exchange both kinds (pp=2 with virtual stages). NCCL
+ignores tags and matches each pair of ranks' sends and receives in posting order: the schedules
+post in an order that is right under that rule too, which `megalite.pipeline.replay` checks.
 """
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ up to the next one need, in one batch. One executor runs every program:
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -25,6 +24,7 @@ import torch
 
 from megalite.parallel import state
 from megalite.pipeline import p2p
+from megalite.pipeline.replay import Message, exchange_plan, incoming, outgoing
 
 ForwardStep = Callable[[torch.nn.Module, dict], torch.Tensor]
 
@@ -118,9 +118,33 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
 class ScheduleStats:
     loss_sum: torch.Tensor  # summed loss over this rank's micro-batches (last stage; 0 elsewhere)
     peak_in_flight: int = 0  # micro-batches forwarded but not yet backwarded, at most
+    peak_stash_bytes: int = 0  # bytes of the inputs and outputs kept for backward, at most
     busy_s: float = 0.0  # time in forward and backward passes
     wall_s: float = 0.0
     spans: list = field(default_factory=list)  # (name, category, start_s, duration_s)
+
+
+_TAGS = {"F": p2p.FORWARD_TAG, "B": p2p.BACKWARD_TAG}
+
+
+def _free_data(out: torch.Tensor | None) -> None:
+    """Release an output's storage but keep its autograd graph and shape: a 1-element tensor
+    expanded to the shape stands in (backward checks the gradient's shape against it, reads no
+    data). Views are left alone: their memory belongs to their base."""
+    if out is None or out._base is not None or out.numel() <= 1:
+        return
+    out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
+
+
+def _held_bytes(stash: dict) -> int:
+    """Bytes of the distinct storages behind the tensors in the stash."""
+    storages = {}
+    for pair in stash.values():
+        for t in pair:
+            if t is not None:
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
 
 
 class _Recorder:
@@ -161,12 +185,14 @@ def run_schedule(
     record_spans: bool = False,
     loss_scale: float = 1.0,
     on_last_backward: Callable[[int], None] | None = None,
+    free_sent_outputs: bool = True,
 ) -> ScheduleStats:
     """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
     virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
     global batch's) and multiplied by `loss_scale` before backward, so gradients accumulate to
     those of the (scaled) global mean. `on_last_backward(chunk)` is called just before a chunk's
-    last backward of the step (data-parallel reduction may overlap it)."""
+    last backward of the step (data-parallel reduction may overlap it). Once an activation is
+    sent, its data is freed (`free_sent_outputs`): backward needs only the autograd graph behind it."""
     device = num_tokens.device
     p = state.get_pipeline_model_parallel_world_size()
     r = state.get_pipeline_model_parallel_rank()
@@ -177,37 +203,31 @@ def run_schedule(
     def virtual_stage(chunk):
         return chunk * p + r
 
-    def needs_input(op):  # what op must receive from another rank before it runs
-        if op.kind == "F" and virtual_stage(op.chunk) != 0:
-            return p2p.Recv(("F", op.chunk, op.micro_batch), p2p.prev_rank(), p2p.FORWARD_TAG)
-        if op.kind == "B" and virtual_stage(op.chunk) != last_virtual:
-            return p2p.Recv(("B", op.chunk, op.micro_batch), p2p.next_rank(), p2p.BACKWARD_TAG)
-        return None
-
-    # For each exchange point, the receives needed before the next one.
-    recvs_at: dict[int, list] = {}
-    last_x = None
-    for i, op in enumerate(program):
-        if op.kind == "X":
-            last_x = i
-            recvs_at[i] = []
-        else:
-            need = needs_input(op)
-            if need is not None:
-                if last_x is None:
-                    raise RuntimeError(f"schedule program receives before any exchange point: {op}")
-                recvs_at[last_x].append(need)
-
-    received: dict[tuple, torch.Tensor] = {}
+    # Which messages go out and come in at each exchange point, in posting order: the same plan
+    # megalite.pipeline.replay checks against NCCL's untagged, in-order matching.
+    plan = {x.index: x for x in exchange_plan(program, p, r, len(model_chunks))}
+    received: dict[Message, torch.Tensor] = {}
+    outbox: dict[Message, torch.Tensor] = {}  # produced, not yet sent
     stash: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) kept for the backward
-    sends: list[p2p.Send] = []
     start = time.perf_counter()
+
+    def exchange_at(i):
+        x = plan.get(i)
+        if x is None or not (x.sends or x.recvs):
+            return
+        ranks = state.get_pipeline_model_parallel_ranks()
+        sends = [p2p.Send(outbox.pop(m), ranks[m.dst % p], _TAGS[m.kind]) for m in x.sends]
+        recvs = [p2p.Recv(m, ranks[m.src % p], _TAGS[m.kind]) for m in x.recvs]
+        with rec.span("send/recv", "p2p"):
+            received.update(p2p.exchange(sends, recvs, tensor_shape, dtype, device))
+        if free_sent_outputs:  # sent and done: backward needs only the graph behind each output
+            for m in x.sends:
+                if m.kind == "F":
+                    _free_data(stash.get((m.src // p, m.micro_batch), (None, None))[1])
+
     for i, op in enumerate(program):
         if op.kind == "X":
-            if sends or recvs_at[i]:
-                with rec.span("send/recv", "p2p"):
-                    received.update(p2p.exchange(sends, recvs_at[i], tensor_shape, dtype, device))
-            sends = []
+            exchange_at(i)
             continue
         key = (op.chunk, op.micro_batch)
         vs = virtual_stage(op.chunk)
@@ -216,7 +236,7 @@ def run_schedule(
             with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward"):
                 x = None
                 if vs != 0:
-                    x = received.pop(("F",) + key)
+                    x = received.pop(incoming("F", op.chunk, op.micro_batch, p, r, len(model_chunks)))
                     if torch.is_grad_enabled():
                         x.requires_grad_()
                 model = model_chunks[op.chunk]
@@ -229,10 +249,11 @@ def run_schedule(
                     if loss_scale != 1.0:
                         out = out * loss_scale
                 else:
-                    sends.append(p2p.Send(out.detach(), p2p.next_rank(), p2p.FORWARD_TAG))
+                    outbox[outgoing("F", op.chunk, op.micro_batch, p, r, len(model_chunks))] = out.detach()
                 if torch.is_grad_enabled():  # forward-only (evaluation) keeps nothing for backward
                     stash[key] = (x, out)
                 stats.peak_in_flight = max(stats.peak_in_flight, len(stash))
+                stats.peak_stash_bytes = max(stats.peak_stash_bytes, _held_bytes(stash))
         else:
             with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward"):
                 if on_last_backward is not None and op.micro_batch == len(micro_batches) - 1:
@@ -241,13 +262,13 @@ def run_schedule(
                 if vs == last_virtual:
                     out.backward()
                 else:
-                    out.backward(received.pop(("B",) + key))
+                    out.backward(received.pop(incoming("B", op.chunk, op.micro_batch, p, r, len(model_chunks))))
                 if vs != 0:
-                    sends.append(p2p.Send(x.grad, p2p.prev_rank(), p2p.BACKWARD_TAG))
-    if sends:  # a program always ends with an exchange point; this guards hand-written ones
-        p2p.exchange(sends, [], tensor_shape, dtype, device)
-    if stash or received:
-        raise RuntimeError(f"schedule left work behind: {sorted(stash)} {sorted(received)}")
+                    outbox[outgoing("B", op.chunk, op.micro_batch, p, r, len(model_chunks))] = x.grad
+                del x, out  # spent: free this micro-batch's activations now, not at the next pass
+    exchange_at(len(program))  # sends after the last exchange point (hand-written programs)
+    if stash or received or outbox:
+        raise RuntimeError(f"schedule left work behind: {sorted(stash)} {list(received)} {list(outbox)}")
     state.set_virtual_pipeline_model_parallel_rank(0 if len(model_chunks) > 1 else None)
     stats.wall_s = time.perf_counter() - start
     return stats

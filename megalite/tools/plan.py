@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from megalite.metrics import gpt_flops_per_iteration
 from megalite.models.config import PRESETS, TransformerConfig
 from megalite.models.memory import activation_bytes_per_layer
+from megalite.optim.buffers import plan_layout
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import stage_layer_counts
 from megalite.pipeline.schedules import theoretical_bubble
@@ -204,27 +205,17 @@ def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None
 
 
 def buffer_buckets(params: list[tuple[int, bool]], bucket_numel: int, dp: int) -> list[tuple[int, int, bool]]:
-    """(real elements, padded elements, deferred) of each bucket of one chunk's gradient buffer,
-    planned as `ParamAndGradBuffer` does: reverse order, a bucket closes once it reaches
-    bucket_numel, deferred parameters alone, each bucket padded to a multiple of dp."""
-    plan, size = [], 0
-    for numel, deferred in reversed(params):
-        if deferred:
-            plan.append((numel, True))
-            continue
-        size += numel
-        if size >= bucket_numel:
-            plan.append((size, False))
-            size = 0
-    if size:
-        plan.append((size, False))
-    return [(n, n + (-n) % dp, d) for n, d in plan]
+    """(real elements, padded elements, deferred) of each bucket of one chunk's gradient buffer, as
+    `ParamAndGradBuffer` lays it out (megalite.optim.buffers.plan_layout: reverse order, a bucket
+    closes once it reaches bucket_numel, deferred parameters alone, every parameter starting at a
+    multiple of 64 elements, each bucket padded to a multiple of 64 * dp)."""
+    return [(b.real_numel, b.end - b.start, b.deferred) for b in plan_layout(params, bucket_numel, dp)]
 
 
-def owned_elements(real: int, padded: int, dp: int, dp_rank: int) -> int:
-    """Real elements of one bucket in DP rank `dp_rank`'s shard (padding sits at the bucket's end)."""
-    shard = padded // dp
-    return min(max(real - dp_rank * shard, 0), shard)
+def owned_elements(chunks: list[list[tuple[int, bool]]], bucket_numel: int, dp: int, dp_rank: int) -> int:
+    """Parameter elements in DP rank `dp_rank`'s shards of every bucket of these chunks (alignment
+    padding sits between parameters, so ranks own different amounts)."""
+    return sum(b.owned_numel(dp, dp_rank) for c in chunks for b in plan_layout(c, bucket_numel, dp))
 
 
 @dataclass
@@ -258,8 +249,8 @@ def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp:
     pb = DTYPE_BYTES[dtype]
     real = sum(r for chunk in buckets for r, _, _ in chunk)
     padded = sum(p for chunk in buckets for _, p, _ in chunk)
-    owned = (sum(owned_elements(r, p, dp, dp_rank) for chunk in buckets for r, p, _ in chunk)
-             if distributed_optimizer else real)
+    owned = (owned_elements(rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit), ddp_bucket_size,
+                            dp, dp_rank) if distributed_optimizer else real)
     # _master: fp32 and unsharded -> the parameter itself; fp32 sharded -> the parameter buffer,
     # updated in place; bf16/fp16 -> an fp32 copy (4 bytes). Adam: exp_avg + exp_avg_sq, fp32.
     master = 0 if dtype == "fp32" else 4
@@ -570,8 +561,8 @@ def _dp_exposed(S, layout, run, p, v, d, bw_dp, bw_emb, rate, fwd, bwd, logits_f
     with interleaving the later chunks' buckets have more time. A bucket cannot finish before its
     last gradient (the chunk's last bucket: its first-defined parameters) is ready, at the end of
     that backward. The tied embedding (pp > 1) is reduced after the schedule: over the embedding
-    group, then all-reduced over dp. The distributed optimizer all-gathers the updated parameters
-    after the step."""
+    group, then over dp like the other buckets. The distributed optimizer all-gathers the updated
+    parameters after the step."""
     out = {"overlapped": 0.0, "embedding": 0.0, "all_gather": 0.0, "total": 0.0}
     if d == 1 and not (p > 1 and r in (0, p - 1)):
         return out
@@ -598,7 +589,7 @@ def _dp_exposed(S, layout, run, p, v, d, bw_dp, bw_emb, rate, fwd, bwd, logits_f
     deferred = [rp for chunk in buckets for (_, rp, dfr) in chunk if dfr]
     if deferred:
         n = sum(deferred)
-        out["embedding"] = n * 4 / bw_emb + (n * 4 * 2 * ring / bw_dp if d > 1 else 0.0)
+        out["embedding"] = n * 4 / bw_emb + (n * 4 * reduce_factor / bw_dp if d > 1 else 0.0)
     if layout.distributed_optimizer and d > 1:
         out["all_gather"] = ring * S["st"].param_buffer / bw_dp
     out["total"] = out["overlapped"] + out["embedding"] + out["all_gather"]

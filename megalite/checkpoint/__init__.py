@@ -1,0 +1,33 @@
+"""Checkpoints that load at any layout, never lose work, and never run code from a file.
+
+Format (version 2): `DIR/latest` names the newest complete checkpoint `DIR/iter_NNNNNNN/`, which
+holds `metadata.json` and one `rank_NNNNN.safetensors` per rank (see `fileformat`). Every tensor
+is stored as a slice of its *full* tensor: the one a single-device model would hold, under a
+layout-free name (layers by global number, vocabulary without padding). A rank file's structure
+(JSON in its header) holds
+
+  "model": {name: [{tensor, dim, start, full}]}    slices of model weights (dim None: the whole)
+  "optim": {name: [{dim, start, shard, full, lo, hi, values: {master, exp_avg, exp_avg_sq}}]}
+           flat ranges [lo, hi) of a TP shard (placed at `start` along `dim` of the full tensor);
+           master "model" when the fp32 master is the parameter itself (stored once, as the weight)
+  "step", "loss_scaler", "rng" (this rank's RNG streams)
+
+Loading assembles, for each tensor this rank needs, its full tensor from every rank's slices
+(which must cover it exactly) and cuts out the new layout's piece: any (tp, pp, dp, vpp) reads any
+other, with the distributed optimizer's shards too. Each replica writes once: model weights from
+DP rank 0, replicated (non-TP) tensors from TP rank 0, the tied embedding from the first stage only.
+
+Writing is atomic: ranks write into `iter_N.tmp/` (fsynced), then rank 0 writes the metadata,
+renames the directory into place and updates `latest` last, so a crash at any moment leaves the
+previous checkpoint loadable (see `save` for the store-based commit that --save-async uses).
+"""
+from megalite.checkpoint.layout import FORMAT_VERSION, config_from_dict, global_name
+from megalite.checkpoint.load import (CheckpointReader, check_compatible, check_finite, load_full_state_dict,
+                                      load_model_weights, load_optimizer_state, restore_rng)
+from megalite.checkpoint.save import (Checkpointer, build_metadata, collect_rank_state, commit,
+                                      save_model_checkpoint)
+
+__all__ = ["FORMAT_VERSION", "CheckpointReader", "Checkpointer", "build_metadata", "check_compatible",
+           "check_finite", "collect_rank_state", "commit", "config_from_dict", "global_name",
+           "load_full_state_dict", "load_model_weights", "load_optimizer_state", "restore_rng",
+           "save_model_checkpoint"]

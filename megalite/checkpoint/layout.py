@@ -1,0 +1,75 @@
+"""Layout-free names and placements: where this rank's piece sits in the full tensor."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+from megalite import parallel
+from megalite.models.config import TransformerConfig
+
+FORMAT_VERSION = 2
+VOCAB_PARAMS = ("word_embeddings.weight", "lm_bias")  # rows past the vocabulary are padding
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                "layernorm_position", "activation", "normalization")
+ITER_NAME = re.compile(r"^iter_\d{7}$")
+RANK_FILE_NAME = re.compile(r"^rank_(\d{5})\.safetensors$")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def global_name(model, local: str) -> str:
+    """'layers.3.mlp.fc1.weight' of a stage holding layers [8, 12) -> 'layers.11.mlp.fc1.weight'."""
+    if local.startswith("layers."):
+        _, i, rest = local.split(".", 2)
+        return f"layers.{model.layer_numbers[int(i)]}.{rest}"
+    return local
+
+
+def placement(model, local: str, p: torch.Tensor):
+    """(dim, start, rows to keep) of this rank's piece of the full tensor; dim None if replicated."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None, 0, None
+    dim = p.partition_dim
+    start = parallel.get_tensor_model_parallel_rank() * p.shape[dim]
+    keep = None
+    if local in VOCAB_PARAMS:
+        keep = max(0, min(p.shape[dim], model.config.vocab_size - start))
+    return dim, start, keep
+
+
+def full_size(model, local: str, p: torch.Tensor) -> int | None:
+    """Size of the full (unpadded) tensor along the TP dimension; None if replicated."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    if local in VOCAB_PARAMS:
+        return model.config.vocab_size
+    return p.shape[p.partition_dim] * parallel.get_tensor_model_parallel_world_size()
+
+
+def is_writer(p) -> bool:
+    """One copy of each tensor per DP replica: TP-sharded ones from every TP rank, replicated ones
+    from TP rank 0; the last stage's tied-embedding copy never."""
+    if getattr(p, "shared_embedding", False):
+        return False
+    return getattr(p, "tensor_model_parallel", False) or parallel.get_tensor_model_parallel_rank() == 0
+
+
+def config_dict(config: TransformerConfig) -> dict:
+    d = dataclasses.asdict(config)
+    d["params_dtype"] = str(config.params_dtype).replace("torch.", "")
+    return d
+
+
+def config_from_dict(d: dict) -> TransformerConfig:
+    d = dict(d)
+    d["params_dtype"] = getattr(torch, d.get("params_dtype", "float32"))
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return TransformerConfig(**{k: v for k, v in d.items() if k in known})

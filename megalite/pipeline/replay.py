@@ -1,0 +1,136 @@
+"""Replay schedule programs' stage-to-stage messages under NCCL's matching rules.
+
+NCCL ignores tags: the k-th send from rank a to rank b meets the k-th receive that b posts from a,
+whatever each was meant to carry. A batch of p2p ops (`batch_isend_irecv`, one NCCL group) posts
+its ops in order, and the rank waits for all of them before it runs anything else. So a schedule
+is correct on GPUs only if, for every ordered pair of ranks, the order of sends equals the order
+of receives, and the batches never wait on each other in a cycle. Gloo matches by tag and hides
+mistakes; `check_nccl_order` replays every rank's exchange plan (the one `run_schedule` follows)
+and raises `ScheduleError` on the first wrongly matched message or on a deadlock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ScheduleError(RuntimeError):
+    """A schedule's messages would be matched wrongly or would deadlock."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor between virtual stages: an activation ("F") from src to src+1, or its gradient
+    ("B") from src to src-1. Every message has the executor's one tensor shape."""
+    kind: str
+    src: int  # virtual stage that sends
+    dst: int  # virtual stage that receives
+    micro_batch: int
+
+
+@dataclass
+class Exchange:
+    """One exchange point of a rank's program: what it sends and receives, in posting order."""
+    index: int  # position of the X op in the program (len(program) for the guard after the end)
+    sends: list[Message]
+    recvs: list[Message]
+
+
+def incoming(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks: int) -> Message | None:
+    """The message a pass of (chunk, micro-batch) on rank r must receive first, if any."""
+    vs = chunk * p + r
+    if kind == "F" and vs != 0:
+        return Message("F", vs - 1, vs, micro_batch)
+    if kind == "B" and vs != p * num_chunks - 1:
+        return Message("B", vs + 1, vs, micro_batch)
+    return None
+
+
+def outgoing(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks: int) -> Message | None:
+    """The message a pass of (chunk, micro-batch) on rank r produces for another stage, if any."""
+    vs = chunk * p + r
+    if kind == "F" and vs != p * num_chunks - 1:
+        return Message("F", vs, vs + 1, micro_batch)
+    if kind == "B" and vs != 0:
+        return Message("B", vs, vs - 1, micro_batch)
+    return None
+
+
+def exchange_plan(program, p: int, r: int, num_chunks: int) -> list[Exchange]:
+    """Every exchange point of rank r's program: it sends what the passes since the previous one
+    produced (in the order produced) and receives what the passes up to the next one need (in the
+    order needed). Sends left after the last exchange point get one of their own."""
+    plan: list[Exchange] = []
+    pending: list[Message] = []
+    for i, op in enumerate(program):
+        if op.kind == "X":
+            plan.append(Exchange(i, pending, []))
+            pending = []
+            continue
+        need = incoming(op.kind, op.chunk, op.micro_batch, p, r, num_chunks)
+        if need is not None:
+            if not plan:
+                raise ScheduleError(f"schedule program receives before any exchange point: {op}")
+            plan[-1].recvs.append(need)
+        made = outgoing(op.kind, op.chunk, op.micro_batch, p, r, num_chunks)
+        if made is not None:
+            pending.append(made)
+    if pending:
+        plan.append(Exchange(len(program), pending, []))
+    return plan
+
+
+def check_nccl_order(plans: list[list[Exchange]], p: int) -> int:
+    """Replay every rank's exchange plan (plans[r] for pipeline rank r) with untagged, per-pair FIFO
+    matching and blocking batches. Returns the number of messages; raises ScheduleError if a
+    receive would get a message meant for another, or if the ranks would wait on each other."""
+    batches = [[x for x in plan if x.sends or x.recvs] for plan in plans]
+    sent: dict[tuple[int, int], list[Message]] = {}  # (from rank, to rank) -> posted sends, in order
+    received: dict[tuple[int, int], list[Message]] = {}
+    waiting: list[list[tuple[str, tuple[int, int], int]] | None] = [None] * p  # posted, unmatched ops
+    pos = [0] * p
+    while True:
+        progressed = False
+        for r in range(p):
+            if pos[r] == len(batches[r]):
+                continue
+            if waiting[r] is None:  # post the batch, in order: sends, then receives
+                batch, waiting[r] = batches[r][pos[r]], []
+                for msg in batch.sends:
+                    pair = (r, msg.dst % p)
+                    sent.setdefault(pair, []).append(msg)
+                    waiting[r].append(("send", pair, len(sent[pair]) - 1))
+                for msg in batch.recvs:
+                    pair = (msg.src % p, r)
+                    received.setdefault(pair, []).append(msg)
+                    waiting[r].append(("recv", pair, len(received[pair]) - 1))
+                progressed = True
+            waiting[r] = [w for w in waiting[r] if not _matched(w, sent, received, r)]
+            if not waiting[r]:
+                waiting[r] = None
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(batches[r]) for r in range(p)):
+            return sum(len(v) for v in sent.values())
+        if not progressed:
+            stuck = [f"rank {r} at exchange point {batches[r][pos[r]].index}" for r in range(p)
+                     if pos[r] < len(batches[r])]
+            raise ScheduleError("pipeline exchanges deadlock under NCCL ordering: " + ", ".join(stuck))
+
+
+def _matched(waiter, sent, received, rank) -> bool:
+    side, pair, k = waiter
+    if len(sent.get(pair, ())) <= k or len(received.get(pair, ())) <= k:
+        return False
+    if sent[pair][k] != received[pair][k]:
+        raise ScheduleError(f"rank {pair[1]}'s receive #{k} from rank {pair[0]} expects {received[pair][k]} "
+                            f"but gets {sent[pair][k]} (NCCL matches untagged p2p in posting order)")
+    return True
+
+
+def check_schedule(p: int, m: int, v: int | None = None, kind: str = "1f1b") -> int:
+    """check_nccl_order for the programs `build_program` gives every rank; returns the messages."""
+    from megalite.pipeline.schedules import build_program
+
+    num_chunks = v if v and v > 1 else 1
+    plans = [exchange_plan(build_program(p, r, m, v, kind), p, r, num_chunks) for r in range(p)]
+    return check_nccl_order(plans, p)

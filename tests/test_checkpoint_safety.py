@@ -1,0 +1,186 @@
+"""Checkpoint files are data, never code; paths stay inside the directory; damage is caught."""
+import json
+import pathlib
+import struct
+
+import pytest
+import torch
+
+from megalite import checkpoint
+from megalite.models.config import TransformerConfig
+from megalite.runtime import UsageError
+
+
+def tiny_state(config):
+    g = torch.Generator().manual_seed(0)
+    return {"word_embeddings.weight": torch.randn(config.vocab_size, config.hidden_size, generator=g),
+            "layers.0.mlp.fc1.weight": torch.randn(4 * config.hidden_size, config.hidden_size, generator=g),
+            "final_norm.bias": torch.randn(config.hidden_size, generator=g)}
+
+
+@pytest.fixture
+def config():
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16,
+                             max_position_embeddings=8)
+
+
+@pytest.fixture
+def saved(tmp_path, config):
+    directory = tmp_path / "ckpt"
+    checkpoint.save_model_checkpoint(directory, config, "gpt", tiny_state(config), iteration=4)
+    return directory
+
+
+def _meta_path(directory):
+    return directory / (directory / "latest").read_text().strip() / "metadata.json"
+
+
+def _rank_file(directory):
+    meta = json.loads(_meta_path(directory).read_text())
+    return _meta_path(directory).parent / next(iter(meta["files"]))
+
+
+def _replace_rank_file(directory, data: bytes):
+    """New bytes for the rank file, with the size the metadata records made to match."""
+    path = _rank_file(directory)
+    path.write_bytes(data)
+    meta = json.loads(_meta_path(directory).read_text())
+    entry = meta["files"][path.name]
+    meta["files"][path.name] = {**entry, "bytes": len(data)} if isinstance(entry, dict) else len(data)
+    _meta_path(directory).write_text(json.dumps(meta))
+
+
+class MakesAMarker:
+    """Unpickling this creates a file: the proof that loading ran code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def _pickle_bytes(obj, tmp_path) -> bytes:
+    f = tmp_path / "evil.pt"
+    torch.save({"model": {}, "iteration": 4, "evil": obj}, f)
+    return f.read_bytes()
+
+
+def test_a_pickled_rank_file_is_refused_without_running_it(saved, tmp_path):
+    marker = tmp_path / "marker"
+    _replace_rank_file(saved, _pickle_bytes(MakesAMarker(str(marker)), tmp_path))
+    with pytest.raises(UsageError, match=f"{_rank_file(saved)} is corrupt: not a megalite rank file"):
+        checkpoint.load_full_state_dict(saved)
+    assert not marker.exists(), "loading the checkpoint ran code from the rank file"
+
+
+def test_a_version_1_checkpoint_is_refused_without_unpickling(saved, tmp_path):
+    marker = tmp_path / "marker"
+    it = saved / "iter_0000004"
+    (it / "rank_00000.pt").write_bytes(_pickle_bytes(MakesAMarker(str(marker)), tmp_path))
+    meta = json.loads((it / "metadata.json").read_text())
+    meta.update(format_version=1, files={"rank_00000.pt": (it / "rank_00000.pt").stat().st_size})
+    (it / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(UsageError, match="format version 1, this megalite reads version 2"):
+        checkpoint.load_full_state_dict(saved)
+    assert not marker.exists()
+
+
+def test_latest_pointing_outside_the_directory_is_refused(tmp_path, config):
+    checkpoint.save_model_checkpoint(tmp_path / "elsewhere", config, "gpt", tiny_state(config), iteration=4)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("../elsewhere/iter_0000004\n")
+    with pytest.raises(UsageError, match=r"names '\.\./elsewhere/iter_0000004', not a checkpoint of this directory"):
+        checkpoint.CheckpointReader(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("name", ["../../outside.safetensors", "rank_00000.safetensors/../../x", "x.pt"])
+def test_metadata_naming_files_outside_the_checkpoint_is_refused(saved, name):
+    meta = json.loads(_meta_path(saved).read_text())
+    meta["files"] = {name: next(iter(meta["files"].values()))}
+    _meta_path(saved).write_text(json.dumps(meta))
+    with pytest.raises(UsageError, match="not rank_NNNNN.safetensors"):
+        checkpoint.CheckpointReader(saved)
+
+
+def test_metadata_listing_fewer_files_than_ranks_is_refused(saved):
+    meta = json.loads(_meta_path(saved).read_text())
+    meta["layout"]["world"] = 2
+    _meta_path(saved).write_text(json.dumps(meta))
+    with pytest.raises(UsageError, match="written by 2 ranks but its metadata lists 1 rank files"):
+        checkpoint.CheckpointReader(saved)
+
+
+def _data_start(path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def test_zeros_over_the_middle_of_a_rank_file_are_caught_by_the_checksum(saved):
+    path = _rank_file(saved)
+    data = bytearray(path.read_bytes())
+    start = _data_start(path)
+    middle = start + (len(data) - start) // 2
+    data[middle - 64:middle + 64] = bytes(128)
+    path.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match=rf"{path.name} is corrupt: tensor model/\S+ fails its CRC-32 check"):
+        checkpoint.load_full_state_dict(saved)
+
+
+def test_one_flipped_bit_in_a_float_is_caught_by_the_checksum(saved):
+    path = _rank_file(saved)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # a mantissa bit of the last float
+    path.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="fails its CRC-32 check"):
+        checkpoint.load_full_state_dict(saved)
+
+
+def test_a_tensor_with_a_missing_tp_half_is_refused(saved):
+    """A slice claiming rows [0, 8) of a 16-row tensor whose other half no rank file holds."""
+    from megalite.checkpoint.fileformat import write_rank_file
+
+    path = _rank_file(saved)
+    half = torch.ones(8, 8)
+    meta = {"iteration": 4, "model": {"word_embeddings.weight": [
+        {"tensor": "model/word_embeddings.weight", "dim": 0, "start": 0, "full": 16}]}}
+    size = write_rank_file(path, [("model/word_embeddings.weight", half)], meta)
+    _replace_rank_file(saved, path.read_bytes()[:size])
+    with pytest.raises(UsageError, match=r"holds word_embeddings.weight only in part \(rows/columns \[\(0, 8\)\] of 16"):
+        checkpoint.CheckpointReader(saved).full_tensor("word_embeddings.weight")
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, config):
+    state = tiny_state(config)
+    state["layers.0.mlp.fc1.weight"][3, 1] = float("nan")
+    checkpoint.save_model_checkpoint(tmp_path, config, "gpt", state)
+    with pytest.raises(UsageError, match="holds NaN/inf values in layers.0.mlp.fc1.weight"):
+        checkpoint.load_full_state_dict(tmp_path)
+
+
+def test_reader_takes_a_save_directory_or_one_iteration_and_names_a_missing_path(saved, tmp_path):
+    it = saved / "iter_0000004"
+    assert checkpoint.CheckpointReader.exists(saved) and checkpoint.CheckpointReader.exists(it)
+    assert checkpoint.CheckpointReader(it).path == it == checkpoint.CheckpointReader(saved).path
+    assert not checkpoint.CheckpointReader.exists(tmp_path / "nothing")
+    with pytest.raises(UsageError, match=f"checkpoint path {tmp_path / 'nothing'} does not exist"):
+        checkpoint.CheckpointReader(tmp_path / "nothing")
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(UsageError, match=f"checkpoint path {tmp_path / 'plain'} is a file"):
+        checkpoint.CheckpointReader(tmp_path / "plain")
+
+
+def test_state_dict_round_trips_and_vocabulary_is_padded(saved, config):
+    loaded_config, kind, sd = checkpoint.load_full_state_dict(saved)
+    want = tiny_state(config)
+    assert kind == "gpt" and loaded_config.hidden_size == 8
+    assert all(torch.equal(sd[k][:want[k].shape[0]], want[k]) for k in want)
+
+
+def test_rank_files_are_readable_with_the_safetensors_package(saved, config):
+    safetensors = pytest.importorskip("safetensors")
+    path = _rank_file(saved)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        structure = json.loads(f.metadata()["megalite"])
+        fc1 = f.get_tensor(structure["model"]["layers.0.mlp.fc1.weight"][0]["tensor"])
+    assert torch.equal(fc1, tiny_state(config)["layers.0.mlp.fc1.weight"])

@@ -1,0 +1,100 @@
+"""Pipeline exchanges under NCCL's rules (no tags, per-pair FIFO matching, blocking batches): every
+schedule's receives get the message meant for them and no rank waits forever; the replay catches
+programs that break the rules; the executor posts exactly the plan the replay checks."""
+import pytest
+import torch
+
+from megalite import parallel
+from megalite.pipeline import p2p
+from megalite.pipeline.replay import Exchange, Message, ScheduleError, check_nccl_order, check_schedule, exchange_plan
+from megalite.pipeline.schedules import build_program, run_schedule
+from megalite.testing import run_ranks
+
+
+def _cases():
+    for p in range(2, 9):
+        for v in (None, 2, 3, 4):
+            # Below, at and above p; the interleaved schedule needs multiples of p.
+            ms = (p, 2 * p, 3 * p) if v else (1, p - 1, p, p + 1, 2 * p + 1)
+            kinds = ("1f1b", "forward-only") if v else ("1f1b", "gpipe", "forward-only")
+            for m in sorted(set(ms)):
+                for kind in kinds:
+                    yield p, m, v, kind
+
+
+def test_every_schedule_matches_each_receive_to_its_send_under_nccl_order():
+    checked = 0
+    for p, m, v, kind in _cases():
+        messages = check_schedule(p, m, v, kind)
+        # Each micro-batch crosses every boundary between consecutive virtual stages once per
+        # direction (forward-only: activations only).
+        boundaries = p * (v or 1) - 1
+        assert messages == m * boundaries * (1 if kind == "forward-only" else 2), (p, m, v, kind)
+        checked += 1
+    assert checked > 200
+    assert check_schedule(1, 4) == 0  # no pipelining: nothing to exchange
+
+
+def test_replay_refuses_receives_posted_in_another_order_than_the_sends():
+    a, b = Message("F", 0, 1, 0), Message("F", 0, 1, 1)
+    plans = [[Exchange(0, [a, b], [])], [Exchange(0, [], [b, a])]]
+    with pytest.raises(ScheduleError, match="expects .*micro_batch=1.* but gets .*micro_batch=0"):
+        check_nccl_order(plans, 2)
+
+
+def test_replay_refuses_a_forward_and_a_backward_crossing_in_the_wrong_order_on_one_pair():
+    # pp=2: rank 0 sends rank 1 both activations (vs 0 -> 1) and gradients (vs 2 -> 1); tags
+    # would tell them apart under gloo, NCCL goes by order only.
+    act, grad = Message("F", 0, 1, 1), Message("B", 2, 1, 0)
+    plans = [[Exchange(0, [act], []), Exchange(1, [grad], [])], [Exchange(0, [], [grad, act])]]
+    with pytest.raises(ScheduleError, match="expects"):
+        check_nccl_order(plans, 2)
+
+
+def test_replay_refuses_ranks_that_wait_on_each_other():
+    to_1, to_0 = Message("F", 0, 1, 0), Message("B", 1, 0, 0)
+    plans = [[Exchange(0, [], [to_0]), Exchange(1, [to_1], [])],
+             [Exchange(0, [], [to_1]), Exchange(1, [to_0], [])]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_nccl_order(plans, 2)
+
+
+class _Stage(torch.nn.Module):
+    def __init__(self, last):
+        super().__init__()
+        self.lin, self.post_process, self.input_tensor = torch.nn.Linear(4, 4), last, None
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+
+def _step(model, batch):
+    x = batch["x"] if model.input_tensor is None else model.input_tensor
+    y = x + torch.tanh(model.lin(x))
+    return y.sum() if model.post_process else y
+
+
+def posted_exchanges(rank, world, m, v):
+    """What run_schedule hands to p2p.exchange, next to the plan the replay checks."""
+    parallel.initialize_model_parallel(1, world)
+    posted = []
+    real_exchange = p2p.exchange
+
+    def recording(sends, recvs, *rest):
+        posted.append(([s.peer for s in sends], [(r.key, r.peer) for r in recvs]))
+        return real_exchange(sends, recvs, *rest)
+
+    p2p.exchange = recording
+    chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
+    batches = [{"x": torch.full((2, 3, 4), float(i))} for i in range(m)]
+    program = build_program(world, rank, m, v if v > 1 else None)
+    run_schedule(program, chunks, batches, _step, torch.tensor(1.0), (2, 3, 4), torch.float32)
+    planned = [([s.dst % world for s in x.sends], [(r, r.src % world) for r in x.recvs])
+               for x in exchange_plan(program, world, rank, v) if x.sends or x.recvs]
+    return posted, planned
+
+
+@pytest.mark.parametrize("world,m,v", [(2, 4, 2), (3, 2, 1)], ids=["interleaved-pp2", "1f1b-pp3-m-below-p"])
+def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v):
+    for posted, planned in run_ranks(posted_exchanges, world, args=(m, v)):
+        assert posted == planned
