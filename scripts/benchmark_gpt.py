@@ -17,6 +17,7 @@ check that the log agrees with the benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -119,7 +120,7 @@ def peak_memory_gib(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
 
 
-def bench_plain(shape, device, compiled: bool, warmup: int, iters: int) -> float:
+def bench_plain(shape, device, compiled: bool, warmup: int, iters: int, fp32: bool = False) -> float:
     layers, h, heads, mb, seq = shape
     reset_memory(device)
     torch.manual_seed(0)
@@ -128,7 +129,7 @@ def bench_plain(shape, device, compiled: bool, warmup: int, iters: int) -> float
     forward = torch.compile(model) if compiled else model
     ids = torch.randint(0, VOCAB, (mb, seq), device=device)
     labels = ids.roll(-1, 1)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    amp = contextlib.nullcontext() if fp32 else torch.autocast(device.type, dtype=torch.bfloat16)
 
     def step():
         with amp:
@@ -143,16 +144,18 @@ def bench_plain(shape, device, compiled: bool, warmup: int, iters: int) -> float
     return ms
 
 
-def megalite_args(preset: str, mb: int, seq: int, extra: list[str], iters: int, quick: bool) -> list[str]:
+def megalite_args(preset: str, mb: int, seq: int, extra: list[str], iters: int, quick: bool,
+                  fp32: bool = False) -> list[str]:
     args = ["--model", preset, "--micro-batch-size", str(mb), "--global-batch-size", str(mb), "--seq-length",
-            str(seq), "--bf16", "--mock-data", "--train-iters", str(iters), "--eval-interval", "0",
+            str(seq), *([] if fp32 else ["--bf16"]), "--mock-data", "--train-iters", str(iters), "--eval-interval", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--no-progress-bar"]
     if not quick:
         args += ["--vocab-size", str(VOCAB)]
     return args + extra
 
 
-def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_batch: int | None = None) -> float:
+def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_batch: int | None = None,
+                   fp32: bool = False) -> float:
     """Milliseconds per train_step of megalite.training, over the same pieces pretrain() builds
     (global_batch / mb micro-batches a step; default one)."""
     import pretrain_gpt
@@ -161,7 +164,8 @@ def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_
 
     reset_memory(device)
     args = arguments.build_parser("benchmark", "gpt-tiny").parse_args(
-        megalite_args(preset, mb, seq, extra, warmup + iters, quick) + ["--global-batch-size", str(global_batch or mb)])
+        megalite_args(preset, mb, seq, extra, warmup + iters, quick, fp32) + ["--global-batch-size",
+                                                                              str(global_batch or mb)])
     task = pretrain_gpt.task()
     config, _, _ = training.setup(args, 1)
     chunks = training.build_model_chunks(task, config, args, device)
@@ -177,7 +181,7 @@ def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_
         batches = training._micro_batches(data, next(counter), args, 1, 0, device)
         num_tokens = training._global_normalizer(batches, args, None)
         training.train_step(program, chunks, batches, task.forward_step, num_tokens, (seq, mb, config.hidden_size),
-                            torch.bfloat16, buffers, params, optimizer, 1e-4, 1.0)
+                            torch.float32 if fp32 else torch.bfloat16, buffers, params, optimizer, 1e-4, 1.0)
 
     ms = time_steps(step, device, warmup, iters)
     del chunks, buffers, optimizer, params
@@ -211,6 +215,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="gpt-tiny shapes, a few steps (checks the script)")
+    p.add_argument("--fp32", action="store_true",
+                   help="fp32 for both (no autocast, no --bf16): the fair comparison on a CPU, where bf16 is emulated")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -236,13 +242,13 @@ def main(argv=None):
         vocab = c.vocab_size if args.quick else VOCAB
         flops = gpt_flops_per_iteration(mb, seq, c.num_layers, c.hidden_size, vocab)
         shape = (c.num_layers, c.hidden_size, c.num_attention_heads, mb, seq)
-        runs = [("plain eager", lambda: bench_plain(shape, device, False, warmup, iters))]
+        runs = [("plain eager", lambda: bench_plain(shape, device, False, warmup, iters, args.fp32))]
         if not args.no_plain_compile and not (args.quick and device.type == "cpu"):
-            runs.append(("plain torch.compile", lambda: bench_plain(shape, device, True, warmup, iters)))
+            runs.append(("plain torch.compile", lambda: bench_plain(shape, device, True, warmup, iters, args.fp32)))
         for v in args.variants:
             extra = ["--torch-compile"] if v == "compile" else []
             runs.append((f"megalite {v}", lambda extra=extra: bench_megalite(preset, mb, seq, extra, device, warmup,
-                                                                              iters, args.quick)))
+                                                                              iters, args.quick, fp32=args.fp32)))
         base_ms = None
         for label, run in runs:
             ms = run()

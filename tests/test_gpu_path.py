@@ -194,3 +194,20 @@ def test_a_layer_compiles_without_graph_breaks_at_tp2(sequence_parallel, attenti
                                                         args=(sequence_parallel, attention_backend)):
         assert breaks == 0 and graphs == 1
         assert same_out and same_grads
+
+
+def tp1_collectives_are_the_identity(rank, world):
+    from megalite import parallel
+
+    parallel.initialize_model_parallel(1)
+    x = torch.randn(4, 2, 8, requires_grad=True)
+    fns = [parallel.copy_to_tensor_model_parallel_region, parallel.reduce_from_tensor_model_parallel_region,
+           parallel.scatter_to_tensor_model_parallel_region, parallel.gather_from_tensor_model_parallel_region,
+           parallel.scatter_to_sequence_parallel_region, parallel.gather_from_sequence_parallel_region,
+           parallel.reduce_scatter_to_sequence_parallel_region]
+    return [fn(x) is x for fn in fns]
+
+
+def test_tensor_parallel_collectives_add_no_autograd_node_at_tp1():
+    """Each would be a launch (and a node in backward) on a GPU for nothing."""
+    assert run_ranks(tp1_collectives_are_the_identity, 1)[0] == [True] * 7

@@ -108,8 +108,10 @@ def _collect_optimizer(model_chunks, optimizer, add) -> dict:
         optim.setdefault(name, []).append({
             "dim": dim, "start": start, "shard": list(p.shape), "full": None if dim is None else p.shape[dim] * tp,
             "lo": piece.lo - p_lo, "hi": piece.hi - p_lo, "values": values})
-    steps = [int(s["step"]) for s in optimizer.inner.state.values() if "step" in s]
-    return {"optim": optim, "step": max(steps) if steps else 0, "loss_scaler": optimizer.loss_scaler.state_dict()}
+    # Fused AdamW keeps each step count on the device: one read for all of them, not one per tensor.
+    steps = [torch.as_tensor(s["step"]).float().reshape(()) for s in optimizer.inner.state.values() if "step" in s]
+    step = int(torch.stack(steps).max()) if steps else 0
+    return {"optim": optim, "step": step, "loss_scaler": optimizer.loss_scaler.state_dict()}
 
 
 class Snapshot:

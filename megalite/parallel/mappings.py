@@ -17,6 +17,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _tp_size() -> int:
+    return state.get_tensor_model_parallel_world_size()
+
+
 def _tp():
     return state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
 
@@ -164,34 +168,48 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over TP backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _CopyToRegion.apply(x)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """All-reduce over TP forward; identity backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _ReduceFromRegion.apply(x)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _ScatterToRegion.apply(x)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _GatherFromRegion.apply(x)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Keep this rank's slice of the sequence (dim 0) forward; all-gather backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _ScatterToSequenceRegion.apply(x)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, output_grad_is_parallel: bool = True) -> torch.Tensor:
     """All-gather the sequence (dim 0) forward; reduce-scatter (or split) the gradient backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _GatherFromSequenceRegion.apply(x, output_grad_is_parallel)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """Sum over TP and keep this rank's slice of the sequence forward; all-gather backward."""
+    if _tp_size() == 1:  # one TP rank: every collective is the identity; no autograd node
+        return x
     return _ReduceScatterToSequenceRegion.apply(x)
