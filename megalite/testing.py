@@ -98,7 +98,9 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, bac
     failures = {r: out for r, (ok, out) in done.items() if not ok}
     missing = [r for r in range(world_size) if r not in done]
     if failures or missing:
-        lines = [f"{len(failures) + len(missing)} of {world_size} ranks failed running {fn.__name__}:"]
+        # The arguments name the case, and the random seed where a test drew one: enough to replay it.
+        shown = repr(args) if len(repr(args)) <= 500 else repr(args)[:500] + "..."
+        lines = [f"{len(failures) + len(missing)} of {world_size} ranks failed running {fn.__name__}{shown}:"]
         for r in sorted(failures):
             lines.append(f"--- rank {r} ---\n{failures[r]}")
         for r in missing:

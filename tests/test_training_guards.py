@@ -206,3 +206,12 @@ def test_bert_logs_mlm_and_sop_losses_and_the_mlm_perplexity(tmp_path, world, la
     (valid,) = records(path, split="valid")
     assert valid["valid_mlm_loss"] + valid["valid_sop_loss"] == pytest.approx(valid["valid_loss"], rel=1e-6)
     assert valid["valid_ppl"] == pytest.approx(math.exp(valid["valid_mlm_loss"]), rel=1e-6)
+
+
+def fails_with(rank, world, seed):
+    raise ValueError("boom")
+
+
+def test_a_multi_rank_failure_names_the_arguments_and_so_the_seed():
+    with pytest.raises(RankFailure, match=r"failed running fails_with\(987654321,\)"):
+        run_ranks(fails_with, 1, args=(987654321,))

@@ -28,7 +28,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import VocabParallelEmbedding, init_device, normal_init, pad_vocab_size
+from megalite.parallel.layers import VocabParallelEmbedding, default_device, init_device, normal_init, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -82,8 +82,7 @@ class BERTModel(nn.Module):
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
         self.num_tokentypes, self.add_binary_head = num_tokentypes, add_binary_head
         seed = torch.initial_seed() if seed is None else seed
-        if device is None:
-            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = default_device(device)
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
         h, std, dtype, sp = config.hidden_size, config.init_method_std, config.params_dtype, config.sequence_parallel

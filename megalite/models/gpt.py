@@ -12,7 +12,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import VocabParallelEmbedding, init_device, normal_init, pad_vocab_size
+from megalite.parallel.layers import VocabParallelEmbedding, default_device, init_device, normal_init, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -53,8 +53,7 @@ class GPTModel(nn.Module):
         config.check_tensor_parallel(tp)
         self.config, self.pre_process, self.post_process = config, pre_process, post_process
         seed = torch.initial_seed() if seed is None else seed
-        if device is None:
-            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = default_device(device)
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
         std, dtype, sp = config.init_method_std, config.params_dtype, config.sequence_parallel

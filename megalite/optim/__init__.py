@@ -4,9 +4,9 @@ from megalite.optim.buffers import ParamAndGradBuffer
 from megalite.optim.grads import allreduce_sequence_parallel_grads, counts_once
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optim.lr import LRSchedule
-from megalite.optim.optimizer import MegaliteOptimizer, param_groups
+from megalite.optim.optimizer import MegaliteOptimizer
 
 __all__ = [
     "ConstantLossScaler", "DynamicLossScaler", "LRSchedule", "MegaliteOptimizer", "ParamAndGradBuffer",
-    "allreduce_sequence_parallel_grads", "counts_once", "param_groups",
+    "allreduce_sequence_parallel_grads", "counts_once",
 ]

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# torch >= 2.12 renamed the single-tensor collectives; keep working on older releases.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Module attributes, so that tests can count the bytes sent by wrapping them.
+from megalite.parallel.mappings import all_gather_single as _all_gather_single
+from megalite.parallel.mappings import reduce_scatter_single as _reduce_scatter_single
 
 
 ALIGN_NUMEL = 64  # every parameter, bucket and DP shard starts at a multiple of this many elements

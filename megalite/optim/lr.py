@@ -33,9 +33,3 @@ class LRSchedule:
         else:
             coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
         return self.min_lr + coeff * (self.lr - self.min_lr)
-
-    def apply(self, optimizer, iteration: int) -> float:
-        lr = self(iteration)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr

@@ -22,16 +22,6 @@ from megalite.optim.grads import counts_once
 from megalite.parallel import state
 
 
-def param_groups(model_chunks, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices and embeddings; none on biases and norm weights (1-D)."""
-    decay, no_decay = [], []
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim == 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 @dataclass
 class _Piece:
     """A run of one parameter's elements updated here: buffer[lo:hi] <- master."""

@@ -78,7 +78,8 @@ def _bias(size: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
 
 
-def _default_device(device):
+def default_device(device=None):
+    """`device`, or where new modules go by default: the current GPU if there is one, else the CPU."""
     return device if device is not None else (torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
 
@@ -108,7 +109,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
-        device = _default_device(device)
+        device = default_device(device)
         self.weight = _sharded_parameter(
             (output_size, input_size), 0, init_method or normal_init(), params_dtype, device
         )
@@ -156,7 +157,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-        device = _default_device(device)
+        device = default_device(device)
         self.weight = _sharded_parameter(
             (output_size, input_size), 1, init_method or normal_init(), params_dtype, device
         )
@@ -225,7 +226,7 @@ class VocabParallelEmbedding(nn.Module):
             0,
             init_method or normal_init(),
             params_dtype,
-            _default_device(device),
+            default_device(device),
             real_rows=self.num_real_embeddings,
         )
 

@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from megalite.parallel import state
 
-# torch >= 2.12 renamed the single-tensor collectives; keep working on older releases.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch >= 2.12 renamed the single-tensor collectives; keep working on older releases (the one
+# place that knows: optim.buffers uses these too).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _tp_size() -> int:
@@ -66,7 +67,7 @@ def _gather_first_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out
 
 
@@ -78,7 +79,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"sequence length ({x.shape[0]}) is not divisible by the TP size ({size})")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, group=group)
+    reduce_scatter_single(out, x, group=group)
     return out
 
 

@@ -1,4 +1,4 @@
 """Pipeline parallelism: stage-to-stage communication and forward-backward schedules."""
-from megalite.pipeline.schedules import forward_backward_no_pipelining
+from megalite.pipeline.schedules import build_program, run_schedule
 
-__all__ = ["forward_backward_no_pipelining"]
+__all__ = ["build_program", "run_schedule"]

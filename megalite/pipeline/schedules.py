@@ -274,14 +274,6 @@ def run_schedule(
     return stats
 
 
-def forward_backward_no_pipelining(model: torch.nn.Module, micro_batches: Sequence[dict], forward_step: ForwardStep,
-                                   num_tokens: torch.Tensor) -> torch.Tensor:
-    """Gradient accumulation on one stage; returns the summed loss (detached)."""
-    stats = run_schedule(program_no_pipelining(len(micro_batches)), [model], micro_batches, forward_step,
-                         num_tokens, None, None)
-    return stats.loss_sum
-
-
 def theoretical_bubble(p: int, m: int, v: int | None = None) -> float:
     """Idle fraction of a pipeline step: (p-1)/(m+p-1), or (p-1)/(v*m+p-1) interleaved."""
     return (p - 1) / ((v or 1) * m + p - 1)
