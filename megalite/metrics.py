@@ -79,6 +79,65 @@ def _loss_term_keys(r: dict) -> list[str]:
     return [k for k in r if k.endswith(("_loss", "_ppl")) and k not in ("valid_loss", "valid_ppl")]
 
 
+class LogWindow:
+    """The figures of the iterations since the last log line: losses (and a task's named loss
+    terms) summed on the device, so adding one makes no host sync, and the pipeline bubble of the
+    iterations whose timings mean something. `close()` reduces them over the layout (loss over
+    data parallelism, from the last pipeline stage; bubble averaged over stages) and starts anew."""
+
+    def __init__(self, device, loss_terms: tuple[str, ...], perplexity_of: str | None, dp_group, pp_group,
+                 last_stage: int):
+        self.device, self.loss_terms, self.perplexity_of = device, loss_terms, perplexity_of
+        self.dp_group, self.pp_group, self.last_stage = dp_group, pp_group, last_stage
+        self._reset()
+
+    def _reset(self) -> None:
+        import time
+
+        self.start, self.iters = time.perf_counter(), 0
+        self.losses = torch.zeros(1 + len(self.loss_terms), device=self.device)  # loss, then the terms
+        self.bubble, self.bubble_iters = 0.0, 0
+
+    def add(self, loss_sum: torch.Tensor, terms: torch.Tensor, num_tokens: torch.Tensor,
+            bubble: float | None) -> None:
+        """One iteration: summed loss and terms over this rank's micro-batches, the global token
+        count, and its measured bubble (None when its timings were not synchronized)."""
+        self.losses[0] += loss_sum / num_tokens
+        self.losses[1:] += terms / num_tokens
+        if bubble is not None:
+            self.bubble, self.bubble_iters = self.bubble + bubble, self.bubble_iters + 1
+        self.iters += 1
+
+    def close(self) -> dict:
+        """{'loss', the named terms (and the perplexity term), 'bubble' or None, 'seconds_per_iter'}."""
+        import time
+
+        import torch.distributed as dist
+
+        n = self.losses.numel()
+        both = torch.cat([self.losses, torch.tensor([self.bubble], device=self.device)])
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(both[:n], group=self.dp_group)
+        pp = dist.get_world_size(self.pp_group) if self.pp_group is not None else 1
+        if pp > 1:  # the loss lives on the last stage; the bubble is averaged over stages
+            bubble = both[n:].clone()
+            dist.all_reduce(bubble, group=self.pp_group)
+            dist.broadcast(both, src=self.last_stage, group=self.pp_group)
+            both[n] = bubble[0] / pp
+        values = both.tolist()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        out = {"loss": values[0] / self.iters}
+        terms = {k: v / self.iters for k, v in zip(self.loss_terms, values[1:n])}
+        out.update(terms)
+        if self.perplexity_of is not None:
+            out[ppl_key(self.perplexity_of)] = math.exp(min(terms[self.perplexity_of], 80.0))
+        out["bubble"] = values[n] / self.bubble_iters if self.bubble_iters and pp > 1 else None
+        out["seconds_per_iter"] = (time.perf_counter() - self.start) / self.iters
+        self._reset()
+        return out
+
+
 def format_log_line(r: dict) -> str:
     parts = [
         f"iter {r['iteration']:>6}/{r['train_iters']}",

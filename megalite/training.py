@@ -3,7 +3,6 @@ reduction, clipping, optimizer step, logging and the timeline."""
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import arguments, checkpoint, ops, parallel
-from megalite.metrics import Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration, ppl_key
+from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
 from megalite.models import compile_layers
 from megalite.models.config import TransformerConfig
 from megalite.optim import (
@@ -98,13 +97,6 @@ def _loss_terms(task: Task, micro_batches, device) -> torch.Tensor:
         if terms:
             out += torch.stack([terms[name].float() for name in task.loss_terms])
     return out
-
-
-def _perplexity(task: Task, terms: dict[str, float]) -> dict[str, float]:
-    """{'mlm_ppl': exp(mlm_loss)} for a task that names its perplexity term; {} otherwise."""
-    if task.perplexity_of is None:
-        return {}
-    return {ppl_key(task.perplexity_of): math.exp(min(terms[task.perplexity_of], 80.0))}
 
 
 def _global_normalizer(micro_batches, args, dp_group) -> torch.Tensor:
@@ -408,9 +400,9 @@ def pretrain(args, task: Task) -> TrainingRun:
     dist.barrier()
     timeline.start()
     skips = SkippedSteps(device)
-    records, window_start, window_iters = [], time.perf_counter(), 0
-    window_loss = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the task's terms
-    window_bubble, window_bubble_iters = 0.0, 0
+    records = []
+    window = LogWindow(device, task.loss_terms, task.perplexity_of, dp_group if dp > 1 else None,
+                       pp_group if pp > 1 else None, last_stage)
     for c in chunks:
         c.train()
     stop_reason = None
@@ -448,36 +440,20 @@ def pretrain(args, task: Task) -> TrainingRun:
             spans.append(("optimizer", "optimizer", t, time.perf_counter() - t))
             timeline.add(rank, iteration, spans)
 
-        window_loss[0] += stats.loss_sum / num_tokens
-        window_loss[1:] += _loss_terms(task, micro_batches, device) / num_tokens
         # Host timings of GPU work mean something only while synchronized: on a GPU, only in the
         # iterations the timeline records (spans synchronize); elsewhere the bubble is "unmeasured".
-        if device.type == "cpu" or record_spans:
-            window_bubble += 1.0 - stats.busy_s / max(stats.wall_s, 1e-12)
-            window_bubble_iters += 1
-        window_iters += 1
+        timed = device.type == "cpu" or record_spans
+        window.add(stats.loss_sum, _loss_terms(task, micro_batches, device), num_tokens,
+                   1.0 - stats.busy_s / max(stats.wall_s, 1e-12) if timed else None)
         if log_now:
-            n_loss = window_loss.numel()
-            stats_t = torch.cat([window_loss, torch.tensor([window_bubble], device=device)])
-            if dp > 1:
-                dist.all_reduce(stats_t[:n_loss], group=dp_group)
-            if pp > 1:  # the loss lives on the last stage; the bubble is averaged over stages
-                bubble = stats_t[n_loss:].clone()
-                dist.all_reduce(bubble, group=pp_group)
-                dist.broadcast(stats_t, src=last_stage, group=pp_group)
-                stats_t[n_loss] = bubble[0] / pp
-            means = (stats_t / window_iters).tolist()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = (time.perf_counter() - window_start) / window_iters
+            figures = window.close()
+            elapsed, bubble_measured = figures.pop("seconds_per_iter"), figures.pop("bubble")
             tflops = flops / elapsed / world_size / 1e12
             record = {
                 "iteration": iteration + 1,
                 "train_iters": args.train_iters,
                 "consumed_samples": consumed,
-                "loss": means[0],
-                **dict(zip(task.loss_terms, means[1:n_loss])),
-                **_perplexity(task, dict(zip(task.loss_terms, means[1:n_loss]))),
+                **figures,
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "loss_scale": optimizer.loss_scaler.scale,
@@ -488,13 +464,10 @@ def pretrain(args, task: Task) -> TrainingRun:
                 "mfu": tflops / peak if peak else None,
                 "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,
                 "bubble_theory": bubble_theory,
-                "bubble_measured": (stats_t[n_loss].item() / window_bubble_iters
-                                    if window_bubble_iters and pp > 1 else None),
+                "bubble_measured": bubble_measured,
             }
             records.append(record)
             logger.train(record)
-            window_start, window_iters, window_bubble, window_bubble_iters = time.perf_counter(), 0, 0.0, 0
-            window_loss = torch.zeros_like(window_loss)
         if valid_data is not None and args.eval_interval and args.eval_iters and (
                 (iteration + 1) % args.eval_interval == 0 or iteration + 1 == args.train_iters):
             set_phase(f"iteration {iteration + 1}: validation")
