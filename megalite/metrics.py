@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import torch
+import torch.distributed as dist
 
 # Dense datasheet peaks (TFLOP/s, no sparsity) by the dtype the matmuls run in, for MFU when
 # --peak-tflops is not given. Most specific device names first: the H100's three forms differ.
@@ -92,28 +94,24 @@ class LogWindow:
         self._reset()
 
     def _reset(self) -> None:
-        import time
-
         self.start, self.iters = time.perf_counter(), 0
         self.losses = torch.zeros(1 + len(self.loss_terms), device=self.device)  # loss, then the terms
         self.bubble, self.bubble_iters = 0.0, 0
 
-    def add(self, loss_sum: torch.Tensor, terms: torch.Tensor, num_tokens: torch.Tensor,
+    def add(self, loss_sum: torch.Tensor, terms: torch.Tensor | None, num_tokens: torch.Tensor,
             bubble: float | None) -> None:
-        """One iteration: summed loss and terms over this rank's micro-batches, the global token
-        count, and its measured bubble (None when its timings were not synchronized)."""
+        """One iteration: summed loss and terms (None: the task has none) over this rank's
+        micro-batches, the global token count, and its measured bubble (None when its timings were
+        not synchronized)."""
         self.losses[0] += loss_sum / num_tokens
-        self.losses[1:] += terms / num_tokens
+        if terms is not None:
+            self.losses[1:] += terms / num_tokens
         if bubble is not None:
             self.bubble, self.bubble_iters = self.bubble + bubble, self.bubble_iters + 1
         self.iters += 1
 
     def close(self) -> dict:
         """{'loss', the named terms (and the perplexity term), 'bubble' or None, 'seconds_per_iter'}."""
-        import time
-
-        import torch.distributed as dist
-
         n = self.losses.numel()
         both = torch.cat([self.losses, torch.tensor([self.bubble], device=self.device)])
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
@@ -173,8 +171,6 @@ class Timeline:
 
     def start(self) -> None:
         """Call right after a barrier, so that every rank's clock starts together."""
-        import time
-
         self.t0 = time.perf_counter()
 
     def records(self, iteration: int) -> bool:
@@ -187,8 +183,6 @@ class Timeline:
 
     def write(self, labels: dict[int, str]) -> None:
         """Gather every rank's events on rank 0 and write the file atomically."""
-        import torch.distributed as dist
-
         if not self.path:
             return
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -5,14 +5,15 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megalite import arguments, checkpoint, ops, parallel
+from megalite.exits import ExitWatch
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
 from megalite.models import compile_layers
 from megalite.models.config import TransformerConfig
@@ -24,7 +25,6 @@ from megalite.optim import (
     ParamAndGradBuffer,
     allreduce_sequence_parallel_grads,
 )
-from megalite.exits import ExitWatch
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.pipeline.schedules import build_program, run_schedule, theoretical_bubble
 from megalite.runtime import (
@@ -89,8 +89,11 @@ def _micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consume
     return out
 
 
-def _loss_terms(task: Task, micro_batches, device) -> torch.Tensor:
-    """The task's named loss terms summed over this rank's micro-batches (zeros off the last stage)."""
+def _loss_terms(task: Task, micro_batches, device) -> torch.Tensor | None:
+    """The task's named loss terms summed over this rank's micro-batches (zeros off the last stage);
+    None for a task without terms (GPT), so its steps do no work for them."""
+    if not task.loss_terms:
+        return None
     out = torch.zeros(len(task.loss_terms), device=device)
     for b in micro_batches:
         terms = b.get("loss_terms")
@@ -173,7 +176,8 @@ def evaluate(args, task: Task, chunks, data, program, tensor_shape, dtype, dp, d
             n = _global_normalizer(batches, args, parallel.get_data_parallel_group())
             stats = run_schedule(program, chunks, batches, task.forward_step, n, tensor_shape, dtype)
             sums[0] += stats.loss_sum
-            sums[1:] += _loss_terms(task, batches, device)
+            if task.loss_terms:
+                sums[1:] += _loss_terms(task, batches, device)
             tokens += n  # already global (`_global_normalizer`): only the sums are per DP rank
     if dp > 1:
         dist.all_reduce(sums, group=parallel.get_data_parallel_group())
