@@ -10,7 +10,7 @@ import sys
 import torch
 
 from megalite import arguments
-from megalite.data import resolve_data
+from megalite.data import resolve_data, train_valid_datasets
 from megalite.data.bert_dataset import build_bert_datasets
 from megalite.data.synthetic import SyntheticBERT
 from megalite.models import BERTModel
@@ -32,19 +32,10 @@ def build_data(config, args):
     if args.mock_data:
         return (SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed),
                 SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed + 1))
-    valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
-    try:
-        # Ids are checked against the model's vocabulary; a rank waits for another building a cache
-        # no longer than for a collective.
-        train, valid, _ = build_bert_datasets(args.data_path[0], args.split, args.seq_length,
-                                              (args.train_iters * args.global_batch_size, valid_samples, 0),
-                                              args.seed, args.tokenizer_object, vocab_size=config.vocab_size,
-                                              lock_timeout=args.distributed_timeout_minutes * 60)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if train is None:
-        raise UsageError(f"--split {args.split} leaves no training documents")
-    return train, valid
+    # Ids are checked against the model's vocabulary.
+    return train_valid_datasets(args, lambda samples, lock_timeout: build_bert_datasets(
+        args.data_path[0], args.split, args.seq_length, samples, args.seed, args.tokenizer_object,
+        vocab_size=config.vocab_size, lock_timeout=lock_timeout))
 
 
 def bert_forward_step(model, batch):

@@ -8,10 +8,10 @@ tokenized once into a cache); --mock-data uses a synthetic token stream.
 import sys
 
 from megalite import arguments
-from megalite.data import build_gpt_datasets, resolve_data
+from megalite.data import build_gpt_datasets, resolve_data, train_valid_datasets
 from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
-from megalite.runtime import UsageError, run_main
+from megalite.runtime import run_main
 from megalite.training import Task, gpt_forward_step, pretrain
 
 
@@ -27,19 +27,10 @@ def build_data(config, args):
     if args.mock_data:
         return (SyntheticTokens(config.vocab_size, args.seq_length, seed=args.seed),
                 SyntheticTokens(config.vocab_size, args.seq_length, seed=args.seed + 1))
-    valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
-    try:
-        # Ids are checked against the model's vocabulary; a rank waits for another building a cache
-        # no longer than for a collective.
-        train, valid, _ = build_gpt_datasets(args.data_path, args.split, args.seq_length,
-                                             (args.train_iters * args.global_batch_size, valid_samples, 0), args.seed,
-                                             vocab_size=config.vocab_size,
-                                             lock_timeout=args.distributed_timeout_minutes * 60)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if train is None:
-        raise UsageError(f"--split {args.split} leaves no training documents")
-    return train, valid
+    # Ids are checked against the model's vocabulary.
+    return train_valid_datasets(args, lambda samples, lock_timeout: build_gpt_datasets(
+        args.data_path, args.split, args.seq_length, samples, args.seed, vocab_size=config.vocab_size,
+        lock_timeout=lock_timeout))
 
 
 def task() -> Task:

@@ -19,6 +19,14 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad command line once per node: under torchrun every rank parses the
     same argv, and N copies of the usage text bury the one line that matters."""
 
+    def parse_args(self, args=None, namespace=None):
+        """Parsed flags with the defaults that depend on other flags filled in here, once, so nothing
+        later changes the namespace: --seq-length defaults to the preset's position count."""
+        ns = super().parse_args(args, namespace)
+        if getattr(ns, "seq_length", False) is None and getattr(ns, "model", None) in PRESETS:
+            ns.seq_length = preset(ns.model).max_position_embeddings
+        return ns
+
     def error(self, message):
         if env_world()[2] != 0:
             raise SystemExit(2)
@@ -141,6 +149,7 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
 
 
 def model_config(args) -> TransformerConfig:
+    """The model `args` describe (the preset with its overrides); reads `args`, never changes it."""
     check_numbers(args)
     overrides = {
         k: v for k, v in {
@@ -158,8 +167,8 @@ def model_config(args) -> TransformerConfig:
                         **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.seq_length is None:
-        args.seq_length = config.max_position_embeddings
+    if args.seq_length is None:  # a namespace not from build_parser
+        raise UsageError("--seq-length is not set")
     if args.seq_length > config.max_position_embeddings:
         config = config.replace(max_position_embeddings=args.seq_length)
     return config

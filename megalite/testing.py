@@ -206,6 +206,7 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     from megalite import parallel, training
     from megalite.models import GPTModel
     from megalite.optim import buffers as buffers_module
+    from megalite.optim import finalize_grads
 
     def build_gpt(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
         return GPTModel(config, pre_process, post_process, layer_numbers, seed=args.seed, device=device)
@@ -214,6 +215,8 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     task = training.Task(build_gpt, build_data=None, forward_step=training.gpt_forward_step)
     chunks = training.build_model_chunks(task, config, args, device)
     buffers, optimizer = training.build_optimizer(args, chunks)
+    embedding_group = training.tied_embedding_group(args)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     sent: list[Fraction] = []
 
     def counted(kind, fn, nbytes_of):
@@ -229,7 +232,7 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     try:
         for buf in buffers:
             buf.enable_sync()
-            buf.finish_grad_sync()
+        finalize_grads(buffers, params, embedding_group)
         optimizer.publish()
     finally:
         dist.all_reduce, buffers_module._reduce_scatter_single, buffers_module._all_gather_single = saved
@@ -241,7 +244,7 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
             minimum += ring_bytes("all_gather", buf.param_data.nbytes, dp)
         else:
             minimum += ring_bytes("all_reduce", buf.grad_data.nbytes, dp)
-        if buf.embedding_group is not None:
+        if embedding_group is not None:
             emb = sum(b.numel for b in buf.buckets if b.deferred) * buf.grad_data.element_size()
-            minimum += ring_bytes("all_reduce", emb, dist.get_world_size(buf.embedding_group))
+            minimum += ring_bytes("all_reduce", emb, dist.get_world_size(embedding_group))
     return sum(sent, Fraction(0)), minimum, any(b.deferred for buf in buffers for b in buf.buckets)

@@ -5,7 +5,7 @@
     python scripts/benchmark_gpt.py --device cpu --quick                 # a smoke run of the script
 
 A step is forward, backward, gradient-norm clipping and the AdamW update, in bf16. megalite runs
-megalite.training.train_step (bf16 parameters, fp32 gradient buffer and master weights, fused
+megalite.training.TrainStep (bf16 parameters, fp32 gradient buffer and master weights, fused
 AdamW); the plain model is a compact GPT-2 written here (SDPA causal attention, autocast bf16 over
 fp32 parameters, fused AdamW), timed eager and under torch.compile. For each: milliseconds per step
 (CUDA events, after warm-up), tokens/s, model TFLOP/s by Megatron's formula
@@ -156,7 +156,7 @@ def megalite_args(preset: str, mb: int, seq: int, extra: list[str], iters: int, 
 
 def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_batch: int | None = None,
                    fp32: bool = False) -> float:
-    """Milliseconds per train_step of megalite.training, over the same pieces pretrain() builds
+    """Milliseconds per megalite.training.TrainStep, over the same pieces pretrain() builds
     (global_batch / mb micro-batches a step; default one)."""
     import pretrain_gpt
     from megalite import arguments, training
@@ -170,21 +170,20 @@ def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_
     config, _, _ = training.setup(args, 1)
     chunks = training.build_model_chunks(task, config, args, device)
     buffers, optimizer = training.build_optimizer(args, chunks)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     data, _ = task.build_data(config, args)
-    program = build_program(1, 0, args.global_batch_size // mb, None)
+    train_step = training.TrainStep(build_program(1, 0, args.global_batch_size // mb, None), chunks,
+                                    task.forward_step, (seq, mb, config.hidden_size),
+                                    torch.float32 if fp32 else torch.bfloat16, buffers, optimizer, clip_grad=1.0)
     for c in chunks:
         c.train()
     counter = iter(range(10 ** 9))
 
     def step():
-        batches = training._micro_batches(data, next(counter), args, 1, 0, device)
-        num_tokens = training._global_normalizer(batches, args, None)
-        training.train_step(program, chunks, batches, task.forward_step, num_tokens, (seq, mb, config.hidden_size),
-                            torch.float32 if fp32 else torch.bfloat16, buffers, params, optimizer, 1e-4, 1.0)
+        batches = training.micro_batches(data, next(counter), args, 1, 0, device)
+        train_step(batches, training.global_normalizer(batches, args.global_batch_size, None), lr=1e-4)
 
     ms = time_steps(step, device, warmup, iters)
-    del chunks, buffers, optimizer, params
+    del chunks, buffers, optimizer, train_step
     return ms
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megalite import metrics, training
+import megalite.training.build  # noqa: F401  (patched below)
 from megalite.testing import run_ranks
 from training_ranks import parse
 
@@ -40,7 +41,7 @@ def test_the_rank_device_is_current_before_the_kernels_are_built(monkeypatch):
 
     from megalite import ops
     monkeypatch.setattr(ops, "kernels_available", kernels_available)
-    monkeypatch.setattr(training, "init_distributed", init_distributed)
+    monkeypatch.setattr(training.build, "init_distributed", init_distributed)
     args = parse(["--norm-backend", "fused", "--attention-backend", "fused"])
     with pytest.raises(_Stop):
         training.setup(args, 8)

@@ -20,12 +20,19 @@ DP rank 0, replicated (non-TP) tensors from TP rank 0, the tied embedding from t
 Writing is atomic: ranks write into `iter_N.tmp/` (fsynced), then rank 0 writes the metadata,
 renames the directory into place and updates `latest` last, so a crash at any moment leaves the
 previous checkpoint loadable (see `save` for the store-based commit that --save-async uses).
+
+Modules, one job each: `layout` (names, placements, directory names), `fileformat` (rank file
+bytes), `rank_state` (what a rank saves; RNG restore), `atomic` (temporary directory, rank-file
+writes, commit), `save` (the Checkpointer: inline and background saves over the store), `lock`
+(one job per --save directory), `reader` (validation, checksums, full tensors), `load` (loading at
+any layout).
 """
+from megalite.checkpoint.atomic import build_metadata, commit, save_model_checkpoint
 from megalite.checkpoint.layout import FORMAT_VERSION, config_from_dict, global_name
-from megalite.checkpoint.load import (CheckpointReader, check_compatible, check_finite, load_full_state_dict,
-                                      load_model_weights, load_optimizer_state, restore_rng)
-from megalite.checkpoint.save import (Checkpointer, build_metadata, collect_rank_state, commit,
-                                      save_model_checkpoint)
+from megalite.checkpoint.load import load_full_state_dict, load_model_weights, load_optimizer_state
+from megalite.checkpoint.rank_state import collect_rank_state, restore_rng
+from megalite.checkpoint.reader import CheckpointReader, check_compatible, check_finite
+from megalite.checkpoint.save import Checkpointer
 
 __all__ = ["FORMAT_VERSION", "CheckpointReader", "Checkpointer", "build_metadata", "check_compatible",
            "check_finite", "collect_rank_state", "commit", "config_from_dict", "global_name",

@@ -1,8 +1,10 @@
-"""Layout-free names and placements: where this rank's piece sits in the full tensor."""
+"""Layout-free names and placements: where this rank's piece sits in the full tensor, and where a
+checkpoint's directories lie."""
 from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import torch
 
@@ -25,12 +27,42 @@ def iter_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def iter_dir(directory, iteration: int) -> Path:
+    return Path(directory) / iter_name(iteration)
+
+
+def tmp_dir(directory, iteration: int) -> Path:
+    """Where the ranks write a save of `iteration` until its commit renames it to `iter_dir`."""
+    return iter_dir(directory, iteration).with_suffix(".tmp")
+
+
 def global_name(model, local: str) -> str:
     """'layers.3.mlp.fc1.weight' of a stage holding layers [8, 12) -> 'layers.11.mlp.fc1.weight'."""
     if local.startswith("layers."):
         _, i, rest = local.split(".", 2)
         return f"layers.{model.layer_numbers[int(i)]}.{rest}"
     return local
+
+
+def named_params(model_chunks):
+    """(chunk, local name, parameter, layout-free name) of every parameter of this rank's chunks."""
+    for chunk in model_chunks:
+        for local, p in chunk.named_parameters():
+            yield chunk, local, p, global_name(chunk, local)
+
+
+def param_owners(model_chunks) -> dict:
+    """id(parameter) -> (chunk, local name): how an optimizer piece finds its model parameter."""
+    return {id(p): (chunk, local) for chunk, local, p, _ in named_params(model_chunks)}
+
+
+def piece_place(owners: dict, piece):
+    """(layout-free name, dim, start, lo, hi) of an optimizer piece: its parameter's placement and
+    the piece's flat range [lo, hi) within that parameter."""
+    chunk, local = owners[id(piece.param)]
+    dim, start, _ = placement(chunk, local, piece.param)
+    p_lo, _ = piece.buffer.param_range(piece.param)
+    return global_name(chunk, local), dim, start, piece.lo - p_lo, piece.hi - p_lo
 
 
 def placement(model, local: str, p: torch.Tensor):
@@ -52,6 +84,20 @@ def full_size(model, local: str, p: torch.Tensor) -> int | None:
     if local in VOCAB_PARAMS:
         return model.config.vocab_size
     return p.shape[p.partition_dim] * parallel.get_tensor_model_parallel_world_size()
+
+
+def shard_of(full: torch.Tensor, dim, start: int, shape) -> torch.Tensor:
+    """The TP shard of `shape` at `start` along `dim`, zero-padded past the vocabulary."""
+    if dim is None:
+        return full
+    n = shape[dim]
+    have = max(0, min(n, full.shape[dim] - start))
+    if have == n:
+        return full.narrow(dim, start, n)
+    out = torch.zeros(shape, dtype=full.dtype)
+    if have:
+        out.narrow(dim, 0, have).copy_(full.narrow(dim, start, have))
+    return out
 
 
 def is_writer(p) -> bool:

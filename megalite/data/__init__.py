@@ -33,6 +33,23 @@ def resolve_data(args, kind: str) -> None:
     args.tokenizer_object = tokenizer
 
 
+def train_valid_datasets(args, build) -> tuple:
+    """(train, valid or None) for a run: `build(samples, lock_timeout)` makes the datasets for
+    (train, valid, test) sample counts, waiting on another rank's cache no longer than on a
+    collective. Bad data becomes one usage error."""
+    from megalite.runtime import UsageError
+
+    valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
+    try:
+        train, valid, _ = build((args.train_iters * args.global_batch_size, valid_samples, 0),
+                                args.distributed_timeout_minutes * 60)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if train is None:
+        raise UsageError(f"--split {args.split} leaves no training documents")
+    return train, valid
+
+
 __all__ = ["BlendedDataset", "DatasetError", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter",
            "SyntheticTokens", "Tokenizer", "TokenizerError", "build_gpt_datasets", "build_tokenizer", "resolve_data",
-           "train_sentencepiece"]
+           "train_sentencepiece", "train_valid_datasets"]

@@ -1,12 +1,12 @@
 """Gradient buffers with overlapped DP reduction, the (distributed) mixed-precision optimizer,
 loss scaling and learning-rate schedules."""
 from megalite.optim.buffers import ParamAndGradBuffer
-from megalite.optim.grads import allreduce_sequence_parallel_grads, counts_once
+from megalite.optim.grads import allreduce_sequence_parallel_grads, counts_once, finalize_grads
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 from megalite.optim.lr import LRSchedule
 from megalite.optim.optimizer import MegaliteOptimizer
 
 __all__ = [
     "ConstantLossScaler", "DynamicLossScaler", "LRSchedule", "MegaliteOptimizer", "ParamAndGradBuffer",
-    "allreduce_sequence_parallel_grads", "counts_once",
+    "allreduce_sequence_parallel_grads", "counts_once", "finalize_grads",
 ]

@@ -16,7 +16,9 @@ During the backward of the last micro-batch of a step (`enable_sync()`), a hook 
 marks its gradient ready; the moment a bucket's last gradient is ready, its all-reduce (or
 reduce-scatter, for the distributed optimizer) starts asynchronously, overlapping the rest of
 backward. `finish_grad_sync()` launches what is left and waits. Earlier micro-batches only
-accumulate, so gradients are reduced once per step.
+accumulate, so gradients are reduced once per step. Deferred buckets (the tied word embedding when
+it lives on two pipeline stages) wait for `finish_grad_sync`: `megalite.optim.grads.finalize_grads`
+sums them over the stages first, and is the one place the loop finishes a step's gradients.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ class Bucket:
     params: list
     start: int
     end: int
-    deferred: bool = False  # reduced only in finish_grad_sync (tied embeddings: summed over stages first)
+    deferred: bool = False  # reduced only in finish_grad_sync (tied embeddings: finalize_grads sums them first)
     ready: set = field(default_factory=set)
     work: object = None
     comm: torch.Tensor | None = None  # low-precision copy being reduced, if any
@@ -112,8 +114,7 @@ class Bucket:
 class ParamAndGradBuffer:
     def __init__(self, params: list[torch.nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  bucket_numel: int, dp_group, dp_size: int, reduce_scatter: bool,
-                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, embedding_group=None,
-                 dp_rank: int | None = None):
+                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, dp_rank: int | None = None):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.dp_group, self.dp_size, self.reduce_scatter = dp_group, dp_size, reduce_scatter
@@ -123,7 +124,6 @@ class ParamAndGradBuffer:
         self.dp_rank = dp_rank
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
         self.comm_dtype = comm_dtype if comm_dtype not in (None, grad_dtype) else None
-        self.embedding_group = embedding_group
         self.launch_log: list[tuple[int, int]] = []  # (bucket index, gradients ready so far) per launch
         self._hooks_seen = 0
         self.sync_enabled = False
@@ -195,8 +195,6 @@ class ParamAndGradBuffer:
     def finish_grad_sync(self) -> None:
         """Reduce whatever is not yet in flight, wait for everything, reset for the next step."""
         for bucket in self.buckets:
-            if bucket.deferred and self.embedding_group is not None:
-                dist.all_reduce(self.grad_data[bucket.start:bucket.end], group=self.embedding_group)
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
@@ -208,6 +206,10 @@ class ParamAndGradBuffer:
             bucket.work, bucket.comm = None, None
             bucket.ready.clear()
         self.sync_enabled = False
+
+    def deferred_grads(self) -> list[torch.Tensor]:
+        """The gradient views of the deferred buckets, to be summed elsewhere before `finish_grad_sync`."""
+        return [self.grad_data[b.start:b.end] for b in self.buckets if b.deferred]
 
     def zero_grad(self) -> None:
         self.grad_data.zero_()

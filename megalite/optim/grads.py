@@ -1,10 +1,25 @@
-"""Gradient bookkeeping across the 3D layout that is not data-parallel reduction."""
+"""A step's gradients made final across the 3D layout: `finalize_grads` is the one place the loop
+calls after the last backward (tied embeddings over pipeline stages, data-parallel buckets,
+sequence-parallel sums over TP); `counts_once` says which rank counts a parameter in global norms."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 from megalite.parallel import state
+
+
+def finalize_grads(buffers, params, embedding_group=None) -> None:
+    """After a step's last backward: the tied word embedding's gradient summed over the first and
+    last pipeline stage (`embedding_group`, None when one stage holds both), then every buffer's
+    data-parallel reduction finished, then the sequence-parallel gradients summed over TP. The
+    stages are summed before data parallelism so that each DP rank reduces the whole gradient."""
+    for buf in buffers:
+        if embedding_group is not None:
+            for grad in buf.deferred_grads():
+                dist.all_reduce(grad, group=embedding_group)
+        buf.finish_grad_sync()
+    allreduce_sequence_parallel_grads(params)
 
 
 def allreduce_sequence_parallel_grads(params) -> None:

@@ -1,0 +1,326 @@
+"""Reading: find and validate a checkpoint (`latest`, metadata, format version, rank files and their
+sizes), then serve its tensors checksum-verified (in helper threads) and each full tensor assembled
+from every rank file's slices, which must cover it exactly."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint.fileformat import RankFile, RankFileError, all_finite
+from megalite.checkpoint.layout import (FORMAT_VERSION, ITER_NAME, RANK_FILE_NAME, SHAPE_FIELDS, VOCAB_PARAMS,
+                                        config_from_dict, rank_file_name, shard_of)
+from megalite.checkpoint.rank_state import decode_plain
+from megalite.models.config import TransformerConfig
+from megalite.runtime import UsageError
+
+_VERIFY_THREADS = max(2, min(8, os.cpu_count() or 1))
+
+
+def _resolve(path: Path) -> Path:
+    """The iter_NNNNNNN directory of a save directory (via `latest`) or of itself."""
+    if not path.exists():
+        raise UsageError(f"checkpoint path {path} does not exist: give a --save directory or one of its "
+                         f"iter_NNNNNNN directories")
+    if not path.is_dir():
+        raise UsageError(f"checkpoint path {path} is a file, not a directory: give a --save directory or one "
+                         f"of its iter_NNNNNNN directories")
+    if ITER_NAME.match(path.name) and not (path / "latest").exists():
+        return path
+    latest = path / "latest"
+    if not latest.is_file():
+        raise UsageError(f"no checkpoint in {path} (no 'latest' file): give a directory written by --save "
+                         f"or by `python -m megalite.tools.convert_hf import`")
+    name = latest.read_text().strip()
+    if not ITER_NAME.match(name):
+        raise UsageError(f"{latest} names {name[:80]!r}, not a checkpoint of this directory (iter_NNNNNNN): "
+                         f"the file was damaged or tampered with; point --load at an intact checkpoint")
+    return path / name
+
+
+def _read_metadata(path: Path, directory: Path) -> dict:
+    """The checkpoint's metadata.json, refused unless it is of the format this megalite reads."""
+    meta_path = path / "metadata.json"
+    if not meta_path.is_file():
+        raise UsageError(f"checkpoint {path} named by {directory / 'latest'} is missing or has no "
+                         f"metadata.json: the directory was damaged; point --load at an intact checkpoint")
+    try:
+        metadata = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"checkpoint metadata {meta_path} is corrupt ({e})") from None
+    version = metadata.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UsageError(f"checkpoint {path} has format version {version}, this megalite reads version "
+                         f"{FORMAT_VERSION} (safetensors rank files; version 1's pickled files are not loaded "
+                         f"because unpickling can run code): load it with the megalite that wrote it")
+    return metadata
+
+
+def _check_files(path: Path, metadata: dict) -> list[str]:
+    """The rank files' names, once the metadata lists exactly one per rank and each is present with
+    its recorded size."""
+    files = metadata.get("files")
+    world = metadata.get("layout", {}).get("world")
+    if not isinstance(files, dict) or not files:
+        raise UsageError(f"checkpoint metadata {path / 'metadata.json'} lists no rank files")
+    for fname in files:
+        if not RANK_FILE_NAME.match(str(fname)):
+            raise UsageError(f"checkpoint metadata {path / 'metadata.json'} names a file {str(fname)[:80]!r}, "
+                             f"not rank_NNNNN.safetensors: it was damaged or tampered with")
+    expected = [rank_file_name(r) for r in range(world if isinstance(world, int) else -1)]
+    if sorted(files) != expected:
+        raise UsageError(f"checkpoint {path} was written by {world} ranks but its metadata lists "
+                         f"{len(files)} rank files: the metadata was damaged")
+    for fname in expected:
+        f, size = path / fname, files[fname].get("bytes") if isinstance(files[fname], dict) else None
+        if not f.is_file():
+            raise UsageError(f"checkpoint file {f} is missing: the checkpoint is incomplete")
+        if f.stat().st_size != size:
+            raise UsageError(f"checkpoint file {f} has {f.stat().st_size} bytes, the metadata says {size}: "
+                             f"it is corrupt or truncated")
+    return expected
+
+
+def _corrupt(path: Path, problem) -> UsageError:
+    return UsageError(f"checkpoint file {path} is corrupt: {problem}")
+
+
+class CheckpointReader:
+    """A complete checkpoint (a save directory's newest, or an iter_NNNNNNN directory), validated,
+    with lazily opened rank files."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self.path = _resolve(self.directory)
+        self.metadata = _read_metadata(self.path, self.directory)
+        self._file_names = _check_files(self.path, self.metadata)
+        self.config = config_from_dict(self.metadata["config"])
+        self.model_kind = self.metadata["model_kind"]
+        self._files: list[RankFile] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._checks: dict = {}  # (file, key) -> future of its checksum check
+        self._direct_checks: list = []  # (file, future) of tensors read straight into their place
+
+    @staticmethod
+    def exists(path) -> bool:
+        """True for a save directory holding a checkpoint, and for an iter_NNNNNNN directory."""
+        path = Path(path)
+        return (path / "latest").is_file() or (ITER_NAME.match(path.name) is not None
+                                               and (path / "metadata.json").is_file())
+
+    @property
+    def files(self) -> list[RankFile]:
+        if self._files is None:
+            self._files = []
+            for fname in self._file_names:
+                try:
+                    self._files.append(RankFile(self.path / fname))
+                except RankFileError as e:
+                    raise _corrupt(self.path / fname, e) from None
+        return self._files
+
+    def rank_file(self, rank: int) -> RankFile:
+        return self.files[rank]
+
+    def tensor(self, f: RankFile, key: str, name: str | None = None) -> torch.Tensor:
+        """A stored tensor, checksum-verified; refused if it held NaN/inf when saved (`name` says
+        which model tensor it belongs to)."""
+        check = self._checks.pop((f.path, key), None)
+        error = check.result() if check is not None else None
+        if check is not None and not self._checks and not self._direct_checks:  # all checked: let the threads go
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        try:
+            if error is not None:
+                raise RankFileError(error)
+            t = f.tensor(key)
+        except RankFileError as e:
+            raise _corrupt(f.path, e) from None
+        if not f.is_finite(key):
+            raise _non_finite(self, name or key)
+        return t
+
+    def verify(self, names=None, wait: bool = False) -> None:
+        """Start checking, in background threads and in this order, the checksums of every stored
+        tensor of `names` (model and optimizer; None: all); `tensor()` waits for its own check, so
+        the copies overlap the checks of the tensors after them. `wait`: finish now (and raise)."""
+        if names is None:
+            names = self.model_names() + sorted({n for f in self.files for n in f.meta.get("optim", {})})
+        todo = []
+        for name in dict.fromkeys(names):  # ordered, each once
+            for f in self.files:
+                todo += [(f, s["tensor"]) for s in f.meta.get("model", {}).get(name, [])]
+                todo += [(f, ref) for p in f.meta.get("optim", {}).get(name, [])
+                         for ref in p["values"].values() if ref != "model"]
+        todo = [(f, key) for f, key in todo if not f.is_verified(key) and (f.path, key) not in self._checks]
+        if not todo:
+            return
+        for f, key in todo:
+            self._checks[(f.path, key)] = self._submit(_verify_one, f, key)
+        if wait:
+            for f, key in todo:
+                self.tensor(f, key)
+
+    def _submit(self, fn, *args):
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=_VERIFY_THREADS, thread_name_prefix="megalite-crc")
+        return self._pool.submit(fn, *args)
+
+    # -- the same layout's fast path: a stored slice that is exactly a destination tensor
+
+    def fits(self, f: RankFile, key, dst: torch.Tensor) -> bool:
+        """Whether stored tensor `key` can be read straight into `dst` (same dtype and shape)."""
+        info = f.info(key)
+        return (info is not None and info == (dst.dtype, list(dst.shape)) and dst.device.type == "cpu"
+                and dst.is_contiguous())
+
+    def direct_model(self, name: str, dim, start: int, dst: torch.Tensor):
+        """(file, key) of the one stored slice that is exactly `dst`'s piece, or None."""
+        hits = [(f, s["tensor"]) for f in self.files for s in f.meta.get("model", {}).get(name, [])
+                if s["dim"] == dim and (dim is None or s["start"] == start) and self.fits(f, s["tensor"], dst)]
+        return hits[0] if len(hits) == 1 else None
+
+    def direct_optim(self, name: str, dim, start: int, shape, lo: int, hi: int):
+        """(file, values) of the one stored optimizer range that is exactly this piece, or None."""
+        hits = [(f, p["values"]) for f in self.files for p in f.meta.get("optim", {}).get(name, [])
+                if p["dim"] == dim and (dim is None or p["start"] == start) and p["shard"] == list(shape)
+                and (p["lo"], p["hi"]) == (lo, hi)]
+        return hits[0] if len(hits) == 1 else None
+
+    def read_direct(self, f: RankFile, key: str, dst: torch.Tensor, name: str) -> None:
+        """Read a stored tensor straight into `dst`; its checksum is checked by a helper thread
+        (`finish_direct()` waits) while the next tensors are read."""
+        if not f.is_finite(key):
+            raise _non_finite(self, name)
+        try:
+            f.read_into(key, dst)
+        except (RankFileError, OSError) as e:
+            raise _corrupt(f.path, e) from None
+        self._direct_checks.append((f, self._submit(f.verify_copy, key, dst)))
+
+    def finish_direct(self) -> None:
+        checks, self._direct_checks = self._direct_checks, []
+        for f, check in checks:
+            error = check.result()
+            if error is not None:
+                raise _corrupt(f.path, error)
+
+    # -- full tensors, from every rank's slices
+
+    def model_names(self) -> list[str]:
+        return sorted({n for f in self.files for n in f.meta.get("model", {})})
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """The whole (unpadded) model tensor `name`, from every rank's slices."""
+        slices = [(s["dim"], s["start"], s.get("full"), self.tensor(f, s["tensor"], name))
+                  for f in self.files for s in f.meta.get("model", {}).get(name, [])]
+        if not slices:
+            raise UsageError(f"checkpoint {self.path} has no tensor {name!r}: it holds another model")
+        return _assemble(self.path, name, slices)
+
+    def master_is_the_weight(self, name: str) -> bool:
+        """True when every stored piece of `name` keeps its fp32 master as the model weight."""
+        pieces = [p for f in self.files for p in f.meta.get("optim", {}).get(name, [])]
+        return bool(pieces) and all(p["values"].get("master") == "model" for p in pieces)
+
+    def full_optimizer_state(self, name: str, skip=()) -> dict[str, torch.Tensor] | None:
+        pieces = [(f, p) for f in self.files for p in f.meta.get("optim", {}).get(name, [])]
+        if not pieces:
+            return None
+        shards: dict[tuple, list] = {}
+        for f, p in pieces:
+            shards.setdefault((p["dim"], p["start"], tuple(p["shard"]), p.get("full")), []).append((f, p))
+        out = {}
+        for k in pieces[0][1]["values"]:
+            if k in skip:
+                continue
+            slices = []
+            for (dim, start, shape, full), parts in shards.items():
+                flat = self._flat_shard(name, k, dim, start, shape, parts)
+                t = flat.view(shape)
+                if name in VOCAB_PARAMS and dim is not None:
+                    t = t.narrow(dim, 0, max(0, min(shape[dim], self.config.vocab_size - start)))
+                    full = self.config.vocab_size
+                slices.append((dim, start, full, t))
+            out[k] = _assemble(self.path, f"{name} ({k})", slices)
+        return out
+
+    def _flat_shard(self, name, k, dim, start, shape, parts) -> torch.Tensor:
+        """A TP shard's flat optimizer state `k`, from the DP ranks' ranges, which must tile it."""
+        numel = math.prod(shape)
+        parts = sorted(parts, key=lambda fp: fp[1]["lo"])
+        ends = [0] + [p["hi"] for _, p in parts]
+        if [p["lo"] for _, p in parts] != ends[:-1] or ends[-1] != numel:
+            raise UsageError(f"checkpoint {self.path} holds the optimizer state of {name} in ranges "
+                             f"{[(p['lo'], p['hi']) for _, p in parts]} that do not tile its {numel} elements: "
+                             f"rank files are missing or damaged")
+        pieces = []
+        for f, p in parts:
+            ref = p["values"].get(k)
+            if ref is None:
+                raise UsageError(f"checkpoint file {f.path} lacks the optimizer state {k} of {name}")
+            if ref == "model":  # an fp32 master stored once, as the model weight
+                pieces.append(shard_of(self.full_tensor(name), dim, start, shape).reshape(-1)[p["lo"]:p["hi"]])
+            else:
+                pieces.append(self.tensor(f, ref, f"{name} ({k})"))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def rng(self, rank: int):
+        f = self.rank_file(rank)
+        return None if "rng" not in f.meta else decode_plain(f.meta["rng"], lambda key: self.tensor(f, key).clone())
+
+
+def _verify_one(f: RankFile, key: str) -> str | None:
+    try:
+        f.verify(key)
+    except RankFileError as e:
+        return str(e)
+    return None
+
+
+def _assemble(path: Path, name: str, slices) -> torch.Tensor:
+    """The full tensor from (dim, start, full size, tensor) slices, which must cover it exactly."""
+    whole = [t for dim, _, _, t in slices if dim is None]
+    if whole:
+        return whole[0]
+    dim, full = slices[0][0], slices[0][2]
+    present = sorted((start, start + t.shape[dim], t) for _, start, _, t in slices if t.shape[dim] > 0)
+    end = 0
+    for start, stop, _ in present:
+        if start != end:
+            break
+        end = stop
+    size = full if full is not None else end
+    if end != size or (present and present[-1][1] != size):
+        raise UsageError(f"checkpoint {path} holds {name} only in part (rows/columns "
+                         f"{[(a, b) for a, b, _ in present]} of {size} along dimension {dim}): rank files are "
+                         f"missing or were written by a damaged run; load another checkpoint")
+    if len(present) == 1:
+        return present[0][2]
+    return torch.cat([t for _, _, t in present], dim=dim)
+
+
+def _non_finite(reader: CheckpointReader, name: str) -> UsageError:
+    return UsageError(f"checkpoint {reader.path} holds NaN/inf values in {name}: it was saved after training "
+                      f"diverged or was damaged; load an earlier checkpoint")
+
+
+def check_finite(reader: CheckpointReader, name: str, t: torch.Tensor) -> None:
+    """Refuse NaN/inf in a tensor taken from `reader` (else it is blamed on the learning rate much
+    later). Loading needs no scan: the writer records each tensor's finiteness under its checksum."""
+    if not all_finite(t):
+        raise _non_finite(reader, name)
+
+
+def check_compatible(reader: CheckpointReader, config: TransformerConfig, model_kind: str) -> None:
+    if reader.model_kind != model_kind:
+        raise UsageError(f"checkpoint {reader.path} holds a {reader.model_kind} model, not a {model_kind} model")
+    diffs = [f"{k} {getattr(reader.config, k)} (checkpoint) vs {getattr(config, k)} (now)"
+             for k in SHAPE_FIELDS if getattr(reader.config, k) != getattr(config, k)]
+    if diffs:
+        raise UsageError(f"checkpoint {reader.path} holds a model of another shape: {'; '.join(diffs)}; "
+                         f"use the same model flags, or another --load")

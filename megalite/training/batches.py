@@ -1,0 +1,50 @@
+"""Global batches cut into this data-parallel rank's micro-batches, and the sums over them."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.training.task import Task
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A host batch on `device`: through pinned memory when it is a GPU, so the copy is truly
+    asynchronous (from pageable memory `non_blocking` copies synchronously)."""
+    if device.type == "cpu":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
+    """This DP rank's contiguous slice of global batch `step` (the one starting at sample
+    `consumed`, default step * global batch), cut into micro-batches."""
+    per_rank = args.global_batch_size // dp
+    first = (step * args.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
+    out = []
+    for start in range(first, first + per_rank, args.micro_batch_size):
+        out.append(to_device(data.batch(range(start, start + args.micro_batch_size)), device))
+    return out
+
+
+def global_normalizer(batches: list[dict], global_batch_size: int, dp_group) -> torch.Tensor:
+    """Loss-mask count of the whole global batch (summed over DP). Each micro-batch also carries
+    it, with the global batch size, for losses with more than one term (BERT: MLM + SOP)."""
+    num_tokens = sum(b["loss_mask"].sum() for b in batches).float()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(num_tokens, group=dp_group)
+    for b in batches:
+        b["num_tokens"], b["global_batch_size"] = num_tokens, global_batch_size
+    return num_tokens
+
+
+def loss_terms(task: Task, batches: list[dict], device) -> torch.Tensor | None:
+    """The task's named loss terms summed over this rank's micro-batches (zeros off the last stage);
+    None for a task without terms (GPT), so its steps do no work for them."""
+    if not task.loss_terms:
+        return None
+    out = torch.zeros(len(task.loss_terms), device=device)
+    for b in batches:
+        terms = b.get("loss_terms")
+        if terms:
+            out += torch.stack([terms[name].float() for name in task.loss_terms])
+    return out

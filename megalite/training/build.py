@@ -1,0 +1,104 @@
+"""A run's pieces, built once: the layout and process groups, this rank's model chunks, the
+gradient buffers and the optimizer."""
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from megalite import arguments, parallel
+from megalite.models import compile_layers
+from megalite.optim import ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.pipeline.partition import layers_of, stage_layer_counts
+from megalite.runtime import UsageError, init_distributed, say, select_device
+from megalite.training.task import Task
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls and convolutions (Ampere and later): on by default, as the
+    MFU of an fp32 run is reported against the TF32 peak. bf16/fp16 runs do not use it."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _plan_warning(args, world_size: int) -> None:
+    """--plan: the layout planner's prediction for this run, with a warning if it will not fit."""
+    from megalite.tools.plan import check_args
+
+    memory = args.plan_gpu_memory_gib * 2 ** 30 if args.plan_gpu_memory_gib else None
+    if memory is None and not torch.cuda.is_available():
+        raise UsageError("--plan on a machine without GPUs needs --plan-gpu-memory-gib (the GPUs' memory)")
+    try:
+        fits, pred = check_args(args, world_size, gpu_memory_bytes=memory)
+    except ValueError as e:
+        say(f"megalite: --plan cannot model this run: {e}")
+        return
+    gib = pred.memory["total"] / 2 ** 30
+    if fits:
+        say(f"megalite: plan: this layout needs about {gib:.1f} GiB per GPU, a step about "
+            f"{pred.time['total'] * 1e3:.0f} ms (see python -m megalite.tools.plan --explain)")
+    else:
+        say(f"megalite: warning: the planner predicts this layout will not fit: {pred.reason}. "
+            f"`python -m megalite.tools.plan` lists layouts that do")
+
+
+def setup(args, world_size: int):
+    """Validate the layout, start the process groups, seed the RNG streams. Returns (model config,
+    data-parallel size, device)."""
+    select_device()  # first: validation may build the fused kernels on the current GPU
+    config = arguments.model_config(args)
+    dp = arguments.validate(args, world_size, config)
+    set_tf32(not args.no_tf32)
+    if args.plan:
+        _plan_warning(args, world_size)
+    device = init_distributed(args.distributed_timeout_minutes)
+    parallel.initialize_model_parallel(args.tp, args.pp, args.vpp,
+                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    parallel.model_parallel_manual_seed(args.seed)
+    return config, dp, device
+
+
+def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual stage it runs (chunk c is virtual stage c*pp + r)."""
+    p, r, v = args.pp, parallel.get_pipeline_model_parallel_rank(), args.vpp or 1
+    counts = stage_layer_counts(config.num_layers, p, args.vpp, args.pipeline_layers)
+    chunks = []
+    for c in range(v):
+        vs = c * p + r
+        chunks.append(task.build_model(config, args, device, pre_process=vs == 0,
+                                       post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
+        if getattr(args, "torch_compile", False):
+            compile_layers(chunks[-1])
+    return chunks
+
+
+def tied_embedding_group(args):
+    """The group over which the tied word embedding's gradient is summed: the first and last
+    pipeline stage; None when one stage holds both copies (no pipeline)."""
+    return parallel.get_embedding_group() if args.pp > 1 else None
+
+
+def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOptimizer]:
+    """Lay each chunk's parameters out in gradient buckets and build the optimizer over them."""
+    dtype = arguments.model_dtype(args)
+    tied_across_stages = tied_embedding_group(args) is not None
+    buffers = [
+        ParamAndGradBuffer(
+            [p for p in chunk.parameters() if p.requires_grad], param_dtype=dtype, grad_dtype=torch.float32,
+            bucket_numel=args.ddp_bucket_size, dp_group=parallel.get_data_parallel_group(),
+            dp_size=parallel.get_data_parallel_world_size(), reduce_scatter=args.use_distributed_optimizer,
+            comm_dtype=torch.bfloat16 if args.grad_reduce_dtype == "bf16" else None,
+            deferred=lambda p: tied_across_stages and getattr(p, "tied_embedding", False),
+        )
+        for chunk in chunks
+    ]
+    if args.fp16:
+        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale is not None else DynamicLossScaler(
+            args.initial_loss_scale, args.loss_scale_window, args.hysteresis, args.min_loss_scale)
+    else:
+        scaler = ConstantLossScaler()
+    optimizer = MegaliteOptimizer(buffers, lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                  distributed=args.use_distributed_optimizer, loss_scaler=scaler,
+                                  use_apex=args.use_apex_adam)
+    return buffers, optimizer

@@ -1,0 +1,41 @@
+"""Validation: the mean loss (and a task's loss terms) over fixed global batches, forward only."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel
+from megalite.pipeline.schedules import Op, run_schedule
+from megalite.training.batches import global_normalizer, loss_terms, micro_batches
+from megalite.training.step import TrainStep
+from megalite.training.task import Task
+
+
+def evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
+    """Mean loss (and the task's loss terms) over `--eval-iters` global batches of `data` (the same
+    ones each time), forward only through the pipeline (`program`) over `step`'s chunks; the same
+    values on every rank."""
+    chunks = step.chunks
+    dp, dp_group = parallel.get_data_parallel_world_size(), parallel.get_data_parallel_group()
+    for c in chunks:
+        c.eval()
+    sums = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the terms
+    tokens = torch.zeros((), device=device)
+    with torch.no_grad():
+        for j in range(args.eval_iters):
+            batches = micro_batches(data, j, args, dp, parallel.get_data_parallel_rank(), device)
+            n = global_normalizer(batches, args.global_batch_size, dp_group)
+            stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype)
+            sums[0] += stats.loss_sum
+            if task.loss_terms:
+                sums[1:] += loss_terms(task, batches, device)
+            tokens += n  # already global (`global_normalizer`): only the sums are per DP rank
+    if dp > 1:
+        dist.all_reduce(sums, group=dp_group)
+    if args.pp > 1:
+        dist.broadcast(sums, src=parallel.get_pipeline_model_parallel_ranks()[-1],
+                       group=parallel.get_pipeline_model_parallel_group())
+    for c in chunks:
+        c.train()
+    means = (sums / tokens).tolist()
+    return {"loss": means[0], **dict(zip(task.loss_terms, means[1:]))}

@@ -1,0 +1,110 @@
+"""What the loop reports after each step: skipped steps (and the stop after too many in a row),
+the log window's figures at log lines, the timeline's spans. Nothing here reads the device
+between log lines."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel
+from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
+from megalite.pipeline.schedules import theoretical_bubble
+from megalite.runtime import TrainingStopped
+from megalite.training.step import SkippedSteps, StepResult
+
+
+def _rank_label(rank: int, tp: int, dp: int) -> str:
+    return f"rank {rank} (pp {rank // (dp * tp)}, dp {(rank // tp) % dp}, tp {rank % tp})"
+
+
+class Progress:
+    def __init__(self, args, task, config, dtype: torch.dtype, device, micro_batches: int):
+        self.args, self.device = args, device
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        dp, pp = parallel.get_data_parallel_world_size(), args.pp
+        self.dp = dp
+        self.logger = TrainingLogger(self.rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
+                                     not args.no_progress_bar)
+        self.timeline = Timeline(args.timeline, args.timeline_iters)
+        self.window = LogWindow(device, task.loss_terms, task.perplexity_of,
+                                parallel.get_data_parallel_group() if dp > 1 else None,
+                                parallel.get_pipeline_model_parallel_group() if pp > 1 else None,
+                                parallel.get_pipeline_model_parallel_ranks()[-1])
+        self.skips = SkippedSteps(device)
+        self.flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, config.num_layers,
+                                             config.hidden_size, config.vocab_size)
+        self.peak = args.peak_tflops or default_peak_tflops(dtype, tf32=not args.no_tf32)
+        self.bubble_theory = theoretical_bubble(pp, micro_batches, args.vpp)
+        self.records: list[dict] = []
+
+    def start(self) -> None:
+        """Right after a barrier: every rank's timeline clock starts together."""
+        self.timeline.start()
+
+    def records_spans(self, step_index: int) -> bool:
+        return self.timeline.records(step_index)
+
+    def after_step(self, iteration: int, result: StepResult, optimizer, loss_scale: float, lr: float,
+                   consumed: int, terms: torch.Tensor | None, num_tokens: torch.Tensor, record_spans: bool) -> None:
+        """Account iteration `iteration` (1-based, done). Raises TrainingStopped after
+        --max-skipped-iters skipped steps in a row (the same iteration on every rank)."""
+        args = self.args
+        self.logger.step()
+        self.skips.add(result.found_inf, optimizer.last_skipped)
+        if optimizer.last_skipped:
+            self.logger.say(f"megalite: iteration {iteration}: inf/NaN gradients, step skipped "
+                            f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
+        log_now = iteration % args.log_interval == 0 or iteration == args.train_iters
+        window_skipped = 0
+        if log_now or optimizer.last_skipped is not None:  # the host reads the skips only now
+            window_skipped, in_a_row = self.skips.read(end_window=log_now)
+            if in_a_row >= args.max_skipped_iters:
+                raise TrainingStopped(
+                    f"stopping at iteration {iteration}: {in_a_row} iterations in a row had inf/NaN "
+                    f"gradients (loss scale {optimizer.loss_scaler.scale:g}); lower --lr, check the data, or "
+                    f"use --bf16. The last checkpoint is intact.")
+        stats = result.stats
+        if record_spans:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = result.optimizer_start
+            self.timeline.add(self.rank, iteration - 1,
+                              [*stats.spans, ("optimizer", "optimizer", t, time.perf_counter() - t)])
+        # Host timings of GPU work mean something only while synchronized: on a GPU, only in the
+        # iterations the timeline records (spans synchronize); elsewhere the bubble is "unmeasured".
+        timed = self.device.type == "cpu" or record_spans
+        self.window.add(stats.loss_sum, terms, num_tokens,
+                        1.0 - stats.busy_s / max(stats.wall_s, 1e-12) if timed else None)
+        if log_now:
+            self._log(iteration, result, optimizer, lr, consumed, window_skipped)
+
+    def _log(self, iteration, result: StepResult, optimizer, lr, consumed, skipped) -> None:
+        args = self.args
+        figures = self.window.close()
+        elapsed, bubble_measured = figures.pop("seconds_per_iter"), figures.pop("bubble")
+        tflops = self.flops / elapsed / self.world_size / 1e12
+        record = {
+            "iteration": iteration,
+            "train_iters": args.train_iters,
+            "consumed_samples": consumed,
+            **figures,
+            "lr": lr,
+            "grad_norm": result.grad_norm.item(),
+            "loss_scale": optimizer.loss_scaler.scale,
+            "skipped": skipped,
+            "ms_per_iter": elapsed * 1e3,
+            "tokens_per_sec": args.global_batch_size * args.seq_length / elapsed,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,
+            "bubble_theory": self.bubble_theory,
+            "bubble_measured": bubble_measured,
+        }
+        self.records.append(record)
+        self.logger.train(record)
+
+    def close(self) -> None:
+        self.logger.close()
+        self.timeline.write({r: _rank_label(r, self.args.tp, self.dp) for r in range(self.world_size)})

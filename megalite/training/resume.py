@@ -1,0 +1,85 @@
+"""Where a run starts: the weights of `--load` (before the optimizer exists: its masters copy them),
+then the iteration, data position, optimizer state and RNG streams of a resumed run."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megalite import checkpoint
+from megalite.runtime import UsageError, say
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+def _same_directory(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def load_checkpoint(args, task, config, chunks):
+    """Weights before the optimizer exists (its masters copy them); returns the reader or None.
+    `--load` names a --save directory (its newest checkpoint) or one `iter_NNNNNNN` in it. Only
+    the restart idiom (`--load` equal to `--save`) may find nothing there and start from scratch."""
+    if not args.load:
+        return None
+    if args.finetune and args.save and not _same_directory(args.load, args.save) \
+            and checkpoint.CheckpointReader.exists(args.save):
+        # A requeued fine-tuning job: its own checkpoints are newer than the weights it started from.
+        say(f"megalite: --save {args.save} already holds this fine-tuning run's checkpoints: resuming them "
+            f"instead of starting again from --load {args.load}")
+        args.load, args.finetune = args.save, False
+    if not checkpoint.CheckpointReader.exists(args.load):
+        path = Path(args.load)
+        if path.is_file():
+            raise UsageError(f"--load {args.load} is a file: give the directory that --save wrote "
+                             f"(or one of its iter_NNNNNNN directories)")
+        if _same_directory(args.load, args.save):
+            say(f"megalite: no checkpoint in {args.load} yet: starting from scratch")
+            return None
+        if not path.exists():
+            raise UsageError(f"--load {args.load} does not exist: check the path; to start from scratch drop "
+                             f"--load, or give it the same directory as --save (the restart idiom)")
+        raise UsageError(f"--load {args.load} holds no checkpoint (no 'latest' file, no metadata.json): give a "
+                         f"directory written by --save or by `python -m megalite.tools.convert_hf import`")
+    reader = checkpoint.CheckpointReader(args.load)
+    checkpoint.check_compatible(reader, config, task.model_kind)
+    checkpoint.load_model_weights(reader.path, chunks, reader)
+    return reader
+
+
+def resume_point(args, reader) -> StartPoint:
+    """Where the checkpoint stopped, or the start with --finetune (a new run from loaded weights).
+    A checkpoint past --train-iters is refused."""
+    if reader is None or args.finetune:
+        return StartPoint()
+    iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
+    if iteration > args.train_iters:
+        raise UsageError(f"the checkpoint {reader.path} is at iteration {iteration}, past --train-iters "
+                         f"{args.train_iters}: raise --train-iters to continue it, or add --finetune to train "
+                         f"{args.train_iters} new iterations from its weights")
+    return StartPoint(iteration, consumed)
+
+
+def resume(args, reader, chunks, optimizer, layout: dict) -> StartPoint:
+    """After the optimizer exists: the start point, with the optimizer state and RNG streams of a
+    resumed run restored, and one line saying what was restored."""
+    start = resume_point(args, reader)
+    if reader is None:
+        return start
+    if args.finetune:
+        say(f"megalite: fine-tuning from the weights of {reader.path} (iteration {reader.metadata['iteration']}): "
+            f"iteration, data position, optimizer state and RNG streams start anew")
+        return start
+    loaded_optim = not args.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
+    same_rng = checkpoint.restore_rng(reader, layout)
+    say(f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
+        f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams "
+        f"{'restored' if same_rng else 'from the seed (layout changed)'})")
+    if start.iteration == args.train_iters:
+        say(f"megalite: the checkpoint is already at --train-iters {args.train_iters}: nothing to train "
+            f"(raise --train-iters to continue, or add --finetune to start a new run from these weights)")
+    return start

@@ -1,0 +1,48 @@
+"""After each iteration, one decision: save a checkpoint now? stop now? (signals, time limits, a
+failed background save, the last iteration), agreed by every rank without a device sync."""
+from __future__ import annotations
+
+from megalite import checkpoint
+from megalite.exits import ExitWatch
+from megalite.runtime import say, set_phase
+
+
+class CheckpointAndExit:
+    def __init__(self, args, config, model_kind: str, layout: dict):
+        self.args, self.config, self.model_kind, self.layout = args, config, model_kind, layout
+        self.saver = checkpoint.Checkpointer(args.save, args.save_async) if args.save else None
+        self.exits = ExitWatch(args, checkpoint_error=self.saver.poll if self.saver is not None else lambda: None,
+                               watch_checkpoints=self.saver is not None and args.save_async)
+
+    def after_iteration(self, iteration: int, consumed: int, chunks, optimizer, log) -> str | None:
+        """Iteration `iteration` (1-based) is done: save if it is due (interval, last iteration, or a
+        stop), and return why to stop now (None: go on). `log` prints on the logging rank."""
+        args = self.args
+        stop_reason = self.exits.reason(iteration)
+        due = stop_reason or iteration == args.train_iters or (
+            args.save_interval and iteration % args.save_interval == 0)
+        if self.saver is not None and due:
+            self._save(iteration, consumed, chunks, optimizer)
+        if stop_reason:
+            log(f"megalite: stopping after iteration {iteration} ({stop_reason})"
+                + (", checkpoint saved" if self.saver is not None else ""))
+        return stop_reason
+
+    def _save(self, iteration: int, consumed: int, chunks, optimizer) -> None:
+        set_phase(f"saving the checkpoint of iteration {iteration}")
+        meta = checkpoint.build_metadata(self.config, self.model_kind, iteration, consumed, self.layout)
+        self.saver.save(chunks, optimizer, iteration, meta)
+        say(f"megalite: checkpoint iteration {iteration} writing in the background to {self.args.save} (committed "
+            f"when every rank has written)" if self.args.save_async else
+            f"megalite: saved checkpoint iteration {iteration} to {self.args.save}")
+
+    def abandon(self) -> None:
+        """Every rank stops here together (an error they all see): commit a pending async save."""
+        if self.saver is not None:
+            self.saver.finalize()
+
+    def close(self) -> None:
+        self.exits.close()
+        if self.saver is not None:
+            set_phase("finishing the last checkpoint")
+            self.saver.close()  # waits for a background commit, then gives the directory up

@@ -1,0 +1,102 @@
+"""One optimizer step as one object: what it needs is bundled once per run (`TrainStep`), so the
+loop, the benchmark and the tests call it with only what changes between steps."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from megalite import arguments, parallel
+from megalite.optim import MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
+from megalite.pipeline.schedules import Op, ScheduleStats, build_program, run_schedule
+from megalite.runtime import set_phase
+from megalite.training.build import tied_embedding_group
+
+
+@dataclass
+class StepResult:
+    stats: ScheduleStats
+    grad_norm: torch.Tensor
+    found_inf: torch.Tensor  # 1.0: the step was skipped (inf/NaN gradients)
+    optimizer_start: float  # perf_counter at the start of the optimizer span
+
+
+@dataclass
+class TrainStep:
+    """The schedule's forwards and backwards (gradient reduction overlapped), `finalize_grads`,
+    clipping and the update, for this rank's chunks. scripts/benchmark_gpt.py times it."""
+    program: list[Op]
+    chunks: list[torch.nn.Module]
+    forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
+    tensor_shape: tuple[int, int, int]  # what crosses a pipeline boundary: [seq (/ tp under SP), micro-batch, hidden]
+    dtype: torch.dtype
+    buffers: list[ParamAndGradBuffer]
+    optimizer: MegaliteOptimizer
+    clip_grad: float
+    embedding_group: object = None  # see build.tied_embedding_group
+    params: list[torch.nn.Parameter] = field(init=False)
+
+    def __post_init__(self):
+        self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
+
+    @classmethod
+    def for_run(cls, args, hidden_size: int, chunks, forward_step, buffers, optimizer) -> "TrainStep":
+        """The step `args` describe, on this rank of the current layout."""
+        dp = parallel.get_data_parallel_world_size()
+        m = args.global_batch_size // (args.micro_batch_size * dp)
+        seq = args.seq_length // args.tp if args.sequence_parallel else args.seq_length
+        return cls(build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp), chunks,
+                   forward_step, (seq, args.micro_batch_size, hidden_size), arguments.model_dtype(args), buffers,
+                   optimizer, args.clip_grad, tied_embedding_group(args))
+
+    def __call__(self, micro_batches: list[dict], num_tokens: torch.Tensor, lr: float, record_spans: bool = False,
+                 label: str = "step") -> StepResult:
+        stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
+                             self.tensor_shape, self.dtype, record_spans=record_spans,
+                             loss_scale=self.optimizer.loss_scaler.scale,
+                             on_last_backward=lambda c: self.buffers[c].enable_sync())
+        t = time.perf_counter()
+        set_phase(f"{label}: gradient reduction")
+        finalize_grads(self.buffers, self.params, self.embedding_group)
+        if record_spans:
+            self.sync_device()  # a span of GPU work ends when the GPU is done, not when it was queued
+            stats.spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
+        t = time.perf_counter()
+        set_phase(f"{label}: the optimizer step")
+        grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad)
+        self.optimizer.zero_grad()
+        return StepResult(stats, grad_norm, found_inf, t)
+
+    def sync_device(self) -> None:
+        if self.params and self.params[0].device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+class SkippedSteps:
+    """Steps skipped for inf/NaN gradients, counted on the device and read by the host only at log
+    lines, so the steps between make no host sync. Where the host knows each skip anyway (fp16's
+    dynamic loss scaler reads the flag), the counts are kept on the host instead."""
+
+    def __init__(self, device):
+        self.device_counts = torch.zeros(2, device=device)  # [skipped in the window, in a row]
+        self.window = self.in_a_row = 0
+        self.on_device = False
+
+    def add(self, found_inf: torch.Tensor, known: bool | None) -> None:
+        if known is None:
+            self.on_device = True
+            self.device_counts[0] += found_inf
+            self.device_counts[1] = (self.device_counts[1] + found_inf) * found_inf
+        else:
+            self.window += int(known)
+            self.in_a_row = self.in_a_row + 1 if known else 0
+
+    def read(self, end_window: bool) -> tuple[int, int]:
+        """(skipped in the log window so far, skipped in a row now); `end_window` starts a new window."""
+        window, in_a_row = (int(v) for v in self.device_counts.tolist()) if self.on_device else (0, 0)
+        window += self.window
+        if end_window:
+            self.device_counts[0], self.window = 0, 0
+        return window, max(in_a_row, self.in_a_row)
