@@ -19,7 +19,7 @@ SLOW = {
     "test_multinode.py::test_a_partitioned_host_times_out",
     "test_multinode.py::test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint",
     "test_multinode.py::test_sbatch_on_two_slurm_nodes_trains_like_one_process",
-    "test_activation_memory.py::test_sequence_parallel_trains_like_tensor_parallel_alone",
+    "test_sequence_parallel.py::test_sequence_parallel_trains_like_tensor_parallel_alone",
     "test_optim.py::test_bf16_loss_curve_tracks_fp32",
     "test_launch.py::test_a_signal_to_the_launcher_saves_and_exits_zero",
 }

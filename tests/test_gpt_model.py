@@ -52,20 +52,6 @@ def reference(seed):
     return run_ranks(gpt_forward_backward, 1, args=(seed,))[0]
 
 
-def rmsnorm_forward_backward(rank, world, seed):
-    return gpt_forward_backward(rank, world, seed, normalization="rmsnorm", sequence_parallel=world > 1)
-
-
-def test_rmsnorm_gpt_with_sequence_parallelism_matches_single_device(seed):
-    """RMSNorm weights are replicated in the sequence-parallel region like LayerNorm's."""
-    single = run_ranks(rmsnorm_forward_backward, 1, args=(seed,))[0]
-    assert not any(name.endswith("layernorm.bias") for name in single["weights"]), "RMSNorm has no bias"
-    for r in run_ranks(rmsnorm_forward_backward, 2, args=(seed,)):
-        assert_rel_close(r["logits"], single["logits"], what="logits")
-        for name, g in single["grads"].items():
-            assert_rel_close(r["grads"][name], g, what=f"grad {name}")
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gpt_tensor_parallel_matches_single_device(tp, seed, reference):
     results = run_ranks(gpt_forward_backward, tp, args=(seed,))

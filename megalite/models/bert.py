@@ -25,21 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
-from megalite.models.transformer import TransformerLayer, hidden_dropout, init_generator, norm_layer, run_layers
+from megalite.models.language_model import LanguageModelStage
+from megalite.models.mlp import activation_function
+from megalite.models.rng import init_generator, init_replicated
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.layers import VocabParallelEmbedding, default_device, init_device, normal_init, pad_vocab_size
-from megalite.parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megalite.parallel.mappings import gather_from_sequence_parallel_region
 
-(WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT, TOKENTYPE_EMBEDDING_COMPONENT,
- LM_HEAD_COMPONENT, POOLER_COMPONENT, BINARY_HEAD_COMPONENT) = range(6)
+# Generator components of BERT's own parts (0 and 1 are the word and position embeddings).
+TOKENTYPE_EMBEDDING_COMPONENT, LM_HEAD_COMPONENT, POOLER_COMPONENT, BINARY_HEAD_COMPONENT = range(2, 6)
 
 
-class BERTModel(nn.Module):
+class BERTModel(LanguageModelStage):
     """The part of a BERT that one pipeline stage holds.
 
     pre_process: this stage embeds tokens (the first stage); post_process: it holds the heads
@@ -62,88 +59,50 @@ class BERTModel(nn.Module):
     post_process returns hidden states [s, b, h] (sequence-sharded under sequence parallelism).
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        pre_process: bool = True,
-        post_process: bool = True,
-        layer_numbers: Sequence[int] | None = None,
-        seed: int | None = None,
-        device=None,
-        num_tokentypes: int = 2,
-        add_binary_head: bool = True,
-    ):
-        super().__init__()
-        tp = state.get_tensor_model_parallel_world_size()
-        config.check_tensor_parallel(tp)
+    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Sequence[int] | None = None, seed: int | None = None, device=None,
+                 num_tokentypes: int = 2, add_binary_head: bool = True):
         if num_tokentypes < 0:
             raise ValueError(f"num_tokentypes must be >= 0, got {num_tokentypes}")
         config = config.replace(causal=False) if config.causal else config
-        self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        super().__init__(config, pre_process, post_process, layer_numbers, seed, device)
         self.num_tokentypes, self.add_binary_head = num_tokentypes, add_binary_head
-        seed = torch.initial_seed() if seed is None else seed
-        device = default_device(device)
-        self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
-        self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
-        h, std, dtype, sp = config.hidden_size, config.init_method_std, config.params_dtype, config.sequence_parallel
+        h, dtype = config.hidden_size, config.params_dtype
         post_norm = config.layernorm_position == "post"
-        norm = lambda: norm_layer(config, device)  # noqa: E731
-
-        def replicated(module: nn.Module, component: int) -> nn.Module:
-            """Same full weight on every rank: N(0, std) from the component's generator, biases zero."""
-            with torch.no_grad():
-                full = torch.empty(module.weight.shape, device=init_device(device))
-                normal_init(std, init_generator(seed, component, device))(full)
-                module.weight.copy_(full)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            return module
-
-        if pre_process or post_process:
-            self.word_embeddings = VocabParallelEmbedding(
-                self.padded_vocab_size, h,
-                init_method=normal_init(std, init_generator(seed, WORD_EMBEDDING_COMPONENT, device)),
-                num_real_embeddings=config.vocab_size, sequence_parallel=sp, params_dtype=dtype, device=device,
-            )
-            # Tied: its gradient is summed over the first and last stage (when they differ). The
-            # copy on a last stage that is not also the first is the same weight, counted once.
-            self.word_embeddings.weight.tied_embedding = True
-            self.word_embeddings.weight.shared_embedding = not pre_process
         if pre_process:
-            self.position_embeddings = replicated(
-                nn.Embedding(config.max_position_embeddings, h, dtype=dtype, device=device),
-                POSITION_EMBEDDING_COMPONENT)
             if num_tokentypes:
-                self.tokentype_embeddings = replicated(
-                    nn.Embedding(num_tokentypes, h, dtype=dtype, device=device), TOKENTYPE_EMBEDDING_COMPONENT)
+                self.tokentype_embeddings = self._replicated(
+                    nn.Embedding(num_tokentypes, h, dtype=dtype, device=self._device), TOKENTYPE_EMBEDDING_COMPONENT)
             if post_norm:  # post-LN normalizes the embeddings; pre-LN leaves that to the first layer
-                self.embedding_layernorm = norm()
-        self.layers = nn.ModuleList(TransformerLayer(config, n, seed, device) for n in self.layer_numbers)
+                self.embedding_layernorm = self.norm()
+        self.layers = self.build_layers()
         if post_process:
             if not post_norm:  # post-LN layers already end in a norm
-                self.final_layernorm = norm()
-            # Masked-LM head: dense + activation + norm per token, then logits through the word
-            # embedding plus a bias sharded over the vocabulary like the embedding's rows.
-            self.lm_dense = replicated(nn.Linear(h, h, dtype=dtype, device=device), LM_HEAD_COMPONENT)
-            for p in self.lm_dense.parameters():  # applied to a sequence shard under SP: partial grads
-                p.sequence_parallel = sp
-            self.lm_layernorm = norm()
-            self.lm_bias = nn.Parameter(torch.zeros(self.padded_vocab_size // tp, dtype=dtype, device=device))
-            self.lm_bias.tensor_model_parallel, self.lm_bias.partition_dim = True, 0
-            if add_binary_head:  # on the first token, gathered whole to every rank: full grads
-                self.pooler = replicated(nn.Linear(h, h, dtype=dtype, device=device), POOLER_COMPONENT)
-                self.binary_head = replicated(nn.Linear(h, 2, dtype=dtype, device=device), BINARY_HEAD_COMPONENT)
-        self.input_tensor: torch.Tensor | None = None
+                self.final_layernorm = self.norm()
+            self._build_heads()
 
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Hidden states [s, b, h] received from the previous pipeline stage."""
-        self.input_tensor = tensor
+    def _replicated(self, module: nn.Module, component: int) -> nn.Module:
+        generator = init_generator(self._seed, component, self._device)
+        return init_replicated(module, self.config.init_method_std, generator, self._device)
+
+    def _build_heads(self) -> None:
+        """Masked-LM head: dense + activation + norm per token, then logits through the word
+        embedding plus a bias sharded over the vocabulary like the embedding's rows."""
+        h, dtype, device = self.config.hidden_size, self.config.params_dtype, self._device
+        self.lm_dense = self._replicated(nn.Linear(h, h, dtype=dtype, device=device), LM_HEAD_COMPONENT)
+        for p in self.lm_dense.parameters():  # applied to a sequence shard under SP: partial grads
+            p.sequence_parallel = self.config.sequence_parallel
+        self.lm_layernorm = self.norm()
+        tp = state.get_tensor_model_parallel_world_size()
+        self.lm_bias = nn.Parameter(torch.zeros(self.padded_vocab_size // tp, dtype=dtype, device=device))
+        self.lm_bias.tensor_model_parallel, self.lm_bias.partition_dim = True, 0
+        if self.add_binary_head:  # on the first token, gathered whole to every rank: full grads
+            self.pooler = self._replicated(nn.Linear(h, h, dtype=dtype, device=device), POOLER_COMPONENT)
+            self.binary_head = self._replicated(nn.Linear(h, 2, dtype=dtype, device=device), BINARY_HEAD_COMPONENT)
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        c = self.config
         s = input_ids.shape[1]
-        if s > c.max_position_embeddings:
-            raise ValueError(f"sequence length ({s}) exceeds max_position_embeddings ({c.max_position_embeddings})")
+        self.position_embeddings.check_length(s)
         x = self.word_embeddings(input_ids.t())  # [s, b, h], sequence-sharded under SP
         extra = self.position_embeddings(torch.arange(s, device=input_ids.device)).unsqueeze(1)  # [s, 1, h]
         if token_type_ids is not None:
@@ -152,25 +111,15 @@ class BERTModel(nn.Module):
             extra = extra + self.tokentype_embeddings(token_type_ids.t())
         elif self.num_tokentypes:  # absent types are type 0, as in BERT
             extra = extra + self.tokentype_embeddings.weight[0]
-        if c.sequence_parallel:  # [s, 1 or b, h]: keep this rank's slice of the sequence
-            extra = scatter_to_sequence_parallel_region(extra)
-        x = x + extra
-        if c.layernorm_position == "post":
+        x = self.add_replicated(x, extra)  # [s, 1 or b, h]
+        if self.config.layernorm_position == "post":
             x = self.embedding_layernorm(x)
-        return hidden_dropout(x, c.hidden_dropout, self.training, c.sequence_parallel)
+        return self.embedding_dropout(x)
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp], padding at -inf."""
-        c = self.config
-        x = F.gelu(self.lm_dense(x), approximate="tanh" if c.activation == "gelu_tanh" else "none")
-        x = self.lm_layernorm(x)
-        if c.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
-        else:
-            x = copy_to_tensor_model_parallel_region(x)
-        logits = F.linear(x, self.word_embeddings.weight, self.lm_bias)
-        self.word_embeddings.mask_padding_logits(logits)  # padding never wins
-        return logits
+        x = self.lm_layernorm(activation_function(self.config)(self.lm_dense(x)))
+        return self.output_logits(x, self.lm_bias)
 
     def binary_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [s, b, h] -> [b, 2] from the first token, pooled by dense + tanh."""
@@ -186,15 +135,10 @@ class BERTModel(nn.Module):
                 raise ValueError("sop_labels need lm_labels too: losses are returned together")
             if not self.add_binary_head:
                 raise ValueError("sop_labels given to a BERTModel built with add_binary_head=False")
-        if self.pre_process:
-            x = self.embed(input_ids, token_type_ids)
-        else:
-            if self.input_tensor is None:
-                raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
-            x = self.input_tensor
+        x = self.embed(input_ids, token_type_ids) if self.pre_process else self.received_input()
         # Keys that are padding are masked for every query: [b, 1 (heads), 1 (queries), s (keys)].
         mask = None if padding_mask is None else padding_mask.to(torch.bool)[:, None, None, :]
-        x = run_layers(self.layers, x, mask, self.config, self.training)
+        x = self.run_layers(x, mask)
         if not self.post_process:
             return x
         if self.config.layernorm_position == "pre":

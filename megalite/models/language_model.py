@@ -1,0 +1,111 @@
+"""What one pipeline stage of a language model (GPT, BERT) holds apart from its heads: the word
+embedding tied to the output logits, the position embedding, this stage's transformer layers, and
+the hidden states received from the previous stage."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.models.config import TransformerConfig
+from megalite.models.embeddings import position_embedding
+from megalite.models.norms import norm_layer
+from megalite.models.rng import WORD_EMBEDDING_COMPONENT, hidden_dropout, init_generator
+from megalite.models.transformer import TransformerLayer, run_layers
+from megalite.parallel import state
+from megalite.parallel.layers import VocabParallelEmbedding, default_device, normal_init, pad_vocab_size
+from megalite.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+
+class LanguageModelStage(nn.Module):
+    """The base of GPTModel and BERTModel, built for one pipeline stage.
+
+    pre_process (the first stage) embeds tokens: `word_embeddings` and `position_embeddings`;
+    post_process (the last stage) computes logits through the same word embedding, of which it
+    keeps its own copy when it is not also the first stage (initialized identically; the weight is
+    marked `tied_embedding`, and `shared_embedding` on that copy, so its gradient is summed over
+    the embedding group and the weight counted once). `layer_numbers` are the global indices
+    (0-based) of the layers held here; every component is initialized from `seed` and its own
+    identity alone, so every TP size and pipeline split holds the same full weights.
+
+    A subclass adds its own modules after this constructor, in the order its parameters were
+    always created, calling `build_layers()` where the layers go.
+    """
+
+    def __init__(self, config: TransformerConfig, pre_process: bool, post_process: bool,
+                 layer_numbers: Sequence[int] | None, seed: int | None, device):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        config.check_tensor_parallel(tp)
+        self.config, self.pre_process, self.post_process = config, pre_process, post_process
+        # Kept for the subclass's own components.
+        self._seed = torch.initial_seed() if seed is None else seed
+        self._device = default_device(device)
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
+        self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
+        if pre_process or post_process:
+            self.word_embeddings = self._tied_word_embedding()
+        if pre_process:
+            self.position_embeddings = position_embedding(config, self._seed, self._device)
+        self.input_tensor: torch.Tensor | None = None
+
+    def _tied_word_embedding(self) -> VocabParallelEmbedding:
+        c = self.config
+        embedding = VocabParallelEmbedding(
+            self.padded_vocab_size, c.hidden_size,
+            init_method=normal_init(c.init_method_std, init_generator(self._seed, WORD_EMBEDDING_COMPONENT,
+                                                                      self._device)),
+            num_real_embeddings=c.vocab_size, sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype,
+            device=self._device,
+        )
+        # Tied: its gradient is summed over the first and last stage (when they differ). The
+        # copy on a last stage that is not also the first is the same weight, counted once.
+        embedding.weight.tied_embedding = True
+        embedding.weight.shared_embedding = not self.pre_process
+        return embedding
+
+    def build_layers(self) -> nn.ModuleList:
+        return nn.ModuleList(TransformerLayer(self.config, n, self._seed, self._device) for n in self.layer_numbers)
+
+    def norm(self) -> nn.Module:
+        """A new norm over the hidden size, of the config's kind."""
+        return norm_layer(self.config, self._device)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Hidden states [s, b, h] received from the previous pipeline stage."""
+        self.input_tensor = tensor
+
+    def received_input(self) -> torch.Tensor:
+        if self.input_tensor is None:
+            raise RuntimeError("a non-first pipeline stage needs set_input_tensor() before forward")
+        return self.input_tensor
+
+    def add_replicated(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """Word embeddings [s, b, h] (sequence-sharded under SP) plus `extra` [s, 1 or b, h], whole on
+        every rank: under sequence parallelism each rank adds its slice of the sequence."""
+        if self.config.sequence_parallel:
+            extra = scatter_to_sequence_parallel_region(extra)
+        return x + extra
+
+    def embedding_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return hidden_dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
+
+    def run_layers(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        return run_layers(self.layers, x, attention_mask, self.config, self.training)
+
+    def output_logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp] through the word embedding
+        (plus a vocab-sharded `bias`), padding columns at -inf."""
+        if self.config.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        logits = F.linear(x, self.word_embeddings.weight, bias)
+        self.word_embeddings.mask_padding_logits(logits)  # padding never wins
+        return logits

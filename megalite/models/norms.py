@@ -1,0 +1,52 @@
+"""Normalization layers, chosen by `config.normalization` in `NORMS`.
+
+Their parameters are replicated inside the sequence-parallel region: marked `sequence_parallel`,
+their gradients are partial per TP rank and get summed over TP. `backend` "torch" runs PyTorch's
+own formula; "auto" and "fused" run megalite.ops (the fused kernel where it runs, PyTorch elsewhere).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite import ops
+from megalite.models.config import TransformerConfig
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (weight and bias) on megalite's kernel unless `backend` is "torch"."""
+
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto"):
+        super().__init__(size, eps=eps, dtype=dtype, device=device)
+        self.backend = backend
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return super().forward(x)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, fp32 statistics (megalite.ops)."""
+
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps, self.backend = eps, backend
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return ops.reference.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+NORMS: dict[str, type[nn.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def norm_layer(config: TransformerConfig, device=None) -> nn.Module:
+    """The config's normalization over the hidden size, on its backend."""
+    return NORMS[config.normalization](config.hidden_size, config.layernorm_epsilon, config.sequence_parallel,
+                                       config.params_dtype, device, config.norm_backend)

@@ -1,0 +1,79 @@
+"""Where a model's random numbers come from: one generator per component for the initial weights,
+dropout on activations replicated across TP, and recomputation that replays the same masks.
+
+Component ids (the `component` of `init_generator`): 0 the word embedding, 1 the position
+embedding, 1000 + n transformer layer n; BERT's heads take 2-5 (megalite/models/bert.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from megalite.parallel import state
+from megalite.parallel.layers import init_device, normal_init
+from megalite.parallel.random import get_rng_tracker
+
+WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT = 0, 1
+FIRST_LAYER_COMPONENT = 1000
+
+
+def init_generator(seed: int, component: int, device=None) -> torch.Generator:
+    """RNG for one model component (embedding, layer n, ...): depends on the seed and the
+    component alone, never on the pipeline stage or TP size that builds it. It lives where the
+    weights are generated (`init_device`: the GPU when building on one, else the CPU)."""
+    where = init_device(device)
+    if where.type == "meta":  # meta tensors draw nothing, but a generator needs a real device
+        where = torch.device("cpu")
+    return torch.Generator(device=where).manual_seed((seed * 1_000_003 + component) % 2**63)
+
+
+def init_replicated(module: nn.Module, std: float, generator: torch.Generator, device) -> nn.Module:
+    """Same full weight on every rank: N(0, std) drawn in fp32 from `generator`, biases zero."""
+    with torch.no_grad():
+        full = torch.empty(module.weight.shape, device=init_device(device))
+        normal_init(std, generator)(full)
+        module.weight.copy_(full)
+        if getattr(module, "bias", None) is not None:
+            module.bias.zero_()
+    return module
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on activations replicated across TP (default RNG, same on every TP rank).
+
+    Under sequence parallelism each rank holds a slice of the sequence: it draws the mask for
+    the whole sequence and keeps its slice, so the result equals the run without it.
+    """
+    if not training or p == 0.0:
+        return x
+    tp = state.get_tensor_model_parallel_world_size()
+    if not sequence_parallel or tp == 1:
+        return F.dropout(x, p, True)
+    full = torch.empty((x.shape[0] * tp, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    keep = full.bernoulli_(1.0 - p).chunk(tp, dim=0)[state.get_tensor_model_parallel_rank()]
+    # The scale as a Python number: the product is formed in fp32 and rounded once, while a scale
+    # stored in bf16 (1/0.9 -> 1.109375) would shrink every kept value by 0.16%.
+    return x * keep * (1.0 / (1.0 - p))
+
+
+def checkpoint_with_tp_rng(fn, *args):
+    """Activation checkpoint whose recomputation replays the same dropout masks, in the default
+    RNG (torch restores it) and in the TP-rank RNG stream (restored here)."""
+    tracker = get_rng_tracker()
+    states_at_forward = tracker.get_states()
+    calls = [0]
+
+    def run(*a):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*a)
+        now = tracker.get_states()
+        tracker.set_states(states_at_forward)
+        try:
+            return fn(*a)
+        finally:
+            tracker.set_states(now)
+
+    return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
