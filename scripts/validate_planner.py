@@ -9,7 +9,7 @@ each recompute mode: the planner's peak memory and step time (megalite.tools.pla
 default cluster: 989 TFLOP/s at efficiency 0.5, 2 GiB overhead) next to the measured ones: peak
 `torch.cuda.max_memory_allocated()` from before the model is built to the last step (compared
 with the predicted peak minus the fixed overhead, which the allocator does not see) and the mean
-step time of megalite.training.train_step (scripts/benchmark_gpt.py's timing). Targets: memory
+step time of megalite.training.TrainStep (scripts/benchmark_gpt.py's timing). Targets: memory
 within 10%, step time within 15%; `--check` exits 1 when a row misses them.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(argv=None):
                                    max_position_embeddings=max(seq, preset_config(model).max_position_embeddings))
             _, pred = plan.check_layout(config, micro_batch_size=mb, global_batch_size=global_batch, seq_length=seq,
                                         recompute=mode, dtype="bf16", gpu_memory_bytes=gpu_bytes)
-            predicted_bytes = pred.peak_bytes - pred.memory["overhead"]
+            predicted_bytes = pred.peak_bytes - pred.memory.overhead
             ms = bench.bench_megalite(model, mb, seq, ["--recompute", mode], device, warmup, iters, args.quick,
                                       global_batch=global_batch)
             measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

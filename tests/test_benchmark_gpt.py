@@ -60,6 +60,6 @@ def test_planner_validation_compares_the_planners_figures_with_measured_steps(tm
         _, pred = plan.check_layout(config, micro_batch_size=2, global_batch_size=4, seq_length=64,
                                     recompute=r["recompute"], dtype="bf16", gpu_memory_bytes=80 * 2 ** 30)
         assert r["predicted_ms"] == pytest.approx(pred.step_time * 1e3)
-        assert r["predicted_bytes"] == pytest.approx(pred.peak_bytes - pred.memory["overhead"])
+        assert r["predicted_bytes"] == pytest.approx(pred.peak_bytes - pred.memory.overhead)
         assert r["measured_ms"] > 0 and r["time_error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
     assert json.loads((tmp_path / "p.json").read_text())["rows"] == json.loads(json.dumps(results["rows"]))

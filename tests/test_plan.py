@@ -9,9 +9,11 @@ import pytest
 
 from megalite import arguments
 from megalite.models import preset
+from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.schedules import build_program
 from megalite.testing import run_ranks
 from megalite.tools import plan as P
+from test_schedule_programs import schedule_cases
 from training_ranks import parse
 
 TINY = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "1",
@@ -91,27 +93,68 @@ def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, 
                          P.Cluster(gpus=tp * pp * dp), args.global_batch_size, args.seq_length, dtype=dtype,
                          ddp_bucket_size=args.ddp_bucket_size)
         peak = max(per_rank, key=lambda r: r["param_buffer"] + r["grads"] + r["optimizer"])
-        assert pred.memory["parameters"] == max(r["param_buffer"] for r in per_rank)
-        assert pred.memory["gradients"] == max(r["grads"] for r in per_rank)
-        assert pred.memory["optimizer"] == max(r["optimizer"] for r in per_rank)
-        assert (pred.memory["parameters"] + pred.memory["gradients"] + pred.memory["optimizer"]
+        assert pred.memory.parameters == max(r["param_buffer"] for r in per_rank)
+        assert pred.memory.gradients == max(r["grads"] for r in per_rank)
+        assert pred.memory.optimizer == max(r["optimizer"] for r in per_rank)
+        assert (pred.memory.parameters + pred.memory.gradients + pred.memory.optimizer
                 == peak["param_buffer"] + peak["grads"] + peak["optimizer"])
 
 
 def test_in_flight_micro_batches_match_the_schedule_programs():
-    for p in range(1, 6):
-        for v in (1, 2, 3):
-            if v > 1 and p == 1:
-                continue
-            for m in range(1, 11):
-                if v > 1 and m % p:
-                    continue
-                for r in range(p):
-                    live = peak = 0
-                    for op in build_program(p, r, m, v if v > 1 else None):
-                        live += {"F": 1, "B": -1}.get(op.kind, 0)
-                        peak = max(peak, live)
-                    assert P._in_flight_chunks(p, r, m, v) == peak, (p, v, m, r)
+    for p, r, m, v in schedule_cases():
+        live = peak = 0
+        for op in build_program(p, r, m, v if v > 1 else None):
+            live += {"F": 1, "B": -1}.get(op.kind, 0)
+            peak = max(peak, live)
+        assert P.in_flight_chunks(p, r, m, v if v > 1 else None) == peak, (p, v, m, r)
+
+
+def hand_counted_layer(h, ffn, tp):
+    """A pre-LN GPT layer's parameters on one TP rank, as the planner once listed them by hand: input
+    norm (w, b), QKV (column-parallel w, b), projection (row-parallel w, replicated b), post-attention
+    norm (w, b), fc1 (column-parallel w, b), fc2 (row-parallel w, replicated b)."""
+    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, ffn * h // tp, ffn // tp, h * ffn // tp, h]
+
+
+SHAPES = [("gpt-tiny", {}), ("gpt2-124m", {}), ("gpt-1.3b", {}), ("gpt-tiny", {"ffn_hidden_size": 96})]
+
+
+@pytest.mark.parametrize("name,changes", SHAPES, ids=[f"{n}{'-ffn' if c else ''}" for n, c in SHAPES])
+def test_parameters_counted_on_a_meta_model_equal_the_hand_written_list(name, changes):
+    config = preset(name, **changes)
+    h, ffn, seq = config.hidden_size, config.ffn_hidden_size, 2 * config.max_position_embeddings
+    for tp in (1, 2, 4):
+        assert P.layer_numels(config, tp) == hand_counted_layer(h, ffn, tp), (name, tp)
+        vocab = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) // tp * h
+        layers = hand_counted_layer(h, ffn, tp) * (config.num_layers // 2)
+        first, last = P.rank_parameters(config, tp, 2, None, 0, seq), P.rank_parameters(config, tp, 2, None, 1, seq)
+        assert first == [[(vocab, True), (seq * h, False)] + [(n, False) for n in layers]], (name, tp)
+        assert last == [[(vocab, True)] + [(n, False) for n in layers] + [(h, False), (h, False)]], (name, tp)
+        alone = P.rank_parameters(config, tp, 1, None, 0, seq)[0]
+        assert alone == [(vocab, False), (seq * h, False)] + [(n, False) for n in hand_counted_layer(h, ffn, tp)
+                                                                * config.num_layers] + [(h, False), (h, False)]
+
+
+@pytest.mark.parametrize("normalization", ["layernorm", "rmsnorm"])
+def test_the_planner_counts_the_parameters_megalite_builds(normalization):
+    import torch
+
+    from megalite.models import GPTModel
+
+    config = preset("gpt-tiny", normalization=normalization)
+    built = sum(p.numel() for p in GPTModel(config, seed=1, device=torch.device("cpu")).parameters())
+    counted = P.rank_state_bytes(config, seq_length=config.max_position_embeddings).numel
+    assert counted == built  # RMSNorm has no bias: the hand-written list counted one anyway
+
+
+def test_prediction_memory_and_time_are_the_sums_of_their_parts():
+    pred = P.predict(preset("gpt2-124m"), P.Layout(2, 2, 2, None, 2, "selective", True, True), P.Cluster(gpus=8),
+                     16, 1024)
+    m, t = pred.memory, pred.time
+    assert m.total == m.parameters + m.gradients + m.optimizer + m.activations + m.output_layer + m.overhead
+    assert m.states == m.parameters + m.gradients + m.optimizer and pred.peak_bytes >= m.total
+    assert t.total == t.compute + t.imbalance + t.tp_comm + t.pp_comm + t.bubble + t.dp_comm + t.optimizer
+    assert pred.stages[pred.peak_stage].total == m.total and pred.stages[pred.slow_stage].t_mb > 0
 
 
 # GPT-3 175B as Narayanan et al. 2021 trained it (arXiv:2104.04473, Table 1): tp 8, pp 16, micro-batch 1,
@@ -156,11 +199,11 @@ def test_small_model_on_small_memory_needs_small_micro_batches_or_recompute():
     shapes = {(x.layout.micro_batch_size, x.layout.recompute) for x in tight}
     assert shapes and all(b <= 2 for b, _ in shapes) and (8, "none") not in shapes
     assert (2, "full") in shapes and (2, "none") not in shapes  # recomputation buys the larger micro-batch
-    assert tight.rejected["does not fit"][0] == tight.evaluated - len(tight)
+    assert tight.rejected["does not fit"].count == tight.evaluated - len(tight)
     # Recomputation costs time: the fastest layout recomputes nothing.
     assert roomy.best.layout.recompute == "none"
     full = next(x for x in roomy if x.layout.recompute == "full" and x.layout.micro_batch_size == 1)
-    assert full.time["compute"] > roomy.best.time["compute"] * 1.25
+    assert full.time.compute > roomy.best.time.compute * 1.25
 
 
 def run_cli(argv, capsys):

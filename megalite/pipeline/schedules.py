@@ -114,6 +114,20 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
     return {"1f1b": program_1f1b, "gpipe": program_gpipe}[kind](p, r, m)
 
 
+def peak_in_flight(program: Sequence[Op]) -> int:
+    """Most passes (of one model chunk and micro-batch) a program has forwarded and not yet
+    backwarded at any point: how many sets of activations the rank holds at its peak (what
+    run_schedule measures as ScheduleStats.peak_in_flight), for planning memory without running."""
+    live = peak = 0
+    for op in program:
+        if op.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif op.kind == "B":
+            live -= 1
+    return peak
+
+
 @dataclass
 class ScheduleStats:
     loss_sum: torch.Tensor  # summed loss over this rank's micro-batches (last stage; 0 elsewhere)

@@ -33,10 +33,10 @@ def _plan_warning(args, world_size: int) -> None:
     except ValueError as e:
         say(f"megalite: --plan cannot model this run: {e}")
         return
-    gib = pred.memory["total"] / 2 ** 30
+    gib = pred.memory.total / 2 ** 30
     if fits:
         say(f"megalite: plan: this layout needs about {gib:.1f} GiB per GPU, a step about "
-            f"{pred.time['total'] * 1e3:.0f} ms (see python -m megalite.tools.plan --explain)")
+            f"{pred.time.total * 1e3:.0f} ms (see python -m megalite.tools.plan --explain)")
     else:
         say(f"megalite: warning: the planner predicts this layout will not fit: {pred.reason}. "
             f"`python -m megalite.tools.plan` lists layouts that do")

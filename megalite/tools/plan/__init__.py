@@ -1,0 +1,60 @@
+"""Parallel layout planner: which (tp, pp, dp, vpp, micro-batch, recompute, sequence parallel,
+distributed optimizer) to train a GPT with, on how many GPUs, and what it costs.
+
+    python -m megalite.tools.plan --model gpt-175b --gpus 1024 --gpu-memory-gib 80 \\
+        --global-batch-size 1536 --seq-length 2048 [--explain] [--json]
+
+    from megalite.tools.plan import Cluster, Layout, plan, predict, check_layout, check_args
+    result = plan(preset("gpt-175b"), Cluster(gpus=1024), global_batch_size=1536, seq_length=2048)
+    best = result[0]                       # a Prediction: .memory, .time, .fits, .command()
+    fits, pred = check_layout(config, tp=8, pp=16, dp=8, micro_batch_size=1, global_batch_size=1536,
+                              seq_length=2048, gpu_memory_bytes=80 * 2**30)
+    pred.memory.total, pred.time.total     # bytes on the fullest stage, seconds per step
+
+Every layout megalite accepts is enumerated and, for each, the planner predicts:
+
+- memory per GPU on the fullest pipeline stage, itemised (`memory.py`): parameters, fp32 gradient
+  buffers and optimizer states counted the way megalite lays them out (the parameters of a GPT
+  stage built on the meta device, `megalite.optim.buffers.plan_layout`, `MegaliteOptimizer._master`),
+  activations from `megalite.models.activation_bytes_per_layer` (Korthikanti et al. 2022) times
+  the chunks the schedule program holds in flight (`megalite.pipeline.schedules.peak_in_flight`),
+  the output layer and cross-entropy buffers on the last stage, and a fixed framework overhead;
+  plus the transient peak while the model is built;
+- step time (`step_time.py`): model FLOPs (`megalite.metrics.gpt_flops_per_iteration`, plus what
+  recomputation runs again) over the cluster's sustained throughput, the pipeline bubble
+  (`megalite.pipeline.schedules.theoretical_bubble`), tensor-parallel collectives, pipeline
+  point-to-point messages, the data-parallel gradient reduction that cannot hide behind the last
+  backward pass, and the optimizer step.
+
+inputs.py: Cluster, Layout, Run, parameter counts; predict.py: one layout; search.py: every
+layout, check_layout, check_args; report.py: tables, --explain, commands, JSON; cli.py: the command
+line. docs/planner.md states every formula and assumption.
+"""
+from megalite.tools.plan.cli import build_parser, config_from_args, main
+from megalite.tools.plan.inputs import (
+    DTYPE_BYTES,
+    GIB,
+    GPT_PRESETS,
+    RECOMPUTE,
+    Cluster,
+    Layout,
+    Run,
+    layer_numels,
+    positions,
+    rank_parameters,
+    stage_parameters,
+    total_parameters,
+)
+from megalite.tools.plan.memory import Memory, StateBytes, in_flight_chunks, rank_state_bytes
+from megalite.tools.plan.predict import Prediction, StageResult, predict
+from megalite.tools.plan.report import explain, format_rejections, format_table, launch_command, model_flags
+from megalite.tools.plan.search import PlanResult, Rejection, check_args, check_layout, divisors, plan
+from megalite.tools.plan.step_time import DataParallelTime, StepTime
+
+__all__ = [
+    "DTYPE_BYTES", "GIB", "GPT_PRESETS", "RECOMPUTE", "Cluster", "DataParallelTime", "Layout", "Memory",
+    "PlanResult", "Prediction", "Rejection", "Run", "StageResult", "StateBytes", "StepTime", "build_parser",
+    "check_args", "check_layout", "config_from_args", "divisors", "explain", "format_rejections", "format_table",
+    "in_flight_chunks", "launch_command", "layer_numels", "main", "model_flags", "plan", "positions", "predict",
+    "rank_parameters", "rank_state_bytes", "stage_parameters", "total_parameters",
+]

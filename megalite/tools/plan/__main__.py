@@ -1,0 +1,5 @@
+import sys
+
+from megalite.tools.plan.cli import main
+
+sys.exit(main())

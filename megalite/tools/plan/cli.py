@@ -1,0 +1,172 @@
+"""python -m megalite.tools.plan: the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+
+from megalite.models.config import PRESETS, TransformerConfig
+from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, Cluster, Run, total_parameters
+from megalite.tools.plan.report import (
+    config_json,
+    explain,
+    format_rejections,
+    format_table,
+    model_flags,
+    rejected_json,
+)
+from megalite.tools.plan.search import PlanResult, plan
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megalite.tools.plan",
+                                 description="Enumerate megalite parallel layouts; predict memory and step time.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = ap.add_argument_group("model (a preset, or the shape flags of pretrain_gpt.py)")
+    g.add_argument("--model", choices=GPT_PRESETS, help="GPT preset")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden")
+    g.add_argument("--vocab-size", type=int, help="default: the preset's, else 50257")
+    g = ap.add_argument_group("cluster")
+    g.add_argument("--gpus", type=int, required=True)
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU per direction (NVLink)")
+    g.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU per direction (network)")
+    g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matmuls sustain")
+    g.add_argument("--hbm-gbps", type=float, default=3350.0, help="GPU memory bandwidth (optimizer step)")
+    g.add_argument("--overhead-gib", type=float, default=2.0, help="fixed per-GPU framework/CUDA overhead")
+    g = ap.add_argument_group("training run")
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--seq-length", type=int, help="default: the preset's positions")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_const", const="bf16", dest="dtype", help="(default)")
+    prec.add_argument("--fp16", action="store_const", const="fp16", dest="dtype")
+    prec.add_argument("--fp32", action="store_const", const="fp32", dest="dtype")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000)
+    g.add_argument("--attention-backend", choices=["sdpa", "fused", "torch"], default="sdpa")
+    g = ap.add_argument_group("restrict the search")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--vpp", type=int, help="1 = no interleaving")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--recompute", choices=RECOMPUTE)
+    g.add_argument("--sequence-parallel", choices=["on", "off"])
+    g.add_argument("--distributed-optimizer", choices=["on", "off"])
+    g.add_argument("--max-tp", type=int, help="largest tp (default: GPUs per node)")
+    g = ap.add_argument_group("output")
+    g.add_argument("--top", type=int, default=5)
+    g.add_argument("--explain", action="store_true", help="the formulas with numbers for the best layout")
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+    return ap
+
+
+def config_from_args(args, ap: argparse.ArgumentParser) -> TransformerConfig:
+    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                          "vocab_size") if getattr(args, k) is not None}
+    if args.model:
+        base = dict(PRESETS[args.model])
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
+                   if k not in shape]
+        if missing:
+            ap.error(f"give --model or the shape: {' '.join(missing)} missing")
+        base = {"vocab_size": 50257, "max_position_embeddings": args.seq_length or 1024}
+    try:
+        return TransformerConfig(**{**base, **shape})
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
+    try:
+        cluster = Cluster(gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
+                          intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
+                          peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
+                          overhead_gib=args.overhead_gib)
+        Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend)
+    except ValueError as e:
+        ap.error(str(e))
+    return cluster
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    config = config_from_args(args, ap)
+    dtype = args.dtype or "bf16"
+    seq = args.seq_length or config.max_position_embeddings
+    cluster = cluster_from_args(args, ap, seq)
+    result = plan(config, cluster, args.global_batch_size, seq, dtype=dtype, ddp_bucket_size=args.ddp_bucket_size,
+                  attention_backend=args.attention_backend, max_tp=args.max_tp, tp=args.tp, pp=args.pp,
+                  vpp=args.vpp, micro_batch_size=args.micro_batch_size,
+                  recompute=(args.recompute,) if args.recompute else RECOMPUTE,
+                  sequence_parallel=_on_off(args.sequence_parallel),
+                  distributed_optimizer=_on_off(args.distributed_optimizer))
+    name = args.model or "custom GPT"
+    flags = model_flags(config, args.model)
+    if result.best is None:
+        msg = _nothing_fits(result, name, cluster)
+        if args.json:
+            print(json.dumps({"error": msg, "evaluated": result.evaluated, "feasible": 0,
+                              "rejected": rejected_json(result),
+                              "closest": result.closest.to_dict(flags) if result.closest else None}, indent=1))
+        print(msg, file=sys.stderr)
+        return 1
+    top = result.predictions[:max(args.top, 1)]
+    command = result.best.command(flags)
+    if args.json:
+        print(json.dumps({"model": name, "parameters": total_parameters(config, seq), "config": config_json(config),
+                          "cluster": asdict(cluster), "global_batch_size": args.global_batch_size, "seq_length": seq,
+                          "dtype": dtype, "evaluated": result.evaluated, "feasible": len(result),
+                          "best": [x.to_dict(flags) for x in top], "rejected": rejected_json(result),
+                          "command": command}, indent=1))
+        return 0
+    nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
+    print(_header(name, config, cluster, args.global_batch_size, seq, dtype))
+    print(f"evaluated {result.evaluated:,} layout{'s' if result.evaluated != 1 else ''}: {len(result):,} fit\n")
+    print(format_table(top))
+    print()
+    print(format_rejections(result))
+    print("\nrun the best with" + (" (plus your rendezvous flags, e.g. --rdzv-backend c10d --rdzv-endpoint "
+                                  "HOST:29500):" if nodes > 1 else ":"))
+    print(f"  {command}")
+    if args.explain:
+        print()
+        print(explain(result.best))
+    return 0
+
+
+def _on_off(choice: str | None) -> tuple:
+    """--sequence-parallel / --distributed-optimizer: both tried unless one is given."""
+    return (False, True) if choice is None else (choice == "on",)
+
+
+def _header(name: str, config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq: int,
+            dtype: str) -> str:
+    nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
+    return (f"{name}: {total_parameters(config, seq) / 1e9:.2f}B parameters ({config.num_layers} layers, hidden "
+            f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}); "
+            f"{cluster.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "
+            f"{min(cluster.gpus_per_node, cluster.gpus)}, {cluster.gpu_memory_gib:g} GiB each); "
+            f"global batch {global_batch_size} x {seq} tokens, {dtype}\n"
+            f"peak {cluster.peak_tflops:g} TFLOP/s x efficiency {cluster.efficiency:g}; "
+            f"links {cluster.intra_node_gbps:g} GB/s in a node, {cluster.inter_node_gbps:g} GB/s between nodes; "
+            f"overhead {cluster.overhead_gib:g} GiB")
+
+
+def _nothing_fits(result: PlanResult, name: str, cluster: Cluster) -> str:
+    if result.closest is not None:
+        x = result.closest
+        return (f"megalite plan: no layout of {name} fits {cluster.gpus} GPUs of {cluster.gpu_memory_gib:g} GiB: "
+                f"the smallest needs {x.peak_bytes / GIB:.1f} GiB per GPU ({x.layout.short()}: parameters, "
+                f"gradients and optimizer states alone {x.memory.states / GIB:.1f} GiB); "
+                f"use more GPUs, GPUs with more memory, or a smaller model or batch")
+    first = next(iter(result.rejected.values()), None)
+    return (f"megalite plan: no valid layout of {name} on {cluster.gpus} GPUs with these restrictions "
+            f"(e.g. {first.example if first else 'no candidates'})")

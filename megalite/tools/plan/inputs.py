@@ -1,0 +1,221 @@
+"""What the planner is asked about: the machine (Cluster), a layout (Layout), the run (Run), and the
+parameters each pipeline rank holds, counted on a model built on the meta device."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megalite.models import PRESETS, GPTModel, TransformerConfig, TransformerLayer
+from megalite.parallel.layers import pad_vocab_size
+from megalite.pipeline.partition import stage_layer_counts
+
+GIB = 1024 ** 3
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+GPT_PRESETS = tuple(name for name in PRESETS if name.startswith("gpt"))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine. Bandwidths are per GPU and per direction, in GB/s (10^9 bytes), as NCCL's
+    "bus bandwidth": an all-reduce of X bytes over n GPUs takes 2 (n-1)/n X / bandwidth."""
+    gpus: int
+    gpu_memory_gib: float = 80.0
+    gpus_per_node: int = 8
+    intra_node_gbps: float = 450.0  # H100 SXM NVLink 4: 900 GB/s both directions
+    inter_node_gbps: float = 50.0  # one 400 Gb/s NIC per GPU
+    peak_tflops: float = 989.0  # H100 SXM dense bf16
+    efficiency: float = 0.5  # fraction of peak the transformer's matmuls sustain
+    hbm_gbps: float = 3350.0  # H100 SXM HBM3, for the (memory-bound) optimizer step
+    overhead_gib: float = 2.0  # CUDA context, cuBLAS workspaces, NCCL buffers
+
+    def __post_init__(self):
+        for name in ("gpus", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops", "efficiency",
+                     "hbm_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.efficiency > 1:
+            raise ValueError(f"efficiency is a fraction of peak (0-1], got {self.efficiency}")
+        if self.overhead_gib < 0:
+            raise ValueError(f"overhead_gib must be >= 0, got {self.overhead_gib}")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None  # model chunks per pipeline rank (interleaved 1F1B); None = 1
+    micro_batch_size: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.vpp is not None and self.vpp <= 1:
+            object.__setattr__(self, "vpp", None)  # one chunk per rank: the plain 1F1B schedule
+        for name in ("tp", "pp", "dp", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def v(self) -> int:
+        return self.vpp or 1
+
+    def short(self) -> str:
+        parts = [f"tp {self.tp}", f"pp {self.pp}", f"dp {self.dp}"]
+        if self.vpp:
+            parts.append(f"vpp {self.vpp}")
+        parts += [f"mb {self.micro_batch_size}", f"recompute {self.recompute}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.distributed_optimizer:
+            parts.append("dist-opt")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one training run asks for besides the model shape and the layout."""
+    global_batch_size: int
+    seq_length: int
+    dtype: str = "bf16"  # bf16 | fp16 | fp32: the model dtype (masters are always fp32)
+    ddp_bucket_size: int = 40_000_000  # --ddp-bucket-size
+    # sdpa: fused attention stores no s^2 matrices; torch and fused (softmax kernel) store them
+    attention_backend: str = "sdpa"
+    pipeline_layers: tuple | None = None  # --pipeline-layers, explicit layer count per virtual stage
+    recompute_method: str = "uniform"
+    recompute_num_layers: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("sdpa", "fused", "torch"):
+            raise ValueError(f"attention_backend must be sdpa, fused or torch, got {self.attention_backend!r}")
+        for name in ("global_batch_size", "seq_length", "ddp_bucket_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def check_gpt(config: TransformerConfig) -> None:
+    if config.layernorm_position != "pre":
+        raise ValueError("the planner models megalite's GPT (pre-LayerNorm, tied embeddings); "
+                         f"this config has layernorm_position={config.layernorm_position!r}")
+
+
+def positions(config: TransformerConfig, seq_length: int) -> int:
+    """Rows of the position embedding: the preset's, grown to the sequence length as
+    `megalite.arguments.model_config` does."""
+    return max(config.max_position_embeddings, seq_length)
+
+
+# -------------------------------------------------------------------------------------------------
+# Parameters: counted on megalite's own GPT stage, built on the meta device at tp = 1
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CountedParameter:
+    numel: int  # at tp = 1
+    tp_split: bool  # `tensor_model_parallel`: each TP rank holds numel // tp
+    word_embedding: bool  # tied word embedding: its rows are padded per tp (pad_vocab_size)
+
+    def per_rank(self, config: TransformerConfig, tp: int) -> int:
+        if self.word_embedding:
+            divisible = config.make_vocab_size_divisible_by
+            width = self.numel // pad_vocab_size(config.vocab_size, 1, divisible)
+            return pad_vocab_size(config.vocab_size, tp, divisible) // tp * width
+        return self.numel // tp if self.tp_split else self.numel
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """A GPT stage's parameters in definition order: those before its layers (embeddings), one
+    layer's, those after (final norm)."""
+    head: tuple[CountedParameter, ...]
+    layer: tuple[CountedParameter, ...]
+    tail: tuple[CountedParameter, ...]
+
+
+class _ShapesOnly(TorchFunctionMode):
+    """Every tensor made on the meta device and every in-place op on one (the initializations)
+    skipped: a build that costs no memory and no time. (megalite's parallel layers draw each full
+    weight on the CPU even for a meta build (`init_device`), and `normal_` on a meta tensor imports
+    torch._dynamo: seconds either way.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = next(iter([*args, *kwargs.values()]), None)
+        if (name.endswith("_") and not name.endswith("__") and isinstance(target, torch.Tensor)
+                and target.device.type == "meta"):
+            return target
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+_STAGES: dict = {}
+
+
+def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post: bool) -> StageParameters:
+    """The parameters of a GPT stage with the embedding (pre) and/or the final norm and output layer
+    (post), as `megalite.models.GPTModel` builds them: counted on a one-layer stage on meta."""
+    # Built alone at tp = 1: the shape only (sequence parallelism would need tp > 1).
+    config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False)
+    key = (repr(config), pre, post)
+    if key not in _STAGES:
+        with torch.device("meta"), _ShapesOnly():
+            model = GPTModel(config, pre, post, layer_numbers=[0], seed=0, device="meta")
+        in_layer = {id(p) for m in model.modules() if isinstance(m, TransformerLayer) for p in m.parameters()}
+        counted = [(id(p) in in_layer, CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
+                                                        getattr(p, "tied_embedding", False)))
+                   for p in model.parameters()]
+        first = next(i for i, (layer, _) in enumerate(counted) if layer)
+        last = max(i for i, (layer, _) in enumerate(counted) if layer)
+        params = [c for _, c in counted]
+        _STAGES[key] = StageParameters(tuple(params[:first]), tuple(params[first:last + 1]),
+                                       tuple(params[last + 1:]))
+    return _STAGES[key]
+
+
+def layer_numels(config: TransformerConfig, tp: int) -> list[int]:
+    """One transformer layer's parameters on one TP rank, in definition order."""
+    layer = stage_parameters(config, config.max_position_embeddings, False, False).layer
+    return [c.per_rank(config, tp) for c in layer]
+
+
+def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
+                    seq_length: int, pipeline_layers=None) -> list[list[tuple[int, bool]]]:
+    """(numel, deferred) of every parameter one rank holds, per model chunk, in definition order,
+    as `megalite.models.GPTModel` builds them. deferred: the tied word embedding when pp > 1,
+    which the gradient buffer keeps in a bucket of its own."""
+    check_gpt(config)
+    v = vpp or 1
+    counts = stage_layer_counts(config.num_layers, pp, vpp,
+                                list(pipeline_layers) if pipeline_layers is not None else None)
+    chunks = []
+    for c in range(v):
+        vs = c * pp + pp_rank
+        stage = stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1)
+        held = [*stage.head, *stage.layer * counts[vs], *stage.tail]
+        chunks.append([(x.per_rank(config, tp), pp > 1 and x.word_embedding) for x in held])
+    return chunks
+
+
+def total_parameters(config: TransformerConfig, seq_length: int) -> int:
+    """Parameters of the whole model (one copy of the tied embedding, padded vocabulary at tp = 1)."""
+    return sum(n for n, _ in rank_parameters(config, 1, 1, None, 0, seq_length)[0])

@@ -1,0 +1,208 @@
+"""One layout's prediction: memory and step time of each pipeline rank that can be the fullest or
+the slowest, and the step as a whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalite.metrics import gpt_flops_per_iteration
+from megalite.models.config import TransformerConfig
+from megalite.pipeline.schedules import theoretical_bubble
+from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
+from megalite.tools.plan.memory import (
+    Memory,
+    StateBytes,
+    in_flight_chunks,
+    output_layer_bytes,
+    over,
+    rank_state_bytes,
+    stored_activations,
+)
+from megalite.tools.plan.step_time import LayoutCosts, StepTime, dp_exposed, layout_costs
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """One pipeline rank: what it holds and how long one micro-batch takes on it."""
+    state: StateBytes
+    n_layers: int
+    chunk_layers: list  # layers of each of its model chunks
+    flops_mb: float  # FLOPs per micro-batch on one GPU of this rank
+    tp_mb: float  # seconds of TP collectives per micro-batch
+    compute_mb: float
+    t_mb: float  # seconds per micro-batch: compute, TP and pipeline communication
+    chunks_in_flight: int
+    stored_chunk: float  # activation bytes one in-flight chunk keeps
+    transient: float  # working set of a recomputed layer's backward
+    activations: float
+    output: float  # output layer and cross-entropy (last stage)
+    total: float  # bytes held at the peak of the step
+    build: float  # bytes while the model is built, plus overhead
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    config: TransformerConfig
+    cluster: Cluster
+    run: Run
+    fits: bool
+    memory: Memory  # on the fullest stage
+    peak_stage: int  # the pipeline rank of that stage
+    build_peak: float  # bytes while the model is built (plus overhead)
+    time: StepTime
+    micro_batches: int
+    bubble_fraction: float
+    model_flops: float  # per iteration, as megalite's log counts them
+    hardware_flops: float  # per iteration, with recomputation
+    reason: str | None = None  # why it does not fit
+    costs: LayoutCosts | None = None  # intermediate numbers for --explain
+    stages: dict = field(default_factory=dict)  # pipeline rank -> StageResult (the ranks that can be extreme)
+    dp_parts: dict = field(default_factory=dict)  # pipeline rank -> DataParallelTime
+    slow_stage: int = 0  # the rank with the longest micro-batch
+    dp_stage: int = 0  # the rank with the most exposed data-parallel time
+
+    @property
+    def step_time(self) -> float:
+        return self.time.total
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.memory.total, self.build_peak)
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_time * self.cluster.gpus * self.cluster.peak_tflops * 1e12)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.run.global_batch_size * self.run.seq_length / self.step_time
+
+    def command(self, model_flags: list[str] | None = None) -> str:
+        from megalite.tools.plan.report import launch_command
+
+        return launch_command(self, model_flags)
+
+    def to_dict(self, model_flags: list[str] | None = None) -> dict:
+        from megalite.tools.plan.report import prediction_json
+
+        return prediction_json(self, model_flags)
+
+
+def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run) -> int:
+    """The micro-batches per step, or a ValueError when megalite would refuse the layout."""
+    t, p, d, b = layout.tp, layout.pp, layout.dp, layout.micro_batch_size
+    s, B = run.seq_length, run.global_batch_size
+    if B % (b * d):
+        raise ValueError(f"global batch {B} is not divisible by micro-batch {b} x dp {d}")
+    m = B // (b * d)
+    for what, n in (("heads", config.num_attention_heads), ("ffn hidden size", config.ffn_hidden_size)):
+        if n % t:
+            raise ValueError(f"{what} {n} not divisible by tp {t}")
+    if layout.vpp and (p == 1 or m % p):
+        raise ValueError(f"vpp {layout.vpp} needs pp > 1 and the micro-batches per step ({m}) a multiple of pp {p}")
+    if layout.sequence_parallel and (t == 1 or s % t):
+        raise ValueError(f"sequence parallelism needs tp > 1 and seq length {s} divisible by tp {t}")
+    return m
+
+
+def stage_result(costs: LayoutCosts, r: int) -> StageResult:
+    """Memory and per-micro-batch time of pipeline rank r."""
+    config, layout, run = costs.config, costs.layout, costs.run
+    t, p, v = layout.tp, layout.pp, layout.v
+    chunk_layers = [costs.layer_counts[c * p + r] for c in range(v)]
+    n_layers = sum(chunk_layers)
+    first, last = r == 0, r == p - 1
+    flops_mb = n_layers * (costs.fwd + costs.bwd) / t + (3 * costs.logits_fwd / t if last else 0.0)
+    tp_mb = (n_layers * costs.ar_per_layer + first + last) * costs.ar_time if t > 1 else 0.0
+    st = rank_state_bytes(config, tp=t, pp=p, dp=layout.dp, vpp=layout.vpp, pp_rank=r, dp_rank=0, dtype=run.dtype,
+                          distributed_optimizer=layout.distributed_optimizer, seq_length=run.seq_length,
+                          ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers)
+    # Activations: in-flight chunks of this rank times the layers of an average chunk.
+    chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp)
+    per_chunk = n_layers / v
+    stored_chunk, transient = stored_activations(config, layout, run, round(per_chunk) or 1,
+                                                 costs.act_bytes / 2.0)  # the formula counts 16-bit activations
+    if run.pipeline_layers is None:
+        activations = chunks_in_flight * stored_chunk + transient
+    else:
+        activations = chunks_in_flight * stored_chunk * per_chunk / (round(per_chunk) or 1) + transient
+    output = output_layer_bytes(config, layout, run, costs.vocab) if last else 0.0
+    overhead = costs.cluster.overhead_gib * GIB
+    compute_mb = flops_mb / costs.rate
+    return StageResult(
+        state=st, n_layers=n_layers, chunk_layers=chunk_layers, flops_mb=flops_mb, tp_mb=tp_mb,
+        compute_mb=compute_mb, t_mb=compute_mb + tp_mb + costs.pp_mb, chunks_in_flight=chunks_in_flight,
+        stored_chunk=stored_chunk, transient=transient, activations=activations, output=output,
+        total=st.param_buffer + st.grads + st.optimizer + activations + output + overhead,
+        build=st.build_peak + overhead)
+
+
+def _extreme_ranks(layout: Layout, run: Run) -> list[int]:
+    """The pipeline ranks that can be the fullest or the slowest: with an even split the first, the
+    second (the most in flight after the first) and the last; every rank otherwise."""
+    p = layout.pp
+    if run.pipeline_layers is None:
+        return sorted({0, p - 1} | ({1} if p > 2 else set()))
+    return list(range(p))
+
+
+def predict(config: TransformerConfig, layout: Layout, cluster: Cluster, global_batch_size: int | None = None,
+            seq_length: int | None = None, *, run: Run | None = None, dtype: str = "bf16",
+            ddp_bucket_size: int = 40_000_000, attention_backend: str = "sdpa") -> Prediction:
+    """Memory and step time of one layout (which must be valid: sizes dividing as megalite requires)."""
+    if run is None:
+        run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
+                  attention_backend)
+    check_gpt(config)
+    m = _check_layout_fits_model(config, layout, run)
+    costs = layout_costs(config, layout, cluster, run, m)
+    stages = {r: stage_result(costs, r) for r in _extreme_ranks(layout, run)}
+    dp_parts = {r: dp_exposed(costs, S.state.buckets, S.state.param_buffer, r) for r, S in stages.items()}
+    time, slow, dp_stage = _step_time(costs, stages, dp_parts)
+    peak_r = max(stages, key=lambda r: stages[r].total)
+    memory = _memory(stages[peak_r], cluster)
+    build_peak = max(S.build for S in stages.values())
+    fits = memory.total <= cluster.memory_bytes and build_peak <= cluster.memory_bytes
+    L, B, s = config.num_layers, run.global_batch_size, run.seq_length
+    return Prediction(
+        layout=layout, config=config, cluster=cluster, run=run, fits=fits, memory=memory, peak_stage=peak_r,
+        build_peak=build_peak, time=time, micro_batches=m,
+        bubble_fraction=theoretical_bubble(layout.pp, m, layout.vpp),
+        model_flops=gpt_flops_per_iteration(B, s, L, config.hidden_size, config.vocab_size),
+        hardware_flops=costs.hardware_flops, reason=None if fits else _why_not(memory, build_peak, cluster, peak_r),
+        costs=costs, stages=stages, dp_parts=dp_parts, slow_stage=slow, dp_stage=dp_stage)
+
+
+def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTime, int, int]:
+    """(the step's time, the slowest rank, the rank with the most exposed data-parallel time)."""
+    layout, m = costs.layout, costs.micro_batches
+    compute = costs.hardware_flops / layout.gpus / costs.rate
+    slow = max(stages, key=lambda r: stages[r].t_mb)
+    T = stages[slow]
+    bubble_frac = theoretical_bubble(layout.pp, m, layout.vpp)
+    bubble = bubble_frac / (1.0 - bubble_frac) * m * T.t_mb
+    imbalance = max(0.0, m * T.compute_mb - compute)
+    dp_stage = max(dp_parts, key=lambda r: dp_parts[r].total)
+    optimizer = (max(S.state.owned_numel for S in stages.values()) * costs.traffic
+                 / (costs.cluster.hbm_gbps * 1e9))
+    tp_comm, pp_comm, dp_comm = m * T.tp_mb, m * costs.pp_mb, dp_parts[dp_stage].total
+    total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer
+    return StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total), slow, dp_stage
+
+
+def _memory(stage: StageResult, cluster: Cluster) -> Memory:
+    st = stage.state
+    return Memory(parameters=st.param_buffer, gradients=st.grads, optimizer=st.optimizer,
+                  activations=stage.activations, output_layer=stage.output, overhead=cluster.overhead_gib * GIB,
+                  total=stage.total)
+
+
+def _why_not(memory: Memory, build_peak: float, cluster: Cluster, peak_r: int) -> str:
+    capacity = cluster.memory_bytes
+    if memory.total >= build_peak:
+        out_part = f", output layer {memory.output_layer / GIB:.1f}" if memory.output_layer else ""
+        return (f"does not fit: {over(memory.total, capacity)} GiB > {cluster.gpu_memory_gib:g} GiB "
+                f"(activations {memory.activations / GIB:.1f}{out_part}, parameters + gradients + "
+                f"optimizer {memory.states / GIB:.1f} GiB, stage {peak_r})")
+    return (f"does not fit while the model is built: {over(build_peak, capacity)} GiB > "
+            f"{cluster.gpu_memory_gib:g} GiB (fp32 model + buffers)")

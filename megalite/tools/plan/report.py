@@ -1,0 +1,230 @@
+"""What the planner prints: the table of layouts, the rejections, the formulas with their numbers
+(--explain), the pretrain_gpt.py command of a layout, and the JSON forms."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+from megalite.models.config import PRESETS, TransformerConfig
+from megalite.models.memory import activation_bytes_per_layer
+from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, GPT_PRESETS, layer_numels, positions
+from megalite.tools.plan.memory import kept_activations
+from megalite.tools.plan.predict import Prediction
+from megalite.tools.plan.search import PlanResult
+from megalite.tools.plan.step_time import StepTime
+
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+def model_flags(config: TransformerConfig, preset_name: str | None = None) -> list[str]:
+    """pretrain_gpt.py flags that build this shape: the preset alone when it matches."""
+    shape = {k: getattr(config, k) for k in SHAPE_FIELDS}
+    if preset_name in PRESETS:
+        ref = TransformerConfig(**PRESETS[preset_name])
+        diff = {k: v for k, v in shape.items() if getattr(ref, k) != v}
+        flags = ["--model", preset_name]
+    else:
+        diff, flags = shape, ["--model", "gpt-tiny"]
+    for k, v in diff.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    return flags
+
+
+def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
+    lay, cl, run = pred.layout, pred.cluster, pred.run
+    flags = flags if flags is not None else model_flags(pred.config, _preset_of(pred.config))
+    gpn = min(cl.gpus_per_node, lay.gpus)
+    nodes = math.ceil(lay.gpus / gpn)
+    launcher = f"torchrun --nproc_per_node {gpn}" + (f" --nnodes {nodes}" if nodes > 1 else " --standalone")
+    parts = [launcher, "pretrain_gpt.py", *flags, "--tp", str(lay.tp), "--pp", str(lay.pp)]
+    if lay.vpp:
+        parts += ["--vpp", str(lay.vpp)]
+    parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),
+              "--seq-length", str(run.seq_length), "--recompute", lay.recompute]
+    if lay.sequence_parallel:
+        parts.append("--sequence-parallel")
+    if lay.distributed_optimizer:
+        parts.append("--use-distributed-optimizer")
+    if run.dtype != "fp32":
+        parts.append(f"--{run.dtype}")
+    if run.attention_backend != "sdpa":
+        parts += ["--attention-backend", run.attention_backend]
+    if run.ddp_bucket_size != 40_000_000:
+        parts += ["--ddp-bucket-size", str(run.ddp_bucket_size)]
+    return " ".join(parts)
+
+
+def _preset_of(config: TransformerConfig) -> str | None:
+    for name in GPT_PRESETS:
+        ref = TransformerConfig(**PRESETS[name])
+        if all(getattr(ref, k) == getattr(config, k) for k in SHAPE_FIELDS):
+            return name
+    return None
+
+
+# -------------------------------------------------------------------------------------------------
+# JSON
+# -------------------------------------------------------------------------------------------------
+def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> dict:
+    memory, time = asdict(pred.memory), asdict(pred.time)
+    return {
+        "layout": asdict(pred.layout), "fits": pred.fits, "reason": pred.reason,
+        "micro_batches": pred.micro_batches, "peak_stage": pred.peak_stage,
+        "memory_bytes": {k: int(v) for k, v in memory.items()},
+        "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()},
+        "build_peak_gib": round(pred.build_peak / GIB, 3), "peak_gib": round(pred.peak_bytes / GIB, 3),
+        "time_s": {k: round(v, 6) for k, v in time.items()},
+        "bubble_fraction": round(pred.bubble_fraction, 6), "mfu": round(pred.mfu, 4),
+        "tokens_per_s": round(pred.tokens_per_s, 1), "model_flops": pred.model_flops,
+        "hardware_flops": pred.hardware_flops, "command": pred.command(model_flags),
+    }
+
+
+def config_json(config: TransformerConfig) -> dict:
+    return {k: getattr(config, k) for k in (*SHAPE_FIELDS, "max_position_embeddings")}
+
+
+def rejected_json(result: PlanResult) -> list:
+    return [{"reason": kind, "count": r.count, "example": r.example} for kind, r in _by_count(result)]
+
+
+def _by_count(result: PlanResult) -> list:
+    return sorted(result.rejected.items(), key=lambda kv: -kv[1].count)
+
+
+# -------------------------------------------------------------------------------------------------
+# Text
+# -------------------------------------------------------------------------------------------------
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def format_table(preds: list[Prediction]) -> str:
+    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>4} {'vpp':>3} {'mb':>3} {'recompute':>9} {'sp':>3} {'dopt':>4} | "
+            f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} {'act':>5} {'out':>4} | "
+            f"{'step s':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5} | {'MFU':>5}")
+    lines = [head, "-" * len(head)]
+    for i, x in enumerate(preds, 1):
+        L, M, T = x.layout, x.memory, x.time
+        lines.append(
+            f"{i:>2} {L.tp:>3} {L.pp:>3} {L.dp:>4} {L.vpp or '-':>3} {L.micro_batch_size:>3} {L.recompute:>9} "
+            f"{'on' if L.sequence_parallel else '-':>3} {'on' if L.distributed_optimizer else '-':>4} | "
+            f"{_gib(x.peak_bytes):>5} {_gib(M.parameters):>5} {_gib(M.gradients):>5} "
+            f"{_gib(M.optimizer):>5} {_gib(M.activations):>5} {_gib(M.output_layer):>4} | "
+            f"{T.total:>7.3f} {_pct(T.bubble, T):>6} {_pct(T.tp_comm, T):>5} {_pct(T.pp_comm, T):>5} "
+            f"{_pct(T.dp_comm, T):>5} | "
+            f"{100 * x.mfu:4.1f}%")
+    return "\n".join(lines)
+
+
+def _pct(seconds: float, time: StepTime) -> str:
+    return f"{100 * seconds / time.total:4.1f}%"
+
+
+def format_rejections(result: PlanResult) -> str:
+    if not result.rejected:
+        return "rejected: none"
+    lines = ["rejected (counted where they fail: a tp value, a (tp, pp) pair, or one full layout):"]
+    for kind, r in _by_count(result):
+        lines.append(f"  {r.count:>6} x {kind:<22} e.g. {r.example}")
+    return "\n".join(lines)
+
+
+def explain(pred: Prediction) -> str:
+    """The formulas of the prediction, with its numbers."""
+    lay, run, m = pred.layout, pred.run, pred.micro_batches
+    out = [(f"layout: {lay.short()} on {lay.gpus} GPUs; {m} micro-batches per step; {run.dtype}; "
+            f"attention backend {run.attention_backend}"),
+           "", f"memory on pipeline stage {pred.peak_stage} (the fullest), per GPU:"]
+    out += _explain_memory(pred)
+    out += ["", "step time:"]
+    out += _explain_time(pred)
+    return "\n".join(out)
+
+
+def _explain_memory(pred: Prediction) -> list[str]:
+    c, lay, cl, run, K = pred.config, pred.layout, pred.cluster, pred.run, pred.costs
+    s, b, h, a, V = run.seq_length, lay.micro_batch_size, c.hidden_size, c.num_attention_heads, K.vocab
+    t, p, v = lay.tp, lay.pp, lay.v
+    ab = DTYPE_BYTES[run.dtype]
+    r = pred.peak_stage
+    S = pred.stages[r]
+    st = S.state
+    out = []
+    layer = sum(layer_numels(c, t))
+    pieces = [f"{S.n_layers} layers x {layer:,} (= (4h^2 + 2h*ffn + 3h + ffn)/tp + 6h)"]
+    if r == 0:
+        pieces.insert(0, f"word embedding {V}/{t} x {h} = {V // t * h:,}, positions {positions(c, s)} x {h}")
+    if r == p - 1:
+        tied = f"tied word embedding copy {V // t * h:,}, " if p > 1 else ""
+        pieces.append(f"{tied}final norm {2 * h}")
+    out.append(f"  parameters   {st.numel:,} elements = {'; '.join(pieces)}")
+    out.append(f"               x {ab} B (+ {st.padded_numel - st.numel:,} padding elements) = "
+               f"{_gib(st.param_buffer)} GiB")
+    out.append(f"  gradients    {st.padded_numel:,} x 4 B (fp32 buffers, buckets of {run.ddp_bucket_size:,} "
+               f"padded to a multiple of dp={lay.dp}: {st.grad_padding // 4:,} padding) = {_gib(st.grads)} GiB")
+    master = 0 if run.dtype == "fp32" else 4
+    who = (f"{st.owned_numel:,} owned (this dp rank's shard of every bucket)" if lay.distributed_optimizer
+           else f"{st.owned_numel:,} (every parameter)")
+    out.append(f"  optimizer    ({master} B fp32 master{' (none: fp32 parameters are their own)' if not master else ''}"
+               f" + 8 B Adam exp_avg, exp_avg_sq) x {who} = {_gib(st.optimizer)} GiB")
+    keep = kept_activations(lay, run)
+    per_layer = activation_bytes_per_layer(s, b, h, a, t, lay.sequence_parallel,
+                                           "full" if lay.recompute == "full" else keep) * ab / 2
+    formula = {"none": "s*b*h*(10 + 24/t + 5*a*s/(h*t))", "selective": "s*b*h*(10 + 24/t)"}[keep]
+    if lay.sequence_parallel:
+        formula = {"none": "s*b*h*(34 + 5*a*s/h)/t", "selective": "34*s*b*h/t"}[keep]
+    if lay.recompute == "full":
+        formula = "2*s*b*h" + ("/t" if lay.sequence_parallel else "") + " (layer inputs only)"
+    sdpa_note = ", sdpa keeps no s^2 matrices" if keep != "none" and lay.recompute == "none" else ""
+    sched = ("1 (no pipeline)" if p == 1 else f"min(p - r, m) = {S.chunks_in_flight}" if v == 1 else
+             f"min(v*m, 2(p-1-r) + (v-1)p + 1) = {S.chunks_in_flight} chunks of {S.n_layers // v} layers")
+    out.append(f"  activations  {formula} = {per_layer / 2 ** 20:.1f} MiB per layer and micro-batch "
+               f"(s={s} b={b} h={h} a={a} t={t}{sdpa_note})")
+    out.append(f"               x {S.n_layers // v} layers per chunk x in flight {sched}"
+               + (f" + one layer recomputed in backward {S.transient / GIB:.2f} GiB" if S.transient else "")
+               + f" = {_gib(S.activations)} GiB")
+    if r == p - 1:
+        out.append(f"  output layer final-norm and output-layer inputs 2*s*b*h*{ab} B + logits s*b*V/t x "
+                   f"({ab} + 4{' + 4' if ab != 4 else ''}) B = {s}*{b}*{V // t} x {ab + 4 + (4 if ab != 4 else 0)} B "
+                   f"... = {_gib(S.output)} GiB")
+    out.append(f"  overhead     {cl.overhead_gib:g} GiB (CUDA context, workspaces, NCCL buffers)")
+    out.append(f"  total        {_gib(pred.memory.total)} GiB of {cl.gpu_memory_gib:g} GiB; while building the "
+               f"model: {_gib(pred.build_peak)} GiB (the fp32 model, each chunk's flat buffers allocated before "
+               f"its fp32 parameters are released{', the fp32 masters cloned' if ab != 4 else ''}; plus overhead)")
+    return out
+
+
+def _explain_time(pred: Prediction) -> list[str]:
+    lay, cl, K, T = pred.layout, pred.cluster, pred.costs, pred.time
+    t, p, v, m = lay.tp, lay.pp, lay.v, pred.micro_batches
+    ab = DTYPE_BYTES[pred.run.dtype]
+    out = []
+    rc = {"none": "", "selective": " + 4*B*s^2*h*L (selective: attention core again)",
+          "full": " + 24*B*s*L*h^2*(1 + s/6h) (full: the forward again)"}[lay.recompute]
+    out.append(f"  compute      [72*B*s*L*h^2*(1 + s/6h) + 6*B*s*h*V]{rc} = {pred.hardware_flops:.3e} FLOPs / "
+               f"({lay.gpus} GPUs x {cl.peak_tflops:g} TFLOP/s x {cl.efficiency:g}) = {T.compute:.3f} s")
+    out.append(f"  imbalance    slowest stage {pred.slow_stage} (the last also runs the output layer) over the mean: "
+               f"{T.imbalance:.3f} s")
+    if t > 1:
+        Ss = pred.stages[pred.slow_stage]
+        extra = (Ss.tp_mb / K.ar_time) - Ss.n_layers * K.ar_per_layer
+        out.append(f"  tp comm      ({Ss.n_layers} layers x {K.ar_per_layer} + {extra:.0f} embedding/output) "
+                   f"all-reduces of s*b*h*{ab} B = {K.ar_bytes / 2 ** 20:.1f} MiB per micro-batch on stage "
+                   f"{pred.slow_stage}, 2(t-1)/t x bytes / {K.bw_tp / 1e9:g} GB/s = {K.ar_time * 1e3:.3f} ms "
+                   f"each, x {m} micro-batches = {T.tp_comm:.3f} s")
+    if p > 1:
+        out.append(f"  pp comm      2 x v={v} exchanges of {K.msg / 2 ** 20:.1f} MiB per micro-batch at "
+                   f"{K.bw_pp / 1e9:g} GB/s x {m} = {T.pp_comm:.3f} s")
+        out.append(f"  bubble       (p-1)/(v*m) = {p - 1}/({v}*{m}) of the per-micro-batch time "
+                   f"(theoretical_bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")
+    part = pred.dp_parts[pred.dp_stage]
+    kind = "reduce-scatter (d-1)/d" if lay.distributed_optimizer else "all-reduce 2(d-1)/d"
+    out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, minus what hides behind the last "
+               f"backward: {part.overlapped:.3f} s; tied embedding (after the schedule) {part.embedding:.3f} s; "
+               f"parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) = {T.dp_comm:.3f} s")
+    out.append(f"  optimizer    {max(S.state.owned_numel for S in pred.stages.values()):,} elements x "
+               f"{K.traffic} B / {cl.hbm_gbps:g} GB/s = {T.optimizer:.3f} s")
+    out.append(f"  total        {T.total:.3f} s per step; {pred.tokens_per_s:,.0f} tokens/s; MFU "
+               f"{100 * pred.mfu:.1f}% (model FLOPs {pred.model_flops:.3e} as megalite logs them)")
+    return out

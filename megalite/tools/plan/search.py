@@ -1,0 +1,225 @@
+"""Which layout: every valid one of a cluster, predicted and ranked (`plan`); or one requested
+layout checked (`check_layout`, `check_args` for pretrain_gpt.py --plan)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from megalite.models.config import TransformerConfig
+from megalite.tools.plan.inputs import GIB, RECOMPUTE, Cluster, Layout, Run, check_gpt
+from megalite.tools.plan.predict import Prediction, predict
+
+
+def divisors(n: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return sorted(set(small + [n // i for i in small]))
+
+
+@dataclass
+class Rejection:
+    """Layouts refused for one reason: how many, and one example."""
+    count: int
+    example: str
+    prediction: Prediction | None = None  # "does not fit": the layout needing the least memory
+
+
+@dataclass
+class PlanResult:
+    """The layouts that fit, fastest first (indexable like a list), and why the others do not."""
+    predictions: list  # fitting Predictions, by step time
+    rejected: dict = field(default_factory=dict)  # reason kind -> Rejection
+    evaluated: int = 0  # layouts whose memory and time were predicted
+    closest: Prediction | None = None  # when nothing fits: the layout needing the least memory
+
+    def __iter__(self):
+        return iter(self.predictions)
+
+    def __len__(self):
+        return len(self.predictions)
+
+    def __getitem__(self, i):
+        return self.predictions[i]
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.predictions[0] if self.predictions else None
+
+    def reject(self, kind: str, example: str) -> None:
+        self.rejected.setdefault(kind, Rejection(0, example)).count += 1
+
+    def add(self, pred: Prediction) -> None:
+        self.evaluated += 1
+        if pred.fits:
+            self.predictions.append(pred)
+            return
+        example = f"{pred.layout.short()}: {pred.reason}"
+        self.reject("does not fit", example)
+        if self.closest is None or pred.peak_bytes < self.closest.peak_bytes:
+            self.closest = pred
+            self.rejected["does not fit"].example, self.rejected["does not fit"].prediction = example, pred
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values to try: every valid one where a size is None."""
+    max_tp: int
+    max_tp_is_node: bool  # the limit is the GPUs per node (not --max-tp)
+    tp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    micro_batch_size: int | None = None
+    recompute: tuple = RECOMPUTE
+    sequence_parallel: tuple = (False, True)
+    distributed_optimizer: tuple = (False, True)
+
+
+def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
+         dtype: str = "bf16", ddp_bucket_size: int = 40_000_000, attention_backend: str = "sdpa",
+         max_tp: int | None = None, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
+         micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
+         distributed_optimizer=(False, True)) -> PlanResult:
+    """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
+    return those that fit, fastest first. max_tp defaults to the GPUs per node."""
+    check_gpt(config)
+    run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
+              attention_backend)
+    space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
+                        tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
+                        _values(distributed_optimizer, bool))
+    result = PlanResult([])
+    for layout in _layouts(config, cluster.gpus, run, space, result.reject):
+        result.add(predict(config, layout, cluster, run=run))
+    result.predictions.sort(key=lambda x: (x.step_time, x.peak_bytes))
+    if result.predictions:
+        result.closest = None
+    return result
+
+
+def _values(choice, kind: type) -> tuple:
+    return (choice,) if isinstance(choice, kind) else tuple(choice)
+
+
+Reject = Callable[[str, str], None]
+
+
+def _layouts(config: TransformerConfig, N: int, run: Run, space: SearchSpace, reject: Reject) -> Iterator[Layout]:
+    """Every layout of N GPUs megalite accepts for this model and batch; the others reported to
+    `reject` where they fail (a tp value, a (tp, pp) pair, or one full layout)."""
+    L, B = config.num_layers, run.global_batch_size
+    if space.tp is not None and N % space.tp:
+        reject("tp does not divide gpus", f"tp {space.tp} does not divide the {N} GPUs")
+    for t in divisors(N):
+        if (space.tp is not None and t != space.tp) or not _tp_is_valid(config, t, space, reject):
+            continue
+        if space.pp is not None and (N // t) % space.pp:
+            reject("tp x pp does not divide gpus", f"tp {t} x pp {space.pp} does not divide the {N} GPUs")
+        for p in divisors(N // t):
+            if space.pp is not None and p != space.pp:
+                continue
+            if p > L:
+                reject("pp > layers", f"pp {p} exceeds the {L} layers")
+                continue
+            if L % p:
+                reject("layers % pp", f"layers {L} not divisible by pp {p}")
+                continue
+            d = N // (t * p)
+            if B % d:
+                reject("batch % dp", f"global batch {B} not divisible by dp {d} (tp {t} pp {p})")
+                continue
+            yield from _layouts_of_grid(config, t, p, d, run, space, reject)
+
+
+def _tp_is_valid(config: TransformerConfig, t: int, space: SearchSpace, reject: Reject) -> bool:
+    if t > space.max_tp:
+        reject("tp > gpus per node", f"tp {t} exceeds {space.max_tp} GPUs per node" if space.max_tp_is_node
+               else f"tp {t} exceeds --max-tp {space.max_tp}")
+        return False
+    if config.num_attention_heads % t:
+        reject("heads % tp", f"heads {config.num_attention_heads} not divisible by tp {t}")
+        return False
+    if config.ffn_hidden_size % t:
+        reject("ffn % tp", f"ffn hidden size {config.ffn_hidden_size} not divisible by tp {t}")
+        return False
+    return True
+
+
+def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run, space: SearchSpace,
+                     reject: Reject) -> Iterator[Layout]:
+    """The layouts of one (tp, pp, dp): interleaving, micro-batch, recomputation, sequence
+    parallelism and the distributed optimizer."""
+    B, s = run.global_batch_size, run.seq_length
+    vpps = [None] + ([x for x in divisors(config.num_layers // p) if x > 1] if p > 1 else [])
+    if space.vpp is not None:
+        vpps = [x for x in vpps if (x or 1) == space.vpp]
+    for b in divisors(B // d):
+        if space.micro_batch_size is not None and b != space.micro_batch_size:
+            continue
+        m = B // (d * b)
+        for v in vpps:
+            if v and m % p:
+                reject("interleaved: m % pp", f"vpp {v} needs the micro-batches per step ({m}, mb {b} "
+                                              f"tp {t} pp {p} dp {d}) to be a multiple of pp {p}")
+                continue
+            for rc in space.recompute:
+                for sp in space.sequence_parallel:
+                    if sp and t == 1:
+                        continue
+                    if sp and s % t:
+                        reject("seq % tp", f"sequence parallelism needs seq length {s} divisible by tp {t}")
+                        continue
+                    for dist_opt in space.distributed_optimizer:
+                        if dist_opt and d == 1 and False in space.distributed_optimizer:
+                            continue  # identical to the plain optimizer at dp = 1
+                        yield Layout(t, p, d, v, b, rc, sp, dist_opt)
+
+
+def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
+                 micro_batch_size: int = 1, global_batch_size: int, seq_length: int | None = None,
+                 recompute: str | None = None, sequence_parallel: bool | None = None,
+                 use_distributed_optimizer: bool = False, dtype: str = "bf16", gpu_memory_bytes: float,
+                 cluster: Cluster | None = None, ddp_bucket_size: int = 40_000_000,
+                 attention_backend: str | None = None, pipeline_layers=None) -> tuple[bool, Prediction]:
+    """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
+    to the config's. gpu_memory_bytes overrides the cluster's memory."""
+    gpus = tp * pp * dp
+    base = cluster or Cluster(gpus=gpus)
+    cluster = replace(base, gpus=gpus, gpu_memory_gib=gpu_memory_bytes / GIB)
+    layout = Layout(tp, pp, dp, vpp if vpp and vpp > 1 else None, micro_batch_size,
+                    recompute or config.recompute,
+                    config.sequence_parallel if sequence_parallel is None else sequence_parallel,
+                    use_distributed_optimizer)
+    run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
+              attention_backend or config.attention_backend,
+              tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,
+              config.recompute_num_layers)
+    pred = predict(config, layout, cluster, run=run)
+    return pred.fits, pred
+
+
+def check_args(args, world_size: int, gpu_memory_bytes: float | None = None,
+               cluster: Cluster | None = None) -> tuple[bool, Prediction]:
+    """check_layout for a parsed pretrain_gpt.py namespace (after megalite.arguments.validate):
+    the device's memory by default."""
+    from megalite import arguments
+
+    config = arguments.model_config(args)
+    if gpu_memory_bytes is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("no GPU: give gpu_memory_bytes to check a layout")
+        gpu_memory_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if cluster is None:
+        from megalite.metrics import default_peak_tflops
+
+        cluster = Cluster(gpus=world_size, peak_tflops=getattr(args, "peak_tflops", None) or default_peak_tflops()
+                          or Cluster.peak_tflops)
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    dp = world_size // (args.tp * args.pp)
+    return check_layout(config, tp=args.tp, pp=args.pp, dp=dp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
+                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                        use_distributed_optimizer=args.use_distributed_optimizer, dtype=dtype,
+                        gpu_memory_bytes=gpu_memory_bytes, cluster=cluster, ddp_bucket_size=args.ddp_bucket_size,
+                        pipeline_layers=args.pipeline_layers)
