@@ -1,11 +1,16 @@
-"""Shared test helpers: tolerances and gathering TP shards back into full tensors."""
+"""Shared test helpers: tolerances, gathering TP shards back into full tensors, and the shapes
+several test files repeat (waiting on a condition, tiny models and tokenizers, end-to-end runs)."""
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from cli import records, torchrun
 from megalite import parallel
 
 
@@ -38,3 +43,62 @@ def gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
 def tp_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
     tp, rank = parallel.get_tensor_model_parallel_world_size(), parallel.get_tensor_model_parallel_rank()
     return t.chunk(tp, dim=dim)[rank]
+
+
+def wait_for(condition, timeout: float, message, procs=(), poll: float = 0.25):
+    """Polls `condition` until it holds; fails the test with `message()` after `timeout` seconds,
+    or at once when one of `procs` (Popen objects that must outlive the wait) has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        if ended:
+            pytest.fail(f"a process that should still run ended early (exit {ended}): {message()}")
+        time.sleep(poll)
+    pytest.fail(message())
+
+
+def tiny_gpt_and_optimizer(num_layers: int, **optimizer_args):
+    """A tiny fp32 GPT on one rank (tp = pp = dp = 1), its gradients in one bucket of a grad buffer,
+    and a MegaliteOptimizer over that buffer at lr 0.1: (model, buffer, optimizer)."""
+    from megalite.models import GPTModel, TransformerConfig
+    from megalite.optim import MegaliteOptimizer, ParamAndGradBuffer
+
+    parallel.initialize_model_parallel(1)
+    model = GPTModel(TransformerConfig(num_layers=num_layers, hidden_size=16, num_attention_heads=2, vocab_size=50,
+                                       max_position_embeddings=8), seed=0)
+    buf = ParamAndGradBuffer(list(model.parameters()), param_dtype=torch.float32, grad_dtype=torch.float32,
+                             bucket_numel=10 ** 9, dp_group=None, dp_size=1, reduce_scatter=False)
+    return model, buf, MegaliteOptimizer([buf], lr=0.1, **optimizer_args)
+
+
+def tiny_sentencepiece(directory: Path, text: str, vocab_size: int = 300):
+    """A SentencePiece tokenizer of `vocab_size` ids trained on `text` (kept as directory/t.txt)."""
+    from megalite.data import train_sentencepiece
+
+    corpus = directory / "t.txt"
+    corpus.write_text(text)
+    return train_sentencepiece([corpus], str(directory / "sp"), vocab_size=vocab_size)
+
+
+def sentencepiece_fixture(text: str, vocab_size: int = 300):
+    """A module-scoped fixture: a tiny_sentencepiece trained on `text`, once per test module.
+    `tokenizer = sentencepiece_fixture(text)` in a test module makes the fixture `tokenizer`."""
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        return tiny_sentencepiece(tmp_path_factory.mktemp("tok"), text, vocab_size)
+
+    return fixture
+
+
+def train_on_the_embedded_corpus(script: str, metrics: Path) -> list[dict]:
+    """Runs `script` with no data flags (the embedded corpus) on 4 ranks, tp 2 x pp 2, for 30
+    iterations; asserts it ends cleanly and learns (the loss falls by over 0.5 from the first logged
+    iteration, 10, to the last, 30). Returns the training records of `metrics`."""
+    run = torchrun(script, 4, "--tp", "2", "--pp", "2", "--train-iters", "30", "--metrics-file", str(metrics))
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = records(metrics)
+    assert [r["iteration"] for r in recs] == [10, 20, 30]
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, recs
+    return recs

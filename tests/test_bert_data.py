@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import rel_err, train_on_the_embedded_corpus
 from megalite.data import IndexedDatasetWriter
 from megalite.data.bert_dataset import build_bert_datasets
 from megalite.testing import run_ranks
@@ -90,11 +90,4 @@ def test_bert_trains_to_the_same_losses_in_every_layout():
 
 
 def test_default_bert_run_trains_on_the_embedded_corpus(tmp_path):
-    from cli import records, torchrun
-
-    path = tmp_path / "m.jsonl"
-    run = torchrun("pretrain_bert.py", 4, "--tp", "2", "--pp", "2", "--train-iters", "30", "--metrics-file", str(path))
-    assert run.returncode == 0, run.stderr[-3000:]
-    recs = records(path)
-    assert [r["iteration"] for r in recs] == [10, 20, 30]
-    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, recs
+    train_on_the_embedded_corpus("pretrain_bert.py", tmp_path / "m.jsonl")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megalite.data import DatasetError, IndexedDataset, IndexedDatasetWriter, build_tokenizer, train_sentencepiece
+from helpers import sentencepiece_fixture
+from megalite.data import DatasetError, IndexedDataset, IndexedDatasetWriter, build_tokenizer
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset, build_gpt_datasets, split_ranges
 from megalite.data.preprocess import preprocess
 
@@ -68,12 +69,7 @@ def test_truncated_or_corrupt_files_are_reported(tmp_path):
         IndexedDataset(tmp_path / "missing")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    text = d / "t.txt"
-    text.write_text("\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
-    return train_sentencepiece([text], str(d / "sp"), vocab_size=300)
+tokenizer = sentencepiece_fixture("\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
 
 
 def test_sentencepiece_has_the_special_tokens(tokenizer):
@@ -146,15 +142,15 @@ def test_gpt_index_is_cached_and_identical_across_runs(tmp_path):
 def test_samples_do_not_depend_on_data_parallel_size_and_resume_exactly(tmp_path):
     from types import SimpleNamespace
 
-    from megalite.training import _micro_batches
+    from megalite.training import micro_batches
 
     ds = _dataset(tmp_path)
     args = SimpleNamespace(global_batch_size=8, micro_batch_size=2)
     cpu = torch.device("cpu")
     for iteration in range(3):
-        whole = torch.cat([b["tokens"] for b in _micro_batches(ds, iteration, args, 1, 0, cpu)])
+        whole = torch.cat([b["tokens"] for b in micro_batches(ds, iteration, args, 1, 0, cpu)])
         for dp in (2, 4):
-            parts = [b["tokens"] for r in range(dp) for b in _micro_batches(ds, iteration, args, dp, r, cpu)]
+            parts = [b["tokens"] for r in range(dp) for b in micro_batches(ds, iteration, args, dp, r, cpu)]
             assert torch.equal(torch.cat(parts), whole)
     # Resuming after N consumed samples reads exactly the next ones of an unbroken stream.
     resumed = GPTDataset(IndexedDataset(tmp_path / "c"), (0, 60), 40, 7, 3)

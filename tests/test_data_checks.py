@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from megalite.data import DatasetError, IndexedDataset, IndexedDatasetWriter, build_tokenizer, train_sentencepiece
+from helpers import sentencepiece_fixture
+from megalite.data import DatasetError, IndexedDataset, IndexedDatasetWriter, build_tokenizer
 from megalite.data.bert_dataset import build_bert_datasets
 from megalite.data.gpt_dataset import GPTDataset, build_gpt_datasets
 from megalite.data.preprocess import preprocess
@@ -166,12 +167,7 @@ def test_index_entries_are_all_validated_naming_the_first_bad_one(tmp_path, corr
 
 # --- 3. bad tokenizer files; 4. bad preprocessing input
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    text = d / "t.txt"
-    text.write_text("\n".join(f"the value {i} is {i * 7}" for i in range(200)))
-    return train_sentencepiece([text], str(d / "sp"), vocab_size=300)
+tokenizer = sentencepiece_fixture("\n".join(f"the value {i} is {i * 7}" for i in range(200)))
 
 
 def test_bad_tokenizer_paths_are_one_line_errors_naming_path_and_expectation(tmp_path):

@@ -5,9 +5,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megalite import parallel
-from megalite.models import GPTModel, TransformerConfig
-from megalite.optim import MegaliteOptimizer, ParamAndGradBuffer
+from helpers import tiny_gpt_and_optimizer
 from megalite.testing import gradient_traffic, run_ranks
 from training_ranks import parse
 
@@ -25,12 +23,7 @@ class _CountNorms(TorchFunctionMode):
 
 
 def _norm_calls(rank, world):
-    parallel.initialize_model_parallel(1)
-    model = GPTModel(TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=50,
-                                       max_position_embeddings=8), seed=0)
-    buf = ParamAndGradBuffer(list(model.parameters()), param_dtype=torch.float32, grad_dtype=torch.float32,
-                             bucket_numel=10 ** 9, dp_group=None, dp_size=1, reduce_scatter=False)
-    opt = MegaliteOptimizer([buf], lr=0.1)
+    model, buf, opt = tiny_gpt_and_optimizer(num_layers=2)
     buf.grad_data.copy_(torch.randn(buf.numel, generator=torch.Generator().manual_seed(0)))
     opt._attach_grads()
     counter = _CountNorms()

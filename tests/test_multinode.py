@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import pytest
 
 import netns
 from cli import ROOT, records
-from slurm_cluster import SLURM, SlurmTestCluster, free_port
+from helpers import wait_for
+from slurm_cluster import SLURM, SlurmTestCluster, in_ci, job_env, job_log, require_slurm
 
 PORT = 29500  # inside a fresh namespace every port is free
 MODEL = ["--mock-data", "--log-interval", "1", "--seq-length", "32"]
@@ -28,21 +28,12 @@ ITERS = ["--train-iters", "6"]
 TOL = 1e-5  # relative, fp32
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false")
-
-
 def _env(**extra) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), **extra}
-    for knob in ("MEGALITE_QUIET", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "MEGALITE_ROOT", "MEGALITE_CHECKPOINTS", "GPUS_PER_NODE", "RUN_DIR", "CKPT_DIR"):
-        env.pop(knob, None)
-    return env
+    return job_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
 def _needs_netns():
-    if os.geteuid() != 0 and not _in_ci():
+    if os.geteuid() != 0 and not in_ci():
         pytest.skip("network namespaces need root (run as root, or in CI where this test must pass)")
 
 
@@ -126,18 +117,6 @@ def test_two_hosts_train_like_one_process(hosts, tmp_path, reference):
     _assert_same_losses(metrics, reference, detail)
 
 
-def _wait_for(condition, timeout: float, message, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        ended = [p.returncode for p in procs if p.poll() is not None]
-        if ended:
-            pytest.fail(f"a host's torchrun ended early (exit {ended}): {message()}")
-        time.sleep(0.25)
-    pytest.fail(message())
-
-
 def test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint(hosts, tmp_path):
     from megalite import checkpoint
 
@@ -146,7 +125,7 @@ def test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint(hosts, t
                 "--save", str(ckpt), "--save-interval", "2"]
     procs = _launch(hosts, tmp_path, [*long_run, "--metrics-file", str(metrics)])
     logs = lambda: f"{_output(tmp_path, 0)}\n{_output(tmp_path, 1)}"  # noqa: E731
-    _wait_for(lambda: (ckpt / "latest").exists() and metrics.exists() and len(records(metrics)) >= 4, 150,
+    wait_for(lambda: (ckpt / "latest").exists() and metrics.exists() and len(records(metrics)) >= 4, 150,
               lambda: f"no checkpoint and 4 iterations in 150 s\n{logs()}", procs)
 
     # host1 goes away: torchrun and its ranks, all at once, with no chance to say goodbye.
@@ -160,7 +139,7 @@ def test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint(hosts, t
     err = (tmp_path / "host0.err").read_text(errors="replace")
     assert procs[0].returncode != 0, _output(tmp_path, 0)
     # Nothing of the job is left on host0 either (torchrun ends its ranks before it exits).
-    _wait_for(lambda: not hosts[0].pids(), 15, lambda: f"processes left in host0: {hosts[0].pids()}")
+    wait_for(lambda: not hosts[0].pids(), 15, lambda: f"processes left in host0: {hosts[0].pids()}")
 
     lines = [x for x in err.splitlines() if x.startswith("megalite: error: rank ")]
     assert lines, f"no 'megalite: error: rank R ...' line on host0's stderr:\n{err[-4000:]}"
@@ -197,7 +176,7 @@ def test_a_partitioned_host_times_out(hosts, tmp_path):
     metrics = tmp_path / "m.jsonl"
     procs = _launch(hosts, tmp_path, [*MODEL, *LAYOUT, "--train-iters", "100000", "--distributed-timeout-minutes",
                                       "0.25", "--metrics-file", str(metrics)])
-    _wait_for(lambda: metrics.exists() and len(records(metrics)) >= 3, 150,
+    wait_for(lambda: metrics.exists() and len(records(metrics)) >= 3, 150,
               lambda: f"no 3 iterations in 150 s\n{_output(tmp_path, 0)}", procs)
     hosts[1].unplug()
     try:
@@ -216,54 +195,28 @@ class SlurmNodes(SlurmTestCluster):
     script_name = "two_node_cluster.sh"
 
     def __init__(self, net: netns.Network, state: Path):
-        super().__init__(state)
-        self.env = _env(**net.env(),
-                        MEGALITE_SLURM_DIR=str(state),
-                        MEGALITE_SLURMCTLD_PORT=str(free_port()),
-                        MEGALITE_SLURMD_PORT="16828",  # inside the hosts: free, whatever the machine runs
-                        SLURM_CONF=str(state / "etc" / "slurm.conf"),
-                        MEGALITE_PYTHON=sys.executable,
-                        MEGALITE_NPROC_PER_NODE="2",
-                        GLOO_SOCKET_IFNAME=netns.INNER_IFNAME)
-        self.env.pop("OMP_NUM_THREADS")  # the sbatch script sets it from the CPUs per rank
-
+        super().__init__(state, slurmd_port="16828",  # inside the hosts: free, whatever the machine runs
+                         PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME=netns.INNER_IFNAME, **net.env())
+        self.env.pop("OMP_NUM_THREADS", None)  # the sbatch script sets it from the CPUs per rank
 
 
 @pytest.fixture
 def slurm_nodes(tmp_path_factory):
     _needs_netns()
-    if shutil.which("sbatch") is None:
-        if _in_ci():
-            pytest.fail("sbatch not found although CI is set: .ci/setup_slurm.sh should have installed Slurm")
-        pytest.skip("Slurm is not installed (no sbatch); .ci/setup_slurm.sh installs it")
+    require_slurm()
     try:
-        with netns.hosts(2, names=["node0", "node1"], tag="s") as net:
-            cluster = SlurmNodes(net, tmp_path_factory.mktemp("slurm-nodes"))
-            try:
-                up = cluster.script("start")
-                assert up.returncode == 0, f"two_node_cluster.sh start failed:\n{up.stdout}\n{up.stderr}"
-                yield cluster
-            finally:
-                down = cluster.script("stop")
-                assert down.returncode == 0, down.stderr
+        with netns.hosts(2, names=["node0", "node1"], tag="s") as net, \
+                SlurmNodes(net, tmp_path_factory.mktemp("slurm-nodes")).started() as cluster:
+            yield cluster
     except netns.NetnsError as e:
         pytest.fail(f"cannot create network-namespace hosts: {e}")
 
 
 def test_sbatch_on_two_slurm_nodes_trains_like_one_process(slurm_nodes, tmp_path, reference):
-    (tmp_path / "logs").mkdir()
     metrics = tmp_path / "m.jsonl"
-    cmd = ["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "1", str(SLURM / "pretrain_gpt.sbatch"),
-           *MODEL, *LAYOUT, *ITERS, "--metrics-file", str(metrics)]
-    job_log = lambda: "\n".join(p.read_text(errors="replace")[-6000:]  # noqa: E731
-                                for p in sorted((tmp_path / "logs").glob("*.out"))) or "(no job log)"
-    try:
-        job = slurm_nodes.run(*cmd, timeout=240, cwd=tmp_path, env={"RUN_DIR": str(tmp_path / "run")})
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"sbatch --wait ran past 240 s\n{job_log()}\n{slurm_nodes.daemon_logs()}")
-    detail = f"{job.stdout}\n{job.stderr}\n{job_log()}"
-    assert job.returncode == 0, f"job failed (exit {job.returncode}):\n{detail}\n{slurm_nodes.daemon_logs()}"
-    log = job_log()
+    detail = slurm_nodes.sbatch_wait(tmp_path, "-N", "2", "--ntasks-per-node", "1", str(SLURM / "pretrain_gpt.sbatch"),
+                                     *MODEL, *LAYOUT, *ITERS, "--metrics-file", str(metrics), timeout=240)
+    log = job_log(tmp_path)
     # Two nodes, rendezvous at the first node's Slurm name (resolved inside the hosts), 4 ranks.
     assert "on 2 node(s) x 2 ranks" in log and "rendezvous node0:" in log, log
     assert "4 ranks as tp=2 pp=2 dp=1" in log and "training step ended with exit code 0" in log, log

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import fresh_seed, rel_err
+from helpers import fresh_seed, rel_err, tiny_gpt_and_optimizer
 from megalite import parallel
 from megalite.models import GPTModel, TransformerConfig
-from megalite.optim import DynamicLossScaler, LRSchedule, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim import DynamicLossScaler, LRSchedule, ParamAndGradBuffer
 from megalite.testing import run_ranks
 from training_ranks import parse, train_params, train_with_inf_at
 
@@ -143,12 +143,7 @@ def test_weight_decay_skips_biases_and_norm_weights_only():
 
 
 def _wd_step(rank, world):
-    parallel.initialize_model_parallel(1)
-    model = GPTModel(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50,
-                                       max_position_embeddings=8), seed=0)
-    buf = ParamAndGradBuffer(list(model.parameters()), param_dtype=torch.float32, grad_dtype=torch.float32,
-                             bucket_numel=10 ** 9, dp_group=None, dp_size=1, reduce_scatter=False)
-    opt = MegaliteOptimizer([buf], lr=0.1, weight_decay=0.5)
+    model, _, opt = tiny_gpt_and_optimizer(num_layers=1, weight_decay=0.5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.step(lr=0.1, clip_grad=0)  # zero gradients: only weight decay moves weights
     return {n: torch.equal(p.detach(), before[n]) for n, p in model.named_parameters()}

@@ -1,6 +1,9 @@
-# shellcheck shell=bash
-# Process bookkeeping shared by local_cluster.sh and two_node_cluster.sh (sourced, not run).
-# The caller sets STATE (the cluster's state dir, pid files in $STATE/run) and defines log().
+# shellcheck shell=bash disable=SC2154  # names (and the other settings) come from the caller
+# What local_cluster.sh and two_node_cluster.sh share (sourced, not run): process bookkeeping,
+# the common slurm.conf, and start/stop/status. The caller sets STATE (the cluster's state dir,
+# pid files in $STATE/run), CONF, MUNGE_SOCKET, START_TIMEOUT and names (the Slurm node names,
+# each slurmd's pid file $STATE/run/slurmd-NAME.pid), and defines log(), write_config and
+# start_slurmd I (starts the slurmd of ${names[I]}).
 
 # pid from a pid file, if that process is alive and was started by us: its command line names
 # the daemon and this state dir (pids get reused; a system Slurm is not ours to stop).
@@ -118,4 +121,94 @@ KillWait=10
 # would wait up to half a minute for a finished job); 4 s still outlives one poll interval.
 MinJobAge=4
 EOF
+}
+
+# Exits naming the command and `hint` (how to install it) unless every command is found. The
+# daemons live in /usr/sbin, which a non-root PATH may lack.
+require_commands() {
+  local hint=$1 cmd
+  shift
+  for cmd in "$@"; do
+    command -v "$cmd" >/dev/null 2>&1 || PATH=$PATH:/usr/sbin:/sbin
+    command -v "$cmd" >/dev/null 2>&1 || { log "error: $cmd not found$hint"; exit 1; }
+  done
+}
+
+node_states() {
+  timeout 10 sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true
+}
+
+# Waits until sinfo shows every node idle; fails at once when a daemon has exited.
+wait_until_idle() {
+  local deadline=$((SECONDS + START_TIMEOUT)) states="" want="" n
+  for n in "${names[@]}"; do want+="$n=idle "; done
+  want=$(tr ' ' '\n' <<<"$want" | sed '/^$/d' | sort -u | tr '\n' ' ')
+  while [ $SECONDS -lt $deadline ]; do
+    states=$(node_states)
+    [ "$states" = "$want" ] && return
+    daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null || fail "slurmctld exited (see its log below)"
+    for n in "${names[@]}"; do
+      daemon_pid "$STATE/run/slurmd-$n.pid" slurmd >/dev/null || fail "slurmd of $n exited (see its log below)"
+    done
+    sleep 1
+  done
+  fail "nodes not idle after ${START_TIMEOUT}s (sinfo: '${states:-no answer}', want '$want')"
+}
+
+# munged, slurmctld and every node's slurmd on a fresh config; logs `up_message` once all nodes
+# are idle. A cluster already running from this state dir is left as it is.
+start_cluster() {
+  local up_message=$1 i
+  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
+    log "already running (state dir $STATE); 'stop' first to restart"
+    status || exit  # a daemon down: an error, as set -e would make it
+    return
+  fi
+  stop_daemons  # leftovers of a half-started cluster
+  write_config
+  rm -f "$STATE"/log/*.log
+
+  munged --force --socket="$MUNGE_SOCKET" --key-file="$STATE/munge/munge.key" \
+    --pid-file="$STATE/run/munged.pid" --log-file="$STATE/log/munged.log" \
+    --seed-file="$STATE/munge/munged.seed" || fail "munged did not start"
+  # -c: start from a clean state, not from jobs of an earlier run.
+  slurmctld -c -f "$CONF" || fail "slurmctld did not start"
+  for i in "${!names[@]}"; do
+    start_slurmd "$i" || fail "slurmd -N ${names[$i]} did not start"
+  done
+  wait_until_idle
+  log "$up_message"
+}
+
+# "LABEL: running (pid P)" or "LABEL: stopped" (status 1) for the daemon `name` of `pidfile`.
+report_daemon() {
+  local pidfile=$1 name=$2 label=$3 pid
+  if pid=$(daemon_pid "$pidfile" "$name"); then
+    echo "$label: running (pid $pid)"
+  else
+    echo "$label: stopped"
+    return 1
+  fi
+}
+
+status() {
+  local name rc=0
+  for name in munged slurmctld; do
+    report_daemon "$STATE/run/$name.pid" "$name" "$name" || rc=1
+  done
+  for name in "${names[@]}"; do
+    report_daemon "$STATE/run/slurmd-$name.pid" slurmd "slurmd $name" || rc=1
+  done
+  [ $rc = 0 ] && timeout 10 sinfo -N -l
+  return $rc
+}
+
+# The script's command line: start (the caller's start), stop or status.
+dispatch() {
+  case ${1:-} in
+    start) start ;;
+    stop) stop ;;
+    status) status ;;
+    *) echo "usage: $0 {start|stop|status}" >&2; exit 2 ;;
+  esac
 }

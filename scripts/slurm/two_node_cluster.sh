@@ -61,6 +61,7 @@ done
 # private mount namespace (the host's mounts are not touched) before exec'ing slurmd.
 start_slurmd() {
   local i=$1
+  mkdir -p "$STATE/spool/${names[$i]}" || return
   if [ "${netns[$i]}" = - ]; then
     slurmd -f "$CONF" -N "${names[$i]}"
     return
@@ -102,71 +103,13 @@ write_config() {
   } >"$CONF"
 }
 
-node_states() {
-  timeout 10 sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true
-}
-
 start() {
   if [ ${#names[@]} -eq 0 ]; then
     log "error: no nodes: set MEGALITE_SLURM_NODES='name:netns:addr ...' (or run under tests/netns.py)"
     exit 2
   fi
-  local cmd
-  for cmd in munged slurmctld slurmd sinfo ip; do
-    command -v "$cmd" >/dev/null 2>&1 || PATH=$PATH:/usr/sbin:/sbin
-    command -v "$cmd" >/dev/null 2>&1 || { log "error: $cmd not found (.ci/setup_slurm.sh, .ci/setup_netns.sh)"; exit 1; }
-  done
-  if daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null; then
-    log "already running (state dir $STATE); 'stop' first to restart"
-    status
-    return
-  fi
-  stop_daemons
-  write_config
-  rm -f "$STATE"/log/*.log
-
-  munged --force --socket="$MUNGE_SOCKET" --key-file="$STATE/munge/munge.key" \
-    --pid-file="$STATE/run/munged.pid" --log-file="$STATE/log/munged.log" \
-    --seed-file="$STATE/munge/munged.seed" || fail "munged did not start"
-  slurmctld -c -f "$CONF" || fail "slurmctld did not start"
-  local i
-  for i in "${!names[@]}"; do
-    mkdir -p "$STATE/spool/${names[$i]}"
-    start_slurmd "$i" || fail "slurmd -N ${names[$i]} did not start"
-  done
-
-  local deadline=$((SECONDS + START_TIMEOUT)) states="" want="" n
-  for n in "${names[@]}"; do want+="$n=idle "; done
-  want=$(tr ' ' '\n' <<<"$want" | sed '/^$/d' | sort -u | tr '\n' ' ')
-  while [ $SECONDS -lt $deadline ]; do
-    states=$(node_states)
-    [ "$states" = "$want" ] && break
-    daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null || fail "slurmctld exited (see its log below)"
-    for n in "${names[@]}"; do
-      daemon_pid "$STATE/run/slurmd-$n.pid" slurmd >/dev/null || fail "slurmd of $n exited (see its log below)"
-    done
-    sleep 1
-  done
-  [ "$states" = "$want" ] || fail "nodes not idle after ${START_TIMEOUT}s (sinfo: '${states:-no answer}', want '$want')"
-  log "up: ${names[*]} idle, controller $CTLD_ADDR:$CTLD_PORT; export SLURM_CONF=$CONF"
+  require_commands " (.ci/setup_slurm.sh, .ci/setup_netns.sh)" munged slurmctld slurmd sinfo ip
+  start_cluster "up: ${names[*]} idle, controller $CTLD_ADDR:$CTLD_PORT; export SLURM_CONF=$CONF"
 }
 
-status() {
-  local f pid rc=0 name
-  for name in munged slurmctld; do
-    if pid=$(daemon_pid "$STATE/run/$name.pid" "$name"); then echo "$name: running (pid $pid)"; else echo "$name: stopped"; rc=1; fi
-  done
-  for name in "${names[@]}"; do
-    f=$STATE/run/slurmd-$name.pid
-    if pid=$(daemon_pid "$f" slurmd); then echo "slurmd $name: running (pid $pid)"; else echo "slurmd $name: stopped"; rc=1; fi
-  done
-  [ $rc = 0 ] && timeout 10 sinfo -N -l
-  return $rc
-}
-
-case ${1:-} in
-  start) start ;;
-  stop) stop ;;
-  status) status ;;
-  *) echo "usage: $0 {start|stop|status}" >&2; exit 2 ;;
-esac
+dispatch "$@"
