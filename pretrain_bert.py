@@ -29,13 +29,11 @@ def build_model(config, args, device, pre_process=True, post_process=True, layer
 
 
 def build_data(config, args):
-    if args.mock_data:
-        return (SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed),
-                SyntheticBERT(config.vocab_size, args.seq_length, seed=args.seed + 1))
-    # Ids are checked against the model's vocabulary.
-    return train_valid_datasets(args, lambda samples, lock_timeout: build_bert_datasets(
-        args.data_path[0], args.split, args.seq_length, samples, args.seed, args.tokenizer_object,
-        vocab_size=config.vocab_size, lock_timeout=lock_timeout))
+    def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
+        return build_bert_datasets(args.data_path[0], args.split, args.seq_length, samples, args.seed,
+                                   args.tokenizer_object, vocab_size=config.vocab_size, lock_timeout=lock_timeout)
+
+    return train_valid_datasets(args, config.vocab_size, SyntheticBERT, datasets)
 
 
 def bert_forward_step(model, batch):

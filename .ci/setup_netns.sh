@@ -9,12 +9,8 @@ if PATH=$PATH:/usr/sbin:/sbin command -v ip >/dev/null 2>&1; then
   exit 0
 fi
 
-SUDO=""
-if [ "$(id -u)" != 0 ]; then
-  SUDO="sudo"
-fi
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null
+source "$(dirname "$0")/apt_install.sh"
+apt_install iproute2
 
 PATH=$PATH:/usr/sbin:/sbin command -v ip >/dev/null 2>&1 || { echo "setup_netns: ip still missing after apt-get install" >&2; exit 1; }
 echo "setup_netns: installed iproute2 $(dpkg-query -W -f='${Version}' iproute2)"

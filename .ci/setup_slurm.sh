@@ -16,18 +16,12 @@ if have_all; then
   exit 0
 fi
 
-# CI runs as root on a fresh machine; elsewhere use sudo.
-SUDO=""
-if [ "$(id -u)" != 0 ]; then
-  SUDO="sudo"
-fi
+source "$(dirname "$0")/apt_install.sh"
 
 # slurm-wlm pulls slurmctld, slurmd and the client tools; munge authenticates them to each other.
 # Post-install scripts may try to start the system services: without systemd (containers) that
 # fails harmlessly, and local_cluster.sh starts its own daemons with its own config anyway.
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-  slurm-wlm munge >/dev/null
+apt_install slurm-wlm munge
 
 have_all || { echo "setup_slurm: Slurm commands still missing after apt-get install" >&2; exit 1; }
 # (sbatch --version would need a slurm.conf: ask dpkg instead.)

@@ -52,6 +52,17 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
+// N elements from p + col on when col < end, else N copies of `fill` (nothing is read).
+template <typename T, int N>
+__device__ __forceinline__ void load_or_fill(const T* p, int col, int end, float fill, float (&out)[N]) {
+  if (col < end) {
+    load<T, N>(p + col, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = fill;
+  }
+}
+
 struct SumOp {
   __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
   __device__ __forceinline__ static float identity() { return 0.f; }
@@ -86,6 +97,38 @@ __device__ __forceinline__ float group_reduce(float v, Op op, float* scratch) {
 // How many rows one block serves: four warps of one row each for short rows, else one row.
 template <int THREADS>
 __host__ __device__ constexpr int rows_per_block() { return THREADS == 32 ? 4 : 1; }
+
+// One thread's place in a row-group kernel. A block holds kRows row groups of THREADS threads;
+// group g of block b takes row b * kRows + g, then every gridDim.x * kRows-th row after it (a grid
+// stride, so any grid covers any number of rows). In each row the thread holds kChunks chunks of
+// VEC values, chunk c from column col(c) on: neighbouring threads read neighbouring vectors.
+template <int THREADS, int ITEMS, int VEC>
+struct RowThread {
+  static constexpr int kRows = rows_per_block<THREADS>();
+  static constexpr int kChunks = ITEMS / VEC;
+  int t;  // index in the row group
+
+  __device__ __forceinline__ RowThread() : t(threadIdx.x % THREADS) {}
+  __device__ __forceinline__ int group() const { return threadIdx.x / THREADS; }  // in the block
+  __device__ __forceinline__ int64_t first_row() const { return int64_t(blockIdx.x) * kRows + group(); }
+  __device__ __forceinline__ int64_t row_stride() const { return int64_t(gridDim.x) * kRows; }
+  __device__ __forceinline__ int col(int c) const { return (c * THREADS + t) * VEC; }
+
+  // Writes this thread's chunks of the row at `row_out` (those before `cols`): its k-th value
+  // (k = c * VEC + i, as the thread holds them) is value(k).
+  template <typename T, typename Value>
+  __device__ __forceinline__ void store_row(T* row_out, int cols, Value&& value) const {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      if (col(c) < cols) {
+        float out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = value(c * VEC + i);
+        store<T, VEC>(row_out + col(c), out);
+      }
+    }
+  }
+};
 
 // Candidate (threads per row, values per thread) pairs, shortest rows first: a warp for rows up to
 // 256 values, then a block with 8 values a thread (few registers, so many blocks stay resident)
@@ -146,22 +189,6 @@ inline int grid_for_rows(int64_t rows, int rows_per_block) {
   return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
 }
 
-// Chooses the vector width (16-byte vectors when the row length and `pointers_aligned` allow) and
-// the row configuration for `cols`, then calls launch(threads, items, vec, grid, block): the first
-// three as std::integral_constant, grid and block the usual row-parallel launch shape.
-template <typename T, typename Launch>
-void launch_over_rows(const char* what, int64_t rows, int cols, bool pointers_aligned, Launch&& launch) {
-  constexpr int kVec = vector_width<T>();
-  auto with_shape = [&](auto threads, auto items, auto width) {
-    constexpr int TH = decltype(threads)::value;
-    launch(threads, items, width, grid_for_rows(rows, rows_per_block<TH>()), TH * rows_per_block<TH>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  const bool ok = pointers_aligned && cols % kVec == 0 ? dispatch_row_config<kVec>(cols, with_shape)
-                                                       : dispatch_row_config<1>(cols, with_shape);
-  TORCH_CHECK(ok, what, ": no launch configuration for rows of ", cols);
-}
-
 // Calls fn(T{}) with T the C++ type of `dtype` (float, at::Half, at::BFloat16).
 template <typename Fn>
 void dispatch_dtype(at::ScalarType dtype, const char* what, Fn&& fn) {
@@ -171,6 +198,42 @@ void dispatch_dtype(at::ScalarType dtype, const char* what, Fn&& fn) {
     case at::ScalarType::BFloat16: fn(at::BFloat16{}); break;
     default: TORCH_CHECK(false, what, ": dtype ", dtype, " is not supported (float32, float16, bfloat16)");
   }
+}
+
+// A row kernel's launch, once the element type and the row configuration are chosen: instantiate
+// the kernel as kernel<typename L::T, L::kThreads, L::kItems, L::kVec> (L = decltype(launch)) and
+// launch it with <<<grid, block, 0, stream>>>; in() and out() give a tensor's data as T.
+template <typename Element, int THREADS, int ITEMS, int VEC>
+struct RowLaunch {
+  using T = Element;
+  static constexpr int kThreads = THREADS, kItems = ITEMS, kVec = VEC;
+  int grid, block;
+  cudaStream_t stream;
+
+  static const T* in(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+  static T* out(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+};
+
+// Launches a row kernel over `rows` rows of `cols` values of `dtype` on the current stream: calls
+// launch(RowLaunch<...>{grid, block, stream}) for dtype's C++ type, with 16-byte vectors when the
+// row length and `pointers_aligned` allow, the first row configuration that covers `cols`, and the
+// usual row-parallel grid (a kernel may launch another grid of the same block).
+template <typename Launch>
+void launch_rows(const char* what, at::ScalarType dtype, int64_t rows, int cols, bool pointers_aligned,
+                 Launch&& launch) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_dtype(dtype, what, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = vector_width<T>();
+    auto with_shape = [&](auto threads, auto items, auto width) {
+      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
+      launch(RowLaunch<T, TH, IT, V>{grid_for_rows(rows, rows_per_block<TH>()), TH * rows_per_block<TH>(), stream});
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool ok = pointers_aligned && cols % kVec == 0 ? dispatch_row_config<kVec>(cols, with_shape)
+                                                         : dispatch_row_config<1>(cols, with_shape);
+    TORCH_CHECK(ok, what, ": no launch configuration for rows of ", cols);
+  });
 }
 
 }  // namespace megalite

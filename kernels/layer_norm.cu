@@ -23,24 +23,17 @@ norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* _
                     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                     int64_t rows, int cols, float eps, bool rms) {
   __shared__ float scratch[32];
-  constexpr int kRows = rows_per_block<THREADS>();
-  constexpr int kChunks = ITEMS / VEC;
-  const int t = threadIdx.x % THREADS;
-  for (int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / THREADS; row < rows;
-       row += int64_t(gridDim.x) * kRows) {
+  using Slot = RowThread<THREADS, ITEMS, VEC>;
+  const Slot me;
+  for (int64_t row = me.first_row(); row < rows; row += me.row_stride()) {
     const T* xr = x + row * cols;
     float v[ITEMS];
     float sum = 0.f;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       float chunk[VEC];
-      if (col < cols) {
-        load<T, VEC>(xr + col, chunk);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) chunk[i] = 0.f;
-      }
+      load_or_fill<T, VEC>(xr, col, cols, 0.f, chunk);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         v[c * VEC + i] = chunk[i];
@@ -51,8 +44,8 @@ norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* _
     // Two passes over the registers: the variance of the centred values, not E[x^2] - mean^2.
     float squares = 0.f;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       if (col < cols) {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -62,14 +55,14 @@ norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* _
       }
     }
     const float rstd = rsqrtf(group_reduce<THREADS>(squares, SumOp{}, scratch) / cols + eps);
-    if (t == 0) {
+    if (me.t == 0) {
       mean_out[row] = mean;
       rstd_out[row] = rstd;
     }
     T* yr = y + row * cols;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       if (col < cols) {
         float wc[VEC], bc[VEC], out[VEC];
         load<T, VEC>(w + col, wc);
@@ -109,10 +102,10 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
                      T* __restrict__ dx, float* __restrict__ dw_part, float* __restrict__ db_part,
                      int64_t rows, int cols, bool rms) {
   __shared__ float scratch[32];
-  constexpr int kRows = rows_per_block<THREADS>();
-  constexpr int kChunks = ITEMS / VEC;
-  const int t = threadIdx.x % THREADS;
-  const int group = threadIdx.x / THREADS;
+  using Slot = RowThread<THREADS, ITEMS, VEC>;
+  constexpr int kRows = Slot::kRows;
+  const Slot me;
+  const int t = me.t, group = me.group();
   // Up to 16 values a thread, the row's xhat and g stay in registers between the two passes. Beyond
   // that they would not fit beside the dw / db accumulators (ptxas spilled 288-528 B a thread at
   // 512 x 32): the second pass reads dy, x and w again instead (the block has just read them, so
@@ -123,14 +116,14 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) dw_acc[i] = db_acc[i] = 0.f;
 
-  for (int64_t row = int64_t(blockIdx.x) * kRows + group; row < rows; row += int64_t(gridDim.x) * kRows) {
+  for (int64_t row = me.first_row(); row < rows; row += me.row_stride()) {
     const float mean = mean_in[row], rstd = rstd_in[row];
     const int64_t base = row * cols;
     float xhat[kKept], g[kKept];
     float g_sum = 0.f, gx_sum = 0.f;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       float dyc[VEC], xc[VEC], wc[VEC];
       load_row_chunk<T, VEC>(dy, x, w, base, col, cols, dyc, xc, wc);
 #pragma unroll
@@ -151,8 +144,8 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
     const float g_mean = rms ? 0.f : group_reduce<THREADS>(g_sum, SumOp{}, scratch) / cols;
     const float gx_mean = group_reduce<THREADS>(gx_sum, SumOp{}, scratch) / cols;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       if (col < cols) {
         float dyc[VEC], xc[VEC], wc[VEC], out[VEC];
         if constexpr (!kKeepRow) load_row_chunk<T, VEC>(dy, x, w, base, col, cols, dyc, xc, wc);
@@ -191,8 +184,8 @@ norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T*
   float* dwr = dw_part + int64_t(blockIdx.x) * cols;
   float* dbr = db_part + int64_t(blockIdx.x) * cols;
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int col = (c * THREADS + t) * VEC;
+  for (int c = 0; c < Slot::kChunks; ++c) {
+    const int col = me.col(c);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       if (col + i < cols) {
@@ -240,20 +233,13 @@ std::vector<at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& w, c
   auto stat_options = x.options().dtype(at::ScalarType::Float);
   at::Tensor mean = at::empty({rows}, stat_options), rstd = at::empty({rows}, stat_options);
   if (rows == 0) return {y, mean, rstd};
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), "norm_forward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* wp = reinterpret_cast<const T*>(w.data_ptr());
-    const T* bp = b.has_value() ? reinterpret_cast<const T*>(b->data_ptr()) : nullptr;
-    T* yp = reinterpret_cast<T*>(y.data_ptr());
-    const bool aligned = aligned16(xp) && aligned16(yp) && aligned16(wp) && (bp == nullptr || aligned16(bp));
-    launch_over_rows<T>("norm_forward", rows, int(cols), aligned, [&](auto threads, auto items, auto width, int grid,
-                                                                      int block) {
-      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      norm_forward_kernel<T, TH, IT, V><<<grid, block, 0, stream>>>(
-          xp, wp, bp, yp, mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, int(cols), float(eps), rms);
-    });
+  const bool aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(w.data_ptr()) &&
+                       (!b.has_value() || aligned16(b->data_ptr()));
+  launch_rows("norm_forward", x.scalar_type(), rows, int(cols), aligned, [&](auto launch) {
+    using L = decltype(launch);
+    norm_forward_kernel<typename L::T, L::kThreads, L::kItems, L::kVec><<<launch.grid, launch.block, 0, launch.stream>>>(
+        L::in(x), L::in(w), b.has_value() ? L::in(*b) : nullptr, L::out(y), mean.data_ptr<float>(),
+        rstd.data_ptr<float>(), rows, int(cols), float(eps), rms);
   });
   return {y, mean, rstd};
 }
@@ -277,26 +263,18 @@ std::vector<at::Tensor> norm_backward(const at::Tensor& dy, const at::Tensor& x,
   if (rows == 0) {
     return {dx, at::zeros({1, cols}, part_options), at::zeros({1, cols}, part_options)};
   }
-  auto stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor dw_part, db_part;
-  dispatch_dtype(x.scalar_type(), "norm_backward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* gp = reinterpret_cast<const T*>(g.data_ptr());
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    const T* wp = reinterpret_cast<const T*>(w.data_ptr());
-    T* dxp = reinterpret_cast<T*>(dx.data_ptr());
-    const bool aligned = aligned16(gp) && aligned16(xp) && aligned16(wp) && aligned16(dxp);
-    launch_over_rows<T>("norm_backward", rows, int(cols), aligned, [&](auto threads, auto items, auto width, int,
-                                                                       int block) {
-      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      // Fewer blocks than the forward: each adds its rows into one partial row of dw / db.
-      const int blocks = backward_blocks(rows, rows_per_block<TH>(), block);
-      dw_part = at::empty({blocks, cols}, part_options);
-      db_part = at::empty({blocks, cols}, part_options);
-      norm_backward_kernel<T, TH, IT, V><<<blocks, block, 0, stream>>>(
-          gp, xp, wp, mean.data_ptr<float>(), rstd.data_ptr<float>(), dxp, dw_part.data_ptr<float>(),
-          db_part.data_ptr<float>(), rows, int(cols), rms);
-    });
+  const bool aligned = aligned16(g.data_ptr()) && aligned16(x.data_ptr()) && aligned16(w.data_ptr()) &&
+                       aligned16(dx.data_ptr());
+  launch_rows("norm_backward", x.scalar_type(), rows, int(cols), aligned, [&](auto launch) {
+    using L = decltype(launch);
+    // Fewer blocks than the forward: each adds its rows into one partial row of dw / db.
+    const int blocks = backward_blocks(rows, rows_per_block<L::kThreads>(), launch.block);
+    dw_part = at::empty({blocks, cols}, part_options);
+    db_part = at::empty({blocks, cols}, part_options);
+    norm_backward_kernel<typename L::T, L::kThreads, L::kItems, L::kVec><<<blocks, launch.block, 0, launch.stream>>>(
+        L::in(g), L::in(x), L::in(w), mean.data_ptr<float>(), rstd.data_ptr<float>(), L::out(dx),
+        dw_part.data_ptr<float>(), db_part.data_ptr<float>(), rows, int(cols), rms);
   });
   return {dx, dw_part, db_part};
 }

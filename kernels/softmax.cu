@@ -19,11 +19,9 @@ softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask
                        int64_t rows, int cols, int sq, int64_t rows_per_mask_batch, int64_t mask_batch_stride,
                        int64_t mask_query_stride, float scale) {
   __shared__ float scratch[32];
-  constexpr int kRows = rows_per_block<THREADS>();
-  constexpr int kChunks = ITEMS / VEC;
-  const int t = threadIdx.x % THREADS;
-  for (int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / THREADS; row < rows;
-       row += int64_t(gridDim.x) * kRows) {
+  using Slot = RowThread<THREADS, ITEMS, VEC>;
+  const Slot me;
+  for (int64_t row = me.first_row(); row < rows; row += me.row_stride()) {
     const int q = static_cast<int>(row % sq);
     const int visible = CAUSAL ? min(q + 1, cols) : cols;  // keys [0, visible) may be seen
     const T* xr = x + row * cols;
@@ -34,8 +32,8 @@ softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask
     float v[ITEMS];
     float row_max = -INFINITY;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       float chunk[VEC];
       if (col < visible) {
         load<T, VEC>(xr + col, chunk);
@@ -72,17 +70,7 @@ softmax_forward_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask
     sum = group_reduce<THREADS>(sum, SumOp{}, scratch);
     // Every key hidden: row_max is -inf, sum 0, and the row is written as zeros.
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    T* yr = y + row * cols;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
-      if (col < cols) {
-        float out[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) out[i] = row_max == -INFINITY ? 0.f : v[c * VEC + i] * inv;
-        store<T, VEC>(yr + col, out);
-      }
-    }
+    me.store_row(y + row * cols, cols, [&](int k) { return row_max == -INFINITY ? 0.f : v[k] * inv; });
   }
 }
 
@@ -91,19 +79,17 @@ __global__ void __launch_bounds__(THREADS * rows_per_block<THREADS>())
 softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                         int64_t rows, int cols, int sq, float scale) {
   __shared__ float scratch[32];
-  constexpr int kRows = rows_per_block<THREADS>();
-  constexpr int kChunks = ITEMS / VEC;
-  const int t = threadIdx.x % THREADS;
-  for (int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / THREADS; row < rows;
-       row += int64_t(gridDim.x) * kRows) {
+  using Slot = RowThread<THREADS, ITEMS, VEC>;
+  const Slot me;
+  for (int64_t row = me.first_row(); row < rows; row += me.row_stride()) {
     // y is 0 on hidden keys, so their gradient is 0; causal rows need not read them at all.
     const int visible = CAUSAL ? min(static_cast<int>(row % sq) + 1, cols) : cols;
     const int64_t base = row * cols;
     float g[ITEMS], p[ITEMS];
     float dot = 0.f;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
+    for (int c = 0; c < Slot::kChunks; ++c) {
+      const int col = me.col(c);
       float gc[VEC], pc[VEC];
       if (col < visible) {
         load<T, VEC>(dy + base + col, gc);
@@ -120,16 +106,7 @@ softmax_backward_kernel(const T* __restrict__ dy, const T* __restrict__ y, T* __
       }
     }
     dot = group_reduce<THREADS>(dot, SumOp{}, scratch);
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int col = (c * THREADS + t) * VEC;
-      if (col < cols) {
-        float out[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) out[i] = scale * p[c * VEC + i] * (g[c * VEC + i] - dot);
-        store<T, VEC>(dx + base + col, out);
-      }
-    }
+    me.store_row(dx + base, cols, [&](int k) { return scale * p[k] * (g[k] - dot); });
   }
 }
 
@@ -168,24 +145,15 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
   at::Tensor y = at::empty_like(x);
   const int64_t rows = x.numel() / sk;
   if (rows == 0) return y;
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), "softmax_forward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-    T* yp = reinterpret_cast<T*>(y.data_ptr());
-    const bool aligned = aligned16(xp) && aligned16(yp) && (mask_ptr == nullptr || aligned16(mask_ptr));
-    launch_over_rows<T>("softmax_forward", rows, int(sk), aligned, [&](auto threads, auto items, auto width, int grid,
-                                                                       int block) {
-      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      if (causal) {
-        softmax_forward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(
-            xp, nullptr, yp, rows, int(sk), int(sq), heads * sq, 0, 0, float(scale));
-      } else {
-        softmax_forward_kernel<T, TH, IT, V, false><<<grid, block, 0, stream>>>(
-            xp, mask_ptr, yp, rows, int(sk), int(sq), heads * sq, mask_batch_stride, mask_query_stride,
-            float(scale));
-      }
-    });
+  const bool aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && (mask_ptr == nullptr || aligned16(mask_ptr));
+  launch_rows("softmax_forward", x.scalar_type(), rows, int(sk), aligned, [&](auto launch) {
+    using L = decltype(launch);
+    const auto kernel = causal ? softmax_forward_kernel<typename L::T, L::kThreads, L::kItems, L::kVec, true>
+                               : softmax_forward_kernel<typename L::T, L::kThreads, L::kItems, L::kVec, false>;
+    // Causal: mask_ptr is null and its strides 0.
+    kernel<<<launch.grid, launch.block, 0, launch.stream>>>(L::in(x), mask_ptr, L::out(y), rows, int(sk), int(sq),
+                                                            heads * sq, mask_batch_stride, mask_query_stride,
+                                                            float(scale));
   });
   return y;
 }
@@ -200,21 +168,13 @@ at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y, double sc
   at::Tensor dx = at::empty_like(y);
   const int64_t rows = y.numel() / sk;
   if (rows == 0) return dx;
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(y.scalar_type(), "softmax_backward", [&](auto tag) {
-    using T = decltype(tag);
-    const T* gp = reinterpret_cast<const T*>(g.data_ptr());
-    const T* yp = reinterpret_cast<const T*>(y.data_ptr());
-    T* dxp = reinterpret_cast<T*>(dx.data_ptr());
-    launch_over_rows<T>("softmax_backward", rows, int(sk), aligned16(gp) && aligned16(yp) && aligned16(dxp),
-                        [&](auto threads, auto items, auto width, int grid, int block) {
-      constexpr int TH = decltype(threads)::value, IT = decltype(items)::value, V = decltype(width)::value;
-      if (causal) {
-        softmax_backward_kernel<T, TH, IT, V, true><<<grid, block, 0, stream>>>(gp, yp, dxp, rows, int(sk), int(sq), float(scale));
-      } else {
-        softmax_backward_kernel<T, TH, IT, V, false><<<grid, block, 0, stream>>>(gp, yp, dxp, rows, int(sk), int(sq), float(scale));
-      }
-    });
+  const bool aligned = aligned16(g.data_ptr()) && aligned16(y.data_ptr()) && aligned16(dx.data_ptr());
+  launch_rows("softmax_backward", y.scalar_type(), rows, int(sk), aligned, [&](auto launch) {
+    using L = decltype(launch);
+    const auto kernel = causal ? softmax_backward_kernel<typename L::T, L::kThreads, L::kItems, L::kVec, true>
+                               : softmax_backward_kernel<typename L::T, L::kThreads, L::kItems, L::kVec, false>;
+    kernel<<<launch.grid, launch.block, 0, launch.stream>>>(L::in(g), L::in(y), L::out(dx), rows, int(sk), int(sq),
+                                                            float(scale));
   });
   return dx;
 }

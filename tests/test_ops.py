@@ -2,6 +2,7 @@
 backends against its explicit ones, and the build logic (cache names, lock, failures, no compiler).
 The CUDA kernels themselves are checked on the GPU by tests/test_gpu.py against the same references."""
 import multiprocessing as mp
+import re
 import shutil
 import subprocess
 import sys
@@ -240,6 +241,18 @@ def test_build_name_follows_sources_and_architecture(tmp_path):
     assert name != build.build_name(src, "8.0;9.0")
     (src / "softmax.cu").write_text((src / "softmax.cu").read_text() + "\n// changed\n")
     assert build.build_name(src, "9.0") != name, "an edited source must never load an old build"
+    edited = build.build_name(src, "9.0")
+    (src / "common.cuh").write_text((src / "common.cuh").read_text() + "\n// changed\n")
+    assert build.build_name(src, "9.0") != edited, "an edited shared header must never load an old build"
+
+
+def test_every_file_the_kernels_include_is_part_of_the_build_name():
+    src = build.source_dir()
+    included = set()
+    for f in build.SOURCES + build.HEADERS:
+        included.update(re.findall(r'^#include "([^"]+)"', (src / f).read_text(), flags=re.MULTILINE))
+    assert included and included <= set(build.HEADERS), f"hash these too: {sorted(included - set(build.HEADERS))}"
+    assert {p.name for p in src.iterdir() if p.suffix in (".cu", ".cuh", ".cpp")} == set(build.SOURCES + build.HEADERS)
 
 
 def _fake_build(counter: Path, delay: float, fail: bool):

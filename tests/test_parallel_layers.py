@@ -163,3 +163,42 @@ def _column_of_10(rank, world):
 def test_sizes_not_divisible_by_tp_name_both_numbers():
     with pytest.raises(Exception, match=r"output_size \(10\) is not divisible by the tensor-parallel size \(4\)"):
         run_ranks(_column_of_10, 4)
+
+
+def parameters_and_flags(rank, world):
+    parallel.initialize_model_parallel(world)
+    column = parallel.ColumnParallelLinear(IN, OUT)
+    row = parallel.RowParallelLinear(IN, OUT, sequence_parallel=True)
+    flags = ("tensor_model_parallel", "partition_dim", "sequence_parallel")
+    try:
+        parallel.RowParallelLinear(IN + 1, OUT)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {
+        name: (tuple(p.shape), {f: getattr(p, f) for f in flags if hasattr(p, f)})
+        for layer, prefix in ((column, "column"), (row, "row"))
+        for name, p in ((f"{prefix}.weight", layer.weight), (f"{prefix}.bias", layer.bias))
+    } | {"sizes": (column.output_size_per_partition, row.input_size_per_partition), "refused": refused}
+
+
+def test_column_and_row_parameters_are_shaped_and_flagged_for_their_split():
+    for r in run_ranks(parameters_and_flags, 2):
+        assert r["column.weight"] == ((OUT // 2, IN), {"tensor_model_parallel": True, "partition_dim": 0})
+        assert r["column.bias"] == ((OUT // 2,), {"tensor_model_parallel": True, "partition_dim": 0})
+        assert r["row.weight"] == ((OUT, IN // 2), {"tensor_model_parallel": True, "partition_dim": 1})
+        assert r["row.bias"] == ((OUT,), {"sequence_parallel": True}), "whole, summed over sequence shards"
+        assert r["sizes"] == (OUT // 2, IN // 2)
+        assert r["refused"] == (f"input_size ({IN + 1}) is not divisible by the tensor-parallel size (2): "
+                                "choose sizes so that it divides")
+
+
+def test_conflicting_layer_options_are_refused_before_any_weight_is_drawn():
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match="^ColumnParallelLinear: gather_output and sequence_parallel cannot be combined$"):
+        parallel.ColumnParallelLinear(IN, OUT, gather_output=True, sequence_parallel=True)
+    with pytest.raises(ValueError, match="^RowParallelLinear: sequence_parallel needs input_is_parallel=True$"):
+        parallel.RowParallelLinear(IN, OUT, input_is_parallel=False, sequence_parallel=True)
+    assert torch.equal(torch.get_rng_state(), rng), "a refused layer leaves the RNG where it was"
+    for layer in (parallel.ColumnParallelLinear(IN, OUT, bias=False), parallel.RowParallelLinear(IN, OUT, bias=False)):
+        assert layer.bias is None and list(layer.state_dict()) == ["weight"]

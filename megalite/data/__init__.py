@@ -33,12 +33,16 @@ def resolve_data(args, kind: str) -> None:
     args.tokenizer_object = tokenizer
 
 
-def train_valid_datasets(args, build) -> tuple:
-    """(train, valid or None) for a run: `build(samples, lock_timeout)` makes the datasets for
-    (train, valid, test) sample counts, waiting on another rank's cache no longer than on a
-    collective. Bad data becomes one usage error."""
+def train_valid_datasets(args, vocab_size: int, synthetic, build) -> tuple:
+    """(train, valid or None) for a run: with --mock-data two `synthetic(vocab_size, seq_length,
+    seed)` streams, else `build(samples, lock_timeout)`'s datasets for (train, valid, test) sample
+    counts, waiting on another rank's cache no longer than on a collective. Bad data becomes one
+    usage error."""
     from megalite.runtime import UsageError
 
+    if args.mock_data:
+        return (synthetic(vocab_size, args.seq_length, seed=args.seed),
+                synthetic(vocab_size, args.seq_length, seed=args.seed + 1))
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_interval else 0
     try:
         train, valid, _ = build((args.train_iters * args.global_batch_size, valid_samples, 0),

@@ -55,9 +55,10 @@ def pad_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 def init_device(device) -> torch.device:
     """Where full weights are generated: the target device when it is a GPU (the draws of a large
     stage take minutes on a CPU and seconds on a GPU), else the CPU. Either way every TP size draws
-    the same full matrix, so layouts agree; a GPU-built model's draws are the GPU RNG's."""
+    the same full matrix, so layouts agree; a GPU-built model's draws are the GPU RNG's. A meta
+    build (shapes only: the planner counts parameters that way) draws nothing."""
     device = torch.device(device if device is not None else "cpu")
-    return device if device.type == "cuda" else torch.device("cpu")
+    return device if device.type in ("cuda", "meta") else torch.device("cpu")
 
 
 def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None) -> nn.Parameter:
@@ -74,16 +75,42 @@ def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_r
     return param
 
 
-def _bias(size: int, dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(size, dtype=dtype, device=device))
-
-
 def default_device(device=None):
     """`device`, or where new modules go by default: the current GPU if there is one, else the CPU."""
     return device if device is not None else (torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
 
-class ColumnParallelLinear(nn.Module):
+def _per_rank(size: int, what: str) -> int:
+    """`size` split evenly over the TP ranks; a ValueError naming both numbers when it does not split."""
+    return divide(size, state.get_tensor_model_parallel_world_size(), what, "the tensor-parallel size")
+
+
+class _ParallelLinear(nn.Module):
+    """What the column- and row-parallel linear layers share: the full weight [output_size,
+    input_size] initialized layout-free and sharded along `partition_dim` (0: output features,
+    1: input features), and a bias of the weight shard's rows, sharded with them when they are."""
+
+    def __init__(self, input_size: int, output_size: int, partition_dim: int, bias: bool,
+                 init_method: InitMethod | None, sequence_parallel: bool, params_dtype: torch.dtype, device):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.sequence_parallel = sequence_parallel
+        device = default_device(device)
+        self.weight = _sharded_parameter(
+            (output_size, input_size), partition_dim, init_method or normal_init(), params_dtype, device
+        )
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=params_dtype, device=device))
+        if partition_dim == 0:
+            self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
+        else:
+            # Added to a sequence shard, its gradient is partial per TP rank and must be summed.
+            self.bias.sequence_parallel = sequence_parallel
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A split by rows (output features) over TP ranks.
 
     Input is replicated across TP (or, with `sequence_parallel`, sharded along the sequence,
@@ -91,33 +118,14 @@ class ColumnParallelLinear(nn.Module):
     `gather_output`.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        gather_output: bool = False,
-        init_method: InitMethod | None = None,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device=None,
-    ):
-        super().__init__()
-        tp = state.get_tensor_model_parallel_world_size()
-        self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, tp, "output_size", "the tensor-parallel size")
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 init_method: InitMethod | None = None, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        output_size_per_partition = _per_rank(output_size, "output_size")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
-        device = default_device(device)
-        self.weight = _sharded_parameter(
-            (output_size, input_size), 0, init_method or normal_init(), params_dtype, device
-        )
-        if bias:
-            self.bias = _bias(self.output_size_per_partition, params_dtype, device)
-            self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
-        else:
-            self.register_parameter("bias", None)
+        super().__init__(input_size, output_size, 0, bias, init_method, sequence_parallel, params_dtype, device)
+        self.output_size_per_partition, self.gather_output = output_size_per_partition, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -131,7 +139,7 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, out_per_rank={self.output_size_per_partition}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A split by columns (input features) over TP ranks.
 
     Input is this rank's slice of the features (`input_is_parallel`) or is split here. The
@@ -139,34 +147,14 @@ class RowParallelLinear(nn.Module):
     `sequence_parallel`); the whole bias is added once, after the sum.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        init_method: InitMethod | None = None,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device=None,
-    ):
-        super().__init__()
-        tp = state.get_tensor_model_parallel_world_size()
-        self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, tp, "input_size", "the tensor-parallel size")
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
+                 init_method: InitMethod | None = None, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device=None):
+        input_size_per_partition = _per_rank(input_size, "input_size")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
-        device = default_device(device)
-        self.weight = _sharded_parameter(
-            (output_size, input_size), 1, init_method or normal_init(), params_dtype, device
-        )
-        if bias:
-            self.bias = _bias(output_size, params_dtype, device)
-            # Added to a sequence shard, its gradient is partial per TP rank and must be summed.
-            self.bias.sequence_parallel = sequence_parallel
-        else:
-            self.register_parameter("bias", None)
+        super().__init__(input_size, output_size, 1, bias, init_method, sequence_parallel, params_dtype, device)
+        self.input_size_per_partition, self.input_is_parallel = input_size_per_partition, input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -207,7 +195,7 @@ class VocabParallelEmbedding(nn.Module):
         check_ids: bool | None = None,
     ):
         super().__init__()
-        tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        rank = state.get_tensor_model_parallel_rank()
         self.check_ids = os.environ.get(DEBUG_IDS_ENV, "") not in ("", "0") if check_ids is None else check_ids
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_real_embeddings = num_real_embeddings or num_embeddings
@@ -215,9 +203,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(
                 f"num_real_embeddings ({self.num_real_embeddings}) exceeds num_embeddings ({num_embeddings})"
             )
-        self.num_embeddings_per_partition = divide(
-            num_embeddings, tp, "num_embeddings (vocabulary after padding)", "the tensor-parallel size"
-        )
+        self.num_embeddings_per_partition = _per_rank(num_embeddings, "num_embeddings (vocabulary after padding)")
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.sequence_parallel = sequence_parallel

@@ -49,11 +49,16 @@ def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+def _check_sequence_splits(x: torch.Tensor, group) -> int:
+    """The group size, after checking that the sequence (dim 0) splits evenly over it."""
     size = _size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence length ({x.shape[0]}) is not divisible by the group size ({size})")
-    return x.chunk(size, dim=0)[_rank(group)].contiguous()
+    return size
+
+
+def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(_check_sequence_splits(x, group), dim=0)[_rank(group)].contiguous()
 
 
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -64,27 +69,35 @@ def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size = _size(group)
-    if x.shape[0] % size:
-        raise ValueError(f"sequence length ({x.shape[0]}) is not divisible by the group size ({size})")
+    size = _check_sequence_splits(x, group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_single(out, x, group=_group(group))
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
 
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce(g, ctx.group), None
+
+def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function that runs `forward(x, group)` on its input and `backward(grad, group)`
+    on the gradient, over the group passed to `apply(x, group)`."""
+
+    def run_forward(ctx, x, group):
+        ctx.group = group
+        return forward(x, group)
+
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
 
 
 class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward (in place when it can be), identity backward."""
+
     @staticmethod
     def forward(ctx, x, group):
         if not x.is_contiguous():
@@ -99,97 +112,60 @@ class _ReduceFromRegion(torch.autograd.Function):
         return g, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_last_dim(g, ctx.group), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split_last_dim(g, ctx.group), None
+# The regions: forward collective, and the conjugate collective on the gradient backward.
+_CopyToRegion = _region("_CopyToRegion", _identity, _reduce)
+_ScatterToRegion = _region("_ScatterToRegion", _split_last_dim, _gather_last_dim)
+_GatherFromRegion = _region("_GatherFromRegion", _gather_last_dim, _split_last_dim)
+_ScatterToSequenceRegion = _region("_ScatterToSequenceRegion", _split_first_dim, _gather_first_dim)
+_ReduceScatterToSequenceRegion = _region("_ReduceScatterToSequenceRegion", _reduce_scatter_first_dim,
+                                         _gather_first_dim)
+# Consumers of the gathered sequence that are tensor-parallel (a column-parallel matmul) leave each
+# rank a partial gradient: sum and keep our slice. A replicated consumer leaves every rank the full
+# gradient: just keep our slice.
+_GatherFromSequenceRegion = _region("_GatherFromSequenceRegion", _gather_first_dim, _reduce_scatter_first_dim)
+_GatherFromSequenceRegionFullGrad = _region("_GatherFromSequenceRegionFullGrad", _gather_first_dim,
+                                            _split_first_dim)
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first_dim(g, ctx.group), None
+def _apply(region: type[torch.autograd.Function], x: torch.Tensor, group) -> torch.Tensor:
+    # Over one rank every collective is the identity: no autograd node, no communication.
+    return x if _size(group) == 1 else region.apply(x, group)
 
 
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, output_grad_is_parallel, group):
-        ctx.output_grad_is_parallel, ctx.group = output_grad_is_parallel, group
-        return _gather_first_dim(x, group)
+def _collective(name: str, region: type[torch.autograd.Function], doc: str):
+    """The public collective `name(x, group=None)`: `region` over `group` (default: the TP group)."""
 
-    @staticmethod
-    def backward(ctx, g):
-        # Consumers of the gathered tensor that are tensor-parallel (a column-parallel matmul)
-        # leave each rank a partial gradient: sum and keep our slice. A replicated consumer
-        # leaves every rank the full gradient: just keep our slice.
-        if ctx.output_grad_is_parallel:
-            return _reduce_scatter_first_dim(g, ctx.group), None, None
-        return _split_first_dim(g, ctx.group), None, None
+    def collective(x: torch.Tensor, group=None) -> torch.Tensor:
+        return _apply(region, x, group)
+
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__ = doc
+    return collective
 
 
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first_dim(g, ctx.group), None
-
-
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Identity forward; all-reduce of the gradient over the group backward."""
-    return x if _size(group) == 1 else _CopyToRegion.apply(x, group)
-
-
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-reduce over the group forward; identity backward."""
-    return x if _size(group) == 1 else _ReduceFromRegion.apply(x, group)
-
-
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-    return x if _size(group) == 1 else _ScatterToRegion.apply(x, group)
-
-
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-    return x if _size(group) == 1 else _GatherFromRegion.apply(x, group)
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Keep this rank's slice of the sequence (dim 0) forward; all-gather backward."""
-    return x if _size(group) == 1 else _ScatterToSequenceRegion.apply(x, group)
+copy_to_tensor_model_parallel_region = _collective(
+    "copy_to_tensor_model_parallel_region", _CopyToRegion,
+    "Identity forward; all-reduce of the gradient over the group backward.")
+reduce_from_tensor_model_parallel_region = _collective(
+    "reduce_from_tensor_model_parallel_region", _ReduceFromRegion,
+    "All-reduce over the group forward; identity backward.")
+scatter_to_tensor_model_parallel_region = _collective(
+    "scatter_to_tensor_model_parallel_region", _ScatterToRegion,
+    "Keep this rank's slice of the last dim forward; all-gather the gradient backward.")
+gather_from_tensor_model_parallel_region = _collective(
+    "gather_from_tensor_model_parallel_region", _GatherFromRegion,
+    "All-gather along the last dim forward; keep this rank's slice of the gradient backward.")
+scatter_to_sequence_parallel_region = _collective(
+    "scatter_to_sequence_parallel_region", _ScatterToSequenceRegion,
+    "Keep this rank's slice of the sequence (dim 0) forward; all-gather backward.")
+reduce_scatter_to_sequence_parallel_region = _collective(
+    "reduce_scatter_to_sequence_parallel_region", _ReduceScatterToSequenceRegion,
+    "Sum over the group and keep this rank's slice of the sequence forward; all-gather backward.")
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, output_grad_is_parallel: bool = True,
                                          group=None) -> torch.Tensor:
-    """All-gather the sequence (dim 0) forward; reduce-scatter (or split) the gradient backward."""
-    return x if _size(group) == 1 else _GatherFromSequenceRegion.apply(x, output_grad_is_parallel, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over the group and keep this rank's slice of the sequence forward; all-gather backward."""
-    return x if _size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+    """All-gather the sequence (dim 0) forward; backward, reduce-scatter the gradient when the
+    consumers are tensor-parallel (`output_grad_is_parallel`), else keep this rank's slice of it."""
+    region = _GatherFromSequenceRegion if output_grad_is_parallel else _GatherFromSequenceRegionFullGrad
+    return _apply(region, x, group)

@@ -2,30 +2,38 @@
 
 Rank order follows Megatron-Core: tensor fastest, then data, then pipeline,
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-so a TP group is a block of consecutive ranks (one node's fast links).
+so a TP group is a block of consecutive ranks (one node's fast links). Every group is the set of
+ranks that differ along some of these dimensions only (`GROUPS`, `rank_groups`).
 
 When torch.distributed is not initialized at all, every getter answers as a single
 process (size 1, rank 0, group None), so the parallel layers work in a plain script.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+# The groups every rank builds, in this order (each rank must call new_group for every group, in
+# the same order): name -> the parallel dimensions along which its ranks differ. A new dimension
+# (context parallelism, between tensor and data) is one more size in initialize_model_parallel's
+# `sizes`, one entry here and one line of getters below.
+GROUPS = {
+    "tensor": ("tensor",),
+    "data": ("data",),
+    "model": ("tensor", "pipeline"),  # one full model replica (for global norms and checks)
+    "pipeline": ("pipeline",),
+}
+
 
 @dataclass
 class _ParallelState:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    sizes: dict  # dimension -> its size
+    groups: dict = field(default_factory=dict)  # GROUPS name -> this rank's group
+    ranks: dict = field(default_factory=dict)  # GROUPS name -> its global ranks, ascending
     vpp: int | None = None
-    tp_group: object = None
-    pp_group: object = None
-    dp_group: object = None
-    model_parallel_group: object = None  # TP x PP of one DP replica
     embedding_group: object = None  # first and last pipeline stage, for tied embeddings
-    pp_ranks: list = field(default_factory=list)  # global ranks of this rank's pipeline
     embedding_ranks: list = field(default_factory=list)
     virtual_pp_rank: int | None = None
 
@@ -35,6 +43,45 @@ _STATE: _ParallelState | None = None
 
 def _layout_error(what: str, size: int, world: int, fix: str) -> ValueError:
     return ValueError(f"{what} ({size}) does not divide the world size ({world}): {fix}")
+
+
+def rank_groups(sizes: dict[str, int], spanned: tuple[str, ...]) -> list[list[int]]:
+    """Every group of global ranks that differ only along the `spanned` dimensions. `sizes` lists the
+    dimensions in rank order, fastest first: a rank's coordinate in one is (rank // the product of
+    the faster sizes) % its size. Groups, and the ranks in each, go slowest dimension first, so ranks
+    ascend within a group."""
+    strides, stride = {}, 1
+    for name, size in sizes.items():
+        strides[name], stride = stride, stride * size
+    slowest_first = list(reversed(sizes))
+    fixed = [name for name in slowest_first if name not in spanned]
+    moving = [name for name in slowest_first if name in spanned]
+
+    def offsets(names):
+        for coordinates in itertools.product(*(range(sizes[name]) for name in names)):
+            yield sum(c * strides[name] for name, c in zip(names, coordinates))
+
+    return [[base + offset for offset in offsets(moving)] for base in offsets(fixed)]
+
+
+def _check_sizes(world: int, tp: int, pp: int, vpp: int | None) -> None:
+    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    if world % tp:
+        raise _layout_error("tensor_model_parallel_size", tp, world, "choose a TP size that divides it")
+    if world % (tp * pp):
+        raise ValueError(
+            f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp} = {tp * pp}) "
+            f"does not divide the world size ({world}): choose sizes whose product divides it"
+        )
+    if vpp is not None and vpp > 1 and pp < 2:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1 "
+            f"(got {pp}): drop --vpp or raise --pp"
+        )
+    if vpp is not None and vpp < 1:
+        raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
 
 
 def initialize_model_parallel(
@@ -52,62 +99,24 @@ def initialize_model_parallel(
             "(or launch with torchrun) before initialize_model_parallel()"
         )
     world = dist.get_world_size()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
-        if size < 1:
-            raise ValueError(f"{name} must be >= 1, got {size}")
-    if world % tp:
-        raise _layout_error("tensor_model_parallel_size", tp, world, "choose a TP size that divides it")
-    if world % (tp * pp):
-        raise ValueError(
-            f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp} = {tp * pp}) "
-            f"does not divide the world size ({world}): choose sizes whose product divides it"
-        )
-    vpp = virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1 and pp < 2:
-        raise ValueError(
-            f"virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1 "
-            f"(got {pp}): drop --vpp or raise --pp"
-        )
-    if vpp is not None and vpp < 1:
-        raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
-    dp = world // (tp * pp)
-    rank = dist.get_rank()
-    state = _ParallelState(tp=tp, pp=pp, dp=dp, vpp=vpp if vpp and vpp > 1 else None)
+    tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
+    _check_sizes(world, tp, pp, vpp)
+    sizes = {"tensor": tp, "data": world // (tp * pp), "pipeline": pp}  # rank order: fastest first
+    state = _ParallelState(sizes=sizes, vpp=vpp if vpp and vpp > 1 else None)
     if state.vpp:
         state.virtual_pp_rank = 0
-
-    def rank_of(p: int, d: int, t: int) -> int:
-        return p * dp * tp + d * tp + t
-
-    # Every rank must call new_group for every group, in the same order.
-    for p in range(pp):
-        for d in range(dp):
-            ranks = [rank_of(p, d, t) for t in range(tp)]
+    rank = dist.get_rank()
+    for name, spanned in GROUPS.items():
+        for ranks in rank_groups(sizes, spanned):
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
-                state.tp_group = group
-    for p in range(pp):
-        for t in range(tp):
-            ranks = [rank_of(p, d, t) for d in range(dp)]
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                state.dp_group = group
-    for d in range(dp):
-        ranks = [rank_of(p, d, t) for p in range(pp) for t in range(tp)]
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            state.model_parallel_group = group
-    for d in range(dp):
-        for t in range(tp):
-            ranks = [rank_of(p, d, t) for p in range(pp)]
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                state.pp_group, state.pp_ranks = group, ranks
-            emb_ranks = sorted({ranks[0], ranks[-1]})
-            group = dist.new_group(emb_ranks, timeout=timeout)
-            if rank in emb_ranks:
-                state.embedding_group, state.embedding_ranks = group, emb_ranks
+                state.groups[name], state.ranks[name] = group, ranks
+    # The first and last stage of each pipeline share the tied word embeddings.
+    for pipeline in rank_groups(sizes, GROUPS["pipeline"]):
+        ends = sorted({pipeline[0], pipeline[-1]})
+        group = dist.new_group(ends, timeout=timeout)
+        if rank in ends:
+            state.embedding_group, state.embedding_ranks = group, ends
     _STATE = state
 
 
@@ -129,59 +138,39 @@ def _state() -> _ParallelState | None:
     return _STATE
 
 
-def _rank_in(group) -> int:
-    return dist.get_rank(group) if group is not None else 0
+def _getters(dimension: str, prefix: str):
+    """get_{prefix}_group, get_{prefix}_world_size and get_{prefix}_rank for one dimension. Without
+    torch.distributed they answer as a single process: group None, size 1, rank 0."""
+
+    def group():
+        s = _state()
+        return s.groups[dimension] if s else None
+
+    def world_size() -> int:
+        s = _state()
+        return s.sizes[dimension] if s else 1
+
+    def rank() -> int:
+        s = _state()
+        return dist.get_rank(s.groups[dimension]) if s else 0
+
+    for getter in (group, world_size, rank):
+        getter.__name__ = getter.__qualname__ = f"get_{prefix}_{getter.__name__}"
+    return group, world_size, rank
 
 
-def get_tensor_model_parallel_group():
-    s = _state()
-    return s.tp_group if s else None
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    s = _state()
-    return s.tp if s else 1
-
-
-def get_tensor_model_parallel_rank() -> int:
-    s = _state()
-    return _rank_in(s.tp_group) if s else 0
-
-
-def get_pipeline_model_parallel_group():
-    s = _state()
-    return s.pp_group if s else None
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    s = _state()
-    return s.pp if s else 1
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    s = _state()
-    return _rank_in(s.pp_group) if s else 0
-
-
-def get_data_parallel_group():
-    s = _state()
-    return s.dp_group if s else None
-
-
-def get_data_parallel_world_size() -> int:
-    s = _state()
-    return s.dp if s else 1
-
-
-def get_data_parallel_rank() -> int:
-    s = _state()
-    return _rank_in(s.dp_group) if s else 0
+(get_tensor_model_parallel_group, get_tensor_model_parallel_world_size,
+ get_tensor_model_parallel_rank) = _getters("tensor", "tensor_model_parallel")
+(get_pipeline_model_parallel_group, get_pipeline_model_parallel_world_size,
+ get_pipeline_model_parallel_rank) = _getters("pipeline", "pipeline_model_parallel")
+(get_data_parallel_group, get_data_parallel_world_size,
+ get_data_parallel_rank) = _getters("data", "data_parallel")
 
 
 def get_model_parallel_group():
     """TP x PP ranks holding one full model replica (for global norms and checks)."""
     s = _state()
-    return s.model_parallel_group if s else None
+    return s.groups["model"] if s else None
 
 
 def get_embedding_group():
@@ -198,7 +187,7 @@ def is_rank_in_embedding_group() -> bool:
 def get_pipeline_model_parallel_ranks() -> list[int]:
     """Global ranks of this rank's pipeline, stage 0 first."""
     s = _state()
-    return list(s.pp_ranks) if s else [0]
+    return list(s.ranks["pipeline"]) if s else [0]
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
@@ -232,4 +221,4 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
         return True
     if not ignore_virtual and s.vpp and s.virtual_pp_rank != s.vpp - 1:
         return False
-    return get_pipeline_model_parallel_rank() == s.pp - 1
+    return get_pipeline_model_parallel_rank() == s.sizes["pipeline"] - 1
