@@ -128,7 +128,7 @@ def test_full_weights_are_drawn_on_the_gpu_when_building_on_one():
 
     assert init_device(torch.device("cuda", 3)) == torch.device("cuda", 3)
     assert init_device("cpu") == torch.device("cpu") and init_device(None) == torch.device("cpu")
-    assert init_device("meta") == torch.device("cpu"), "meta builds draw nothing that matters; never on a GPU"
+    assert init_device("meta") == torch.device("meta"), "a meta build (shapes only) draws nothing, never on a GPU"
 
 
 def test_model_build_benchmark_extrapolates_a_stage(tmp_path):
