@@ -62,13 +62,15 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
                         "fused softmax kernel; torch: explicit softmax matrices")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile each transformer layer (fuses bias+GeLU, dropout+residual, norms)")
-    g.add_argument("--normalization", choices=["layernorm", "rmsnorm"], default=None,
-                   help="the norm of every layer (default: the preset's, layernorm)")
+    g.add_argument("--normalization", type=str.lower, choices=["layernorm", "rmsnorm"], default=None,
+                   help="the norm of every layer, LayerNorm or RMSNorm (default: the preset's)")
     g.add_argument("--norm-backend", choices=["auto", "fused", "torch"], default="auto",
                    help="LayerNorm / RMSNorm: megalite's fused kernel where it runs, else PyTorch (auto); fused: the "
                         "kernel or an error saying why it cannot run; torch: PyTorch ops")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    _add_llama_flags(p.add_argument_group("model: Llama-family switches (default: the preset's)"))
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
@@ -148,6 +150,52 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     return p
 
 
+def _add_llama_flags(g) -> None:
+    """Megatron-LM's names; each left unset keeps the preset's value."""
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None)
+    g.add_argument("--rotary-base", type=float, help="rope: the base of the rotation frequencies")
+    g.add_argument("--rotary-percent", type=float, help="rope: the fraction of each head's dims rotated")
+    g.add_argument("--rope-scaling-factor", type=float, help="rope: Llama 3.1 frequency scaling factor")
+    g.add_argument("--rope-low-freq-factor", type=float, help="rope scaling: low-frequency factor")
+    g.add_argument("--rope-high-freq-factor", type=float, help="rope scaling: high-frequency factor")
+    g.add_argument("--rope-original-max-position-embeddings", type=int,
+                   help="rope scaling: the context length the model was first trained at")
+    g.add_argument("--swiglu", action="store_true", help="gated MLP with silu (ffn size: each of gate and up)")
+    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (with "
+                   "--num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, help="key/value heads (with --group-query-attention)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the layers' linear maps")
+    g.add_argument("--add-qkv-bias", action="store_true", help="query/key/value biases even without other biases")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize every query and key head")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own instead of the word embedding")
+    g.add_argument("--norm-epsilon", type=float, help="epsilon of every LayerNorm / RMSNorm")
+
+
+def _llama_overrides(args) -> dict:
+    """TransformerConfig fields the Llama-family flags set; flags not given set nothing."""
+    has_groups, gqa = getattr(args, "num_query_groups", None) is not None, getattr(args, "group_query_attention", False)
+    if has_groups != gqa:
+        raise UsageError("--group-query-attention and --num-query-groups G go together: give both, or neither")
+    numeric = {
+        "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
+        "rotary_percent": "rotary_percent", "rope_scaling_factor": "rope_scaling_factor",
+        "rope_low_freq_factor": "rope_low_freq_factor", "rope_high_freq_factor": "rope_high_freq_factor",
+        "rope_original_max_position_embeddings": "rope_original_max_position_embeddings",
+        "num_query_groups": "num_query_groups", "layernorm_epsilon": "norm_epsilon",
+    }
+    out = {field: getattr(args, attr) for field, attr in numeric.items() if getattr(args, attr, None) is not None}
+    switches = {
+        "swiglu": dict(gated_linear_unit=True, activation="silu"), "disable_bias_linear": dict(add_bias_linear=False),
+        "add_qkv_bias": dict(add_qkv_bias=True), "qk_layernorm": dict(qk_layernorm=True),
+        "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
+    }
+    for attr, fields in switches.items():
+        if getattr(args, attr, False):
+            out.update(fields)
+    return out
+
+
 def model_config(args) -> TransformerConfig:
     """The model `args` describe (the preset with its overrides); reads `args`, never changes it."""
     check_numbers(args)
@@ -158,6 +206,7 @@ def model_config(args) -> TransformerConfig:
             "vocab_size": args.vocab_size, "normalization": args.normalization,
         }.items() if v is not None
     }
+    overrides.update(_llama_overrides(args))
     try:
         config = preset(args.model, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
@@ -211,6 +260,13 @@ _NUMERIC_FLAGS = [
     ("--eval-interval", "eval_interval", _NON_NEGATIVE), ("--eval-iters", "eval_iters", _NON_NEGATIVE),
     ("--peak-tflops", "peak_tflops", _POSITIVE), ("--timeline-iters", "timeline_iters", _POSITIVE_INT),
     ("--distributed-timeout-minutes", "distributed_timeout_minutes", _POSITIVE),
+    ("--rotary-base", "rotary_base", _POSITIVE),
+    ("--rotary-percent", "rotary_percent", (lambda v: 0 < v <= 1, "in (0, 1]")),
+    ("--rope-scaling-factor", "rope_scaling_factor", (lambda v: v >= 1, ">= 1")),
+    ("--rope-low-freq-factor", "rope_low_freq_factor", _POSITIVE),
+    ("--rope-high-freq-factor", "rope_high_freq_factor", _POSITIVE),
+    ("--rope-original-max-position-embeddings", "rope_original_max_position_embeddings", _POSITIVE_INT),
+    ("--num-query-groups", "num_query_groups", _POSITIVE_INT), ("--norm-epsilon", "norm_epsilon", _POSITIVE),
 ]
 
 

@@ -31,9 +31,37 @@ _PEAK_TFLOPS = (
 
 def gpt_flops_per_iteration(global_batch: int, seq_length: int, num_layers: int, hidden: int,
                             vocab: int) -> float:
+    """Megatron-LM's model FLOPs of a GPT-2-shaped model (Narayanan et al. 2021, "Efficient
+    Large-Scale Language Model Training on GPU Clusters", eq. 3); `model_flops_per_iteration` is the
+    same count for any shape and equals this one for GPT-2's."""
     return 72.0 * global_batch * seq_length * num_layers * hidden ** 2 * (
         1.0 + seq_length / (6.0 * hidden) + vocab / (12.0 * num_layers * hidden)
     )
+
+
+def layer_forward_flops(config, s: int, b: int) -> tuple[float, float]:
+    """(dense, attention core) forward FLOPs of one transformer layer over b sequences of s tokens,
+    all TP ranks together, 2 FLOPs per multiply-add: the query, key/value (grouped-query: G of the
+    a heads), output projection and MLP (gated: gate and up) matmuls, and the two attention matmuls
+    q k^T and p v over every pair of positions (as Megatron-LM counts, causal or not)."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    q = config.num_attention_heads * config.head_dim  # = h unless head_dim says otherwise
+    kv = 2 * (config.num_query_groups or config.num_attention_heads) * config.head_dim
+    mlp = h * f * (3 if config.gated_linear_unit else 2)
+    dense = 2.0 * s * b * (h * q + h * kv + q * h + mlp)
+    core = 4.0 * b * s * s * q
+    return dense, core
+
+
+def model_flops_per_iteration(config, global_batch: int, seq_length: int) -> float:
+    """Model FLOPs of one training iteration (forward, and backward as twice the forward; no
+    recomputation counted): every layer's matmuls plus the output logits, 2*s*h*vocab a sequence.
+    For GPT-2's shape this is `gpt_flops_per_iteration`; grouped-query attention shrinks the
+    key/value term, a gated MLP adds a third of its MLP; biases, norms and rotary positions are
+    elementwise and not counted; an untied output layer costs what the tied one does."""
+    dense, core = layer_forward_flops(config, seq_length, global_batch)
+    logits = 2.0 * global_batch * seq_length * config.hidden_size * config.vocab_size
+    return 3.0 * (config.num_layers * (dense + core) + logits)
 
 
 def peak_tflops_of(device_name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = True) -> float | None:

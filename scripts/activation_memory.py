@@ -32,15 +32,16 @@ SHAPES = [(1024, 8, 1024, 16), (2048, 4, 1024, 16), (2048, 4, 2048, 16), (1024, 
 CPU_SHAPES = [(256, 2, 256, 4), (512, 1, 256, 8), (256, 2, 512, 8)]
 
 
-def build_layer(s, h, a, recompute, device, dtype):
-    config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a, vocab_size=128,
-                               max_position_embeddings=s, hidden_dropout=0.1, attention_dropout=0.1,
-                               recompute=recompute, attention_backend="torch")
+def build_layer(s, h, a, recompute, device, dtype, **arch):
+    """arch: TransformerConfig fields of another architecture (e.g. the Llama family's)."""
+    config = TransformerConfig(**{**dict(num_layers=1, hidden_size=h, num_attention_heads=a, vocab_size=128,
+                                         max_position_embeddings=s, hidden_dropout=0.1, attention_dropout=0.1,
+                                         recompute=recompute, attention_backend="torch"), **arch})
     return TransformerLayer(config, 0, seed=0, device=device).to(dtype).train(), config
 
 
-def measure(s, b, h, a, recompute, device, dtype=torch.bfloat16) -> int:
-    layer, config = build_layer(s, h, a, recompute, device, dtype)
+def measure(s, b, h, a, recompute, device, dtype=torch.bfloat16, **arch) -> int:
+    layer, config = build_layer(s, h, a, recompute, device, dtype, **arch)
     x = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     if device.type == "cuda":

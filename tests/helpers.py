@@ -102,3 +102,57 @@ def train_on_the_embedded_corpus(script: str, metrics: Path) -> list[dict]:
     assert [r["iteration"] for r in recs] == [10, 20, 30]
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5, recs
     return recs
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter moved off its init (zero biases and unit norms would hide mapping bugs), in
+    eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # tied parameters are listed once
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+VOCAB_ROWS = ("word_embeddings.weight", "output_layer.weight")
+
+
+def full_tensors(named: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], vocab: int) -> dict:
+    """Each rank's shard of every tensor gathered back to the full tensor (vocabulary padding rows dropped)."""
+    out = {}
+    for name, t in named.items():
+        p = params[name]
+        full = gather_tp(t, p.partition_dim) if getattr(p, "tensor_model_parallel", False) else t.detach().clone()
+        out[name] = full[:vocab] if name in VOCAB_ROWS else full
+    return out
+
+
+def gpt_forward_backward_record(model: torch.nn.Module, world: int, seed: int, vocab: int) -> dict:
+    """A GPT-like model's full weights, logits (padding must be -inf), loss and gradients on fresh
+    inputs from `seed`, gathered over TP: what every TP size must agree on. Gradients that are
+    partial over TP (sequence parallelism, qk-norm) are summed as `finalize_grads` does."""
+    from megalite.optim.grads import is_partial_over_tp
+
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids, labels = torch.randint(0, vocab, (3, 16), generator=gen), torch.randint(0, vocab, (3, 16), generator=gen)
+    weights = full_tensors({n: p for n, p in params.items()}, params, vocab)
+    logits = gather_tp(model(ids), -1)
+    assert torch.isinf(logits[..., vocab:]).all(), "vocabulary padding must be -inf"
+    loss = model(ids, labels=labels)
+    loss.mean().backward()
+    for p in model.parameters():
+        if is_partial_over_tp(p) and world > 1:
+            dist.all_reduce(p.grad, group=parallel.get_tensor_model_parallel_group())
+    grads = full_tensors({n: p.grad for n, p in params.items()}, params, vocab)
+    return {"weights": weights, "logits": logits[..., :vocab], "loss": loss.detach(), "grads": grads}
+
+
+def assert_same_model_run(run: dict, reference: dict, what: str) -> None:
+    """`gpt_forward_backward_record`s agree: initial weights bitwise, logits, loss, gradients to 1e-5."""
+    for name, w in reference["weights"].items():
+        assert torch.equal(run["weights"][name], w), f"initial {name} differs at {what}"
+    assert_rel_close(run["logits"], reference["logits"], what=f"logits {what}")
+    assert_rel_close(run["loss"], reference["loss"], what=f"loss {what}")
+    for name, g in reference["grads"].items():
+        assert_rel_close(run["grads"][name], g, what=f"grad of {name} {what}")

@@ -34,10 +34,15 @@ def test_formula_terms():
         activation_bytes_per_layer(s, b, h, a, recompute="most")
 
 
-def test_measured_activation_bytes_follow_the_formula_on_cpu():
+def _script():
     spec = importlib.util.spec_from_file_location("activation_memory", ROOT / "scripts" / "activation_memory.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_measured_activation_bytes_follow_the_formula_on_cpu():
+    script = _script()
     cpu = torch.device("cpu")
     s, b, h, a = 256, 2, 256, 4
     measured = {m: script.measure(s, b, h, a, m, cpu) for m in ("none", "selective", "full")}
@@ -46,3 +51,34 @@ def test_measured_activation_bytes_follow_the_formula_on_cpu():
         assert 0.9 <= measured[m] / formula[m] <= 1.25, (m, measured[m], formula[m])
     saved = measured["none"] - measured["selective"]
     assert saved >= 0.7 * (formula["none"] - formula["selective"])
+
+
+LLAMA_LAYERS = {
+    "gqa-swiglu": dict(num_query_groups=2, gated_linear_unit=True, activation="silu", ffn_hidden_size=512),
+    "gqa-swiglu-rope-qknorm-nobias": dict(num_query_groups=2, gated_linear_unit=True, activation="silu",
+                                          ffn_hidden_size=384, position_embedding_type="rope", qk_layernorm=True,
+                                          add_bias_linear=False),
+    "mqa-rope-half": dict(num_query_groups=1, position_embedding_type="rope", rotary_percent=0.5),
+    "mha-rope-qknorm": dict(position_embedding_type="rope", qk_layernorm=True),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(LLAMA_LAYERS))
+def test_measured_llama_layer_activations_follow_the_general_formula_on_cpu(arch):
+    """Grouped-query attention, SwiGLU, rotary positions and qk-layernorm under SDPA (which keeps
+    keys and values at G heads): the planner's per-layer bytes (`layer_activation_bytes`) against
+    what autograd keeps, as the difference from a GPT-2 layer of the same size (the terms the Llama
+    family changes) and as a whole."""
+    from megalite.models.memory import layer_activation_bytes
+
+    script, cpu, s, b, h, a = _script(), torch.device("cpu"), 256, 2, 256, 8
+    sdpa = dict(attention_backend="sdpa", attention_dropout=0.0)  # with dropout CPU SDPA takes the math path
+    gpt_measured = script.measure(s, b, h, a, "none", cpu, **sdpa)
+    _, gpt = script.build_layer(s, h, a, "none", cpu, torch.bfloat16, **sdpa)
+    measured = script.measure(s, b, h, a, "none", cpu, **sdpa, **LLAMA_LAYERS[arch])
+    _, config = script.build_layer(s, h, a, "none", cpu, torch.bfloat16, **sdpa, **LLAMA_LAYERS[arch])
+    formula, sbh = layer_activation_bytes(config, s, b), s * b * h
+    assert 0.9 <= measured / formula <= 1.25, (measured / sbh, formula / sbh)
+    change_measured = (measured - gpt_measured) / sbh
+    change_formula = (formula - layer_activation_bytes(gpt, s, b)) / sbh
+    assert change_measured == pytest.approx(change_formula, abs=0.2), (change_measured, change_formula)

@@ -63,3 +63,23 @@ def test_planner_validation_compares_the_planners_figures_with_measured_steps(tm
         assert r["predicted_bytes"] == pytest.approx(pred.peak_bytes - pred.memory.overhead)
         assert r["measured_ms"] > 0 and r["time_error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
     assert json.loads((tmp_path / "p.json").read_text())["rows"] == json.loads(json.dumps(results["rows"]))
+
+
+def test_model_flops_of_a_gpt2_shape_are_megatrons_formula_and_grow_and_shrink_with_the_architecture():
+    from megalite.metrics import model_flops_per_iteration
+
+    c = preset("gpt2-350m")
+    B, s = 8, 1024
+    expected = gpt_flops_per_iteration(B, s, c.num_layers, c.hidden_size, c.vocab_size)
+    assert model_flops_per_iteration(c, B, s) == pytest.approx(expected, rel=1e-12)
+    h, f, L, a = c.hidden_size, c.ffn_hidden_size, c.num_layers, c.num_attention_heads
+    # Grouped-query attention with G groups: the key/value matmuls shrink from 2h^2 to 2h^2*G/a.
+    gqa = c.replace(num_query_groups=4)
+    assert expected - model_flops_per_iteration(gqa, B, s) == pytest.approx(
+        3 * L * 2 * s * B * 2 * h * h * (1 - 4 / a), rel=1e-12)
+    # A gated MLP has three ffn-wide matmuls instead of two.
+    gated = c.replace(gated_linear_unit=True, activation="silu")
+    assert model_flops_per_iteration(gated, B, s) - expected == pytest.approx(3 * L * 2 * s * B * h * f, rel=1e-12)
+    # Untied output weights and no biases cost the same matmuls.
+    assert model_flops_per_iteration(c.replace(untie_embeddings_and_output_weights=True, add_bias_linear=False),
+                                     B, s) == model_flops_per_iteration(c, B, s)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 tf = pytest.importorskip("transformers")
 
-from helpers import gather_tp  # noqa: E402
+from helpers import gather_tp, randomized  # noqa: E402
 from megalite import parallel  # noqa: E402
 from megalite.models import BERTModel, GPTModel  # noqa: E402
 from megalite.testing import run_ranks  # noqa: E402
@@ -32,15 +32,6 @@ def _bert_config(**overrides):
                          **overrides)
 
 
-def _randomized(model, seed: int):
-    """Every parameter moved off its init (biases zero and norms one would hide mapping bugs)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():  # tied parameters are listed once
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """{"gpt": dir, "bert": dir}: save_pretrained directories of random fp32 models."""
@@ -48,7 +39,7 @@ def hf_dirs(tmp_path_factory):
     dirs = {}
     for kind, model in (("gpt", tf.GPT2LMHeadModel(_gpt2_config())), ("bert", tf.BertForPreTraining(_bert_config()))):
         dirs[kind] = tmp_path_factory.mktemp(f"hf-{kind}")
-        _randomized(model, seed=1 if kind == "gpt" else 2).save_pretrained(dirs[kind])
+        randomized(model, seed=1 if kind == "gpt" else 2).save_pretrained(dirs[kind])
     return dirs
 
 
@@ -113,7 +104,7 @@ def test_import_single_device_matches_hf(kind, hf_dirs):
 def test_import_gpt2_model_without_lm_head(tmp_path):
     """A GPT2Model (no lm_head; the output layer is the tied word embedding) imports the same way."""
     torch.manual_seed(0)
-    lm = _randomized(tf.GPT2LMHeadModel(_gpt2_config(n_inner=3 * HIDDEN)), seed=4)
+    lm = randomized(tf.GPT2LMHeadModel(_gpt2_config(n_inner=3 * HIDDEN)), seed=4)
     lm.transformer.save_pretrained(tmp_path)
     assert hf_model_kind(lm.transformer) == hf_model_kind(tmp_path) == "gpt"
     for source in (lm.transformer, tmp_path):

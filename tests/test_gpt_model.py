@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import assert_rel_close, fresh_seed, gather_tp
+from helpers import assert_same_model_run, fresh_seed, gpt_forward_backward_record
 from megalite import parallel
 from megalite.models import GPTModel, TransformerConfig
 from megalite.testing import run_ranks
@@ -18,28 +18,10 @@ def tiny_config(**kw):
     return TransformerConfig(**{**base, **kw})
 
 
-def _full(name, t, p):
-    full = gather_tp(t, p.partition_dim) if getattr(p, "tensor_model_parallel", False) else t.detach().clone()
-    return full[:VOCAB] if name == "word_embeddings.weight" else full
-
-
 def gpt_forward_backward(rank, world, seed, **config):
     parallel.initialize_model_parallel(world)
     parallel.model_parallel_manual_seed(seed)
-    model = GPTModel(tiny_config(**config), seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, VOCAB, (3, 16), generator=gen)
-    labels = torch.randint(0, VOCAB, (3, 16), generator=gen)
-    weights = {n: _full(n, p, p) for n, p in model.named_parameters()}
-    logits = gather_tp(model(ids), -1)
-    assert torch.isinf(logits[..., VOCAB:]).all(), "vocabulary padding must be -inf"
-    loss = model(ids, labels=labels)
-    loss.mean().backward()
-    for p in model.parameters():  # sequence-parallel grads are partial per TP rank; the training loop sums them
-        if getattr(p, "sequence_parallel", False) and world > 1:
-            dist.all_reduce(p.grad, group=parallel.get_tensor_model_parallel_group())
-    grads = {n: _full(n, p.grad, p) for n, p in model.named_parameters()}
-    return {"weights": weights, "logits": logits[..., :VOCAB], "loss": loss.detach(), "grads": grads}
+    return gpt_forward_backward_record(GPTModel(tiny_config(**config), seed=seed), world, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +36,8 @@ def reference(seed):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gpt_tensor_parallel_matches_single_device(tp, seed, reference):
-    results = run_ranks(gpt_forward_backward, tp, args=(seed,))
-    for r in results:
-        for name, w in reference["weights"].items():
-            assert torch.equal(r["weights"][name], w), f"initial {name} differs at tp={tp}"
-        assert_rel_close(r["logits"], reference["logits"], what=f"logits tp={tp}")
-        assert_rel_close(r["loss"], reference["loss"], what=f"loss tp={tp}")
-        for name, g in reference["grads"].items():
-            assert_rel_close(r["grads"][name], g, what=f"grad of {name} tp={tp}")
+    for r in run_ranks(gpt_forward_backward, tp, args=(seed,)):
+        assert_same_model_run(r, reference, f"tp={tp}")
 
 
 def rng_streams(rank, world, seed):

@@ -105,7 +105,7 @@ def test_an_unsynchronized_bubble_is_reported_as_unmeasured():
 
 def sequence_parallel_dropout_of(rank, world, seed):
     from megalite import parallel
-    from megalite.models.transformer import hidden_dropout
+    from megalite.models.rng import hidden_dropout
 
     parallel.initialize_model_parallel(world)
     torch.manual_seed(seed)

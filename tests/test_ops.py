@@ -143,7 +143,7 @@ def _attention_inputs(seed, b=2, heads=3, s=8, d=4):
 
 @pytest.mark.parametrize("case", ["causal", "bidirectional", "padding"])
 def test_fused_softmax_attention_equals_explicit_attention(case):
-    from megalite.models.transformer import _explicit_attention, _fused_softmax_attention
+    from megalite.models.attention import _explicit_attention, _fused_softmax_attention
     seed = fresh_seed()
     allowed = None
     if case == "padding":

@@ -147,6 +147,46 @@ def test_the_planner_counts_the_parameters_megalite_builds(normalization):
     assert counted == built  # RMSNorm has no bias: the hand-written list counted one anyway
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
+def test_the_planner_counts_a_llama_ranks_parameters_as_megalite_builds_them(tp, pp):
+    """GQA (key/value rows, replicated groups at tp 4), SwiGLU, no biases, untied output layer:
+    what one rank holds, per TP shard and pipeline stage, from the meta build."""
+    import torch
+
+    from megalite.models import GPTModel
+    from megalite.parallel.layers import pad_vocab_size
+
+    config = preset("llama-tiny")
+    model = GPTModel(config, seed=1, device=torch.device("cpu"))
+    padded = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
+    per_layer = config.num_layers // pp
+    for r in range(pp):
+        expected = 0
+        for name, p in model.named_parameters():
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+            if layer is not None and not r * per_layer <= layer < (r + 1) * per_layer:
+                continue
+            if name == "word_embeddings.weight" and r != 0 or name in ("output_layer.weight", "final_layernorm.weight") \
+                    and r != pp - 1:
+                continue
+            n = p.numel() if name not in ("word_embeddings.weight", "output_layer.weight") else \
+                padded * config.hidden_size
+            expected += n // tp if getattr(p, "tensor_model_parallel", False) else n
+        counted = P.rank_state_bytes(config, tp=tp, pp=pp, pp_rank=r,
+                                     seq_length=config.max_position_embeddings).numel
+        assert counted == expected, (tp, pp, r)
+
+
+def test_the_planner_plans_a_llama_preset():
+    result = P.plan(preset("llama-3-8b"), P.Cluster(gpus=64, gpu_memory_gib=80), 512, 8192)
+    assert result.best is not None and result.best.fits
+    dense = preset("llama-3-8b", num_query_groups=None)
+    # Grouped-query attention keeps fewer key/value activations than multi-head attention would.
+    lay = P.Layout(8, 1, 8, None, 1, "none", True, False)
+    assert P.predict(preset("llama-3-8b"), lay, P.Cluster(gpus=64), 512, 8192).memory.activations < \
+        P.predict(dense, lay, P.Cluster(gpus=64), 512, 8192).memory.activations
+
+
 def test_prediction_memory_and_time_are_the_sums_of_their_parts():
     pred = P.predict(preset("gpt2-124m"), P.Layout(2, 2, 2, None, 2, "selective", True, True), P.Cluster(gpus=8),
                      16, 1024)

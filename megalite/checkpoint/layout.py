@@ -12,7 +12,7 @@ from megalite import parallel
 from megalite.models.config import TransformerConfig
 
 FORMAT_VERSION = 2
-VOCAB_PARAMS = ("word_embeddings.weight", "lm_bias")  # rows past the vocabulary are padding
+VOCAB_PARAMS = ("word_embeddings.weight", "lm_bias", "output_layer.weight")  # rows past the vocabulary are padding
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_position", "activation", "normalization")
 ITER_NAME = re.compile(r"^iter_\d{7}$")

@@ -316,11 +316,17 @@ def check_finite(reader: CheckpointReader, name: str, t: torch.Tensor) -> None:
         raise _non_finite(reader, name)
 
 
+# The Llama-family fields that change which parameters exist or their shapes. A checkpoint written
+# before they existed lacks them in its config and reads as their defaults (today's models).
+LLAMA_SHAPE_FIELDS = ("position_embedding_type", "num_query_groups", "gated_linear_unit", "add_bias_linear",
+                      "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights")
+
+
 def check_compatible(reader: CheckpointReader, config: TransformerConfig, model_kind: str) -> None:
     if reader.model_kind != model_kind:
         raise UsageError(f"checkpoint {reader.path} holds a {reader.model_kind} model, not a {model_kind} model")
     diffs = [f"{k} {getattr(reader.config, k)} (checkpoint) vs {getattr(config, k)} (now)"
-             for k in SHAPE_FIELDS if getattr(reader.config, k) != getattr(config, k)]
+             for k in SHAPE_FIELDS + LLAMA_SHAPE_FIELDS if getattr(reader.config, k) != getattr(config, k)]
     if diffs:
         raise UsageError(f"checkpoint {reader.path} holds a model of another shape: {'; '.join(diffs)}; "
                          f"use the same model flags, or another --load")

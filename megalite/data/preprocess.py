@@ -6,7 +6,10 @@
 Input: JSON lines (`.jsonl`/`.json`, one document per line, text under --json-key) or plain text
 (one document per file, or per line with --plain-text-docs line). With --split-sentences each
 document is stored as its lines (non-empty), one sequence each, as BERT's sentence pairs need.
-Documents are tokenized in parallel workers, written in input order.
+Documents are tokenized in parallel workers, written in input order. A Hugging Face tokenizer
+whose own encoding starts a text with its BOS token (Llama 3's <|begin_of_text|>) starts every
+document with it (not with --split-sentences); --append-eod ends each with its EOS token
+(Llama 3 base: <|end_of_text|>; the tokenizer directory's eos_token).
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ def _encode(job):
     parts = [line for line in text.splitlines() if line.strip()] if split_sentences else [text]
     seqs = [tok.tokenize(p + ("\n" if split_sentences else "")) for p in parts]
     seqs = [s for s in seqs if s]
+    if tok.add_bos and seqs and not split_sentences:  # BERT's sequences get [CLS] / [SEP] later instead
+        seqs[0] = [tok.bos] + seqs[0]
     if append_eod and seqs:
         seqs[-1] = seqs[-1] + [tok.eod]
     return seqs, len(text.encode("utf-8", errors="replace"))

@@ -24,11 +24,15 @@ class TokenizerError(DatasetError):
 
 
 class Tokenizer:
-    """ids = tok.tokenize(text); tok.vocab_size; special ids: eod (end of document, GPT), cls, sep,
-    mask, pad (BERT). A special id is None when the tokenizer has no such token."""
+    """ids = tok.tokenize(text) (no special tokens); tok.vocab_size; special ids: eod (end of
+    document, GPT), bos (beginning of sequence), cls, sep, mask, pad (BERT). A special id is None
+    when the tokenizer has no such token. `add_bos`: a document starts with bos, as the
+    tokenizer's own encoding does (Llama's; not GPT-2's or Qwen's, which have none to add)."""
 
     vocab_size: int
     eod: int | None = None
+    bos: int | None = None
+    add_bos: bool = False
     cls: int | None = None
     sep: int | None = None
     mask: int | None = None
@@ -92,6 +96,8 @@ class HuggingFaceTokenizer(Tokenizer):
                                  f"({type(e).__name__}: {first}): give {_EXPECTED}") from None
         self.vocab_size = len(self.tok)
         self.eod = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
+        self.bos = self.tok.bos_token_id
+        self.add_bos = _encoding_starts_with(self.tok, self.bos)
         self.cls, self.sep = self.tok.cls_token_id, self.tok.sep_token_id
         self.mask, self.pad = self.tok.mask_token_id, self.tok.pad_token_id
 
@@ -100,6 +106,16 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def detokenize(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+def _encoding_starts_with(tok, token_id: int | None) -> bool:
+    """Whether the tokenizer's encoding with its special tokens (what `tok(text)` gives) puts
+    `token_id` in front of a text, as Llama 3's template puts <|begin_of_text|>."""
+    if token_id is None:
+        return False
+    probe = "a"
+    with_specials, plain = tok(probe)["input_ids"], tok(probe, add_special_tokens=False)["input_ids"]
+    return with_specials[:1] == [token_id] and plain[:1] != [token_id]
 
 
 def _check_tokenizer_directory(directory: Path) -> None:

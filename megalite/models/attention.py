@@ -2,6 +2,7 @@
 
 Heads are split across TP ranks: QKV is column-parallel with rows ordered [head, (q, k, v),
 head_dim], so a contiguous block of rows is whole heads; the output projection is row-parallel.
+Grouped-query attention splits q by heads and kv by groups (docs/llama.md has the layouts).
 `attention_mask`, where given, is bool and broadcastable to [b, heads, s, s], True = attend (SDPA's
 convention), and is the whole mask; without one, attention is causal or full as `config.causal` says.
 """
@@ -16,19 +17,24 @@ from torch import nn
 
 from megalite import ops
 from megalite.models.config import TransformerConfig
+from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
+from megalite.models.rope import rotary_embedding
 from megalite.parallel import state
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from megalite.parallel.random import get_rng_tracker
 
 # Every core backend: (q, k, v [b, heads, s, d], allowed mask or None, dropout_p, causal) -> [b, heads, s, d].
 
 
 def _sdpa_attention(q, k, v, allowed, dropout_p, causal):
-    """PyTorch's fused attention (flash where available): no score matrix is stored."""
+    """PyTorch's fused attention (flash where available): no score matrix is stored. k and v may
+    hold fewer heads than q (grouped-query attention: query heads in a group adjacent)."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if allowed is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, **gqa)
 
 
 def _explicit_attention(q, k, v, allowed, dropout_p, causal):
@@ -60,37 +66,113 @@ def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal):
     return torch.matmul(probs, v)
 
 
+_SDPA_TAKES_GROUPS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # enable_gqa
+
 ATTENTION_BACKENDS = {"sdpa": _sdpa_attention, "fused": _fused_softmax_attention, "torch": _explicit_attention}
 
 
+def _expand_groups(k: torch.Tensor, v: torch.Tensor, heads: int):
+    """Grouped keys and values [b, groups, s, d] repeated to one per query head (heads in a group are adjacent)."""
+    if k.shape[1] == heads:
+        return k, v
+    repeats = heads // k.shape[1]
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+
+
 class ParallelAttention(nn.Module):
+    """Self-attention over this TP rank's query heads.
+
+    Multi-head (num_query_groups None): one column-parallel `qkv`. Grouped-query: `q` (rows [head,
+    d]) and `kv` (rows [group, (k, v), d]), both column-parallel; when tp > groups each rank gathers
+    the whole kv weight over TP and uses its own group's rows (the gather's backward sums the
+    gradients of the ranks sharing a group). With qk_layernorm, `q_norm` / `k_norm` normalize every
+    head over head_dim; rope then rotates q and k.
+    """
+
     def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
         self.config = config
         self.heads_per_rank = config.num_attention_heads // tp
-        sp, dtype = config.sequence_parallel, config.params_dtype
-        self.qkv = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, init_method=init_method,
-            sequence_parallel=sp, params_dtype=dtype, device=device,
-        )
+        h, d, sp, dtype = config.hidden_size, config.head_dim, config.sequence_parallel, config.params_dtype
+        column = dict(init_method=init_method, bias=config.qkv_bias, sequence_parallel=sp, params_dtype=dtype,
+                      device=device)
+        if config.num_query_groups is None:
+            self.qkv = ColumnParallelLinear(h, 3 * h, **column)
+        else:
+            self.q = ColumnParallelLinear(h, config.num_attention_heads * d, **column)
+            self.kv = ColumnParallelLinear(h, 2 * config.num_query_groups * d, **column)
+            self.groups_replicated = tp > config.num_query_groups  # each rank one group, shared with others
+        if config.qk_layernorm:
+            self.q_norm, self.k_norm = self._head_norm(device), self._head_norm(device)
+        self.rotary = rotary_embedding(config)
         self.proj = RowParallelLinear(
-            config.hidden_size, config.hidden_size, init_method=output_init_method,
+            config.num_attention_heads * d, h, init_method=output_init_method, bias=config.add_bias_linear,
             sequence_parallel=sp, params_dtype=dtype, device=device,
         )
+
+    def _head_norm(self, device) -> nn.Module:
+        """A norm over head_dim, whole on every rank; each rank sees its own heads only, so its
+        gradient is partial over TP and `finalize_grads` sums it there."""
+        c = self.config
+        norm = NORMS[c.normalization](c.head_dim, c.layernorm_epsilon, False, c.params_dtype, device, c.norm_backend)
+        for p in norm.parameters():
+            p.partial_over_tp = True
+        return norm
 
     def _core(self, q, k, v, attention_mask):
-        """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q, k, v [b, heads, s, d]."""
+        """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q [b, heads, s, d],
+        k and v [b, heads or groups, s, d]."""
         p = self.config.attention_dropout if self.training else 0.0
+        backend = self.config.attention_backend
+        if backend != "sdpa" or not _SDPA_TAKES_GROUPS:
+            k, v = _expand_groups(k, v, q.shape[1])
         # Heads differ per TP rank, so must their dropout; without dropout no RNG is drawn.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            return ATTENTION_BACKENDS[self.config.attention_backend](q, k, v, attention_mask, p, self.config.causal)
+            return ATTENTION_BACKENDS[backend](q, k, v, attention_mask, p, self.config.causal)
+
+    def _project(self, x: torch.Tensor):
+        """q [s, b, heads_per_rank, d], k and v [s, b, heads or groups on this rank, d]."""
+        d = self.config.head_dim
+        if self.config.num_query_groups is None:
+            qkv = self.qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]
+            return qkv.view(*qkv.shape[:2], self.heads_per_rank, 3, d).unbind(3)
+        x = self._input_of_column_parallel(x)
+        q = F.linear(x, self.q.weight, self.q.bias)
+        kv = F.linear(x, *self._kv_weight_and_bias())
+        k, v = kv.view(*kv.shape[:2], -1, 2, d).unbind(3)
+        return q.view(*q.shape[:2], self.heads_per_rank, d), k, v
+
+    def _input_of_column_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """The input q and kv share: gathered along the sequence under SP (backward reduce-scatters),
+        else copied into the TP region (backward all-reduces), once for both."""
+        if self.config.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
+        return copy_to_tensor_model_parallel_region(x)
+
+    def _kv_weight_and_bias(self):
+        """This rank's kv rows: its shard when it holds whole groups, else its group's rows of the
+        weight gathered over TP."""
+        weight, bias = self.kv.weight, self.kv.bias
+        if not self.groups_replicated:
+            return weight, bias
+        tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        group = rank // (tp // self.config.num_query_groups)
+        rows = slice(group * 2 * self.config.head_dim, (group + 1) * 2 * self.config.head_dim)
+        weight = gather_from_sequence_parallel_region(weight, output_grad_is_parallel=True)[rows]
+        if bias is not None:
+            bias = gather_from_sequence_parallel_region(bias, output_grad_is_parallel=True)[rows]
+        return weight, bias
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]
-        s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, self.heads_per_rank, 3, self.config.head_dim).permute(3, 1, 2, 0, 4).unbind(0)
+        q, k, v = self._project(x)  # [s, b, heads (or groups), head_dim]; the whole sequence
+        if self.config.qk_layernorm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
         if self.config.recompute == "selective" and self.training:
             ctx = checkpoint_with_tp_rng(self._core, q, k, v, attention_mask)
         else:

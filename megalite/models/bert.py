@@ -31,9 +31,27 @@ from megalite.models.rng import init_generator, init_replicated
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.mappings import gather_from_sequence_parallel_region
+from megalite.runtime import UsageError
 
 # Generator components of BERT's own parts (0 and 1 are the word and position embeddings).
 TOKENTYPE_EMBEDDING_COMPONENT, LM_HEAD_COMPONENT, POOLER_COMPONENT, BINARY_HEAD_COMPONENT = range(2, 6)
+
+
+# Llama-family switches BERT does not take (its embeddings, heads and converter are the published
+# BERT's); a UsageError (a ValueError) so that pretrain_bert.py ends in one line.
+_GPT_ONLY = {  # field: (BERT's value, the flag that sets it)
+    "position_embedding_type": ("learned_absolute", "--position-embedding-type"),
+    "untie_embeddings_and_output_weights": (False, "--untie-embeddings-and-output-weights"),
+    "num_query_groups": (None, "--group-query-attention --num-query-groups"),
+    "gated_linear_unit": (False, "--swiglu"),
+}
+
+
+def _refuse_llama_switches(config: TransformerConfig) -> None:
+    for field, (bert_value, flag) in _GPT_ONLY.items():
+        if getattr(config, field) != bert_value:
+            raise UsageError(f"BERTModel does not support {field}={getattr(config, field)!r} ({flag}): "
+                             f"leave it at {bert_value!r}; these switches are for GPT models")
 
 
 class BERTModel(LanguageModelStage):
@@ -64,6 +82,7 @@ class BERTModel(LanguageModelStage):
                  num_tokentypes: int = 2, add_binary_head: bool = True):
         if num_tokentypes < 0:
             raise ValueError(f"num_tokentypes must be >= 0, got {num_tokentypes}")
+        _refuse_llama_switches(config)
         config = config.replace(causal=False) if config.causal else config
         super().__init__(config, pre_process, post_process, layer_numbers, seed, device)
         self.num_tokentypes, self.add_binary_head = num_tokentypes, add_binary_head

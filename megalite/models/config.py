@@ -33,9 +33,25 @@ class TransformerConfig:
     # Architecture switches; the defaults are GPT-2's, BERT as published is post / gelu / not causal.
     layernorm_position: str = "pre"  # pre: x + f(LN(x)) | post: LN(x + f(x))
     normalization: str = "layernorm"  # layernorm (weight and bias) | rmsnorm (weight only)
-    activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf)
+    activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu
     causal: bool = True  # attention: to earlier positions only, or bidirectional
     params_dtype: torch.dtype = torch.float32
+    # Llama-family switches (Megatron-Core's names); the defaults leave GPT-2 and BERT as they were.
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # rope rotates the first int(head_dim * rotary_percent) dims of a head
+    # Llama 3.1 frequency scaling (None: off): wavelengths above original / low_freq_factor are
+    # divided by the factor, those below original / high_freq_factor kept, a smooth blend between.
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    gated_linear_unit: bool = False  # MLP: fc2(act(gate) * up), gate and up each ffn_hidden_size wide
+    num_query_groups: int | None = None  # grouped-query attention (None: one key/value head per query head)
+    add_bias_linear: bool = True  # biases of every linear layer in the transformer layers
+    add_qkv_bias: bool = False  # query/key/value biases even without add_bias_linear (Qwen2)
+    qk_layernorm: bool = False  # a norm over head_dim on every query and key head, before rope
+    untie_embeddings_and_output_weights: bool = False  # an output layer of its own on the last stage
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -63,14 +79,58 @@ class TransformerConfig:
             raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
         if self.layernorm_position not in ("pre", "post"):
             raise ValueError(f"layernorm_position must be pre or post, got {self.layernorm_position!r}")
-        if self.activation not in ("gelu_tanh", "gelu"):
-            raise ValueError(f"activation must be gelu_tanh or gelu, got {self.activation!r}")
+        if self.activation not in ("gelu_tanh", "gelu", "silu"):
+            raise ValueError(f"activation must be gelu_tanh or gelu or silu, got {self.activation!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        self._check_llama_fields()
+
+    def _check_llama_fields(self) -> None:
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError(f"position_embedding_type must be learned_absolute, rope or none, "
+                             f"got {self.position_embedding_type!r}")
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            raise ValueError(f"num_query_groups ({groups}) must divide num_attention_heads "
+                             f"({self.num_attention_heads})")
+        if self.position_embedding_type == "rope":
+            self._check_rope()
+
+    def _check_rope(self) -> None:
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rotary_dims < 2 or self.rotary_dims % 2:
+            raise ValueError(f"rope needs an even number (>= 2) of rotated dims per head, got {self.rotary_dims} "
+                             f"(head_dim {self.head_dim} x rotary_percent {self.rotary_percent})")
+        if self.rotary_base <= 0:
+            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
+        if self.rope_scaling_factor is not None:
+            if self.rope_scaling_factor < 1.0:
+                raise ValueError(f"rope_scaling_factor must be >= 1, got {self.rope_scaling_factor}")
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 and below "
+                                 f"rope_high_freq_factor ({self.rope_high_freq_factor})")
+            if self.rope_original_max_position_embeddings < 1:
+                raise ValueError(f"rope_original_max_position_embeddings must be >= 1, "
+                                 f"got {self.rope_original_max_position_embeddings}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: num_query_groups, or one per query head (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each query and key head rope rotates."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError naming both numbers when the model cannot be split over `tp` ranks."""
@@ -83,8 +143,22 @@ class TransformerConfig:
                     f"{what} ({n}) is not divisible by the tensor-parallel size ({tp}): "
                     f"choose --tp among the divisors of {n}"
                 )
+        self._check_query_groups(tp)
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence parallelism needs a tensor-parallel size > 1 (got --tp 1)")
+
+    def _check_query_groups(self, tp: int) -> None:
+        """GQA: each rank holds whole key/value groups (G % tp == 0), or its query heads share one group
+        whose weights it gathers (tp % G == 0, the kv rows still splitting evenly over the ranks)."""
+        if self.num_query_groups is None:
+            return
+        groups, kv_rows = self.num_query_groups, 2 * self.num_query_groups * self.head_dim
+        if groups % tp and tp % groups:
+            raise ValueError(f"num_query_groups ({groups}) and the tensor-parallel size ({tp}) must divide one "
+                             f"another: choose --tp among the divisors or multiples of {groups}")
+        if kv_rows % tp:
+            raise ValueError(f"the key/value rows (2 x {groups} groups x head_dim {self.head_dim} = {kv_rows}) "
+                             f"are not divisible by the tensor-parallel size ({tp})")
 
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)
@@ -110,6 +184,37 @@ PRESETS: dict[str, dict] = {
     "bert-large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, max_position_embeddings=512,
                        vocab_size=30522, **_BERT),
 }
+
+# The Llama family: rotary positions, SwiGLU, RMSNorm, grouped-query attention, no biases. Shapes
+# from each model's published Hugging Face config.json (hidden_size, intermediate_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size, max_position_embeddings,
+# rope_theta, rms_norm_eps, tie_word_embeddings, rope_scaling):
+#   HuggingFaceTB/SmolLM2-135M, Qwen/Qwen2.5-0.5B, meta-llama/Llama-3.2-1B, meta-llama/Meta-Llama-3-8B,
+#   meta-llama/Meta-Llama-3-70B.
+_LLAMA = dict(position_embedding_type="rope", gated_linear_unit=True, activation="silu", normalization="rmsnorm",
+              add_bias_linear=False, untie_embeddings_and_output_weights=True)
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, rotary_base=500000.0, num_query_groups=8)
+
+PRESETS.update({
+    # For tests: 8 heads in 2 groups trains at tp 4 with replicated key/value groups.
+    "llama-tiny": dict(_LLAMA, num_layers=4, hidden_size=128, num_attention_heads=8, num_query_groups=2,
+                       ffn_hidden_size=256, max_position_embeddings=128, vocab_size=1024),
+    "smollm2-135m": dict(_LLAMA, num_layers=30, hidden_size=576, num_attention_heads=9, num_query_groups=3,
+                         ffn_hidden_size=1536, max_position_embeddings=8192, vocab_size=49152,
+                         rotary_base=100000.0, untie_embeddings_and_output_weights=False),
+    "qwen2.5-0.5b": dict(_LLAMA, num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
+                         ffn_hidden_size=4864, max_position_embeddings=32768, vocab_size=151936,
+                         rotary_base=1000000.0, layernorm_epsilon=1e-6, add_qkv_bias=True,
+                         untie_embeddings_and_output_weights=False),
+    "llama-3.2-1b": dict(_LLAMA3, num_layers=16, hidden_size=2048, num_attention_heads=32, ffn_hidden_size=8192,
+                         max_position_embeddings=131072, rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
+                         rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192,
+                         untie_embeddings_and_output_weights=False),
+    "llama-3-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336,
+                       max_position_embeddings=8192),
+    "llama-3-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672,
+                        max_position_embeddings=8192),
+})
 
 
 def preset(name: str, **overrides) -> TransformerConfig:

@@ -1,7 +1,8 @@
 """Position embeddings as components, chosen in `position_embedding(config, ...)`.
 
-Today every model learns absolute positions; rotary ("rope") and "none" become more entries of
-`POSITION_EMBEDDINGS`, picked there from the config.
+`config.position_embedding_type` picks from `POSITION_EMBEDDINGS`: "learned_absolute" adds a
+learned table to the first stage's input; "rope" adds nothing there (attention rotates q and k,
+megalite/models/rope.py) and "none" gives no position information at all.
 """
 from __future__ import annotations
 
@@ -25,10 +26,18 @@ class LearnedPositionEmbedding(nn.Embedding):
             raise ValueError(f"sequence length ({s}) exceeds max_position_embeddings ({self.num_embeddings})")
 
 
-POSITION_EMBEDDINGS: dict[str, type[nn.Module]] = {"learned_absolute": LearnedPositionEmbedding}
+# kind -> the module a first stage adds to its input, or None (rope acts in attention).
+POSITION_EMBEDDINGS: dict[str, type[nn.Module] | None] = {
+    "learned_absolute": LearnedPositionEmbedding, "rope": None, "none": None,
+}
 
 
-def position_embedding(config: TransformerConfig, seed: int, device=None) -> nn.Module:
-    """The position embedding a first stage holds (as `position_embeddings`)."""
-    kind = "learned_absolute"  # the only kind yet: the config's position_embedding_type picks here
-    return POSITION_EMBEDDINGS[kind](config, seed, device)
+def position_embedding(config: TransformerConfig, seed: int, device=None) -> nn.Module | None:
+    """The position embedding a first stage holds (as `position_embeddings`), None for rope and none."""
+    kind = POSITION_EMBEDDINGS[config.position_embedding_type]
+    return None if kind is None else kind(config, seed, device)
+
+
+def check_length(config: TransformerConfig, s: int) -> None:
+    if s > config.max_position_embeddings:
+        raise ValueError(f"sequence length ({s}) exceeds max_position_embeddings ({config.max_position_embeddings})")

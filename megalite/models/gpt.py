@@ -1,5 +1,6 @@
-"""GPT-2 model for one pipeline stage: learned positions, pre-LayerNorm, tanh-GELU MLP,
-biases, input and output embeddings tied."""
+"""GPT model for one pipeline stage: GPT-2 by default (learned positions, pre-LayerNorm, tanh-GELU
+MLP, biases, input and output embeddings tied), the Llama family by config (rope, RMSNorm, SwiGLU,
+grouped-query attention, no biases, an untied output layer)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,6 +8,7 @@ from typing import Sequence
 import torch
 
 from megalite.models.config import TransformerConfig
+from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -15,9 +17,9 @@ class GPTModel(LanguageModelStage):
     """The part of a GPT that one pipeline stage holds.
 
     pre_process: this stage embeds tokens (the first stage); post_process: it holds the final
-    norm and the output layer (the last stage), whose weight is the word embedding: the last
-    stage keeps its own copy, initialized identically, and its gradient is summed with the
-    first stage's over the embedding group each step. `layer_numbers` are the global indices
+    norm and the output layer (the last stage), whose weight is the word embedding unless
+    untied: the last stage keeps its own copy, initialized identically, and its gradient is
+    summed with the first stage's over the embedding group each step. `layer_numbers` are the global indices
     (0-based) of the layers held here; each layer's initialization depends on `seed` and its
     number only, so every split of the model holds the same weights.
 
@@ -37,10 +39,15 @@ class GPTModel(LanguageModelStage):
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         s = input_ids.shape[1]
-        self.position_embeddings.check_length(s)
+        check_length(self.config, s)
+        x = self.word_embeddings(input_ids.t())  # [s, b, h], sequence-sharded under SP
+        if self.position_embeddings is None:  # rope (positions 0..s-1 rotate q and k) or none
+            if position_ids is not None:
+                raise ValueError(f"position_ids need learned positions; this model's position_embedding_type is "
+                                 f"{self.config.position_embedding_type} (positions are 0..s-1)")
+            return self.embedding_dropout(x)
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-        x = self.word_embeddings(input_ids.t())  # [s, b, h], sequence-sharded under SP
         return self.embedding_dropout(self.add_replicated(x, self.position_embeddings(position_ids.t())))
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None):

@@ -1,6 +1,6 @@
 """What one pipeline stage of a language model (GPT, BERT) holds apart from its heads: the word
-embedding tied to the output logits, the position embedding, this stage's transformer layers, and
-the hidden states received from the previous stage."""
+embedding tied to the output logits (or an output layer of its own), the position embedding, this
+stage's transformer layers, and the hidden states received from the previous stage."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -12,7 +12,7 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.embeddings import position_embedding
 from megalite.models.norms import norm_layer
-from megalite.models.rng import WORD_EMBEDDING_COMPONENT, hidden_dropout, init_generator
+from megalite.models.rng import OUTPUT_LAYER_COMPONENT, WORD_EMBEDDING_COMPONENT, hidden_dropout, init_generator
 from megalite.models.transformer import TransformerLayer, run_layers
 from megalite.parallel import state
 from megalite.parallel.layers import VocabParallelEmbedding, default_device, normal_init, pad_vocab_size
@@ -34,6 +34,10 @@ class LanguageModelStage(nn.Module):
     (0-based) of the layers held here; every component is initialized from `seed` and its own
     identity alone, so every TP size and pipeline split holds the same full weights.
 
+    With `untie_embeddings_and_output_weights` the first stage alone holds `word_embeddings` and
+    the last stage an `output_layer` [padded_vocab, h] of its own (vocab-parallel, drawn from its
+    own component generator), nothing shared between them.
+
     A subclass adds its own modules after this constructor, in the order its parameters were
     always created, calling `build_layers()` where the layers go.
     """
@@ -49,21 +53,29 @@ class LanguageModelStage(nn.Module):
         self._device = default_device(device)
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
-        if pre_process or post_process:
+        if config.untie_embeddings_and_output_weights:
+            if pre_process:
+                self.word_embeddings = self._vocab_parallel(WORD_EMBEDDING_COMPONENT)
+            if post_process:
+                self.output_layer = self._vocab_parallel(OUTPUT_LAYER_COMPONENT)
+        elif pre_process or post_process:
             self.word_embeddings = self._tied_word_embedding()
         if pre_process:
             self.position_embeddings = position_embedding(config, self._seed, self._device)
         self.input_tensor: torch.Tensor | None = None
 
-    def _tied_word_embedding(self) -> VocabParallelEmbedding:
+    def _vocab_parallel(self, component: int) -> VocabParallelEmbedding:
+        """A [padded_vocab, h] table sharded by vocabulary rows, drawn from `component`'s generator."""
         c = self.config
-        embedding = VocabParallelEmbedding(
+        return VocabParallelEmbedding(
             self.padded_vocab_size, c.hidden_size,
-            init_method=normal_init(c.init_method_std, init_generator(self._seed, WORD_EMBEDDING_COMPONENT,
-                                                                      self._device)),
+            init_method=normal_init(c.init_method_std, init_generator(self._seed, component, self._device)),
             num_real_embeddings=c.vocab_size, sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype,
             device=self._device,
         )
+
+    def _tied_word_embedding(self) -> VocabParallelEmbedding:
+        embedding = self._vocab_parallel(WORD_EMBEDDING_COMPONENT)
         # Tied: its gradient is summed over the first and last stage (when they differ). The
         # copy on a last stage that is not also the first is the same weight, counted once.
         embedding.weight.tied_embedding = True
@@ -100,12 +112,13 @@ class LanguageModelStage(nn.Module):
         return run_layers(self.layers, x, attention_mask, self.config, self.training)
 
     def output_logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """[s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp] through the word embedding
-        (plus a vocab-sharded `bias`), padding columns at -inf."""
+        """[s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp] through the output layer or the
+        tied word embedding (plus a vocab-sharded `bias`), padding columns at -inf."""
         if self.config.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)
-        logits = F.linear(x, self.word_embeddings.weight, bias)
-        self.word_embeddings.mask_padding_logits(logits)  # padding never wins
+        output = self.output_layer if self.config.untie_embeddings_and_output_weights else self.word_embeddings
+        logits = F.linear(x, output.weight, bias)
+        output.mask_padding_logits(logits)  # padding never wins
         return logits

@@ -12,19 +12,65 @@ sequence length, b the micro-batch, h the hidden size, a the heads, t the tensor
 
 The 5*a*s/h term is the attention core: softmax output (2*a*s^2*b), its dropout mask (a*s^2*b) and
 the dropout output (2*a*s^2*b). Fused attention (SDPA flash) never stores it at all.
+
+The same count for the Llama family's layers (s*b*h units): of the 34, 10 stay whole on every TP
+rank (the two norms' inputs 4, the attention and MLP inputs 2 + 2, the two dropout masks 2); the
+rest is split over TP by heads or ffn features: query 2, key and value 2 each times G/a with G
+key/value groups (one group a rank when tp > G), the output projection's input 2, and the MLP's
+ffn-wide tensors, 2*f/h each: two for GeLU (its input and fc2's), four for SwiGLU (fc1's gate and
+up output, silu(gate) and fc2's input). qk-layernorm keeps its inputs, of which only the queries of
+grouped-query attention's separate projection, 2, are not alive anyway (the keys are a view of the
+key/value output, which the values keep), and its fp32 statistics, 4*(a + G)/h.
+Rotary positions keep rotated copies where the unrotated tensors stay alive anyway: with
+grouped-query attention's separate key/value projection the keys, 2*G/a; with multi-head
+attention's fused QKV (whose output stays alive for the values) queries and keys, 4; and their fp32
+cos/sin tables, 8*d_rot/(b*h).
+PyTorch's fused attention (SDPA) keeps keys and values at G heads; the explicit attention backends
+expand them to a heads first, so there grouped-query attention saves no activation memory (count
+G = a). Norms are counted as the fused kernels keep them (their 16-bit input); the PyTorch
+fallback of RMSNorm keeps fp32 copies, several times more.
 """
 from __future__ import annotations
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none") -> float:
+                               recompute: str = "none", *, kv_heads: int | None = None, ffn: int | None = None,
+                               gated: bool = False, qk_norm: bool = False, rope_dims: int = 0,
+                               fused_qkv: bool = True) -> float:
+    """Bytes one TP rank keeps for one layer's backward (see the module docstring); the defaults
+    are GPT-2's layer: multi-head attention, ffn = 4h, GeLU."""
     sbh = float(s) * b * h
-    attention_core = 5.0 * a * s / h
     if recompute == "full":
         return 2.0 * sbh / (t if sequence_parallel else 1)
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    core = attention_core if recompute == "none" else 0.0
+    core = 5.0 * a * s / h if recompute == "none" else 0.0
+    kv_heads = a if kv_heads is None else kv_heads
+    ffn = 4 * h if ffn is None else ffn
+    kv_split = kv_heads % t == 0  # else each rank holds one whole group (t > G)
+    kv = 4.0 * kv_heads / a  # key and value
+    sharded = 2.0 + (kv if kv_split else 0.0) + 2.0 + (8.0 if gated else 4.0) * ffn / h
+    if qk_norm:
+        sharded += (0.0 if fused_qkv else 2.0) + 4.0 * (a + kv_heads) / h
+    if rope_dims:
+        sharded += 4.0 if fused_qkv else (kv if kv_split else 0.0) / 2
+    per_rank_kv = 0.0 if kv_split else (4.0 + (2.0 if rope_dims else 0.0)) / a
+    per_rank_kv += 8.0 * rope_dims / (b * h)  # cos and sin: whole on every rank, whole sequence
     if sequence_parallel:
-        return sbh * (34.0 + core) / t
-    return sbh * (10.0 + 24.0 / t + core / t)
+        return sbh * (10.0 + sharded + core) / t + sbh * per_rank_kv
+    return sbh * (10.0 + sharded / t + core / t) + sbh * per_rank_kv
+
+
+def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | None = None) -> float:
+    """`activation_bytes_per_layer` for a layer of `config` (its recompute mode unless given; SDPA
+    keeps no attention core, as selective recomputation)."""
+    recompute = config.recompute if recompute is None else recompute
+    sdpa = config.attention_backend == "sdpa"
+    if sdpa and recompute == "none":
+        recompute = "selective"
+    return activation_bytes_per_layer(
+        s, b, config.hidden_size, config.num_attention_heads, t, config.sequence_parallel, recompute,
+        kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
+        gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,
+        rope_dims=config.rotary_dims if config.position_embedding_type == "rope" else 0,
+        fused_qkv=config.num_query_groups is None)

@@ -2,7 +2,8 @@
 dropout on activations replicated across TP, and recomputation that replays the same masks.
 
 Component ids (the `component` of `init_generator`): 0 the word embedding, 1 the position
-embedding, 1000 + n transformer layer n; BERT's heads take 2-5 (megalite/models/bert.py).
+embedding, 1000 + n transformer layer n; BERT's heads take 2-5 (megalite/models/bert.py); 6 the
+untied output layer.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megalite.parallel import state
 from megalite.parallel.layers import init_device, normal_init
 from megalite.parallel.random import get_rng_tracker
 
-WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT = 0, 1
+WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT, OUTPUT_LAYER_COMPONENT = 0, 1, 6
 FIRST_LAYER_COMPONENT = 1000
 
 

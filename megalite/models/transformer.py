@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from megalite.models.attention import ParallelAttention
-from megalite.models.attention import _explicit_attention, _fused_softmax_attention  # noqa: F401 (tests import here)
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import mlp_layer
 from megalite.models.norms import NORMS, norm_layer

@@ -24,15 +24,21 @@ def finalize_grads(buffers, params, embedding_group=None) -> None:
 
 def allreduce_sequence_parallel_grads(params) -> None:
     """Parameters replicated over TP but applied to a sequence shard (LayerNorm, row bias under
-    sequence parallelism) hold partial gradients: sum them over TP (in `main_grad`)."""
+    sequence parallelism), or to this rank's heads only (`partial_over_tp`: qk-norm weights), hold
+    partial gradients: sum them over TP (in `main_grad`)."""
     if state.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    grads = [p.main_grad for p in params if is_partial_over_tp(p)]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=state.get_tensor_model_parallel_group())
     torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def is_partial_over_tp(p: torch.nn.Parameter) -> bool:
+    """Whether each TP rank holds only part of `p`'s gradient, to be summed over TP."""
+    return getattr(p, "sequence_parallel", False) or getattr(p, "partial_over_tp", False)
 
 
 def counts_once(p: torch.nn.Parameter) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
-from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, gpt_flops_per_iteration
+from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
 from megalite.pipeline.schedules import theoretical_bubble
 from megalite.runtime import TrainingStopped
 from megalite.training.step import SkippedSteps, StepResult
@@ -33,8 +33,7 @@ class Progress:
                                 parallel.get_pipeline_model_parallel_group() if pp > 1 else None,
                                 parallel.get_pipeline_model_parallel_ranks()[-1])
         self.skips = SkippedSteps(device)
-        self.flops = gpt_flops_per_iteration(args.global_batch_size, args.seq_length, config.num_layers,
-                                             config.hidden_size, config.vocab_size)
+        self.flops = model_flops_per_iteration(config, args.global_batch_size, args.seq_length)
         self.peak = args.peak_tflops or default_peak_tflops(dtype, tf32=not args.no_tf32)
         self.bubble_theory = theoretical_bubble(pp, micro_batches, args.vpp)
         self.records: list[dict] = []

@@ -20,7 +20,7 @@ Every layout megalite accepts is enumerated and, for each, the planner predicts:
   the chunks the schedule program holds in flight (`megalite.pipeline.schedules.peak_in_flight`),
   the output layer and cross-entropy buffers on the last stage, and a fixed framework overhead;
   plus the transient peak while the model is built;
-- step time (`step_time.py`): model FLOPs (`megalite.metrics.gpt_flops_per_iteration`, plus what
+- step time (`step_time.py`): model FLOPs (`megalite.metrics.model_flops_per_iteration`, plus what
   recomputation runs again) over the cluster's sustained throughput, the pipeline bubble
   (`megalite.pipeline.schedules.theoretical_bubble`), tensor-parallel collectives, pipeline
   point-to-point messages, the data-parallel gradient reduction that cannot hide behind the last

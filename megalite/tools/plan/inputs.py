@@ -14,7 +14,7 @@ from megalite.pipeline.partition import stage_layer_counts
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
-GPT_PRESETS = tuple(name for name in PRESETS if name.startswith("gpt"))
+GPT_PRESETS = tuple(name for name in PRESETS if not name.startswith("bert"))  # GPT-2 and the Llama family
 
 
 @dataclass(frozen=True)

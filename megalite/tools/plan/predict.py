@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megalite.metrics import gpt_flops_per_iteration
+from megalite.metrics import model_flops_per_iteration
 from megalite.models.config import TransformerConfig
 from megalite.pipeline.schedules import theoretical_bubble
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
@@ -163,12 +163,12 @@ def predict(config: TransformerConfig, layout: Layout, cluster: Cluster, global_
     memory = _memory(stages[peak_r], cluster)
     build_peak = max(S.build for S in stages.values())
     fits = memory.total <= cluster.memory_bytes and build_peak <= cluster.memory_bytes
-    L, B, s = config.num_layers, run.global_batch_size, run.seq_length
+    B, s = run.global_batch_size, run.seq_length
     return Prediction(
         layout=layout, config=config, cluster=cluster, run=run, fits=fits, memory=memory, peak_stage=peak_r,
         build_peak=build_peak, time=time, micro_batches=m,
         bubble_fraction=theoretical_bubble(layout.pp, m, layout.vpp),
-        model_flops=gpt_flops_per_iteration(B, s, L, config.hidden_size, config.vocab_size),
+        model_flops=model_flops_per_iteration(config, B, s),
         hardware_flops=costs.hardware_flops, reason=None if fits else _why_not(memory, build_peak, cluster, peak_r),
         costs=costs, stages=stages, dp_parts=dp_parts, slow_stage=slow, dp_stage=dp_stage)
 

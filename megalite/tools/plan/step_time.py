@@ -7,6 +7,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from megalite.metrics import layer_forward_flops
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout
 from megalite.parallel.layers import pad_vocab_size
@@ -77,7 +78,7 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     ab = DTYPE_BYTES[run.dtype]
     bw_tp, bw_pp = bandwidth(cluster, "tp", layout), bandwidth(cluster, "pp", layout)
     vocab = pad_vocab_size(config.vocab_size, t, config.make_vocab_size_divisible_by)
-    fwd, bwd, core = layer_flops(s, b, h, config.ffn_hidden_size, layout.recompute)
+    fwd, bwd, core = layer_flops(config, s, b, layout.recompute)
     ar_bytes = s * b * h * ab
     msg = (s // t if layout.sequence_parallel else s) * b * h * ab
     return LayoutCosts(
@@ -93,12 +94,12 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     )
 
 
-def layer_flops(s: int, b: int, h: int, ffn: int, recompute: str) -> tuple[float, float, float]:
+def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str) -> tuple[float, float, float]:
     """(forward, backward incl. recomputation, attention-core forward) FLOPs of one layer and one
-    micro-batch, all TP ranks together. Forward: QKV, projection, MLP 2*s*b*(4h^2 + 2*h*ffn) (24 s b h^2
-    for ffn = 4h) plus the attention core 4*b*s^2*h; backward twice the forward."""
-    core = 4.0 * b * s * s * h
-    fwd = 2.0 * s * b * (4 * h * h + 2 * h * ffn) + core
+    micro-batch, all TP ranks together (`megalite.metrics.layer_forward_flops`: 24*s*b*h^2 dense plus
+    the attention core 4*b*s^2*h for GPT-2's shape); backward twice the forward."""
+    dense, core = layer_forward_flops(config, s, b)
+    fwd = dense + core
     bwd = 2.0 * fwd
     if recompute == "full":
         bwd += fwd

@@ -1,0 +1,71 @@
+"""Rotary position embedding (RoPE), applied to queries and keys inside attention.
+
+Hugging Face's "rotate half" convention: within the rotated dims of a head, dim i pairs with dim
+i + rotated / 2, so q/k weights of Hugging Face Llama-family checkpoints apply unchanged. The
+angles are computed in fp32; dims past `config.rotary_dims` pass through. No parameters: every
+stage builds the same table from the config, whatever it holds.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megalite.models.config import TransformerConfig
+
+
+def inverse_frequencies(config: TransformerConfig) -> torch.Tensor:
+    """base^(-2i / rotated) for i < rotated / 2 (fp32, CPU), with Llama 3.1 scaling when configured."""
+    dims = config.rotary_dims
+    # fp32 throughout, as Hugging Face computes it, so long positions rotate by the same angles.
+    inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
+    if config.rope_scaling_factor is not None:
+        inv_freq = _llama3_scaled(inv_freq, config)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """Long wavelengths slowed by the factor, short ones kept, a linear blend (in 1/wavelength) between."""
+    factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+    original = config.rope_original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed, 1: kept
+    return (1.0 - blend) * inv_freq / factor + blend * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of positions 0..s-1, cached per length and device, and their rotation of q and k."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.rotary_dims = config.rotary_dims
+        self.inv_freq = inverse_frequencies(config)  # a plain attribute: not in the state dict
+        self._cache: dict = {}
+
+    def cos_sin(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads."""
+        key = (s, str(device))
+        if key not in self._cache:
+            angles = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
+            self._cache = {key: (angles.cos(), angles.sin())}  # one length at a time is what training uses
+        return self._cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position."""
+        cos, sin = self.cos_sin(x.shape[0], x.device)
+        return apply_rotary(x, cos, sin, self.rotary_dims)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin on the first `dims` dims of the last axis (in fp32)."""
+    rotated, rest = x[..., :dims].float(), x[..., dims:]
+    first, second = rotated.chunk(2, dim=-1)
+    out = rotated * cos + torch.cat([-second, first], dim=-1) * sin
+    return torch.cat([out.to(x.dtype), rest], dim=-1) if rest.shape[-1] else out.to(x.dtype)
+
+
+def rotary_embedding(config: TransformerConfig) -> RotaryEmbedding | None:
+    """The rotation attention applies to q and k, or None when positions are not rotary."""
+    return RotaryEmbedding(config) if config.position_embedding_type == "rope" else None

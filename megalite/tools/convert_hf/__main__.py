@@ -1,0 +1,5 @@
+import sys
+
+from megalite.tools.convert_hf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""from_hf / to_hf: which family converts a model (by its Hugging Face class, or by the megalite config)."""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+
+from megalite.models.config import TransformerConfig
+from megalite.tools.convert_hf import bert, gpt2, llama
+from megalite.tools.convert_hf.common import ConversionError, load_hf_config, load_hf_weights, refuse
+
+# family module -> the megalite model kind it becomes
+FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"))
+SUPPORTED = ", ".join(a for family, _ in FAMILIES for a in family.ARCHITECTURES)
+# What to_hf writes: kind -> Hugging Face class -> family.
+EXPORTS = {"gpt": {"GPT2LMHeadModel": gpt2, **{a: llama for a in llama.ARCHITECTURES}},
+           "bert": {"BertForPreTraining": bert}}
+
+
+def _unsupported(what: str) -> ConversionError:
+    return ConversionError(f"unsupported architecture {what}: megalite converts {SUPPORTED}")
+
+
+def _family_of_config(cfg):
+    archs = list(getattr(cfg, "architectures", None) or [])
+    model_type = getattr(cfg, "model_type", None)
+    for family, kind in FAMILIES:
+        if model_type in family.MODEL_TYPES and all(a in family.ARCHITECTURES for a in archs):
+            return family, kind
+    raise _unsupported(", ".join(archs) or f"model_type {model_type!r}")
+
+
+def _family_of_model(model):
+    for family, kind in FAMILIES:
+        if family.owns_model(model):
+            return family, kind
+    raise _unsupported(type(model).__name__)
+
+
+def hf_model_kind(model_or_dir) -> str:
+    """"gpt" or "bert": what megalite model a Hugging Face model (object or saved directory) becomes.
+    Raises ValueError for an architecture that from_hf does not convert."""
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        return _family_of_config(load_hf_config(model_or_dir))[1]
+    return _family_of_model(model_or_dir)[1]
+
+
+def model_kind(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """"gpt" or "bert" from a megalite state dict's names (BERT has token-type embeddings or
+    masked-LM head weights, GPT neither)."""
+    bert_only = ("tokentype_embeddings.weight", "embedding_layernorm.weight", "lm_bias", "lm_dense.weight")
+    return "bert" if any(k in state_dict for k in bert_only) else "gpt"
+
+
+def load_hf_model(directory):
+    """A supported model from a save_pretrained directory, refusing bad configs before loading
+    weights and checkpoints that lack some of the weights (e.g. a BertModel's)."""
+    cfg = load_hf_config(directory)
+    family, _ = _family_of_config(cfg)
+    cls = family.hf_class(cfg)
+    refuse(cls.__name__, family.config_problems(cfg))
+    return load_hf_weights(cls, directory, cls.__name__)
+
+
+def from_hf(model_or_dir) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
+    """(config, state_dict) of the megalite model equal to a Hugging Face one.
+
+    `model_or_dir`: a model of one of the SUPPORTED architectures, or a directory written by its
+    save_pretrained (read with local_files_only). GPT-2 and the Llama family become a GPTModel,
+    BERT a BERTModel (`model_kind(state_dict)` or `hf_model_kind(model_or_dir)` tells which). The
+    state dict has exactly the names and shapes of that model's state_dict() on one device (tp = 1):
+    vocabulary padded to `pad_vocab_size(vocab, 1, config.make_vocab_size_divisible_by)` with zero
+    rows. Tensors are copies, in the Hugging Face model's dtype (= config.params_dtype).
+    Raises ValueError, naming every problem at once, for an architecture or setting megalite does
+    not compute the same way.
+    """
+    model = load_hf_model(model_or_dir) if isinstance(model_or_dir, (str, os.PathLike)) else model_or_dir
+    family, _ = _family_of_model(model)
+    return family.from_hf(model)
+
+
+def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kind: str | None = None,
+          architecture: str | None = None):
+    """The Hugging Face model (eval mode) holding a megalite model's weights: the inverse of from_hf.
+    `state_dict` is a single-device (tp = 1) megalite state dict, its vocabulary padded or not
+    (padding is stripped); `kind` ("gpt" | "bert") defaults to model_kind(state_dict).
+    `architecture`: the Hugging Face class to write; by default BertForPreTraining for BERT,
+    GPT2LMHeadModel for a GPT with learned positions, and for a RoPE / GQA / SwiGLU GPT
+    Qwen3ForCausalLM with qk norms, Qwen2ForCausalLM with q/k/v biases alone, else
+    LlamaForCausalLM. Tensors are copied in their dtype."""
+    kind = kind or model_kind(state_dict)
+    if kind not in ("gpt", "bert"):
+        raise ConversionError(f"model kind must be 'gpt' or 'bert', got {kind!r}")
+    exports = EXPORTS[kind]
+    if architecture is None:
+        family = bert if kind == "bert" else llama if llama.is_llama_like(config) else gpt2
+    elif architecture in exports:
+        family = exports[architecture]
+    else:
+        raise ConversionError(f"a megalite {kind.upper()} exports as {', '.join(exports)}, not {architecture}")
+    if family is llama:
+        return llama.to_hf(config, state_dict, architecture)
+    return family.to_hf(config, state_dict)

@@ -1,0 +1,296 @@
+"""The Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) <->
+megalite's GPTModel with RoPE, grouped-query attention, a SwiGLU MLP and RMSNorm.
+
+Hugging Face's q_proj and k_proj use the "rotate half" RoPE convention, as megalite does, so q is
+copied unchanged; k and v are interleaved per query group into `attention.kv`, gate and up row by
+row into `mlp.fc1` (see common). The four architectures differ only in biases, qk norms and
+sliding windows; the table is the same.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from megalite.models.config import TransformerConfig
+from megalite.parallel.layers import pad_vocab_size
+from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into,
+                                              pairs, refuse, table_problems, transformers)
+
+LLAMA, MISTRAL, QWEN2, QWEN3 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3)
+MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What decides the table's rows."""
+    num_layers: int
+    grouped: bool  # separate attention.q and attention.kv (num_query_groups set), else fused qkv
+    qkv_bias: bool
+    linear_bias: bool
+    qk_norm: bool
+    untied: bool
+
+
+def shape_of(c) -> Shape:
+    """The Shape of a TransformerConfig (or anything with its field names)."""
+    return Shape(c.num_layers, getattr(c, "num_query_groups", None) is not None,
+                 getattr(c, "add_qkv_bias", False), getattr(c, "add_bias_linear", True),
+                 getattr(c, "qk_layernorm", False), getattr(c, "untie_embeddings_and_output_weights", False))
+
+
+def table(s: Shape) -> list[Row]:
+    """Rows in the order of GPTModel.state_dict(); HF names are the *ForCausalLM model's."""
+    attention_params = ("weight", "bias") if s.qkv_bias or s.linear_bias else ("weight",)
+    linear_params = ("weight", "bias") if s.linear_bias else ("weight",)
+    rows = [("word_embeddings.weight", "model.embed_tokens.weight", "vocab")]
+    if s.untied:
+        rows.append(("output_layer.weight", "lm_head.weight", "vocab"))
+    for i in range(s.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        attn = f"{theirs}self_attn."
+        rows.append((f"{ours}input_layernorm.weight", f"{theirs}input_layernorm.weight", "same"))
+        if s.grouped:
+            rows += [(f"{ours}attention.q.{p}", f"{attn}q_proj.{p}", "same") for p in attention_params]
+            rows += [(f"{ours}attention.kv.{p}", (f"{attn}k_proj.{p}", f"{attn}v_proj.{p}"), "kv")
+                     for p in attention_params]
+        else:
+            rows += [(f"{ours}attention.qkv.{p}", tuple(f"{attn}{n}_proj.{p}" for n in "qkv"), "qkv")
+                     for p in attention_params]
+        if s.qk_norm:
+            rows += pairs([(f"{ours}attention.q_norm", f"{attn}q_norm"),
+                           (f"{ours}attention.k_norm", f"{attn}k_norm")], ("weight",))
+        rows += pairs([(f"{ours}attention.proj", f"{attn}o_proj")], linear_params)
+        rows.append((f"{ours}post_attention_layernorm.weight", f"{theirs}post_attention_layernorm.weight", "same"))
+        rows += [(f"{ours}mlp.fc1.{p}", (f"{theirs}mlp.gate_proj.{p}", f"{theirs}mlp.up_proj.{p}"), "glu")
+                 for p in linear_params]
+        rows += pairs([(f"{ours}mlp.fc2", f"{theirs}mlp.down_proj")], linear_params)
+    rows.append(("final_layernorm.weight", "model.norm.weight", "same"))
+    return rows
+
+
+def _groups(c) -> dict[str, int]:
+    query_groups = getattr(c, "num_query_groups", None) or c.num_attention_heads
+    return {"qkv": c.num_attention_heads, "kv": query_groups, "glu": c.ffn_hidden_size}
+
+
+def tensors_from_hf(theirs: Mapping[str, torch.Tensor], c, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """megalite's tp = 1 tensors from a *ForCausalLM state dict; `c`: the config (or its fields)."""
+    return import_tensors(theirs, table(shape_of(c)), _groups(c), padded_vocab)
+
+
+def tensors_to_hf(ours: Mapping[str, torch.Tensor], c) -> dict[str, torch.Tensor]:
+    """The inverse of tensors_from_hf (tied models get no lm_head.weight: it is embed_tokens)."""
+    return export_tensors(ours, table(shape_of(c)), _groups(c), c.vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+
+def owns_model(model) -> bool:
+    return type(model).__name__ in ARCHITECTURES
+
+
+def hf_class(cfg):
+    archs = list(getattr(cfg, "architectures", None) or [])
+    return getattr(transformers(), archs[0] if archs else MODEL_TYPES[cfg.model_type])
+
+
+def rope_parameters(cfg) -> dict:
+    """Hugging Face's RoPE settings: transformers >= 5 `rope_parameters`, earlier `rope_theta` and
+    `rope_scaling`; always with rope_type and rope_theta."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def sliding_window(cfg, arch: str) -> int | None:
+    """The window of the layers that use sliding-window attention (None: every layer attends to all)."""
+    window = getattr(cfg, "sliding_window", None)
+    if arch == MISTRAL or window is None:
+        return window
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(cfg, "use_sliding_window", False) else None
+
+
+def _biases(cfg, arch: str) -> tuple[bool, bool, list[str]]:
+    """(add_bias_linear, add_qkv_bias, problems) of an architecture's bias settings."""
+    attention_bias = bool(getattr(cfg, "attention_bias", False))  # Llama, Qwen3: q, k, v and o_proj
+    if arch == QWEN2:  # q, k, v biases always; none on o_proj or the MLP
+        return False, True, []
+    if arch == MISTRAL:
+        return False, False, []
+    if arch == QWEN3:
+        return False, False, [f"attention_bias={attention_bias} (Qwen3's biases include o_proj's but no MLP "
+                              f"biases; megalite's add_bias_linear has both)"] if attention_bias else []
+    mlp_bias = bool(getattr(cfg, "mlp_bias", False))  # Llama only
+    if attention_bias != mlp_bias:
+        return False, False, [f"attention_bias={attention_bias} with mlp_bias={mlp_bias} (megalite's "
+                              f"add_bias_linear puts biases on attention and MLP together)"]
+    return attention_bias, False, []
+
+
+def _rope_fields(cfg, problems: list[str]) -> dict:
+    rope = rope_parameters(cfg)
+    fields = {"rotary_base": float(rope["rope_theta"])}
+    if rope["rope_type"] not in ROPE_TYPES:
+        problems.append(f"rope_type {rope['rope_type']!r} (megalite computes {' and '.join(ROPE_TYPES)} RoPE)")
+    elif rope["rope_type"] == "llama3":
+        fields.update(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial} (Hugging Face's Llama, Mistral and Qwen rotate every "
+                        f"head dimension)")
+    return fields
+
+
+def config_fields(cfg, arch: str) -> tuple[dict, list[str]]:
+    """(TransformerConfig fields but params_dtype, problems) of a Hugging Face config."""
+    problems = []
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    groups = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    if hidden % heads or head_dim != hidden // heads:
+        problems.append(f"head_dim={head_dim} with hidden_size={hidden} and num_attention_heads={heads} (megalite's "
+                        f"heads are hidden_size / num_attention_heads wide)")
+    if heads % groups:
+        problems.append(f"num_key_value_heads={groups} does not divide num_attention_heads={heads}")
+    if cfg.hidden_act != "silu":
+        problems.append(f"hidden_act={cfg.hidden_act!r} (megalite's gated MLP is SwiGLU: silu)")
+    linear_bias, qkv_bias, bias_problems = _biases(cfg, arch)
+    problems += bias_problems
+    fields = dict(
+        num_layers=cfg.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings, hidden_dropout=0.0,
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+        layernorm_epsilon=cfg.rms_norm_eps, init_method_std=cfg.initializer_range, layernorm_position="pre",
+        normalization="rmsnorm", activation="silu", gated_linear_unit=True, causal=True,
+        position_embedding_type="rope", add_bias_linear=linear_bias, add_qkv_bias=qkv_bias,
+        qk_layernorm=arch == QWEN3, untie_embeddings_and_output_weights=not getattr(cfg, "tie_word_embeddings", False),
+        **_rope_fields(cfg, problems),
+    )
+    window = sliding_window(cfg, arch)
+    if window is not None and window < fields["max_position_embeddings"]:
+        # Full causal attention equals sliding-window attention on sequences no longer than the window.
+        warnings.warn(f"{arch} attends within a sliding window of {window} tokens, megalite to every earlier "
+                      f"token: the two agree on sequences up to {window} tokens, so max_position_embeddings is "
+                      f"set to {window} (was {fields['max_position_embeddings']}); train with --seq-length <= "
+                      f"{window}", ConversionNote, stacklevel=3)
+        fields["max_position_embeddings"] = window
+    return fields, problems
+
+
+def config_problems(cfg) -> list[str]:
+    return config_fields(cfg, hf_class(cfg).__name__)[1]
+
+
+def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
+    arch = type(model).__name__
+    fields, problems = config_fields(model.config, arch)
+    theirs = dict(model.state_dict())
+    tied = not fields["untie_embeddings_and_output_weights"]
+    lm_head = theirs.get("lm_head.weight")
+    if tied and lm_head is not None and not torch.equal(lm_head, theirs["model.embed_tokens.weight"]):
+        problems.append("lm_head.weight differs from model.embed_tokens.weight with tie_word_embeddings=True")
+    refuse(arch, problems)
+    config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
+    padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
+    return config, tensors_from_hf(theirs, config, padded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+def is_llama_like(c) -> bool:
+    """Whether a megalite GPT config is of this family (else GPT-2's)."""
+    return (getattr(c, "position_embedding_type", "learned_absolute") == "rope"
+            or getattr(c, "gated_linear_unit", False) or getattr(c, "num_query_groups", None) is not None)
+
+
+def default_architecture(c) -> str:
+    if getattr(c, "qk_layernorm", False):
+        return QWEN3
+    if getattr(c, "add_qkv_bias", False) and not getattr(c, "add_bias_linear", True):
+        return QWEN2
+    return LLAMA
+
+
+def export_problems(c, arch: str) -> list[str]:
+    """What `arch` cannot hold of a megalite config."""
+    problems = []
+    wanted = {"position_embedding_type": "rope", "normalization": "rmsnorm", "gated_linear_unit": True,
+              "activation": "silu", "layernorm_position": "pre", "causal": True, "rotary_percent": 1.0}
+    for name, value in wanted.items():
+        if getattr(c, name, None) != value:
+            problems.append(f"{arch} needs {name}={value!r} (config: {getattr(c, name, None)!r})")
+    s = shape_of(c)
+    holds = {  # (linear bias, q/k/v bias only, qk norm) an architecture can hold
+        LLAMA: {(False, False, False), (True, False, False), (True, True, False)},
+        MISTRAL: {(False, False, False)},
+        QWEN2: {(False, True, False)},
+        QWEN3: {(False, False, True)},
+    }[arch]
+    if (s.linear_bias, s.qkv_bias, s.qk_norm) not in holds:
+        problems.append(f"{arch} cannot hold add_bias_linear={s.linear_bias}, add_qkv_bias={s.qkv_bias}, "
+                        f"qk_layernorm={s.qk_norm} (choose the architecture {default_architecture(c)})")
+    return problems
+
+
+def _accepts(cls, name: str) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
+
+
+def hf_config(c, arch: str):
+    cls = getattr(transformers(), arch.replace("ForCausalLM", "Config"))
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if getattr(c, "rope_scaling_factor", None) is not None:
+        rope.update(rope_type="llama3", factor=c.rope_scaling_factor, low_freq_factor=c.rope_low_freq_factor,
+                    high_freq_factor=c.rope_high_freq_factor,
+                    original_max_position_embeddings=c.rope_original_max_position_embeddings)
+    kwargs = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_query_groups or c.num_attention_heads, hidden_act="silu",
+        max_position_embeddings=c.max_position_embeddings, initializer_range=c.init_method_std,
+        rms_norm_eps=c.layernorm_epsilon, attention_dropout=c.attention_dropout,
+        tie_word_embeddings=not c.untie_embeddings_and_output_weights,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # megalite's config holds no token ids
+    )
+    if _accepts(cls, "rope_parameters"):
+        kwargs["rope_parameters"] = rope
+    else:  # transformers < 5
+        kwargs["rope_theta"] = rope.pop("rope_theta")
+        kwargs["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    for name, value in (("head_dim", c.head_dim), ("attention_bias", c.add_bias_linear),
+                        ("mlp_bias", c.add_bias_linear), ("sliding_window", None), ("use_sliding_window", False)):
+        if _accepts(cls, name):
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], architecture: str | None = None):
+    """`architecture` (default: the one the config's biases and qk norm call for) in eval mode,
+    holding a megalite GPT's weights."""
+    arch = architecture or default_architecture(config)
+    rows = table(shape_of(config))
+    refuse("this megalite GPT", export_problems(config, arch) + table_problems(state_dict, rows, config.vocab_size),
+           to=f"Hugging Face {arch}")
+    theirs = tensors_to_hf(state_dict, config)
+    if not config.untie_embeddings_and_output_weights:
+        theirs["lm_head.weight"] = theirs["model.embed_tokens.weight"]
+    model = getattr(transformers(), arch)(hf_config(config, arch))
+    return load_into(model.to(state_dict["word_embeddings.weight"].dtype), theirs)
