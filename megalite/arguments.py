@@ -172,6 +172,10 @@ def _add_llama_flags(g) -> None:
     g.add_argument("--norm-epsilon", type=float, help="epsilon of every LayerNorm / RMSNorm")
 
 
+_ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position_embeddings")
+
+
 def _llama_overrides(args) -> dict:
     """TransformerConfig fields the Llama-family flags set; flags not given set nothing."""
     has_groups, gqa = getattr(args, "num_query_groups", None) is not None, getattr(args, "group_query_attention", False)
@@ -216,6 +220,10 @@ def model_config(args) -> TransformerConfig:
                         **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    rope_flags = [f"--{k.replace('_', '-')}" for k in _ROPE_FIELDS if k in overrides]
+    if rope_flags and config.position_embedding_type != "rope":
+        raise UsageError(f"{', '.join(rope_flags)}: for rotary positions only, but this model's position embedding is "
+                         f"{config.position_embedding_type}: add --position-embedding-type rope, or drop them")
     if args.seq_length is None:  # a namespace not from build_parser
         raise UsageError("--seq-length is not set")
     if args.seq_length > config.max_position_embeddings:

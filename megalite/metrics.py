@@ -45,8 +45,8 @@ def layer_forward_flops(config, s: int, b: int) -> tuple[float, float]:
     a heads), output projection and MLP (gated: gate and up) matmuls, and the two attention matmuls
     q k^T and p v over every pair of positions (as Megatron-LM counts, causal or not)."""
     h, f = config.hidden_size, config.ffn_hidden_size
-    q = config.num_attention_heads * config.head_dim  # = h unless head_dim says otherwise
-    kv = 2 * (config.num_query_groups or config.num_attention_heads) * config.head_dim
+    q = config.num_attention_heads * config.head_dim
+    kv = 2 * config.query_groups * config.head_dim
     mlp = h * f * (3 if config.gated_linear_unit else 2)
     dense = 2.0 * s * b * (h * q + h * kv + q * h + mlp)
     core = 4.0 * b * s * s * q

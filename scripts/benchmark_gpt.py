@@ -21,7 +21,6 @@ import contextlib
 import datetime
 import gc
 import json
-import math
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megalite.metrics import gpt_flops_per_iteration  # noqa: E402
+from megalite.models.config import PRESETS  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0  # H100 SXM dense bf16, the convention of Megatron-LM and torchtitan
 SHAPES = {  # preset: (micro-batch, sequence length), as the issue fixes them
@@ -206,7 +206,9 @@ def log_mfu(preset, mb, seq, extra, warmup, iters, quick, peak) -> float | None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--presets", nargs="+", default=list(SHAPES))
+    # GPT-2-shaped presets only: the plain PyTorch baseline is a GPT-2 and the FLOPs are its formula's.
+    p.add_argument("--presets", nargs="+", default=list(SHAPES),
+                   choices=[n for n in PRESETS if n.startswith("gpt")])
     p.add_argument("--variants", nargs="+", default=["eager", "compile"],
                    help="eager: megalite as configured by default; compile: megalite --torch-compile")
     p.add_argument("--no-plain-compile", action="store_true", help="leave out the plain torch.compile baseline")

@@ -320,3 +320,23 @@ def test_export_after_training_at_tp2_pp2_reloads_with_megalites_logits(hf_dirs,
     results = run_ranks(_layout_logits, 4, args=(2, 2, [(str(trained), trained_config)]), timeout=240)
     for rank in (2, 3):
         assert _max_err(results[rank][0], _hf_logits(hf)) <= TOL
+
+
+def test_a_directory_without_weights_or_with_a_broken_rope_config_is_one_line(tmp_path, capsys):
+    import json
+
+    from megalite.tools.convert_hf.cli import main
+
+    cfg = tf.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=100)
+    cfg.save_pretrained(tmp_path / "no-weights")
+    assert main(["import", "--hf-dir", str(tmp_path / "no-weights"), "--out", str(tmp_path / "o1")]) == 2
+    assert "cannot read the LlamaForCausalLM weights" in capsys.readouterr().err
+    cfg.save_pretrained(tmp_path / "rope")
+    raw = json.loads((tmp_path / "rope" / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}  # low/high frequency factors missing
+    (tmp_path / "rope" / "config.json").write_text(json.dumps(raw))
+    assert main(["import", "--hf-dir", str(tmp_path / "rope"), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "low_freq_factor" in err, err

@@ -242,13 +242,20 @@ def test_a_tp2_llama_checkpoint_resumes_at_tp4_and_tp1(tmp_path, vocab):
         assert rel_err(torch.tensor(losses), torch.tensor(unbroken[3:])) <= 1e-5, (tp, losses)
 
 
-def test_a_checkpoint_of_another_architecture_is_refused_and_an_old_one_reads_as_today(tmp_path):
+def test_a_checkpoint_of_another_architecture_is_refused_and_an_old_one_reads_as_today(tmp_path, capsys):
     run_ranks(train_losses, 1, args=(LLAMA + ["--train-iters", "1", "--save", str(tmp_path)],))
     reader = checkpoint.CheckpointReader(tmp_path)
     llama = preset("llama-tiny", max_position_embeddings=128)
     checkpoint.check_compatible(reader, llama, reader.model_kind)
     with pytest.raises(UsageError, match=r"qk_layernorm False \(checkpoint\) vs True \(now\)"):
         checkpoint.check_compatible(reader, llama.replace(qk_layernorm=True), reader.model_kind)
+    with pytest.raises(UsageError, match=r"rotary_percent 1.0 \(checkpoint\) vs 0.5 \(now\)"):
+        checkpoint.check_compatible(reader, llama.replace(rotary_percent=0.5), reader.model_kind)
+    # Another rope base (context extension) or epsilon loads, and says so in one line.
+    checkpoint.check_compatible(reader, llama.replace(rotary_base=500000.0, layernorm_epsilon=1e-6),
+                                reader.model_kind)
+    said = capsys.readouterr().out
+    assert "rotary_base 10000.0 (checkpoint) -> 500000.0 (now)" in said and "layernorm_epsilon" in said, said
     old = {k: v for k, v in config_dict(preset("gpt-tiny")).items() if k in OLD_FIELDS}
     assert config_from_dict(old) == preset("gpt-tiny")
 
@@ -298,6 +305,7 @@ def test_llama_flags_reach_the_config_and_unset_ones_keep_the_preset():
     (["--group-query-attention", "--num-query-groups", "3"],
      "num_query_groups (3) must divide num_attention_heads (4)"),
     (["--position-embedding-type", "rope", "--rotary-percent", "0.03"], "rope needs an even number (>= 2) of rotated"),
+    (["--rotary-base", "500000"], "--rotary-base: for rotary positions only"),
 ])
 def test_bad_llama_flags_end_in_one_line(argv, message):
     with pytest.raises(UsageError) as e:

@@ -317,3 +317,20 @@ def test_pretrain_plan_flag_warns_before_training(tmp_path):
     run = torchrun("pretrain_gpt.py", 1, "--mock-data", "--train-iters", "1", "--seq-length", "32", "--plan",
                    "--plan-gpu-memory-gib", "80")
     assert "plan: this layout needs about" in run.stdout
+
+
+def test_the_printed_command_builds_the_planned_llama_model_and_tp_follows_its_groups():
+    from megalite import arguments
+    from megalite.tools.plan.report import _preset_of, model_flags
+
+    config = preset("gpt-tiny", hidden_size=192, num_attention_heads=12, num_query_groups=4, gated_linear_unit=True,
+                    activation="silu", position_embedding_type="rope", normalization="rmsnorm",
+                    add_bias_linear=False, qk_layernorm=True, untie_embeddings_and_output_weights=True,
+                    layernorm_epsilon=1e-6, rotary_base=500000.0, num_layers=3)
+    flags = model_flags(config, _preset_of(config))
+    built = arguments.model_config(arguments.build_parser("x", "gpt-tiny").parse_args(flags))
+    assert built == config.replace(max_position_embeddings=built.max_position_embeddings), flags
+    # 12 heads in 4 groups: tp 3 divides the heads but neither divides nor is divided by the groups.
+    result = P.plan(config, P.Cluster(gpus=3, gpu_memory_gib=80), 6, 64)
+    assert all(p.layout.tp != 3 for p in result.predictions)
+    assert any("num_query_groups" in r.example for r in result.rejected.values()), result.rejected

@@ -16,7 +16,7 @@ from megalite.checkpoint.layout import (FORMAT_VERSION, ITER_NAME, RANK_FILE_NAM
                                         config_from_dict, rank_file_name, shard_of)
 from megalite.checkpoint.rank_state import decode_plain
 from megalite.models.config import TransformerConfig
-from megalite.runtime import UsageError
+from megalite.runtime import UsageError, say
 
 _VERIFY_THREADS = max(2, min(8, os.cpu_count() or 1))
 
@@ -319,7 +319,11 @@ def check_finite(reader: CheckpointReader, name: str, t: torch.Tensor) -> None:
 # The Llama-family fields that change which parameters exist or their shapes. A checkpoint written
 # before they existed lacks them in its config and reads as their defaults (today's models).
 LLAMA_SHAPE_FIELDS = ("position_embedding_type", "num_query_groups", "gated_linear_unit", "add_bias_linear",
-                      "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights")
+                      "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "rotary_percent")
+# Settings a run may change on purpose (a longer context: another rope base or scaling), but which
+# change the function the weights compute: said in one line when they differ, never silently.
+RETUNABLE_FIELDS = ("rotary_base", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                    "rope_original_max_position_embeddings", "layernorm_epsilon")
 
 
 def check_compatible(reader: CheckpointReader, config: TransformerConfig, model_kind: str) -> None:
@@ -330,3 +334,8 @@ def check_compatible(reader: CheckpointReader, config: TransformerConfig, model_
     if diffs:
         raise UsageError(f"checkpoint {reader.path} holds a model of another shape: {'; '.join(diffs)}; "
                          f"use the same model flags, or another --load")
+    changed = [f"{k} {getattr(reader.config, k)} (checkpoint) -> {getattr(config, k)} (now)"
+               for k in RETUNABLE_FIELDS if getattr(reader.config, k) != getattr(config, k)]
+    if changed:
+        say(f"megalite: note: this run changes settings the checkpoint {reader.path} was trained with: "
+            f"{'; '.join(changed)} (give the checkpoint's values to keep its function)")

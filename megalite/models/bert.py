@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
+from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
 from megalite.models.mlp import activation_function
 from megalite.models.rng import init_generator, init_replicated
@@ -121,7 +122,7 @@ class BERTModel(LanguageModelStage):
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         s = input_ids.shape[1]
-        self.position_embeddings.check_length(s)
+        check_length(self.config, s)
         x = self.word_embeddings(input_ids.t())  # [s, b, h], sequence-sharded under SP
         extra = self.position_embeddings(torch.arange(s, device=input_ids.device)).unsqueeze(1)  # [s, 1, h]
         if token_type_ids is not None:

@@ -21,10 +21,6 @@ class LearnedPositionEmbedding(nn.Embedding):
         init_replicated(self, config.init_method_std, init_generator(seed, POSITION_EMBEDDING_COMPONENT, device),
                         device)
 
-    def check_length(self, s: int) -> None:
-        if s > self.num_embeddings:
-            raise ValueError(f"sequence length ({s}) exceeds max_position_embeddings ({self.num_embeddings})")
-
 
 # kind -> the module a first stage adds to its input, or None (rope acts in attention).
 POSITION_EMBEDDINGS: dict[str, type[nn.Module] | None] = {

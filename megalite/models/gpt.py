@@ -17,9 +17,10 @@ class GPTModel(LanguageModelStage):
     """The part of a GPT that one pipeline stage holds.
 
     pre_process: this stage embeds tokens (the first stage); post_process: it holds the final
-    norm and the output layer (the last stage), whose weight is the word embedding unless
-    untied: the last stage keeps its own copy, initialized identically, and its gradient is
-    summed with the first stage's over the embedding group each step. `layer_numbers` are the global indices
+    norm and the output layer (the last stage). Tied (the default), the output weight is the word
+    embedding: a last stage that is not also the first keeps its own copy, initialized
+    identically, its gradient summed with the first stage's over the embedding group each step;
+    untied, it is an `output_layer` of its own. `layer_numbers` are the global indices
     (0-based) of the layers held here; each layer's initialization depends on `seed` and its
     number only, so every split of the model holds the same weights.
 

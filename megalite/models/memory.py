@@ -24,7 +24,7 @@ key/value output, which the values keep), and its fp32 statistics, 4*(a + G)/h.
 Rotary positions keep rotated copies where the unrotated tensors stay alive anyway: with
 grouped-query attention's separate key/value projection the keys, 2*G/a; with multi-head
 attention's fused QKV (whose output stays alive for the values) queries and keys, 4; and their fp32
-cos/sin tables, 8*d_rot/(b*h).
+cos/sin tables, 8*d_rot/(b*h) (one table shared by all layers: counted per layer, an upper bound).
 PyTorch's fused attention (SDPA) keeps keys and values at G heads; the explicit attention backends
 expand them to a heads first, so there grouped-query attention saves no activation memory (count
 G = a). Norms are counted as the fused kernels keep them (their 16-bit input); the PyTorch

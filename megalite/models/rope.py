@@ -34,23 +34,33 @@ def _llama3_scaled(inv_freq: torch.Tensor, config: TransformerConfig) -> torch.T
     return (1.0 - blend) * inv_freq / factor + blend * inv_freq
 
 
+# cos/sin tables by (inverse frequencies, length, device): one copy for all the layers of a process
+# (each layer's attention keeps a reference for its backward, not a table of its own).
+_TABLES: dict = {}
+_MAX_TABLES = 8  # lengths and devices in use at once (training uses one; evaluation may add another)
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin of positions 0..s-1, cached per length and device, and their rotation of q and k."""
+    """cos/sin of positions 0..s-1, shared by every layer with the same frequencies, and their
+    rotation of q and k."""
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.rotary_dims = config.rotary_dims
         self.inv_freq = inverse_frequencies(config)  # a plain attribute: not in the state dict
-        self._cache: dict = {}
+        self._key = (config.rotary_dims, config.rotary_base, config.rope_scaling_factor, config.rope_low_freq_factor,
+                     config.rope_high_freq_factor, config.rope_original_max_position_embeddings)
 
     def cos_sin(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads."""
-        key = (s, str(device))
-        if key not in self._cache:
+        key = (self._key, s, str(device))
+        if key not in _TABLES:
+            if len(_TABLES) >= _MAX_TABLES:
+                _TABLES.clear()
             angles = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)
             angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
-            self._cache = {key: (angles.cos(), angles.sin())}  # one length at a time is what training uses
-        return self._cache[key]
+            _TABLES[key] = (angles.cos(), angles.sin())
+        return _TABLES[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position."""

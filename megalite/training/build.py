@@ -74,7 +74,8 @@ def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module
 
 def tied_embedding_group(args):
     """The group over which the tied word embedding's gradient is summed: the first and last
-    pipeline stage; None when one stage holds both copies (no pipeline)."""
+    pipeline stage; None when one stage holds both copies (no pipeline). An untied model marks no
+    parameter tied, so nothing is summed over it."""
     return parallel.get_embedding_group() if args.pp > 1 else None
 
 

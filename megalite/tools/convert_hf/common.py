@@ -154,13 +154,19 @@ def load_hf_config(directory):
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a directory saved with save_pretrained (no config.json)")
-    return transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return transformers().AutoConfig.from_pretrained(path, local_files_only=True)
+    except (KeyError, OSError) as e:  # transformers' own checks of the file (e.g. rope parameters)
+        raise ConversionError(f"{path / 'config.json'} cannot be read by transformers: {e}") from None
 
 
 def load_hf_weights(cls, directory, arch: str):
     """cls.from_pretrained(directory), refusing a checkpoint that lacks some of the weights (e.g.
     one saved from the base model without its head); tied weights may be absent."""
-    model, info = cls.from_pretrained(directory, local_files_only=True, output_loading_info=True)
+    try:
+        model, info = cls.from_pretrained(directory, local_files_only=True, output_loading_info=True)
+    except OSError as e:  # e.g. a config.json without weight files beside it
+        raise ConversionError(f"cannot read the {arch} weights in {directory}: {str(e).splitlines()[0]}") from None
     tied = set(getattr(cls, "_tied_weights_keys", None) or ())
     if getattr(model.config, "tie_word_embeddings", False):
         tied.add("lm_head.weight")

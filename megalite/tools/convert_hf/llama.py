@@ -147,9 +147,15 @@ def _rope_fields(cfg, problems: list[str]) -> dict:
     if rope["rope_type"] not in ROPE_TYPES:
         problems.append(f"rope_type {rope['rope_type']!r} (megalite computes {' and '.join(ROPE_TYPES)} RoPE)")
     elif rope["rope_type"] == "llama3":
-        fields.update(rope_scaling_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        keys = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_position_embeddings"}
+        missing = [k for k in keys if rope.get(k) is None]
+        if missing:
+            problems.append(f"llama3 rope scaling without {', '.join(missing)}")
+        else:
+            fields.update({ours: (int if ours.endswith("embeddings") else float)(rope[theirs])
+                           for theirs, ours in keys.items()})
     partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     if partial != 1.0:
         problems.append(f"partial_rotary_factor={partial} (Hugging Face's Llama, Mistral and Qwen rotate every "
@@ -264,7 +270,7 @@ def hf_config(c, arch: str):
     kwargs = dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_query_groups or c.num_attention_heads, hidden_act="silu",
+        num_key_value_heads=c.query_groups, hidden_act="silu",
         max_position_embeddings=c.max_position_embeddings, initializer_range=c.init_method_std,
         rms_norm_eps=c.layernorm_epsilon, attention_dropout=c.attention_dropout,
         tie_word_embeddings=not c.untie_embeddings_and_output_weights,

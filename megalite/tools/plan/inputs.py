@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megalite.checkpoint.layout import VOCAB_PARAMS
 from megalite.models import PRESETS, GPTModel, TransformerConfig, TransformerLayer
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import stage_layer_counts
@@ -131,10 +132,11 @@ def positions(config: TransformerConfig, seq_length: int) -> int:
 class CountedParameter:
     numel: int  # at tp = 1
     tp_split: bool  # `tensor_model_parallel`: each TP rank holds numel // tp
-    word_embedding: bool  # tied word embedding: its rows are padded per tp (pad_vocab_size)
+    vocab_rows: bool  # word embedding or untied output layer: its rows are padded per tp (pad_vocab_size)
+    tied: bool  # the tied word embedding: with pp > 1 its gradient bucket is deferred (summed over stages)
 
     def per_rank(self, config: TransformerConfig, tp: int) -> int:
-        if self.word_embedding:
+        if self.vocab_rows:
             divisible = config.make_vocab_size_divisible_by
             width = self.numel // pad_vocab_size(config.vocab_size, 1, divisible)
             return pad_vocab_size(config.vocab_size, tp, divisible) // tp * width
@@ -182,8 +184,8 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
             model = GPTModel(config, pre, post, layer_numbers=[0], seed=0, device="meta")
         in_layer = {id(p) for m in model.modules() if isinstance(m, TransformerLayer) for p in m.parameters()}
         counted = [(id(p) in in_layer, CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
-                                                        getattr(p, "tied_embedding", False)))
-                   for p in model.parameters()]
+                                                        name in VOCAB_PARAMS, getattr(p, "tied_embedding", False)))
+                   for name, p in model.named_parameters()]
         first = next(i for i, (layer, _) in enumerate(counted) if layer)
         last = max(i for i, (layer, _) in enumerate(counted) if layer)
         params = [c for _, c in counted]
@@ -212,7 +214,7 @@ def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None
         vs = c * pp + pp_rank
         stage = stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1)
         held = [*stage.head, *stage.layer * counts[vs], *stage.tail]
-        chunks.append([(x.per_rank(config, tp), pp > 1 and x.word_embedding) for x in held])
+        chunks.append([(x.per_rank(config, tp), pp > 1 and x.tied) for x in held])
     return chunks
 
 

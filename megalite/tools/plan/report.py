@@ -16,17 +16,37 @@ from megalite.tools.plan.step_time import StepTime
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
 
+# Architecture fields -> the pretrain_gpt.py flags that set them (a switch: flags when on).
+ARCH_FLAGS = {
+    "position_embedding_type": lambda v: ["--position-embedding-type", v],
+    "rotary_base": lambda v: ["--rotary-base", f"{v:g}"],
+    "rotary_percent": lambda v: ["--rotary-percent", f"{v:g}"],
+    "rope_scaling_factor": lambda v: ["--rope-scaling-factor", f"{v:g}"] if v is not None else [],
+    "rope_low_freq_factor": lambda v: ["--rope-low-freq-factor", f"{v:g}"],
+    "rope_high_freq_factor": lambda v: ["--rope-high-freq-factor", f"{v:g}"],
+    "rope_original_max_position_embeddings": lambda v: ["--rope-original-max-position-embeddings", str(v)],
+    "gated_linear_unit": lambda v: ["--swiglu"] if v else [],
+    "num_query_groups": lambda v: ["--group-query-attention", "--num-query-groups", str(v)] if v else [],
+    "normalization": lambda v: ["--normalization", v],
+    "add_bias_linear": lambda v: [] if v else ["--disable-bias-linear"],
+    "add_qkv_bias": lambda v: ["--add-qkv-bias"] if v else [],
+    "qk_layernorm": lambda v: ["--qk-layernorm"] if v else [],
+    "untie_embeddings_and_output_weights": lambda v: ["--untie-embeddings-and-output-weights"] if v else [],
+    "layernorm_epsilon": lambda v: ["--norm-epsilon", f"{v:g}"],
+}
+
+
 def model_flags(config: TransformerConfig, preset_name: str | None = None) -> list[str]:
-    """pretrain_gpt.py flags that build this shape: the preset alone when it matches."""
-    shape = {k: getattr(config, k) for k in SHAPE_FIELDS}
-    if preset_name in PRESETS:
-        ref = TransformerConfig(**PRESETS[preset_name])
-        diff = {k: v for k, v in shape.items() if getattr(ref, k) != v}
-        flags = ["--model", preset_name]
-    else:
-        diff, flags = shape, ["--model", "gpt-tiny"]
-    for k, v in diff.items():
-        flags += [f"--{k.replace('_', '-')}", str(v)]
+    """pretrain_gpt.py flags that build this model: the preset, plus flags for what differs from it."""
+    name = preset_name if preset_name in PRESETS else "gpt-tiny"
+    ref = TransformerConfig(**PRESETS[name])
+    flags = ["--model", name]
+    for k in SHAPE_FIELDS:
+        if getattr(ref, k) != getattr(config, k) or preset_name not in PRESETS:
+            flags += [f"--{k.replace('_', '-')}", str(getattr(config, k))]
+    for k, flag in ARCH_FLAGS.items():
+        if getattr(ref, k) != getattr(config, k):
+            flags += flag(getattr(config, k))
     return flags
 
 
@@ -57,7 +77,7 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
 def _preset_of(config: TransformerConfig) -> str | None:
     for name in GPT_PRESETS:
         ref = TransformerConfig(**PRESETS[name])
-        if all(getattr(ref, k) == getattr(config, k) for k in SHAPE_FIELDS):
+        if all(getattr(ref, k) == getattr(config, k) for k in (*SHAPE_FIELDS, *ARCH_FLAGS)):
             return name
     return None
 

@@ -141,6 +141,11 @@ def _tp_is_valid(config: TransformerConfig, t: int, space: SearchSpace, reject: 
     if config.ffn_hidden_size % t:
         reject("ffn % tp", f"ffn hidden size {config.ffn_hidden_size} not divisible by tp {t}")
         return False
+    try:  # everything else the model refuses at this tp (grouped-query attention's groups)
+        replace(config, sequence_parallel=False).check_tensor_parallel(t)
+    except ValueError as e:
+        reject("model vs tp", str(e))
+        return False
     return True
 
 
