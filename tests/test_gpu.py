@@ -200,3 +200,43 @@ def test_a_gpu_built_layer_holds_the_same_full_weights_at_every_tp_size():
     finally:
         state.get_tensor_model_parallel_world_size, state.get_tensor_model_parallel_rank = saved
     assert whole.is_cuda and torch.equal(torch.cat(shards, 0), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_attention_with_fused_sdpa_matches_the_repeat_kv_reference_on_gpu(dtype):
+    """SDPA's GPU kernels with grouped keys and values (enable_gqa), rope and qk-norm, against the
+    same attention with k and v expanded per head. CPU counterpart:
+    tests/test_llama.py::test_attention_equals_the_repeat_kv_reference."""
+    from test_llama import randomize_norms, reference_attention, small_config
+
+    from megalite.models.attention import ParallelAttention
+    from megalite.parallel.layers import normal_init
+
+    c = small_config(qk_layernorm=True, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                     max_position_embeddings=512)
+    attn = ParallelAttention(c, normal_init(0.2), normal_init(0.2), device="cpu")
+    randomize_norms(attn, 1)
+    attn = attn.cuda()
+    x = torch.randn(512, 2, c.hidden_size, generator=torch.Generator().manual_seed(3)).cuda()
+    want = reference_attention(attn, x, c)  # fp32, expanded k/v
+    got = attn.to(dtype)(x.to(dtype)).float()
+    err = (got - want).abs().max() / want.abs().max()  # relative to the largest output
+    assert err <= (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+def test_llama_layer_activations_follow_the_formula_on_gpu():
+    """Bytes a GQA + SwiGLU + rope layer (SDPA, bf16) leaves for backward on the GPU, against
+    megalite.models.memory.layer_activation_bytes. CPU counterpart: tests/test_activation_memory.py."""
+    from test_activation_memory import LLAMA_LAYERS, _script
+
+    from megalite.models.memory import layer_activation_bytes
+
+    script, cuda = _script(), torch.device("cuda")
+    s, b, h, a = 2048, 2, 2048, 16
+    for arch in LLAMA_LAYERS.values():
+        arch = {**arch, "attention_backend": "sdpa", "attention_dropout": 0.0}
+        if "ffn_hidden_size" in arch:
+            arch["ffn_hidden_size"] = arch["ffn_hidden_size"] * h // 256
+        _, config = script.build_layer(s, h, a, "none", cuda, torch.bfloat16, **arch)
+        measured = script.measure(s, b, h, a, "none", cuda, **arch)
+        assert 0.8 <= measured / layer_activation_bytes(config, s, b) <= 1.25, (arch, measured)
