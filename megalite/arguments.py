@@ -160,7 +160,8 @@ def _add_llama_flags(g) -> None:
     g.add_argument("--rope-high-freq-factor", type=float, help="rope scaling: high-frequency factor")
     g.add_argument("--rope-original-max-position-embeddings", type=int,
                    help="rope scaling: the context length the model was first trained at")
-    g.add_argument("--swiglu", action="store_true", help="gated MLP with silu (ffn size: each of gate and up)")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated MLP with silu (ffn size: each of gate and up; default 8h/3 rounded down to 64)")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (with "
                    "--num-query-groups)")
     g.add_argument("--num-query-groups", type=int, help="key/value heads (with --group-query-attention)")
@@ -211,6 +212,11 @@ def model_config(args) -> TransformerConfig:
         }.items() if v is not None
     }
     overrides.update(_llama_overrides(args))
+    if args.swiglu and args.ffn_hidden_size is None and not PRESETS[args.model].get("gated_linear_unit"):
+        # As Megatron-LM sizes it: the gated MLP's three matrices hold about the parameters of a 4h
+        # GeLU MLP's two (8h/3 each), rounded down to a multiple of 64.
+        hidden = args.hidden_size or PRESETS[args.model]["hidden_size"]
+        overrides["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
     try:
         config = preset(args.model, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,

@@ -298,6 +298,15 @@ def test_llama_flags_reach_the_config_and_unset_ones_keep_the_preset():
     assert config_of("--model", "qwen2.5-0.5b", "--seq-length", "64", "--rotary-base", "10").add_qkv_bias
 
 
+def test_swiglu_without_an_ffn_size_keeps_the_gelu_mlps_parameters_as_megatron_sizes_it():
+    # gpt2-124m: h = 768, so 8h/3 = 2048 (already a multiple of 64); gpt-tiny: 128 -> 341 -> 320.
+    assert config_of("--model", "gpt2-124m", "--swiglu").ffn_hidden_size == 2048
+    assert config_of("--swiglu").ffn_hidden_size == 320
+    assert config_of("--swiglu", "--hidden-size", "256", "--num-attention-heads", "4").ffn_hidden_size == 640
+    assert config_of("--swiglu", "--ffn-hidden-size", "96").ffn_hidden_size == 96  # given: kept
+    assert config_of("--model", "llama-tiny", "--swiglu").ffn_hidden_size == 256  # a gated preset keeps its own
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-query-groups", "2"], "--group-query-attention and --num-query-groups G go together"),
     (["--group-query-attention"], "--group-query-attention and --num-query-groups G go together"),
