@@ -61,15 +61,18 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     return sbh * (10.0 + sharded / t + core / t) + sbh * per_rank_kv
 
 
-def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | None = None) -> float:
-    """`activation_bytes_per_layer` for a layer of `config` (its recompute mode unless given; SDPA
-    keeps no attention core, as selective recomputation)."""
+def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | None = None,
+                           sequence_parallel: bool | None = None, attention_backend: str | None = None) -> float:
+    """`activation_bytes_per_layer` for a layer of `config`; recompute mode, sequence parallelism
+    and attention backend are the config's unless given (SDPA keeps no attention core, as
+    selective recomputation)."""
     recompute = config.recompute if recompute is None else recompute
-    sdpa = config.attention_backend == "sdpa"
+    sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    sdpa = (config.attention_backend if attention_backend is None else attention_backend) == "sdpa"
     if sdpa and recompute == "none":
         recompute = "selective"
     return activation_bytes_per_layer(
-        s, b, config.hidden_size, config.num_attention_heads, t, config.sequence_parallel, recompute,
+        s, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
         gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,
         rope_dims=config.rotary_dims if config.position_embedding_type == "rope" else 0,

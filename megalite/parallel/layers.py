@@ -34,8 +34,11 @@ class TokenIdError(UsageError):
 
 
 def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> InitMethod:
-    """N(0, std) init; with `generator`, draws from it instead of the global RNG."""
-    return lambda w: w.normal_(0.0, std, generator=generator)
+    """N(0, std) init; with `generator`, draws from it instead of the global RNG. A meta tensor
+    (a shapes-only build) has nothing to draw and is left alone."""
+    def init(w: torch.Tensor) -> torch.Tensor:
+        return w if w.is_meta else w.normal_(0.0, std, generator=generator)
+    return init
 
 
 def divide(numerator: int, denominator: int, what: str, by: str) -> int:

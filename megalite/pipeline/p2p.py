@@ -34,17 +34,6 @@ class Recv:
     tag: int
 
 
-def next_rank() -> int:
-    """Global rank of the next pipeline stage (wrapping: the last stage's next is the first)."""
-    ranks = state.get_pipeline_model_parallel_ranks()
-    return ranks[(state.get_pipeline_model_parallel_rank() + 1) % len(ranks)]
-
-
-def prev_rank() -> int:
-    ranks = state.get_pipeline_model_parallel_ranks()
-    return ranks[(state.get_pipeline_model_parallel_rank() - 1) % len(ranks)]
-
-
 def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device) -> dict[tuple, torch.Tensor]:
     """Post every send and receive together, wait for all; return the received tensors by key."""
     if not sends and not recvs:

@@ -61,7 +61,7 @@ def pretrain(args, task: Task) -> TrainingRun:
     data, valid_data = task.build_data(config, args)
 
     step = TrainStep.for_run(args, config.hidden_size, chunks, task.forward_step, buffers, optimizer)
-    m = args.global_batch_size // (args.micro_batch_size * dp)
+    m = step.micro_batches
     eval_program = build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp,
                                  kind="forward-only")
     progress = Progress(args, task, config, step.dtype, device, m)

@@ -51,6 +51,11 @@ class TrainStep:
                    forward_step, (seq, args.micro_batch_size, hidden_size), arguments.model_dtype(args), buffers,
                    optimizer, args.clip_grad, tied_embedding_group(args))
 
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step on this rank (its program runs each through every chunk)."""
+        return sum(op.kind == "F" for op in self.program) // len(self.chunks)
+
     def __call__(self, micro_batches: list[dict], num_tokens: torch.Tensor, lr: float, record_spans: bool = False,
                  label: str = "step") -> StepResult:
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,

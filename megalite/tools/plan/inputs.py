@@ -154,9 +154,9 @@ class StageParameters:
 
 class _ShapesOnly(TorchFunctionMode):
     """Every tensor made on the meta device and every in-place op on one (the initializations)
-    skipped: a build that costs no memory and no time. (megalite's parallel layers draw each full
-    weight on the CPU even for a meta build (`init_device`), and `normal_` on a meta tensor imports
-    torch._dynamo: seconds either way.)"""
+    skipped: a build that costs no memory and no time. (PyTorch's own module initializations,
+    e.g. nn.Embedding's, call `normal_` on the meta tensor, which imports torch._dynamo: about a
+    second of the planner's start.)"""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from megalite.models.config import TransformerConfig
-from megalite.models.memory import activation_bytes_per_layer
+from megalite.models.memory import layer_activation_bytes
 from megalite.optim.buffers import BucketLayout, plan_layout
 from megalite.pipeline.schedules import build_program, peak_in_flight
 from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, Layout, Run, positions, rank_parameters
@@ -107,17 +107,16 @@ def stored_activations(config: TransformerConfig, layout: Layout, run: Run, laye
                        act_scale: float) -> tuple[float, float]:
     """(bytes stored for backward by `layers` layers of one micro-batch, transient working set during
     the backward of recomputed layers), from Korthikanti et al.'s per-layer formula."""
-    s, b, t = run.seq_length, layout.micro_batch_size, layout.tp
-    h, a, sp = config.hidden_size, config.num_attention_heads, layout.sequence_parallel
-    # GQA (keys and values stay at G heads in SDPA only), SwiGLU, qk-layernorm, rope: the Llama family
-    arch = dict(kv_heads=config.num_query_groups if run.attention_backend == "sdpa" else None,
-                ffn=config.ffn_hidden_size, gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,
-                rope_dims=config.rotary_dims if config.position_embedding_type == "rope" else 0,
-                fused_qkv=config.num_query_groups is None)
-    full_layer = activation_bytes_per_layer(s, b, h, a, t, sp, kept_activations(layout, run), **arch) * act_scale
+    s, b = run.seq_length, layout.micro_batch_size
+
+    def per_layer(recompute: str) -> float:
+        return layer_activation_bytes(config, s, b, layout.tp, recompute, layout.sequence_parallel,
+                                      run.attention_backend) * act_scale
+
+    full_layer = per_layer(kept_activations(layout, run))
     if layout.recompute != "full":
         return layers * full_layer, 0.0
-    inp = activation_bytes_per_layer(s, b, h, a, t, sp, "full", **arch) * act_scale
+    inp = per_layer("full")
     if run.recompute_method == "block":
         k = layers if run.recompute_num_layers is None else min(run.recompute_num_layers, layers)
         return k * inp + (layers - k) * full_layer, (full_layer if k else 0.0)

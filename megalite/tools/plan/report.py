@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict
 
 from megalite.models.config import PRESETS, TransformerConfig
-from megalite.models.memory import activation_bytes_per_layer
+from megalite.models.memory import layer_activation_bytes
 from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, GPT_PRESETS, layer_numels, positions
 from megalite.tools.plan.memory import kept_activations
 from megalite.tools.plan.predict import Prediction
@@ -189,14 +189,16 @@ def _explain_memory(pred: Prediction) -> list[str]:
     out.append(f"  optimizer    ({master} B fp32 master{' (none: fp32 parameters are their own)' if not master else ''}"
                f" + 8 B Adam exp_avg, exp_avg_sq) x {who} = {_gib(st.optimizer)} GiB")
     keep = kept_activations(lay, run)
-    per_layer = activation_bytes_per_layer(s, b, h, a, t, lay.sequence_parallel,
-                                           "full" if lay.recompute == "full" else keep) * ab / 2
+    per_layer = layer_activation_bytes(c, s, b, t, "full" if lay.recompute == "full" else keep,
+                                       lay.sequence_parallel, run.attention_backend) * ab / 2
     formula = {"none": "s*b*h*(10 + 24/t + 5*a*s/(h*t))", "selective": "s*b*h*(10 + 24/t)"}[keep]
     if lay.sequence_parallel:
         formula = {"none": "s*b*h*(34 + 5*a*s/h)/t", "selective": "34*s*b*h/t"}[keep]
     if lay.recompute == "full":
         formula = "2*s*b*h" + ("/t" if lay.sequence_parallel else "") + " (layer inputs only)"
     sdpa_note = ", sdpa keeps no s^2 matrices" if keep != "none" and lay.recompute == "none" else ""
+    if c.num_query_groups or c.gated_linear_unit or c.qk_layernorm or c.position_embedding_type == "rope":
+        formula += " with the Llama family's terms (megalite.models.memory)"
     sched = ("1 (no pipeline)" if p == 1 else f"min(p - r, m) = {S.chunks_in_flight}" if v == 1 else
              f"min(v*m, 2(p-1-r) + (v-1)p + 1) = {S.chunks_in_flight} chunks of {S.n_layers // v} layers")
     out.append(f"  activations  {formula} = {per_layer / 2 ** 20:.1f} MiB per layer and micro-batch "
