@@ -25,13 +25,35 @@ class ArgumentParser(argparse.ArgumentParser):
         ns = super().parse_args(args, namespace)
         if getattr(ns, "seq_length", False) is None and getattr(ns, "model", None) in PRESETS:
             ns.seq_length = preset(ns.model).max_position_embeddings
+        if hasattr(ns, "zero_stage"):
+            self._zero_stage(ns)
         return ns
+
+    def _zero_stage(self, ns) -> None:
+        """--use-distributed-optimizer is --zero-stage 1; every stage >= 1 shards the optimizer."""
+        if ns.use_distributed_optimizer and ns.zero_stage == 0:
+            self.error("--use-distributed-optimizer is ZeRO stage 1: drop --zero-stage 0, or the flag")
+        if ns.zero_stage is None:
+            ns.zero_stage = 1 if ns.use_distributed_optimizer else 0
+        ns.use_distributed_optimizer = ns.zero_stage >= 1
+        if ns.zero_stage != 3 and (ns.zero_reshard_after_forward is not None or ns.zero_keep_params_for_step):
+            self.error("--zero-reshard-after-forward and --zero-keep-params-for-step apply to --zero-stage 3")
+        if ns.zero_reshard_after_forward is None:
+            ns.zero_reshard_after_forward = True
 
     def error(self, message):
         if env_world()[2] != 0:
             raise SystemExit(2)
         tell_torchrun(f"{self.prog}: error: {message}")
         super().error(message)
+
+
+def _on_off(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if value.lower() in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def build_parser(description: str, default_model: str) -> argparse.ArgumentParser:
@@ -98,6 +120,14 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g = p.add_argument_group("data parallelism and precision")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam states over data-parallel ranks (ZeRO-1)")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="shard over data-parallel ranks: 1 optimizer state (= --use-distributed-optimizer), "
+                        "2 and gradients, 3 and parameters (gathered layer by layer); docs/optimizer.md")
+    g.add_argument("--zero-reshard-after-forward", type=_on_off, default=None, metavar="{true,false}",
+                   help="stage 3: free a layer's gathered parameters after its forward (true) or keep them "
+                        "until its backward (false: one gather less per micro-batch, more memory)")
+    g.add_argument("--zero-keep-params-for-step", action="store_true",
+                   help="stage 3: gather each layer once per step and keep it across the step's micro-batches")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
                    help="gradient elements per data-parallel reduction bucket")
     g.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
@@ -364,6 +394,9 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
             if not status:
                 raise UsageError(f"{flag} fused needs megalite's CUDA kernels, which cannot run here: {status.reason}. "
                                  f"Use {flag} auto (or torch), or fix the cause")
+    if getattr(args, "zero_stage", 0) == 3 and getattr(args, "torch_compile", False):
+        raise UsageError("--zero-stage 3 gathers parameters in module hooks, which --torch-compile does not "
+                         "trace here: drop --torch-compile, or use --zero-stage 2")
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by --tp ({tp})")
     return dp

@@ -188,6 +188,10 @@ def format_log_line(r: dict) -> str:
     return " | ".join(parts)
 
 
+# Spans drawn on a row of their own under the rank's compute row: communication that runs beside it.
+_ROWS = {"zero-gather": (1, "ZeRO-3 parameter all-gathers (launch to completion)")}
+
+
 class Timeline:
     """Per-rank spans (name, category, start, duration) merged into one Chrome-trace file
     (chrome://tracing, ui.perfetto.dev) with one row per rank."""
@@ -206,7 +210,8 @@ class Timeline:
 
     def add(self, rank: int, iteration: int, spans) -> None:
         for name, category, start, dur in spans:
-            self.events.append({"name": name, "cat": category, "ph": "X", "pid": rank, "tid": 0,
+            self.events.append({"name": name, "cat": category, "ph": "X", "pid": rank,
+                                "tid": _ROWS.get(category, (0, ""))[0],
                                 "ts": (start - self.t0) * 1e6, "dur": dur * 1e6, "args": {"iteration": iteration}})
 
     def write(self, labels: dict[int, str]) -> None:
@@ -218,6 +223,10 @@ class Timeline:
         if dist.get_rank() != 0:
             return
         events = [e for part in gathered for e in part]
+        rows = {(e["pid"], e["tid"]) for e in events if e["tid"]}
+        for pid, tid in sorted(rows):
+            name = next(label for row, label in _ROWS.values() if row == tid)
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
         for rank, label in labels.items():
             events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}})
             events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})

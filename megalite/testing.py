@@ -194,6 +194,36 @@ def ring_bytes(kind: str, nbytes: int, group_size: int) -> Fraction:
     return 2 * share if kind == "all_reduce" else share
 
 
+@contextlib.contextmanager
+def counting_collectives(record, dp_buffers_only: bool = False):
+    """Inside the block, every collective megalite's gradient and parameter paths call (bucket
+    all-reduces, reduce-scatters, all-gathers of the DP buffers, and, unless `dp_buffers_only`,
+    any `dist.all_reduce`) also calls `record(kind, bytes of the whole tensor, group size)`."""
+    import torch.distributed as dist
+
+    from megalite.optim import buffers as buffers_module
+
+    def counted(kind, fn, nbytes_of):
+        def wrapper(*a, group=None, **kw):
+            record(kind, nbytes_of(*a), dist.get_world_size(group))
+            return fn(*a, group=group, **kw)
+        return wrapper
+
+    names = ("_all_reduce", "_reduce_scatter_single", "_all_gather_single")
+    saved = dist.all_reduce, *(getattr(buffers_module, n) for n in names)
+    if not dp_buffers_only:
+        dist.all_reduce = counted("all_reduce", saved[0], lambda t: t.nbytes)
+    buffers_module._all_reduce = counted("all_reduce", saved[1], lambda t: t.nbytes)
+    buffers_module._reduce_scatter_single = counted("reduce_scatter", saved[2], lambda out, inp: inp.nbytes)
+    buffers_module._all_gather_single = counted("all_gather", saved[3], lambda out, inp: out.nbytes)
+    try:
+        yield
+    finally:
+        dist.all_reduce = saved[0]
+        for name, fn in zip(names, saved[1:]):
+            setattr(buffers_module, name, fn)
+
+
 def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     """(bytes this rank sends, the minimum for its layout, whether it holds a tied-embedding
     bucket) in one step's gradient reduction and,
@@ -205,7 +235,6 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
 
     from megalite import parallel, training
     from megalite.models import GPTModel
-    from megalite.optim import buffers as buffers_module
     from megalite.optim import finalize_grads
 
     def build_gpt(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
@@ -216,26 +245,12 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     chunks = training.build_model_chunks(task, config, args, device)
     buffers, optimizer = training.build_optimizer(args, chunks)
     embedding_group = training.tied_embedding_group(args)
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     sent: list[Fraction] = []
-
-    def counted(kind, fn, nbytes_of):
-        def wrapper(*a, group=None, **kw):
-            sent.append(ring_bytes(kind, nbytes_of(*a), dist.get_world_size(group)))
-            return fn(*a, group=group, **kw)
-        return wrapper
-
-    saved = dist.all_reduce, buffers_module._reduce_scatter_single, buffers_module._all_gather_single
-    dist.all_reduce = counted("all_reduce", dist.all_reduce, lambda t: t.nbytes)
-    buffers_module._reduce_scatter_single = counted("reduce_scatter", saved[1], lambda out, inp: inp.nbytes)
-    buffers_module._all_gather_single = counted("all_gather", saved[2], lambda out, inp: out.nbytes)
-    try:
+    with counting_collectives(lambda kind, nbytes, n: sent.append(ring_bytes(kind, nbytes, n))):
         for buf in buffers:
             buf.enable_sync()
-        finalize_grads(buffers, params, embedding_group)
+        finalize_grads(buffers, embedding_group)
         optimizer.publish()
-    finally:
-        dist.all_reduce, buffers_module._reduce_scatter_single, buffers_module._all_gather_single = saved
     dp = parallel.get_data_parallel_world_size()
     minimum = Fraction(0)
     for buf in buffers:

@@ -47,7 +47,7 @@ def decode_plain(obj, tensor):
 def master_is_the_param(piece) -> bool:
     """fp32 training: the master is the parameter's own memory, already stored with the model."""
     return (piece.master.dtype == piece.param.dtype
-            and piece.master.data_ptr() == piece.buffer.param_data[piece.lo:piece.hi].data_ptr())
+            and piece.master.data_ptr() == piece.buffer.param_slice(piece.lo, piece.hi).data_ptr())
 
 
 def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True):

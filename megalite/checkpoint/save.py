@@ -11,6 +11,8 @@ The files and the commit themselves are `atomic`'s; the state written is `rank_s
 """
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import json
 import shutil
@@ -145,9 +147,12 @@ class Checkpointer:
             fresh_tmp_dir(self.directory, iteration)  # leftovers of a save that crashed go
         if self._world > 1:
             dist.barrier()
-        entries, structure = collect_rank_state(model_chunks, optimizer, iteration)
-        if self.async_save or any(t.device.type != "cpu" for _, t in entries):
-            entries = self._snapshot.take(entries)
+        # ZeRO-3 parameters are whole only inside the block: snapshot them there.
+        with optimizer.whole_parameters() if optimizer is not None else contextlib.nullcontext():
+            entries, structure = collect_rank_state(model_chunks, optimizer, iteration)
+            sharded = optimizer is not None and any(b.zero_stage == 3 for b in optimizer.buffers)
+            if self.async_save or sharded or any(t.device.type != "cpu" for _, t in entries):
+                entries = self._snapshot.take(entries)
         self._saves += 1
         # The directory as given: every rank got the same string, whatever its node mounts.
         job = _Save(iteration, metadata, f"megalite/checkpoint/{self.directory}/{iteration}/{self._saves}/")

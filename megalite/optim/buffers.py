@@ -32,6 +32,8 @@ from megalite.parallel.mappings import all_gather_single as _all_gather_single
 from megalite.parallel.mappings import reduce_scatter_single as _reduce_scatter_single
 
 
+_all_reduce = dist.all_reduce
+
 ALIGN_NUMEL = 64  # every parameter, bucket and DP shard starts at a multiple of this many elements
 
 
@@ -61,12 +63,32 @@ class BucketLayout:
         return sum(max(0, min(hi, own_hi) - max(lo, own_lo)) for lo, hi in self.ranges)
 
 
-def plan_layout(params: list[tuple[int, bool]], bucket_numel: int, dp_size: int) -> list[BucketLayout]:
+def plan_layout(params: list[tuple[int, bool]], bucket_numel: int, dp_size: int,
+                units: list[list[int]] | None = None) -> list[BucketLayout]:
     """Buffer layout of parameters given as (numel, deferred) in definition order: reverse order
     (roughly the order backward produces gradients), a bucket closes once its parameters hold
     bucket_numel elements, deferred parameters in buckets of their own. Each parameter starts at a
     multiple of ALIGN_NUMEL; each bucket's size is a multiple of ALIGN_NUMEL * dp_size, so it
-    splits into equal DP shards that start aligned."""
+    splits into equal DP shards that start aligned. `units` (ZeRO-3: one per layer) gives the
+    buckets instead, as lists of indices into `params`; a unit is deferred when all of it is."""
+    if units is not None:
+        groups = [(list(u), all(params[k][1] for k in u)) for u in units]
+    else:
+        groups = _size_buckets(params, bucket_numel)
+
+    layout, offset = [], 0
+    for members, is_deferred in groups:
+        start, ranges = offset, []
+        for k in members:
+            offset = _round_up(offset, ALIGN_NUMEL)
+            ranges.append((offset, offset + params[k][0]))
+            offset += params[k][0]
+        offset = start + _round_up(offset - start, ALIGN_NUMEL * dp_size)
+        layout.append(BucketLayout(tuple(members), tuple(ranges), start, offset, is_deferred))
+    return layout
+
+
+def _size_buckets(params: list[tuple[int, bool]], bucket_numel: int) -> list[tuple[list[int], bool]]:
     groups: list[tuple[list[int], bool]] = []
     current: list[int] = []
     size = 0
@@ -82,17 +104,7 @@ def plan_layout(params: list[tuple[int, bool]], bucket_numel: int, dp_size: int)
             current, size = [], 0
     if current:
         groups.append((current, False))
-
-    layout, offset = [], 0
-    for members, is_deferred in groups:
-        start, ranges = offset, []
-        for k in members:
-            offset = _round_up(offset, ALIGN_NUMEL)
-            ranges.append((offset, offset + params[k][0]))
-            offset += params[k][0]
-        offset = start + _round_up(offset - start, ALIGN_NUMEL * dp_size)
-        layout.append(BucketLayout(tuple(members), tuple(ranges), start, offset, is_deferred))
-    return layout
+    return groups
 
 
 @dataclass
@@ -105,6 +117,7 @@ class Bucket:
     ready: set = field(default_factory=set)
     work: object = None
     comm: torch.Tensor | None = None  # low-precision copy being reduced, if any
+    grad: torch.Tensor | None = None  # ZeRO-2/3: this backward's whole-bucket gradient, until reduce-scattered
 
     @property
     def numel(self) -> int:
@@ -112,12 +125,20 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
+    """ZeRO stages 0 and 1: whole parameters and whole gradients on every DP rank (the distributed
+    optimizer, stage 1, reduce-scatters and owns one shard). `megalite.optim.zero` builds stages 2
+    and 3 on this class: the same layout, less of it stored."""
+    zero_stage = 0  # 1 with reduce_scatter; the subclasses say 2 or 3
+
     def __init__(self, params: list[torch.nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  bucket_numel: int, dp_group, dp_size: int, reduce_scatter: bool,
-                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, dp_rank: int | None = None):
+                 comm_dtype: torch.dtype | None = None, deferred=lambda p: False, dp_rank: int | None = None,
+                 units: list[list[int]] | None = None):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.dp_group, self.dp_size, self.reduce_scatter = dp_group, dp_size, reduce_scatter
+        if reduce_scatter and self.zero_stage == 0:
+            self.zero_stage = 1
         # dp_rank: only to lay out and shard without a process group (tests, planning).
         if dp_rank is None:
             dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -128,7 +149,7 @@ class ParamAndGradBuffer:
         self._hooks_seen = 0
         self.sync_enabled = False
 
-        layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size)
+        layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units)
         self.buckets: list[Bucket] = []
         self.offset: dict[int, int] = {}  # id(param) -> start in the buffers
         self.bucket_of: dict[int, Bucket] = {}
@@ -140,14 +161,20 @@ class ParamAndGradBuffer:
                 self.offset[id(p)] = lo
                 self.bucket_of[id(p)] = bucket
         self.numel = layout[-1].end
-        device = params[0].device
-        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.device = params[0].device
+        self.params = [p for b in self.buckets for p in b.params]
+        self._allocate()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _allocate(self) -> None:
+        """Whole flat buffers; parameters become views of one, `main_grad` views of the other."""
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
         # fp32 values as initialized, for the optimizer's master weights when the model is cast down.
         self.fp32_init = None
-        if param_dtype != torch.float32:
-            self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        self.params = [p for b in self.buckets for p in b.params]
+        if self.param_dtype != torch.float32:
+            self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         for p in self.params:
             lo, n = self.offset[id(p)], p.numel()
             if self.fp32_init is not None:
@@ -155,9 +182,42 @@ class ParamAndGradBuffer:
             self.param_data[lo:lo + n].copy_(p.detach().reshape(-1))
             p.data = self.param_data[lo:lo + n].view(p.shape)
             p.main_grad = self.grad_data[lo:lo + n].view(p.shape)
-            if p.dtype == grad_dtype:
+            if p.dtype == self.grad_dtype:
                 p.grad = p.main_grad  # autograd accumulates in place: no copy
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # -- where a range of the layout is stored (the optimizer and checkpoints ask) ------------
+    def param_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """The stored parameter elements [lo, hi) of the layout (model dtype)."""
+        return self.param_data[lo:hi]
+
+    def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient elements [lo, hi) of the layout (after `finish_grad_sync`)."""
+        return self.grad_data[lo:hi]
+
+    def initial_fp32(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) as initialized, in fp32 (for the masters of a cast-down model)."""
+        return self.fp32_init[lo:hi]
+
+    @property
+    def has_fp32_init(self) -> bool:
+        return self.fp32_init is not None
+
+    def drop_fp32_init(self) -> None:
+        self.fp32_init = None
+
+    def grads_of(self, keep) -> list[torch.Tensor]:
+        """The gradient views this rank reduces for the parameters `keep(p)` selects: whole here."""
+        return [p.main_grad for p in self.params if keep(p)]
+
+    def pin(self) -> None:
+        """Keep whole parameters on this rank until `unpin` (ZeRO-3; always so below it)."""
+
+    def unpin(self) -> None:
+        """Undo `pin`."""
+
+    def stored_bytes(self) -> dict[str, int]:
+        """Bytes this buffer holds now: parameters and gradients (optimizer state is the optimizer's)."""
+        return {"params": self.param_data.nbytes, "grads": self.grad_data.nbytes}
 
     # -- backward side -------------------------------------------------------------------------
     def enable_sync(self) -> None:
@@ -190,7 +250,7 @@ class ParamAndGradBuffer:
             out = data[self.dp_rank * shard:(self.dp_rank + 1) * shard]
             bucket.work = _reduce_scatter_single(out, data, group=self.dp_group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(data, group=self.dp_group, async_op=True)
+            bucket.work = _all_reduce(data, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Reduce whatever is not yet in flight, wait for everything, reset for the next step."""

@@ -9,27 +9,30 @@ import torch.distributed as dist
 from megalite.parallel import state
 
 
-def finalize_grads(buffers, params, embedding_group=None) -> None:
+def finalize_grads(buffers, embedding_group=None) -> None:
     """After a step's last backward: the tied word embedding's gradient summed over the first and
-    last pipeline stage (`embedding_group`, None when one stage holds both), then every buffer's
-    data-parallel reduction finished, then the sequence-parallel gradients summed over TP. The
-    stages are summed before data parallelism so that each DP rank reduces the whole gradient."""
+    last pipeline stage (`embedding_group`, None when one stage holds both), every buffer's
+    data-parallel reduction finished, then the sequence-parallel gradients summed over TP. At ZeRO
+    stages 0-1 the stages are summed before data parallelism, so that each DP rank reduces the whole
+    gradient; at stages 2-3 each backward already reduce-scattered it, and the sums are of this
+    rank's shards (the same elements on every stage and TP rank: the layouts are the same)."""
     for buf in buffers:
         if embedding_group is not None:
             for grad in buf.deferred_grads():
                 dist.all_reduce(grad, group=embedding_group)
         buf.finish_grad_sync()
-    allreduce_sequence_parallel_grads(params)
+    _sum_over_tp([g for buf in buffers for g in buf.grads_of(is_partial_over_tp)])
 
 
 def allreduce_sequence_parallel_grads(params) -> None:
     """Parameters replicated over TP but applied to a sequence shard (LayerNorm, row bias under
     sequence parallelism), or to this rank's heads only (`partial_over_tp`: qk-norm weights), hold
     partial gradients: sum them over TP (in `main_grad`)."""
-    if state.get_tensor_model_parallel_world_size() == 1:
-        return
-    grads = [p.main_grad for p in params if is_partial_over_tp(p)]
-    if not grads:
+    _sum_over_tp([p.main_grad for p in params if is_partial_over_tp(p)])
+
+
+def _sum_over_tp(grads: list[torch.Tensor]) -> None:
+    if state.get_tensor_model_parallel_world_size() == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=state.get_tensor_model_parallel_group())

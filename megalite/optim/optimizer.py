@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megalite.optim.buffers import ParamAndGradBuffer
 from megalite.optim.grads import counts_once
+from megalite.optim.zero import whole_parameters
 from megalite.parallel import state
 
 
@@ -42,7 +43,7 @@ class MegaliteOptimizer:
         self.loss_scaler = loss_scaler or ConstantLossScaler()
         self.pieces: list[_Piece] = []
         for buf in buffers:
-            if buf.fp32_init is None and buf.param_dtype != torch.float32:
+            if buf.param_dtype != torch.float32 and not buf.has_fp32_init:
                 raise ValueError("low-precision parameters need their fp32 initial values (fp32_init)")
             for bucket in buf.buckets:
                 own_lo, own_hi = buf.owned_range(bucket) if distributed else (0, bucket.numel)
@@ -53,7 +54,7 @@ class MegaliteOptimizer:
                     if lo < hi:
                         self.pieces.append(_Piece(p, buf, lo, hi, self._master(p, buf, lo, hi, p_lo, p_hi)))
         for buf in buffers:
-            buf.fp32_init = None  # the masters hold these values now
+            buf.drop_fp32_init()  # the masters hold these values now
         groups = {0.0: [], weight_decay: []}
         for piece in self.pieces:
             groups[weight_decay if piece.param.ndim > 1 else 0.0].append(piece.master)
@@ -68,14 +69,19 @@ class MegaliteOptimizer:
         if p.dtype == torch.float32:
             if whole and not self.distributed:
                 return p  # fp32 and unsharded: the parameter is its own master
-            master = buf.param_data[lo:hi]  # fp32 shard: update the parameter buffer in place
+            master = buf.param_slice(lo, hi)  # fp32 shard: update the stored parameters in place
         else:
-            master = buf.fp32_init[lo:hi].clone()
+            master = buf.initial_fp32(lo, hi).clone()
         return master.view(p.shape) if whole else master
 
     @property
     def param_groups(self):
         return self.inner.param_groups
+
+    def whole_parameters(self):
+        """A context in which every parameter is whole on this rank (ZeRO-3 gathers them, and frees
+        them after): for a checkpoint save or an export. Collective: every DP rank enters it."""
+        return whole_parameters(self.buffers)
 
     def zero_grad(self) -> None:
         for buf in self.buffers:
@@ -87,14 +93,14 @@ class MegaliteOptimizer:
                 # The same object the buffer's hook recognises as accumulating in place.
                 piece.param.grad = piece.param.main_grad
                 continue
-            g = piece.buffer.grad_data[piece.lo:piece.hi]
+            g = piece.buffer.grad_slice(piece.lo, piece.hi)
             g = g if g.dtype == torch.float32 else g.float()
             piece.master.grad = g.view(piece.master.shape)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradient: each element counted once over TP, PP, DP."""
         grads = [piece.master.grad for piece in self.pieces if counts_once(piece.param)]
-        device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        device = self.buffers[0].device if self.buffers else torch.device("cpu")
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:  # one multi-tensor kernel for all the norms, not one kernel per parameter
             sq += torch.stack(torch._foreach_norm(grads)).square().sum()
@@ -140,13 +146,13 @@ class MegaliteOptimizer:
         return bool(self.inner.defaults.get("fused"))
 
     def _in_place(self, piece: _Piece) -> bool:
-        return piece.master.data_ptr() == piece.buffer.param_data[piece.lo:piece.hi].data_ptr()
+        return piece.master.data_ptr() == piece.buffer.param_slice(piece.lo, piece.hi).data_ptr()
 
     def publish(self) -> None:
         """Write the masters into the parameters (cast) and all-gather the shards."""
         for piece in self.pieces:
             if not self._in_place(piece):
-                piece.buffer.param_data[piece.lo:piece.hi].copy_(piece.master.detach().reshape(-1))
+                piece.buffer.param_slice(piece.lo, piece.hi).copy_(piece.master.detach().reshape(-1))
         if self.distributed:
             for buf in self.buffers:
                 buf.all_gather_params()

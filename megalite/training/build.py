@@ -9,6 +9,7 @@ import torch
 from megalite import arguments, parallel
 from megalite.models import compile_layers
 from megalite.optim import ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.runtime import UsageError, init_distributed, say, select_device
 from megalite.training.task import Task
@@ -80,19 +81,35 @@ def tied_embedding_group(args):
 
 
 def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOptimizer]:
-    """Lay each chunk's parameters out in gradient buckets and build the optimizer over them."""
+    """Lay each chunk's parameters out in gradient buckets (ZeRO-3: one unit per layer) and build
+    the optimizer over them."""
     dtype = arguments.model_dtype(args)
     tied_across_stages = tied_embedding_group(args) is not None
-    buffers = [
-        ParamAndGradBuffer(
-            [p for p in chunk.parameters() if p.requires_grad], param_dtype=dtype, grad_dtype=torch.float32,
-            bucket_numel=args.ddp_bucket_size, dp_group=parallel.get_data_parallel_group(),
-            dp_size=parallel.get_data_parallel_world_size(), reduce_scatter=args.use_distributed_optimizer,
-            comm_dtype=torch.bfloat16 if args.grad_reduce_dtype == "bf16" else None,
-            deferred=lambda p: tied_across_stages and getattr(p, "tied_embedding", False),
-        )
-        for chunk in chunks
-    ]
+    stage = getattr(args, "zero_stage", 1 if args.use_distributed_optimizer else 0)
+
+    def deferred(p):
+        return tied_across_stages and getattr(p, "tied_embedding", False)
+
+    buffers = []
+    for chunk in chunks:
+        params = [p for p in chunk.parameters() if p.requires_grad]
+        bf16_reduce = args.grad_reduce_dtype == "bf16"
+        # Stages 2-3 keep gradients only as reduced shards: in bf16 when they are reduced in bf16
+        # (the ZeRO paper's 2 + 2 + 12 bytes per parameter); below stage 2 they accumulate in fp32.
+        grad_dtype = torch.bfloat16 if bf16_reduce and stage >= 2 else torch.float32
+        common = dict(param_dtype=dtype, grad_dtype=grad_dtype, bucket_numel=args.ddp_bucket_size,
+                      dp_group=parallel.get_data_parallel_group(), dp_size=parallel.get_data_parallel_world_size(),
+                      comm_dtype=torch.bfloat16 if bf16_reduce else None, deferred=deferred)
+        if stage == 3:
+            buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),
+                                     reshard_after_forward=args.zero_reshard_after_forward,
+                                     keep_params_for_step=args.zero_keep_params_for_step, **common)
+            attach_unit_hooks(chunk, buf)
+        elif stage == 2:
+            buf = ShardedGradBuffer(params, **common)
+        else:
+            buf = ParamAndGradBuffer(params, reduce_scatter=stage == 1, **common)
+        buffers.append(buf)
     if args.fp16:
         scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale is not None else DynamicLossScaler(
             args.initial_loss_scale, args.loss_scale_window, args.hysteresis, args.min_loss_scale)

@@ -24,6 +24,7 @@ from megalite.training.task import Task
 
 @dataclass
 class TrainingRun:
+    """What `pretrain` returns; the chunks hold whole parameters (ZeRO-3 gathered them at the end)."""
     records: list[dict]  # the logged records (on every rank)
     model_chunks: list[torch.nn.Module]
     optimizer: MegaliteOptimizer
@@ -96,6 +97,8 @@ def pretrain(args, task: Task) -> TrainingRun:
             break
     checkpoints.close()
     progress.close()
+    for buf in buffers:  # the run's model is whole again for its caller (ZeRO-3 gathers it)
+        buf.pin()
     if not progress.records and not stop_reason and start.iteration < args.train_iters:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
     return TrainingRun(progress.records, chunks, optimizer, buffers)

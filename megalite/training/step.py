@@ -58,16 +58,24 @@ class TrainStep:
 
     def __call__(self, micro_batches: list[dict], num_tokens: torch.Tensor, lr: float, record_spans: bool = False,
                  label: str = "step") -> StepResult:
+        if record_spans:
+            for buf in self.buffers:
+                if hasattr(buf, "spans"):
+                    buf.spans = []
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
                              self.tensor_shape, self.dtype, record_spans=record_spans,
                              loss_scale=self.optimizer.loss_scaler.scale,
                              on_last_backward=lambda c: self.buffers[c].enable_sync())
         t = time.perf_counter()
         set_phase(f"{label}: gradient reduction")
-        finalize_grads(self.buffers, self.params, self.embedding_group)
+        finalize_grads(self.buffers, self.embedding_group)
         if record_spans:
             self.sync_device()  # a span of GPU work ends when the GPU is done, not when it was queued
             stats.spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
+            for buf in self.buffers:
+                if getattr(buf, "spans", None) is not None:
+                    stats.spans += buf.spans
+                    buf.spans = None
         t = time.perf_counter()
         set_phase(f"{label}: the optimizer step")
         grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad)

@@ -1,0 +1,462 @@
+"""ZeRO stages 2 and 3 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models"): the data-parallel buffers of `buffers.py`, the same layout, less of it
+stored on each rank. Stage 1 is `ParamAndGradBuffer(reduce_scatter=True)` with the distributed
+optimizer.
+
+Stage 2 (`ShardedGradBuffer`): parameters whole, as at stage 1; gradients are not. Every backward
+collects each bucket's gradients in a transient fp32 bucket and reduce-scatters it the moment it
+is complete; the rank adds its shard into an accumulator of numel/dp elements. At most
+MAX_IN_FLIGHT whole buckets are held at once (older reductions are waited for first). With m
+micro-batches a step makes m reduce-scatters where stage 1 makes one: the price of not holding
+whole gradients between micro-batches (DeepSpeed's stage 2 pays the same).
+
+Stage 3 (`ShardedParamBuffer`): parameters sharded too. Buckets are *units*: one per transformer
+layer, one for the rest of the chunk (embeddings, final norm, output layer), one for a tied
+embedding shared with another stage. A unit's whole parameters exist only while it is gathered;
+the parameters stay views of its whole buffer, whose storage is resized to zero when freed (the
+tensors autograd saved for backward are views of the same storage, so a re-gather before backward
+refills them). `attach_unit_hooks` gathers each layer just before its forward (the next layer's
+gather is prefetched asynchronously), frees it after (`reshard_after_forward`), gathers it again
+when backward reaches its output (prefetching the layer before), and frees it once its gradients
+are reduce-scattered. Gathered at once: the chunk's rest unit and at most two layers.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from megalite.optim import buffers as _buffers
+from megalite.optim.buffers import Bucket, ParamAndGradBuffer
+
+MAX_IN_FLIGHT = 2  # whole-bucket gradients held while their reduce-scatters run
+
+
+class ShardedGradBuffer(ParamAndGradBuffer):
+    """ZeRO-2: whole parameters, gradients reduce-scattered every backward into a 1/dp shard."""
+    zero_stage = 2
+
+    def __init__(self, params, **kwargs):
+        kwargs["reduce_scatter"] = True
+        super().__init__(params, **kwargs)
+
+    def _allocate(self) -> None:
+        self._allocate_params()
+        self.grad_shard = torch.zeros(self.numel // self.dp_size, dtype=self.grad_dtype, device=self.device)
+        self._in_flight: list[tuple[Bucket, torch.Tensor, object]] = []
+        self._end_queued = False
+        self._starts = [b.start for b in self.buckets]
+        # Bytes held beyond the shards, now and at their peak: whole-bucket gradients, gathered units.
+        self.transient = {"grads": 0, "gathered": 0}
+        self.peak = {"grads": 0, "gathered": 0, "total": 0}
+        self._last_step_peaks = self._peaks()
+
+    def _allocate_params(self) -> None:
+        """Stage 1's whole parameter buffer (and fp32 initial values for a cast-down model)."""
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+        self.fp32_init = None
+        if self.param_dtype != torch.float32:
+            self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        for p in self.params:
+            lo, n = self.offset[id(p)], p.numel()
+            if self.fp32_init is not None:
+                self.fp32_init[lo:lo + n].copy_(p.detach().reshape(-1))
+            self.param_data[lo:lo + n].copy_(p.detach().reshape(-1))
+            p.data = self.param_data[lo:lo + n].view(p.shape)
+
+    # -- where the layout's ranges are stored: this rank's shard of each bucket, bucket by bucket
+    def _shard_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """[lo, hi) of the layout, inside this rank's shard of one bucket, in the shard storage
+        (bucket b's shard starts at b.start / dp: every bucket is a multiple of dp long)."""
+        bucket = self.buckets[bisect.bisect_right(self._starts, lo) - 1]
+        own_lo, own_hi = (bucket.start + x for x in self.owned_range(bucket))
+        if not own_lo <= lo <= hi <= own_hi:
+            raise IndexError(f"[{lo}, {hi}) is not in DP rank {self.dp_rank}'s shard of bucket {bucket.index}")
+        base = bucket.start // self.dp_size
+        return base + lo - own_lo, base + hi - own_lo
+
+    def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
+        a, b = self._shard_range(lo, hi)
+        return self.grad_shard[a:b]
+
+    def grads_of(self, keep) -> list[torch.Tensor]:
+        out = []
+        for bucket in self.buckets:
+            own_lo, own_hi = (bucket.start + x for x in self.owned_range(bucket))
+            for p in bucket.params:
+                lo, hi = self.param_range(p)
+                lo, hi = max(lo, own_lo), min(hi, own_hi)
+                if lo < hi and keep(p):
+                    out.append(self.grad_slice(lo, hi))
+        return out
+
+    def deferred_grads(self) -> list[torch.Tensor]:
+        return [self.grad_shard[b.start // self.dp_size:b.end // self.dp_size] for b in self.buckets if b.deferred]
+
+    def stored_bytes(self) -> dict[str, int]:
+        return {"params": self.param_data.nbytes, "grads": self.grad_shard.nbytes, **self.step_peaks}
+
+    def _peaks(self) -> dict[str, int]:
+        return {"peak_transient": self.peak["total"], "peak_grad_buckets": self.peak["grads"],
+                "peak_gathered": self.peak["gathered"]}
+
+    def reset_peaks(self) -> None:
+        self.peak = {**self.transient, "total": sum(self.transient.values())}
+
+    @property
+    def step_peaks(self) -> dict[str, int]:
+        """The transient peaks of the last step's forwards and backwards (`finish_grad_sync` takes
+        them, `zero_grad` starts the next count)."""
+        return self._last_step_peaks
+
+    def _transient(self, nbytes: int, kind: str = "grads") -> None:
+        self.transient[kind] += nbytes
+        self.peak[kind] = max(self.peak[kind], self.transient[kind])
+        self.peak["total"] = max(self.peak["total"], sum(self.transient.values()))
+
+    # -- backward side: every backward reduce-scatters each bucket as it completes
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        self._hooks_seen += 1
+        if not self._end_queued:  # land what is in flight when this backward ends
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self.bucket_of[id(p)]
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.numel, dtype=self.grad_dtype, device=self.device)
+            self._transient(bucket.grad.nbytes)
+        lo = self.offset[id(p)] - bucket.start
+        bucket.grad[lo:lo + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.launch_log.append((bucket.index, self._hooks_seen))
+        data = bucket.grad if self.comm_dtype is None else bucket.grad.to(self.comm_dtype)
+        if self.dp_size == 1:
+            out, work = data, None
+        else:
+            out = torch.empty(bucket.numel // self.dp_size, dtype=data.dtype, device=self.device)
+            work = _buffers._reduce_scatter_single(out, data, group=self.dp_group, async_op=True)
+        bucket.work = work or True
+        self._in_flight.append((bucket, out, work))
+        while len(self._in_flight) > MAX_IN_FLIGHT:
+            self._land(*self._in_flight.pop(0))
+        self._after_backward(bucket)
+
+    def _land(self, bucket: Bucket, out: torch.Tensor, work) -> None:
+        if work is not None:
+            work.wait()
+        base = bucket.start // self.dp_size
+        self.grad_shard[base:base + out.numel()].add_(out)
+        self._transient(-bucket.grad.nbytes)
+        bucket.grad, bucket.work = None, None
+        bucket.ready.clear()
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        for bucket in self.buckets:  # parameters that took no part in this backward add zeros
+            if bucket.grad is not None and bucket.work is None:
+                self._launch(bucket)
+        while self._in_flight:
+            self._land(*self._in_flight.pop(0))
+
+    def _after_backward(self, bucket: Bucket) -> None:
+        """A bucket's gradients are all in (stage 3 frees its parameters here)."""
+
+    def finish_grad_sync(self) -> None:
+        """Each backward reduced its buckets already: land any stragglers, reset for the next step."""
+        self._end_of_backward()
+        self.sync_enabled = False
+        self._last_step_peaks = self._peaks()
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        self.reset_peaks()
+        self.launch_log.clear()
+        self._hooks_seen = 0
+
+
+FREE, GATHERING, WHOLE = "free", "gathering", "whole"
+
+
+@dataclass
+class _Unit:
+    whole: torch.Tensor  # the unit's whole parameters; storage resized to 0 while free
+    state: str = WHOLE
+    work: object = None
+    holds: int = 0  # forwards waiting for their backward (reshard_after_forward=False)
+
+
+class ShardedParamBuffer(ShardedGradBuffer):
+    """ZeRO-3: parameters and gradients sharded; each unit (bucket) gathered when it is used."""
+    zero_stage = 3
+
+    def __init__(self, params, *, reshard_after_forward: bool = True, keep_params_for_step: bool = False,
+                 **kwargs):
+        self.reshard_after_forward = reshard_after_forward
+        self.keep_params_for_step = keep_params_for_step
+        self.pinned = False
+        self.gather_log: list[tuple[int, str]] = []  # (unit, "forward" / "backward" / ...) per gather
+        # Timeline spans (name, category, start, duration) while a step records them: each gather from
+        # its launch to its completion, and each wait for one (what prefetching did not hide).
+        self.spans: list | None = None
+        super().__init__(params, **kwargs)
+
+    def _allocate_params(self) -> None:
+        shard = self.numel // self.dp_size
+        self.param_shard = torch.zeros(shard, dtype=self.param_dtype, device=self.device)
+        self.fp32_init = None if self.param_dtype == torch.float32 else torch.zeros(
+            shard, dtype=torch.float32, device=self.device)
+        self.units: list[_Unit] = []
+        for bucket in self.buckets:
+            whole32 = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+            for p in bucket.params:
+                lo = self.offset[id(p)] - bucket.start
+                whole32[lo:lo + p.numel()].copy_(p.detach().reshape(-1))
+            own_lo, own_hi = self.owned_range(bucket)
+            base = bucket.start // self.dp_size
+            self.param_shard[base:base + own_hi - own_lo].copy_(whole32[own_lo:own_hi])
+            if self.fp32_init is not None:
+                self.fp32_init[base:base + own_hi - own_lo].copy_(whole32[own_lo:own_hi])
+            whole = whole32 if self.param_dtype == torch.float32 else whole32.to(self.param_dtype)
+            for p in bucket.params:
+                lo = self.offset[id(p)] - bucket.start
+                p.data = whole[lo:lo + p.numel()].view(p.shape)
+            whole.untyped_storage().resize_(0)  # free until first used
+            self.units.append(_Unit(whole, state=FREE))
+
+    def param_slice(self, lo: int, hi: int) -> torch.Tensor:
+        a, b = self._shard_range(lo, hi)
+        return self.param_shard[a:b]
+
+    def initial_fp32(self, lo: int, hi: int) -> torch.Tensor:
+        a, b = self._shard_range(lo, hi)
+        return self.fp32_init[a:b]
+
+    def stored_bytes(self) -> dict[str, int]:
+        return {"params": self.param_shard.nbytes, "grads": self.grad_shard.nbytes, **self.step_peaks}
+
+    # -- gathering and freeing units
+    def gather(self, bucket: Bucket, wait: bool = True, why: str = "forward") -> None:
+        """Start the all-gather of a unit's whole parameters unless it is under way or done;
+        `wait` for it (else it is a prefetch, waited for where the unit is used)."""
+        unit = self.units[bucket.index]
+        if unit.state == FREE:
+            unit.whole.untyped_storage().resize_(unit.whole.numel() * unit.whole.element_size())
+            self._transient(unit.whole.nbytes, "gathered")
+            self._fill(bucket, why)
+        if wait:
+            self._wait(unit)
+
+    def _fill(self, bucket: Bucket, why: str) -> None:
+        """All-gather the shards of `bucket` into its (allocated) whole buffer."""
+        unit = self.units[bucket.index]
+        base = bucket.start // self.dp_size
+        shard = self.param_shard[base:base + bucket.numel // self.dp_size]
+        start = time.perf_counter()
+        if self.dp_size == 1:
+            unit.whole.copy_(shard)
+        else:
+            unit.work = _buffers._all_gather_single(unit.whole, shard, group=self.dp_group, async_op=True)
+        unit.state = GATHERING
+        self.gather_log.append((bucket.index, why))
+        if self.spans is not None:
+            self._span_when_done(unit.work, f"all-gather unit {bucket.index} ({why})", start)
+
+    def _span_when_done(self, work, name: str, start: float) -> None:
+        spans = self.spans
+
+        def done(_=None):
+            spans.append((name, "zero-gather", start, time.perf_counter() - start))
+        if work is None:
+            done()
+        else:  # the communication thread completes it: no wait, no host sync on this thread
+            work.get_future().add_done_callback(done)
+
+    def _wait(self, unit: _Unit) -> None:
+        if unit.state == GATHERING:
+            if unit.work is not None:
+                start = time.perf_counter()
+                unit.work.wait()
+                if self.spans is not None:
+                    self.spans.append(("wait for a gather", "zero-wait", start, time.perf_counter() - start))
+            unit.state, unit.work = WHOLE, None
+
+    def _free(self, bucket: Bucket) -> None:
+        unit = self.units[bucket.index]
+        if unit.state == FREE or self.pinned:
+            return
+        self._wait(unit)
+        unit.whole.untyped_storage().resize_(0)
+        self._transient(-unit.whole.nbytes, "gathered")
+        unit.state, unit.holds = FREE, 0
+
+    def after_forward(self, bucket: Bucket, training: bool) -> None:
+        """A unit's forward is done: free it, or keep it for the backward (or the step)."""
+        unit = self.units[bucket.index]
+        if not torch.is_grad_enabled():  # evaluation, or recomputation's first pass: no backward of it
+            if not (self.keep_params_for_step and training):
+                self._free(bucket)
+        elif self.keep_params_for_step:
+            pass
+        elif self.reshard_after_forward:
+            self._free(bucket)
+        else:
+            unit.holds += 1
+
+    def _after_backward(self, bucket: Bucket) -> None:
+        unit = self.units[bucket.index]
+        unit.holds = max(0, unit.holds - 1)
+        if unit.holds == 0 and not self.keep_params_for_step:
+            self._free(bucket)
+
+    def finish_grad_sync(self) -> None:
+        super().finish_grad_sync()
+        for bucket in self.buckets:  # the step is over: nothing stays gathered unless pinned
+            self._free(bucket)
+
+    def all_gather_params(self) -> None:
+        """After the update only the shards are new: refill the units kept whole (pinned)."""
+        kept = [(b, u) for b, u in zip(self.buckets, self.units) if u.state != FREE]
+        for bucket, unit in kept:
+            self._wait(unit)
+            self._fill(bucket, "refresh")
+        for _, unit in kept:
+            self._wait(unit)
+
+    def pin(self) -> None:
+        for bucket in self.buckets:
+            self.gather(bucket, wait=False, why="pin")
+        for bucket in self.buckets:
+            self.gather(bucket)
+        self.pinned = True
+
+    def unpin(self) -> None:
+        self.pinned = False
+        for bucket in self.buckets:
+            self._free(bucket)
+
+
+@contextmanager
+def whole_parameters(buffers):
+    """Every buffer's parameters whole on this rank inside the block (ZeRO-3 gathers; a checkpoint
+    save, an export). Collective over the data-parallel group: every DP rank enters it."""
+    pinned = [b for b in buffers if not getattr(b, "pinned", False)]
+    for b in pinned:
+        b.pin()
+    try:
+        yield
+    finally:
+        for b in pinned:
+            b.unpin()
+
+
+# -- stage 3's units and hooks ------------------------------------------------------------------
+def layer_units(chunk: nn.Module, params: list[torch.nn.Parameter], deferred) -> list[list[int]]:
+    """ZeRO-3 units of a chunk, as indices into `params`: each of `chunk.layers` (last first, as
+    backward meets them), then the rest, then each deferred (tied across stages) parameter alone."""
+    index = {id(p): k for k, p in enumerate(params)}
+    units, in_layers = [], set()
+    for layer in reversed(list(getattr(chunk, "layers", []))):
+        members = [index[id(p)] for p in reversed(list(layer.parameters())) if id(p) in index]
+        in_layers.update(members)
+        if members:
+            units.append(members)
+    rest = [k for k in reversed(range(len(params))) if k not in in_layers and not deferred(params[k])]
+    if rest:
+        units.append(rest)
+    units += [[k] for k in range(len(params)) if k not in in_layers and deferred(params[k])]
+    return units
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _UnitHooks:
+    """Module hooks that gather a chunk's units on use (see the module docstring)."""
+
+    def __init__(self, buffer: ShardedParamBuffer, chunk: nn.Module):
+        self.buffer, self.chunk = buffer, chunk
+        buffer.layer_unit_indices = set()
+        layers = list(getattr(chunk, "layers", []))
+        first_of = {id(p): buffer.bucket_of[id(p)] for p in buffer.params}
+        self.layer_units = []
+        for layer in layers:
+            units = {first_of[id(p)].index: first_of[id(p)] for p in layer.parameters() if id(p) in first_of}
+            self.layer_units.append(list(units.values()))
+        in_layers = {b.index for units in self.layer_units for b in units}
+        buffer.layer_unit_indices |= in_layers
+        self.chunk_units = [b for b in buffer.buckets if b.index not in in_layers]
+        chunk.register_forward_pre_hook(self._chunk_pre)
+        chunk.register_forward_hook(self._chunk_post)
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(partial(self._layer_pre, i))
+            layer.register_forward_hook(partial(self._layer_post, i))
+
+    def _gather(self, units, wait=True, why="forward"):
+        for b in units:
+            self.buffer.gather(b, wait=wait, why=why)
+
+    def _prefetch_layer(self, i: int, why: str) -> None:
+        if 0 <= i < len(self.layer_units):
+            self._gather(self.layer_units[i], wait=False, why=f"prefetch {why}")
+
+    def _on_backward_of(self, units, previous_layer: int):
+        def hook(grad):
+            self._gather(units, why="backward")
+            self._prefetch_layer(previous_layer, "backward")
+            return grad
+        return hook
+
+    def _chunk_pre(self, module, args):
+        if _in_backward():
+            return
+        self._gather(self.chunk_units)
+        self._prefetch_layer(0, "forward")
+
+    def _chunk_post(self, module, args, out):
+        if _in_backward():
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._on_backward_of(self.chunk_units, len(self.layer_units) - 1))
+        for b in self.chunk_units:
+            self.buffer.after_forward(b, module.training)
+
+    def _layer_pre(self, i, module, args):
+        self._gather(self.layer_units[i], why="recompute" if _in_backward() else "forward")
+        if not _in_backward():
+            self._prefetch_layer(i + 1, "forward")
+
+    def _layer_post(self, i, module, args, out):
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._on_backward_of(self.layer_units[i], i - 1))
+        if not _in_backward():  # a recomputation inside backward keeps its unit for that backward
+            for b in self.layer_units[i]:
+                self.buffer.after_forward(b, module.training)
+
+
+def attach_unit_hooks(chunk: nn.Module, buffer: ShardedParamBuffer) -> None:
+    """Gather `chunk`'s ZeRO-3 units as its forward and backward use them."""
+    _UnitHooks(buffer, chunk)

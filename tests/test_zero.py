@@ -1,0 +1,249 @@
+"""ZeRO stages 2 and 3 (megalite.optim.zero): the same training as plain data parallelism under every
+layout, the memory each rank holds, the bytes each step moves, and the gathers' order."""
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from helpers import rel_err
+from megalite.testing import counting_collectives, ring_bytes, run_ranks
+from training_ranks import gpt_run, parse
+
+BASE = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
+STAGES = (0, 1, 2, 3)
+
+# (ranks, flags): (tp, pp, dp) as the issue names them, then interleaving and recomputation.
+LAYOUTS = {
+    "tp1-pp1-dp4": (4, []),
+    "tp2-pp1-dp2": (4, ["--tp", "2"]),
+    "tp1-pp2-dp2": (4, ["--pp", "2"]),
+    "tp2-pp2-dp2": (8, ["--tp", "2", "--pp", "2"]),
+    "tp1-pp2-dp2-interleaved": (4, ["--pp", "2", "--vpp", "2", "--num-layers", "4"]),
+    "tp2-pp2-dp2-recompute-sp": (8, ["--tp", "2", "--pp", "2", "--recompute", "full", "--sequence-parallel"]),
+}
+
+
+def train_variants(rank, world, argv, variants: dict):
+    """Losses and final parameters of the same run with each variant's extra flags (one process group)."""
+    out = {}
+    for key, flags in variants.items():
+        run = gpt_run(argv + list(flags))
+        params = {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(run.model_chunks)
+                  for n, p in c.named_parameters()}
+        out[key] = {"losses": [r["loss"] for r in run.records], "params": params}
+    return out
+
+
+def train_at_each_stage(rank, world, argv, stages=STAGES):
+    return train_variants(rank, world, argv, {stage: ["--zero-stage", str(stage)] for stage in stages})
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_zero_stage_trains_like_plain_data_parallelism(layout):
+    ranks, flags = LAYOUTS[layout]
+    results = run_ranks(train_at_each_stage, ranks, args=(BASE + flags + ["--train-iters", "10"],), timeout=600)
+    for by_stage in results:
+        plain = by_stage[0]
+        for stage in (1, 2, 3):
+            for a, b in zip(by_stage[stage]["losses"], plain["losses"]):
+                assert rel_err(torch.tensor(a), torch.tensor(b)) <= 1e-5, (layout, stage, a, b)
+            # The whole model at once: a key bias's gradient is zero up to rounding, and Adam turns
+            # that rounding into lr-sized steps of either sign, so no tensor of it compares alone.
+            whole = torch.cat([by_stage[stage]["params"][n].reshape(-1) for n in plain["params"]])
+            assert rel_err(whole, torch.cat([p.reshape(-1) for p in plain["params"].values()])) <= 1e-5
+
+
+def test_stage_3_gather_options_train_the_same_through_interleaved_pipelines():
+    # Interleaved 1F1B holds several micro-batches in flight: layers kept from forward to backward
+    # are counted per micro-batch, and kept for the step they are gathered once.
+    argv = BASE + ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "16", "--train-iters", "4"]
+    variants = {"plain": ["--zero-stage", "0"], "default": ["--zero-stage", "3"],
+                "keep-to-backward": ["--zero-stage", "3", "--zero-reshard-after-forward", "false"],
+                "keep-for-step": ["--zero-stage", "3", "--zero-keep-params-for-step"],
+                "recompute": ["--zero-stage", "3", "--recompute", "full", "--zero-reshard-after-forward", "false"]}
+    for by_variant in run_ranks(train_variants, 4, args=(argv, variants), timeout=600):
+        reference = by_variant["default"]["losses"]
+        for a, b in zip(by_variant["plain"]["losses"], reference):
+            assert rel_err(torch.tensor(a), torch.tensor(b)) <= 1e-5
+        for key in ("keep-to-backward", "keep-for-step", "recompute"):
+            assert by_variant[key]["losses"] == reference, key  # the same reductions, gathered otherwise
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16"], ["--bf16", "--grad-reduce-dtype", "bf16"]],
+                         ids=["bf16", "fp16", "bf16-reduce"])
+def test_zero_stages_keep_mixed_precision_training_with_tied_embeddings_across_stages(precision):
+    # pp 2 ties the word embedding over the first and last stage; fp16 scales the loss dynamically.
+    argv = BASE + ["--pp", "2", "--train-iters", "6", *precision]
+    for by_stage in run_ranks(train_at_each_stage, 4, args=(argv,), timeout=600):
+        plain = by_stage[0]["losses"]
+        for stage in (1, 2, 3):
+            # bf16 parameters round the masters' last-bit differences (another summation order).
+            for a, b in zip(by_stage[stage]["losses"], plain):
+                assert abs(a - b) / abs(b) <= 1e-4, (precision, stage, a, b)
+
+
+def test_one_micro_batch_per_step_makes_stages_1_2_and_3_bitwise_equal():
+    # dp 2 x micro-batch 2 = global batch 4: one micro-batch, so stage 2's per-backward reduction is
+    # stage 1's one reduction; two ranks sum commutatively, so stage 3's units change nothing either.
+    # Clipping off: stage 3's pieces cut the global norm's sum of squares elsewhere (docs/optimizer.md).
+    argv = ["--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2", "--log-interval", "1",
+            "--train-iters", "5", "--clip-grad", "0"]
+    results = run_ranks(train_at_each_stage, 2, args=(argv, (1, 2, 3)))
+    for by_stage in results:
+        for stage in (2, 3):
+            assert by_stage[stage]["losses"] == by_stage[1]["losses"]
+            for name, p in by_stage[1]["params"].items():
+                assert torch.equal(by_stage[stage]["params"][name], p), (stage, name)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def held_bytes(rank, world, argv):
+    """What a rank holds after training: the buffers' storage and last-step peaks, the optimizer's
+    state, and the sizes of stage 3's units (parameter bytes; layer units apart)."""
+    run = gpt_run(argv)
+    (buf,) = run.buffers
+    element = torch.empty(0, dtype=buf.param_dtype).element_size()
+    layer_units = [b.numel * element for b in buf.buckets if b.index in getattr(buf, "layer_unit_indices", ())]
+    other_units = [b.numel * element for b in buf.buckets if b.index not in getattr(buf, "layer_unit_indices", ())]
+    return {"stored": buf.stored_bytes(), "padded": buf.numel, "real": sum(p.numel() for p in buf.params),
+            "owned": sum(piece.hi - piece.lo for piece in run.optimizer.pieces),
+            "optimizer": run.optimizer.state_bytes(), "layer_units": layer_units, "other_units": other_units}
+
+
+MEMORY = BASE + ["--train-iters", "2", "--num-layers", "4", "--bf16", "--grad-reduce-dtype", "bf16"]
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_stage_3_holds_2_plus_2_plus_12_bytes_per_parameter_over_dp_and_two_gathered_layers(dp):
+    for got in run_ranks(held_bytes, dp, args=(MEMORY + ["--zero-stage", "3"],)):
+        stored, shard = got["stored"], got["padded"] // dp
+        # bf16 parameter shard, bf16 gradient shard, fp32 master + Adam's two moments for owned elements.
+        assert stored["params"] == 2 * shard and stored["grads"] == 2 * shard
+        assert got["optimizer"] == 12 * got["owned"]
+        state = stored["params"] + stored["grads"] + got["optimizer"]
+        assert state == pytest.approx(16 * got["real"] / dp, rel=0.03)  # padding of each unit to 64 x dp
+        # Gathered at once: the chunk's embeddings / final norm, and two layers (one working, one prefetched).
+        assert stored["peak_gathered"] == sum(got["other_units"]) + 2 * max(got["layer_units"])
+
+
+def test_keeping_gathered_layers_until_backward_holds_every_layer():
+    dp = 2
+    kept = run_ranks(held_bytes, dp, args=(MEMORY + ["--zero-stage", "3", "--zero-reshard-after-forward", "false"],))
+    for got in kept:
+        assert got["stored"]["peak_gathered"] == sum(got["other_units"]) + sum(got["layer_units"])
+
+
+def test_stored_state_falls_stage_by_stage():
+    dp = 4
+    per_stage = {s: run_ranks(held_bytes, dp, args=(MEMORY + ["--zero-stage", str(s)],))[0] for s in STAGES}
+    state = {s: g["stored"]["params"] + g["stored"]["grads"] + g["optimizer"] for s, g in per_stage.items()}
+    real = per_stage[0]["real"]
+    # bf16 parameters, fp32 gradients below stage 2 (bf16 shards from stage 2), fp32 master + Adam.
+    assert state[0] == pytest.approx((2 + 4 + 12) * real, rel=0.02)
+    assert state[1] == pytest.approx((2 + 4 + 12 / dp) * real, rel=0.02)
+    assert state[2] == pytest.approx((2 + (2 + 12) / dp) * real, rel=0.02)
+    assert state[3] == pytest.approx((2 + 2 + 12) / dp * real, rel=0.03)
+    # Stage 2 holds whole-bucket gradients only while they reduce: at most three buckets of the step.
+    assert 0 < per_stage[2]["stored"]["peak_grad_buckets"] <= 3 * 2 * 40_000_000
+
+
+# -- communication ---------------------------------------------------------------------------------
+def step_traffic(rank, world, argv):
+    """Bytes this rank sends for data parallelism in one step (ring volumes), and its buffer size."""
+    sent: list[Fraction] = []
+    with counting_collectives(lambda kind, nbytes, n: sent.append(ring_bytes(kind, nbytes, n)), dp_buffers_only=True):
+        run = gpt_run(argv + ["--train-iters", "1"])
+    # The last gathers (pretrain's return pins the parameters whole) are not part of the step.
+    pins = sum(1 for _, why in getattr(run.buffers[0], "gather_log", []) if why == "pin")
+    pin_bytes = ring_bytes("all_gather", run.buffers[0].numel * 4, world) if pins else 0
+    return {"sent": sum(sent, Fraction(0)) - pin_bytes, "padded": run.buffers[0].numel}
+
+
+def traffic(stage: int, micro_batches: int, *extra) -> tuple[Fraction, int]:
+    dp = 2
+    argv = ["--seq-length", "32", "--micro-batch-size", "2", "--log-interval", "1", "--num-layers", "3", "--eval-iters", "0",
+            "--global-batch-size", str(2 * dp * micro_batches), "--zero-stage", str(stage), *extra]
+    got = run_ranks(step_traffic, dp, args=(argv,))[0]
+    return got["sent"], got["padded"]
+
+
+def test_stage_2_sends_what_stage_1_sends_and_stage_3_half_again_plain_data_parallelism():
+    per_element = {}
+    for stage in STAGES:
+        sent, padded = traffic(stage, 1)
+        per_element[stage] = sent / padded
+    ring = Fraction(1, 2)  # (n - 1) / n at dp 2; fp32 everywhere: 4 bytes an element
+    assert per_element[0] == 2 * ring * 4  # one all-reduce of the gradients
+    assert per_element[1] == per_element[2] == 2 * ring * 4  # reduce-scatter + all-gather
+    assert per_element[3] == 3 * ring * 4  # all-gather in forward and in backward, reduce-scatter
+    assert per_element[3] / per_element[0] == Fraction(3, 2)
+
+
+def test_traffic_per_step_with_micro_batches_follows_each_stages_formula():
+    m, ring = 3, Fraction(1, 2) * 4
+    expected = {
+        (2,): (m + 1) * ring,  # a reduce-scatter per backward, one all-gather after the step
+        (3,): 3 * m * ring,  # per micro-batch: gather, gather again for backward, reduce-scatter
+        (3, "--zero-reshard-after-forward", "false"): 2 * m * ring,
+        (3, "--zero-keep-params-for-step"): (1 + m) * ring,  # one gather a step
+    }
+    for (stage, *extra), per_element in expected.items():
+        sent, padded = traffic(stage, m, *extra)
+        assert sent / padded == per_element, (stage, extra)
+
+
+# -- gathers: order and timeline --------------------------------------------------------------------
+def gathers_and_trace(rank, world, argv, trace):
+    run = gpt_run(argv + ["--timeline", str(trace)])
+    return run.buffers[0].gather_log
+
+
+def test_stage_3_prefetches_the_next_layer_and_draws_its_gathers_on_the_timeline(tmp_path):
+    trace = tmp_path / "trace.json"
+    argv = BASE + ["--train-iters", "1", "--num-layers", "3", "--global-batch-size", "4", "--zero-stage", "3",
+                   "--eval-iters", "0"]
+    log = run_ranks(gathers_and_trace, 2, args=(argv, trace))[0]
+    # Units: layers 2, 1, 0 are units 0, 1, 2 (backward order), the rest is unit 3.
+    step = [entry for entry in log if entry[1] != "pin"]
+    assert step == [
+        (3, "forward"), (2, "prefetch forward"), (1, "prefetch forward"), (0, "prefetch forward"),
+        (3, "backward"), (0, "prefetch backward"), (1, "prefetch backward"), (2, "prefetch backward"),
+    ]
+    events = json.loads(trace.read_text())["traceEvents"]
+    gathers = [e for e in events if e.get("cat") == "zero-gather"]
+    rows = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert len(gathers) == 2 * len(step) and all(e["tid"] == 1 for e in gathers)  # both ranks
+    assert any("all-gathers" in name for name in rows)
+    assert any(e.get("cat") == "zero-wait" for e in events)
+
+
+# -- the command line ----------------------------------------------------------------------------------
+def test_the_distributed_optimizer_flag_is_stage_1_and_every_stage_shards_the_optimizer():
+    assert parse(["--use-distributed-optimizer"]).zero_stage == 1
+    for stage in STAGES:
+        assert parse(["--zero-stage", str(stage)]).use_distributed_optimizer == (stage >= 1)
+    assert parse(["--zero-stage", "3"]).zero_reshard_after_forward is True
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--use-distributed-optimizer", "--zero-stage", "0"], "--use-distributed-optimizer is ZeRO stage 1"),
+    (["--zero-stage", "2", "--zero-reshard-after-forward", "false"], "apply to --zero-stage 3"),
+    (["--zero-keep-params-for-step"], "apply to --zero-stage 3"),
+    (["--zero-stage", "3", "--zero-reshard-after-forward", "maybe"], "expected true or false"),
+])
+def test_contradictory_zero_flags_are_refused_in_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert says in capsys.readouterr().err
+
+
+def test_stage_3_with_torch_compile_is_refused_naming_the_alternative():
+    from megalite import arguments
+    from megalite.runtime import UsageError
+
+    args = parse(["--zero-stage", "3", "--torch-compile"])
+    with pytest.raises(UsageError, match="--zero-stage 2"):
+        arguments.validate(args, 2, arguments.model_config(args))
