@@ -3,6 +3,7 @@
 
     python scripts/zero_report.py                      # gpt-tiny, 4 layers, dp 4, bf16, m = 1 and 2
     python scripts/zero_report.py --dp 2 --layers 8 --json $OUT/zero.json
+    python scripts/zero_report.py --timeline --dp 2 --layers 8   # stage 3's gathers against compute
 
 Per rank and stage: the parameter, gradient and optimizer-state bytes it stores (and those per
 parameter), the peak of transient bytes during the step (whole-bucket gradients; stage 3's gathered
@@ -41,13 +42,35 @@ def one_stage(rank, world, argv):
             "sent": float(sum(sent, Fraction(0)) - pin_bytes)}
 
 
+def gather_overlap(rank, world, argv, trace):
+    """Stage 3 with --timeline: how long the gathers were in flight and how long compute waited."""
+    args = arguments.build_parser("zero_report", default_model="gpt-tiny").parse_args(argv + ["--timeline", trace])
+    pretrain(args, pretrain_gpt.task())
+    if rank != 0:
+        return None
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    out = {}
+    for r in range(world):
+        mine = [e for e in events if e.get("pid") == r]
+        out[r] = {"gathers": sum(e.get("cat") == "zero-gather" for e in mine),
+                  "in_flight_ms": sum(e["dur"] for e in mine if e.get("cat") == "zero-gather") / 1e3,
+                  "waited_ms": sum(e["dur"] for e in mine if e.get("cat") == "zero-wait") / 1e3,
+                  "compute_ms": sum(e["dur"] for e in mine if e.get("cat") in ("forward", "backward")) / 1e3}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
     p.add_argument("--json", default=None)
+    p.add_argument("--timeline", action="store_true",
+                   help="instead: stage 3 with --timeline, gathers in flight vs compute's waits (prefetch)")
+    p.add_argument("--hidden-size", type=int, default=None)
     opts = p.parse_args()
+    if opts.timeline:
+        return overlap_report(opts)
     rows = []
     for m in opts.micro_batches:
         argv = ["--mock-data", "--seq-length", "32", "--micro-batch-size", "2", "--num-layers", str(opts.layers),
@@ -70,6 +93,26 @@ def main() -> None:
               f"{r['sent_vs_plain_dp']:>6.2f}")
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
+
+
+def overlap_report(opts) -> None:
+    import tempfile
+
+    argv = ["--mock-data", "--seq-length", "128", "--micro-batch-size", "2", "--num-layers", str(opts.layers),
+            "--global-batch-size", str(2 * opts.dp * 2), "--train-iters", "3", "--eval-iters", "0",
+            "--log-interval", "1", "--zero-stage", "3"]
+    if opts.hidden_size:
+        argv += ["--hidden-size", str(opts.hidden_size), "--num-attention-heads", "8"]
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_ranks(gather_overlap, opts.dp, args=(argv, str(Path(tmp) / "trace.json")))[0]
+    print(f"stage 3, gpt-tiny, {opts.layers} layers, dp {opts.dp}, 2 micro-batches a step, 3 steps traced")
+    print(f"{'rank':>4} {'gathers':>7} {'in flight ms':>12} {'waited ms':>9} {'hidden':>6} {'compute ms':>10}")
+    for r, g in got.items():
+        hidden = 1 - g["waited_ms"] / g["in_flight_ms"] if g["in_flight_ms"] else 0.0
+        print(f"{r:>4} {g['gathers']:>7} {g['in_flight_ms']:>12.1f} {g['waited_ms']:>9.1f} {hidden:>6.0%} "
+              f"{g['compute_ms']:>10.1f}")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(got, indent=1))
 
 
 if __name__ == "__main__":
