@@ -125,17 +125,48 @@ def _old_loops(tp, dp, pp):
 
 def test_group_table_builds_the_groups_in_rank_order_and_a_new_dimension_of_size_one_moves_no_rank():
     for tp, dp, pp in itertools.product((1, 2, 3), (1, 2), (1, 2, 4)):
-        sizes = {"tensor": tp, "data": dp, "pipeline": pp}
+        sizes = {"tensor": tp, "context": 1, "data": dp, "pipeline": pp}
         built = {name: state.rank_groups(sizes, spanned) for name, spanned in state.GROUPS.items()}
-        assert built == _old_loops(tp, dp, pp), (tp, dp, pp)
-        with_context = {"tensor": tp, "context": 1, "data": dp, "pipeline": pp}
-        for name, spanned in state.GROUPS.items():
-            assert state.rank_groups(with_context, spanned) == built[name], "cp=1 leaves today's ranks unchanged"
+        old = _old_loops(tp, dp, pp)
+        assert {name: built[name] for name in old} == old, "cp=1 leaves today's ranks unchanged"
+        assert built["data_context"] == built["data"]
+        assert built["context"] == [[r] for r in range(tp * dp * pp)]
     # Megatron-Core's order with a context dimension: tensor fastest, then context, data, pipeline.
     sizes = {"tensor": 2, "context": 2, "data": 2, "pipeline": 2}
     assert state.rank_groups(sizes, ("context",))[:3] == [[0, 2], [1, 3], [4, 6]]
     assert state.rank_groups(sizes, ("data",))[:2] == [[0, 4], [1, 5]]
     assert state.rank_groups(sizes, ("pipeline",))[0] == [0, 8]
+
+
+def four_d_groups(rank, world, tp, cp, pp):
+    parallel.initialize_model_parallel(tp, pp, context_parallel_size=cp)
+    ranks = dist.get_process_group_ranks
+    return {
+        "cp": ranks(parallel.get_context_parallel_group()), "cp_rank": parallel.get_context_parallel_rank(),
+        "cp_size": parallel.get_context_parallel_world_size(), "tp": ranks(parallel.get_tensor_model_parallel_group()),
+        "dp": ranks(parallel.get_data_parallel_group()), "dp_size": parallel.get_data_parallel_world_size(),
+        "dp_cp": ranks(parallel.get_data_parallel_group(with_context_parallel=True)),
+        "dp_cp_size": parallel.get_data_parallel_world_size(with_context_parallel=True),
+        "dp_cp_rank": parallel.get_data_parallel_rank(with_context_parallel=True),
+        "pp": ranks(parallel.get_pipeline_model_parallel_group()),
+    }
+
+
+@pytest.mark.parametrize("tp,cp,pp", [(2, 2, 2), (1, 2, 2), (2, 4, 1)])
+def test_context_parallel_ranks_sit_between_tensor_and_data_as_in_megatron_core(tp, cp, pp):
+    world = 8
+    dp = world // (tp * cp * pp)
+    for rank, g in enumerate(run_ranks(four_d_groups, world, args=(tp, cp, pp))):
+        t, c, d, p = rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+        def at(t=t, c=c, d=d, p=p):
+            return p * (dp * cp * tp) + d * (cp * tp) + c * tp + t
+        assert g["tp"] == [at(t=i) for i in range(tp)]
+        assert g["cp"] == [at(c=i) for i in range(cp)] and (g["cp_rank"], g["cp_size"]) == (c, cp)
+        assert g["dp"] == [at(d=i) for i in range(dp)] and g["dp_size"] == dp
+        assert g["dp_cp"] == sorted(at(c=i, d=j) for i in range(cp) for j in range(dp))
+        assert (g["dp_cp_size"], g["dp_cp_rank"]) == (dp * cp, g["dp_cp"].index(rank))
+        assert g["pp"] == [at(p=i) for i in range(pp)]
 
 
 def groups_before_and_after_initialization(rank, world):

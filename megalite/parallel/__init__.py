@@ -19,6 +19,9 @@ from megalite.parallel.mappings import (
 from megalite.parallel.random import get_rng_tracker, model_parallel_manual_seed
 from megalite.parallel.state import (
     destroy_model_parallel,
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_world_size,

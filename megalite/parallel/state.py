@@ -1,9 +1,10 @@
-"""3D process groups: tensor (TP) x data (DP) x pipeline (PP).
+"""Process groups: tensor (TP) x context (CP) x data (DP) x pipeline (PP).
 
-Rank order follows Megatron-Core: tensor fastest, then data, then pipeline,
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-so a TP group is a block of consecutive ranks (one node's fast links). Every group is the set of
-ranks that differ along some of these dimensions only (`GROUPS`, `rank_groups`).
+Rank order follows Megatron-Core: tensor fastest, then context, then data, then pipeline,
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+so a TP group is a block of consecutive ranks (one node's fast links), and with cp = 1 every rank
+keeps the 3D position. Every group is the set of ranks that differ along some of these dimensions
+only (`GROUPS`, `rank_groups`).
 
 When torch.distributed is not initialized at all, every getter answers as a single
 process (size 1, rank 0, group None), so the parallel layers work in a plain script.
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 # The groups every rank builds, in this order (each rank must call new_group for every group, in
-# the same order): name -> the parallel dimensions along which its ranks differ. A new dimension
-# (context parallelism, between tensor and data) is one more size in initialize_model_parallel's
-# `sizes`, one entry here and one line of getters below.
+# the same order): name -> the parallel dimensions along which its ranks differ.
 GROUPS = {
     "tensor": ("tensor",),
+    "context": ("context",),
     "data": ("data",),
+    # Context-parallel ranks hold the same parameters: their gradients are reduced together with
+    # data parallelism's, and the distributed optimizer shards over both.
+    "data_context": ("context", "data"),
     "model": ("tensor", "pipeline"),  # one full model replica (for global norms and checks)
     "pipeline": ("pipeline",),
 }
@@ -64,8 +67,9 @@ def rank_groups(sizes: dict[str, int], spanned: tuple[str, ...]) -> list[list[in
     return [[base + offset for offset in offsets(moving)] for base in offsets(fixed)]
 
 
-def _check_sizes(world: int, tp: int, pp: int, vpp: int | None) -> None:
-    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+def _check_sizes(world: int, tp: int, pp: int, vpp: int | None, cp: int = 1) -> None:
+    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                       ("context_parallel_size", cp)):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")
     if world % tp:
@@ -74,6 +78,11 @@ def _check_sizes(world: int, tp: int, pp: int, vpp: int | None) -> None:
         raise ValueError(
             f"tensor_model_parallel_size x pipeline_model_parallel_size ({tp} x {pp} = {tp * pp}) "
             f"does not divide the world size ({world}): choose sizes whose product divides it"
+        )
+    if world % (tp * cp * pp):
+        raise ValueError(
+            f"tensor x context x pipeline parallel sizes ({tp} x {cp} x {pp} = {tp * cp * pp}) do not divide "
+            f"the world size ({world}): choose sizes whose product divides it"
         )
     if vpp is not None and vpp > 1 and pp < 2:
         raise ValueError(
@@ -89,8 +98,9 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout=None,
+    context_parallel_size: int = 1,
 ) -> None:
-    """Build the TP, PP, DP, model-parallel and embedding groups on every rank. `timeout` (a
+    """Build the TP, CP, PP, DP, model-parallel and embedding groups on every rank. `timeout` (a
     timedelta) bounds every collective in them; by default torch's default for the backend."""
     global _STATE
     if not dist.is_initialized():
@@ -100,8 +110,9 @@ def initialize_model_parallel(
         )
     world = dist.get_world_size()
     tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
-    _check_sizes(world, tp, pp, vpp)
-    sizes = {"tensor": tp, "data": world // (tp * pp), "pipeline": pp}  # rank order: fastest first
+    cp = context_parallel_size
+    _check_sizes(world, tp, pp, vpp, cp)
+    sizes = {"tensor": tp, "context": cp, "data": world // (tp * cp * pp), "pipeline": pp}  # fastest first
     state = _ParallelState(sizes=sizes, vpp=vpp if vpp and vpp > 1 else None)
     if state.vpp:
         state.virtual_pp_rank = 0
@@ -163,8 +174,27 @@ def _getters(dimension: str, prefix: str):
  get_tensor_model_parallel_rank) = _getters("tensor", "tensor_model_parallel")
 (get_pipeline_model_parallel_group, get_pipeline_model_parallel_world_size,
  get_pipeline_model_parallel_rank) = _getters("pipeline", "pipeline_model_parallel")
-(get_data_parallel_group, get_data_parallel_world_size,
- get_data_parallel_rank) = _getters("data", "data_parallel")
+(get_context_parallel_group, get_context_parallel_world_size,
+ get_context_parallel_rank) = _getters("context", "context_parallel")
+_data_group, _data_world_size, _data_rank = _getters("data", "data_parallel")
+_data_context = _getters("data_context", "data_parallel")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The data-parallel group; with_context_parallel: data x context, the ranks that hold the same
+    parameters (gradients are reduced and the optimizer sharded over it)."""
+    return _data_context[0]() if with_context_parallel else _data_group()
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if with_context_parallel:
+        s = _state()
+        return s.sizes["data"] * s.sizes["context"] if s else 1
+    return _data_world_size()
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _data_context[2]() if with_context_parallel else _data_rank()
 
 
 def get_model_parallel_group():
