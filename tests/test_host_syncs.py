@@ -31,3 +31,12 @@ def test_fp16_dynamic_loss_scaling_costs_one_host_sync_a_step_and_bf16_none():
         assert [what.split(" at ")[1].split(":")[0] for _, what in calls] == ["optimizer.py"] * 2, calls
     for calls in run_ranks(syncs_per_iteration, 2, args=(argv + ["--bf16"], 2, 3)):
         assert calls == []
+
+
+def test_zero_stages_2_and_3_add_no_host_sync():
+    # Gathers and reduce-scatters are waited on as work handles (a stream wait on a GPU), never read.
+    argv = ["--tp", "2", "--train-iters", "4", "--log-interval", "4", "--seq-length", "16", "--global-batch-size", "4",
+            "--micro-batch-size", "1", "--eval-interval", "0", "--bf16"]
+    for stage in ("2", "3"):
+        for rank, calls in enumerate(run_ranks(syncs_per_iteration, 4, args=(argv + ["--zero-stage", stage], 2, 3))):
+            assert calls == [], f"stage {stage}, rank {rank}: {calls[:10]}"

@@ -198,6 +198,34 @@ def test_traffic_per_step_with_micro_batches_follows_each_stages_formula():
         assert sent / padded == per_element, (stage, extra)
 
 
+def dp_collectives_in_order(rank, world, argv):
+    """Each data-parallel collective this rank issues in a step: (kind, bytes, group ranks)."""
+    import torch.distributed as dist
+
+    from megalite import parallel
+
+    issued = []
+    with counting_collectives(lambda kind, nbytes, n: issued.append(kind + f" {nbytes} B"), dp_buffers_only=True):
+        gpt_run(argv + ["--train-iters", "1", "--eval-iters", "0"])
+    return issued, tuple(dist.get_process_group_ranks(parallel.get_data_parallel_group()))
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2", "--pp", "2", "--recompute", "full"],
+                                   ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--zero-reshard-after-forward",
+                                    "false"]], ids=["tp2-pp2-dp2-recompute", "pp2-dp2-interleaved"])
+def test_every_member_of_a_dp_group_issues_the_same_zero_3_collectives_in_the_same_order(flags):
+    # NCCL matches collectives on a communicator by the order they are issued: a rank that gathers
+    # another unit, or the same one at another point, hangs the step on a GPU.
+    world = 8 if "--tp" in flags else 4
+    argv = BASE + ["--zero-stage", "3", *flags]
+    by_group: dict[tuple, list] = {}
+    for issued, group in run_ranks(dp_collectives_in_order, world, args=(argv,)):
+        by_group.setdefault(group, []).append(issued)
+    assert len(by_group) == world // 2
+    for group, sequences in by_group.items():
+        assert len(sequences) == 2 and sequences[0] == sequences[1] and len(sequences[0]) > 10, group
+
+
 # -- gathers: order and timeline --------------------------------------------------------------------
 def gathers_and_trace(rank, world, argv, trace):
     run = gpt_run(argv + ["--timeline", str(trace)])
