@@ -1,5 +1,5 @@
 """Parallel layout planner: which (tp, pp, dp, vpp, micro-batch, recompute, sequence parallel,
-distributed optimizer) to train a GPT with, on how many GPUs, and what it costs.
+ZeRO stage) to train a GPT with, on how many GPUs, and what it costs.
 
     python -m megalite.tools.plan --model gpt-175b --gpus 1024 --gpu-memory-gib 80 \\
         --global-batch-size 1536 --seq-length 2048 [--explain] [--json]
@@ -13,9 +13,11 @@ distributed optimizer) to train a GPT with, on how many GPUs, and what it costs.
 
 Every layout megalite accepts is enumerated and, for each, the planner predicts:
 
-- memory per GPU on the fullest pipeline stage, itemised (`memory.py`): parameters, fp32 gradient
-  buffers and optimizer states counted the way megalite lays them out (the parameters of a GPT
-  stage built on the meta device, `megalite.optim.buffers.plan_layout`, `MegaliteOptimizer._master`),
+- memory per GPU on the fullest pipeline stage, itemised (`memory.py`): parameters, gradients and
+  optimizer states counted the way megalite lays them out at each ZeRO stage (the parameters of a
+  GPT stage built on the meta device, `megalite.optim.buffers.plan_layout`, stage 3's units from
+  `megalite.optim.zero.layer_units`, `MegaliteOptimizer._master`), stages 2-3's transient
+  whole-bucket gradients and gathered units (replayed in megalite's order of events),
   activations from `megalite.models.activation_bytes_per_layer` (Korthikanti et al. 2022) times
   the chunks the schedule program holds in flight (`megalite.pipeline.schedules.peak_in_flight`),
   the output layer and cross-entropy buffers on the last stage, and a fixed framework overhead;
@@ -36,6 +38,7 @@ from megalite.tools.plan.inputs import (
     GIB,
     GPT_PRESETS,
     RECOMPUTE,
+    ZERO_STAGES,
     Cluster,
     Layout,
     Run,
@@ -48,13 +51,56 @@ from megalite.tools.plan.inputs import (
 from megalite.tools.plan.memory import Memory, StateBytes, in_flight_chunks, rank_state_bytes
 from megalite.tools.plan.predict import Prediction, StageResult, predict
 from megalite.tools.plan.report import explain, format_rejections, format_table, launch_command, model_flags
-from megalite.tools.plan.search import PlanResult, Rejection, check_args, check_layout, divisors, plan
-from megalite.tools.plan.step_time import DataParallelTime, StepTime
+from megalite.tools.plan.search import (
+    PlanResult,
+    Rejection,
+    check_args,
+    check_layout,
+    divisors,
+    plan,
+    stage_that_makes_it_fit,
+    with_zero_stage,
+)
+from megalite.tools.plan.step_time import DataParallelTime, StepTime, dp_traffic
 
 __all__ = [
-    "DTYPE_BYTES", "GIB", "GPT_PRESETS", "RECOMPUTE", "Cluster", "DataParallelTime", "Layout", "Memory",
-    "PlanResult", "Prediction", "Rejection", "Run", "StageResult", "StateBytes", "StepTime", "build_parser",
-    "check_args", "check_layout", "config_from_args", "divisors", "explain", "format_rejections", "format_table",
-    "in_flight_chunks", "launch_command", "layer_numels", "main", "model_flags", "plan", "positions", "predict",
-    "rank_parameters", "rank_state_bytes", "stage_parameters", "total_parameters",
+    "DTYPE_BYTES",
+    "GIB",
+    "GPT_PRESETS",
+    "RECOMPUTE",
+    "ZERO_STAGES",
+    "Cluster",
+    "DataParallelTime",
+    "Layout",
+    "Memory",
+    "PlanResult",
+    "Prediction",
+    "Rejection",
+    "Run",
+    "StageResult",
+    "StateBytes",
+    "StepTime",
+    "build_parser",
+    "check_args",
+    "check_layout",
+    "config_from_args",
+    "divisors",
+    "dp_traffic",
+    "explain",
+    "format_rejections",
+    "format_table",
+    "in_flight_chunks",
+    "launch_command",
+    "layer_numels",
+    "main",
+    "model_flags",
+    "plan",
+    "positions",
+    "predict",
+    "rank_parameters",
+    "rank_state_bytes",
+    "stage_parameters",
+    "stage_that_makes_it_fit",
+    "total_parameters",
+    "with_zero_stage",
 ]

@@ -16,6 +16,7 @@ from megalite.tools.plan.report import (
     format_table,
     model_flags,
     rejected_json,
+    zero_stage_note,
 )
 from megalite.tools.plan.search import PlanResult, plan
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--fp32", action="store_const", const="fp32", dest="dtype")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000)
     g.add_argument("--attention-backend", choices=["sdpa", "fused", "torch"], default="sdpa")
+    g.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype gradients are reduced in (at ZeRO stages 2-3 also the stored gradient shards' dtype)")
     g = ap.add_argument_group("restrict the search")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
@@ -57,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--recompute", choices=RECOMPUTE)
     g.add_argument("--sequence-parallel", choices=["on", "off"])
-    g.add_argument("--distributed-optimizer", choices=["on", "off"])
+    g.add_argument("--distributed-optimizer", choices=["on", "off"], help="on: --zero-stage 1; off: 0")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (1 = distributed optimizer; 2 also gradients, 3 also parameters sharded); "
+                        "default: every stage")
     g.add_argument("--max-tp", type=int, help="largest tp (default: GPUs per node)")
     g = ap.add_argument_group("output")
     g.add_argument("--top", type=int, default=5)
@@ -89,7 +95,8 @@ def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
                           intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                           peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
                           overhead_gib=args.overhead_gib)
-        Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend)
+        Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend,
+            grad_reduce_dtype=args.grad_reduce_dtype)
     except ValueError as e:
         ap.error(str(e))
     return cluster
@@ -99,6 +106,10 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     config = config_from_args(args, ap)
+    if args.zero_stage is not None and args.distributed_optimizer is not None and \
+            (args.zero_stage >= 1) != (args.distributed_optimizer == "on"):
+        ap.error(f"--distributed-optimizer {args.distributed_optimizer} contradicts --zero-stage {args.zero_stage} "
+                 f"(the distributed optimizer is stage 1 and above): give one of them")
     dtype = args.dtype or "bf16"
     seq = args.seq_length or config.max_position_embeddings
     cluster = cluster_from_args(args, ap, seq)
@@ -107,7 +118,8 @@ def main(argv=None) -> int:
                   vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   recompute=(args.recompute,) if args.recompute else RECOMPUTE,
                   sequence_parallel=_on_off(args.sequence_parallel),
-                  distributed_optimizer=_on_off(args.distributed_optimizer))
+                  distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
+                  grad_reduce_dtype=args.grad_reduce_dtype)
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model)
     if result.best is None:
@@ -136,6 +148,9 @@ def main(argv=None) -> int:
     print("\nrun the best with" + (" (plus your rendezvous flags, e.g. --rdzv-backend c10d --rdzv-endpoint "
                                   "HOST:29500):" if nodes > 1 else ":"))
     print(f"  {command}")
+    note = zero_stage_note(result.best)
+    if note:
+        print(note)
     if args.explain:
         print()
         print(explain(result.best))

@@ -15,6 +15,7 @@ from megalite.pipeline.partition import stage_layer_counts
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)  # --zero-stage: 1 is --use-distributed-optimizer
 GPT_PRESETS = tuple(name for name in PRESETS if not name.startswith("bert"))  # GPT-2 and the Llama family
 
 
@@ -59,11 +60,19 @@ class Layout:
     micro_batch_size: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = False  # ZeRO stage >= 1 (kept for callers; zero_stage says which)
+    zero_stage: int | None = None  # None: 1 with the distributed optimizer, else 0
 
     def __post_init__(self):
         if self.vpp is not None and self.vpp <= 1:
             object.__setattr__(self, "vpp", None)  # one chunk per rank: the plain 1F1B schedule
+        if self.zero_stage is None:
+            object.__setattr__(self, "zero_stage", 1 if self.distributed_optimizer else 0)
+        elif self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {self.zero_stage!r}")
+        elif self.distributed_optimizer and self.zero_stage == 0:
+            raise ValueError("distributed_optimizer is ZeRO stage 1: give zero_stage >= 1 or drop it")
+        object.__setattr__(self, "distributed_optimizer", self.zero_stage >= 1)
         for name in ("tp", "pp", "dp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -85,8 +94,10 @@ class Layout:
         parts += [f"mb {self.micro_batch_size}", f"recompute {self.recompute}"]
         if self.sequence_parallel:
             parts.append("sp")
-        if self.distributed_optimizer:
+        if self.zero_stage == 1:
             parts.append("dist-opt")
+        elif self.zero_stage:
+            parts.append(f"zero {self.zero_stage}")
         return " ".join(parts)
 
 
@@ -102,10 +113,15 @@ class Run:
     pipeline_layers: tuple | None = None  # --pipeline-layers, explicit layer count per virtual stage
     recompute_method: str = "uniform"
     recompute_num_layers: int | None = None
+    grad_reduce_dtype: str = "fp32"  # --grad-reduce-dtype: at ZeRO stages 2-3 also the stored gradients' dtype
+    zero_reshard_after_forward: bool = True  # --zero-reshard-after-forward (stage 3)
+    zero_keep_params_for_step: bool = False  # --zero-keep-params-for-step (stage 3)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.grad_reduce_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"grad_reduce_dtype must be fp32 or bf16, got {self.grad_reduce_dtype!r}")
         if self.attention_backend not in ("sdpa", "fused", "torch"):
             raise ValueError(f"attention_backend must be sdpa, fused or torch, got {self.attention_backend!r}")
         for name in ("global_batch_size", "seq_length", "ddp_bucket_size"):
@@ -215,6 +231,22 @@ def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None
         stage = stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1)
         held = [*stage.head, *stage.layer * counts[vs], *stage.tail]
         chunks.append([(x.per_rank(config, tp), pp > 1 and x.tied) for x in held])
+    return chunks
+
+
+def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
+                          seq_length: int, pipeline_layers=None) -> list[list[int | None]]:
+    """Aligned with `rank_parameters`: for every parameter the transformer layer (of its chunk, from
+    0) that holds it, None for the embeddings, final norm and output layer (ZeRO-3's units)."""
+    v = vpp or 1
+    counts = stage_layer_counts(config.num_layers, pp, vpp,
+                                list(pipeline_layers) if pipeline_layers is not None else None)
+    chunks = []
+    for c in range(v):
+        vs = c * pp + pp_rank
+        stage = stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1)
+        layers = [i for i in range(counts[vs]) for _ in stage.layer]
+        chunks.append([None] * len(stage.head) + layers + [None] * len(stage.tail))
     return chunks
 
 

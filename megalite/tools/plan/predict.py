@@ -115,8 +115,10 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     flops_mb = n_layers * (costs.fwd + costs.bwd) / t + (3 * costs.logits_fwd / t if last else 0.0)
     tp_mb = (n_layers * costs.ar_per_layer + first + last) * costs.ar_time if t > 1 else 0.0
     st = rank_state_bytes(config, tp=t, pp=p, dp=layout.dp, vpp=layout.vpp, pp_rank=r, dp_rank=0, dtype=run.dtype,
-                          distributed_optimizer=layout.distributed_optimizer, seq_length=run.seq_length,
-                          ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers)
+                          zero_stage=layout.zero_stage, grad_dtype=run.grad_reduce_dtype, seq_length=run.seq_length,
+                          ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers,
+                          reshard_after_forward=run.zero_reshard_after_forward,
+                          keep_params_for_step=run.zero_keep_params_for_step)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
     chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp)
     per_chunk = n_layers / v
@@ -133,7 +135,7 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
         state=st, n_layers=n_layers, chunk_layers=chunk_layers, flops_mb=flops_mb, tp_mb=tp_mb,
         compute_mb=compute_mb, t_mb=compute_mb + tp_mb + costs.pp_mb, chunks_in_flight=chunks_in_flight,
         stored_chunk=stored_chunk, transient=transient, activations=activations, output=output,
-        total=st.param_buffer + st.grads + st.optimizer + activations + output + overhead,
+        total=st.param_buffer + st.grads + st.optimizer + st.transient + activations + output + overhead,
         build=st.build_peak + overhead)
 
 
@@ -157,7 +159,7 @@ def predict(config: TransformerConfig, layout: Layout, cluster: Cluster, global_
     m = _check_layout_fits_model(config, layout, run)
     costs = layout_costs(config, layout, cluster, run, m)
     stages = {r: stage_result(costs, r) for r in _extreme_ranks(layout, run)}
-    dp_parts = {r: dp_exposed(costs, S.state.buckets, S.state.param_buffer, r) for r, S in stages.items()}
+    dp_parts = {r: dp_exposed(costs, S.state, r) for r, S in stages.items()}
     time, slow, dp_stage = _step_time(costs, stages, dp_parts)
     peak_r = max(stages, key=lambda r: stages[r].total)
     memory = _memory(stages[peak_r], cluster)
@@ -194,15 +196,16 @@ def _memory(stage: StageResult, cluster: Cluster) -> Memory:
     st = stage.state
     return Memory(parameters=st.param_buffer, gradients=st.grads, optimizer=st.optimizer,
                   activations=stage.activations, output_layer=stage.output, overhead=cluster.overhead_gib * GIB,
-                  total=stage.total)
+                  total=stage.total, zero_transient=st.transient)
 
 
 def _why_not(memory: Memory, build_peak: float, cluster: Cluster, peak_r: int) -> str:
     capacity = cluster.memory_bytes
     if memory.total >= build_peak:
         out_part = f", output layer {memory.output_layer / GIB:.1f}" if memory.output_layer else ""
+        zero_part = f", ZeRO transient {memory.zero_transient / GIB:.1f}" if memory.zero_transient else ""
         return (f"does not fit: {over(memory.total, capacity)} GiB > {cluster.gpu_memory_gib:g} GiB "
                 f"(activations {memory.activations / GIB:.1f}{out_part}, parameters + gradients + "
-                f"optimizer {memory.states / GIB:.1f} GiB, stage {peak_r})")
+                f"optimizer {memory.states / GIB:.1f}{zero_part} GiB, stage {peak_r})")
     return (f"does not fit while the model is built: {over(build_peak, capacity)} GiB > "
             f"{cluster.gpu_memory_gib:g} GiB (fp32 model + buffers)")

@@ -7,10 +7,11 @@ from dataclasses import asdict
 
 from megalite.models.config import PRESETS, TransformerConfig
 from megalite.models.memory import layer_activation_bytes
+from megalite.optim.zero import MAX_IN_FLIGHT
 from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, GPT_PRESETS, layer_numels, positions
 from megalite.tools.plan.memory import kept_activations
-from megalite.tools.plan.predict import Prediction
-from megalite.tools.plan.search import PlanResult
+from megalite.tools.plan.predict import Prediction, predict
+from megalite.tools.plan.search import PlanResult, stage_that_makes_it_fit, with_zero_stage
 from megalite.tools.plan.step_time import StepTime
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
@@ -63,8 +64,16 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
               "--seq-length", str(run.seq_length), "--recompute", lay.recompute]
     if lay.sequence_parallel:
         parts.append("--sequence-parallel")
-    if lay.distributed_optimizer:
+    if lay.zero_stage == 1:
         parts.append("--use-distributed-optimizer")
+    elif lay.zero_stage >= 2:
+        parts += ["--zero-stage", str(lay.zero_stage)]
+    if lay.zero_stage == 3 and not run.zero_reshard_after_forward:
+        parts += ["--zero-reshard-after-forward", "false"]
+    if lay.zero_stage == 3 and run.zero_keep_params_for_step:
+        parts.append("--zero-keep-params-for-step")
+    if run.grad_reduce_dtype != "fp32":
+        parts += ["--grad-reduce-dtype", run.grad_reduce_dtype]
     if run.dtype != "fp32":
         parts.append(f"--{run.dtype}")
     if run.attention_backend != "sdpa":
@@ -94,6 +103,8 @@ def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> d
         "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()},
         "build_peak_gib": round(pred.build_peak / GIB, 3), "peak_gib": round(pred.peak_bytes / GIB, 3),
         "time_s": {k: round(v, 6) for k, v in time.items()},
+        "dp_traffic_bytes": {k: int(v) for k, v in pred.dp_parts[pred.dp_stage].traffic.items()},
+        "zero_stage_makes_it_fit": stage_that_makes_it_fit(pred) is not None,
         "bubble_fraction": round(pred.bubble_fraction, 6), "mfu": round(pred.mfu, 4),
         "tokens_per_s": round(pred.tokens_per_s, 1), "model_flops": pred.model_flops,
         "hardware_flops": pred.hardware_flops, "command": pred.command(model_flags),
@@ -120,7 +131,7 @@ def _gib(x: float) -> str:
 
 
 def format_table(preds: list[Prediction]) -> str:
-    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>4} {'vpp':>3} {'mb':>3} {'recompute':>9} {'sp':>3} {'dopt':>4} | "
+    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>4} {'vpp':>3} {'mb':>3} {'recompute':>9} {'sp':>3} {'zero':>4} | "
             f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} {'act':>5} {'out':>4} | "
             f"{'step s':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5} | {'MFU':>5}")
     lines = [head, "-" * len(head)]
@@ -128,7 +139,7 @@ def format_table(preds: list[Prediction]) -> str:
         L, M, T = x.layout, x.memory, x.time
         lines.append(
             f"{i:>2} {L.tp:>3} {L.pp:>3} {L.dp:>4} {L.vpp or '-':>3} {L.micro_batch_size:>3} {L.recompute:>9} "
-            f"{'on' if L.sequence_parallel else '-':>3} {'on' if L.distributed_optimizer else '-':>4} | "
+            f"{'on' if L.sequence_parallel else '-':>3} {L.zero_stage or '-':>4} | "
             f"{_gib(x.peak_bytes):>5} {_gib(M.parameters):>5} {_gib(M.gradients):>5} "
             f"{_gib(M.optimizer):>5} {_gib(M.activations):>5} {_gib(M.output_layer):>4} | "
             f"{T.total:>7.3f} {_pct(T.bubble, T):>6} {_pct(T.tp_comm, T):>5} {_pct(T.pp_comm, T):>5} "
@@ -156,10 +167,24 @@ def explain(pred: Prediction) -> str:
     out = [(f"layout: {lay.short()} on {lay.gpus} GPUs; {m} micro-batches per step; {run.dtype}; "
             f"attention backend {run.attention_backend}"),
            "", f"memory on pipeline stage {pred.peak_stage} (the fullest), per GPU:"]
+    note = zero_stage_note(pred)
+    if note:
+        out[1:1] = [note]
     out += _explain_memory(pred)
     out += ["", "step time:"]
     out += _explain_time(pred)
     return "\n".join(out)
+
+
+def zero_stage_note(pred: Prediction) -> str | None:
+    """One line when the layout fits only at its ZeRO stage (2 or 3): what the stage below needs."""
+    stage = stage_that_makes_it_fit(pred)
+    if stage is None:
+        return None
+    below = predict(pred.config, with_zero_stage(pred.layout, stage - 1), pred.cluster, run=pred.run)
+    return (f"note: ZeRO stage {stage} is what makes this layout fit: at stage {stage - 1} it needs "
+            f"{_gib(below.peak_bytes)} GiB per GPU, more than {pred.cluster.gpu_memory_gib:g} GiB "
+            f"(stage {stage}: {_gib(pred.peak_bytes)} GiB)")
 
 
 def _explain_memory(pred: Prediction) -> list[str]:
@@ -179,15 +204,24 @@ def _explain_memory(pred: Prediction) -> list[str]:
         tied = f"tied word embedding copy {V // t * h:,}, " if p > 1 else ""
         pieces.append(f"{tied}final norm {2 * h}")
     out.append(f"  parameters   {st.numel:,} elements = {'; '.join(pieces)}")
-    out.append(f"               x {ab} B (+ {st.padded_numel - st.numel:,} padding elements) = "
+    shard = f" / dp={lay.dp} (ZeRO-3: this rank's shard of every unit)" if lay.zero_stage == 3 else ""
+    out.append(f"               x {ab} B (+ {st.padded_numel - st.numel:,} padding elements){shard} = "
                f"{_gib(st.param_buffer)} GiB")
-    out.append(f"  gradients    {st.padded_numel:,} x 4 B (fp32 buffers, buckets of {run.ddp_bucket_size:,} "
-               f"padded to a multiple of dp={lay.dp}: {st.grad_padding // 4:,} padding) = {_gib(st.grads)} GiB")
+    if lay.zero_stage >= 2:
+        units = "units (one per layer, the rest, a tied copy)" if lay.zero_stage == 3 else \
+            f"buckets of {run.ddp_bucket_size:,}"
+        out.append(f"  gradients    {st.padded_numel:,} / dp={lay.dp} x {st.grad_bytes} B (ZeRO-{lay.zero_stage}: "
+                   f"this rank's reduced shard; {units} padded to a multiple of 64*dp) = {_gib(st.grads)} GiB")
+    else:
+        out.append(f"  gradients    {st.padded_numel:,} x 4 B (fp32 buffers, buckets of {run.ddp_bucket_size:,} "
+                   f"padded to a multiple of dp={lay.dp}: {st.grad_padding // 4:,} padding) = {_gib(st.grads)} GiB")
     master = 0 if run.dtype == "fp32" else 4
     who = (f"{st.owned_numel:,} owned (this dp rank's shard of every bucket)" if lay.distributed_optimizer
            else f"{st.owned_numel:,} (every parameter)")
     out.append(f"  optimizer    ({master} B fp32 master{' (none: fp32 parameters are their own)' if not master else ''}"
                f" + 8 B Adam exp_avg, exp_avg_sq) x {who} = {_gib(st.optimizer)} GiB")
+    if lay.zero_stage >= 2:
+        out.append(_explain_transient(lay, run, st))
     keep = kept_activations(lay, run)
     per_layer = layer_activation_bytes(c, s, b, t, "full" if lay.recompute == "full" else keep,
                                        lay.sequence_parallel, run.attention_backend) * ab / 2
@@ -217,6 +251,16 @@ def _explain_memory(pred: Prediction) -> list[str]:
     return out
 
 
+def _explain_transient(lay, run, st) -> str:
+    gathered = ""
+    if lay.zero_stage == 3:
+        kept = not run.zero_reshard_after_forward or run.zero_keep_params_for_step
+        gathered = (f" + gathered units {st.transient_gathered / GIB:.2f} GiB (embeddings / final norm and "
+                    f"{'every layer' if kept else 'two layers'})")
+    return (f"  transient    whole-bucket gradients while they reduce-scatter (<= {MAX_IN_FLIGHT} in flight + the "
+            f"one filling) {st.transient_grads / GIB:.2f} GiB{gathered}: peak together {_gib(st.transient)} GiB")
+
+
 def _explain_time(pred: Prediction) -> list[str]:
     lay, cl, K, T = pred.layout, pred.cluster, pred.costs, pred.time
     t, p, v, m = lay.tp, lay.pp, lay.v, pred.micro_batches
@@ -241,10 +285,20 @@ def _explain_time(pred: Prediction) -> list[str]:
         out.append(f"  bubble       (p-1)/(v*m) = {p - 1}/({v}*{m}) of the per-micro-batch time "
                    f"(theoretical_bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")
     part = pred.dp_parts[pred.dp_stage]
-    kind = "reduce-scatter (d-1)/d" if lay.distributed_optimizer else "all-reduce 2(d-1)/d"
-    out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, minus what hides behind the last "
-               f"backward: {part.overlapped:.3f} s; tied embedding (after the schedule) {part.embedding:.3f} s; "
-               f"parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) = {T.dp_comm:.3f} s")
+    if lay.zero_stage >= 2:
+        sent = ", ".join(f"{k.replace('_', '-')} {v / 2 ** 20:,.1f} MiB" for k, v in part.traffic.items() if v)
+        pattern = ("m reduce-scatters, one all-gather" if lay.zero_stage == 2 else
+                   "per micro-batch: all-gather forward and backward, reduce-scatter")
+        out.append(f"  dp comm      ZeRO-{lay.zero_stage}, per step: {sent} ((d-1)/d of each; {pattern}) "
+                   f"at {K.bw_dp / 1e9:g} GB/s; what each backward waits for at its end {part.overlapped:.3f} s; "
+                   f"gathers not hidden by the layers' compute {part.gathers:.3f} s; tied embedding "
+                   f"{part.embedding:.3f} s; parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) "
+                   f"= {T.dp_comm:.3f} s")
+    else:
+        kind = "reduce-scatter (d-1)/d" if lay.distributed_optimizer else "all-reduce 2(d-1)/d"
+        out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, minus what hides behind the last "
+                   f"backward: {part.overlapped:.3f} s; tied embedding (after the schedule) {part.embedding:.3f} s; "
+                   f"parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) = {T.dp_comm:.3f} s")
     out.append(f"  optimizer    {max(S.state.owned_numel for S in pred.stages.values()):,} elements x "
                f"{K.traffic} B / {cl.hbm_gbps:g} GB/s = {T.optimizer:.3f} s")
     out.append(f"  total        {T.total:.3f} s per step; {pred.tokens_per_s:,.0f} tokens/s; MFU "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from megalite.models.config import TransformerConfig
-from megalite.tools.plan.inputs import GIB, RECOMPUTE, Cluster, Layout, Run, check_gpt
+from megalite.tools.plan.inputs import GIB, RECOMPUTE, ZERO_STAGES, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.predict import Prediction, predict
 
 
@@ -71,26 +71,28 @@ class SearchSpace:
     micro_batch_size: int | None = None
     recompute: tuple = RECOMPUTE
     sequence_parallel: tuple = (False, True)
-    distributed_optimizer: tuple = (False, True)
+    zero_stage: tuple = ZERO_STAGES
 
 
 def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
          dtype: str = "bf16", ddp_bucket_size: int = 40_000_000, attention_backend: str = "sdpa",
          max_tp: int | None = None, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
-         distributed_optimizer=(False, True)) -> PlanResult:
+         distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32") -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
-    return those that fit, fastest first. max_tp defaults to the GPUs per node."""
+    return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
+    defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
+    with `distributed_optimizer` restricted, 1 (True) or 0 (False) as before stages 2-3."""
     check_gpt(config)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
-              attention_backend)
+              attention_backend, grad_reduce_dtype=grad_reduce_dtype)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
                         tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
-                        _values(distributed_optimizer, bool))
+                        _stages(zero_stage, _values(distributed_optimizer, bool)))
     result = PlanResult([])
     for layout in _layouts(config, cluster.gpus, run, space, result.reject):
         result.add(predict(config, layout, cluster, run=run))
-    result.predictions.sort(key=lambda x: (x.step_time, x.peak_bytes))
+    result.predictions.sort(key=lambda x: (x.step_time, x.layout.zero_stage, x.peak_bytes))
     if result.predictions:
         result.closest = None
     return result
@@ -98,6 +100,22 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
 
 def _values(choice, kind: type) -> tuple:
     return (choice,) if isinstance(choice, kind) else tuple(choice)
+
+
+def _stages(zero_stage, distributed_optimizer: tuple) -> tuple:
+    """The ZeRO stages to try: those given, else all, or the old keyword's 0 / 1."""
+    if zero_stage is None:
+        if set(distributed_optimizer) == {False, True}:
+            return ZERO_STAGES
+        return tuple(sorted(int(x) for x in distributed_optimizer))
+    stages = _values(zero_stage, int)
+    bad = [x for x in stages if x not in ZERO_STAGES]
+    if bad:
+        raise ValueError(f"zero_stage must be among 0, 1, 2, 3, got {bad[0]!r}")
+    if set(distributed_optimizer) != {False, True} and any((x >= 1) not in distributed_optimizer for x in stages):
+        raise ValueError(f"zero stages {stages} disagree with distributed_optimizer={distributed_optimizer}: "
+                         f"the distributed optimizer is stage 1 and every stage above it")
+    return tuple(sorted(stages))
 
 
 Reject = Callable[[str, str], None]
@@ -152,7 +170,7 @@ def _tp_is_valid(config: TransformerConfig, t: int, space: SearchSpace, reject: 
 def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run, space: SearchSpace,
                      reject: Reject) -> Iterator[Layout]:
     """The layouts of one (tp, pp, dp): interleaving, micro-batch, recomputation, sequence
-    parallelism and the distributed optimizer."""
+    parallelism and the ZeRO stage."""
     B, s = run.global_batch_size, run.seq_length
     vpps = [None] + ([x for x in divisors(config.num_layers // p) if x > 1] if p > 1 else [])
     if space.vpp is not None:
@@ -173,10 +191,27 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
                     if sp and s % t:
                         reject("seq % tp", f"sequence parallelism needs seq length {s} divisible by tp {t}")
                         continue
-                    for dist_opt in space.distributed_optimizer:
-                        if dist_opt and d == 1 and False in space.distributed_optimizer:
-                            continue  # identical to the plain optimizer at dp = 1
-                        yield Layout(t, p, d, v, b, rc, sp, dist_opt)
+                    for stage in space.zero_stage:
+                        if stage and d == 1 and 0 in space.zero_stage:
+                            continue  # nothing to shard at dp = 1: stage 0 at best
+                        yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage)
+
+
+def with_zero_stage(layout: Layout, stage: int) -> Layout:
+    """The same layout at another ZeRO stage."""
+    return replace(layout, distributed_optimizer=stage >= 1, zero_stage=stage)
+
+
+def stage_that_makes_it_fit(pred: Prediction) -> int | None:
+    """For a fitting layout at ZeRO stage 2 or 3: its stage, when the same layout at every lower
+    stage does not fit (the stage is what makes it fit); else None."""
+    stage = pred.layout.zero_stage
+    if not pred.fits or stage < 2:
+        return None
+    for lower in range(stage):
+        if predict(pred.config, with_zero_stage(pred.layout, lower), pred.cluster, run=pred.run).fits:
+            return None
+    return stage
 
 
 def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
@@ -184,20 +219,23 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  recompute: str | None = None, sequence_parallel: bool | None = None,
                  use_distributed_optimizer: bool = False, dtype: str = "bf16", gpu_memory_bytes: float,
                  cluster: Cluster | None = None, ddp_bucket_size: int = 40_000_000,
-                 attention_backend: str | None = None, pipeline_layers=None) -> tuple[bool, Prediction]:
+                 attention_backend: str | None = None, pipeline_layers=None, zero_stage: int | None = None,
+                 grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
+                 zero_keep_params_for_step: bool = False) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
-    to the config's. gpu_memory_bytes overrides the cluster's memory."""
+    to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
+    use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer."""
     gpus = tp * pp * dp
     base = cluster or Cluster(gpus=gpus)
     cluster = replace(base, gpus=gpus, gpu_memory_gib=gpu_memory_bytes / GIB)
     layout = Layout(tp, pp, dp, vpp if vpp and vpp > 1 else None, micro_batch_size,
                     recompute or config.recompute,
                     config.sequence_parallel if sequence_parallel is None else sequence_parallel,
-                    use_distributed_optimizer)
+                    use_distributed_optimizer and zero_stage != 0, zero_stage)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,
-              config.recompute_num_layers)
+              config.recompute_num_layers, grad_reduce_dtype, zero_reshard_after_forward, zero_keep_params_for_step)
     pred = predict(config, layout, cluster, run=run)
     return pred.fits, pred
 
@@ -227,4 +265,7 @@ def check_args(args, world_size: int, gpu_memory_bytes: float | None = None,
                         recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                         use_distributed_optimizer=args.use_distributed_optimizer, dtype=dtype,
                         gpu_memory_bytes=gpu_memory_bytes, cluster=cluster, ddp_bucket_size=args.ddp_bucket_size,
-                        pipeline_layers=args.pipeline_layers)
+                        pipeline_layers=args.pipeline_layers, zero_stage=getattr(args, "zero_stage", None),
+                        grad_reduce_dtype=getattr(args, "grad_reduce_dtype", "fp32"),
+                        zero_reshard_after_forward=getattr(args, "zero_reshard_after_forward", None) is not False,
+                        zero_keep_params_for_step=bool(getattr(args, "zero_keep_params_for_step", False)))

@@ -12,7 +12,9 @@ from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import stage_layer_counts
+from megalite.pipeline.schedules import build_program
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout, Run
+from megalite.tools.plan.memory import StateBytes
 
 # Bytes of memory traffic per element the optimizer step updates (fused AdamW on the GPU): Adam
 # reads master, gradient, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the
@@ -134,41 +136,99 @@ def bandwidth(cluster: Cluster, kind: str, layout: Layout) -> float:
 @dataclass
 class DataParallelTime:
     """Data-parallel seconds on one pipeline rank that do not hide behind backward."""
-    overlapped: float = 0.0  # bucket reductions finishing after the schedule
+    overlapped: float = 0.0  # gradient reductions finishing after the backward that waits for them
     embedding: float = 0.0  # the tied embedding, reduced after the schedule
-    all_gather: float = 0.0  # the distributed optimizer's parameter all-gather
+    all_gather: float = 0.0  # stages 1-2: the updated parameters' all-gather after the step
+    gathers: float = 0.0  # stage 3: the units' all-gathers that layer compute does not hide
     total: float = 0.0
     windows: list = field(default_factory=list)  # per chunk: (chunk, backward start, end, reduce, last bucket)
+    traffic: dict = field(default_factory=dict)  # bytes this rank sends per step, by collective (dp_traffic)
 
 
-def dp_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], param_buffer: int, r: int) -> DataParallelTime:
-    """Data-parallel time on pipeline rank r that does not hide behind backward.
+def dp_traffic(stage: int, padded: int, dp: int, micro_batches: int, param_bytes: int, comm_bytes: int,
+               reshard_after_forward: bool = True, keep_params_for_step: bool = False,
+               forward_gathers: int | None = None) -> dict[str, float]:
+    """Bytes one rank sends per step over data parallelism (ring volumes: (n-1)/n of each
+    reduce-scatter's input and all-gather's output, twice that for an all-reduce), for a rank whose
+    buffers hold `padded` elements and run m micro-batches. Stage 0: one all-reduce of the
+    gradients; 1: a reduce-scatter and, after the step, an all-gather of the parameters; 2: a
+    reduce-scatter per backward (m) and the all-gather; 3: per micro-batch an all-gather before
+    forward, another before backward (not when the forward keeps them) and a reduce-scatter, no
+    all-gather after the step (one gather per step when kept for the step). Kept from forward to
+    backward, a unit is gathered by a forward only when none of its forwards awaits its backward:
+    `forward_gathers` times a step (`forward_gathers`; m without a pipeline, fewer in 1F1B's)."""
+    ring = (dp - 1) / dp
+    grads, params = ring * padded * comm_bytes, ring * padded * param_bytes
+    m = micro_batches
+    if stage == 0:
+        return {"all_reduce": 2 * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if stage in (1, 2):
+        return {"all_reduce": 0.0, "reduce_scatter": (m if stage == 2 else 1) * grads, "all_gather": params}
+    if keep_params_for_step:
+        gathers = 1
+    elif reshard_after_forward:
+        gathers = 2 * m
+    else:
+        gathers = m if forward_gathers is None else forward_gathers
+    return {"all_reduce": 0.0, "reduce_scatter": m * grads, "all_gather": gathers * params}
 
-    Buckets start reducing during each chunk's last backward of the step (one stream, in order):
-    chunk c's last backward ends c*p backward passes (of one chunk) before the schedule does, so
-    with interleaving the later chunks' buckets have more time. A bucket cannot finish before its
-    last gradient (the chunk's last bucket: its first-defined parameters) is ready, at the end of
-    that backward. The tied embedding (pp > 1) is reduced after the schedule: over the embedding
-    group, then over dp like the other buckets. The distributed optimizer all-gathers the updated
-    parameters after the step."""
-    layout = costs.layout
-    t, p, v, d = layout.tp, layout.pp, layout.v, layout.dp
+
+def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
+    """Data-parallel time on pipeline rank r that does not hide behind compute, and its bytes.
+
+    Stages 0-1: buckets start reducing during each chunk's last backward of the step (one stream,
+    in order): chunk c's last backward ends c*p backward passes (of one chunk) before the schedule
+    does, so with interleaving the later chunks' buckets have more time. A bucket cannot finish
+    before its last gradient (the chunk's last bucket: its first-defined parameters) is ready, at
+    the end of that backward. The tied embedding (pp > 1) is reduced after the schedule: over the
+    embedding group, then over dp like the other buckets. Stage 1 all-gathers the updated parameters
+    after the step. Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
+    stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
+    layout, run = costs.layout, costs.run
+    p, d, stage = layout.pp, layout.dp, layout.zero_stage
+    pb = DTYPE_BYTES[run.dtype]
     out = DataParallelTime()
+    gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp)
+    per_chunk = [dp_traffic(stage, sum(b.end - b.start for b in chunk), d, costs.micro_batches, pb, state.comm_bytes,
+                            run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c])
+                 for c, chunk in enumerate(state.buckets)]
+    out.traffic = {k: sum(x[k] for x in per_chunk) for k in per_chunk[0]}
     if d == 1 and not (p > 1 and r in (0, p - 1)):
         return out
+    if stage >= 2:
+        _sharded_grads_exposed(costs, state, r, out)
+    else:
+        _bucket_reduction_exposed(costs, state.buckets, r, out)
+    if 1 <= stage <= 2 and d > 1:
+        out.all_gather = (d - 1) / d * state.padded_numel * pb / costs.bw_dp
+    out.total = out.overlapped + out.embedding + out.all_gather + out.gathers
+    return out
+
+
+def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
+    """One micro-batch's backward of rank r's chunk c (with the output layer's on the last stage)."""
+    p, v, t = costs.layout.pp, costs.layout.v, costs.layout.tp
+    layers = costs.layer_counts[c * p + r]
+    return (layers * costs.bwd + (2 * costs.logits_fwd if c * p + r == p * v - 1 else 0.0)) / t / costs.rate
+
+
+def _bucket_reduction_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], r: int,
+                              out: DataParallelTime) -> None:
+    """Stages 0-1: the step's one reduction, during each chunk's last backward."""
+    layout = costs.layout
+    p, v, d = layout.pp, layout.v, layout.dp
     ring = (d - 1) / d
     reduce_factor = ring if layout.distributed_optimizer else 2 * ring  # reduce-scatter vs all-reduce
-    last_vs = p * v - 1
+    cb = DTYPE_BYTES[costs.run.grad_reduce_dtype]
     free = -math.inf
     for c in reversed(range(v)):  # chunk v-1's last backward comes first
-        layers = costs.layer_counts[c * p + r]
-        tb = (layers * costs.bwd + (2 * costs.logits_fwd if c * p + r == last_vs else 0.0)) / t / costs.rate
+        tb = _chunk_backward_seconds(costs, c, r)
         end = -c * p * tb
         normal = [b.end - b.start for b in buckets[c] if not b.deferred]
         if not normal or d == 1:
             continue
-        total_c = sum(normal) * 4 * reduce_factor / costs.bw_dp
-        last_bucket = normal[-1] * 4 * reduce_factor / costs.bw_dp
+        total_c = sum(normal) * cb * reduce_factor / costs.bw_dp
+        last_bucket = normal[-1] * cb * reduce_factor / costs.bw_dp
         start = max(free, end - tb)
         free = max(start + total_c, end + last_bucket)
         out.windows.append((c, end - tb, end, total_c, last_bucket))
@@ -176,8 +236,81 @@ def dp_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], param_buff
     deferred = [b.end - b.start for chunk in buckets for b in chunk if b.deferred]
     if deferred:
         n = sum(deferred)
-        out.embedding = n * 4 / costs.bw_emb + (n * 4 * reduce_factor / costs.bw_dp if d > 1 else 0.0)
-    if layout.distributed_optimizer and d > 1:
-        out.all_gather = ring * param_buffer / costs.bw_dp
-    out.total = out.overlapped + out.embedding + out.all_gather
-    return out
+        out.embedding = n * 4 / costs.bw_emb + (n * cb * reduce_factor / costs.bw_dp if d > 1 else 0.0)
+
+
+def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: DataParallelTime) -> None:
+    """Stages 2-3: every backward of every chunk reduce-scatters its buckets as they fill (the
+    deferred tied copy among them) and waits for them when it ends: per backward, what exceeds the
+    backward, and at least the last bucket's reduction; stage 3 adds its gathers. The tied
+    embedding's shard is summed over the embedding group after the schedule."""
+    layout = costs.layout
+    p, v, d, m = layout.pp, layout.v, layout.dp, costs.micro_batches
+    rs = (d - 1) / d * state.comm_bytes / costs.bw_dp  # seconds per element reduce-scattered
+    for c in range(v):
+        tb = _chunk_backward_seconds(costs, c, r)
+        sizes = [b.end - b.start for b in state.buckets[c]]
+        if d > 1 and sizes:
+            if layout.zero_stage == 3:  # units' reductions overlap the layers' backward (zero3_exposed):
+                forward, backward = zero3_exposed(costs, state, c, r)  # the last two stay in flight at its end
+                out.gathers += _gathering_forwards(costs, r, c) * forward + m * backward
+                layer = max((sizes[i] for i in state.layer_buckets[c]), default=0)
+                wait = (sizes[-1] + layer) * rs
+            else:
+                wait = max(sum(sizes) * rs - tb, sizes[-1] * rs)
+            out.windows.append((c, -tb, 0.0, sum(sizes) * rs, sizes[-1] * rs))
+            out.overlapped += m * wait
+    deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
+    if deferred and p > 1:
+        out.embedding = sum(deferred) // d * state.grad_bytes / costs.bw_emb
+
+
+@functools.lru_cache(maxsize=4096)
+def forward_gathers(p: int, r: int, m: int, vpp: int | None) -> tuple[int, ...]:
+    """Per model chunk of pipeline rank r: the forwards of a step that find none of the chunk's
+    earlier forwards awaiting its backward (read off the schedule program): what gathers a ZeRO-3
+    unit kept from forward to backward (`--zero-reshard-after-forward false`)."""
+    live, count = [0] * (vpp or 1), [0] * (vpp or 1)
+    for op in build_program(p, r, m, vpp):
+        if op.kind == "F":
+            count[op.chunk] += live[op.chunk] == 0
+            live[op.chunk] += 1
+        elif op.kind == "B":
+            live[op.chunk] -= 1
+    return tuple(count)
+
+
+def zero3_exposed(costs: LayoutCosts, state: StateBytes, c: int, r: int) -> tuple[float, float]:
+    """Stage 3, chunk c: (seconds of a gathering forward, of a backward) that compute does not hide
+    (a forward that finds its units gathered exposes nothing: _gathering_forwards). The chunk's other
+    units (embeddings, final norm, output layer) are gathered and waited for before its forward and
+    again before its backward, and the first layer with them; every later layer's gather is
+    prefetched while the layer before it computes (forward), or while the layer after it runs its
+    backward, whose own reduce-scatter shares the link (backward)."""
+    layout, run = costs.layout, costs.run
+    d, t = layout.dp, layout.tp
+    pb = DTYPE_BYTES[run.dtype]
+    ring = (d - 1) / d / costs.bw_dp
+    layers = [b.end - b.start for i, b in enumerate(state.buckets[c]) if i in state.layer_buckets[c]]
+    others = sum(b.end - b.start for i, b in enumerate(state.buckets[c]) if i not in state.layer_buckets[c])
+    layer = max(layers, default=0)
+    g_layer, g_other = ring * layer * pb, ring * others * pb
+    rs_layer = ring * layer * state.comm_bytes
+    f, b = costs.fwd / t / costs.rate, costs.bwd / t / costs.rate
+    n = len(layers)
+    forward = g_other + (g_layer + (n - 1) * max(0.0, g_layer - f) if n else 0.0)
+    regather = run.zero_reshard_after_forward and not run.zero_keep_params_for_step
+    backward = (g_other + g_layer if regather and n else g_other if regather else 0.0)
+    if n > 1:
+        backward += (n - 1) * max(0.0, (g_layer if regather else 0.0) + rs_layer - b)
+    return forward, backward
+
+
+def _gathering_forwards(costs: LayoutCosts, r: int, c: int) -> int:
+    """Forwards of chunk c in a step that gather its units (stage 3)."""
+    layout, run, m = costs.layout, costs.run, costs.micro_batches
+    if run.zero_keep_params_for_step:
+        return 1
+    if run.zero_reshard_after_forward:
+        return m
+    return forward_gathers(layout.pp, r, m, layout.vpp)[c]
