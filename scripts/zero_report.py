@@ -34,12 +34,10 @@ def one_stage(rank, world, argv):
     with counting_collectives(lambda kind, nbytes, n: sent.append(ring_bytes(kind, nbytes, n)), dp_buffers_only=True):
         run = pretrain(args, pretrain_gpt.task())
     buf = run.buffers[0]
-    pins = [why for _, why in getattr(buf, "gather_log", []) if why == "pin"]
-    pin_bytes = ring_bytes("all_gather", buf.numel * buf.param_dtype.itemsize, world) if pins else 0
     stored = buf.stored_bytes()
     return {"params": stored["params"], "grads": stored["grads"], "optimizer": run.optimizer.state_bytes(),
-            "peak_transient": stored.get("peak_transient", 0), "real": sum(p.numel() for p in buf.params),
-            "sent": float(sum(sent, Fraction(0)) - pin_bytes)}
+            "peak_transient": stored.get("peak_transient", 0), "real": sum(buf.numel_of.values()),
+            "sent": float(sum(sent, Fraction(0)))}
 
 
 def gather_overlap(rank, world, argv, trace):

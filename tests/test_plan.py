@@ -43,7 +43,7 @@ def held_bytes(rank, world, argv, variants):
             "params": sum(p.numel() * p.element_size() for p in params),
             "param_buffer": sum(b.param_data.numel() * b.param_data.element_size() for b in buffers),
             "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
-            "grad_padding": sum((b.numel - sum(p.numel() for p in b.params)) * 4 for b in buffers),
+            "grad_padding": sum((b.numel - sum(b.numel_of.values())) * 4 for b in buffers),
             "optimizer": optimizer.state_bytes(),
             "fp32_masters_in_place": all(optimizer._in_place(pc) for pc in optimizer.pieces),
         })

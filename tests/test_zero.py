@@ -10,7 +10,7 @@ import torch
 
 from helpers import rel_err
 from megalite.testing import counting_collectives, ring_bytes, run_ranks
-from training_ranks import gpt_run, parse
+from training_ranks import gpt_run, parse, whole_params
 
 BASE = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
 STAGES = (0, 1, 2, 3)
@@ -33,9 +33,7 @@ def train_variants(rank, world, argv, variants: dict):
     out = {}
     for key, flags in variants.items():
         run = gpt_run(argv + list(flags))
-        params = {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(run.model_chunks)
-                  for n, p in c.named_parameters()}
-        out[key] = {"losses": [r["loss"] for r in run.records], "params": params}
+        out[key] = {"losses": [r["loss"] for r in run.records], "params": whole_params(run)}
     return out
 
 
@@ -111,7 +109,7 @@ def held_bytes(rank, world, argv):
     element = torch.empty(0, dtype=buf.param_dtype).element_size()
     layer_units = [b.numel * element for b in buf.buckets if b.index in getattr(buf, "layer_unit_indices", ())]
     other_units = [b.numel * element for b in buf.buckets if b.index not in getattr(buf, "layer_unit_indices", ())]
-    return {"stored": buf.stored_bytes(), "padded": buf.numel, "real": sum(p.numel() for p in buf.params),
+    return {"stored": buf.stored_bytes(), "padded": buf.numel, "real": sum(buf.numel_of.values()),
             "owned": sum(piece.hi - piece.lo for piece in run.optimizer.pieces),
             "optimizer": run.optimizer.state_bytes(), "layer_units": layer_units, "other_units": other_units}
 
@@ -130,6 +128,39 @@ def test_stage_3_holds_2_plus_2_plus_12_bytes_per_parameter_over_dp_and_two_gath
         assert state == pytest.approx(16 * got["real"] / dp, rel=0.03)  # padding of each unit to 64 x dp
         # Gathered at once: the chunk's embeddings / final norm, and two layers (one working, one prefetched).
         assert stored["peak_gathered"] == sum(got["other_units"]) + 2 * max(got["layer_units"])
+
+
+def held_while_saving(rank, world, argv):
+    run = gpt_run(argv)
+    (buf,) = run.buffers
+    element = torch.empty(0, dtype=buf.param_dtype).element_size()
+    sizes = {b.index: b.numel * element for b in buf.buckets}
+    # The step's peaks were reset after its update: what the count holds now is the save's.
+    return {"save_peak": buf.peak["gathered"], "layers": [sizes[i] for i in buf.layer_unit_indices],
+            "others": [n for i, n in sizes.items() if i not in buf.layer_unit_indices]}
+
+
+def test_a_stage_3_save_gathers_one_layer_at_a_time(tmp_path):
+    argv = MEMORY + ["--zero-stage", "3", "--train-iters", "1", "--eval-iters", "0", "--save", str(tmp_path)]
+    for got in run_ranks(held_while_saving, 2, args=(argv,)):
+        assert got["save_peak"] == sum(got["others"]) + max(got["layers"])
+
+
+def after_training(rank, world, argv):
+    run = gpt_run(argv)
+    weight = run.model_chunks[0].layers[0].mlp.fc1.weight
+    outside = weight.numel()
+    with run.optimizer.whole_parameters():
+        inside, total = tuple(weight.shape), float(weight.detach().abs().sum())
+    return outside, inside, total
+
+
+def test_after_training_stage_3_parameters_are_empty_until_gathered_whole():
+    # Read outside whole_parameters(), a parameter is an empty tensor (a loud error in any use),
+    # never freed memory; inside, it is whole and trained.
+    argv = BASE + ["--zero-stage", "3", "--train-iters", "1"]
+    for outside, inside, total in run_ranks(after_training, 2, args=(argv,)):
+        assert outside == 0 and inside == (512, 128) and total > 0
 
 
 def test_keeping_gathered_layers_until_backward_holds_every_layer():
@@ -159,10 +190,7 @@ def step_traffic(rank, world, argv):
     sent: list[Fraction] = []
     with counting_collectives(lambda kind, nbytes, n: sent.append(ring_bytes(kind, nbytes, n)), dp_buffers_only=True):
         run = gpt_run(argv + ["--train-iters", "1"])
-    # The last gathers (pretrain's return pins the parameters whole) are not part of the step.
-    pins = sum(1 for _, why in getattr(run.buffers[0], "gather_log", []) if why == "pin")
-    pin_bytes = ring_bytes("all_gather", run.buffers[0].numel * 4, world) if pins else 0
-    return {"sent": sum(sent, Fraction(0)) - pin_bytes, "padded": run.buffers[0].numel}
+    return {"sent": sum(sent, Fraction(0)), "padded": run.buffers[0].numel}
 
 
 def traffic(stage: int, micro_batches: int, *extra) -> tuple[Fraction, int]:
@@ -238,7 +266,7 @@ def test_stage_3_prefetches_the_next_layer_and_draws_its_gathers_on_the_timeline
                    "--eval-iters", "0"]
     log = run_ranks(gathers_and_trace, 2, args=(argv, trace))[0]
     # Units: layers 2, 1, 0 are units 0, 1, 2 (backward order), the rest is unit 3.
-    step = [entry for entry in log if entry[1] != "pin"]
+    step = log
     assert step == [
         (3, "forward"), (2, "prefetch forward"), (1, "prefetch forward"), (0, "prefetch forward"),
         (3, "backward"), (0, "prefetch backward"), (1, "prefetch backward"), (2, "prefetch backward"),

@@ -20,6 +20,13 @@ def gpt_run(argv):
     return pretrain(parse(argv), pretrain_gpt.task())
 
 
+def whole_params(run) -> dict:
+    """fp32 copies of every parameter of a finished run (gathered at ZeRO stage 3), by chunk and name."""
+    with run.optimizer.whole_parameters():
+        return {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(run.model_chunks)
+                for n, p in c.named_parameters()}
+
+
 def train_losses(rank, world, argv):
     return [r["loss"] for r in gpt_run(argv).records]
 
@@ -27,7 +34,7 @@ def train_losses(rank, world, argv):
 def train_and_check_tied_embeddings(rank, world, argv):
     """Losses, plus whether the first and last stage still hold the same word embedding."""
     run = gpt_run(argv)
-    emb = [c.word_embeddings.weight.detach() for c in run.model_chunks if hasattr(c, "word_embeddings")]
+    emb = [p for name, p in whole_params(run).items() if name.endswith("word_embeddings.weight")]
     same = None
     group = parallel.get_embedding_group()
     if emb and group is not None and parallel.get_pipeline_model_parallel_world_size() > 1:
@@ -41,8 +48,7 @@ def train_and_check_tied_embeddings(rank, world, argv):
 def train_params(rank, world, argv):
     """Parameters after training (fp32 copies), with the records and optimizer-state bytes."""
     run = gpt_run(argv)
-    params = {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(run.model_chunks)
-              for n, p in c.named_parameters()}
+    params = whole_params(run)
     adam_steps = [int(s["step"]) for s in run.optimizer.inner.state.values() if "step" in s]
     return {"params": params, "records": run.records, "state_bytes": run.optimizer.state_bytes(),
             "adam_steps": max(adam_steps) if adam_steps else 0}

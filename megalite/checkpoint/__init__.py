@@ -14,8 +14,9 @@ layout-free name (layers by global number, vocabulary without padding). A rank f
 
 Loading assembles, for each tensor this rank needs, its full tensor from every rank's slices
 (which must cover it exactly) and cuts out the new layout's piece: any (tp, pp, dp, vpp) reads any
-other, with the distributed optimizer's shards too. Each replica writes once: model weights from
-DP rank 0, replicated (non-TP) tensors from TP rank 0, the tied embedding from the first stage only.
+other, at any ZeRO stage (the optimizer's shards too; stage 3 gathers its units while saving).
+Each replica writes once: model weights from DP rank 0, replicated (non-TP) tensors from TP rank 0,
+the tied embedding from the first stage only.
 
 Writing is atomic: ranks write into `iter_N.tmp/` (fsynced), then rank 0 writes the metadata,
 renames the directory into place and updates `latest` last, so a crash at any moment leaves the

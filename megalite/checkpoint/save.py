@@ -11,8 +11,6 @@ The files and the commit themselves are `atomic`'s; the state written is `rank_s
 """
 from __future__ import annotations
 
-import contextlib
-
 import datetime
 import json
 import shutil
@@ -40,7 +38,9 @@ class Snapshot:
     def __init__(self):
         self.buffer: torch.Tensor | None = None
 
-    def take(self, entries):
+    def take(self, entries, unit_keys=(), units_gathered_in_turn=()):
+        """Copies of `entries` in the host buffer. A tensor whose storage is a ZeRO-3 unit's (its
+        key in `unit_keys`) is copied while `units_gathered_in_turn` holds that unit gathered."""
         offsets, total = [], 0
         for _, t in entries:
             offsets.append(total)
@@ -52,9 +52,17 @@ class Snapshot:
         out = []
         for (key, t), off in zip(entries, offsets):
             n = t.numel() * t.element_size()
-            dst = self.buffer[off:off + n].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=True)
-            out.append((key, dst))
+            out.append((key, self.buffer[off:off + n].view(t.dtype).view(t.shape)))
+        in_units: dict[int, list[int]] = {k: [] for k in unit_keys}
+        for i, (_, t) in enumerate(entries):
+            storage = t.untyped_storage()._cdata
+            if storage in in_units:
+                in_units[storage].append(i)  # its unit is free now: copied when gathered, below
+            else:
+                out[i][1].copy_(t, non_blocking=True)
+        for storage in units_gathered_in_turn:  # collective: every DP rank walks every unit
+            for i in in_units.get(storage, ()):
+                out[i][1].copy_(entries[i][1], non_blocking=True)
         if any(t.is_cuda for _, t in entries):
             torch.cuda.synchronize()
         return out
@@ -147,12 +155,20 @@ class Checkpointer:
             fresh_tmp_dir(self.directory, iteration)  # leftovers of a save that crashed go
         if self._world > 1:
             dist.barrier()
-        # ZeRO-3 parameters are whole only inside the block: snapshot them there.
-        with optimizer.whole_parameters() if optimizer is not None else contextlib.nullcontext():
+        # ZeRO-3 parameters are whole only while their unit is gathered: the snapshot copies each one
+        # then, one unit at a time (never the whole model at once).
+        stage = _zero_stage(optimizer)
+        if stage == 3:
+            unit_keys = optimizer.unit_storage_keys()
+            with optimizer.non_layer_units_gathered():  # the embeddings' padding is cut off while whole
+                entries, structure = collect_rank_state(model_chunks, optimizer, iteration)
+                entries = self._snapshot.take(entries, unit_keys, optimizer.units_gathered_in_turn())
+        else:
             entries, structure = collect_rank_state(model_chunks, optimizer, iteration)
-            sharded = optimizer is not None and any(b.zero_stage == 3 for b in optimizer.buffers)
-            if self.async_save or sharded or any(t.device.type != "cpu" for _, t in entries):
+            if self.async_save or any(t.device.type != "cpu" for _, t in entries):
                 entries = self._snapshot.take(entries)
+        # Recorded for people and tools only: any stage loads a checkpoint of any other.
+        metadata = {**metadata, "layout": {**metadata.get("layout", {}), "zero_stage": stage}}
         self._saves += 1
         # The directory as given: every rank got the same string, whatever its node mounts.
         job = _Save(iteration, metadata, f"megalite/checkpoint/{self.directory}/{iteration}/{self._saves}/")
@@ -246,6 +262,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         job.outcome = outcome
         self._store.set(job.prefix + "outcome", json.dumps(outcome))
+
+
+def _zero_stage(optimizer) -> int:
+    """The ZeRO stage the run trains at (0 without an optimizer)."""
+    return max((b.zero_stage for b in optimizer.buffers), default=0) if optimizer is not None else 0
 
 
 class _Failed(Exception):

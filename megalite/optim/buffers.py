@@ -152,6 +152,7 @@ class ParamAndGradBuffer:
         layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units)
         self.buckets: list[Bucket] = []
         self.offset: dict[int, int] = {}  # id(param) -> start in the buffers
+        self.numel_of = {id(p): p.numel() for p in params}  # ZeRO-3 parks parameters empty between uses
         self.bucket_of: dict[int, Bucket] = {}
         for i, planned in enumerate(layout):
             ps = [params[k] for k in planned.members]
@@ -214,6 +215,9 @@ class ParamAndGradBuffer:
 
     def unpin(self) -> None:
         """Undo `pin`."""
+
+    def park(self) -> None:
+        """After training: ZeRO-3 empties its sharded parameters (see zero.py); nothing here."""
 
     def stored_bytes(self) -> dict[str, int]:
         """Bytes this buffer holds now: parameters and gradients (optimizer state is the optimizer's)."""
@@ -284,7 +288,7 @@ class ParamAndGradBuffer:
 
     def param_range(self, p) -> tuple[int, int]:
         lo = self.offset[id(p)]
-        return lo, lo + p.numel()
+        return lo, lo + self.numel_of[id(p)]
 
     def all_gather_params(self) -> None:
         """After each DP rank updated its shard of every bucket, give every rank the whole."""

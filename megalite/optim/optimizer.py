@@ -12,6 +12,7 @@ produce the same bits from the same reduced gradients.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,25 @@ class MegaliteOptimizer:
         them after): for a checkpoint save or an export. Collective: every DP rank enters it."""
         return whole_parameters(self.buffers)
 
+    def unit_storage_keys(self) -> list[int]:
+        """ZeRO-3: the storage keys of every gathered unit of every buffer (none below stage 3)."""
+        return [k for buf in self.buffers if buf.zero_stage == 3 for k in buf.unit_storage_keys()]
+
+    def non_layer_units_gathered(self):
+        """ZeRO-3: a context holding every buffer's non-layer units gathered (see zero.py)."""
+        stack = contextlib.ExitStack()
+        for buf in self.buffers:
+            if buf.zero_stage == 3:
+                stack.enter_context(buf.non_layer_units_gathered())
+        return stack
+
+    def units_gathered_in_turn(self):
+        """ZeRO-3: every unit of every buffer gathered in turn, yielding its storage key (see
+        `ShardedParamBuffer.units_gathered_in_turn`). Collective: every DP rank walks them all."""
+        for buf in self.buffers:
+            if buf.zero_stage == 3:
+                yield from buf.units_gathered_in_turn()
+
     def zero_grad(self) -> None:
         for buf in self.buffers:
             buf.zero_grad()
@@ -105,8 +125,9 @@ class MegaliteOptimizer:
         if grads:  # one multi-tensor kernel for all the norms, not one kernel per parameter
             sq += torch.stack(torch._foreach_norm(grads)).square().sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            if self.distributed and state.get_data_parallel_world_size() > 1:
-                dist.all_reduce(sq, group=state.get_data_parallel_group())
+            buf = self.buffers[0] if self.buffers else None
+            if self.distributed and buf is not None and buf.dp_size > 1:  # shards over DP (x CP)
+                dist.all_reduce(sq, group=buf.dp_group)
             dist.all_reduce(sq, group=state.get_model_parallel_group())
         return sq.sqrt()[0]
 

@@ -192,6 +192,7 @@ class _Unit:
     state: str = WHOLE
     work: object = None
     holds: int = 0  # forwards waiting for their backward (reshard_after_forward=False)
+    parked: bool = False  # parameters are empty placeholders (see ShardedParamBuffer.park)
 
 
 class ShardedParamBuffer(ShardedGradBuffer):
@@ -207,6 +208,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         # Timeline spans (name, category, start, duration) while a step records them: each gather from
         # its launch to its completion, and each wait for one (what prefetching did not hide).
         self.spans: list | None = None
+        self.layer_unit_indices: set[int] = set()  # filled by attach_unit_hooks
         super().__init__(params, **kwargs)
 
     def _allocate_params(self) -> None:
@@ -215,6 +217,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         self.fp32_init = None if self.param_dtype == torch.float32 else torch.zeros(
             shard, dtype=torch.float32, device=self.device)
         self.units: list[_Unit] = []
+        self._shapes = {id(p): p.shape for p in self.params}  # to give parked parameters their views back
         for bucket in self.buckets:
             whole32 = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
             for p in bucket.params:
@@ -251,6 +254,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         if unit.state == FREE:
             unit.whole.untyped_storage().resize_(unit.whole.numel() * unit.whole.element_size())
             self._transient(unit.whole.nbytes, "gathered")
+            self._unpark(bucket)  # views need the storage to exist
             self._fill(bucket, why)
         if wait:
             self._wait(unit)
@@ -343,6 +347,59 @@ class ShardedParamBuffer(ShardedGradBuffer):
         for bucket in self.buckets:
             self._free(bucket)
 
+    def park(self) -> None:
+        """Outside training (no autograd graph holds them), make the parameters of free units empty
+        tensors: reading one then fails loudly instead of touching freed memory. The next gather
+        gives them back their views (shapes included)."""
+        for bucket, unit in zip(self.buckets, self.units):
+            if unit.state == FREE and not unit.parked:
+                for p in bucket.params:
+                    p.data = unit.whole.new_empty(0)
+                unit.parked = True
+
+    def _unpark(self, bucket: Bucket) -> None:
+        unit = self.units[bucket.index]
+        if unit.parked:
+            for p in bucket.params:
+                lo = self.offset[id(p)] - bucket.start
+                p.data = unit.whole[lo:lo + self.numel_of[id(p)]].view(self._shapes[id(p)])
+            unit.parked = False
+
+    def unit_storage_keys(self) -> list[int]:
+        """The storage key of every unit (see `units_gathered_in_turn`). Parked parameters get their
+        views (shapes) back first: a view needs its storage, so each parked unit is gathered and
+        freed in turn (collective, like every gather)."""
+        for bucket, unit in zip(self.buckets, self.units):
+            if unit.parked:
+                self.gather(bucket, why="unpark")
+                self._free(bucket)
+        return [unit.whole.untyped_storage()._cdata for unit in self.units]
+
+    @contextmanager
+    def non_layer_units_gathered(self):
+        """The chunk's units other than its layers (embeddings, final norm, output layer) gathered
+        inside the block: what every forward holds anyway. A save cuts the vocabulary padding off
+        these, and a cut view needs its storage."""
+        held = [b for b in self.buckets if b.index not in self.layer_unit_indices and self.units[b.index].state == FREE]
+        for bucket in held:
+            self.gather(bucket, why="save")
+        try:
+            yield
+        finally:
+            for bucket in held:
+                self._free(bucket)
+
+    def units_gathered_in_turn(self):
+        """Each unit gathered in turn (and freed again after, if it was free): yields the key of its
+        storage (`untyped_storage()._cdata`, shared by every view of it). A save copies each
+        parameter while its unit is whole, holding one unit at a time. Collective over DP."""
+        for bucket, unit in zip(self.buckets, self.units):
+            was_free = unit.state == FREE
+            self.gather(bucket, why="save")
+            yield unit.whole.untyped_storage()._cdata
+            if was_free:
+                self._free(bucket)
+
 
 @contextmanager
 def whole_parameters(buffers):
@@ -395,7 +452,6 @@ class _UnitHooks:
 
     def __init__(self, buffer: ShardedParamBuffer, chunk: nn.Module):
         self.buffer, self.chunk = buffer, chunk
-        buffer.layer_unit_indices = set()
         layers = list(getattr(chunk, "layers", []))
         first_of = {id(p): buffer.bucket_of[id(p)] for p in buffer.params}
         self.layer_units = []

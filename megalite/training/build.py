@@ -54,7 +54,8 @@ def setup(args, world_size: int):
         _plan_warning(args, world_size)
     device = init_distributed(args.distributed_timeout_minutes)
     parallel.initialize_model_parallel(args.tp, args.pp, args.vpp,
-                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                                       context_parallel_size=getattr(args, "cp", 1))
     parallel.model_parallel_manual_seed(args.seed)
     return config, dp, device
 
@@ -98,7 +99,9 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
         # (the ZeRO paper's 2 + 2 + 12 bytes per parameter); below stage 2 they accumulate in fp32.
         grad_dtype = torch.bfloat16 if bf16_reduce and stage >= 2 else torch.float32
         common = dict(param_dtype=dtype, grad_dtype=grad_dtype, bucket_numel=args.ddp_bucket_size,
-                      dp_group=parallel.get_data_parallel_group(), dp_size=parallel.get_data_parallel_world_size(),
+                      # Context-parallel ranks hold the same parameters: reduce and shard over DP x CP.
+                      dp_group=parallel.get_data_parallel_group(with_context_parallel=True),
+                      dp_size=parallel.get_data_parallel_world_size(with_context_parallel=True),
                       comm_dtype=torch.bfloat16 if bf16_reduce else None, deferred=deferred)
         if stage == 3:
             buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),

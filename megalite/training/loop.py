@@ -24,7 +24,8 @@ from megalite.training.task import Task
 
 @dataclass
 class TrainingRun:
-    """What `pretrain` returns; the chunks hold whole parameters (ZeRO-3 gathered them at the end)."""
+    """What `pretrain` returns. At ZeRO stage 3 the chunks' parameters stay sharded (empty tensors
+    here): read them inside `with run.optimizer.whole_parameters():`, which gathers them."""
     records: list[dict]  # the logged records (on every rank)
     model_chunks: list[torch.nn.Module]
     optimizer: MegaliteOptimizer
@@ -33,7 +34,8 @@ class TrainingRun:
 
 def _announce(args, config, world_size: int, dp: int, m: int, device) -> None:
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
-        f"tp={args.tp} pp={args.pp} dp={dp}" + (f" vpp={args.vpp}" if args.vpp else "") +
+        f"tp={args.tp}" + (f" cp={args.cp}" if getattr(args, "cp", 1) > 1 else "") + f" pp={args.pp} dp={dp}" +
+        (f" vpp={args.vpp}" if args.vpp else "") +
         (f" (ZeRO stage {args.zero_stage})" if getattr(args, "zero_stage", 0) else "") +
         f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
     if device.type == "cuda" and config.norm_backend != "torch":
@@ -68,7 +70,9 @@ def pretrain(args, task: Task) -> TrainingRun:
                                  kind="forward-only")
     progress = Progress(args, task, config, step.dtype, device, m)
     _announce(args, config, world_size, dp, m, device)
-    dp_rank, dp_group = parallel.get_data_parallel_rank(), parallel.get_data_parallel_group()
+    # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds
+    # part of every sequence).
+    dp_rank, dp_group = parallel.get_data_parallel_rank(), parallel.get_data_parallel_group(with_context_parallel=True)
 
     dist.barrier()
     progress.start()
@@ -98,8 +102,8 @@ def pretrain(args, task: Task) -> TrainingRun:
             break
     checkpoints.close()
     progress.close()
-    for buf in buffers:  # the run's model is whole again for its caller (ZeRO-3 gathers it)
-        buf.pin()
+    for buf in buffers:  # ZeRO-3: read the returned parameters inside run.optimizer.whole_parameters()
+        buf.park()
     if not progress.records and not stop_reason and start.iteration < args.train_iters:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
     return TrainingRun(progress.records, chunks, optimizer, buffers)
