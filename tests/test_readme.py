@@ -1,4 +1,5 @@
-"""Every training command in README's (and docs/slurm.md's, docs/optimizer.md's) code blocks runs as written: it parses,
+"""Every training command in the code blocks of README and docs/{slurm,optimizer,checkpoints}.md
+runs as written: it parses,
 builds its model config and passes the layout validation for the world size it launches, checked
 in-process without training. The CI test command after its marker is what .ci/run reads."""
 import re
@@ -11,7 +12,7 @@ from megalite import arguments
 from megalite.runtime import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "docs" / "slurm.md", ROOT / "docs" / "optimizer.md"]
+DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("slurm", "optimizer", "checkpoints"))]
 ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 # What scripts/slurm/*.sbatch put before the job's own flags (its `defaults` array).
 SBATCH_DEFAULTS = ["--metrics-file", "run/metrics.jsonl", "--save", "ckpt", "--load", "ckpt", "--save-interval", "1000"]
