@@ -22,6 +22,9 @@ def prepare(args):
     resolve_data(args, kind="bert")
     if args.data_path and len(args.data_path) != 1:
         raise UsageError("pretrain_bert.py takes one --data-path prefix (blending is for GPT)")
+    if args.cp > 1:
+        raise UsageError("--cp splits causal (GPT) attention; BERT's bidirectional attention with padding masks is "
+                         "not context-parallel: drop --cp")
 
 
 def build_model(config, args, device, pre_process=True, post_process=True, layer_numbers=None):

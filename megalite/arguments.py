@@ -65,6 +65,12 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--pipeline-layers", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard norms/dropout along the sequence (tp>1)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence split over N ranks (ring attention; "
+                        "docs/context-parallel.md)")
+    g.add_argument("--cp-comm-type", choices=["p2p", "a2a"], default="p2p",
+                   help="context parallelism's attention: keys/values around a ring (p2p) or heads exchanged for "
+                        "the sequence (a2a, DeepSpeed-Ulysses; heads and KV groups divisible by --cp)")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=default_model, choices=sorted(PRESETS), help="model preset")
@@ -253,7 +259,7 @@ def model_config(args) -> TransformerConfig:
                         attention_backend="sdpa" if args.attention_backend == "auto" else args.attention_backend,
                         norm_backend=args.norm_backend,
                         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-                        **overrides)
+                        cp_comm_type=getattr(args, "cp_comm_type", "p2p"), **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None
     rope_flags = [f"--{k.replace('_', '-')}" for k in _ROPE_FIELDS if k in overrides]
@@ -265,6 +271,29 @@ def model_config(args) -> TransformerConfig:
     if args.seq_length > config.max_position_embeddings:
         config = config.replace(max_position_embeddings=args.seq_length)
     return config
+
+
+def _check_context_parallel(args, world_size: int, config: TransformerConfig) -> None:
+    """--cp N: the ranks, the sequence's 2N chunks (causal load balancing), and what attends."""
+    tp, cp, pp = args.tp, args.cp, args.pp
+    if world_size % (tp * cp * pp):
+        raise UsageError(f"--tp {tp} x --cp {cp} x --pp {pp} = {tp * cp * pp} does not divide the number of ranks "
+                         f"({world_size}): launch a multiple of {tp * cp * pp} ranks or change the sizes")
+    if args.seq_length % (2 * cp):
+        raise UsageError(f"--cp {cp} cuts each sequence into {2 * cp} chunks: --seq-length {args.seq_length} is not "
+                         f"divisible by {2 * cp}; use a multiple of {2 * cp}")
+    if args.sequence_parallel and (args.seq_length // cp) % tp:
+        raise UsageError(f"--sequence-parallel with --cp {cp} needs each rank's {args.seq_length // cp} tokens "
+                         f"divisible by --tp {tp}: change --seq-length")
+    if args.attention_dropout:
+        raise UsageError(f"--cp attends over ranks without attention dropout: drop --attention-dropout "
+                         f"{args.attention_dropout} (hidden dropout is fine)")
+    if args.cp_comm_type == "a2a":
+        heads = config.num_attention_heads // tp
+        kv_heads = max(1, (config.num_query_groups or config.num_attention_heads) // tp)  # this rank's
+        if heads % cp or kv_heads % cp:
+            raise UsageError(f"--cp-comm-type a2a exchanges heads for sequence: this rank's {heads} attention heads "
+                             f"(and its key/value groups) must be divisible by --cp {cp}; use --cp-comm-type p2p")
 
 
 def model_dtype(args) -> torch.dtype:
@@ -345,7 +374,10 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
     if world_size % (tp * pp):
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of ranks ({world_size}): "
                          f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
-    dp = world_size // (tp * pp)
+    cp = getattr(args, "cp", 1)
+    if cp > 1:
+        _check_context_parallel(args, world_size, config)
+    dp = world_size // (tp * cp * pp)
     if args.vpp and args.vpp > 1 and pp == 1:
         raise UsageError(f"--vpp {args.vpp} needs pipeline parallelism (--pp > 1)")
     try:

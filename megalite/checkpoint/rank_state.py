@@ -50,6 +50,11 @@ def master_is_the_param(piece) -> bool:
             and piece.master.data_ptr() == piece.buffer.param_slice(piece.lo, piece.hi).data_ptr())
 
 
+def _first_replica() -> bool:
+    """Whether this rank writes what every data- and context-parallel replica holds alike."""
+    return parallel.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
 def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True):
     """This rank's slices: ([(key, tensor)], structure). The tensors are the live ones (no copies):
     write them before training goes on, or snapshot them."""
@@ -60,7 +65,7 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         return key
 
     model: dict = {}
-    if parallel.get_data_parallel_rank() == 0:
+    if _first_replica():
         for chunk, local, p, name in named_params(model_chunks):
             if not is_writer(p):
                 continue
@@ -83,7 +88,7 @@ def _collect_optimizer(model_chunks, optimizer, add) -> dict:
     optim: dict = {}
     for piece in optimizer.pieces:
         p = piece.param
-        if not is_writer(p) or (not optimizer.distributed and parallel.get_data_parallel_rank() != 0):
+        if not is_writer(p) or (not optimizer.distributed and not _first_replica()):
             continue
         name, dim, start, lo, hi = piece_place(owners, piece)
         st = optimizer.inner.state.get(piece.master, {})
@@ -105,7 +110,8 @@ def _collect_optimizer(model_chunks, optimizer, add) -> dict:
 def restore_rng(reader: CheckpointReader, layout: dict) -> bool:
     """Each rank's RNG streams, when the layout is unchanged (else the seed's streams stand)."""
     saved = reader.metadata["layout"]
-    if any(saved.get(k) != layout.get(k) for k in ("tp", "pp", "dp", "vpp", "world")):
+    if any(saved.get(k, 1 if k == "cp" else None) != layout.get(k, 1 if k == "cp" else None)
+           for k in ("tp", "cp", "pp", "dp", "vpp", "world")):
         return False
     rng = reader.rng(dist.get_rank())
     if rng is None:

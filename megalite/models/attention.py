@@ -21,6 +21,7 @@ from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
 from megalite.parallel import state
+from megalite.parallel.context_parallel import a2a_attention, ring_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from megalite.parallel.random import get_rng_tracker
@@ -69,6 +70,17 @@ def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal):
 _SDPA_TAKES_GROUPS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # enable_gqa
 
 ATTENTION_BACKENDS = {"sdpa": _sdpa_attention, "fused": _fused_softmax_attention, "torch": _explicit_attention}
+
+
+def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig):
+    """Attention over the sequence split across the context-parallel group: keys and values
+    around a ring (p2p) or heads exchanged for the sequence (a2a). Causal, no mask, no dropout."""
+    if attention_mask is not None or not config.causal:
+        raise ValueError("context parallelism attends causally without masks: drop the attention mask or --cp")
+    group, ranks = state.get_context_parallel_group(), state.get_context_parallel_ranks()
+    if config.cp_comm_type == "a2a":
+        return a2a_attention(q, k, v, group, ranks, causal=True)
+    return ring_attention(q, k, v, group, ranks, causal=True)
 
 
 def _expand_groups(k: torch.Tensor, v: torch.Tensor, heads: int):
@@ -123,7 +135,10 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q [b, heads, s, d],
-        k and v [b, heads or groups, s, d]."""
+        k and v [b, heads or groups, s, d]. With context parallelism s is this rank's share of the
+        sequence and the attention spans the whole of it (megalite.parallel.context_parallel)."""
+        if state.get_context_parallel_world_size() > 1:
+            return _context_parallel_core(q, k, v, attention_mask, self.config)
         p = self.config.attention_dropout if self.training else 0.0
         backend = self.config.attention_backend
         if backend != "sdpa" or not _SDPA_TAKES_GROUPS:

@@ -23,6 +23,9 @@ class TransformerConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this times TP
     sequence_parallel: bool = False
+    # Context parallelism (the size is the process groups'): p2p rings keys and values, a2a exchanges
+    # heads for the sequence (megalite.parallel.context_parallel).
+    cp_comm_type: str = "p2p"
     recompute: str = "none"  # none | selective | full
     recompute_num_layers: int | None = None  # full: how many layers per stage (default all)
     recompute_method: str = "uniform"  # full: uniform | block

@@ -10,6 +10,8 @@ import torch
 from megalite.models.config import TransformerConfig
 from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
+from megalite.parallel import state
+from megalite.parallel.context_parallel import context_parallel_positions
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -39,8 +41,9 @@ class GPTModel(LanguageModelStage):
             self.final_layernorm = self.norm()
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        s = input_ids.shape[1]
-        check_length(self.config, s)
+        s = input_ids.shape[1]  # this rank's tokens: with context parallelism, its share of each sequence
+        cp = state.get_context_parallel_world_size()
+        check_length(self.config, s * cp)
         x = self.word_embeddings(input_ids.t())  # [s, b, h], sequence-sharded under SP
         if self.position_embeddings is None:  # rope (positions 0..s-1 rotate q and k) or none
             if position_ids is not None:
@@ -48,7 +51,9 @@ class GPTModel(LanguageModelStage):
                                  f"{self.config.position_embedding_type} (positions are 0..s-1)")
             return self.embedding_dropout(x)
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+            positions = torch.arange(s) if cp == 1 else context_parallel_positions(
+                s * cp, state.get_context_parallel_rank(), cp)
+            position_ids = positions.to(input_ids.device).unsqueeze(0).expand_as(input_ids)
         return self.embedding_dropout(self.add_replicated(x, self.position_embeddings(position_ids.t())))
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None):

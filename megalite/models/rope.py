@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from megalite.models.config import TransformerConfig
+from megalite.parallel import state
+from megalite.parallel.context_parallel import context_parallel_positions
 
 
 def inverse_frequencies(config: TransformerConfig) -> torch.Tensor:
@@ -51,20 +53,23 @@ class RotaryEmbedding(nn.Module):
         self._key = (config.rotary_dims, config.rotary_base, config.rope_scaling_factor, config.rope_low_freq_factor,
                      config.rope_high_freq_factor, config.rope_original_max_position_embeddings)
 
-    def cos_sin(self, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads."""
-        key = (self._key, s, str(device))
+    def cos_sin(self, s: int, device, cp_rank: int = 0, cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads: positions 0..s-1, or
+        with context parallelism the global positions of CP rank `cp_rank`'s s tokens."""
+        key = (self._key, s, str(device), cp_rank, cp)
         if key not in _TABLES:
             if len(_TABLES) >= _MAX_TABLES:
                 _TABLES.clear()
-            angles = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)
+            positions = torch.arange(s) if cp == 1 else context_parallel_positions(s * cp, cp_rank, cp)
+            angles = torch.outer(positions.to(torch.float32), self.inv_freq)
             angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
             _TABLES[key] = (angles.cos(), angles.sin())
         return _TABLES[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position."""
-        cos, sin = self.cos_sin(x.shape[0], x.device)
+        cp = state.get_context_parallel_world_size()
+        cos, sin = self.cos_sin(x.shape[0], x.device, state.get_context_parallel_rank() if cp > 1 else 0, cp)
         return apply_rotary(x, cos, sin, self.rotary_dims)
 
 

@@ -21,6 +21,7 @@ from megalite.parallel.state import (
     destroy_model_parallel,
     get_context_parallel_group,
     get_context_parallel_rank,
+    get_context_parallel_ranks,
     get_context_parallel_world_size,
     get_data_parallel_group,
     get_data_parallel_rank,

@@ -220,6 +220,12 @@ def get_pipeline_model_parallel_ranks() -> list[int]:
     return list(s.ranks["pipeline"]) if s else [0]
 
 
+def get_context_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's context-parallel group, CP rank 0 first (the ring's order)."""
+    s = _state()
+    return list(s.ranks["context"]) if s else [0]
+
+
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     s = _state()
     return s.vpp if s else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite import parallel
+from megalite.parallel.context_parallel import split_for_context_parallel
 from megalite.training.task import Task
 
 
@@ -17,18 +19,31 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 def micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
     """This DP rank's contiguous slice of global batch `step` (the one starting at sample
-    `consumed`, default step * global batch), cut into micro-batches."""
+    `consumed`, default step * global batch), cut into micro-batches; with context parallelism,
+    this CP rank's share of every sequence."""
     per_rank = args.global_batch_size // dp
     first = (step * args.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
+    cp = getattr(args, "cp", 1)
     out = []
     for start in range(first, first + per_rank, args.micro_batch_size):
-        out.append(to_device(data.batch(range(start, start + args.micro_batch_size)), device))
+        batch = data.batch(range(start, start + args.micro_batch_size))
+        if cp > 1:
+            batch = context_parallel_share(batch, args.seq_length, parallel.get_context_parallel_rank(), cp)
+        out.append(to_device(batch, device))
     return out
 
 
+def context_parallel_share(batch: dict, seq_length: int, cp_rank: int, cp: int) -> dict:
+    """CP rank `cp_rank`'s tokens of every [b, seq_length, ...] tensor of a batch: chunks cp_rank and
+    2 cp - 1 - cp_rank of the sequence (causal load balancing); other entries whole."""
+    return {k: split_for_context_parallel(v, 1, cp_rank, cp)
+            if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq_length else v for k, v in batch.items()}
+
+
 def global_normalizer(batches: list[dict], global_batch_size: int, dp_group) -> torch.Tensor:
-    """Loss-mask count of the whole global batch (summed over DP). Each micro-batch also carries
-    it, with the global batch size, for losses with more than one term (BERT: MLM + SOP)."""
+    """Loss-mask count of the whole global batch (summed over `dp_group`: DP, or DP x CP where
+    each context-parallel rank holds part of every sequence). Each micro-batch also carries it,
+    with the global batch size, for losses with more than one term (BERT: MLM + SOP)."""
     num_tokens = sum(b["loss_mask"].sum() for b in batches).float()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(num_tokens, group=dp_group)

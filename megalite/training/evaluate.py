@@ -16,7 +16,8 @@ def evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device)
     ones each time), forward only through the pipeline (`program`) over `step`'s chunks; the same
     values on every rank."""
     chunks = step.chunks
-    dp, dp_group = parallel.get_data_parallel_world_size(), parallel.get_data_parallel_group()
+    dp = parallel.get_data_parallel_world_size()  # samples dealt over DP, sums over DP x CP
+    dp_group = parallel.get_data_parallel_group(with_context_parallel=True)
     for c in chunks:
         c.eval()
     sums = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the terms
@@ -30,7 +31,7 @@ def evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device)
             if task.loss_terms:
                 sums[1:] += loss_terms(task, batches, device)
             tokens += n  # already global (`global_normalizer`): only the sums are per DP rank
-    if dp > 1:
+    if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
     if args.pp > 1:
         dist.broadcast(sums, src=parallel.get_pipeline_model_parallel_ranks()[-1],

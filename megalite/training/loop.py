@@ -57,7 +57,8 @@ def pretrain(args, task: Task) -> TrainingRun:
     set_phase("loading the checkpoint")
     reader = load_checkpoint(args, task, config, chunks)
     buffers, optimizer = build_optimizer(args, chunks)
-    layout = {"tp": args.tp, "pp": args.pp, "dp": dp, "vpp": args.vpp, "world": world_size}
+    layout = {"tp": args.tp, "cp": getattr(args, "cp", 1), "pp": args.pp, "dp": dp, "vpp": args.vpp,
+              "world": world_size}
     start = resume(args, reader, chunks, optimizer, layout)
     checkpoints = CheckpointAndExit(args, config, task.model_kind, layout)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,

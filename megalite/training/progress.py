@@ -15,8 +15,9 @@ from megalite.runtime import TrainingStopped
 from megalite.training.step import SkippedSteps, StepResult
 
 
-def _rank_label(rank: int, tp: int, dp: int) -> str:
-    return f"rank {rank} (pp {rank // (dp * tp)}, dp {(rank // tp) % dp}, tp {rank % tp})"
+def _rank_label(rank: int, tp: int, dp: int, cp: int = 1) -> str:
+    cp_part = f", cp {(rank // tp) % cp}" if cp > 1 else ""
+    return f"rank {rank} (pp {rank // (dp * cp * tp)}, dp {(rank // (cp * tp)) % dp}{cp_part}, tp {rank % tp})"
 
 
 class Progress:
@@ -28,8 +29,9 @@ class Progress:
         self.logger = TrainingLogger(self.rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
                                      not args.no_progress_bar)
         self.timeline = Timeline(args.timeline, args.timeline_iters)
+        sums_over = parallel.get_data_parallel_world_size(with_context_parallel=True)  # DP x CP
         self.window = LogWindow(device, task.loss_terms, task.perplexity_of,
-                                parallel.get_data_parallel_group() if dp > 1 else None,
+                                parallel.get_data_parallel_group(with_context_parallel=True) if sums_over > 1 else None,
                                 parallel.get_pipeline_model_parallel_group() if pp > 1 else None,
                                 parallel.get_pipeline_model_parallel_ranks()[-1])
         self.skips = SkippedSteps(device)
@@ -106,4 +108,5 @@ class Progress:
 
     def close(self) -> None:
         self.logger.close()
-        self.timeline.write({r: _rank_label(r, self.args.tp, self.dp) for r in range(self.world_size)})
+        cp = getattr(self.args, "cp", 1)
+        self.timeline.write({r: _rank_label(r, self.args.tp, self.dp, cp) for r in range(self.world_size)})

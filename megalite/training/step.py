@@ -30,7 +30,7 @@ class TrainStep:
     program: list[Op]
     chunks: list[torch.nn.Module]
     forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
-    tensor_shape: tuple[int, int, int]  # what crosses a pipeline boundary: [seq (/ tp under SP), micro-batch, hidden]
+    tensor_shape: tuple[int, int, int]  # what crosses a stage boundary: [seq / cp (/ tp under SP), micro-batch, hidden]
     dtype: torch.dtype
     buffers: list[ParamAndGradBuffer]
     optimizer: MegaliteOptimizer
@@ -46,7 +46,8 @@ class TrainStep:
         """The step `args` describe, on this rank of the current layout."""
         dp = parallel.get_data_parallel_world_size()
         m = args.global_batch_size // (args.micro_batch_size * dp)
-        seq = args.seq_length // args.tp if args.sequence_parallel else args.seq_length
+        seq = args.seq_length // getattr(args, "cp", 1)  # this rank's share of each sequence
+        seq = seq // args.tp if args.sequence_parallel else seq
         return cls(build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp), chunks,
                    forward_step, (seq, args.micro_batch_size, hidden_size), arguments.model_dtype(args), buffers,
                    optimizer, args.clip_grad, tied_embedding_group(args))

@@ -1,0 +1,313 @@
+"""Context parallelism: attention over a sequence split across the ranks of a context-parallel group.
+
+Causal load balancing: the sequence is cut into 2N chunks (N = CP size) and CP rank i holds chunks i
+and 2N-1-i, concatenated, so under a causal mask every rank attends to the same number of keys.
+
+Two ways to attend (docs/context-parallel.md):
+- `ring_attention` (p2p): keys and values travel around the ring of `ranks`, the next block's
+  exchange in flight while the current block is computed; partial outputs merge with an online
+  softmax in fp32. The backward pass walks the same ring; dK/dV travel back to their owner.
+- `a2a_attention` (DeepSpeed-Ulysses style): all-to-all trades the sequence split for a head split,
+  plain causal attention on the whole sequence, all-to-all back.
+Every collective takes the CP group explicitly; `ranks` are its global ranks, CP rank 0 first.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# Tags keep the two kinds of ring message apart when next and previous rank coincide (cp = 2).
+_KV_TAG, _GRAD_TAG = 100, 200
+
+
+# ---------------------------------------------------------------------------------------------
+# causal load balancing
+
+
+def _check_divisible(seq_len: int, cp_size: int) -> None:
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"context parallelism cuts the sequence into 2 x cp = {2 * cp_size} chunks, but the "
+                         f"sequence length {seq_len} is not divisible by {2 * cp_size}: choose a sequence length "
+                         f"that is a multiple of {2 * cp_size} or a smaller --cp")
+
+
+def context_parallel_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions (int64, length seq_len / cp_size) of CP rank `cp_rank`'s tokens: chunks cp_rank
+    and 2 cp_size - 1 - cp_rank of a sequence of `seq_len` tokens, in the order the rank holds them."""
+    _check_divisible(seq_len, cp_size)
+    chunk = seq_len // (2 * cp_size)
+    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def split_for_context_parallel(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """CP rank `cp_rank`'s share of x along `dim` (the whole sequence): its two chunks, concatenated."""
+    if cp_size == 1:
+        return x
+    _check_divisible(x.shape[dim], cp_size)
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+
+
+def _rank_order(seq_len: int, cp_size: int) -> torch.Tensor:
+    """Global position of each token when the ranks' shares are concatenated in CP-rank order."""
+    return torch.cat([context_parallel_positions(seq_len, r, cp_size) for r in range(cp_size)])
+
+
+def gather_from_context_parallel(shares: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of `split_for_context_parallel`: every CP rank's share (CP-rank order) -> the whole
+    sequence along `dim` in global order."""
+    joined = torch.cat(shares, dim=dim)
+    order = _rank_order(joined.shape[dim], len(shares)).to(joined.device)
+    return joined.index_select(dim, torch.argsort(order))
+
+
+# ---------------------------------------------------------------------------------------------
+# one block of attention, forward and backward, in fp32 (grouped-query: q [b, g, r, s, d], k/v [b, g, s, d])
+
+
+def _block_forward(q, k, v, scale, causal):
+    """(output [b, g, r, sq, d], log-sum-exp [b, g, r, sq]) of q against one key/value block."""
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.einsum("bgrqk,bgkd->bgrqd", probs, v), lse
+
+
+def _block_backward(q, k, v, d_out, lse, delta, scale, causal):
+    """(dq, dk, dv) of one block, its probabilities recomputed from the final log-sum-exp."""
+    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", probs, d_out)
+    d_probs = torch.einsum("bgrqd,bgkd->bgrqk", d_out, v)
+    d_scores = probs * (d_probs - delta.unsqueeze(-1))
+    dq = torch.einsum("bgrqk,bgkd->bgrqd", d_scores, k) * scale
+    dk = torch.einsum("bgrqk,bgrqd->bgkd", d_scores, q) * scale
+    return dq, dk, dv
+
+
+def _future(scores: torch.Tensor) -> torch.Tensor:
+    sq, sk = scores.shape[-2:]
+    return torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Online softmax: two partial results over disjoint keys -> their combination (fp32)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    merged = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    return merged, new_lse
+
+
+def _block_plan(my_rank: int, owner: int, local_len: int, causal: bool):
+    """(query rows, key rows, causal diagonal?) this rank attends to in the key/value block of CP rank
+    `owner`. Under the causal mask with load-balanced chunks: the own block is the diagonal; an earlier
+    rank's block is seen by all queries but only its first chunk; a later rank's block by the second
+    chunk of queries only, wholly. Each is half the diagonal's work, so ranks stay in step."""
+    whole, half = slice(0, local_len), local_len // 2
+    if not causal:
+        return whole, whole, False
+    if owner == my_rank:
+        return whole, whole, True
+    if owner < my_rank:
+        return whole, slice(0, half), False
+    return slice(half, local_len), whole, False
+
+
+# ---------------------------------------------------------------------------------------------
+# ring point-to-point
+
+
+def _start_exchange(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: int, group, tag: int):
+    """Send `send` to the next rank of the ring and receive into `recv` from the previous one, without
+    waiting: returns the requests. Every ring message goes through here (tests count bytes on it)."""
+    ops = [dist.P2POp(dist.isend, send, next_rank, group, tag), dist.P2POp(dist.irecv, recv, prev_rank, group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(requests) -> None:
+    for request in requests or ():
+        request.wait()
+
+
+class _Ring:
+    """This rank's place in the ring: CP rank, size, neighbours (global ranks) and the group."""
+
+    def __init__(self, group, ranks):
+        self.group, self.ranks = group, list(ranks)
+        self.size = len(self.ranks)
+        if self.size > 1 and dist.get_rank() not in self.ranks:
+            raise ValueError(f"rank {dist.get_rank()} is not in the context-parallel ranks {self.ranks}: pass the "
+                             f"global ranks of this rank's own CP group (state.get_context_parallel_ranks())")
+        self.rank = self.ranks.index(dist.get_rank()) if self.size > 1 else 0
+        self.next = self.ranks[(self.rank + 1) % self.size]
+        self.prev = self.ranks[(self.rank - 1) % self.size]
+
+    def owner(self, step: int) -> int:
+        """CP rank whose key/value block this rank holds at `step` (blocks move to the next rank)."""
+        return (self.rank - step) % self.size
+
+
+def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [b, heads, s, d] -> [b, groups, heads / groups, s, d] (query heads of a group are adjacent)."""
+    b, heads, s, d = q.shape
+    return q.reshape(b, groups, heads // groups, s, d)
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, causal, scale):
+        kv = torch.stack([k, v]).contiguous()  # one message per step; the KV groups only
+        qg = _grouped(q, k.shape[1]).float()
+        local = q.shape[2]
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for step in range(ring.size):
+            incoming = torch.empty_like(kv) if step < ring.size - 1 else None
+            requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
+                if incoming is not None else None
+            rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
+            block_k, block_v = kv[0, :, :, keys].float(), kv[1, :, :, keys].float()
+            block_out, block_lse = _block_forward(qg[:, :, :, rows], block_k, block_v, scale, diagonal)
+            out[:, :, :, rows], lse[:, :, :, rows] = _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
+            _wait(requests)
+            kv = incoming
+        result = out.reshape(q.shape).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, d_result):
+        q, k, v, result, lse = ctx.saved_tensors
+        ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
+        groups, local = k.shape[1], q.shape[2]
+        qg = _grouped(q, groups).float()
+        d_out = _grouped(d_result, groups).float()
+        delta = (d_out * _grouped(result, groups).float()).sum(-1)  # rowsum(dO * O)
+        dq = torch.zeros_like(qg)
+        kv = torch.stack([k, v]).contiguous()
+        own_dkv = None
+        travelling, grad_requests = None, None  # dK/dV of the block held, on its way back to its owner
+        for step in range(ring.size):
+            incoming = torch.empty_like(kv) if step < ring.size - 1 else None
+            requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
+                if incoming is not None else None
+            rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
+            block_dq, block_dk, block_dv = _block_backward(
+                qg[:, :, :, rows], kv[0, :, :, keys].float(), kv[1, :, :, keys].float(), d_out[:, :, :, rows],
+                lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal)
+            dq[:, :, :, rows] += block_dq
+            dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
+            dkv[0, :, :, keys], dkv[1, :, :, keys] = block_dk, block_dv
+            if step == 0:
+                own_dkv = dkv  # the owner adds its own part when its block's gradient comes home
+            else:
+                _wait(grad_requests)
+                if travelling is not None:
+                    dkv += travelling
+                travelling = torch.empty_like(dkv)
+                grad_requests = _start_exchange(dkv, travelling, ring.next, ring.prev, ring.group, _GRAD_TAG + step)
+            _wait(requests)
+            kv = incoming
+        if ring.size > 1:
+            _wait(grad_requests)
+            own_dkv += travelling  # every other rank's part of this rank's dK/dV
+        dq = dq.reshape(q.shape).to(q.dtype)
+        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"attention expects q [b, heads, s, d] and k, v [b, groups, s, d] alike; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} KV groups: "
+                         f"choose a number of query heads that is a multiple of the KV groups")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
+                   softmax_scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's tokens against the whole sequence, keys and values passed around the
+    ring of `ranks` (global ranks of `group`, CP rank 0 first). q [b, heads, s_local, d], k and v
+    [b, groups, s_local, d] hold this rank's load-balanced share (`split_for_context_parallel`);
+    returns [b, heads, s_local, d] in q's dtype. Accumulates in fp32; differentiable."""
+    _check_shapes(q, k, v)
+    ring = _Ring(group, ranks)
+    if causal and q.shape[2] % 2:
+        raise ValueError(f"causal context parallelism holds two chunks per rank, but this rank holds "
+                         f"{q.shape[2]} tokens (odd): make the sequence length a multiple of 2 x cp = {2 * ring.size}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ring, causal, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# all-to-all (heads for sequence)
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """x split in N pieces along scatter_dim, piece r to CP rank r; the pieces received joined along gather_dim."""
+    size = dist.get_world_size(group)
+    pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
+    received = [torch.empty_like(p) for p in pieces]
+    dist.all_to_all(received, pieces, group=group)
+    return torch.cat(received, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
+                  softmax_scale: float | None = None) -> torch.Tensor:
+    """The same result as `ring_attention`, by all-to-all: each rank gets heads / N of the heads (and
+    groups / N of the KV groups) for the whole sequence, attends, and sends the results back."""
+    _check_shapes(q, k, v)
+    size = len(ranks)
+    heads, groups = q.shape[1], k.shape[1]
+    if heads % size or groups % size:
+        raise ValueError(f"--cp-comm-type a2a splits the heads across cp = {size} ranks, but {heads} query heads / "
+                         f"{groups} KV groups do not divide by {size}: use --cp-comm-type p2p")
+    if size == 1:
+        return _attend(q, k, v, causal, softmax_scale)
+    to_global = torch.argsort(_rank_order(q.shape[2] * size, size)).to(q.device)
+    whole = [_AllToAll.apply(t, 1, 2, group).index_select(2, to_global) for t in (q, k, v)]
+    out = _attend(*whole, causal, softmax_scale)
+    back_to_ranks = torch.argsort(to_global)
+    return _AllToAll.apply(out.index_select(2, back_to_ranks), 2, 1, group)
+
+
+def _attend(q, k, v, causal, softmax_scale):
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, **gqa)
+
+
+# ---------------------------------------------------------------------------------------------
+# traffic
+
+
+def ring_bytes_per_layer(batch: int, kv_groups: int, local_seq: int, head_dim: int, cp_size: int,
+                         element_size: int = 4, grad_element_size: int = 4) -> dict[str, int]:
+    """Bytes one rank sends for one attention layer with `ring_attention`: forward, N-1 K/V blocks of
+    2 b groups s_local d elements; backward, the K/V blocks again plus N-1 dK/dV blocks (fp32)."""
+    block = 2 * batch * kv_groups * local_seq * head_dim
+    steps = cp_size - 1
+    forward = steps * block * element_size
+    backward = steps * block * (element_size + grad_element_size)
+    return {"forward": forward, "backward": backward, "total": forward + backward}
