@@ -1,4 +1,4 @@
-"""Every training command in the code blocks of README and docs/{slurm,optimizer,checkpoints}.md
+"""Every training command in the code blocks of README and docs/{slurm,optimizer,checkpoints,context-parallel}.md
 runs as written: it parses,
 builds its model config and passes the layout validation for the world size it launches, checked
 in-process without training. The CI test command after its marker is what .ci/run reads."""
@@ -12,7 +12,7 @@ from megalite import arguments
 from megalite.runtime import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("slurm", "optimizer", "checkpoints"))]
+DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("slurm", "optimizer", "checkpoints", "context-parallel"))]
 ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 # What scripts/slurm/*.sbatch put before the job's own flags (its `defaults` array).
 SBATCH_DEFAULTS = ["--metrics-file", "run/metrics.jsonl", "--save", "ckpt", "--load", "ckpt", "--save-interval", "1000"]
