@@ -82,3 +82,46 @@ def test_measured_llama_layer_activations_follow_the_general_formula_on_cpu(arch
     change_measured = (measured - gpt_measured) / sbh
     change_formula = (formula - layer_activation_bytes(gpt, s, b)) / sbh
     assert change_measured == pytest.approx(change_formula, abs=0.2), (change_measured, change_formula)
+
+
+
+def _context_parallel_layer_bytes(rank, world, s, b, h, a, comm_type):
+    """Bytes one CP rank's GPT layer keeps for backward on its s/cp tokens (saved-tensor hooks)."""
+    from megalite import parallel
+
+    parallel.initialize_model_parallel(1, context_parallel_size=world)
+    return _script().measure(s // world, b, h, a, "none", torch.device("cpu"), attention_backend="sdpa",
+                             attention_dropout=0.0, cp_comm_type=comm_type, max_position_embeddings=s)
+
+
+def test_context_parallel_layer_activations_fall_as_one_over_cp_and_follow_the_formula():
+    """A rank of cp = 1, 2, 4 keeps a layer's activations of s/cp tokens plus what the ring (fp32
+    log-sum-exp) or the all-to-all (also SDPA's own output) attention keeps; cp = 1 is SDPA."""
+    from megalite.models.memory import layer_activation_bytes
+
+    s, b, h, a = 256, 2, 128, 4
+    config = _script().build_layer(s, h, a, "none", torch.device("cpu"), torch.bfloat16, attention_backend="sdpa",
+                                   attention_dropout=0.0)[1]
+    measured, formula = {}, {}
+    for comm_type in ("p2p", "a2a"):
+        for cp in (1, 2, 4):
+            ranks = run_ranks(_context_parallel_layer_bytes, cp, args=(s, b, h, a, comm_type))
+            assert len(set(ranks)) == 1, ranks  # load-balanced: every rank keeps the same
+            measured[comm_type, cp] = ranks[0]
+            formula[comm_type, cp] = layer_activation_bytes(config, s, b, cp=cp, cp_comm_type=comm_type)
+            assert 0.9 <= measured[comm_type, cp] / formula[comm_type, cp] <= 1.25, (comm_type, cp)
+    for comm_type in ("p2p", "a2a"):
+        assert measured[comm_type, 4] / measured[comm_type, 2] == pytest.approx(0.5, rel=0.02)
+        assert measured[comm_type, 2] / measured[comm_type, 1] == pytest.approx(0.5, rel=0.1)
+    for cp in (2, 4):  # a2a's copy of the attention output and its index vectors, to the byte
+        extra = measured["a2a", cp] - measured["p2p", cp]
+        assert extra == pytest.approx(formula["a2a", cp] - formula["p2p", cp], rel=0.01), cp
+
+
+def test_context_parallel_formula_terms():
+    from megalite.models.memory import context_parallel_attention_bytes
+
+    s, b, h, a, t = 8192, 1, 4096, 32, 2
+    assert context_parallel_attention_bytes(s, b, h, a, t, cp=1) == 0
+    assert context_parallel_attention_bytes(s, b, h, a, t, cp=4) == (s / 4) * b * h * (4 * a / h) / t
+    assert context_parallel_attention_bytes(s, b, h, a, t, cp=4, comm_type="a2a") == (s / 4) * b * h * (2 + 4 * a / h) / t + 16 * s

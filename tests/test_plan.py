@@ -40,6 +40,7 @@ def held_bytes(rank, world, argv, variants):
         params = [p for c in chunks for p in c.parameters()]
         out.append({
             "pp_rank": parallel.get_pipeline_model_parallel_rank(), "dp_rank": parallel.get_data_parallel_rank(),
+            "dp_cp_rank": parallel.get_data_parallel_rank(with_context_parallel=True),
             "params": sum(p.numel() * p.element_size() for p in params),
             "param_buffer": sum(b.param_data.numel() * b.param_data.element_size() for b in buffers),
             "grads": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
@@ -98,6 +99,95 @@ def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, 
         assert pred.memory.optimizer == max(r["optimizer"] for r in per_rank)
         assert (pred.memory.parameters + pred.memory.gradients + pred.memory.optimizer
                 == peak["param_buffer"] + peak["grads"] + peak["optimizer"])
+
+
+@pytest.mark.parametrize("tp,cp,dp", [(1, 2, 1), (1, 2, 2)], ids=["cp2", "cp2-dp2"])
+def test_planner_state_bytes_of_a_cp_layout_equal_what_megalite_allocates(tp, cp, dp):
+    """CP ranks hold the same parameters: the distributed optimizer shards over dp x cp."""
+    argv = TINY + ["--tp", str(tp), "--cp", str(cp), "--attention-dropout", "0"]
+    variants = [PLAIN, DIST]
+    results = run_ranks(held_bytes, tp * cp * dp, args=(argv, variants), timeout=120)
+    for v, flags in enumerate(variants):
+        args = parse(argv + flags)
+        config = arguments.model_config(args)
+        layout = P.Layout(tp, 1, dp, None, args.micro_batch_size, "none", False, bool(flags), cp=cp)
+        pred = P.predict(config, layout, P.Cluster(gpus=tp * cp * dp), args.global_batch_size, args.seq_length,
+                         dtype="fp32", ddp_bucket_size=args.ddp_bucket_size)
+        per_rank = [r[v] for r in results]
+        for got in per_rank:
+            want = P.rank_state_bytes(config, tp=tp, dp=layout.dp_cp, dp_rank=got["dp_cp_rank"], dtype="fp32",
+                                      distributed_optimizer=bool(flags), seq_length=args.seq_length,
+                                      ddp_bucket_size=args.ddp_bucket_size)
+            assert (got["param_buffer"], got["grads"], got["optimizer"]) == \
+                   (want.param_buffer, want.grads, want.optimizer), (flags, got)
+        assert pred.memory.optimizer == max(r["optimizer"] for r in per_rank)
+        assert pred.memory.parameters + pred.memory.gradients == max(r["param_buffer"] + r["grads"] for r in per_rank)
+    whole = results[0][0]["optimizer"]
+    assert max(r[1]["optimizer"] for r in results) < whole / (cp * dp) * 1.1  # sharded over dp x cp
+
+
+def test_activations_per_rank_fall_as_one_over_cp():
+    config, run = preset("gpt-1.3b"), P.Run(8, 16384)
+    by_cp = {}
+    for cp in (1, 2, 4, 8):
+        layout = P.Layout(tp=2, micro_batch_size=1, recompute="selective", sequence_parallel=True, cp=cp)
+        stored, _ = P.memory.stored_activations(config, layout, run, 1, 1.0)
+        by_cp[cp] = stored
+    from megalite.models.memory import context_parallel_attention_bytes as lse_bytes
+
+    h, a = config.hidden_size, config.num_attention_heads
+    for cp in (2, 4, 8):  # the layer's bytes at s/cp plus the ring's fp32 log-sum-exp
+        assert by_cp[cp] == pytest.approx(by_cp[1] / cp + lse_bytes(16384, 1, h, a, 2, cp))
+        assert by_cp[cp] < by_cp[1] / cp * 1.01
+
+
+def test_ring_traffic_per_layer_in_the_step_time():
+    from megalite.parallel.context_parallel import ring_bytes_per_layer
+
+    config = preset("gpt-1.3b")
+    for recompute, forwards in (("selective", 1), ("full", 2)):
+        layout = P.Layout(tp=2, micro_batch_size=2, recompute=recompute, cp=4)
+        costs = P.predict(config, layout, P.Cluster(gpus=8), 8, 32768).costs
+        groups, d, local = config.num_attention_heads // 2, config.head_dim, 32768 // 4
+        block = 2 * 2 * groups * local * d  # K and V of this TP rank's heads, s/cp tokens
+        # 3 steps: K/V in bf16 in every forward and again in the backward, with dK/dV in fp32
+        assert costs.ring_bytes == 3 * block * (2 * (forwards + 1) + 4)
+        ring = ring_bytes_per_layer(2, groups, local, d, 4, 2, 4)
+        assert costs.ring_bytes == ring["total"] + (forwards - 1) * ring["forward"]
+        assert costs.bw_cp == P.Cluster(gpus=8).intra_node_gbps * 1e9  # tp x cp = 8 GPUs: one node
+
+
+def test_exposed_ring_time_is_what_the_compute_does_not_hide():
+    config = preset("gpt-1.3b")
+    pred = P.predict(config, P.Layout(tp=1, micro_batch_size=1, recompute="selective", cp=8),
+                     P.Cluster(gpus=16, gpus_per_node=4, inter_node_gbps=1), 8, 8192)
+    stage = pred.stages[0]
+    assert stage.ring_mb > stage.compute_mb  # a slow link across nodes
+    assert pred.time.cp_comm == pytest.approx(pred.micro_batches * (stage.ring_mb - stage.compute_mb))
+    parts = pred.time
+    assert parts.total == pytest.approx(parts.compute + parts.imbalance + parts.tp_comm + parts.pp_comm
+                                        + parts.bubble + parts.dp_comm + parts.optimizer + parts.cp_comm)
+    fast = P.predict(config, P.Layout(tp=1, micro_batch_size=1, recompute="selective", cp=4),
+                     P.Cluster(gpus=4), 4, 8192)
+    assert fast.time.cp_comm == 0.0  # NVLink: the ring hides behind the blocks
+
+
+def test_a_long_sequence_search_proposes_cp_where_it_is_what_makes_the_model_fit(capsys):
+    config, cluster = preset("gpt-1.3b"), P.Cluster(gpus=8, gpu_memory_gib=40)
+    kwargs = {"tp": 2, "pp": 1, "micro_batch_size": 1}
+    assert P.plan(config, cluster, 8, 131072, cp=1, **kwargs).best is None
+    result = P.plan(config, cluster, 8, 131072, **kwargs)
+    assert result.best is not None and result.best.layout.cp > 1
+    assert f"--cp {result.best.layout.cp}" in result.best.command()
+    assert "cp " in result.best.layout.short()
+    code, out, _ = run_cli(["--model", "gpt-1.3b", "--gpus", "8", "--gpu-memory-gib", "40", "--global-batch-size",
+                            "8", "--seq-length", "131072", "--tp", "2", "--pp", "1", "--micro-batch-size", "1"], capsys)
+    assert code == 0 and "--cp " in out
+    # cp = 3 cannot cut 131072 tokens into 6 chunks; sequence parallelism needs s/cp divisible by tp
+    odd = P.plan(config, P.Cluster(gpus=6, gpu_memory_gib=80), 6, 131072, tp=1, cp=3)
+    assert odd.best is None and "seq % 2cp" in odd.rejected
+    with pytest.raises(ValueError, match="each rank's 10 tokens divisible by tp 4"):
+        P.predict(config, P.Layout(tp=4, sequence_parallel=True, cp=2), P.Cluster(gpus=8), 8, 20)
 
 
 def held_at_each_zero_stage(rank, world, argv, variants):

@@ -12,7 +12,8 @@ from megalite import arguments
 from megalite.runtime import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("slurm", "optimizer", "checkpoints", "context-parallel"))]
+DOC_NAMES = ("slurm", "optimizer", "checkpoints", "context-parallel", "activation-memory", "planner")
+DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES)]
 ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 # What scripts/slurm/*.sbatch put before the job's own flags (its `defaults` array).
 SBATCH_DEFAULTS = ["--metrics-file", "run/metrics.jsonl", "--save", "ckpt", "--load", "ckpt", "--save-interval", "1000"]

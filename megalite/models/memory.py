@@ -29,6 +29,18 @@ PyTorch's fused attention (SDPA) keeps keys and values at G heads; the explicit 
 expand them to a heads first, so there grouped-query attention saves no activation memory (count
 G = a). Norms are counted as the fused kernels keep them (their 16-bit input); the PyTorch
 fallback of RMSNorm keeps fp32 copies, several times more.
+
+Context parallelism (cp ranks, `megalite.parallel.context_parallel`): each rank holds s/cp tokens of
+every sequence, so every term above is taken at s/cp. Attention then runs through the ring (p2p)
+or the all-to-all (a2a) function, which never stores an s x s matrix (no 5*a*s/h core, as SDPA) and
+keeps keys and values at G groups. What they keep besides, in units of (s/cp)*b*h per TP rank:
+- p2p: the ring's autograd Function keeps q, k, v and its output (the tensors the layer keeps anyway:
+  its output is the output projection's input) and the fp32 log-sum-exp of every query row, 4*a/h;
+- a2a: the all-to-alls keep nothing; SDPA on the whole sequence with a/cp heads keeps the gathered
+  q, k, v (the same bytes as the local ones), its fp32 log-sum-exp, 4*a/h, and its own output, 2,
+  which goes back through the second all-to-all as a new tensor for the output projection.
+Both are split over TP with the heads; a2a adds the two int64 index vectors of its reordering to
+global token order, 16*s bytes whatever b, h and TP.
 """
 from __future__ import annotations
 
@@ -61,19 +73,45 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     return sbh * (10.0 + sharded / t + core / t) + sbh * per_rank_kv
 
 
+def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1, cp: int = 1,
+                                     comm_type: str = "p2p") -> float:
+    """Bytes the context-parallel attention keeps on one rank besides what the layer formula counts:
+    the fp32 log-sum-exp of s/cp query rows and a/t heads, and for a2a SDPA's own output (see the
+    module docstring). 0 at cp = 1, where the attention backend's count holds."""
+    if comm_type not in ("p2p", "a2a"):
+        raise ValueError(f"the context-parallel communication is p2p or a2a, got {comm_type!r}")
+    if cp == 1:
+        return 0.0
+    if comm_type == "p2p":
+        return float(s // cp) * b * h * (4.0 * a / h) / t
+    return float(s // cp) * b * h * (2.0 + 4.0 * a / h) / t + 16.0 * s
+
+
 def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | None = None,
-                           sequence_parallel: bool | None = None, attention_backend: str | None = None) -> float:
-    """`activation_bytes_per_layer` for a layer of `config`; recompute mode, sequence parallelism
-    and attention backend are the config's unless given (SDPA keeps no attention core, as
-    selective recomputation)."""
+                           sequence_parallel: bool | None = None, attention_backend: str | None = None,
+                           cp: int = 1, cp_comm_type: str | None = None) -> float:
+    """`activation_bytes_per_layer` for a layer of `config` on one rank of tp = t, cp = `cp`;
+    recompute mode, sequence parallelism and attention backend are the config's unless given (SDPA
+    keeps no attention core, as selective recomputation; so does context-parallel attention, which
+    adds `context_parallel_attention_bytes`, p2p or a2a as `cp_comm_type` or the config's). s is the
+    whole sequence; each CP rank holds s/cp."""
+    if s % cp:
+        raise ValueError(f"context parallelism splits the sequence over cp = {cp} ranks, but s = {s} is not "
+                         f"divisible by {cp}: choose a sequence length that is a multiple of 2 x cp")
     recompute = config.recompute if recompute is None else recompute
     sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
-    sdpa = (config.attention_backend if attention_backend is None else attention_backend) == "sdpa"
+    sdpa = (config.attention_backend if attention_backend is None else attention_backend) == "sdpa" or cp > 1
     if sdpa and recompute == "none":
         recompute = "selective"
-    return activation_bytes_per_layer(
-        s, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
+    local = s // cp
+    kept = activation_bytes_per_layer(
+        local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
         gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,
         rope_dims=config.rotary_dims if config.position_embedding_type == "rope" else 0,
         fused_qkv=config.num_query_groups is None)
+    if recompute == "full":
+        return kept
+    comm_type = getattr(config, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
+    return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t, cp,
+                                                   comm_type)

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage (1 = distributed optimizer; 2 also gradients, 3 also parameters sharded); "
                         "default: every stage")
+    g.add_argument("--cp", type=lambda x: x if x == "all" else int(x),
+                   help="context-parallel size, or 'all' (default: 1, and every size only when nothing fits at 1)")
     g.add_argument("--max-tp", type=int, help="largest tp (default: GPUs per node)")
     g = ap.add_argument_group("output")
     g.add_argument("--top", type=int, default=5)
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
                   recompute=(args.recompute,) if args.recompute else RECOMPUTE,
                   sequence_parallel=_on_off(args.sequence_parallel),
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
-                  grad_reduce_dtype=args.grad_reduce_dtype)
+                  grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp)
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model)
     if result.best is None:

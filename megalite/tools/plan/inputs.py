@@ -62,6 +62,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # ZeRO stage >= 1 (kept for callers; zero_stage says which)
     zero_stage: int | None = None  # None: 1 with the distributed optimizer, else 0
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks (ranks: tp, cp, dp, pp)
 
     def __post_init__(self):
         if self.vpp is not None and self.vpp <= 1:
@@ -73,7 +74,7 @@ class Layout:
         elif self.distributed_optimizer and self.zero_stage == 0:
             raise ValueError("distributed_optimizer is ZeRO stage 1: give zero_stage >= 1 or drop it")
         object.__setattr__(self, "distributed_optimizer", self.zero_stage >= 1)
-        for name in ("tp", "pp", "dp", "micro_batch_size"):
+        for name in ("tp", "pp", "dp", "micro_batch_size", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE:
@@ -81,14 +82,20 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks gradients are reduced and optimizer states sharded over: CP ranks hold the
+        same parameters, so they join DP (`get_data_parallel_group(with_context_parallel=True)`)."""
+        return self.dp * self.cp
 
     @property
     def v(self) -> int:
         return self.vpp or 1
 
     def short(self) -> str:
-        parts = [f"tp {self.tp}", f"pp {self.pp}", f"dp {self.dp}"]
+        parts = [f"tp {self.tp}"] + ([f"cp {self.cp}"] if self.cp > 1 else []) + [f"pp {self.pp}", f"dp {self.dp}"]
         if self.vpp:
             parts.append(f"vpp {self.vpp}")
         parts += [f"mb {self.micro_batch_size}", f"recompute {self.recompute}"]

@@ -353,7 +353,7 @@ def stored_activations(config: TransformerConfig, layout: Layout, run: Run, laye
 
     def per_layer(recompute: str) -> float:
         return layer_activation_bytes(config, s, b, layout.tp, recompute, layout.sequence_parallel,
-                                      run.attention_backend) * act_scale
+                                      run.attention_backend, cp=layout.cp, cp_comm_type="p2p") * act_scale
 
     full_layer = per_layer(kept_activations(layout, run))
     if layout.recompute != "full":
@@ -378,7 +378,7 @@ def output_layer_bytes(config: TransformerConfig, layout: Layout, run: Run, voca
     """The last stage's extra: the final LayerNorm input and the (sequence-gathered) output-layer
     input, in the model dtype; the cross-entropy's peak: the model-dtype logits, their fp32 copy and
     the fp32 softmax kept for backward (a copy only when the model is not fp32)."""
-    s, b, h, t = run.seq_length, layout.micro_batch_size, config.hidden_size, layout.tp
+    s, b, h, t = run.seq_length // layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     ab = DTYPE_BYTES[run.dtype]
     sbh = s * b * h * ab
     output = (sbh / t if layout.sequence_parallel else sbh) + sbh

@@ -37,6 +37,7 @@ class StageResult:
     output: float  # output layer and cross-entropy (last stage)
     total: float  # bytes held at the peak of the step
     build: float  # bytes while the model is built, plus overhead
+    ring_mb: float = 0.0  # seconds of context-parallel ring traffic per micro-batch, overlapped with compute_mb
 
 
 @dataclass
@@ -102,7 +103,21 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
         raise ValueError(f"vpp {layout.vpp} needs pp > 1 and the micro-batches per step ({m}) a multiple of pp {p}")
     if layout.sequence_parallel and (t == 1 or s % t):
         raise ValueError(f"sequence parallelism needs tp > 1 and seq length {s} divisible by tp {t}")
+    reason = context_parallel_refusal(layout.cp, t, s, layout.sequence_parallel)
+    if reason:
+        raise ValueError(reason)
     return m
+
+
+def context_parallel_refusal(cp: int, t: int, s: int, sequence_parallel: bool) -> str | None:
+    """Why megalite refuses --cp `cp` here (arguments._check_context_parallel), or None."""
+    if cp == 1:
+        return None
+    if s % (2 * cp):
+        return f"cp {cp} cuts each sequence into {2 * cp} chunks: seq length {s} is not divisible by {2 * cp}"
+    if sequence_parallel and (s // cp) % t:
+        return f"sequence parallelism with cp {cp} needs each rank's {s // cp} tokens divisible by tp {t}"
+    return None
 
 
 def stage_result(costs: LayoutCosts, r: int) -> StageResult:
@@ -112,9 +127,10 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     chunk_layers = [costs.layer_counts[c * p + r] for c in range(v)]
     n_layers = sum(chunk_layers)
     first, last = r == 0, r == p - 1
-    flops_mb = n_layers * (costs.fwd + costs.bwd) / t + (3 * costs.logits_fwd / t if last else 0.0)
+    # CP ranks share each sequence's work evenly (causal load balancing)
+    flops_mb = (n_layers * (costs.fwd + costs.bwd) / t + (3 * costs.logits_fwd / t if last else 0.0)) / layout.cp
     tp_mb = (n_layers * costs.ar_per_layer + first + last) * costs.ar_time if t > 1 else 0.0
-    st = rank_state_bytes(config, tp=t, pp=p, dp=layout.dp, vpp=layout.vpp, pp_rank=r, dp_rank=0, dtype=run.dtype,
+    st = rank_state_bytes(config, tp=t, pp=p, dp=layout.dp_cp, vpp=layout.vpp, pp_rank=r, dp_rank=0, dtype=run.dtype,
                           zero_stage=layout.zero_stage, grad_dtype=run.grad_reduce_dtype, seq_length=run.seq_length,
                           ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers,
                           reshard_after_forward=run.zero_reshard_after_forward,
@@ -131,9 +147,10 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     output = output_layer_bytes(config, layout, run, costs.vocab) if last else 0.0
     overhead = costs.cluster.overhead_gib * GIB
     compute_mb = flops_mb / costs.rate
+    ring_mb = n_layers * costs.ring_bytes / costs.bw_cp if layout.cp > 1 else 0.0
     return StageResult(
         state=st, n_layers=n_layers, chunk_layers=chunk_layers, flops_mb=flops_mb, tp_mb=tp_mb,
-        compute_mb=compute_mb, t_mb=compute_mb + tp_mb + costs.pp_mb, chunks_in_flight=chunks_in_flight,
+        compute_mb=compute_mb, t_mb=max(compute_mb, ring_mb) + tp_mb + costs.pp_mb, ring_mb=ring_mb, chunks_in_flight=chunks_in_flight,
         stored_chunk=stored_chunk, transient=transient, activations=activations, output=output,
         total=st.param_buffer + st.grads + st.optimizer + st.transient + activations + output + overhead,
         build=st.build_peak + overhead)
@@ -188,8 +205,10 @@ def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTi
     optimizer = (max(S.state.owned_numel for S in stages.values()) * costs.traffic
                  / (costs.cluster.hbm_gbps * 1e9))
     tp_comm, pp_comm, dp_comm = m * T.tp_mb, m * costs.pp_mb, dp_parts[dp_stage].total
-    total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer
-    return StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total), slow, dp_stage
+    cp_comm = m * max(0.0, T.ring_mb - T.compute_mb)  # the ring hides behind the blocks' compute
+    total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer + cp_comm
+    return (StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total, cp_comm), slow,
+            dp_stage)
 
 
 def _memory(stage: StageResult, cluster: Cluster) -> Memory:

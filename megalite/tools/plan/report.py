@@ -58,6 +58,8 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
     nodes = math.ceil(lay.gpus / gpn)
     launcher = f"torchrun --nproc_per_node {gpn}" + (f" --nnodes {nodes}" if nodes > 1 else " --standalone")
     parts = [launcher, "pretrain_gpt.py", *flags, "--tp", str(lay.tp), "--pp", str(lay.pp)]
+    if lay.cp > 1:
+        parts += ["--cp", str(lay.cp)]
     if lay.vpp:
         parts += ["--vpp", str(lay.vpp)]
     parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),
@@ -95,9 +97,11 @@ def _preset_of(config: TransformerConfig) -> str | None:
 # JSON
 # -------------------------------------------------------------------------------------------------
 def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> dict:
-    memory, time = asdict(pred.memory), asdict(pred.time)
+    memory, time, layout = asdict(pred.memory), asdict(pred.time), asdict(pred.layout)
+    if pred.layout.cp == 1:  # without context parallelism the JSON stays as it was
+        del layout["cp"], time["cp_comm"]
     return {
-        "layout": asdict(pred.layout), "fits": pred.fits, "reason": pred.reason,
+        "layout": layout, "fits": pred.fits, "reason": pred.reason,
         "micro_batches": pred.micro_batches, "peak_stage": pred.peak_stage,
         "memory_bytes": {k: int(v) for k, v in memory.items()},
         "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()},
@@ -131,19 +135,23 @@ def _gib(x: float) -> str:
 
 
 def format_table(preds: list[Prediction]) -> str:
-    head = (f"{'#':>2} {'tp':>3} {'pp':>3} {'dp':>4} {'vpp':>3} {'mb':>3} {'recompute':>9} {'sp':>3} {'zero':>4} | "
+    with_cp = any(x.layout.cp > 1 for x in preds)  # the cp columns only where context parallelism is used
+    head = (f"{'#':>2} {'tp':>3} " + (f"{'cp':>3} " if with_cp else "") + f"{'pp':>3} {'dp':>4} {'vpp':>3} {'mb':>3} "
+            f"{'recompute':>9} {'sp':>3} {'zero':>4} | "
             f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} {'act':>5} {'out':>4} | "
-            f"{'step s':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5} | {'MFU':>5}")
+            f"{'step s':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5} " + (f"{'cp':>5} " if with_cp else "") +
+            f"| {'MFU':>5}")
     lines = [head, "-" * len(head)]
     for i, x in enumerate(preds, 1):
         L, M, T = x.layout, x.memory, x.time
         lines.append(
-            f"{i:>2} {L.tp:>3} {L.pp:>3} {L.dp:>4} {L.vpp or '-':>3} {L.micro_batch_size:>3} {L.recompute:>9} "
+            f"{i:>2} {L.tp:>3} " + (f"{L.cp:>3} " if with_cp else "") + f"{L.pp:>3} {L.dp:>4} {L.vpp or '-':>3} "
+            f"{L.micro_batch_size:>3} {L.recompute:>9} "
             f"{'on' if L.sequence_parallel else '-':>3} {L.zero_stage or '-':>4} | "
             f"{_gib(x.peak_bytes):>5} {_gib(M.parameters):>5} {_gib(M.gradients):>5} "
             f"{_gib(M.optimizer):>5} {_gib(M.activations):>5} {_gib(M.output_layer):>4} | "
             f"{T.total:>7.3f} {_pct(T.bubble, T):>6} {_pct(T.tp_comm, T):>5} {_pct(T.pp_comm, T):>5} "
-            f"{_pct(T.dp_comm, T):>5} | "
+            f"{_pct(T.dp_comm, T):>5} " + (f"{_pct(T.cp_comm, T):>5} " if with_cp else "") + "| "
             f"{100 * x.mfu:4.1f}%")
     return "\n".join(lines)
 
@@ -159,6 +167,11 @@ def format_rejections(result: PlanResult) -> str:
     for kind, r in _by_count(result):
         lines.append(f"  {r.count:>6} x {kind:<22} e.g. {r.example}")
     return "\n".join(lines)
+
+
+def _dp_label(lay) -> str:
+    """What states are sharded over: dp, or dp x cp (CP ranks hold the same parameters)."""
+    return f"dp={lay.dp}" if lay.cp == 1 else f"dp x cp={lay.dp_cp}"
 
 
 def explain(pred: Prediction) -> str:
@@ -204,17 +217,17 @@ def _explain_memory(pred: Prediction) -> list[str]:
         tied = f"tied word embedding copy {V // t * h:,}, " if p > 1 else ""
         pieces.append(f"{tied}final norm {2 * h}")
     out.append(f"  parameters   {st.numel:,} elements = {'; '.join(pieces)}")
-    shard = f" / dp={lay.dp} (ZeRO-3: this rank's shard of every unit)" if lay.zero_stage == 3 else ""
+    shard = f" / {_dp_label(lay)} (ZeRO-3: this rank's shard of every unit)" if lay.zero_stage == 3 else ""
     out.append(f"               x {ab} B (+ {st.padded_numel - st.numel:,} padding elements){shard} = "
                f"{_gib(st.param_buffer)} GiB")
     if lay.zero_stage >= 2:
         units = "units (one per layer, the rest, a tied copy)" if lay.zero_stage == 3 else \
             f"buckets of {run.ddp_bucket_size:,}"
-        out.append(f"  gradients    {st.padded_numel:,} / dp={lay.dp} x {st.grad_bytes} B (ZeRO-{lay.zero_stage}: "
+        out.append(f"  gradients    {st.padded_numel:,} / {_dp_label(lay)} x {st.grad_bytes} B (ZeRO-{lay.zero_stage}: "
                    f"this rank's reduced shard; {units} padded to a multiple of 64*dp) = {_gib(st.grads)} GiB")
     else:
         out.append(f"  gradients    {st.padded_numel:,} x 4 B (fp32 buffers, buckets of {run.ddp_bucket_size:,} "
-                   f"padded to a multiple of dp={lay.dp}: {st.grad_padding // 4:,} padding) = {_gib(st.grads)} GiB")
+                   f"padded to a multiple of {_dp_label(lay)}: {st.grad_padding // 4:,} padding) = {_gib(st.grads)} GiB")
     master = 0 if run.dtype == "fp32" else 4
     who = (f"{st.owned_numel:,} owned (this dp rank's shard of every bucket)" if lay.distributed_optimizer
            else f"{st.owned_numel:,} (every parameter)")
@@ -299,6 +312,12 @@ def _explain_time(pred: Prediction) -> list[str]:
         out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, minus what hides behind the last "
                    f"backward: {part.overlapped:.3f} s; tied embedding (after the schedule) {part.embedding:.3f} s; "
                    f"parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) = {T.dp_comm:.3f} s")
+    if lay.cp > 1:
+        Sc = pred.stages[pred.slow_stage]
+        out.append(f"  cp comm      ring of cp={lay.cp}: {K.ring_bytes / 2 ** 20:.1f} MiB sent per layer and micro-batch "
+                   f"(K/V blocks forward and backward, dK/dV in fp32) x {Sc.n_layers} layers / {K.bw_cp / 1e9:g} GB/s "
+                   f"= {Sc.ring_mb * 1e3:.3f} ms per micro-batch, overlapped with its {Sc.compute_mb * 1e3:.3f} ms of "
+                   f"compute: max(0, ring - compute) x {m} = {T.cp_comm:.3f} s")
     out.append(f"  optimizer    {max(S.state.owned_numel for S in pred.stages.values()):,} elements x "
                f"{K.traffic} B / {cl.hbm_gbps:g} GB/s = {T.optimizer:.3f} s")
     out.append(f"  total        {T.total:.3f} s per step; {pred.tokens_per_s:,.0f} tokens/s; MFU "

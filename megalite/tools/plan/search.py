@@ -72,23 +72,39 @@ class SearchSpace:
     recompute: tuple = RECOMPUTE
     sequence_parallel: tuple = (False, True)
     zero_stage: tuple = ZERO_STAGES
+    cp: int | None = None  # context-parallel size; None: every valid one
 
 
 def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
          dtype: str = "bf16", ddp_bucket_size: int = 40_000_000, attention_backend: str = "sdpa",
          max_tp: int | None = None, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
-         distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32") -> PlanResult:
+         distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
+         cp: int | str | None = None) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
-    with `distributed_optimizer` restricted, 1 (True) or 0 (False) as before stages 2-3."""
+    with `distributed_optimizer` restricted, 1 (True) or 0 (False) as before stages 2-3. cp: the
+    context-parallel size; "all": every one that divides the GPUs and the sequence; None: cp = 1,
+    and every cp only when no cp = 1 layout fits (so that plans without context parallelism stay
+    as they were, and long sequences get cp where it is what makes the model fit)."""
+    if cp is None:
+        result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
+                      attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
+                      micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
+                      distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
+                      grad_reduce_dtype=grad_reduce_dtype, cp=1)
+        if result.best is not None or cluster.gpus == 1:
+            return result
+        cp = "all"
+    if cp != "all" and (not isinstance(cp, int) or cp < 1):
+        raise ValueError(f"cp must be a context-parallel size >= 1, \"all\" or None, got {cp!r}")
     check_gpt(config)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend, grad_reduce_dtype=grad_reduce_dtype)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
                         tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
-                        _stages(zero_stage, _values(distributed_optimizer, bool)))
+                        _stages(zero_stage, _values(distributed_optimizer, bool)), None if cp == "all" else cp)
     result = PlanResult([])
     for layout in _layouts(config, cluster.gpus, run, space, result.reject):
         result.add(predict(config, layout, cluster, run=run))
@@ -124,28 +140,50 @@ Reject = Callable[[str, str], None]
 def _layouts(config: TransformerConfig, N: int, run: Run, space: SearchSpace, reject: Reject) -> Iterator[Layout]:
     """Every layout of N GPUs megalite accepts for this model and batch; the others reported to
     `reject` where they fail (a tp value, a (tp, pp) pair, or one full layout)."""
-    L, B = config.num_layers, run.global_batch_size
     if space.tp is not None and N % space.tp:
         reject("tp does not divide gpus", f"tp {space.tp} does not divide the {N} GPUs")
     for t in divisors(N):
         if (space.tp is not None and t != space.tp) or not _tp_is_valid(config, t, space, reject):
             continue
-        if space.pp is not None and (N // t) % space.pp:
-            reject("tp x pp does not divide gpus", f"tp {t} x pp {space.pp} does not divide the {N} GPUs")
-        for p in divisors(N // t):
-            if space.pp is not None and p != space.pp:
+        if space.cp is not None and (N // t) % space.cp:
+            reject("tp x cp does not divide gpus", f"tp {t} x cp {space.cp} does not divide the {N} GPUs")
+        for c in divisors(N // t):
+            if (space.cp is not None and c != space.cp) or not _cp_is_valid(c, run, reject):
                 continue
-            if p > L:
-                reject("pp > layers", f"pp {p} exceeds the {L} layers")
-                continue
-            if L % p:
-                reject("layers % pp", f"layers {L} not divisible by pp {p}")
-                continue
-            d = N // (t * p)
-            if B % d:
-                reject("batch % dp", f"global batch {B} not divisible by dp {d} (tp {t} pp {p})")
-                continue
-            yield from _layouts_of_grid(config, t, p, d, run, space, reject)
+            yield from _layouts_of_tp_cp(config, t, c, N, run, space, reject)
+
+
+def _cp_is_valid(c: int, run: Run, reject: Reject) -> bool:
+    """megalite's --cp rules that do not depend on tp (arguments._check_context_parallel; the
+    planner models GPT only, so BERT's refusal never applies)."""
+    if c > 1 and run.seq_length % (2 * c):
+        reject("seq % 2cp", f"cp {c} cuts each sequence into {2 * c} chunks: seq length {run.seq_length} "
+                            f"is not divisible by {2 * c}")
+        return False
+    return True
+
+
+def _layouts_of_tp_cp(config: TransformerConfig, t: int, c: int, N: int, run: Run, space: SearchSpace,
+                      reject: Reject) -> Iterator[Layout]:
+    L, B = config.num_layers, run.global_batch_size
+    rest = N // (t * c)
+    cp_part = f" x cp {c}" if c > 1 else ""
+    if space.pp is not None and rest % space.pp:
+        reject("tp x pp does not divide gpus", f"tp {t}{cp_part} x pp {space.pp} does not divide the {N} GPUs")
+    for p in divisors(rest):
+        if space.pp is not None and p != space.pp:
+            continue
+        if p > L:
+            reject("pp > layers", f"pp {p} exceeds the {L} layers")
+            continue
+        if L % p:
+            reject("layers % pp", f"layers {L} not divisible by pp {p}")
+            continue
+        d = rest // p
+        if B % d:
+            reject("batch % dp", f"global batch {B} not divisible by dp {d} (tp {t}{cp_part} pp {p})")
+            continue
+        yield from _layouts_of_grid(config, t, p, d, run, space, reject, c)
 
 
 def _tp_is_valid(config: TransformerConfig, t: int, space: SearchSpace, reject: Reject) -> bool:
@@ -168,7 +206,7 @@ def _tp_is_valid(config: TransformerConfig, t: int, space: SearchSpace, reject: 
 
 
 def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run, space: SearchSpace,
-                     reject: Reject) -> Iterator[Layout]:
+                     reject: Reject, c: int = 1) -> Iterator[Layout]:
     """The layouts of one (tp, pp, dp): interleaving, micro-batch, recomputation, sequence
     parallelism and the ZeRO stage."""
     B, s = run.global_batch_size, run.seq_length
@@ -191,10 +229,14 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
                     if sp and s % t:
                         reject("seq % tp", f"sequence parallelism needs seq length {s} divisible by tp {t}")
                         continue
+                    if sp and (s // c) % t:
+                        reject("seq / cp % tp", f"sequence parallelism with cp {c} needs each rank's {s // c} "
+                                                f"tokens divisible by tp {t}")
+                        continue
                     for stage in space.zero_stage:
-                        if stage and d == 1 and 0 in space.zero_stage:
-                            continue  # nothing to shard at dp = 1: stage 0 at best
-                        yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage)
+                        if stage and d * c == 1 and 0 in space.zero_stage:
+                            continue  # nothing to shard at dp x cp = 1: stage 0 at best
+                        yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage, c)
 
 
 def with_zero_stage(layout: Layout, stage: int) -> Layout:
@@ -221,17 +263,17 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  cluster: Cluster | None = None, ddp_bucket_size: int = 40_000_000,
                  attention_backend: str | None = None, pipeline_layers=None, zero_stage: int | None = None,
                  grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
-                 zero_keep_params_for_step: bool = False) -> tuple[bool, Prediction]:
+                 zero_keep_params_for_step: bool = False, cp: int = 1) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer."""
-    gpus = tp * pp * dp
+    gpus = tp * cp * pp * dp
     base = cluster or Cluster(gpus=gpus)
     cluster = replace(base, gpus=gpus, gpu_memory_gib=gpu_memory_bytes / GIB)
     layout = Layout(tp, pp, dp, vpp if vpp and vpp > 1 else None, micro_batch_size,
                     recompute or config.recompute,
                     config.sequence_parallel if sequence_parallel is None else sequence_parallel,
-                    use_distributed_optimizer and zero_stage != 0, zero_stage)
+                    use_distributed_optimizer and zero_stage != 0, zero_stage, cp)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,
@@ -259,8 +301,9 @@ def check_args(args, world_size: int, gpu_memory_bytes: float | None = None,
         cluster = Cluster(gpus=world_size, peak_tflops=getattr(args, "peak_tflops", None) or default_peak_tflops()
                           or Cluster.peak_tflops)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    dp = world_size // (args.tp * args.pp)
-    return check_layout(config, tp=args.tp, pp=args.pp, dp=dp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
+    cp = getattr(args, "cp", 1)
+    dp = world_size // (args.tp * cp * args.pp)
+    return check_layout(config, tp=args.tp, pp=args.pp, dp=dp, cp=cp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size, seq_length=args.seq_length,
                         recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                         use_distributed_optimizer=args.use_distributed_optimizer, dtype=dtype,

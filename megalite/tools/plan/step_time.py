@@ -35,6 +35,7 @@ class StepTime:
     dp_comm: float
     optimizer: float
     total: float
+    cp_comm: float = 0.0  # context parallelism's ring traffic not hidden behind the compute (in total)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class LayoutCosts:
     ar_per_layer: int
     msg: float  # one pipeline message: megalite's p2p tensor_shape
     pp_mb: float  # pipeline exchanges per micro-batch (all chunks)
+    bw_cp: float = 0.0  # context parallelism (cp > 1): the CP group's slowest link
+    ring_bytes: float = 0.0  # bytes one rank sends around the ring per layer and micro-batch (see ring_layer_bytes)
 
     @property
     def traffic(self) -> int:
@@ -77,12 +80,13 @@ class LayoutCosts:
 def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: Run, m: int) -> LayoutCosts:
     t, p, v, b = layout.tp, layout.pp, layout.v, layout.micro_batch_size
     s, h = run.seq_length, config.hidden_size
+    local = s // layout.cp  # tokens of each sequence on one CP rank
     ab = DTYPE_BYTES[run.dtype]
     bw_tp, bw_pp = bandwidth(cluster, "tp", layout), bandwidth(cluster, "pp", layout)
     vocab = pad_vocab_size(config.vocab_size, t, config.make_vocab_size_divisible_by)
     fwd, bwd, core = layer_flops(config, s, b, layout.recompute)
-    ar_bytes = s * b * h * ab
-    msg = (s // t if layout.sequence_parallel else s) * b * h * ab
+    ar_bytes = local * b * h * ab
+    msg = (local // t if layout.sequence_parallel else local) * b * h * ab
     return LayoutCosts(
         config=config, layout=layout, cluster=cluster, run=run, micro_batches=m,
         layer_counts=stage_layer_counts(config.num_layers, p, layout.vpp,
@@ -93,7 +97,21 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
         ar_time=2.0 * (t - 1) / t * ar_bytes / bw_tp if t > 1 else 0.0,
         ar_per_layer=6 if layout.recompute == "full" else 4,  # the recomputed forward repeats its 2
         msg=msg, pp_mb=2.0 * v * msg / bw_pp if p > 1 else 0.0,  # per micro-batch and chunk: 1 forward + 1 backward
+        bw_cp=bandwidth(cluster, "cp", layout) if layout.cp > 1 else 0.0,
+        ring_bytes=ring_layer_bytes(config, layout, s, ab) if layout.cp > 1 else 0.0,
     )
+
+
+def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_bytes: int) -> float:
+    """Bytes one rank sends around the context-parallel ring for one layer and micro-batch
+    (`megalite.parallel.context_parallel.ring_bytes_per_layer`: K/V blocks of this TP rank's KV
+    groups in the model dtype, dK/dV in fp32); full recomputation runs the forward's ring again."""
+    from megalite.parallel.context_parallel import ring_bytes_per_layer
+
+    groups = max(1, (config.num_query_groups or config.num_attention_heads) // layout.tp)
+    ring = ring_bytes_per_layer(layout.micro_batch_size, groups, s // layout.cp, config.head_dim, layout.cp,
+                                act_bytes, 4)
+    return ring["total"] + (ring["forward"] if layout.recompute == "full" else 0)
 
 
 def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str) -> tuple[float, float, float]:
@@ -112,24 +130,28 @@ def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str) -> tu
 
 # Placement: which links a group's ring crosses (rank = pp_rank * dp * tp + dp_rank * tp + tp_rank)
 @functools.lru_cache(maxsize=4096)
-def crosses_nodes(kind: str, tp: int, pp: int, dp: int, gpus_per_node: int) -> bool:
-    """Whether any group of this kind (tp, dp, pp, embedding) spans more than one node."""
-    g = gpus_per_node
+def crosses_nodes(kind: str, tp: int, pp: int, dp: int, gpus_per_node: int, cp: int = 1) -> bool:
+    """Whether any group of this kind (tp, cp, dp, pp, embedding) spans more than one node. Rank
+    order: tensor fastest, then context, data, pipeline; the gradients' "dp" group is DP x CP."""
+    g, stage = gpus_per_node, tp * cp * dp  # ranks of one pipeline stage
 
     def spans(ranks) -> bool:
         return ranks[0] // g != ranks[-1] // g  # ranks increase along each group
 
     if kind == "tp":
-        return any(spans([s, s + tp - 1]) for s in range(0, tp * pp * dp, tp))
+        return any(spans([s, s + tp - 1]) for s in range(0, tp * cp * pp * dp, tp))
+    if kind == "cp":
+        return any(spans([p * stage + d * cp * tp + t, p * stage + d * cp * tp + (cp - 1) * tp + t])
+                   for p in range(pp) for d in range(dp) for t in range(tp))
     if kind == "dp":
-        return any(spans([p * dp * tp + t, p * dp * tp + (dp - 1) * tp + t]) for p in range(pp) for t in range(tp))
+        return any(spans([p * stage + t, p * stage + (dp * cp - 1) * tp + t]) for p in range(pp) for t in range(tp))
     # pp or embedding (first and last stage of each pipeline)
-    return any(spans([d * tp + t, (pp - 1) * dp * tp + d * tp + t]) for d in range(dp) for t in range(tp))
+    return any(spans([k * tp + t, (pp - 1) * stage + k * tp + t]) for k in range(dp * cp) for t in range(tp))
 
 
 def bandwidth(cluster: Cluster, kind: str, layout: Layout) -> float:
     """Bytes/s of the slowest link a group of this kind uses."""
-    inter = crosses_nodes(kind, layout.tp, layout.pp, layout.dp, cluster.gpus_per_node)
+    inter = crosses_nodes(kind, layout.tp, layout.pp, layout.dp, cluster.gpus_per_node, layout.cp)
     return (cluster.inter_node_gbps if inter else cluster.intra_node_gbps) * 1e9
 
 
@@ -185,7 +207,7 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     after the step. Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
     stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
     layout, run = costs.layout, costs.run
-    p, d, stage = layout.pp, layout.dp, layout.zero_stage
+    p, d, stage = layout.pp, layout.dp_cp, layout.zero_stage
     pb = DTYPE_BYTES[run.dtype]
     out = DataParallelTime()
     gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp)
