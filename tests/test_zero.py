@@ -306,3 +306,90 @@ def test_stage_3_with_torch_compile_is_refused_naming_the_alternative():
     args = parse(["--zero-stage", "3", "--torch-compile"])
     with pytest.raises(UsageError, match="--zero-stage 2"):
         arguments.validate(args, 2, arguments.model_config(args))
+
+
+# -- parameters a backward does not reach ---------------------------------------------------------
+def skipping_backwards(rank, world, skipped):
+    """Three linear layers, each its own stage-2 bucket; micro-batch i skips layer skipped[i] (None:
+    none) on every rank. Returns (reduced gradient shards, plain autograd's gradients summed over
+    ranks for the same elements, whether the buffer warned)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from megalite.optim.zero import ShardedGradBuffer
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+    reference = [p.detach().clone().requires_grad_() for p in layers.parameters()]
+    buf = ShardedGradBuffer(list(layers.parameters()), param_dtype=torch.float32, grad_dtype=torch.float32,
+                            bucket_numel=72, dp_group=dist.group.WORLD, dp_size=world)
+    assert len(buf.buckets) == 3
+
+    def forward(weights, x, skip):
+        for k in range(3):
+            if k != skip:
+                x = torch.tanh(x @ weights[2 * k].t() + weights[2 * k + 1])
+        return x.square().sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for micro_batch, skip in enumerate(skipped):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + micro_batch))
+            forward(list(layers.parameters()), x, skip).backward()
+            forward(reference, x, skip).backward()
+        buf.finish_grad_sync()
+    got, want = [], []
+    for p, r in zip(layers.parameters(), reference):
+        summed = torch.zeros(r.numel()) if r.grad is None else r.grad.reshape(-1).clone()
+        dist.all_reduce(summed)
+        lo, hi = buf.param_range(p)
+        bucket = buf.bucket_of[id(p)]
+        own_lo, own_hi = (bucket.start + x for x in buf.owned_range(bucket))
+        a, b = max(lo, own_lo), min(hi, own_hi)
+        if a < b:
+            got.append(buf.grad_slice(a, b).clone())
+            want.append(summed[a - lo:b - lo])
+    return torch.cat(got), torch.cat(want), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("skipped", [[1], [None, 1], [2, 0, None]],
+                         ids=["middle-layer", "reached-then-not", "last-then-first"])
+def test_stage_2_parameters_no_rank_reaches_add_nothing_and_are_warned_about_once(skipped):
+    for got, want, warned in run_ranks(skipping_backwards, 2, args=(skipped,)):
+        # Per micro-batch sums over ranks, then over micro-batches: the reference's order is the other.
+        assert rel_err(got, want) <= 1e-6
+        assert len(warned) == 1 and "not complete when this backward ended" in warned[0], warned
+
+
+def warned_in_training(rank, world, argv):
+    run = gpt_run(argv)
+    return [buf.unreached_warned for buf in run.buffers]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_gpt_backward_completes_every_bucket_so_nothing_is_warned(stage):
+    argv = BASE + ["--pp", "2", "--train-iters", "1", "--eval-iters", "0", "--zero-stage", str(stage),
+                   "--ddp-bucket-size", "3000"]
+    for warned in run_ranks(warned_in_training, 4, args=(argv,)):
+        assert warned == [False]
+
+
+def test_in_backward_tells_forward_from_backward():
+    from megalite.optim.zero import _in_backward
+
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(_in_backward()))
+    assert not _in_backward()
+    y.sum().backward()
+    assert seen == [True] and not _in_backward()
+
+
+def test_stage_3_refuses_a_chunk_without_layers_naming_the_fix():
+    from megalite.optim.zero import layer_units
+
+    chunk = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="no `layers`.*--zero-stage 2"):
+        layer_units(chunk, list(chunk.parameters()), lambda p: False)

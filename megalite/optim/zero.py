@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -49,7 +50,9 @@ class ShardedGradBuffer(ParamAndGradBuffer):
         self._allocate_params()
         self.grad_shard = torch.zeros(self.numel // self.dp_size, dtype=self.grad_dtype, device=self.device)
         self._in_flight: list[tuple[Bucket, torch.Tensor, object]] = []
-        self._end_queued = False
+        self._end_queued = False  # a backward touched this buffer: its end-of-backward callback is queued
+        self._launched: set[int] = set()  # buckets launched in this backward
+        self.unreached_warned = False
         self._starts = [b.start for b in self.buckets]
         # Bytes held beyond the shards, now and at their peak: whole-bucket gradients, gathered units.
         self.transient = {"grads": 0, "gathered": 0}
@@ -138,6 +141,7 @@ class ShardedGradBuffer(ParamAndGradBuffer):
 
     def _launch(self, bucket: Bucket) -> None:
         self.launch_log.append((bucket.index, self._hooks_seen))
+        self._launched.add(bucket.index)
         data = bucket.grad if self.comm_dtype is None else bucket.grad.to(self.comm_dtype)
         if self.dp_size == 1:
             out, work = data, None
@@ -160,10 +164,25 @@ class ShardedGradBuffer(ParamAndGradBuffer):
         bucket.ready.clear()
 
     def _end_of_backward(self) -> None:
+        """Autograd's callback at the end of a backward that reached this buffer. Buckets some of
+        whose parameters took no part launch now, in index order (their zeros added); a bucket no
+        gradient reached is not reduced. Collectives are matched by their order on each rank (NCCL's
+        rule, gloo's too), so this is right when every DP rank's backward reaches the same parameters,
+        as in every megalite model; a model whose unused parameters depend on the data is not
+        supported (PyTorch's DDP without find_unused_parameters and FSDP ask the same). Warned about
+        once, since a rank cannot tell the two cases apart alone."""
         self._end_queued = False
-        for bucket in self.buckets:  # parameters that took no part in this backward add zeros
-            if bucket.grad is not None and bucket.work is None:
-                self._launch(bucket)
+        late = [b for b in self.buckets if b.grad is not None and b.work is None]
+        unreached = [b for b in self.buckets if b.grad is None and b.index not in self._launched]
+        if (late or unreached) and self._launched | {b.index for b in late} and not self.unreached_warned:
+            self.unreached_warned = True
+            warnings.warn(f"ZeRO-{self.zero_stage}: {len(late) + len(unreached)} of {len(self.buckets)} gradient "
+                          "buckets were not complete when this backward ended (parameters it did not reach). "
+                          "Correct only if every data-parallel rank's backward skips the same parameters; "
+                          "unused parameters that depend on the data are not supported", stacklevel=2)
+        for bucket in late:
+            self._launch(bucket)
+        self._launched.clear()
         while self._in_flight:
             self._land(*self._in_flight.pop(0))
 
@@ -312,7 +331,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
             pass
         elif self.reshard_after_forward:
             self._free(bucket)
-        else:
+        else:  # one hold per forward whose backward is still to come (1F1B runs several forwards
+            # first); a layer called twice in one forward is held until finish_grad_sync frees it
             unit.holds += 1
 
     def _after_backward(self, bucket: Bucket) -> None:
@@ -420,8 +440,11 @@ def layer_units(chunk: nn.Module, params: list[torch.nn.Parameter], deferred) ->
     """ZeRO-3 units of a chunk, as indices into `params`: each of `chunk.layers` (last first, as
     backward meets them), then the rest, then each deferred (tied across stages) parameter alone."""
     index = {id(p): k for k, p in enumerate(params)}
+    if not hasattr(chunk, "layers"):
+        raise ValueError(f"ZeRO-3 gathers a chunk's parameters layer by layer, but {type(chunk).__name__} has no "
+                         "`layers` (a ModuleList of its transformer layers): give it one, or use --zero-stage 2")
     units, in_layers = [], set()
-    for layer in reversed(list(getattr(chunk, "layers", []))):
+    for layer in reversed(list(chunk.layers)):
         members = [index[id(p)] for p in reversed(list(layer.parameters())) if id(p) in index]
         in_layers.update(members)
         if members:
@@ -444,6 +467,8 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def _in_backward() -> bool:
+    """True inside autograd's backward (a recomputation, a tensor hook). A private torch call, pinned
+    by tests/test_zero.py::test_in_backward_tells_forward_from_backward."""
     return torch._C._current_graph_task_id() != -1
 
 
