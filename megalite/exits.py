@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import traffic
 from megalite.runtime import TrainingStopped
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: Slurm's `--signal=B:USR1@120` preemption warning
@@ -57,6 +58,7 @@ class ExitWatch:
             work.wait()
             agreed = flags.tolist()
         flags = self._local_flags()
+        traffic.all_reduce("metrics", flags.nbytes, dist.get_world_size(self.group))
         self._pending = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         self.exchanges += 1
         return agreed

@@ -17,6 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megalite.parallel import traffic
+
 # Dense datasheet peaks (TFLOP/s, no sparsity) by the dtype the matmuls run in, for MFU when
 # --peak-tflops is not given. Most specific device names first: the H100's three forms differ.
 _PEAK_TFLOPS = (
@@ -143,11 +145,14 @@ class LogWindow:
         n = self.losses.numel()
         both = torch.cat([self.losses, torch.tensor([self.bubble], device=self.device)])
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            traffic.all_reduce("metrics", both[:n].nbytes, dist.get_world_size(self.dp_group))
             dist.all_reduce(both[:n], group=self.dp_group)
         pp = dist.get_world_size(self.pp_group) if self.pp_group is not None else 1
         if pp > 1:  # the loss lives on the last stage; the bubble is averaged over stages
             bubble = both[n:].clone()
+            traffic.all_reduce("metrics", bubble.nbytes, pp)
             dist.all_reduce(bubble, group=self.pp_group)
+            traffic.gather_or_scatter("metrics", both.nbytes, pp)  # a broadcast
             dist.broadcast(both, src=self.last_stage, group=self.pp_group)
             both[n] = bubble[0] / pp
         values = both.tolist()
@@ -213,6 +218,12 @@ class Timeline:
             self.events.append({"name": name, "cat": category, "ph": "X", "pid": rank,
                                 "tid": _ROWS.get(category, (0, ""))[0],
                                 "ts": (start - self.t0) * 1e6, "dur": dur * 1e6, "args": {"iteration": iteration}})
+
+    def counter(self, rank: int, name: str, start: float, values: dict[str, int]) -> None:
+        """A point of the rank's counter track `name` (a Chrome-trace "C" event, drawn as stacked
+        series): `values` hold from `start` until its next point (the bytes a step sent, by kind)."""
+        self.events.append({"name": name, "ph": "C", "pid": rank, "tid": 0, "ts": (start - self.t0) * 1e6,
+                            "args": dict(values) or {"none": 0}})
 
     def write(self, labels: dict[int, str]) -> None:
         """Gather every rank's events on rank 0 and write the file atomically."""
@@ -288,6 +299,8 @@ class TrainingLogger:
             for key in (*_TENSORBOARD_KEYS, *_loss_term_keys(record)):
                 if record.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", record[key], record["iteration"])
+            for kind, nbytes in record.get("comm_bytes", {}).items():
+                self.tb.add_scalar(f"comm_bytes/{kind}", nbytes, record["iteration"])
             self.tb.flush()
 
     def evaluation(self, iteration: int, values: dict[str, float], perplexity_of: str | None = None) -> None:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# Module attributes, so that tests can count the bytes sent by wrapping them.
+from megalite.parallel import traffic
+# Module attributes, so that tests can count the bytes sent by wrapping them (megalite counts them
+# itself too, in megalite.parallel.traffic).
 from megalite.parallel.mappings import all_gather_single as _all_gather_single
 from megalite.parallel.mappings import reduce_scatter_single as _reduce_scatter_single
 
@@ -252,8 +254,10 @@ class ParamAndGradBuffer:
         if self.reduce_scatter:  # deferred buckets too: the optimizer reads only its shard of them
             shard = bucket.numel // self.dp_size
             out = data[self.dp_rank * shard:(self.dp_rank + 1) * shard]
+            traffic.gather_or_scatter("dp", data.nbytes, self.dp_size)
             bucket.work = _reduce_scatter_single(out, data, group=self.dp_group, async_op=True)
         else:
+            traffic.all_reduce("dp", data.nbytes, self.dp_size)
             bucket.work = _all_reduce(data, group=self.dp_group, async_op=True)
 
     def finish_grad_sync(self) -> None:
@@ -298,6 +302,7 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             lo, hi = self.owned_range(bucket)
             full = self.param_data[bucket.start:bucket.end]
+            traffic.gather_or_scatter("dp", full.nbytes, self.dp_size)
             works.append(_all_gather_single(full, full[lo:hi], group=self.dp_group, async_op=True))
         for w in works:
             w.wait()

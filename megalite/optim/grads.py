@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import state
+from megalite.parallel import state, traffic
 
 
 def finalize_grads(buffers, embedding_group=None) -> None:
@@ -19,22 +19,40 @@ def finalize_grads(buffers, embedding_group=None) -> None:
     for buf in buffers:
         if embedding_group is not None:
             for grad in buf.deferred_grads():
+                traffic.all_reduce("embedding", grad.nbytes, dist.get_world_size(embedding_group))
                 dist.all_reduce(grad, group=embedding_group)
         buf.finish_grad_sync()
-    _sum_over_tp([g for buf in buffers for g in buf.grads_of(is_partial_over_tp)])
+    kinds: list[str] = []  # grads_of calls keep(p) once for each gradient it returns, in order
+
+    def keep(p) -> bool:
+        partial = is_partial_over_tp(p)
+        if partial:
+            kinds.append(_tp_sum_kind(p))
+        return partial
+    _sum_over_tp([g for buf in buffers for g in buf.grads_of(keep)], kinds)
 
 
 def allreduce_sequence_parallel_grads(params) -> None:
     """Parameters replicated over TP but applied to a sequence shard (LayerNorm, row bias under
     sequence parallelism), or to this rank's heads only (`partial_over_tp`: qk-norm weights), hold
     partial gradients: sum them over TP (in `main_grad`)."""
-    _sum_over_tp([p.main_grad for p in params if is_partial_over_tp(p)])
+    partial = [p for p in params if is_partial_over_tp(p)]
+    _sum_over_tp([p.main_grad for p in partial], [_tp_sum_kind(p) for p in partial])
 
 
-def _sum_over_tp(grads: list[torch.Tensor]) -> None:
-    if state.get_tensor_model_parallel_world_size() == 1 or not grads:
+def _tp_sum_kind(p) -> str:
+    """Traffic kind of summing `p`'s gradient over TP: "sp" where sequence parallelism made it
+    partial (norms, row biases), "tp" where each rank holds some heads (qk-norm weights)."""
+    return "sp" if getattr(p, "sequence_parallel", False) else "tp"
+
+
+def _sum_over_tp(grads: list[torch.Tensor], kinds: list[str]) -> None:
+    tp = state.get_tensor_model_parallel_world_size()
+    if tp == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
+    for kind in set(kinds):  # one all-reduce; its volume shared out by kind
+        traffic.all_reduce(kind, sum(g.nbytes for g, k in zip(grads, kinds) if k == kind), tp)
     dist.all_reduce(flat, group=state.get_tensor_model_parallel_group())
     torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
 

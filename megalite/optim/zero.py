@@ -34,6 +34,7 @@ from torch import nn
 
 from megalite.optim import buffers as _buffers
 from megalite.optim.buffers import Bucket, ParamAndGradBuffer
+from megalite.parallel import traffic
 
 MAX_IN_FLIGHT = 2  # whole-bucket gradients held while their reduce-scatters run
 
@@ -147,6 +148,7 @@ class ShardedGradBuffer(ParamAndGradBuffer):
             out, work = data, None
         else:
             out = torch.empty(bucket.numel // self.dp_size, dtype=data.dtype, device=self.device)
+            traffic.gather_or_scatter("dp", data.nbytes, self.dp_size)
             work = _buffers._reduce_scatter_single(out, data, group=self.dp_group, async_op=True)
         bucket.work = work or True
         self._in_flight.append((bucket, out, work))
@@ -287,6 +289,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         if self.dp_size == 1:
             unit.whole.copy_(shard)
         else:
+            traffic.gather_or_scatter("dp", unit.whole.nbytes, self.dp_size)
             unit.work = _buffers._all_gather_single(unit.whole, shard, group=self.dp_group, async_op=True)
         unit.state = GATHERING
         self.gather_log.append((bucket.index, why))
@@ -356,10 +359,11 @@ class ShardedParamBuffer(ShardedGradBuffer):
             self._wait(unit)
 
     def pin(self) -> None:
-        for bucket in self.buckets:
-            self.gather(bucket, wait=False, why="pin")
-        for bucket in self.buckets:
-            self.gather(bucket)
+        with traffic.excluded():  # a save or an export, between steps: not a step's traffic
+            for bucket in self.buckets:
+                self.gather(bucket, wait=False, why="pin")
+            for bucket in self.buckets:
+                self.gather(bucket)
         self.pinned = True
 
     def unpin(self) -> None:
@@ -391,7 +395,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
         freed in turn (collective, like every gather)."""
         for bucket, unit in zip(self.buckets, self.units):
             if unit.parked:
-                self.gather(bucket, why="unpark")
+                with traffic.excluded():  # checkpoint saves: not a step's traffic
+                    self.gather(bucket, why="unpark")
                 self._free(bucket)
         return [unit.whole.untyped_storage()._cdata for unit in self.units]
 
@@ -401,8 +406,9 @@ class ShardedParamBuffer(ShardedGradBuffer):
         inside the block: what every forward holds anyway. A save cuts the vocabulary padding off
         these, and a cut view needs its storage."""
         held = [b for b in self.buckets if b.index not in self.layer_unit_indices and self.units[b.index].state == FREE]
-        for bucket in held:
-            self.gather(bucket, why="save")
+        with traffic.excluded():
+            for bucket in held:
+                self.gather(bucket, why="save")
         try:
             yield
         finally:
@@ -415,7 +421,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
         parameter while its unit is whole, holding one unit at a time. Collective over DP."""
         for bucket, unit in zip(self.buckets, self.units):
             was_free = unit.state == FREE
-            self.gather(bucket, why="save")
+            with traffic.excluded():
+                self.gather(bucket, why="save")
             yield unit.whole.untyped_storage()._cdata
             if was_free:
                 self._free(bucket)

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite.parallel import traffic
+
 # Tags keep the two kinds of ring message apart when next and previous rank coincide (cp = 2).
 _KV_TAG, _GRAD_TAG = 100, 200
 
@@ -128,6 +130,7 @@ def _start_exchange(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev
     """Send `send` to the next rank of the ring and receive into `recv` from the previous one, without
     waiting: returns the requests. Every ring message goes through here (tests count bytes on it)."""
     ops = [dist.P2POp(dist.isend, send, next_rank, group, tag), dist.P2POp(dist.irecv, recv, prev_rank, group, tag)]
+    traffic.send("cp", send.nbytes)
     return dist.batch_isend_irecv(ops)
 
 
@@ -257,6 +260,7 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> to
     size = dist.get_world_size(group)
     pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
     received = [torch.empty_like(p) for p in pieces]
+    traffic.gather_or_scatter("cp", x.nbytes, size)
     dist.all_to_all(received, pieces, group=group)
     return torch.cat(received, dim=gather_dim)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import state
+from megalite.parallel import state, traffic
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -17,6 +17,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
         logits_max = logits.max(dim=-1).values.float()
         if tp > 1:
+            traffic.all_reduce("tp", logits_max.nbytes, tp)
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         # One fp32 working copy, shifted in place (16-bit logits: no second vocabulary-sized copy).
         shifted = logits.to(torch.float32, copy=True)
@@ -32,6 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if tp > 1:  # one all-reduce for both sums
             both = torch.stack([target_logit, sum_exp])
+            traffic.all_reduce("tp", both.nbytes, tp)
             dist.all_reduce(both, group=group)
             target_logit, sum_exp = both[0], both[1]
         loss = sum_exp.log() - target_logit

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import state
+from megalite.parallel import state, traffic
 
 # torch >= 2.12 renamed the single-tensor collectives; keep working on older releases (the one
 # place that knows: optim.buffers uses these too).
@@ -32,6 +32,14 @@ def _group(group):
     return state.get_tensor_model_parallel_group() if group is None else group
 
 
+def _kind(group, tp_kind: str) -> str:
+    """The traffic kind of a collective over `group`: "cp" over the context-parallel group, else
+    `tp_kind` ("tp" for the last-dim and all-reduce regions, "sp" for the sequence ones)."""
+    if group is not None and state.model_parallel_is_initialized() and group is state.get_context_parallel_group():
+        return "cp"
+    return tp_kind
+
+
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
 
@@ -39,12 +47,14 @@ def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_size(group))]
+    traffic.gather_or_scatter(_kind(group, "tp"), x.nbytes * len(parts), len(parts))
     dist.all_gather(parts, x, group=_group(group))
     return torch.cat(parts, dim=-1)
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
+    traffic.all_reduce(_kind(group, "tp"), x.nbytes, _size(group))
     dist.all_reduce(x, group=_group(group))
     return x
 
@@ -64,6 +74,7 @@ def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * _size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    traffic.gather_or_scatter(_kind(group, "sp"), out.nbytes, _size(group))
     all_gather_single(out, x, group=_group(group))
     return out
 
@@ -72,6 +83,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = _check_sequence_splits(x, group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    traffic.gather_or_scatter(_kind(group, "sp"), x.nbytes, size)
     reduce_scatter_single(out, x, group=_group(group))
     return out
 
@@ -104,6 +116,7 @@ class _ReduceFromRegion(torch.autograd.Function):
             return _reduce(x, group)
         # Sum in place: x is a fresh matmul output nobody else holds, so no copy is needed.
         ctx.mark_dirty(x)
+        traffic.all_reduce(_kind(group, "tp"), x.nbytes, _size(group))
         dist.all_reduce(x, group=_group(group))
         return x
 

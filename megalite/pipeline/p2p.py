@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import state
+from megalite.parallel import state, traffic
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
 
@@ -41,6 +41,8 @@ def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device) -> dict
     group = state.get_pipeline_model_parallel_group()
     buffers = {r.key: torch.empty(shape, dtype=dtype, device=device) for r in recvs}
     ops = [dist.P2POp(dist.isend, s.tensor.contiguous(), s.peer, group, s.tag) for s in sends]
+    for s in sends:
+        traffic.send("pp", s.tensor.nbytes)
     ops += [dist.P2POp(dist.irecv, buffers[r.key], r.peer, group, r.tag) for r in recvs]
     for work in dist.batch_isend_irecv(ops):
         work.wait()

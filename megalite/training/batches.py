@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
+from megalite.parallel import traffic
 from megalite.parallel.context_parallel import split_for_context_parallel
 from megalite.training.task import Task
 
@@ -46,6 +47,7 @@ def global_normalizer(batches: list[dict], global_batch_size: int, dp_group) -> 
     with the global batch size, for losses with more than one term (BERT: MLM + SOP)."""
     num_tokens = sum(b["loss_mask"].sum() for b in batches).float()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        traffic.all_reduce("metrics", num_tokens.nbytes, dist.get_world_size(dp_group))
         dist.all_reduce(num_tokens, group=dp_group)
     for b in batches:
         b["num_tokens"], b["global_batch_size"] = num_tokens, global_batch_size

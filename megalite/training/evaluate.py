@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
+from megalite.parallel import traffic
 from megalite.pipeline.schedules import Op, run_schedule
 from megalite.training.batches import global_normalizer, loss_terms, micro_batches
 from megalite.training.step import TrainStep
@@ -14,7 +15,12 @@ from megalite.training.task import Task
 def evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
     """Mean loss (and the task's loss terms) over `--eval-iters` global batches of `data` (the same
     ones each time), forward only through the pipeline (`program`) over `step`'s chunks; the same
-    values on every rank."""
+    values on every rank. Its communication is not counted in the training steps' traffic."""
+    with traffic.excluded():
+        return _evaluate(args, task, step, program, data, device)
+
+
+def _evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
     chunks = step.chunks
     dp = parallel.get_data_parallel_world_size()  # samples dealt over DP, sums over DP x CP
     dp_group = parallel.get_data_parallel_group(with_context_parallel=True)

@@ -1,6 +1,6 @@
 """What the loop reports after each step: skipped steps (and the stop after too many in a row),
-the log window's figures at log lines, the timeline's spans. Nothing here reads the device
-between log lines."""
+the log window's figures at log lines, the timeline's spans, the bytes the step sent
+(`comm_bytes`, megalite.parallel.traffic). Nothing here reads the device between log lines."""
 from __future__ import annotations
 
 import time
@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megalite import parallel
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
+from megalite.parallel import traffic
 from megalite.pipeline.schedules import theoretical_bubble
 from megalite.runtime import TrainingStopped
 from megalite.training.step import SkippedSteps, StepResult
@@ -41,8 +42,10 @@ class Progress:
         self.records: list[dict] = []
 
     def start(self) -> None:
-        """Right after a barrier: every rank's timeline clock starts together."""
+        """Right after a barrier: every rank's timeline clock starts together; the traffic of the
+        setup (initial broadcasts, a checkpoint load) is not the first step's."""
         self.timeline.start()
+        traffic.take()
 
     def records_spans(self, step_index: int) -> bool:
         return self.timeline.records(step_index)
@@ -78,12 +81,19 @@ class Progress:
         timed = self.device.type == "cpu" or record_spans
         self.window.add(stats.loss_sum, terms, num_tokens,
                         1.0 - stats.busy_s / max(stats.wall_s, 1e-12) if timed else None)
+        figures = self.window.close() if log_now else None
+        # This step's bytes: since the last take, so with the previous iteration's exit-flag exchange
+        # and this one's log-line reductions; validation and checkpoint gathers are not counted.
+        comm_bytes = traffic.take()
+        if record_spans:
+            start = min((span[2] for span in stats.spans), default=result.optimizer_start)
+            self.timeline.counter(self.rank, "comm bytes", start, comm_bytes)
         if log_now:
-            self._log(iteration, result, optimizer, lr, consumed, window_skipped)
+            self._log(iteration, result, optimizer, lr, consumed, window_skipped, figures, comm_bytes)
 
-    def _log(self, iteration, result: StepResult, optimizer, lr, consumed, skipped) -> None:
+    def _log(self, iteration, result: StepResult, optimizer, lr, consumed, skipped, figures: dict,
+             comm_bytes: dict[str, int]) -> None:
         args = self.args
-        figures = self.window.close()
         elapsed, bubble_measured = figures.pop("seconds_per_iter"), figures.pop("bubble")
         tflops = self.flops / elapsed / self.world_size / 1e12
         record = {
@@ -102,6 +112,7 @@ class Progress:
             "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,
             "bubble_theory": self.bubble_theory,
             "bubble_measured": bubble_measured,
+            "comm_bytes": comm_bytes,  # this rank's (rank 0's in the metrics file), by kind
         }
         self.records.append(record)
         self.logger.train(record)
