@@ -122,6 +122,9 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="the (inner) optimizer: AdamW, or plain SGD without momentum (same lr schedule and "
+                        "decoupled weight decay; exact equivalences such as local SGD at H=1 hold for it)")
 
     g = p.add_argument_group("data parallelism and precision")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -138,6 +141,9 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
                    help="gradient elements per data-parallel reduction bucket")
     g.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the data-parallel gradient reduction (bf16 halves the traffic)")
+    g.add_argument("--overlap-grad-reduce", type=_on_off, default=True, metavar="{true,false}",
+                   help="ZeRO stages 0-1: start each bucket's reduction as soon as backward fills it (true), or "
+                        "reduce every bucket after the last backward (false: to measure what the overlap saves)")
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 model, fp32 master weights")
     precision.add_argument("--fp16", action="store_true", help="fp16 model, fp32 master weights, loss scaling")
@@ -150,6 +156,7 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
                    help="fp32 runs: full-FP32 matmuls instead of TF32 tensor cores (MFU then against the FP32 peak)")
     g.add_argument("--use-apex-adam", action="store_true", help="NVIDIA apex FusedAdam, if you built apex")
 
+    _add_local_sgd_flags(p.add_argument_group("local SGD / DiLoCo (docs/local-sgd.md)"))
     g.add_argument("--plan", action="store_true",
                    help="before training, predict memory and step time of this layout and warn if it will not fit")
     g.add_argument("--plan-gpu-memory-gib", type=float, default=None,
@@ -184,6 +191,41 @@ def build_parser(description: str, default_model: str) -> argparse.ArgumentParse
     g.add_argument("--timeline-iters", type=int, default=3, help="iterations recorded in the timeline")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     return p
+
+
+def _add_local_sgd_flags(g) -> None:
+    g.add_argument("--local-sgd-interval", type=int, default=0, metavar="H",
+                   help="data-parallel replicas take H optimizer steps without reducing gradients across "
+                        "replicas, then average their parameter deltas into an outer Nesterov-SGD step (0: off)")
+    g.add_argument("--outer-lr", type=float, default=0.7, help="local SGD: the outer optimizer's learning rate")
+    g.add_argument("--outer-momentum", type=float, default=0.9, help="local SGD: the outer Nesterov momentum")
+    g.add_argument("--outer-grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="local SGD: dtype of the averaged pseudo-gradients on the wire")
+    g.add_argument("--local-sgd-async", action="store_true",
+                   help="local SGD: overlap each outer reduction with the next H inner steps and apply it one "
+                        "round late")
+    g.add_argument("--local-sgd-fragments", type=int, default=1, metavar="F",
+                   help="local SGD (streaming): synchronize the parameters in F fragments, one every H/F steps")
+
+
+def _check_local_sgd(args) -> None:
+    """--local-sgd-interval H and its options: one line per bad combination."""
+    h = getattr(args, "local_sgd_interval", 0) or 0
+    if not h:
+        given = (("--local-sgd-async", getattr(args, "local_sgd_async", False)),
+                 ("--local-sgd-fragments", getattr(args, "local_sgd_fragments", 1) != 1),
+                 ("--outer-grad-dtype bf16", getattr(args, "outer_grad_dtype", "fp32") != "fp32"))
+        extras = [flag for flag, on in given if on]
+        if extras:
+            raise UsageError(f"{', '.join(extras)}: options of local SGD; add --local-sgd-interval H (or drop them)")
+        return
+    f = args.local_sgd_fragments
+    if h % f:
+        raise UsageError(f"--local-sgd-fragments {f} must divide --local-sgd-interval {h} (one fragment every H/F "
+                         f"steps): use a divisor of {h}")
+    if getattr(args, "zero_stage", 0) or args.use_distributed_optimizer:
+        raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
+                         "data parallelism): drop --use-distributed-optimizer / --zero-stage")
 
 
 def _add_llama_flags(g) -> None:
@@ -340,6 +382,9 @@ _NUMERIC_FLAGS = [
     ("--rope-high-freq-factor", "rope_high_freq_factor", _POSITIVE),
     ("--rope-original-max-position-embeddings", "rope_original_max_position_embeddings", _POSITIVE_INT),
     ("--num-query-groups", "num_query_groups", _POSITIVE_INT), ("--norm-epsilon", "norm_epsilon", _POSITIVE),
+    ("--local-sgd-interval", "local_sgd_interval", (lambda v: v >= 0, "an integer >= 0 (0: off)")),
+    ("--local-sgd-fragments", "local_sgd_fragments", _POSITIVE_INT),
+    ("--outer-lr", "outer_lr", _POSITIVE), ("--outer-momentum", "outer_momentum", _PROBABILITY),
 ]
 
 
@@ -431,4 +476,8 @@ def validate(args, world_size: int, config: TransformerConfig) -> int:
                          "trace here: drop --torch-compile, or use --zero-stage 2")
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by --tp ({tp})")
+    if not getattr(args, "overlap_grad_reduce", True) and getattr(args, "zero_stage", 0) >= 2:
+        raise UsageError(f"--overlap-grad-reduce false applies to ZeRO stages 0-1 (stage {args.zero_stage} "
+                         f"reduce-scatters during every backward): drop it, or use --zero-stage 0 or 1")
+    _check_local_sgd(args)
     return dp

@@ -609,3 +609,57 @@ def test_the_printed_command_builds_the_planned_llama_model_and_tp_follows_its_g
     result = P.plan(config, P.Cluster(gpus=3, gpu_memory_gib=80), 6, 64)
     assert all(p.layout.tp != 3 for p in result.predictions)
     assert any("num_query_groups" in r.example for r in result.rejected.values()), result.rejected
+
+
+# -- local SGD (--local-sgd-interval H) ------------------------------------------------------------
+
+def outer_bytes_sent(rank, world, argv):
+    from training_ranks import gpt_run
+
+    return gpt_run(argv).local_sgd.sent_bytes
+
+
+@pytest.mark.parametrize("extra", [[], ["--outer-grad-dtype", "bf16", "--local-sgd-fragments", "2"]],
+                         ids=["fp32", "bf16-streaming"])
+def test_local_sgd_dp_traffic_is_the_outer_all_reduce_that_training_sends_over_h(extra):
+    argv = TINY[:-4] + ["--train-iters", "4", "--local-sgd-interval", "2", *extra]
+    sent = run_ranks(outer_bytes_sent, 2, args=(argv,))[0]  # whole tensors handed to the all-reduce, 2 rounds
+    args = parse(argv)
+    arguments.validate(args, 2, arguments.model_config(args))
+    _, pred = P.check_args(args, 2, gpu_memory_bytes=80 * P.GIB)
+    traffic = pred.dp_parts[pred.dp_stage].traffic
+    assert set(traffic) == {"outer_all_reduce"}  # no per-step gradient reduction across replicas
+    assert traffic["outer_all_reduce"] * 4 == pytest.approx(2 * (2 - 1) / 2 * sent, rel=1e-12)
+
+
+def test_local_sgd_cuts_dp_bytes_per_step_by_h_and_hides_them_when_async():
+    config = preset("gpt-1.3b")
+    common = dict(tp=2, pp=1, dp=8, micro_batch_size=1, global_batch_size=512, seq_length=2048,
+                  gpu_memory_bytes=80 * P.GIB, cluster=P.Cluster(gpus=16), grad_reduce_dtype="fp32")
+    _, plain = P.check_layout(config, **common)
+    _, local = P.check_layout(config, **common, local_sgd={"local_sgd_interval": 16})
+    _, bf16 = P.check_layout(config, **common, local_sgd={"local_sgd_interval": 16, "outer_grad_dtype": "bf16"})
+    _, stream = P.check_layout(config, **common, local_sgd={"local_sgd_interval": 16, "local_sgd_fragments": 4})
+    _, hidden = P.check_layout(config, **common, local_sgd={"local_sgd_interval": 16, "local_sgd_async": True})
+    per_step = sum(plain.dp_parts[0].traffic.values())
+    numel = local.stages[0].state.numel
+    outer = local.dp_parts[0].traffic["outer_all_reduce"]
+    assert outer == pytest.approx(2 * 7 / 8 * numel * 4 / 16)
+    assert outer <= per_step / 16  # the gradient layout's padding only adds to plain DP's bytes
+    assert bf16.dp_parts[0].traffic["outer_all_reduce"] == pytest.approx(outer / 2)
+    assert stream.dp_parts[0].traffic["outer_all_reduce"] == pytest.approx(outer)  # 1/F every H/F steps
+    assert local.time.dp_comm > 0 and hidden.time.dp_comm == 0
+    assert local.memory.optimizer == pytest.approx(plain.memory.optimizer + 8 * numel)  # outer params + momentum
+    cmd = hidden.command()
+    assert "--local-sgd-interval 16 --local-sgd-async" in cmd and "--use-distributed-optimizer" not in cmd
+
+
+def test_local_sgd_plans_only_unsharded_optimizers():
+    result = P.plan(preset("gpt-1.3b"), P.Cluster(gpus=16), 512, 2048, tp=2, pp=1,
+                    local_sgd={"local_sgd_interval": 8})
+    assert result.best is not None and {x.layout.zero_stage for x in result} == {0}
+    assert "--local-sgd-interval 8" in result.best.command()
+    with pytest.raises(ValueError, match="ZeRO stage 1 is refused"):
+        P.check_layout(preset("gpt-1.3b"), tp=2, dp=8, global_batch_size=512, seq_length=2048,
+                       gpu_memory_bytes=80 * P.GIB, use_distributed_optimizer=True,
+                       local_sgd={"local_sgd_interval": 8})

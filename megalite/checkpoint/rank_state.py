@@ -55,9 +55,11 @@ def _first_replica() -> bool:
     return parallel.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
-def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True):
+def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True,
+                       replica: dict | None = None):
     """This rank's slices: ([(key, tensor)], structure). The tensors are the live ones (no copies):
-    write them before training goes on, or snapshot them."""
+    write them before training goes on, or snapshot them. `replica`: state of this rank's own that
+    no other rank holds (local SGD's replicas), stored as it is under "replica"."""
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def add(key: str, t: torch.Tensor) -> str:
@@ -80,6 +82,8 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         rng = {"cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states(),
                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
         meta["rng"] = encode_plain(rng, "rng", add)
+    if replica is not None:
+        meta["replica"] = encode_plain(replica, "replica", add)
     return tensors, meta
 
 

@@ -273,6 +273,12 @@ class CheckpointReader:
         f = self.rank_file(rank)
         return None if "rng" not in f.meta else decode_plain(f.meta["rng"], lambda key: self.tensor(f, key).clone())
 
+    def replica(self, rank: int):
+        """Rank `rank`'s own state (local SGD's replicas, see `collect_rank_state`), or None."""
+        f = self.rank_file(rank)
+        return None if "replica" not in f.meta else decode_plain(f.meta["replica"],
+                                                                 lambda key: self.tensor(f, key).clone())
+
 
 def _verify_one(f: RankFile, key: str) -> str | None:
     try:

@@ -148,7 +148,9 @@ class Checkpointer:
 
     # -- the loop's calls
 
-    def save(self, model_chunks, optimizer, iteration: int, metadata: dict) -> None:
+    def save(self, model_chunks, optimizer, iteration: int, metadata: dict, replica: dict | None = None) -> None:
+        """Save (inline, or start a background save). `replica`: this rank's own state (local SGD),
+        see `collect_rank_state`."""
         self.finalize()
         tmp = tmp_dir(self.directory, iteration)
         if self._rank == 0:
@@ -161,10 +163,10 @@ class Checkpointer:
         if stage == 3:
             unit_keys = optimizer.unit_storage_keys()
             with optimizer.non_layer_units_gathered():  # the embeddings' padding is cut off while whole
-                entries, structure = collect_rank_state(model_chunks, optimizer, iteration)
+                entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica)
                 entries = self._snapshot.take(entries, unit_keys, optimizer.units_gathered_in_turn())
         else:
-            entries, structure = collect_rank_state(model_chunks, optimizer, iteration)
+            entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica)
             if self.async_save or any(t.device.type != "cpu" for _, t in entries):
                 entries = self._snapshot.take(entries)
         # Recorded for people and tools only: any stage loads a checkpoint of any other.

@@ -9,6 +9,7 @@ import torch
 from megalite import arguments, parallel
 from megalite.models import compile_layers
 from megalite.optim import ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.runtime import UsageError, init_distributed, say, select_device
@@ -91,6 +92,14 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
     def deferred(p):
         return tied_across_stages and getattr(p, "tied_embedding", False)
 
+    if getattr(args, "local_sgd_interval", 0):
+        # Local SGD: a replica's gradients are reduced only inside it (over CP, whose ranks hold the
+        # same parameters); replicas meet in the outer step (megalite.optim.local_sgd).
+        cp = getattr(args, "cp", 1)
+        reduce_group, reduce_size = (parallel.get_context_parallel_group(), cp) if cp > 1 else (None, 1)
+    else:  # context-parallel ranks hold the same parameters: reduce and shard over DP x CP
+        reduce_group = parallel.get_data_parallel_group(with_context_parallel=True)
+        reduce_size = parallel.get_data_parallel_world_size(with_context_parallel=True)
     buffers = []
     for chunk in chunks:
         params = [p for p in chunk.parameters() if p.requires_grad]
@@ -99,9 +108,7 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
         # (the ZeRO paper's 2 + 2 + 12 bytes per parameter); below stage 2 they accumulate in fp32.
         grad_dtype = torch.bfloat16 if bf16_reduce and stage >= 2 else torch.float32
         common = dict(param_dtype=dtype, grad_dtype=grad_dtype, bucket_numel=args.ddp_bucket_size,
-                      # Context-parallel ranks hold the same parameters: reduce and shard over DP x CP.
-                      dp_group=parallel.get_data_parallel_group(with_context_parallel=True),
-                      dp_size=parallel.get_data_parallel_world_size(with_context_parallel=True),
+                      dp_group=reduce_group, dp_size=reduce_size,
                       comm_dtype=torch.bfloat16 if bf16_reduce else None, deferred=deferred)
         if stage == 3:
             buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),
@@ -122,4 +129,27 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                   distributed=args.use_distributed_optimizer, loss_scaler=scaler,
                                   use_apex=args.use_apex_adam)
+    if getattr(args, "optimizer", "adam") == "sgd":
+        _use_plain_sgd(optimizer, args.lr)
     return buffers, optimizer
+
+
+def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float) -> None:
+    """--optimizer sgd: the same masters, groups and weight decay under plain SGD. Without momentum,
+    SGD's weight decay (added to the gradient) is AdamW's decoupled one: p - lr * (g + wd * p). Fused,
+    like the AdamW it replaces, so a step with inf/NaN gradients is skipped on the device."""
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.inner.param_groups]
+    optimizer.inner = torch.optim.SGD(groups, lr=lr, momentum=0.0, fused=True)
+
+
+def build_local_sgd(args, optimizer: MegaliteOptimizer) -> LocalSGD | None:
+    """--local-sgd-interval H: the outer loop over the optimizer's masters (as they are now: build it
+    after a checkpoint's optimizer state is loaded), averaging over the data-parallel group."""
+    if not getattr(args, "local_sgd_interval", 0):
+        return None
+    return LocalSGD([piece.master for piece in optimizer.pieces], interval=args.local_sgd_interval,
+                    outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                    group=parallel.get_data_parallel_group(),
+                    comm_dtype=torch.bfloat16 if args.outer_grad_dtype == "bf16" else torch.float32,
+                    asynchronous=args.local_sgd_async, fragments=args.local_sgd_fragments,
+                    publish=optimizer.publish)

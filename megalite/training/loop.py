@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 from megalite import ops, parallel
-from megalite.optim import LRSchedule, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim import LocalSGD, LRSchedule, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.pipeline.schedules import build_program
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
 from megalite.training.batches import global_normalizer, loss_terms, micro_batches
-from megalite.training.build import build_model_chunks, build_optimizer, setup
+from megalite.training.build import build_local_sgd, build_model_chunks, build_optimizer, setup
 from megalite.training.evaluate import evaluate
 from megalite.training.progress import Progress
-from megalite.training.resume import load_checkpoint, resume
+from megalite.training.resume import load_checkpoint, resume, resume_local_sgd
 from megalite.training.saving import CheckpointAndExit
 from megalite.training.step import TrainStep
 from megalite.training.task import Task
@@ -30,6 +30,7 @@ class TrainingRun:
     model_chunks: list[torch.nn.Module]
     optimizer: MegaliteOptimizer
     buffers: list[ParamAndGradBuffer]
+    local_sgd: LocalSGD | None = None  # --local-sgd-interval: the outer loop's state
 
 
 def _announce(args, config, world_size: int, dp: int, m: int, device) -> None:
@@ -37,6 +38,9 @@ def _announce(args, config, world_size: int, dp: int, m: int, device) -> None:
         f"tp={args.tp}" + (f" cp={args.cp}" if getattr(args, "cp", 1) > 1 else "") + f" pp={args.pp} dp={dp}" +
         (f" vpp={args.vpp}" if args.vpp else "") +
         (f" (ZeRO stage {args.zero_stage})" if getattr(args, "zero_stage", 0) else "") +
+        (f" (local SGD: outer step every {args.local_sgd_interval}" +
+         (f", {args.local_sgd_fragments} fragments" if args.local_sgd_fragments > 1 else "") +
+         (", async" if args.local_sgd_async else "") + ")" if getattr(args, "local_sgd_interval", 0) else "") +
         f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
     if device.type == "cuda" and config.norm_backend != "torch":
         # Build (or load) the fused kernels now, not inside the first step, and say which path runs.
@@ -60,12 +64,14 @@ def pretrain(args, task: Task) -> TrainingRun:
     layout = {"tp": args.tp, "cp": getattr(args, "cp", 1), "pp": args.pp, "dp": dp, "vpp": args.vpp,
               "world": world_size}
     start = resume(args, reader, chunks, optimizer, layout)
-    checkpoints = CheckpointAndExit(args, config, task.model_kind, layout)
+    local_sgd = build_local_sgd(args, optimizer)  # after resume: it starts from the loaded masters
+    resume_local_sgd(args, reader, local_sgd, optimizer, layout)
+    checkpoints = CheckpointAndExit(args, config, task.model_kind, layout, local_sgd)
     schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                           args.lr_decay_style)
     data, valid_data = task.build_data(config, args)
 
-    step = TrainStep.for_run(args, config.hidden_size, chunks, task.forward_step, buffers, optimizer)
+    step = TrainStep.for_run(args, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
     m = step.micro_batches
     eval_program = build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp,
                                  kind="forward-only")
@@ -74,6 +80,8 @@ def pretrain(args, task: Task) -> TrainingRun:
     # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds
     # part of every sequence).
     dp_rank, dp_group = parallel.get_data_parallel_rank(), parallel.get_data_parallel_group(with_context_parallel=True)
+    # Local SGD: each replica (its CP ranks) trains on the mean loss of its own share of the batch.
+    replica_group = parallel.get_context_parallel_group() if getattr(args, "cp", 1) > 1 else None
 
     dist.barrier()
     progress.start()
@@ -84,13 +92,17 @@ def pretrain(args, task: Task) -> TrainingRun:
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
         set_phase(f"iteration {iteration}: the forward/backward schedule (pipeline send/recv)")
         batches = micro_batches(data, iteration - 1, args, dp, dp_rank, device, consumed)
-        num_tokens = global_normalizer(batches, args.global_batch_size, dp_group)
+        if local_sgd is None:
+            num_tokens = logged_tokens = global_normalizer(batches, args.global_batch_size, dp_group)
+        else:  # the log line's loss: the mean over replicas of each replica's mean
+            num_tokens = global_normalizer(batches, args.global_batch_size // dp, replica_group)
+            logged_tokens = num_tokens * dp
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(iteration - 1)
         result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}")
         consumed += args.global_batch_size
         try:
             progress.after_step(iteration, result, optimizer, loss_scale, lr, consumed,
-                                loss_terms(task, batches, device), num_tokens, record_spans)
+                                loss_terms(task, batches, device), logged_tokens, record_spans)
         except TrainingStopped:
             checkpoints.abandon()  # every rank stops at this iteration together
             raise
@@ -101,10 +113,12 @@ def pretrain(args, task: Task) -> TrainingRun:
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
         if stop_reason:
             break
+    if local_sgd is not None:
+        local_sgd.settle()  # async: no all-reduce left in flight when the process group goes
     checkpoints.close()
     progress.close()
     for buf in buffers:  # ZeRO-3: read the returned parameters inside run.optimizer.whole_parameters()
         buf.park()
     if not progress.records and not stop_reason and start.iteration < args.train_iters:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
-    return TrainingRun(progress.records, chunks, optimizer, buffers)
+    return TrainingRun(progress.records, chunks, optimizer, buffers, local_sgd)

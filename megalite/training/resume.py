@@ -6,7 +6,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megalite import checkpoint
+from megalite.optim.local_sgd import load_replica_state
 from megalite.runtime import UsageError, say
 
 
@@ -83,3 +86,34 @@ def resume(args, reader, chunks, optimizer, layout: dict) -> StartPoint:
         say(f"megalite: the checkpoint is already at --train-iters {args.train_iters}: nothing to train "
             f"(raise --train-iters to continue, or add --finetune to start a new run from these weights)")
     return start
+
+
+_LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "vpp", "world")
+
+
+def resume_local_sgd(args, reader, local_sgd, optimizer, layout: dict) -> None:
+    """Local SGD: every rank's own state (inner masters and optimizer, outer parameters and momentum,
+    the step within the round, an async round's averaged pseudo-gradient) from its rank file. It
+    resumes at the same layout only; a checkpoint without it (a plain run's) starts the outer loop
+    from the loaded weights."""
+    if local_sgd is None or reader is None or args.finetune or args.no_load_optim:
+        return
+    saved = reader.metadata.get("layout", {})
+    has_state = reader.metadata.get("local_sgd") is not None
+    if not has_state:
+        say(f"megalite: {reader.path} holds no local-SGD state: the outer loop starts from its weights")
+        return
+    changed = [k for k in _LAYOUT_KEYS if saved.get(k, 1 if k == "cp" else None) != layout.get(k)]
+    if changed:
+        raise UsageError(f"{reader.path} is a local-SGD checkpoint of layout "
+                         f"{ {k: saved.get(k) for k in _LAYOUT_KEYS} }: its replicas' own states resume at that "
+                         f"layout only (this run: { {k: layout.get(k) for k in _LAYOUT_KEYS} }); resume at the "
+                         f"saved layout, or add --no-load-optim to restart the outer loop from replica 0's weights")
+    state = reader.replica(dist.get_rank())
+    try:
+        load_replica_state(state, local_sgd, optimizer)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{reader.path}: its local-SGD state does not fit this run ({e}); keep "
+                         f"--local-sgd-fragments as saved, or add --no-load-optim") from None
+    say(f"megalite: local SGD resumed at inner step {local_sgd.steps} (outer state, replicas' own weights and "
+        f"optimizer state restored)")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from megalite import checkpoint
 from megalite.exits import ExitWatch
+from megalite.optim.local_sgd import replica_state
 from megalite.runtime import say, set_phase
 
 
 class CheckpointAndExit:
-    def __init__(self, args, config, model_kind: str, layout: dict):
+    def __init__(self, args, config, model_kind: str, layout: dict, local_sgd=None):
         self.args, self.config, self.model_kind, self.layout = args, config, model_kind, layout
+        self.local_sgd = local_sgd  # its replicas differ: every rank also saves its own state
         self.saver = checkpoint.Checkpointer(args.save, args.save_async) if args.save else None
         self.exits = ExitWatch(args, checkpoint_error=self.saver.poll if self.saver is not None else lambda: None,
                                watch_checkpoints=self.saver is not None and args.save_async)
@@ -31,7 +33,13 @@ class CheckpointAndExit:
     def _save(self, iteration: int, consumed: int, chunks, optimizer) -> None:
         set_phase(f"saving the checkpoint of iteration {iteration}")
         meta = checkpoint.build_metadata(self.config, self.model_kind, iteration, consumed, self.layout)
-        self.saver.save(chunks, optimizer, iteration, meta)
+        replica = None
+        if self.local_sgd is not None:
+            a = self.args
+            meta["local_sgd"] = {"interval": a.local_sgd_interval, "fragments": a.local_sgd_fragments,
+                                 "async": a.local_sgd_async, "inner_steps": self.local_sgd.steps}
+            replica = replica_state(self.local_sgd, optimizer)
+        self.saver.save(chunks, optimizer, iteration, meta, replica)
         say(f"megalite: checkpoint iteration {iteration} writing in the background to {self.args.save} (committed "
             f"when every rank has written)" if self.args.save_async else
             f"megalite: saved checkpoint iteration {iteration} to {self.args.save}")

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from megalite import arguments, parallel
-from megalite.optim import MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
+from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
 from megalite.pipeline.schedules import Op, ScheduleStats, build_program, run_schedule
 from megalite.runtime import set_phase
 from megalite.training.build import tied_embedding_group
@@ -36,21 +36,25 @@ class TrainStep:
     optimizer: MegaliteOptimizer
     clip_grad: float
     embedding_group: object = None  # see build.tied_embedding_group
+    overlap_grad_reduce: bool = True  # False: every bucket reduced after the last backward
+    local_sgd: LocalSGD | None = None  # --local-sgd-interval: the outer loop, after each inner step
     params: list[torch.nn.Parameter] = field(init=False)
 
     def __post_init__(self):
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
 
     @classmethod
-    def for_run(cls, args, hidden_size: int, chunks, forward_step, buffers, optimizer) -> "TrainStep":
-        """The step `args` describe, on this rank of the current layout."""
+    def for_run(cls, args, hidden_size: int, chunks, forward_step, buffers, optimizer,
+                local_sgd: LocalSGD | None = None) -> "TrainStep":
+        """The step `args` describe, on this rank of the current layout (with local SGD's outer loop)."""
         dp = parallel.get_data_parallel_world_size()
         m = args.global_batch_size // (args.micro_batch_size * dp)
         seq = args.seq_length // getattr(args, "cp", 1)  # this rank's share of each sequence
         seq = seq // args.tp if args.sequence_parallel else seq
         return cls(build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp), chunks,
                    forward_step, (seq, args.micro_batch_size, hidden_size), arguments.model_dtype(args), buffers,
-                   optimizer, args.clip_grad, tied_embedding_group(args))
+                   optimizer, args.clip_grad, tied_embedding_group(args),
+                   getattr(args, "overlap_grad_reduce", True), local_sgd)
 
     @property
     def micro_batches(self) -> int:
@@ -66,7 +70,7 @@ class TrainStep:
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
                              self.tensor_shape, self.dtype, record_spans=record_spans,
                              loss_scale=self.optimizer.loss_scaler.scale,
-                             on_last_backward=lambda c: self.buffers[c].enable_sync())
+                             on_last_backward=self._enable_sync if self.overlap_grad_reduce else None)
         t = time.perf_counter()
         set_phase(f"{label}: gradient reduction")
         finalize_grads(self.buffers, self.embedding_group)
@@ -81,7 +85,13 @@ class TrainStep:
         set_phase(f"{label}: the optimizer step")
         grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad)
         self.optimizer.zero_grad()
+        if self.local_sgd is not None:
+            set_phase(f"{label}: the local-SGD outer step")
+            self.local_sgd.after_inner_step()
         return StepResult(stats, grad_norm, found_inf, t)
+
+    def _enable_sync(self, chunk: int) -> None:
+        self.buffers[chunk].enable_sync()
 
     def sync_device(self) -> None:
         if self.params and self.params[0].device.type == "cuda":

@@ -18,7 +18,7 @@ from megalite.tools.plan.report import (
     rejected_json,
     zero_stage_note,
 )
-from megalite.tools.plan.search import PlanResult, plan
+from megalite.tools.plan.search import PlanResult, local_sgd_of, plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", choices=["sdpa", "fused", "torch"], default="sdpa")
     g.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype gradients are reduced in (at ZeRO stages 2-3 also the stored gradient shards' dtype)")
+    g.add_argument("--local-sgd-interval", type=int, default=0, metavar="H",
+                   help="local SGD / DiLoCo: replicas reduce no gradients per step; an outer all-reduce every H "
+                        "steps (docs/local-sgd.md)")
+    g.add_argument("--local-sgd-fragments", type=int, default=1, metavar="F", help="local SGD: streaming fragments")
+    g.add_argument("--outer-grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="local SGD: dtype of the pseudo-gradients on the wire")
+    g.add_argument("--local-sgd-async", action="store_true", help="local SGD: outer all-reduce hidden behind the "
+                   "next H steps")
     g = ap.add_argument_group("restrict the search")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
@@ -98,7 +106,7 @@ def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
                           peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
                           overhead_gib=args.overhead_gib)
         Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend,
-            grad_reduce_dtype=args.grad_reduce_dtype)
+            grad_reduce_dtype=args.grad_reduce_dtype, **(local_sgd_of(args) or {}))
     except ValueError as e:
         ap.error(str(e))
     return cluster
@@ -112,6 +120,9 @@ def main(argv=None) -> int:
             (args.zero_stage >= 1) != (args.distributed_optimizer == "on"):
         ap.error(f"--distributed-optimizer {args.distributed_optimizer} contradicts --zero-stage {args.zero_stage} "
                  f"(the distributed optimizer is stage 1 and above): give one of them")
+    if args.local_sgd_interval and (args.zero_stage or args.distributed_optimizer == "on"):
+        ap.error("--local-sgd-interval keeps each replica's optimizer whole: drop --zero-stage / "
+                 "--distributed-optimizer on")
     dtype = args.dtype or "bf16"
     seq = args.seq_length or config.max_position_embeddings
     cluster = cluster_from_args(args, ap, seq)
@@ -121,7 +132,7 @@ def main(argv=None) -> int:
                   recompute=(args.recompute,) if args.recompute else RECOMPUTE,
                   sequence_parallel=_on_off(args.sequence_parallel),
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
-                  grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp)
+                  grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args))
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model)
     if result.best is None:

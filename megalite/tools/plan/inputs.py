@@ -123,6 +123,12 @@ class Run:
     grad_reduce_dtype: str = "fp32"  # --grad-reduce-dtype: at ZeRO stages 2-3 also the stored gradients' dtype
     zero_reshard_after_forward: bool = True  # --zero-reshard-after-forward (stage 3)
     zero_keep_params_for_step: bool = False  # --zero-keep-params-for-step (stage 3)
+    # --local-sgd-interval H (0: off): DP replicas reduce no gradients; every H steps an all-reduce of
+    # the pseudo-gradients in outer_grad_dtype (per fragment with streaming), hidden when async.
+    local_sgd_interval: int = 0
+    local_sgd_fragments: int = 1
+    outer_grad_dtype: str = "fp32"
+    local_sgd_async: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -134,6 +140,12 @@ class Run:
         for name in ("global_batch_size", "seq_length", "ddp_bucket_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.outer_grad_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"outer_grad_dtype must be fp32 or bf16, got {self.outer_grad_dtype!r}")
+        h, f = self.local_sgd_interval, self.local_sgd_fragments
+        if h < 0 or f < 1 or (h and h % f):
+            raise ValueError(f"local_sgd_interval must be >= 0 and local_sgd_fragments >= 1 dividing it, got {h} "
+                             f"and {f}")
 
 
 def check_gpt(config: TransformerConfig) -> None:

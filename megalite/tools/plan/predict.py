@@ -2,7 +2,7 @@
 the slowest, and the step as a whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megalite.metrics import model_flops_per_iteration
 from megalite.models.config import TransformerConfig
@@ -101,6 +101,8 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
             raise ValueError(f"{what} {n} not divisible by tp {t}")
     if layout.vpp and (p == 1 or m % p):
         raise ValueError(f"vpp {layout.vpp} needs pp > 1 and the micro-batches per step ({m}) a multiple of pp {p}")
+    if run.local_sgd_interval and layout.zero_stage:
+        raise ValueError(f"local SGD keeps each replica's optimizer whole: ZeRO stage {layout.zero_stage} is refused")
     if layout.sequence_parallel and (t == 1 or s % t):
         raise ValueError(f"sequence parallelism needs tp > 1 and seq length {s} divisible by tp {t}")
     reason = context_parallel_refusal(layout.cp, t, s, layout.sequence_parallel)
@@ -130,11 +132,15 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     # CP ranks share each sequence's work evenly (causal load balancing)
     flops_mb = (n_layers * (costs.fwd + costs.bwd) / t + (3 * costs.logits_fwd / t if last else 0.0)) / layout.cp
     tp_mb = (n_layers * costs.ar_per_layer + first + last) * costs.ar_time if t > 1 else 0.0
-    st = rank_state_bytes(config, tp=t, pp=p, dp=layout.dp_cp, vpp=layout.vpp, pp_rank=r, dp_rank=0, dtype=run.dtype,
+    local_sgd = run.local_sgd_interval > 0  # gradients reduced inside a replica only (over CP)
+    st = rank_state_bytes(config, tp=t, pp=p, dp=layout.cp if local_sgd else layout.dp_cp, vpp=layout.vpp,
+                          pp_rank=r, dp_rank=0, dtype=run.dtype,
                           zero_stage=layout.zero_stage, grad_dtype=run.grad_reduce_dtype, seq_length=run.seq_length,
                           ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers,
                           reshard_after_forward=run.zero_reshard_after_forward,
                           keep_params_for_step=run.zero_keep_params_for_step)
+    if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
+        st = replace(st, optimizer=st.optimizer + 8 * st.numel)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
     chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp)
     per_chunk = n_layers / v

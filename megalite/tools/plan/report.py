@@ -76,6 +76,14 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
         parts.append("--zero-keep-params-for-step")
     if run.grad_reduce_dtype != "fp32":
         parts += ["--grad-reduce-dtype", run.grad_reduce_dtype]
+    if run.local_sgd_interval:
+        parts += ["--local-sgd-interval", str(run.local_sgd_interval)]
+        if run.local_sgd_fragments > 1:
+            parts += ["--local-sgd-fragments", str(run.local_sgd_fragments)]
+        if run.outer_grad_dtype != "fp32":
+            parts += ["--outer-grad-dtype", run.outer_grad_dtype]
+        if run.local_sgd_async:
+            parts.append("--local-sgd-async")
     if run.dtype != "fp32":
         parts.append(f"--{run.dtype}")
     if run.attention_backend != "sdpa":
@@ -298,7 +306,17 @@ def _explain_time(pred: Prediction) -> list[str]:
         out.append(f"  bubble       (p-1)/(v*m) = {p - 1}/({v}*{m}) of the per-micro-batch time "
                    f"(theoretical_bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")
     part = pred.dp_parts[pred.dp_stage]
-    if lay.zero_stage >= 2:
+    if pred.run.local_sgd_interval:
+        run = pred.run
+        h, f = run.local_sgd_interval, run.local_sgd_fragments
+        sync = part.traffic["outer_all_reduce"] * h
+        how = "hidden behind the next H inner steps (async)" if run.local_sgd_async else "exposed"
+        out.append(f"  dp comm      local SGD: no per-step gradient reduction; every H={h} steps an all-reduce "
+                   f"2(d-1)/d x params x {run.outer_grad_dtype} = {sync / 2 ** 20:,.1f} MiB"
+                   + (f" ({f} fragments of 1/{f}, one every H/F={h // f} steps)" if f > 1 else "")
+                   + f" at {K.bw_dp / 1e9:g} GB/s, {how}: {part.outer:.3f} s per step; tied embedding "
+                   f"{part.embedding:.3f} s = {T.dp_comm:.3f} s")
+    elif lay.zero_stage >= 2:
         sent = ", ".join(f"{k.replace('_', '-')} {v / 2 ** 20:,.1f} MiB" for k, v in part.traffic.items() if v)
         pattern = ("m reduce-scatters, one all-gather" if lay.zero_stage == 2 else
                    "per micro-batch: all-gather forward and backward, reduce-scatter")

@@ -80,20 +80,22 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          max_tp: int | None = None, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
-         cp: int | str | None = None) -> PlanResult:
+         cp: int | str | None = None, local_sgd: dict | None = None) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
     with `distributed_optimizer` restricted, 1 (True) or 0 (False) as before stages 2-3. cp: the
     context-parallel size; "all": every one that divides the GPUs and the sequence; None: cp = 1,
     and every cp only when no cp = 1 layout fits (so that plans without context parallelism stay
-    as they were, and long sequences get cp where it is what makes the model fit)."""
+    as they were, and long sequences get cp where it is what makes the model fit). local_sgd: Run's
+    local-SGD fields (local_sgd_interval, local_sgd_fragments, outer_grad_dtype, local_sgd_async);
+    with an interval, only ZeRO stage 0 (megalite refuses sharding with local SGD)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
-                      grad_reduce_dtype=grad_reduce_dtype, cp=1)
+                      grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
@@ -101,7 +103,9 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
         raise ValueError(f"cp must be a context-parallel size >= 1, \"all\" or None, got {cp!r}")
     check_gpt(config)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
-              attention_backend, grad_reduce_dtype=grad_reduce_dtype)
+              attention_backend, grad_reduce_dtype=grad_reduce_dtype, **(local_sgd or {}))
+    if run.local_sgd_interval:
+        zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
                         tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
                         _stages(zero_stage, _values(distributed_optimizer, bool)), None if cp == "all" else cp)
@@ -263,7 +267,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  cluster: Cluster | None = None, ddp_bucket_size: int = 40_000_000,
                  attention_backend: str | None = None, pipeline_layers=None, zero_stage: int | None = None,
                  grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
-                 zero_keep_params_for_step: bool = False, cp: int = 1) -> tuple[bool, Prediction]:
+                 zero_keep_params_for_step: bool = False, cp: int = 1,
+                 local_sgd: dict | None = None) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer."""
@@ -277,7 +282,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,
-              config.recompute_num_layers, grad_reduce_dtype, zero_reshard_after_forward, zero_keep_params_for_step)
+              config.recompute_num_layers, grad_reduce_dtype, zero_reshard_after_forward, zero_keep_params_for_step,
+              **(local_sgd or {}))
     pred = predict(config, layout, cluster, run=run)
     return pred.fits, pred
 
@@ -311,4 +317,13 @@ def check_args(args, world_size: int, gpu_memory_bytes: float | None = None,
                         pipeline_layers=args.pipeline_layers, zero_stage=getattr(args, "zero_stage", None),
                         grad_reduce_dtype=getattr(args, "grad_reduce_dtype", "fp32"),
                         zero_reshard_after_forward=getattr(args, "zero_reshard_after_forward", None) is not False,
-                        zero_keep_params_for_step=bool(getattr(args, "zero_keep_params_for_step", False)))
+                        zero_keep_params_for_step=bool(getattr(args, "zero_keep_params_for_step", False)),
+                        local_sgd=local_sgd_of(args))
+
+
+def local_sgd_of(args) -> dict | None:
+    """Run's local-SGD fields from a namespace with megalite's (or the planner's) flags; None when off."""
+    if not getattr(args, "local_sgd_interval", 0):
+        return None
+    return {"local_sgd_interval": args.local_sgd_interval, "local_sgd_fragments": args.local_sgd_fragments,
+            "outer_grad_dtype": args.outer_grad_dtype, "local_sgd_async": args.local_sgd_async}

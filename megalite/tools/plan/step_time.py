@@ -162,6 +162,7 @@ class DataParallelTime:
     embedding: float = 0.0  # the tied embedding, reduced after the schedule
     all_gather: float = 0.0  # stages 1-2: the updated parameters' all-gather after the step
     gathers: float = 0.0  # stage 3: the units' all-gathers that layer compute does not hide
+    outer: float = 0.0  # local SGD: the outer all-reduce's seconds, averaged over the H steps of a round
     total: float = 0.0
     windows: list = field(default_factory=list)  # per chunk: (chunk, backward start, end, reduce, last bucket)
     traffic: dict = field(default_factory=dict)  # bytes this rank sends per step, by collective (dp_traffic)
@@ -207,6 +208,8 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     after the step. Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
     stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
     layout, run = costs.layout, costs.run
+    if run.local_sgd_interval:
+        return local_sgd_exposed(costs, state, r)
     p, d, stage = layout.pp, layout.dp_cp, layout.zero_stage
     pb = DTYPE_BYTES[run.dtype]
     out = DataParallelTime()
@@ -224,6 +227,32 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     if 1 <= stage <= 2 and d > 1:
         out.all_gather = (d - 1) / d * state.padded_numel * pb / costs.bw_dp
     out.total = out.overlapped + out.embedding + out.all_gather + out.gathers
+    return out
+
+
+def outer_sync_bytes(numel: int, dp: int, outer_bytes: int) -> float:
+    """Bytes one rank sends in one outer synchronization of local SGD (all its fragments): a ring
+    all-reduce of its parameters' pseudo-gradients, 2 (n-1)/n x elements x bytes."""
+    return 2 * (dp - 1) / dp * numel * outer_bytes
+
+
+def local_sgd_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
+    """Local SGD (--local-sgd-interval H): no per-step gradient reduction across replicas (CP
+    ranks, inside a replica, are not modelled); the outer all-reduce of the pseudo-gradients, once
+    per H steps (1/F of it every H/F steps with F fragments: the same bytes per step), is exposed
+    when synchronous and hidden behind the next inner steps when async (assumed to fit in them).
+    The tied embedding (pp > 1) is still summed over its two stages every step."""
+    layout, run = costs.layout, costs.run
+    h, d = run.local_sgd_interval, layout.dp
+    out = DataParallelTime()
+    per_sync = outer_sync_bytes(state.numel, d, DTYPE_BYTES[run.outer_grad_dtype])
+    out.traffic = {"outer_all_reduce": per_sync / h}
+    if d > 1 and not run.local_sgd_async:
+        out.outer = per_sync / costs.bw_dp / h
+    deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
+    if deferred and layout.pp > 1 and r in (0, layout.pp - 1):
+        out.embedding = sum(deferred) * 4 / costs.bw_emb
+    out.total = out.outer + out.embedding
     return out
 
 

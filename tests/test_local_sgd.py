@@ -1,0 +1,272 @@
+"""Local SGD / DiLoCo (--local-sgd-interval H): at H=1 with a plain outer step it is data
+parallelism; replicas agree right after each outer step and differ between; no data-parallel
+collective during inner steps and one all-reduce of the parameters' bytes at each outer step;
+async rounds applied one round late and streaming fragments by hand computation; exact resume
+mid-round and at a round boundary; --overlap-grad-reduce false reduces only after backward."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import rel_err
+from megalite import arguments
+from megalite.optim import ParamAndGradBuffer
+from megalite.optim.local_sgd import LocalSGD, split_fragments
+from megalite.runtime import UsageError
+from megalite.testing import RankFailure, counting_collectives, ring_bytes, run_ranks
+from training_ranks import gpt_run, parse, train_losses
+
+BASE = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
+# Plain SGD with a constant lr and no clipping: the inner optimizer is then a linear map of the
+# gradient, so averaging the replicas' deltas is averaging their gradients (see docs/local-sgd.md).
+SGD = ["--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.05", "--lr-warmup-iters", "0", "--lr-decay-style",
+       "constant", "--clip-grad", "0"]
+PLAIN_OUTER = ["--local-sgd-interval", "1", "--outer-lr", "1", "--outer-momentum", "0"]
+
+
+def final_params(run) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for c in run.model_chunks for p in c.parameters()])
+
+
+def losses_and_params(rank, world, argv):
+    run = gpt_run(argv)
+    return [r["loss"] for r in run.records], final_params(run)
+
+
+@pytest.mark.parametrize("inside", [[], ["--tp", "2"], ["--cp", "2"]], ids=["dp2", "tp2xdp2", "cp2xdp2"])
+def test_h1_with_a_plain_outer_step_equals_data_parallelism(inside):
+    argv = BASE + SGD + ["--train-iters", "6", *inside]
+    world = 4 if inside else 2
+    dp_losses, dp_params = run_ranks(losses_and_params, world, args=(argv,))[0]
+    ls_losses, ls_params = run_ranks(losses_and_params, world, args=(argv + PLAIN_OUTER,))[0]
+    assert rel_err(torch.tensor(ls_losses), torch.tensor(dp_losses)) <= 1e-5, (ls_losses, dp_losses)
+    assert rel_err(ls_params, dp_params) <= 1e-5
+
+
+def replica_trace(rank, world, argv):
+    """Losses, and after every step this rank's masters and which fragments synchronized."""
+    trace = []
+    original = LocalSGD.after_inner_step
+
+    def traced(self):
+        due = original(self)
+        trace.append((due, torch.cat([m.detach().reshape(-1).float() for m in self.masters])))
+        return due
+
+    LocalSGD.after_inner_step = traced
+    try:
+        run = gpt_run(argv)
+    finally:
+        LocalSGD.after_inner_step = original
+    return [r["loss"] for r in run.records], trace
+
+
+@pytest.mark.parametrize("extra,world", [([], 2), (["--bf16"], 2), (["--pp", "2"], 4)], ids=["fp32", "bf16", "pp2xdp2"])
+def test_replicas_agree_right_after_each_outer_step_and_differ_between(extra, world):
+    argv = BASE + ["--train-iters", "8", "--lr", "3e-3", "--local-sgd-interval", "4", *extra]
+    traces = run_ranks(replica_trace, world, args=(argv,))
+    (losses, a), (_, b) = traces[0], traces[1]  # dp ranks 0 and 1 of pipeline stage 0
+    if world == 4:  # and of the last stage
+        assert [due for due, _ in traces[2][1]] == [due for due, _ in a]
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(traces[2][1][3::4], traces[3][1][3::4]))
+    for step, ((due, pa), (_, pb)) in enumerate(zip(a, b), start=1):
+        if step % 4 == 0:
+            assert due == [0] and torch.equal(pa, pb), f"step {step}: replicas must hold the outer parameters"
+        else:
+            assert due == [] and not torch.equal(pa, pb), f"step {step}: replicas train apart between outer steps"
+    assert losses[-1] < losses[0], losses
+
+
+def _outer_delta(rank, world, argv):
+    """Per step: the bytes sent by collectives over >1 rank in inner steps and in the outer step."""
+    events, phase = [], ["inner"]
+    original = LocalSGD.after_inner_step
+
+    def marked(self):
+        phase[0] = "outer"
+        try:
+            return original(self)
+        finally:
+            phase[0] = "inner"
+            events.append(("step", self.steps, sum(m.numel() for m in self.masters)))
+
+    def record(kind, nbytes, n):
+        if n > 1:
+            events.append((phase[0], kind, nbytes, n))
+
+    LocalSGD.after_inner_step = marked
+    try:
+        with counting_collectives(record):
+            gpt_run(argv)
+    finally:
+        LocalSGD.after_inner_step = original
+    return events
+
+
+@pytest.mark.parametrize("dtype,size", [("fp32", 4), ("bf16", 2)])
+def test_inner_steps_send_nothing_across_replicas_and_the_outer_step_one_all_reduce(dtype, size):
+    # The log line (an all-reduce of the loss over DP) only after the last step: --log-interval 6.
+    argv = BASE + ["--train-iters", "6", "--log-interval", "6", "--local-sgd-interval", "3",
+                   "--outer-grad-dtype", dtype, "--tp", "2"]
+    for events in run_ranks(_outer_delta, 4, args=(argv,)):  # tp 2 x dp 2
+        steps = [e for e in events if e[0] == "step"]
+        numel = steps[0][2]
+        assert [s[1] for s in steps] == [1, 2, 3, 4, 5, 6]
+        sent_before_last_step = events[:events.index(steps[-1])]
+        inner = [e for e in sent_before_last_step if e[0] == "inner"]
+        # TP collectives run inside a replica (group of 2 TP ranks); none of them is data parallel:
+        # nothing the size of the gradients goes anywhere.
+        assert all(e[2] < numel for e in inner), inner
+        outer = [e for e in events if e[0] == "outer"]
+        assert [(k, b, n) for _, k, b, n in outer] == [("all_reduce", numel * size, 2)] * 2
+        assert ring_bytes("all_reduce", numel * size, 2) == numel * size  # 2 (n - 1) / n = 1 at n = 2
+
+
+def _traced_resume(rank, world, argv):
+    return [r["loss"] for r in gpt_run(argv).records]
+
+
+@pytest.mark.parametrize("extra", [[], ["--local-sgd-async", "--local-sgd-fragments", "2", "--outer-grad-dtype",
+                                        "bf16"]], ids=["sync", "async-streaming-bf16"])
+def test_resume_is_bitwise_exact_mid_round_and_at_a_round_boundary(tmp_path, extra):
+    argv = BASE + ["--train-iters", "12", "--local-sgd-interval", "4"] + extra
+    whole = run_ranks(_traced_resume, 2, args=(argv,))[0]
+    for stop in (6, 8):  # mid-round, and right after an outer step
+        d = tmp_path / str(stop)
+        first = run_ranks(_traced_resume, 2, args=(argv + ["--save", str(d), "--exit-interval", str(stop)],))[0]
+        second = run_ranks(_traced_resume, 2, args=(argv + ["--load", str(d)],))[0]
+        assert first + second == whole, f"stopped at {stop}: resumed losses must equal the unbroken run's bit for bit"
+
+
+# -- the outer loop by hand ----------------------------------------------------------------------
+
+def _drive(rank, world, asynchronous, momentum, steps, fragments=1, dtype=torch.float32):
+    """Replica r subtracts (r + 1) from every element each inner step: its pseudo-gradient over a
+    round of 2 steps is 2 (r + 1), the average over 2 replicas 3. Returns the outer parameters
+    and the bytes handed to the all-reduce after each step."""
+    masters = [torch.zeros(3), torch.zeros(5)]
+    local = LocalSGD(masters, interval=2, outer_lr=0.5, outer_momentum=momentum, group=dist.group.WORLD,
+                     asynchronous=asynchronous, fragments=fragments, comm_dtype=dtype)
+    out = []
+    for _ in range(steps):
+        for m in masters:
+            m.sub_(rank + 1)
+        sent = local.sent_bytes
+        due = local.after_inner_step()
+        out.append((due, local.outer.clone(), local.sent_bytes - sent, [m.clone() for m in masters]))
+    return out
+
+
+def _hand(asynchronous, momentum, rounds):
+    """The outer parameter after each round, by hand: g = 3 each round (one round late if async)."""
+    theta, b, out, pending = 0.0, 0.0, [], None
+    for _ in range(rounds):
+        g = pending if asynchronous else 3.0
+        pending = 3.0
+        if g is not None:
+            b = momentum * b + g
+            theta -= 0.5 * (g + momentum * b)
+        out.append(theta)
+    return out
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_nesterov_steps_match_a_hand_computation(asynchronous, momentum):
+    trace = run_ranks(_drive, 2, args=(asynchronous, momentum, 8))
+    expected = _hand(asynchronous, momentum, 4)
+    for rank_trace in trace:
+        outer_after_rounds = [t[1] for t in rank_trace[1::2]]
+        for k, (got, want) in enumerate(zip(outer_after_rounds, expected)):
+            assert torch.allclose(got, torch.full((8,), want)), (k, got, want)
+        for due, outer, _, masters in rank_trace[1::2]:  # every replica restarts from the outer parameters
+            assert torch.equal(torch.cat(masters), outer)
+    if asynchronous:  # the first round's average is applied only at the second round's end
+        assert expected[0] == 0.0 and trace[0][1][1].abs().max() == 0
+
+
+def test_streaming_fragments_synchronize_in_turn_with_a_fraction_of_the_bytes():
+    trace = run_ranks(_drive, 2, args=(False, 0.0, 4, 2))[0]
+    # Fragment 0 (3 elements) at odd steps, fragment 1 (5 elements) at even steps: H / F = 1 apart.
+    assert [t[0] for t in trace] == [[0], [1], [0], [1]]
+    assert [t[2] for t in trace] == [3 * 4, 5 * 4, 3 * 4, 5 * 4]
+    # Fragment 0's first round is one step long: pseudo-gradients 1, 2 (mean 1.5); then 2 steps.
+    assert torch.allclose(trace[0][1][:3], torch.full((3,), -0.75))
+    assert torch.allclose(trace[2][1][:3], torch.full((3,), -0.75 - 1.5))
+    assert torch.allclose(trace[1][1][3:], torch.full((5,), -1.5))
+
+
+def test_bf16_pseudo_gradients_halve_the_bytes():
+    trace = run_ranks(_drive, 2, args=(False, 0.0, 2, 1, torch.bfloat16))[0]
+    assert trace[1][2] == 8 * 2 and torch.allclose(trace[1][1], torch.full((8,), -1.5))
+
+
+def test_split_fragments_cuts_sizes_evenly_without_splitting_a_tensor():
+    assert split_fragments([4, 4, 4, 4], 2) == [(0, 2), (2, 4)]
+    assert split_fragments([10, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert split_fragments([5], 2) == [(0, 1), (1, 1)]
+
+
+# -- flags -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--local-sgd-interval", "4", "--local-sgd-fragments", "3"], "--local-sgd-fragments 3 must divide"),
+    (["--local-sgd-interval", "4", "--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
+    (["--local-sgd-interval", "4", "--zero-stage", "2"], "drop --use-distributed-optimizer / --zero-stage"),
+    (["--local-sgd-async"], "add --local-sgd-interval H"),
+    (["--outer-grad-dtype", "bf16"], "add --local-sgd-interval H"),
+    (["--local-sgd-interval", "-1"], "--local-sgd-interval must be an integer >= 0"),
+    (["--local-sgd-interval", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
+    (["--local-sgd-interval", "4", "--outer-lr", "0"], "--outer-lr must be > 0"),
+    (["--overlap-grad-reduce", "false", "--zero-stage", "2"], "applies to ZeRO stages 0-1"),
+])
+def test_bad_local_sgd_flags_end_with_one_line(argv, message):
+    args = parse(BASE + argv)
+    with pytest.raises(UsageError) as e:
+        arguments.validate(args, 2, arguments.model_config(args))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# -- --overlap-grad-reduce ---------------------------------------------------------------------------
+
+def _launches(rank, world, argv):
+    """Losses, and per step and buffer: the gradients ready at each bucket launch, and in all."""
+    seen = []
+    original = ParamAndGradBuffer.zero_grad
+
+    def snapshot(self):
+        seen.append(([hooks for _, hooks in self.launch_log], self._hooks_seen))
+        original(self)
+
+    ParamAndGradBuffer.zero_grad = snapshot
+    try:
+        losses = [r["loss"] for r in gpt_run(argv).records]
+    finally:
+        ParamAndGradBuffer.zero_grad = original
+    return losses, seen
+
+
+def test_overlap_grad_reduce_false_reduces_every_bucket_after_backward_with_the_same_losses():
+    argv = BASE + ["--train-iters", "3", "--ddp-bucket-size", "20000"]
+    on, on_seen = run_ranks(_launches, 2, args=(argv,))[0]
+    off, off_seen = run_ranks(_launches, 2, args=(argv + ["--overlap-grad-reduce", "false"],))[0]
+    assert on == off
+    assert all(len(launches) > 1 for launches, _ in off_seen)  # several buckets
+    assert all(all(h == total for h in launches) for launches, total in off_seen)
+    assert any(h < total for launches, total in on_seen for h in launches)  # overlapped: some launched early
+
+
+def test_local_sgd_h_gt_1_differs_from_data_parallelism_and_adam_h1_is_not_dp():
+    """What the equivalence needs: at H=1 AdamW averages per-replica Adam updates, not gradients."""
+    argv = BASE + ["--train-iters", "3"]
+    dp = run_ranks(train_losses, 2, args=(argv,))[0]
+    adam_h1 = run_ranks(train_losses, 2, args=(argv + PLAIN_OUTER,))[0]
+    assert abs(dp[0] - adam_h1[0]) <= 1e-5 * dp[0]  # the same start
+    assert max(abs(a - b) for a, b in zip(dp[1:], adam_h1[1:])) > 1e-4
+
+
+def test_a_local_sgd_checkpoint_refuses_another_layout_unless_its_optimizer_state_is_dropped(tmp_path):
+    argv = BASE + ["--train-iters", "3", "--local-sgd-interval", "2"]
+    run_ranks(train_losses, 2, args=(argv + ["--save", str(tmp_path), "--exit-interval", "1"],))
+    with pytest.raises(RankFailure, match="its replicas' own states resume at that layout only"):
+        run_ranks(train_losses, 1, args=(argv + ["--load", str(tmp_path)],))
+    assert len(run_ranks(train_losses, 1, args=(argv + ["--load", str(tmp_path), "--no-load-optim"],))[0]) == 2
