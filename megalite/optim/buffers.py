@@ -172,9 +172,18 @@ class ParamAndGradBuffer:
 
     def _allocate(self) -> None:
         """Whole flat buffers; parameters become views of one, `main_grad` views of the other."""
-        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+        self._allocate_params()
         self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
-        # fp32 values as initialized, for the optimizer's master weights when the model is cast down.
+        for p in self.params:
+            lo, n = self.offset[id(p)], p.numel()
+            p.main_grad = self.grad_data[lo:lo + n].view(p.shape)
+            if p.dtype == self.grad_dtype:
+                p.grad = p.main_grad  # autograd accumulates in place: no copy
+
+    def _allocate_params(self) -> None:
+        """The whole parameter buffer (parameters become views of it) and, for a cast-down model,
+        the fp32 values as initialized (the optimizer's master weights start from them)."""
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
         self.fp32_init = None
         if self.param_dtype != torch.float32:
             self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
@@ -184,9 +193,6 @@ class ParamAndGradBuffer:
                 self.fp32_init[lo:lo + n].copy_(p.detach().reshape(-1))
             self.param_data[lo:lo + n].copy_(p.detach().reshape(-1))
             p.data = self.param_data[lo:lo + n].view(p.shape)
-            p.main_grad = self.grad_data[lo:lo + n].view(p.shape)
-            if p.dtype == self.grad_dtype:
-                p.grad = p.main_grad  # autograd accumulates in place: no copy
 
     # -- where a range of the layout is stored (the optimizer and checkpoints ask) ------------
     def param_slice(self, lo: int, hi: int) -> torch.Tensor:

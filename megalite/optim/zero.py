@@ -60,19 +60,6 @@ class ShardedGradBuffer(ParamAndGradBuffer):
         self.peak = {"grads": 0, "gathered": 0, "total": 0}
         self._last_step_peaks = self._peaks()
 
-    def _allocate_params(self) -> None:
-        """Stage 1's whole parameter buffer (and fp32 initial values for a cast-down model)."""
-        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
-        self.fp32_init = None
-        if self.param_dtype != torch.float32:
-            self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        for p in self.params:
-            lo, n = self.offset[id(p)], p.numel()
-            if self.fp32_init is not None:
-                self.fp32_init[lo:lo + n].copy_(p.detach().reshape(-1))
-            self.param_data[lo:lo + n].copy_(p.detach().reshape(-1))
-            p.data = self.param_data[lo:lo + n].view(p.shape)
-
     # -- where the layout's ranges are stored: this rank's shard of each bucket, bucket by bucket
     def _shard_range(self, lo: int, hi: int) -> tuple[int, int]:
         """[lo, hi) of the layout, inside this rank's shard of one bucket, in the shard storage

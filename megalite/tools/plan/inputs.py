@@ -241,30 +241,30 @@ def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None
     as `megalite.models.GPTModel` builds them. deferred: the tied word embedding when pp > 1,
     which the gradient buffer keeps in a bucket of its own."""
     check_gpt(config)
+    chunks = []
+    for stage, layers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
+        held = [*stage.head, *stage.layer * layers, *stage.tail]
+        chunks.append([(x.per_rank(config, tp), pp > 1 and x.tied) for x in held])
+    return chunks
+
+
+def _rank_stages(config: TransformerConfig, pp: int, vpp: int | None, pp_rank: int, seq_length: int,
+                 pipeline_layers) -> list[tuple[StageParameters, int]]:
+    """(the stage's parameters, its layer count) for each model chunk of pipeline rank `pp_rank`."""
     v = vpp or 1
     counts = stage_layer_counts(config.num_layers, pp, vpp,
                                 list(pipeline_layers) if pipeline_layers is not None else None)
-    chunks = []
-    for c in range(v):
-        vs = c * pp + pp_rank
-        stage = stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1)
-        held = [*stage.head, *stage.layer * counts[vs], *stage.tail]
-        chunks.append([(x.per_rank(config, tp), pp > 1 and x.tied) for x in held])
-    return chunks
+    return [(stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1), counts[vs])
+            for vs in (c * pp + pp_rank for c in range(v))]
 
 
 def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
                           seq_length: int, pipeline_layers=None) -> list[list[int | None]]:
     """Aligned with `rank_parameters`: for every parameter the transformer layer (of its chunk, from
     0) that holds it, None for the embeddings, final norm and output layer (ZeRO-3's units)."""
-    v = vpp or 1
-    counts = stage_layer_counts(config.num_layers, pp, vpp,
-                                list(pipeline_layers) if pipeline_layers is not None else None)
     chunks = []
-    for c in range(v):
-        vs = c * pp + pp_rank
-        stage = stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1)
-        layers = [i for i in range(counts[vs]) for _ in stage.layer]
+    for stage, count in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
+        layers = [i for i in range(count) for _ in stage.layer]
         chunks.append([None] * len(stage.head) + layers + [None] * len(stage.tail))
     return chunks
 
