@@ -22,14 +22,23 @@ on KeyboardInterrupt) SIGKILLs whatever still runs in the namespaces and removes
 veths, bridge and /etc/netns files. Leftovers of a crashed run, i.e. objects of this naming whose
 pid is not a live process (or is ours, from a reused pid), are removed before creating anything.
 
+Slow links: `net.limit(LinkLimit(rate_mbit=200))` (or `hosts(..., link=...)`) puts a token-bucket
+filter (`tc qdisc replace ... root tbf`) on both ends of every host's veth: inside the namespace
+(what the host sends) and on the root-side end (what it receives), so each host has `rate_mbit` in
+each direction. tbf limits the rate only: its `latency` is how long a packet may wait in the queue
+before it is dropped (the queue's length), not a delay added to every packet; this kernel has no
+`netem`, so round-trip times stay those of a veth (tens of microseconds).
+
 Run a command with hosts around it (they are removed when it ends):
 
     python tests/netns.py --hosts 2 --names node0,node1 -- bash -c 'env | grep MEGALITE_NETNS'
+    python tests/netns.py --hosts 2 --rate-mbit 200 -- bash -c '...'      # 200 Mbit/s links
 """
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -64,6 +73,60 @@ def _ip(*args: str, check: bool = True, netns: str | None = None) -> subprocess.
     if check and run.returncode != 0:
         raise NetnsError(f"`{' '.join(cmd)}` failed (exit {run.returncode}): {run.stderr.strip()}")
     return run
+
+
+def tc_command() -> str | None:
+    return shutil.which("tc") or next((p for p in ("/usr/sbin/tc", "/sbin/tc", "/usr/bin/tc", "/bin/tc")
+                                       if os.access(p, os.X_OK)), None)
+
+
+def _tc(*args: str, netns: str | None = None) -> subprocess.CompletedProcess:
+    tc = tc_command()
+    if tc is None:
+        raise NetnsError("iproute2's `tc` is not installed (bash .ci/setup_netns.sh installs iproute2)")
+    cmd = [tc, *(("-n", netns) if netns else ()), *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT)
+    if run.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed (exit {run.returncode}): {run.stderr.strip()} "
+                         f"(the kernel needs the sch_tbf qdisc)")
+    return run
+
+
+@dataclass(frozen=True)
+class LinkLimit:
+    """A host's link as a token bucket (tc-tbf), the same in both directions.
+
+    rate_mbit: Mbit/s (10^6 bits) of IP packets, headers included: TCP payload gets ~96% of it
+    (200 Mbit/s measured as 24 MB/s here). burst_kib: the bucket, bytes that may pass at once at
+    full speed; by default 2 ms of the rate, at least 32 KiB (tbf cuts larger GSO packets down to
+    it). queue_ms: tbf's `latency`, the longest a packet waits in the queue before being dropped,
+    i.e. the queue's length in time; it adds no delay of its own (tbf cannot add delay: that is
+    netem's, missing from this kernel)."""
+    rate_mbit: float
+    burst_kib: float | None = None
+    queue_ms: float = 50.0
+
+    def __post_init__(self):
+        if not self.rate_mbit > 0:
+            raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit}")
+        if self.burst_kib is not None and not self.burst_kib >= 2:
+            raise ValueError(f"burst_kib must be >= 2 (one packet), got {self.burst_kib}")
+        if not self.queue_ms > 0:
+            raise ValueError(f"queue_ms must be > 0, got {self.queue_ms}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+    @property
+    def burst_bytes(self) -> int:
+        if self.burst_kib is not None:
+            return int(self.burst_kib * 1024)
+        return max(32 * 1024, int(self.bytes_per_s * 0.002))
+
+    def tbf_args(self) -> list[str]:
+        return ["tbf", "rate", f"{round(self.rate_mbit * 1000)}kbit", "burst", str(self.burst_bytes),
+                "latency", f"{round(self.queue_ms * 1000)}us"]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -212,6 +275,7 @@ class Host:
     veth: str  # root-namespace end
     ifname: str = INNER_IFNAME  # this host's end, inside its namespace
     procs: list = field(default_factory=list)
+    link: LinkLimit | None = None  # the limit on this host's link (Host.limit), None: a bare veth
 
     def command(self, argv: list[str]) -> list[str]:
         return [ip_command(), "netns", "exec", self.netns, *argv]
@@ -243,6 +307,28 @@ class Host:
     def plug(self) -> None:
         _ip("link", "set", self.veth, "up")
 
+    def limit(self, link: LinkLimit | None) -> None:
+        """Throttle this host's link in both directions (None: take the limit off)."""
+        ends = ((self.veth, None), (self.ifname, self.netns))  # toward the host; from it
+        for dev, ns in ends:
+            if link is None:
+                with contextlib.suppress(NetnsError):  # no qdisc of ours there: nothing to remove
+                    _tc("qdisc", "del", "dev", dev, "root", netns=ns)
+            else:
+                _tc("qdisc", "replace", "dev", dev, "root", *link.tbf_args(), netns=ns)
+        self.link = link
+
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent on its link (its interface's counter: Ethernet frames, TCP/IP
+        headers included)."""
+        stats = json.loads(_ip("-j", "-s", "link", "show", self.ifname, netns=self.netns).stdout)
+        return int(stats[0]["stats64"]["tx"]["bytes"])
+
+    def qdiscs(self) -> str:
+        """`tc -s qdisc` of both ends (bytes sent, drops, overlimits), for reports."""
+        return (_tc("-s", "qdisc", "show", "dev", self.veth).stdout
+                + _tc("-s", "qdisc", "show", "dev", self.ifname, netns=self.netns).stdout)
+
 
 @dataclass
 class Network:
@@ -256,6 +342,11 @@ class Network:
 
     def __len__(self) -> int:
         return len(self.hosts)
+
+    def limit(self, link: LinkLimit | None) -> None:
+        """Throttle every host's link (None: take the limits off)."""
+        for h in self.hosts:
+            h.limit(link)
 
     def env(self) -> dict[str, str]:
         """The layout as environment variables (for scripts): MEGALITE_NETNS_HOSTS holds
@@ -289,17 +380,60 @@ class Network:
                         f"FORWARD policy of DROP (Docker hosts), bridged traffic is filtered.")
             server.wait(timeout=timeout)
         finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
-            for f in (server.stdout, server.stderr):
-                f.close()
+            _stop(server)
 
+    def throughput(self, sender: int = 1, receiver: int = 0, nbytes: int = 8 << 20, timeout: float = 60.0) -> float:
+        """Bytes/s of one TCP stream from host `sender` to host `receiver`: `nbytes` sent, timed on
+        the sender from the first byte to the receiver's acknowledgement of the last."""
+        server_code = (
+            "import socket,sys\n"
+            "s=socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(1); s.settimeout(%r)\n"
+            "print(s.getsockname()[1], flush=True)\n"
+            "c, _a = s.accept(); c.settimeout(%r); n = 0\n"
+            "while n < %d:\n"
+            "    b = c.recv(1 << 20)\n"
+            "    if not b: sys.exit('connection closed after %%d bytes' %% n)\n"
+            "    n += len(b)\n"
+            "c.sendall(b'k'); c.close()\n" % (timeout, timeout, nbytes))
+        server = self.hosts[receiver].popen([sys.executable, "-c", server_code], stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)
+        try:
+            port = int(server.stdout.readline().strip() or 0)
+            if not port:
+                raise NetnsError(f"no listener in {self.hosts[receiver].netns}: {server.stderr.read()[-500:]}")
+            client_code = (
+                "import socket,sys,time\n"
+                "c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=%r)\n"
+                "buf = bytes(1 << 20); left = %d; t = time.perf_counter()\n"
+                "while left > 0:\n"
+                "    k = min(left, len(buf)); c.sendall(buf[:k]); left -= k\n"
+                "assert c.recv(1) == b'k'\n"
+                "print(time.perf_counter() - t)\n" % (timeout, nbytes))
+            r = self.hosts[sender].run([sys.executable, "-c", client_code, self.hosts[receiver].addr, str(port)],
+                                       timeout=timeout + 5)
+            if r.returncode != 0:
+                raise NetnsError(f"throughput test {sender} -> {receiver} failed: {r.stderr.strip()[-500:]}")
+            server.wait(timeout=timeout)
+            return nbytes / float(r.stdout.strip())
+        finally:
+            _stop(server)
+
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """Kill a helper process if it still runs and close its pipes."""
+    if server.poll() is None:
+        server.kill()
+        server.wait()
+    for f in (server.stdout, server.stderr):
+        f.close()
 
 @contextlib.contextmanager
-def hosts(n: int = 2, names: list[str] | None = None, tag: str = "t", check: bool = True):
+def hosts(n: int = 2, names: list[str] | None = None, tag: str = "t", check: bool = True,
+          link: LinkLimit | None = None):
     """`n` hosts on a fresh bridge; yields a Network. `tag` (one letter) keeps the names of two
-    networks of one process apart. Everything is removed on exit, whatever the reason."""
+    networks of one process apart. `link` throttles every host's link (Network.limit). Everything
+    is removed on exit, whatever the reason."""
     if not (len(tag) == 1 and tag.isalpha() and tag.islower()):
         raise ValueError("tag must be one lowercase letter")
     if n < 1 or n > 200:
@@ -309,6 +443,8 @@ def hosts(n: int = 2, names: list[str] | None = None, tag: str = "t", check: boo
         raise ValueError(f"{n} hosts but {len(names)} names")
     if ip_command() is None:
         raise NetnsError("iproute2's `ip` is not installed (bash .ci/setup_netns.sh installs it)")
+    if link is not None and tc_command() is None:
+        raise NetnsError("iproute2's `tc` is not installed (bash .ci/setup_netns.sh installs iproute2)")
     stem = f"ml{tag}{os.getpid()}"
     bridge = f"{stem}br"
     if len(bridge) > 15 or len(f"{stem}v{n - 1}") > 15:
@@ -317,14 +453,14 @@ def hosts(n: int = 2, names: list[str] | None = None, tag: str = "t", check: boo
         raise ValueError(f"a network with tag {tag!r} is already up in this process")
     restore = _exit_on_sigterm()
     try:
-        with _hosts(n, names, stem, bridge, check) as net:
+        with _hosts(n, names, stem, bridge, check, link) as net:
             yield net
     finally:
         restore()
 
 
 @contextlib.contextmanager
-def _hosts(n: int, names: list[str], stem: str, bridge: str, check: bool):
+def _hosts(n: int, names: list[str], stem: str, bridge: str, check: bool, link: LinkLimit | None):
     with _machine_lock():  # two test runs at once must not pick the same subnet
         clean_stale()
         subnet = _pick_subnet()
@@ -364,6 +500,8 @@ def _hosts(n: int, names: list[str], stem: str, bridge: str, check: bool):
             _ip("link", "set", "lo", "up", netns=h.netns)
             _ip("addr", "add", f"{h.addr}/{subnet.prefixlen}", "dev", h.ifname, netns=h.netns)
             _ip("link", "set", h.ifname, "up", netns=h.netns)
+        if link is not None:
+            net.limit(link)
         if check:
             net.check()
         yield net
@@ -412,14 +550,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--names", default=None, help="comma-separated host names (default host0,host1,...)")
     ap.add_argument("--tag", default="c")
+    ap.add_argument("--rate-mbit", type=float, default=None, help="limit each host's link (both directions)")
+    ap.add_argument("--burst-kib", type=float, default=None, help="tbf bucket (default: 2 ms of the rate)")
+    ap.add_argument("--queue-ms", type=float, default=50.0, help="tbf latency: the queue's length, not a delay")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- command ... (MEGALITE_NETNS_* in its env)")
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
         ap.error("no command given")
-    with hosts(a.hosts, a.names.split(",") if a.names else None, tag=a.tag) as net:
+    link = LinkLimit(a.rate_mbit, a.burst_kib, a.queue_ms) if a.rate_mbit else None
+    with hosts(a.hosts, a.names.split(",") if a.names else None, tag=a.tag, link=link) as net:
         for h in net.hosts:
-            print(f"netns: {h.name} = {h.netns} {h.addr} ({h.ifname})", file=sys.stderr)
+            limit = f", link {' '.join(link.tbf_args())}" if link else ""
+            print(f"netns: {h.name} = {h.netns} {h.addr} ({h.ifname}{limit})", file=sys.stderr)
         print(f"netns: bridge {net.bridge} {net.gateway}/{net.subnet.prefixlen}", file=sys.stderr)
         child = subprocess.Popen(cmd, env={**os.environ, **net.env()})
         try:

@@ -1,0 +1,584 @@
+"""Training over slow links, measured: N network-namespace "hosts" (tests/netns.py) whose links are
+limited by a token bucket (tc-tbf), a torchrun on each running pretrain_gpt.py, and each run's
+--metrics-file records summed up in one table. Several named runs in one invocation, so every ratio
+comes from one machine in one sitting. Needs root (network namespaces) and iproute2 (`ip`, `tc`).
+
+    sudo python scripts/slow_links.py --hosts 2 --rate-mbit 200 \\
+        --common "--mock-data --model gpt-tiny --seq-length 64 --train-iters 12" \\
+        --run "alone=solo=1 rate=off --global-batch-size 8" --run "dp=--global-batch-size 16" [--json out.json]
+
+A run is NAME=[SETTINGS ]FLAGS. SETTINGS are leading words: `hosts=N` (default --hosts; hosts=1
+runs on host 0 alone), `nproc=K` (ranks per host, default --nproc-per-node), `rate=MBIT` or
+`rate=off` (this run's link limit, default --rate-mbit), `solo=1` (every host runs a one-host job
+of its own at the same time: compute alone, with the share of the CPU the talking runs get),
+`timeline=1` (--timeline on every iteration: rank 0's time by kind of span, e.g. the wait for the
+gradients' reduction, in the JSON).
+FLAGS go to pretrain_gpt.py after --common. Suites are the measurements of docs/slow-links.md,
+their runs and derived ratios built in:
+
+    sudo python scripts/slow_links.py --suite overlap --rate-mbit 300 --repeat 3
+    sudo python scripts/slow_links.py --suite bf16 | planner | diloco
+
+Step time is the median of `ms_per_iter` over the iterations after --warmup (logged every
+iteration; robust to a spell of other work on the machine), tokens/s the mean over them (all the
+time, every step: a DiLoCo outer step counts); each from the best of --repeat rounds (the runs
+interleaved round by round; other work on a shared machine only adds time), the range over the
+rounds shown beside it. Bytes: megalite's own
+count (`comm_bytes` of the metrics records, rank 0) and what the hosts' interfaces sent during the
+whole run (`wire`, headers and start-up included). torchrun uses the static rendezvous at host 0
+(docs/multinode.md says why not c10d here) and GLOO_SOCKET_IFNAME=ml0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's megalite (planner), tests/netns.py
+import netns  # noqa: E402
+
+TIMINGS = ("step_ms", "step_ms_mean", "tokens_per_s", "ms_per_iter")
+PORT = 29500  # every run gets the next one: a fresh namespace has every port free, TIME_WAIT aside
+_DROP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+
+
+@dataclass
+class RunSpec:
+    name: str
+    flags: list[str]
+    hosts: int
+    nproc: int
+    rate_mbit: float | None  # None: no limit
+    solo: bool = False  # every host runs its own one-host job at the same time (no traffic between them)
+    timeline: bool = False  # record every iteration's spans (--timeline): time by kind of work on rank 0
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    rounds: list[dict] = field(default_factory=list)  # one summary per round
+    error: str | None = None
+
+    def figure(self, key: str) -> float | None:
+        """Timings from the best round (the lowest median step time: other work on the machine only
+        ever adds time), anything else the median over the rounds."""
+        rounds = [r for r in self.rounds if r.get("step_ms") is not None]
+        if key in TIMINGS:
+            return min(rounds, key=lambda r: r["step_ms"])[key] if rounds else None
+        values = [r[key] for r in self.rounds if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def span(self, kind: str) -> float | None:
+        """Median over the rounds of rank 0's median ms a steady iteration spends in spans of this kind."""
+        values = [r["spans_ms"].get(kind, 0.0) for r in self.rounds if "spans_ms" in r]
+        return statistics.median(values) if values else None
+
+    def spread(self) -> str:
+        steps = [r["step_ms"] for r in self.rounds if r.get("step_ms") is not None]
+        return f"{min(steps):.0f}-{max(steps):.0f}" if len(steps) > 1 else ""
+
+
+def parse_run(text: str, default_hosts: int, default_nproc: int, default_rate: float | None) -> RunSpec:
+    name, sep, rest = text.partition("=")
+    if not sep or not name or any(c.isspace() for c in name):
+        raise SystemExit(f"--run {text!r}: expected NAME=[hosts=N nproc=K rate=MBIT|off] FLAGS")
+    words = shlex.split(rest)
+    settings = {"hosts": default_hosts, "nproc": default_nproc, "rate": default_rate, "solo": 0, "timeline": 0}
+    while words and words[0].split("=", 1)[0] in settings and "=" in words[0]:
+        key, value = words.pop(0).split("=", 1)
+        try:
+            settings[key] = None if (key == "rate" and value == "off") else (float(value) if key == "rate"
+                                                                              else int(value))
+        except ValueError:
+            raise SystemExit(f"--run {name}: {key}={value!r} is not a number") from None
+    return RunSpec(name, words, settings["hosts"], settings["nproc"], settings["rate"], bool(settings["solo"]),
+                   bool(settings["timeline"]))
+
+
+def pretrain_flags() -> set[str]:
+    """The flags this checkout's pretrain_gpt.py takes (new ones may not exist yet)."""
+    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    if run.returncode != 0:
+        raise SystemExit(f"`pretrain_gpt.py --help` failed (exit {run.returncode}): {run.stderr.strip()[-800:]}")
+    return {w.strip("[],") for w in run.stdout.split() if w.startswith(("--", "[--"))}
+
+
+def missing_flags(flags: list[str], known: set[str]) -> list[str]:
+    return [f.split("=")[0] for f in flags if f.startswith("--") and f.split("=")[0] not in known]
+
+
+def _env(threads: int, ifname: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return env
+
+
+def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, port: int, threads: int,
+           timeout: float) -> tuple[list[dict], str | None]:
+    """One torchrun per host of the run; returns rank 0's training records, then {"wire_bytes": what
+    the hosts sent on their links during the run, start-up and all}, then {"valid": the last
+    validation record} if there was one; and an error, if any."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    link = netns.LinkLimit(spec.rate_mbit) if spec.rate_mbit else None
+    for h in net.hosts[:spec.hosts]:
+        if h.link != link:
+            h.limit(link)
+    timeline = workdir / "timeline.json"
+    timeline.unlink(missing_ok=True)
+    if spec.timeline:
+        flags = [*flags, "--timeline", str(timeline), "--timeline-iters", "1000000"]
+    sent = [h.tx_bytes() for h in net.hosts[:spec.hosts]]
+    procs = []
+    for node_rank, host in enumerate(net.hosts[:spec.hosts]):
+        if spec.solo:  # a job of its own: rendezvous on the host's loopback, metrics of host 0 kept
+            own = metrics if node_rank == 0 else workdir / f"metrics-host{node_rank}.jsonl"
+            where = ["--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1"]
+        else:
+            own, where = metrics, ["--nnodes", str(spec.hosts), "--node_rank", str(node_rank), "--master_addr",
+                                   net[0].addr]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(spec.nproc),
+               "--master_port", str(port), str(ROOT / "pretrain_gpt.py"), *flags, "--metrics-file", str(own)]
+        with open(workdir / f"host{node_rank}.out", "w") as out, open(workdir / f"host{node_rank}.err", "w") as err:
+            procs.append(host.popen(cmd, env=_env(threads, host.ifname), stdout=out, stderr=err, cwd=workdir))
+    deadline = time.monotonic() + timeout
+    error = None
+    for i, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            error = f"did not end within {timeout:.0f} s"
+            break
+        if p.returncode != 0 and error is None:
+            tail = (workdir / f"host{i}.err").read_text(errors="replace").strip().splitlines()[-3:]
+            error = f"host{i} exited {p.returncode}: {' | '.join(tail)}"
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for h in net.hosts[:spec.hosts]:
+        h.kill_all()
+    wire = sum(h.tx_bytes() for h in net.hosts[:spec.hosts]) - sum(sent)
+    records = read_records(metrics) if metrics.exists() else []
+    valid = read_records(metrics, "valid") if metrics.exists() else []
+    extra = [{"wire_bytes": wire}] + ([{"valid": valid[-1]}] if valid else [])
+    if timeline.exists():
+        extra.append({"timeline": timeline_ms(timeline)})
+    return records + extra, error
+
+
+def timeline_ms(path: Path, rank: int = 0) -> dict[int, dict[str, float]]:
+    """Milliseconds of each kind of span (forward, backward, grad-reduce: the wait for the
+    gradients' reduction, optimizer, ...) in each recorded iteration (1-based) of one rank."""
+    out: dict[int, dict[str, float]] = {}
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e.get("ph") == "X" and e.get("pid") == rank and "iteration" in e.get("args", {}):
+            kinds = out.setdefault(e["args"]["iteration"] + 1, {})
+            kinds[e["cat"]] = kinds.get(e["cat"], 0.0) + e["dur"] / 1e3
+    return out
+
+
+def read_records(path: Path, split: str = "train") -> list[dict]:
+    """The records of a --metrics-file: training ones, or split="valid" for the validation ones."""
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("split", "train") == split]
+
+
+_ALLREDUCE = """
+import os, sys, time, datetime, torch, torch.distributed as dist
+rank, addr, port, numel, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=int(sys.argv[6]),
+                        timeout=datetime.timedelta(seconds=60))
+x = torch.ones(numel)
+dist.all_reduce(x)  # connections made, buffers touched
+times = []
+for _ in range(rounds):
+    dist.barrier()
+    t = time.perf_counter()
+    dist.all_reduce(x)
+    times.append(time.perf_counter() - t)
+assert x[0].item() == dist.get_world_size() ** (rounds + 1), x[0].item()
+print(" ".join(map(repr, times)))
+dist.destroy_process_group()
+"""
+
+
+def allreduce_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int = 29400,
+                      timeout: float = 120) -> list[float]:
+    """Seconds of each of `rounds` plain gloo all-reduces of `nbytes` (fp32) over every host, one
+    rank a host (torch.distributed, no megalite), as host 0 timed them. A ring all-reduce sends
+    2 (n-1)/n of the bytes from each rank: nbytes for two hosts."""
+    n = len(net)
+    procs = [h.popen([sys.executable, "-c", _ALLREDUCE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
+                      str(n)], env=_env(1, h.ifname), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, h in enumerate(net.hosts)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (_out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"all-reduce probe failed (exit {p.returncode}): {err.strip()[-800:]}")
+    return [float(x) for x in outs[0][0].split()]
+
+
+def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 << 20) -> dict:
+    """The links at `rate_mbit` (None: unlimited) as one TCP stream and as gloo's all-reduce see them
+    (bytes/s; the all-reduce's "bus bandwidth" is the planner's link bandwidth)."""
+    net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
+    tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
+    bus = nbytes / statistics.median(allreduce_seconds(net, nbytes))
+    what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
+    share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
+    print(f"link, {what}: one TCP stream host1 -> host0 {tcp / 1e6:.2f} MB/s{share}; gloo all-reduce of "
+          f"{nbytes >> 20} MiB: bus bandwidth {bus / 1e6:.2f} MB/s", file=sys.stderr)
+    return {"tcp": tcp, "bus": bus}
+
+
+def comm_total(record: dict) -> float | None:
+    """Bytes this record's comm_bytes counts (megalite's byte accounting), all kinds together."""
+    cb = record.get("comm_bytes")
+    if isinstance(cb, dict):
+        return float(sum(v for v in cb.values() if isinstance(v, (int, float))))
+    if isinstance(cb, (int, float)):
+        return float(cb)
+    return None
+
+
+def summarize(records: list[dict], warmup: int) -> dict:
+    valid = [r["valid"] for r in records if "valid" in r]
+    wire = [r["wire_bytes"] for r in records if "wire_bytes" in r]
+    train = [r for r in records if "iteration" in r]
+    steady = [r for r in train if r["iteration"] > warmup] or train[-1:]
+    if not steady:
+        return {}
+    ms = [r["ms_per_iter"] for r in steady]
+    tokens_per_iter = statistics.mean(r["tokens_per_sec"] * r["ms_per_iter"] / 1e3 for r in steady)
+    out = {"step_ms": statistics.median(ms), "step_ms_mean": statistics.mean(ms), "steps": len(steady),
+           "tokens_per_s": tokens_per_iter / (statistics.mean(ms) / 1e3), "tokens_per_iter": tokens_per_iter,
+           "ms_per_iter": ms,
+           "loss": train[-1]["loss"], "iterations": train[-1]["iteration"],
+           # one step's loss is one batch's: the mean over the last 16 logged steps is steadier
+           "loss_last16": statistics.mean(r["loss"] for r in train[-16:]),
+           "valid_loss": valid[-1]["valid_loss"] if valid else None}
+    spans = [r["timeline"] for r in records if "timeline" in r]
+    if spans:  # median ms of each kind of span per steady iteration (rank 0)
+        steady_spans = [v for it, v in spans[-1].items() if it > warmup] or list(spans[-1].values())
+        kinds = sorted({k for v in steady_spans for k in v})
+        out["spans_ms"] = {k: statistics.median(v.get(k, 0.0) for v in steady_spans) for k in kinds}
+    if wire:  # the whole job's link traffic over every token it trained (start-up and evaluation included)
+        trained = sum(r["tokens_per_sec"] * r["ms_per_iter"] / 1e3 for r in train) * train[-1]["iteration"] / len(train)
+        out["wire_bytes"] = wire[-1]
+        out["wire_bytes_per_token"] = wire[-1] / trained
+    # megalite's count (rank 0), per logged step: the mean over all of them (a local-SGD outer step
+    # every H counts), per token over every token of the run
+    comm = [comm_total(r) for r in train]
+    if comm and all(c is not None for c in comm):
+        out["comm_bytes"] = statistics.mean(comm)
+        out["comm_bytes_per_token"] = out["comm_bytes"] / tokens_per_iter
+        kinds: dict[str, list[float]] = {}
+        for r in train:
+            for k, v in (r["comm_bytes"].items() if isinstance(r["comm_bytes"], dict) else ()):
+                kinds.setdefault(k, []).append(v)
+        out["comm_bytes_by_kind"] = {k: sum(v) / len(train) for k, v in kinds.items()}  # kinds absent: 0
+    return out
+
+
+# ---- suites: the runs of each measurement and what is derived from them --------------------------------------------
+
+def _model(a) -> list[str]:
+    return ["--model", a.model, "--seq-length", str(a.seq_length), *(["--hidden-size", str(a.hidden_size)]
+                                                                     if a.hidden_size else [])]
+
+
+def suite_runs(a) -> tuple[list[str], list[str]]:
+    """(common flags, run specs) of suite a.suite."""
+    model, it = _model(a), ["--train-iters", str(a.iters), "--log-interval", "1"]
+    noeval = ["--eval-iters", "0"]
+    b = a.micro_batch_size or (16 if a.suite == "overlap" else 8)
+    if a.suite == "overlap":  # one micro-batch a step, so the whole backward can hide the reduction
+        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--ddp-bucket-size", str(a.bucket)]
+        return common, [f"compute=solo=1 rate=off timeline=1 --global-batch-size {b}",
+                        f"overlap=timeline=1 --global-batch-size {2 * b}",  # megalite's default: during backward
+                        f"no-overlap=timeline=1 --global-batch-size {2 * b} --overlap-grad-reduce false",
+                        # the reduction's start held back to the end of backward by one bucket for everything
+                        f"one-bucket=timeline=1 --global-batch-size {2 * b} --ddp-bucket-size 1000000000"]
+    if a.suite == "bf16":
+        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
+                  "--ddp-bucket-size", str(a.bucket)]
+        return common, ["fp32-wire=timeline=1 --grad-reduce-dtype fp32",
+                        "bf16-wire=timeline=1 --grad-reduce-dtype bf16"]
+    if a.suite == "planner":
+        g = 4 * b
+        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--global-batch-size", str(g),
+                  "--ddp-bucket-size", str(a.bucket)]
+        return common, ["compute=solo=1 rate=off", "tp2-across=--tp 2", "pp2-across=--pp 2", "dp2-across=",
+                        # the same on the bare veths: what the layouts cost without the slow link
+                        "tp2-fast=rate=off --tp 2", "pp2-fast=rate=off --pp 2", "dp2-fast=rate=off"]
+    if a.suite == "diloco":  # the embedded corpus (no --mock-data), the same tokens for both
+        common = [*model, *it, "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
+                  "--eval-iters", "8", "--eval-interval", str(a.iters)]
+        return common, ["dp=", f"diloco-h{a.interval}=--local-sgd-interval {a.interval} --outer-lr {a.outer_lr} "
+                               f"--outer-momentum {a.outer_momentum}"]
+    raise SystemExit(f"unknown suite {a.suite!r}")
+
+
+def _ratio(x, y):
+    return x / y if x is not None and y else None
+
+
+def derive(a, results: dict[str, RunResult], links: dict) -> dict:
+    """The suite's ratios (see docs/slow-links.md)."""
+    t = {name: r.figure("step_ms") for name, r in results.items()}
+    out: dict = {}
+    if a.suite == "overlap" and t.get("compute") and t.get("overlap"):
+        # hidden fraction: of the communication a serial reduction exposes (no-overlap, or one bucket
+        # launched when backward ends), the part that overlapping the buckets with backward hides
+        out = {"overlap_vs_compute": t["overlap"] / t["compute"], "exposed_ms_overlap": t["overlap"] - t["compute"]}
+        waits = {n: r.span("grad-reduce") for n, r in results.items()}
+        out["grad_reduce_wait_ms"] = waits  # rank 0's wait for the reduction after backward (timeline)
+        for serial in ("no-overlap", "one-bucket"):
+            if waits.get(serial) and waits.get("overlap") is not None:
+                out[f"hidden_fraction_by_wait_vs_{serial}"] = 1 - waits["overlap"] / waits[serial]
+            if t.get(serial):
+                comm = t[serial] - t["compute"]
+                out[f"overlap_vs_{serial}"] = t["overlap"] / t[serial]
+                out[f"comm_ms_{serial}"] = comm
+                out[f"hidden_fraction_vs_{serial}"] = (t[serial] - t["overlap"]) / comm if comm > 0 else None
+    elif a.suite == "bf16":
+        out = {"step_bf16_vs_fp32": _ratio(t.get("bf16-wire"), t.get("fp32-wire")),
+               "grad_reduce_wait_bf16_vs_fp32": _ratio(results["bf16-wire"].span("grad-reduce"),
+                                                       results["fp32-wire"].span("grad-reduce")),
+               "wire_bytes_bf16_vs_fp32": _ratio(results["bf16-wire"].figure("wire_bytes_per_token"),
+                                                 results["fp32-wire"].figure("wire_bytes_per_token")),
+               "bytes_bf16_vs_fp32": _ratio(results["bf16-wire"].figure("comm_bytes"),
+                                            results["fp32-wire"].figure("comm_bytes"))}
+    elif a.suite == "planner" and links:
+        out = planner_comparison(a, results, links)
+    elif a.suite == "diloco":
+        dp, lo = results.get("dp"), results.get(f"diloco-h{a.interval}")
+        if dp and lo and dp.rounds and lo.rounds:
+            out = {"bytes_per_token_dp_over_diloco": _ratio(dp.figure("comm_bytes_per_token"),
+                                                           lo.figure("comm_bytes_per_token")),
+                   "wire_bytes_per_token_dp_over_diloco": _ratio(dp.figure("wire_bytes_per_token"),
+                                                                lo.figure("wire_bytes_per_token")),
+                   "wall_per_token_diloco_vs_dp": _ratio(dp.figure("tokens_per_s"), lo.figure("tokens_per_s")),
+                   "loss_diloco_vs_dp": _ratio(lo.figure("loss"), dp.figure("loss")),
+                   "loss_last16_diloco_vs_dp": _ratio(lo.figure("loss_last16"), dp.figure("loss_last16")),
+                   "valid_loss_diloco_vs_dp": _ratio(lo.figure("valid_loss"), dp.figure("valid_loss"))}
+    return out
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s of one thread streaming through memory (read + write of a 64 MiB copy): the planner's
+    --hbm-gbps for this machine's optimizer step."""
+    import torch
+
+    torch.set_num_threads(1)
+    src, dst = torch.ones(16 << 20), torch.empty(16 << 20)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def planner_comparison(a, results: dict[str, RunResult], links: dict) -> dict:
+    """megalite.tools.plan.predict for every run, with this machine's compute rate fitted on the
+    one-rank run (`compute`: the rate that makes its predicted step time the measured one) and the
+    measured link as the inter-node bandwidth (one rank a host: every group crosses the link)."""
+    from megalite import arguments
+    from megalite.tools.plan import Cluster, Layout, predict
+    from megalite.tools.plan.inputs import Run
+
+    parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
+    hbm = memory_bandwidth()
+
+    def prediction(spec: RunSpec, rate_tflops: float):
+        args = parser.parse_args([*a.common_flags, *spec.flags])
+        config = arguments.model_config(args)
+        world = spec.nproc if spec.solo else spec.hosts * spec.nproc
+        dp = world // (args.tp * args.pp)
+        link = links[spec.rate_mbit]["bus"] if spec.rate_mbit in links else hbm  # solo: no link used
+        cluster = Cluster(gpus=world, gpus_per_node=spec.nproc, gpu_memory_gib=1e6, intra_node_gbps=hbm / 1e9,
+                          inter_node_gbps=link / 1e9, peak_tflops=rate_tflops, efficiency=1.0,
+                          hbm_gbps=hbm / 1e9)
+        layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch_size=args.micro_batch_size)
+        run = Run(args.global_batch_size, args.seq_length, "fp32", args.ddp_bucket_size,
+                  grad_reduce_dtype=args.grad_reduce_dtype)
+        return predict(config, layout, cluster, run=run)
+
+    base = results.get("compute")
+    measured = base.figure("step_ms") if base else None
+    if not measured:
+        return {}
+    guess = prediction(base.spec, 1e-3).time
+    rate = 1e-3 * guess.compute / (measured / 1e3 - (guess.total - guess.compute))
+    out = {"fitted_tflops": rate, "memory_gbps": hbm / 1e9,
+           "link_gbps": {str(k): v["bus"] / 1e9 for k, v in links.items()}, "layouts": {}}
+    for name, r in results.items():
+        step = r.figure("step_ms")
+        if step is None:
+            continue
+        p = prediction(r.spec, rate).time
+        out["layouts"][name] = {"predicted_ms": p.total * 1e3, "measured_ms": step,
+                                "predicted_over_measured": p.total * 1e3 / step,
+                                "parts_ms": {k: getattr(p, k) * 1e3 for k in ("compute", "tp_comm", "pp_comm",
+                                                                               "bubble", "dp_comm", "optimizer")}}
+    across = [n for n in out["layouts"] if n.endswith("-across")]
+    out["link_cost"] = {}  # what the slow link adds to each layout's step: across minus the same on bare veths
+    for name in across:
+        fast = out["layouts"].get(name.replace("-across", "-fast"))
+        if fast:
+            here = out["layouts"][name]
+            measured, predicted = here["measured_ms"] - fast["measured_ms"], here["predicted_ms"] - fast["predicted_ms"]
+            out["link_cost"][name] = {"measured_ms": measured, "predicted_ms": predicted,
+                                      "predicted_over_measured": predicted / measured if measured > 0 else None}
+    out["ranking_predicted"] = sorted(across, key=lambda n: out["layouts"][n]["predicted_ms"])
+    out["ranking_measured"] = sorted(across, key=lambda n: out["layouts"][n]["measured_ms"])
+    return out
+
+
+# ---- the table -------------------------------------------------------------------------------------------------------
+
+def table(results: dict[str, RunResult]) -> str:
+    head = ["run", "hosts x ranks", "link Mbit/s", "step ms", "rounds", "reduce wait ms", "tokens/s", "loss",
+            "valid loss", "comm bytes/step", "comm bytes/token", "wire bytes/token"]
+    rows = []
+    for name, r in results.items():
+        s = r.spec
+        f = r.figure
+
+        def fmt(key, spec):
+            v = f(key)
+            return format(v, spec) if v is not None else "-"
+        where = f"{s.hosts} x {s.nproc}" + (" solo" if s.solo else "")
+        rows.append([name, where, f"{s.rate_mbit:g}" if s.rate_mbit else "off",
+                     fmt("step_ms", ".1f"), r.spread(),
+                     "-" if r.span("grad-reduce") is None else f"{r.span('grad-reduce'):.1f}",
+                     fmt("tokens_per_s", ".0f"), fmt("loss", ".4f"),
+                     fmt("valid_loss", ".4f"),
+                     fmt("comm_bytes", ",.0f"), fmt("comm_bytes_per_token", ",.1f"),
+                     fmt("wire_bytes_per_token", ",.1f")]
+                    + ([f"FAILED: {r.error}"] if r.error else []))
+    widths = [max(len(str(x[i])) for x in [head, *rows] if i < len(x)) for i in range(len(head))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(str(c).ljust(w) for c, w in zip(x, widths)) + " |" + (f" {x[-1]}" if len(x) > len(head)
+                                                                                      else "") for x in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--nproc-per-node", type=int, default=1)
+    ap.add_argument("--rate-mbit", type=float, default=200.0, help="each host's link, each direction (0: no limit)")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
+    ap.add_argument("--common", default="", help="pretrain_gpt.py flags of every run (before the run's own)")
+    ap.add_argument("--run", action="append", default=[], metavar="NAME=[SETTINGS] FLAGS")
+    ap.add_argument("--suite", choices=["overlap", "bf16", "planner", "diloco"])
+    ap.add_argument("--model", default="gpt-tiny", help="suites: the model preset")
+    ap.add_argument("--hidden-size", type=int, default=None, help="suites: overrides the preset's")
+    ap.add_argument("--seq-length", type=int, default=64, help="suites")
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help="suites (default: 16 for overlap, 8 for the others)")
+    ap.add_argument("--iters", type=int, default=12, help="suites: --train-iters")
+    ap.add_argument("--bucket", type=int, default=200_000, help="suites: --ddp-bucket-size (elements)")
+    ap.add_argument("--interval", type=int, default=16, help="diloco suite: --local-sgd-interval")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="diloco suite")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="diloco suite")
+    ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the step time")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of all runs, interleaved")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    ap.add_argument("--workdir", default=None, help="logs and metrics of every run (default: a temporary dir)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        ap.error("network namespaces need root: run as root (sudo)")
+    rate = a.rate_mbit or None
+    common, run_texts = (suite_runs(a) if a.suite else ([], []))
+    a.common_flags = [*common, *shlex.split(a.common)]
+    run_texts = [*run_texts, *a.run]
+    if not run_texts:
+        ap.error("nothing to run: give --run NAME=FLAGS (repeatable) or --suite")
+    specs = [parse_run(t, a.hosts, a.nproc_per_node, rate) for t in run_texts]
+    if len({s.name for s in specs}) != len(specs):
+        ap.error("two runs share a name")
+    too_many = [s.name for s in specs if s.hosts > a.hosts or s.hosts < 1]
+    if too_many:
+        ap.error(f"runs {too_many} ask for more hosts than --hosts {a.hosts} (or fewer than 1)")
+    known = pretrain_flags()
+    results = {s.name: RunResult(s) for s in specs}
+    for s in specs:
+        absent = missing_flags([*a.common_flags, *s.flags], known)
+        if absent:
+            results[s.name].error = f"pretrain_gpt.py has no {', '.join(sorted(set(absent)))} (yet)"
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="slow-links-"))
+    port = PORT
+    links: dict = {}  # rate (None: no limit) -> {"tcp": B/s, "bus": B/s}: the links the runs use, measured
+    with netns.hosts(a.hosts, tag="l") as net:
+        if a.hosts > 1:
+            for r in sorted({s.rate_mbit for s in specs if s.hosts > 1 and not s.solo}, key=lambda x: x or 1e12):
+                links[r] = measure_link(net, r)
+        for round_ in range(a.repeat):
+            for s in specs:
+                r = results[s.name]
+                if r.error and not r.rounds:
+                    continue
+                port += 1
+                flags = [*a.common_flags, *s.flags]
+                link = f"{s.rate_mbit:g} Mbit/s" if s.rate_mbit else "unlimited"
+                print(f"[{round_ + 1}/{a.repeat}] {s.name}: {s.hosts} host(s) x {s.nproc}{' solo' if s.solo else ''}, "
+                      f"link {link}: pretrain_gpt.py {shlex.join(flags)}",
+                      file=sys.stderr)
+                records, error = launch(net, s, flags, workdir / s.name / f"round{round_}", port, a.threads,
+                                        a.timeout)
+                if error:
+                    r.error = error
+                    print(f"    {s.name} failed: {error}", file=sys.stderr)
+                    continue
+                summary = summarize(records, a.warmup)
+                r.rounds.append(summary)
+                print(f"    {summary.get('step_ms', float('nan')):.1f} ms/step, loss {summary.get('loss')}",
+                      file=sys.stderr)
+    derived = derive(a, results, links) if a.suite else {}
+    print(table(results))
+    if derived:
+        print(json.dumps(derived, indent=2))
+    if a.json:
+        out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": len(os.sched_getaffinity(0)),
+               "rate_mbit": rate, "links": {str(k): v for k, v in links.items()}, "common": a.common_flags,
+               "suite": a.suite,
+               "derived": derived,
+               "runs": {n: {"hosts": r.spec.hosts, "nproc": r.spec.nproc, "rate_mbit": r.spec.rate_mbit,
+                            "flags": r.spec.flags, "error": r.error, "rounds": r.rounds,
+                            **{k: r.figure(k) for k in ("step_ms", "tokens_per_s", "loss", "valid_loss", "comm_bytes",
+                                                        "comm_bytes_per_token", "wire_bytes_per_token")}}
+                        for n, r in results.items()}}
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"logs: {workdir}", file=sys.stderr)
+    return 1 if any(r.error and not r.rounds for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
