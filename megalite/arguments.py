@@ -206,6 +206,9 @@ def _add_local_sgd_flags(g) -> None:
                         "round late")
     g.add_argument("--local-sgd-fragments", type=int, default=1, metavar="F",
                    help="local SGD (streaming): synchronize the parameters in F fragments, one every H/F steps")
+    g.add_argument("--local-sgd-warmup-iters", type=int, default=0, metavar="N",
+                   help="local SGD: plain data parallelism (gradients averaged every step) for the first N steps, "
+                        "local SGD after (post-local SGD)")
 
 
 def _check_local_sgd(args) -> None:
@@ -214,7 +217,8 @@ def _check_local_sgd(args) -> None:
     if not h:
         given = (("--local-sgd-async", getattr(args, "local_sgd_async", False)),
                  ("--local-sgd-fragments", getattr(args, "local_sgd_fragments", 1) != 1),
-                 ("--outer-grad-dtype bf16", getattr(args, "outer_grad_dtype", "fp32") != "fp32"))
+                 ("--outer-grad-dtype bf16", getattr(args, "outer_grad_dtype", "fp32") != "fp32"),
+                 ("--local-sgd-warmup-iters", getattr(args, "local_sgd_warmup_iters", 0) != 0))
         extras = [flag for flag, on in given if on]
         if extras:
             raise UsageError(f"{', '.join(extras)}: options of local SGD; add --local-sgd-interval H (or drop them)")
@@ -384,6 +388,7 @@ _NUMERIC_FLAGS = [
     ("--num-query-groups", "num_query_groups", _POSITIVE_INT), ("--norm-epsilon", "norm_epsilon", _POSITIVE),
     ("--local-sgd-interval", "local_sgd_interval", (lambda v: v >= 0, "an integer >= 0 (0: off)")),
     ("--local-sgd-fragments", "local_sgd_fragments", _POSITIVE_INT),
+    ("--local-sgd-warmup-iters", "local_sgd_warmup_iters", (lambda v: v >= 0, "an integer >= 0")),
     ("--outer-lr", "outer_lr", _POSITIVE), ("--outer-momentum", "outer_momentum", _PROBABILITY),
 ]
 

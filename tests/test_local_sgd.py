@@ -214,6 +214,8 @@ def test_split_fragments_cuts_sizes_evenly_without_splitting_a_tensor():
     (["--local-sgd-interval", "4", "--zero-stage", "2"], "drop --use-distributed-optimizer / --zero-stage"),
     (["--local-sgd-async"], "add --local-sgd-interval H"),
     (["--outer-grad-dtype", "bf16"], "add --local-sgd-interval H"),
+    (["--local-sgd-warmup-iters", "8"], "add --local-sgd-interval H"),
+    (["--local-sgd-interval", "4", "--local-sgd-warmup-iters", "-1"], "--local-sgd-warmup-iters must be an integer"),
     (["--local-sgd-interval", "-1"], "--local-sgd-interval must be an integer >= 0"),
     (["--local-sgd-interval", "4", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     (["--local-sgd-interval", "4", "--outer-lr", "0"], "--outer-lr must be > 0"),
@@ -270,3 +272,18 @@ def test_a_local_sgd_checkpoint_refuses_another_layout_unless_its_optimizer_stat
     with pytest.raises(RankFailure, match="its replicas' own states resume at that layout only"):
         run_ranks(train_losses, 1, args=(argv + ["--load", str(tmp_path)],))
     assert len(run_ranks(train_losses, 1, args=(argv + ["--load", str(tmp_path), "--no-load-optim"],))[0]) == 2
+
+
+def test_warmup_steps_are_data_parallel_then_rounds_of_h_follow():
+    # AdamW (not a linear map): the warmup steps average gradients, so they are data parallelism's
+    # steps; after them the replicas part, and meet every H steps counted from the warmup's end.
+    argv = BASE + ["--train-iters", "9", "--lr", "3e-3"]
+    dp_losses, _ = run_ranks(losses_and_params, 2, args=(argv,))[0]
+    traces = run_ranks(replica_trace, 2, args=(argv + ["--local-sgd-interval", "4", "--local-sgd-warmup-iters", "3"],))
+    (losses, a), (_, b) = traces
+    assert rel_err(torch.tensor(losses[:4]), torch.tensor(dp_losses[:4])) <= 1e-5, (losses, dp_losses)
+    assert losses[4:] != dp_losses[4:]
+    for step, ((due, pa), (_, pb)) in enumerate(zip(a, b), start=1):
+        together = step <= 3 or (step - 3) % 4 == 0
+        assert due == ([0] if step > 3 and together else []), step
+        assert torch.equal(pa, pb) == together, f"step {step}"

@@ -65,7 +65,7 @@ class LocalSGD:
 
     def __init__(self, masters: list[torch.Tensor], *, interval: int, outer_lr: float, outer_momentum: float,
                  group=None, comm_dtype: torch.dtype = torch.float32, asynchronous: bool = False,
-                 fragments: int = 1, publish=lambda: None):
+                 fragments: int = 1, publish=lambda: None, warmup: int = 0):
         if interval < 1 or fragments < 1 or interval % fragments:
             raise ValueError(f"local SGD needs an interval >= 1 divisible by the fragments: got interval {interval}, "
                              f"fragments {fragments}")
@@ -79,6 +79,7 @@ class LocalSGD:
                 else torch.zeros(0, device=device)
         self.momentum = torch.zeros_like(self.outer)
         self.steps = 0  # inner steps taken since the start of training
+        self.warmup = warmup  # the first `warmup` steps are data-parallel (`average_grads`); rounds start after
         self.sent_bytes = 0  # bytes handed to the all-reduce (whole tensors), for tests and the planner's
         numels = [m.numel() for m in self.masters]
         starts = [0]
@@ -89,10 +90,29 @@ class LocalSGD:
             for j, (a, b) in enumerate(split_fragments(numels, fragments))]
 
     # -- the loop's call ----------------------------------------------------------------------
+    @property
+    def in_warmup(self) -> bool:
+        """The step about to be taken is a data-parallel one (post-local SGD's warmup)."""
+        return self.steps < self.warmup
+
+    def average_grads(self, grads: list[torch.Tensor]) -> None:
+        """Warmup: average the replicas' gradients (whole buffers), as data parallelism does."""
+        if self.replicas == 1:
+            return
+        for g in grads:
+            traffic.all_reduce("dp", g.nbytes, self.replicas)
+            dist.all_reduce(g, group=self.group)
+            g.div_(self.replicas)
+
     def after_inner_step(self) -> list[int]:
         """Count one inner step; synchronize the fragments that are due. Returns their indices."""
         self.steps += 1
-        due = [f for f in self.fragments if self.steps % self.interval == f.offset]
+        if self.steps <= self.warmup:
+            if self.steps == self.warmup and self.masters:  # the replicas are equal: rounds start here
+                with torch.no_grad():
+                    self.outer.copy_(torch.cat([m.detach().reshape(-1).float() for m in self.masters]))
+            return []
+        due = [f for f in self.fragments if (self.steps - self.warmup) % self.interval == f.offset]
         for f in due:
             self._sync(f)
         if due:

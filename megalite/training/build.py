@@ -152,4 +152,4 @@ def build_local_sgd(args, optimizer: MegaliteOptimizer) -> LocalSGD | None:
                     group=parallel.get_data_parallel_group(),
                     comm_dtype=torch.bfloat16 if args.outer_grad_dtype == "bf16" else torch.float32,
                     asynchronous=args.local_sgd_async, fragments=args.local_sgd_fragments,
-                    publish=optimizer.publish)
+                    publish=optimizer.publish, warmup=getattr(args, "local_sgd_warmup_iters", 0))

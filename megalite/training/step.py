@@ -74,6 +74,8 @@ class TrainStep:
         t = time.perf_counter()
         set_phase(f"{label}: gradient reduction")
         finalize_grads(self.buffers, self.embedding_group)
+        if self.local_sgd is not None and self.local_sgd.in_warmup:
+            self.local_sgd.average_grads([b.grad_data for b in self.buffers])
         if record_spans:
             self.sync_device()  # a span of GPU work ends when the GPU is done, not when it was queued
             stats.spans.append(("grad reduce (wait)", "grad-reduce", t, time.perf_counter() - t))
