@@ -40,6 +40,13 @@ def _kind(group, tp_kind: str) -> str:
     return tp_kind
 
 
+def _count(record, group, tp_kind: str, nbytes: int, size: int) -> None:
+    """Count a collective's bytes (megalite.parallel.traffic), outside torch.compile only: a counter
+    call traced into a compiled layer would break its graph, so --torch-compile's layers go uncounted."""
+    if not torch.compiler.is_compiling():
+        record(_kind(group, tp_kind), nbytes, size)
+
+
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
 
@@ -47,14 +54,14 @@ def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_size(group))]
-    traffic.gather_or_scatter(_kind(group, "tp"), x.nbytes * len(parts), len(parts))
+    _count(traffic.gather_or_scatter, group, "tp", x.nbytes * len(parts), len(parts))
     dist.all_gather(parts, x, group=_group(group))
     return torch.cat(parts, dim=-1)
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
-    traffic.all_reduce(_kind(group, "tp"), x.nbytes, _size(group))
+    _count(traffic.all_reduce, group, "tp", x.nbytes, _size(group))
     dist.all_reduce(x, group=_group(group))
     return x
 
@@ -74,7 +81,7 @@ def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * _size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    traffic.gather_or_scatter(_kind(group, "sp"), out.nbytes, _size(group))
+    _count(traffic.gather_or_scatter, group, "sp", out.nbytes, _size(group))
     all_gather_single(out, x, group=_group(group))
     return out
 
@@ -83,7 +90,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = _check_sequence_splits(x, group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    traffic.gather_or_scatter(_kind(group, "sp"), x.nbytes, size)
+    _count(traffic.gather_or_scatter, group, "sp", x.nbytes, size)
     reduce_scatter_single(out, x, group=_group(group))
     return out
 
@@ -116,7 +123,7 @@ class _ReduceFromRegion(torch.autograd.Function):
             return _reduce(x, group)
         # Sum in place: x is a fresh matmul output nobody else holds, so no copy is needed.
         ctx.mark_dirty(x)
-        traffic.all_reduce(_kind(group, "tp"), x.nbytes, _size(group))
+        _count(traffic.all_reduce, group, "tp", x.nbytes, _size(group))
         dist.all_reduce(x, group=_group(group))
         return x
 
