@@ -31,6 +31,9 @@ SLOW = {
     "test_zero.py::test_stage_3_gather_options_train_the_same_through_interleaved_pipelines",
     "test_zero.py::test_zero_stages_keep_mixed_precision_training_with_tied_embeddings_across_stages",
     "test_context_parallel.py::test_four_dimensional_layouts_on_8_ranks_equal_one_device",
+    "test_local_sgd.py::test_resume_is_bitwise_exact_mid_round_and_at_a_round_boundary",
+    "test_local_sgd.py::test_h1_with_a_plain_outer_step_equals_data_parallelism",
+    "test_slow_links.py::test_data_parallel_training_across_the_throttled_link_equals_one_process",
 }
 
 
