@@ -195,6 +195,9 @@ def tell_torchrun(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
+_USAGE_ERROR_GRACE_S = 5.0
+
+
 def _fail(message: str, code: int, show: bool) -> int:
     if show:
         print(message, file=sys.stderr, flush=True)
@@ -209,7 +212,12 @@ def run_main(fn, *args) -> int:
     try:
         fn(*args)
     except UsageError as e:  # the same on every rank: once per node
-        code = _fail(f"megalite: error: {e}", 2, env_world()[2] == 0)
+        first_on_node = env_world()[2] == 0
+        code = _fail(f"megalite: error: {e}", 2, first_on_node)
+        if not first_on_node:
+            # torchrun stops a node's workers as soon as one exits: the others wait, so that the one
+            # that prints (local rank 0, perhaps slower to get here) is not stopped before it does.
+            time.sleep(_USAGE_ERROR_GRACE_S)
     except TrainingStopped as e:  # agreed by every rank: once per job
         code = _fail(f"megalite: error: {e}", 3, env_world()[0] == 0)
     except Exception as e:
