@@ -32,12 +32,17 @@ def losses_and_params(rank, world, argv):
     return [r["loss"] for r in run.records], final_params(run)
 
 
+def several(rank, world, fn, argvs):
+    """fn(rank, world, argv) for each argv in turn, in one set of ranks (one spawn, one process group)."""
+    return [fn(rank, world, argv) for argv in argvs]
+
+
 @pytest.mark.parametrize("inside", [[], ["--tp", "2"], ["--cp", "2"]], ids=["dp2", "tp2xdp2", "cp2xdp2"])
 def test_h1_with_a_plain_outer_step_equals_data_parallelism(inside):
     argv = BASE + SGD + ["--train-iters", "6", *inside]
     world = 4 if inside else 2
-    dp_losses, dp_params = run_ranks(losses_and_params, world, args=(argv,))[0]
-    ls_losses, ls_params = run_ranks(losses_and_params, world, args=(argv + PLAIN_OUTER,))[0]
+    (dp_losses, dp_params), (ls_losses, ls_params) = run_ranks(
+        several, world, args=(losses_and_params, [argv, argv + PLAIN_OUTER]))[0]
     assert rel_err(torch.tensor(ls_losses), torch.tensor(dp_losses)) <= 1e-5, (ls_losses, dp_losses)
     assert rel_err(ls_params, dp_params) <= 1e-5
 
@@ -129,11 +134,12 @@ def _traced_resume(rank, world, argv):
                                         "bf16"]], ids=["sync", "async-streaming-bf16"])
 def test_resume_is_bitwise_exact_mid_round_and_at_a_round_boundary(tmp_path, extra):
     argv = BASE + ["--train-iters", "12", "--local-sgd-interval", "4"] + extra
-    whole = run_ranks(_traced_resume, 2, args=(argv,))[0]
-    for stop in (6, 8):  # mid-round, and right after an outer step
-        d = tmp_path / str(stop)
-        first = run_ranks(_traced_resume, 2, args=(argv + ["--save", str(d), "--exit-interval", str(stop)],))[0]
-        second = run_ranks(_traced_resume, 2, args=(argv + ["--load", str(d)],))[0]
+    stops = (6, 8)  # mid-round, and right after an outer step
+    argvs = [argv] + [a for stop in stops for a in (
+        argv + ["--save", str(tmp_path / str(stop)), "--exit-interval", str(stop)],
+        argv + ["--load", str(tmp_path / str(stop))])]
+    whole, *parts = run_ranks(several, 2, args=(_traced_resume, argvs))[0]
+    for stop, first, second in zip(stops, parts[::2], parts[1::2]):
         assert first + second == whole, f"stopped at {stop}: resumed losses must equal the unbroken run's bit for bit"
 
 
@@ -249,8 +255,8 @@ def _launches(rank, world, argv):
 
 def test_overlap_grad_reduce_false_reduces_every_bucket_after_backward_with_the_same_losses():
     argv = BASE + ["--train-iters", "3", "--ddp-bucket-size", "20000"]
-    on, on_seen = run_ranks(_launches, 2, args=(argv,))[0]
-    off, off_seen = run_ranks(_launches, 2, args=(argv + ["--overlap-grad-reduce", "false"],))[0]
+    (on, on_seen), (off, off_seen) = run_ranks(
+        several, 2, args=(_launches, [argv, argv + ["--overlap-grad-reduce", "false"]]))[0]
     assert on == off
     assert all(len(launches) > 1 for launches, _ in off_seen)  # several buckets
     assert all(all(h == total for h in launches) for launches, total in off_seen)
@@ -260,8 +266,7 @@ def test_overlap_grad_reduce_false_reduces_every_bucket_after_backward_with_the_
 def test_local_sgd_h_gt_1_differs_from_data_parallelism_and_adam_h1_is_not_dp():
     """What the equivalence needs: at H=1 AdamW averages per-replica Adam updates, not gradients."""
     argv = BASE + ["--train-iters", "3"]
-    dp = run_ranks(train_losses, 2, args=(argv,))[0]
-    adam_h1 = run_ranks(train_losses, 2, args=(argv + PLAIN_OUTER,))[0]
+    dp, adam_h1 = run_ranks(several, 2, args=(train_losses, [argv, argv + PLAIN_OUTER]))[0]
     assert abs(dp[0] - adam_h1[0]) <= 1e-5 * dp[0]  # the same start
     assert max(abs(a - b) for a, b in zip(dp[1:], adam_h1[1:])) > 1e-4
 
