@@ -58,8 +58,8 @@ class ExitWatch:
             work.wait()
             agreed = flags.tolist()
         flags = self._local_flags()
-        traffic.all_reduce("metrics", flags.nbytes, dist.get_world_size(self.group))
-        self._pending = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        self._pending = (flags, traffic.counted_all_reduce("metrics", flags, self.group, op=dist.ReduceOp.MAX,
+                                                           async_op=True))
         self.exchanges += 1
         return agreed
 

@@ -145,13 +145,11 @@ class LogWindow:
         n = self.losses.numel()
         both = torch.cat([self.losses, torch.tensor([self.bubble], device=self.device)])
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            traffic.all_reduce("metrics", both[:n].nbytes, dist.get_world_size(self.dp_group))
-            dist.all_reduce(both[:n], group=self.dp_group)
+            traffic.counted_all_reduce("metrics", both[:n], self.dp_group)
         pp = dist.get_world_size(self.pp_group) if self.pp_group is not None else 1
         if pp > 1:  # the loss lives on the last stage; the bubble is averaged over stages
             bubble = both[n:].clone()
-            traffic.all_reduce("metrics", bubble.nbytes, pp)
-            dist.all_reduce(bubble, group=self.pp_group)
+            traffic.counted_all_reduce("metrics", bubble, self.pp_group)
             traffic.gather_or_scatter("metrics", both.nbytes, pp)  # a broadcast
             dist.broadcast(both, src=self.last_stage, group=self.pp_group)
             both[n] = bubble[0] / pp

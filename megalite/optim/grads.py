@@ -19,8 +19,7 @@ def finalize_grads(buffers, embedding_group=None) -> None:
     for buf in buffers:
         if embedding_group is not None:
             for grad in buf.deferred_grads():
-                traffic.all_reduce("embedding", grad.nbytes, dist.get_world_size(embedding_group))
-                dist.all_reduce(grad, group=embedding_group)
+                traffic.counted_all_reduce("embedding", grad, embedding_group)
         buf.finish_grad_sync()
     kinds: list[str] = []  # grads_of calls keep(p) once for each gradient it returns, in order
 

@@ -100,8 +100,7 @@ class LocalSGD:
         if self.replicas == 1:
             return
         for g in grads:
-            traffic.all_reduce("dp", g.nbytes, self.replicas)
-            dist.all_reduce(g, group=self.group)
+            traffic.counted_all_reduce("dp", g, self.group)
             g.div_(self.replicas)
 
     def after_inner_step(self) -> list[int]:

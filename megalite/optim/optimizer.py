@@ -127,11 +127,8 @@ class MegaliteOptimizer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             buf = self.buffers[0] if self.buffers else None
             if self.distributed and buf is not None and buf.dp_size > 1:  # shards over DP (x CP)
-                traffic.all_reduce("metrics", sq.nbytes, buf.dp_size)
-                dist.all_reduce(sq, group=buf.dp_group)
-            model_group = state.get_model_parallel_group()
-            traffic.all_reduce("metrics", sq.nbytes, dist.get_world_size(model_group))
-            dist.all_reduce(sq, group=model_group)
+                traffic.counted_all_reduce("metrics", sq, buf.dp_group)
+            traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
         return sq.sqrt()[0]
 
     def step(self, lr: float, clip_grad: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,8 +17,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
         logits_max = logits.max(dim=-1).values.float()
         if tp > 1:
-            traffic.all_reduce("tp", logits_max.nbytes, tp)
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            traffic.counted_all_reduce("tp", logits_max, group, op=dist.ReduceOp.MAX)
         # One fp32 working copy, shifted in place (16-bit logits: no second vocabulary-sized copy).
         shifted = logits.to(torch.float32, copy=True)
         shifted -= logits_max.unsqueeze(-1)
@@ -33,8 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if tp > 1:  # one all-reduce for both sums
             both = torch.stack([target_logit, sum_exp])
-            traffic.all_reduce("tp", both.nbytes, tp)
-            dist.all_reduce(both, group=group)
+            traffic.counted_all_reduce("tp", both, group)
             target_logit, sum_exp = both[0], both[1]
         loss = sum_exp.log() - target_logit
 

@@ -47,8 +47,7 @@ def global_normalizer(batches: list[dict], global_batch_size: int, dp_group) -> 
     with the global batch size, for losses with more than one term (BERT: MLM + SOP)."""
     num_tokens = sum(b["loss_mask"].sum() for b in batches).float()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        traffic.all_reduce("metrics", num_tokens.nbytes, dist.get_world_size(dp_group))
-        dist.all_reduce(num_tokens, group=dp_group)
+        traffic.counted_all_reduce("metrics", num_tokens, dp_group)
     for b in batches:
         b["num_tokens"], b["global_batch_size"] = num_tokens, global_batch_size
     return num_tokens
