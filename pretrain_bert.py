@@ -9,34 +9,35 @@ import sys
 
 import torch
 
-from megalite import arguments
-from megalite.data import resolve_data, train_valid_datasets
+from megalite.data import data_tokenizer
 from megalite.data.bert_dataset import build_bert_datasets
 from megalite.data.synthetic import SyntheticBERT
 from megalite.models import BERTModel
-from megalite.runtime import UsageError, run_main
-from megalite.training import Task, pretrain
+from megalite.errors import UsageError
+from megalite.training import Task, entry, prepare_data, train_valid_datasets
 
 
-def prepare(args):
-    resolve_data(args, kind="bert")
-    if args.data_path and len(args.data_path) != 1:
+def prepare(cfg):
+    cfg = prepare_data(cfg, kind="bert")
+    if cfg.data.data_path and len(cfg.data.data_path) != 1:
         raise UsageError("pretrain_bert.py takes one --data-path prefix (blending is for GPT)")
-    if args.cp > 1:
+    if cfg.parallel.cp > 1:
         raise UsageError("--cp splits causal (GPT) attention; BERT's bidirectional attention with padding masks is "
                          "not context-parallel: drop --cp")
+    return cfg
 
 
-def build_model(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
-    return BERTModel(config, pre_process, post_process, layer_numbers, seed=args.seed, device=device)
+def build_model(config, cfg, device, pre_process=True, post_process=True, layer_numbers=None):
+    return BERTModel(config, pre_process, post_process, layer_numbers, seed=cfg.training.seed, device=device)
 
 
-def build_data(config, args):
+def build_data(config, cfg):
     def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
-        return build_bert_datasets(args.data_path[0], args.split, args.seq_length, samples, args.seed,
-                                   args.tokenizer_object, vocab_size=config.vocab_size, lock_timeout=lock_timeout)
+        return build_bert_datasets(cfg.data.data_path[0], cfg.data.split, cfg.model.seq_length, samples,
+                                   cfg.training.seed,
+                                   data_tokenizer(cfg.data), vocab_size=config.vocab_size, lock_timeout=lock_timeout)
 
-    return train_valid_datasets(args, config.vocab_size, SyntheticBERT, datasets)
+    return train_valid_datasets(cfg, config.vocab_size, SyntheticBERT, datasets)
 
 
 def bert_forward_step(model, batch):
@@ -63,8 +64,7 @@ def task() -> Task:
 
 
 def main(argv=None) -> int:
-    args = arguments.build_parser("Pretrain a BERT with megalite.", default_model="bert-tiny").parse_args(argv)
-    return run_main(pretrain, args, task())
+    return entry.main(argv, task(), "Pretrain a BERT with megalite.", default_model="bert-tiny")
 
 
 if __name__ == "__main__":

@@ -7,28 +7,26 @@ tokenized once into a cache); --mock-data uses a synthetic token stream.
 """
 import sys
 
-from megalite import arguments
-from megalite.data import build_gpt_datasets, resolve_data, train_valid_datasets
+from megalite.data import build_gpt_datasets
 from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
-from megalite.runtime import run_main
-from megalite.training import Task, gpt_forward_step, pretrain
+from megalite.training import Task, entry, gpt_forward_step, prepare_data, train_valid_datasets
 
 
-def prepare(args):
-    resolve_data(args, kind="gpt")
+def prepare(cfg):
+    return prepare_data(cfg, kind="gpt")
 
 
-def build_model(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
-    return GPTModel(config, pre_process, post_process, layer_numbers, seed=args.seed, device=device)
+def build_model(config, cfg, device, pre_process=True, post_process=True, layer_numbers=None):
+    return GPTModel(config, pre_process, post_process, layer_numbers, seed=cfg.training.seed, device=device)
 
 
-def build_data(config, args):
+def build_data(config, cfg):
     def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
-        return build_gpt_datasets(args.data_path, args.split, args.seq_length, samples, args.seed,
+        return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, samples, cfg.training.seed,
                                   vocab_size=config.vocab_size, lock_timeout=lock_timeout)
 
-    return train_valid_datasets(args, config.vocab_size, SyntheticTokens, datasets)
+    return train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
 
 
 def task() -> Task:
@@ -36,8 +34,7 @@ def task() -> Task:
 
 
 def main(argv=None) -> int:
-    args = arguments.build_parser("Pretrain a GPT with megalite.", default_model="gpt-tiny").parse_args(argv)
-    return run_main(pretrain, args, task())
+    return entry.main(argv, task(), "Pretrain a GPT with megalite.", default_model="gpt-tiny")
 
 
 if __name__ == "__main__":

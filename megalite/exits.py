@@ -24,16 +24,16 @@ _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: Slurm's `--signal=B:USR1
 class ExitWatch:
     """`reason(iteration)` after each iteration: why every rank stops now, or None."""
 
-    def __init__(self, args, checkpoint_error: Callable[[], str | None] = lambda: None,
+    def __init__(self, cfg, checkpoint_error: Callable[[], str | None] = lambda: None,
                  watch_checkpoints: bool = False):
-        self.args, self.start = args, time.monotonic()
+        self.cfg, self.start = cfg, time.monotonic()
         self.checkpoint_error = checkpoint_error
         self.signal_name: str | None = None
-        if not args.no_exit_signal_handler:
+        if not cfg.training.no_exit_signal_handler:
             for sig in _SIGNALS:
                 signal.signal(sig, self._on_signal)
         # Nothing can raise a flag without a signal handler, a time limit or background saves.
-        self.needed = (not args.no_exit_signal_handler or args.exit_duration_in_mins is not None
+        self.needed = (not cfg.training.no_exit_signal_handler or cfg.training.exit_duration_in_mins is not None
                        or watch_checkpoints)
         self.group = dist.new_group(backend="gloo") if self.needed else None  # collective: every rank
         self._pending: tuple[torch.Tensor, dist.Work] | None = None
@@ -43,8 +43,9 @@ class ExitWatch:
         self.signal_name = signal.Signals(signum).name
 
     def _local_flags(self) -> torch.Tensor:
-        a = self.args
-        late = a.exit_duration_in_mins is not None and time.monotonic() - self.start >= 60 * a.exit_duration_in_mins
+        a = self.cfg
+        limit = a.training.exit_duration_in_mins
+        late = limit is not None and time.monotonic() - self.start >= 60 * limit
         flags = torch.tensor([self.signal_name is not None, late, self.checkpoint_error() is not None],
                              dtype=torch.float32)
         flags._megalite_host_side = True  # a CPU tensor in every run: reading it never waits on a GPU
@@ -66,17 +67,17 @@ class ExitWatch:
     def reason(self, iteration: int) -> str | None:
         """Why to stop after `iteration` (1-based), the same on every rank; None to go on. A failed
         background save raises TrainingStopped on every rank instead."""
-        a = self.args
+        a = self.cfg
         agreed = self._agreed_flags() if self.needed else None
         if agreed is not None and agreed[2] > 0:
             error = self.checkpoint_error() or "a background checkpoint save failed on another rank (see its error)"
             raise TrainingStopped(error)
-        if a.exit_interval and iteration % a.exit_interval == 0:
-            return f"--exit-interval {a.exit_interval}"
+        if a.training.exit_interval and iteration % a.training.exit_interval == 0:
+            return f"--exit-interval {a.training.exit_interval}"
         if agreed is not None and agreed[0] > 0:
             return f"signal {self.signal_name or 'received by another rank'}"
         if agreed is not None and agreed[1] > 0:
-            return f"--exit-duration-in-mins {a.exit_duration_in_mins}"
+            return f"--exit-duration-in-mins {a.training.exit_duration_in_mins}"
         return None
 
     def close(self) -> None:

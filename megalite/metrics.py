@@ -274,6 +274,17 @@ class TrainingLogger:
             except ImportError:
                 pass
 
+    def configuration(self, toml_text: str, metrics_file: str | None) -> None:
+        """The run's configuration beside its records: `<metrics file>.config.toml`, and TensorBoard's
+        text tab. Written once, at the start."""
+        if not self.active:
+            return
+        if metrics_file:
+            with open(f"{metrics_file}.config.toml", "w", encoding="utf-8") as f:
+                f.write(toml_text)
+        if self.tb is not None:
+            self.tb.add_text("config", "```toml\n" + toml_text + "```", 0)
+
     def say(self, line: str) -> None:
         if not self.active or os.environ.get("MEGALITE_QUIET"):
             return

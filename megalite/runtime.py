@@ -13,12 +13,7 @@ import torch
 import torch.distributed as dist
 
 
-class UsageError(ValueError):
-    """A problem with the user's arguments, data or files: reported as one line, no traceback."""
-
-
-class TrainingStopped(RuntimeError):
-    """Training cannot go on (e.g. gradients inf/NaN too many times): one line, non-zero exit."""
+from megalite.errors import TrainingStopped, UsageError  # noqa: F401 - re-exported: raised everywhere
 
 
 # What this rank is doing, so that a collective's time-out can say where it hung.

@@ -224,7 +224,7 @@ def counting_collectives(record, dp_buffers_only: bool = False):
             setattr(buffers_module, name, fn)
 
 
-def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
+def gradient_traffic(cfg, world: int) -> tuple[Fraction, Fraction, bool]:
     """(bytes this rank sends, the minimum for its layout, whether it holds a tied-embedding
     bucket) in one step's gradient reduction and,
     with the distributed optimizer, the parameter all-gather: collectives wrapped and counted.
@@ -237,14 +237,14 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     from megalite.models import GPTModel
     from megalite.optim import finalize_grads
 
-    def build_gpt(config, args, device, pre_process=True, post_process=True, layer_numbers=None):
-        return GPTModel(config, pre_process, post_process, layer_numbers, seed=args.seed, device=device)
+    def build_gpt(config, cfg, device, pre_process=True, post_process=True, layer_numbers=None):
+        return GPTModel(config, pre_process, post_process, layer_numbers, seed=cfg.training.seed, device=device)
 
-    config, _, device = training.setup(args, world)
+    config, _, device = training.setup(cfg, world)
     task = training.Task(build_gpt, build_data=None, forward_step=training.gpt_forward_step)
-    chunks = training.build_model_chunks(task, config, args, device)
-    buffers, optimizer = training.build_optimizer(args, chunks)
-    embedding_group = training.tied_embedding_group(args)
+    chunks = training.build_model_chunks(task, config, cfg, device)
+    buffers, optimizer = training.build_optimizer(cfg, chunks)
+    embedding_group = training.tied_embedding_group(cfg)
     sent: list[Fraction] = []
     with counting_collectives(lambda kind, nbytes, n: sent.append(ring_bytes(kind, nbytes, n))):
         for buf in buffers:
@@ -254,7 +254,7 @@ def gradient_traffic(args, world: int) -> tuple[Fraction, Fraction, bool]:
     dp = parallel.get_data_parallel_world_size()
     minimum = Fraction(0)
     for buf in buffers:
-        if args.use_distributed_optimizer:
+        if cfg.data_parallel.use_distributed_optimizer:
             minimum += ring_bytes("reduce_scatter", buf.grad_data.nbytes, dp)
             minimum += ring_bytes("all_gather", buf.param_data.nbytes, dp)
         else:

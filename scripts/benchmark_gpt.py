@@ -171,7 +171,7 @@ def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_
     chunks = training.build_model_chunks(task, config, args, device)
     buffers, optimizer = training.build_optimizer(args, chunks)
     data, _ = task.build_data(config, args)
-    train_step = training.TrainStep(build_program(1, 0, args.global_batch_size // mb, None), chunks,
+    train_step = training.TrainStep(build_program(1, 0, args.training.global_batch_size // mb, None), chunks,
                                     task.forward_step, (seq, mb, config.hidden_size),
                                     torch.float32 if fp32 else torch.bfloat16, buffers, optimizer, clip_grad=1.0)
     for c in chunks:
@@ -180,7 +180,7 @@ def bench_megalite(preset, mb, seq, extra, device, warmup, iters, quick, global_
 
     def step():
         batches = training.micro_batches(data, next(counter), args, 1, 0, device)
-        train_step(batches, training.global_normalizer(batches, args.global_batch_size, None), lr=1e-4)
+        train_step(batches, training.global_normalizer(batches, args.training.global_batch_size, None), lr=1e-4)
 
     ms = time_steps(step, device, warmup, iters)
     del chunks, buffers, optimizer, train_step

@@ -417,14 +417,14 @@ def planner_comparison(a, results: dict[str, RunResult], links: dict) -> dict:
         args = parser.parse_args([*a.common_flags, *spec.flags])
         config = arguments.model_config(args)
         world = spec.nproc if spec.solo else spec.hosts * spec.nproc
-        dp = world // (args.tp * args.pp)
+        dp = world // (args.parallel.tp * args.parallel.pp)
         link = links[spec.rate_mbit]["bus"] if spec.rate_mbit in links else hbm  # solo: no link used
         cluster = Cluster(gpus=world, gpus_per_node=spec.nproc, gpu_memory_gib=1e6, intra_node_gbps=hbm / 1e9,
                           inter_node_gbps=link / 1e9, peak_tflops=rate_tflops, efficiency=1.0,
                           hbm_gbps=hbm / 1e9)
-        layout = Layout(tp=args.tp, pp=args.pp, dp=dp, micro_batch_size=args.micro_batch_size)
-        run = Run(args.global_batch_size, args.seq_length, "fp32", args.ddp_bucket_size,
-                  grad_reduce_dtype=args.grad_reduce_dtype)
+        layout = Layout(tp=args.parallel.tp, pp=args.parallel.pp, dp=dp, micro_batch_size=args.training.micro_batch_size)
+        run = Run(args.training.global_batch_size, args.model.seq_length, "fp32", args.data_parallel.ddp_bucket_size,
+                  grad_reduce_dtype=args.data_parallel.grad_reduce_dtype)
         return predict(config, layout, cluster, run=run)
 
     base = results.get("compute")

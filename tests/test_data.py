@@ -140,12 +140,11 @@ def test_gpt_index_is_cached_and_identical_across_runs(tmp_path):
 
 
 def test_samples_do_not_depend_on_data_parallel_size_and_resume_exactly(tmp_path):
-    from types import SimpleNamespace
-
+    from megalite.config import build_parser
     from megalite.training import micro_batches
 
     ds = _dataset(tmp_path)
-    args = SimpleNamespace(global_batch_size=8, micro_batch_size=2)
+    args = build_parser("x", "gpt-tiny").parse_args(["--global-batch-size", "8", "--micro-batch-size", "2"])
     cpu = torch.device("cpu")
     for iteration in range(3):
         whole = torch.cat([b["tokens"] for b in micro_batches(ds, iteration, args, 1, 0, cpu)])

@@ -80,18 +80,21 @@ def test_pair_without_a_sidecar_is_scanned_once_and_the_result_cached(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
-def test_pretrain_build_data_refuses_ids_beyond_the_model_vocabulary(tmp_path, kind):
+def test_pretrain_build_data_refuses_ids_beyond_the_model_vocabulary(tmp_path, kind, monkeypatch):
     import pretrain_bert
     import pretrain_gpt
+    from megalite.config import build_parser
 
     prefix = _write(tmp_path / "d", 30)
-    args = SimpleNamespace(mock_data=False, data_path=[prefix], split="1", seq_length=16, eval_iters=1,
-                           eval_interval=0, global_batch_size=2, train_iters=2, seed=1, distributed_timeout_minutes=1,
-                           tokenizer_object=_BertTok())
+    cfg = build_parser("x", "gpt-tiny").parse_args(
+        ["--data-path", prefix, "--tokenizer", "unused", "--split", "1", "--seq-length", "16", "--eval-iters", "1",
+         "--eval-interval", "0", "--global-batch-size", "2", "--train-iters", "2", "--seed", "1",
+         "--distributed-timeout-minutes", "1"])
+    monkeypatch.setattr(pretrain_bert, "data_tokenizer", lambda data: _BertTok())
     build_data = (pretrain_gpt if kind == "gpt" else pretrain_bert).build_data
     with pytest.raises(UsageError, match="holds token id 499, outside the vocabulary of 256 ids"):
-        build_data(SimpleNamespace(vocab_size=256), args)
-    train, _ = build_data(SimpleNamespace(vocab_size=600), args)
+        build_data(SimpleNamespace(vocab_size=256), cfg)
+    train, _ = build_data(SimpleNamespace(vocab_size=600), cfg)
     assert train is not None
 
 

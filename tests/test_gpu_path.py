@@ -72,10 +72,10 @@ def test_batches_reach_a_gpu_through_pinned_memory(monkeypatch):
 def test_tf32_is_on_for_fp32_runs_unless_turned_off():
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
-        assert parse([]).no_tf32 is False
-        training.set_tf32(not parse([]).no_tf32)
+        assert parse([]).precision.no_tf32 is False
+        training.set_tf32(not parse([]).precision.no_tf32)
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-        training.set_tf32(not parse(["--no-tf32"]).no_tf32)
+        training.set_tf32(not parse(["--no-tf32"]).precision.no_tf32)
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -9,11 +9,13 @@ ROOT = Path(__file__).resolve().parents[1] / "megalite"
 
 # package -> the megalite packages and modules it must never import (directly or lazily inside a function)
 FORBIDDEN = {
-    "ops": {"parallel", "models", "pipeline", "optim", "training", "checkpoint", "tools"},
-    "parallel": {"models", "pipeline", "optim", "training", "checkpoint", "tools", "data"},
-    "models": {"training", "pipeline", "optim", "checkpoint", "tools", "data", "arguments"},
-    "pipeline": {"training", "optim", "checkpoint", "tools", "data"},
-    "optim": {"models", "training", "pipeline", "checkpoint", "tools", "data"},
+    "ops": {"parallel", "models", "pipeline", "optim", "training", "checkpoint", "tools", "config"},
+    "parallel": {"models", "pipeline", "optim", "training", "checkpoint", "tools", "data", "config", "runtime"},
+    "models": {"training", "pipeline", "optim", "checkpoint", "tools", "data", "arguments", "config", "runtime"},
+    "pipeline": {"training", "optim", "checkpoint", "tools", "data", "config"},
+    "optim": {"models", "training", "pipeline", "checkpoint", "tools", "data", "config"},
+    # The typed configuration sits beside models (it builds their config): nothing of the run below it.
+    "config": {"training", "tools", "checkpoint", "optim", "data"},
     "data": {"parallel", "models", "pipeline", "optim", "training", "checkpoint", "tools"},
     "checkpoint": {"training", "tools", "pipeline"},
 }

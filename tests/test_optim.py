@@ -164,3 +164,20 @@ def test_apex_adam_without_apex_is_a_clear_error():
     args = parse(["--use-apex-adam"])
     with pytest.raises(UsageError, match="NVIDIA apex built from source"):
         validate(args, 1, model_config(args))
+
+
+def _decoupled_runs(rank, world, base):
+    """Parameters after one step: --decoupled-lr D beside --lr L, then everything at D, then at L."""
+    return [train_params(rank, world, base + extra)["params"] for extra in (
+        ["--lr", "1e-3", "--decoupled-lr", "4e-3"], ["--lr", "4e-3"], ["--lr", "1e-3"])]
+
+
+def test_decoupled_lr_moves_the_embedding_and_output_layer_at_their_own_rate():
+    base = ["--model", "llama-tiny", "--train-iters", "1", "--seq-length", "32", "--min-lr", "0"]  # untied output
+    decoupled, all_at_d, all_at_l = run_ranks(_decoupled_runs, 1, args=(base,))[0]
+    apart = [n for n in decoupled if n.endswith(("word_embeddings.weight", "output_layer.weight"))]
+    assert len(apart) == 2
+    for name, p in decoupled.items():
+        want = all_at_d[name] if name in apart else all_at_l[name]
+        assert torch.equal(p, want), name
+    assert not torch.equal(decoupled[apart[0]], all_at_l[apart[0]])

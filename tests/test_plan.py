@@ -71,13 +71,13 @@ def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, 
     for v, flags in enumerate(variants):
         args = parse(argv + flags)
         config = arguments.model_config(args)
-        dtype = "bf16" if args.bf16 else "fp32"
-        dist_opt = args.use_distributed_optimizer
+        dtype = "bf16" if args.precision.bf16 else "fp32"
+        dist_opt = args.data_parallel.use_distributed_optimizer
         per_rank = [r[v] for r in results]
         for got in per_rank:
-            want = P.rank_state_bytes(config, tp=tp, pp=pp, dp=dp, vpp=args.vpp, pp_rank=got["pp_rank"],
+            want = P.rank_state_bytes(config, tp=tp, pp=pp, dp=dp, vpp=args.parallel.vpp, pp_rank=got["pp_rank"],
                                       dp_rank=got["dp_rank"], dtype=dtype, distributed_optimizer=dist_opt,
-                                      seq_length=args.seq_length, ddp_bucket_size=args.ddp_bucket_size)
+                                      seq_length=args.model.seq_length, ddp_bucket_size=args.data_parallel.ddp_bucket_size)
             label = f"tp{tp} pp{pp} dp{dp} {flags} rank (pp {got['pp_rank']}, dp {got['dp_rank']})"
             assert got["params"] == want.params, label
             assert got["param_buffer"] == want.param_buffer, label
@@ -90,9 +90,9 @@ def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, 
             if dist_opt:
                 assert len({r["optimizer"] for r in per_rank}) > 1, "shards should differ in size"
         # The planner's per-GPU figures are those of the fullest rank.
-        pred = P.predict(config, P.Layout(tp, pp, dp, args.vpp, args.micro_batch_size, "none", False, dist_opt),
-                         P.Cluster(gpus=tp * pp * dp), args.global_batch_size, args.seq_length, dtype=dtype,
-                         ddp_bucket_size=args.ddp_bucket_size)
+        pred = P.predict(config, P.Layout(tp, pp, dp, args.parallel.vpp, args.training.micro_batch_size, "none", False, dist_opt),
+                         P.Cluster(gpus=tp * pp * dp), args.training.global_batch_size, args.model.seq_length, dtype=dtype,
+                         ddp_bucket_size=args.data_parallel.ddp_bucket_size)
         peak = max(per_rank, key=lambda r: r["param_buffer"] + r["grads"] + r["optimizer"])
         assert pred.memory.parameters == max(r["param_buffer"] for r in per_rank)
         assert pred.memory.gradients == max(r["grads"] for r in per_rank)
@@ -110,14 +110,14 @@ def test_planner_state_bytes_of_a_cp_layout_equal_what_megalite_allocates(tp, cp
     for v, flags in enumerate(variants):
         args = parse(argv + flags)
         config = arguments.model_config(args)
-        layout = P.Layout(tp, 1, dp, None, args.micro_batch_size, "none", False, bool(flags), cp=cp)
-        pred = P.predict(config, layout, P.Cluster(gpus=tp * cp * dp), args.global_batch_size, args.seq_length,
-                         dtype="fp32", ddp_bucket_size=args.ddp_bucket_size)
+        layout = P.Layout(tp, 1, dp, None, args.training.micro_batch_size, "none", False, bool(flags), cp=cp)
+        pred = P.predict(config, layout, P.Cluster(gpus=tp * cp * dp), args.training.global_batch_size, args.model.seq_length,
+                         dtype="fp32", ddp_bucket_size=args.data_parallel.ddp_bucket_size)
         per_rank = [r[v] for r in results]
         for got in per_rank:
             want = P.rank_state_bytes(config, tp=tp, dp=layout.dp_cp, dp_rank=got["dp_cp_rank"], dtype="fp32",
-                                      distributed_optimizer=bool(flags), seq_length=args.seq_length,
-                                      ddp_bucket_size=args.ddp_bucket_size)
+                                      distributed_optimizer=bool(flags), seq_length=args.model.seq_length,
+                                      ddp_bucket_size=args.data_parallel.ddp_bucket_size)
             assert (got["param_buffer"], got["grads"], got["optimizer"]) == \
                    (want.param_buffer, want.grads, want.optimizer), (flags, got)
         assert pred.memory.optimizer == max(r["optimizer"] for r in per_rank)
@@ -239,21 +239,21 @@ def test_predicted_zero_stage_state_transient_peak_and_traffic_equal_a_real_step
     for v, flags in enumerate(ZERO_VARIANTS):
         args = parse(argv + flags)
         config = arguments.model_config(args)
-        dtype = "bf16" if args.bf16 else "fp32"
-        m = args.global_batch_size // (args.micro_batch_size * dp)
+        dtype = "bf16" if args.precision.bf16 else "fp32"
+        m = args.training.global_batch_size // (args.training.micro_batch_size * dp)
         for got in (r[v] for r in results):
             want = P.rank_state_bytes(config, tp=tp, pp=pp, dp=dp, pp_rank=got["pp_rank"], dp_rank=got["dp_rank"],
-                                      dtype=dtype, zero_stage=args.zero_stage, grad_dtype=args.grad_reduce_dtype,
-                                      seq_length=args.seq_length, ddp_bucket_size=args.ddp_bucket_size)
+                                      dtype=dtype, zero_stage=args.data_parallel.zero_stage, grad_dtype=args.data_parallel.grad_reduce_dtype,
+                                      seq_length=args.model.seq_length, ddp_bucket_size=args.data_parallel.ddp_bucket_size)
             label = f"tp{tp} pp{pp} dp{dp} {flags} rank (pp {got['pp_rank']}, dp {got['dp_rank']})"
             assert (got["params"], got["grads"], got["optimizer"]) == (want.param_buffer, want.grads,
                                                                       want.optimizer), label
-            if args.zero_stage >= 2:
+            if args.data_parallel.zero_stage >= 2:
                 assert got["peak_transient"] > 0 and want.transient == pytest.approx(got["peak_transient"], rel=0.10)
             else:
                 assert want.transient == 0, label
-            traffic = P.dp_traffic(args.zero_stage, want.padded_numel, dp, m, P.DTYPE_BYTES[dtype],
-                                   P.DTYPE_BYTES[args.grad_reduce_dtype])
+            traffic = P.dp_traffic(args.data_parallel.zero_stage, want.padded_numel, dp, m, P.DTYPE_BYTES[dtype],
+                                   P.DTYPE_BYTES[args.data_parallel.grad_reduce_dtype])
             assert {k: float(x) for k, x in got["sent"].items()} == traffic, label
 
 
@@ -267,10 +267,10 @@ def test_units_kept_after_forward_are_gathered_as_the_interleaved_schedule_predi
     results = run_ranks(held_at_each_zero_stage, 2 * dp, args=(argv, variants), timeout=300)
     for v, flags in enumerate(variants):
         args = parse(argv + flags)
-        run = P.Run(args.global_batch_size, args.seq_length, "fp32", args.ddp_bucket_size,
-                    zero_reshard_after_forward=args.zero_reshard_after_forward,
-                    zero_keep_params_for_step=args.zero_keep_params_for_step)
-        pred = P.predict(arguments.model_config(args), P.Layout(1, 2, dp, 2, args.micro_batch_size, zero_stage=3),
+        run = P.Run(args.training.global_batch_size, args.model.seq_length, "fp32", args.data_parallel.ddp_bucket_size,
+                    zero_reshard_after_forward=args.data_parallel.zero_reshard_after_forward,
+                    zero_keep_params_for_step=args.data_parallel.zero_keep_params_for_step)
+        pred = P.predict(arguments.model_config(args), P.Layout(1, 2, dp, 2, args.training.micro_batch_size, zero_stage=3),
                          P.Cluster(gpus=2 * dp), run=run)
         for got in (r[v] for r in results):
             predicted = pred.dp_parts[got["pp_rank"]].traffic
@@ -371,7 +371,7 @@ def test_lowest_stage_first_at_equal_speed_and_the_stage_in_the_command():
     assert {x.layout.zero_stage for x in old_keyword} == {1}
     words = shlex.split(by_stage[3].command())
     args = arguments.build_parser("x", default_model="gpt-tiny").parse_args(words[words.index("pretrain_gpt.py") + 1:])
-    assert args.zero_stage == 3 and args.use_distributed_optimizer
+    assert args.data_parallel.zero_stage == 3 and args.data_parallel.use_distributed_optimizer
 
 
 def test_in_flight_micro_batches_match_the_schedule_programs():
@@ -541,7 +541,7 @@ def test_cli_table_rejections_and_a_command_megalite_accepts(capsys):
     flags = words[words.index("pretrain_gpt.py") + 1:]
     args = arguments.build_parser("x", default_model="gpt-tiny").parse_args(flags)
     config = arguments.model_config(args)
-    assert arguments.validate(args, 16, config) == 16 // (args.tp * args.pp)
+    assert arguments.validate(args, 16, config) == 16 // (args.parallel.tp * args.parallel.pp)
 
 
 def test_cli_json_and_custom_shape(capsys):
@@ -573,12 +573,14 @@ def test_cli_as_a_module():
     assert proc.returncode == 2 and "--global-batch-size" in proc.stderr
 
 
-def test_check_args_takes_a_pretrain_namespace():
+def test_check_run_takes_a_pretrain_configuration():
+    from megalite.training.plan_check import check_run
+
     args = parse(["--model", "gpt2-350m", "--tp", "2", "--micro-batch-size", "4", "--global-batch-size", "64",
                   "--seq-length", "1024", "--bf16", "--recompute", "selective", "--sequence-parallel"])
-    fits, pred = P.check_args(args, world_size=4, gpu_memory_bytes=80 * P.GIB)
+    fits, pred = check_run(args, world_size=4, gpu_memory_bytes=80 * P.GIB)
     assert fits and pred.layout == P.Layout(2, 1, 2, None, 4, "selective", True, False)
-    fits, pred = P.check_args(args, world_size=4, gpu_memory_bytes=4 * P.GIB)
+    fits, pred = check_run(args, world_size=4, gpu_memory_bytes=4 * P.GIB)
     assert not fits and pred.reason.startswith("does not fit")
 
 
@@ -622,11 +624,13 @@ def outer_bytes_sent(rank, world, argv):
 @pytest.mark.parametrize("extra", [[], ["--outer-grad-dtype", "bf16", "--local-sgd-fragments", "2"]],
                          ids=["fp32", "bf16-streaming"])
 def test_local_sgd_dp_traffic_is_the_outer_all_reduce_that_training_sends_over_h(extra):
+    from megalite.training.plan_check import check_run
+
     argv = TINY[:-4] + ["--train-iters", "4", "--local-sgd-interval", "2", *extra]
     sent = run_ranks(outer_bytes_sent, 2, args=(argv,))[0]  # whole tensors handed to the all-reduce, 2 rounds
     args = parse(argv)
     arguments.validate(args, 2, arguments.model_config(args))
-    _, pred = P.check_args(args, 2, gpu_memory_bytes=80 * P.GIB)
+    _, pred = check_run(args, 2, gpu_memory_bytes=80 * P.GIB)
     traffic = pred.dp_parts[pred.dp_stage].traffic
     assert set(traffic) == {"outer_all_reduce"}  # no per-step gradient reduction across replicas
     assert traffic["outer_all_reduce"] * 4 == pytest.approx(2 * (2 - 1) / 2 * sent, rel=1e-12)

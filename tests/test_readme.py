@@ -13,7 +13,7 @@ from megalite.runtime import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_NAMES = ("slurm", "optimizer", "checkpoints", "context-parallel", "activation-memory", "planner",
-             "local-sgd", "communication")
+             "local-sgd", "communication", "configuration")
 DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES)]
 ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 # What scripts/slurm/*.sbatch put before the job's own flags (its `defaults` array).
@@ -42,6 +42,8 @@ def training_command(line: str):
         return None
     commands = [[]]
     for token in shlex.split(line, comments=True):  # `a && b`: look at each command on its own
+        if token in (">", "|"):  # the command's output redirected or piped: not its arguments
+            break
         if token in ("&&", ";"):
             commands.append([])
         else:
@@ -63,7 +65,7 @@ def training_command(line: str):
             assert per_node is not None, f"{line}: ranks per node unknown (--gpus-per-node or MEGALITE_NPROC_PER_NODE)"
             return entry, nodes * int(per_node), SBATCH_DEFAULTS + argv
         if launcher[0] != "torchrun" and "torch.distributed.run" not in launcher and "megalite.launch" not in launcher:
-            return entry, 1, argv  # python pretrain_gpt.py: one process
+            return entry, int(env.get("WORLD_SIZE", 1)), argv  # python pretrain_gpt.py: one process (or --print-config's)
         world = int(_flag(launcher, "--nproc_per_node", "--nproc-per-node", default="1"))
         return entry, world * int(_flag(launcher, "--nnodes", default="1")), argv
     return None
@@ -71,6 +73,7 @@ def training_command(line: str):
 
 def check_command(entry: str, world: int, argv: list[str]) -> int:
     """Parse and validate as the entry point would, before any process starts; returns dp."""
+    argv = [str(ROOT / a) if i and argv[i - 1] == "--config" else a for i, a in enumerate(argv)]  # files in the repo
     args = arguments.build_parser("check", default_model=ENTRIES[entry]).parse_args(argv)
     return arguments.validate(args, world, arguments.model_config(args))
 

@@ -68,7 +68,7 @@ def _gradient_bytes() -> int:
 
     args = arguments.build_parser("test", default_model="gpt-tiny").parse_args(MODEL)
     config = arguments.model_config(args)
-    params = stage_parameters(config, args.seq_length, pre=True, post=True)
+    params = stage_parameters(config, args.model.seq_length, pre=True, post=True)
     numel = sum(p.numel for p in (*params.head, *params.tail)) + config.num_layers * sum(p.numel for p in params.layer)
     return 4 * numel
 

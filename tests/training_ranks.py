@@ -62,7 +62,7 @@ def train_with_inf_at(rank, world, argv, bad_iteration, through=None):
     base = pretrain_gpt.task()
     calls = {"n": 0}
     args = parse(argv)
-    per_iteration = args.global_batch_size // args.micro_batch_size  # dp=1, pp=1 in this test
+    per_iteration = args.training.global_batch_size // args.training.micro_batch_size  # dp=1, pp=1 in this test
 
     def forward_step(model, batch):
         out = base.forward_step(model, batch)

@@ -32,10 +32,12 @@ from megalite.checkpoint.atomic import build_metadata, commit, save_model_checkp
 from megalite.checkpoint.layout import FORMAT_VERSION, config_from_dict, global_name
 from megalite.checkpoint.load import load_full_state_dict, load_model_weights, load_optimizer_state
 from megalite.checkpoint.rank_state import collect_rank_state, restore_rng
-from megalite.checkpoint.reader import CheckpointReader, check_compatible, check_finite
+from megalite.checkpoint.layout import SHAPE_FIELDS
+from megalite.checkpoint.reader import LLAMA_SHAPE_FIELDS, CheckpointReader, check_compatible, check_finite
 from megalite.checkpoint.save import Checkpointer
 
-__all__ = ["FORMAT_VERSION", "CheckpointReader", "Checkpointer", "build_metadata", "check_compatible",
+__all__ = ["FORMAT_VERSION", "LLAMA_SHAPE_FIELDS", "SHAPE_FIELDS", "CheckpointReader", "Checkpointer",
+           "build_metadata", "check_compatible",
            "check_finite", "collect_rank_state", "commit", "config_from_dict", "global_name",
            "load_full_state_dict", "load_model_weights", "load_optimizer_state", "restore_rng",
            "save_model_checkpoint"]

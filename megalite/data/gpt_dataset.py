@@ -22,18 +22,13 @@ import numpy as np
 import torch
 
 from megalite.data.cache import cached_arrays
+from megalite.config.sections import split_weights
 from megalite.data.indexed import DatasetError, IndexedDataset
 
 
 def split_ranges(num_documents: int, split: str) -> list[tuple[int, int]]:
     """'949,50,1' -> train/valid/test document ranges, in proportion."""
-    try:
-        weights = [float(x) for x in split.split(",")]
-    except ValueError:
-        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 949,50,1") from None
-    weights += [0.0] * (3 - len(weights))
-    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split {split!r} must be up to three non-negative numbers with a positive sum")
+    weights = split_weights(split)
     bounds = np.round(np.cumsum([0.0] + weights) / sum(weights) * num_documents).astype(int)
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
 

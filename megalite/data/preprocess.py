@@ -3,6 +3,9 @@
     python -m megalite.data.preprocess --input corpus.jsonl --tokenizer tok.model --output-prefix data/corpus \\
         --append-eod --workers 8
 
+Megatron-LM's tokenizer flags work instead of --tokenizer (`--tokenizer-type GPT2BPETokenizer --vocab-file
+vocab.json --merge-file merges.txt`, BertWordPiece*, HuggingFaceTokenizer, SentencePieceTokenizer).
+
 Input: JSON lines (`.jsonl`/`.json`, one document per line, text under --json-key) or plain text
 (one document per file, or per line with --plain-text-docs line). With --split-sentences each
 document is stored as its lines (non-empty), one sequence each, as BERT's sentence pairs need.
@@ -84,7 +87,7 @@ def _encode(job):
     return seqs, len(text.encode("utf-8", errors="replace"))
 
 
-def preprocess(inputs, tokenizer_spec: str, output_prefix: str, workers: int = 1, json_key: str = "text",
+def preprocess(inputs, tokenizer_spec: str | tuple, output_prefix: str, workers: int = 1, json_key: str = "text",
                plain_text_docs: str = "file", split_sentences: bool = False, append_eod: bool = False,
                progress: bool | None = None) -> dict:
     """Write output_prefix.bin/.idx; return counts {documents, sequences, tokens, bytes}."""
@@ -140,7 +143,13 @@ def _write_documents(writer, inputs, tokenizer_spec, workers, json_key, plain_te
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m megalite.data.preprocess", description=__doc__.split("\n")[0])
     ap.add_argument("--input", nargs="+", required=True, help="JSON-lines or plain-text files")
-    ap.add_argument("--tokenizer", required=True, help="SentencePiece .model file or Hugging Face tokenizer dir")
+    ap.add_argument("--tokenizer", help="SentencePiece .model file or Hugging Face tokenizer dir")
+    megatron = ap.add_argument_group("Megatron-LM's tokenizer flags (instead of --tokenizer)")
+    megatron.add_argument("--tokenizer-type", help="GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, "
+                                                   "HuggingFaceTokenizer, SentencePieceTokenizer, ...")
+    megatron.add_argument("--vocab-file")
+    megatron.add_argument("--merge-file")
+    megatron.add_argument("--tokenizer-model")
     ap.add_argument("--output-prefix", required=True)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--json-key", default="text")
@@ -148,8 +157,11 @@ def main(argv=None) -> None:
     ap.add_argument("--split-sentences", action="store_true", help="one sequence per line (BERT)")
     ap.add_argument("--append-eod", action="store_true", help="end each document with the EOD token (GPT)")
     a = ap.parse_args(argv)
+    if bool(a.tokenizer) == bool(a.tokenizer_type):
+        ap.error("give --tokenizer, or Megatron-LM's --tokenizer-type with its files (one of the two)")
+    spec = a.tokenizer or (a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model)
     try:
-        stats = preprocess(a.input, a.tokenizer, a.output_prefix, a.workers, a.json_key, a.plain_text_docs,
+        stats = preprocess(a.input, spec, a.output_prefix, a.workers, a.json_key, a.plain_text_docs,
                            a.split_sentences, a.append_eod)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"megalite: error: {e}")

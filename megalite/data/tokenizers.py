@@ -89,11 +89,15 @@ class HuggingFaceTokenizer(Tokenizer):
         except ImportError as e:
             raise ImportError("Hugging Face tokenizers need `pip install megalite[hf]` (transformers)") from e
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... for bad files
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise TokenizerError(f"tokenizer directory {directory} could not be loaded as a Hugging Face tokenizer "
                                  f"({type(e).__name__}: {first}): give {_EXPECTED}") from None
+        self._adopt(tok)
+
+    def _adopt(self, tok) -> None:
+        self.tok = tok
         self.vocab_size = len(self.tok)
         self.eod = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
         self.bos = self.tok.bos_token_id
@@ -106,6 +110,63 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def detokenize(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+
+class VocabFileTokenizer(HuggingFaceTokenizer):
+    """Megatron-LM's file-based tokenizers, built with the `tokenizers` library that transformers
+    brings: GPT-2's byte-level BPE from vocab.json + merges.txt, BERT's WordPiece from vocab.txt
+    (lower-cased or not)."""
+
+    def __init__(self, kind: str, vocab_file: str, merge_file: str | None = None):
+        try:
+            from tokenizers import Tokenizer as Backend
+            from tokenizers import decoders, models, normalizers, pre_tokenizers
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as e:
+            raise ImportError(f"--tokenizer-type {kind} needs `pip install megalite[hf]` (transformers)") from e
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"{flag} {path} does not exist")
+        try:
+            if kind == "GPT2BPETokenizer":
+                backend = Backend(models.BPE.from_file(vocab_file, merge_file))
+                backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+                backend.decoder = decoders.ByteLevel()
+                specials = dict(eos_token="<|endoftext|>", bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+            else:
+                backend = Backend(models.WordPiece.from_file(vocab_file, unk_token="[UNK]"))
+                backend.normalizer = normalizers.BertNormalizer(lowercase=kind.endswith("LowerCase"))
+                backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+                backend.decoder = decoders.WordPiece()
+                specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]",
+                                mask_token="[MASK]")
+            tok = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own kinds for a bad file
+            raise TokenizerError(f"--tokenizer-type {kind}: {vocab_file} could not be read ({type(e).__name__}: "
+                                 f"{str(e).strip()[:200]})") from None
+        self._adopt(tok)
+
+
+_SENTENCEPIECE_KINDS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+def megatron_tokenizer(kind: str, vocab_file: str | None, merge_file: str | None,
+                       tokenizer_model: str | None) -> Tokenizer:
+    """The tokenizer Megatron-LM's --tokenizer-type and file flags name."""
+    needs = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"), "BertWordPieceLowerCase": ("--vocab-file",),
+             "BertWordPieceCase": ("--vocab-file",), "HuggingFaceTokenizer": ("--tokenizer-model",),
+             **{k: ("--tokenizer-model",) for k in _SENTENCEPIECE_KINDS}}
+    if kind not in needs:
+        raise TokenizerError(f"--tokenizer-type {kind} reads no files: it is for --mock-data runs")
+    given = {"--vocab-file": vocab_file, "--merge-file": merge_file, "--tokenizer-model": tokenizer_model}
+    missing = [flag for flag in needs[kind] if not given[flag]]
+    if missing:
+        raise TokenizerError(f"--tokenizer-type {kind} needs {' and '.join(missing)}")
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    if kind in _SENTENCEPIECE_KINDS:
+        return SentencePieceTokenizer(tokenizer_model)
+    return VocabFileTokenizer(kind, vocab_file, merge_file)
 
 
 def _encoding_starts_with(tok, token_id: int | None) -> bool:
@@ -128,8 +189,11 @@ def _check_tokenizer_directory(directory: Path) -> None:
                              f"{', '.join(HF_TOKENIZER_FILES)}): give {_EXPECTED}")
 
 
-def build_tokenizer(spec: str | os.PathLike) -> Tokenizer:
-    """A `.model` file is SentencePiece; a directory is a Hugging Face tokenizer."""
+def build_tokenizer(spec: str | os.PathLike | tuple) -> Tokenizer:
+    """A `.model` file is SentencePiece; a directory is a Hugging Face tokenizer; a tuple (kind,
+    vocab_file, merge_file, tokenizer_model) is one of Megatron-LM's --tokenizer-type kinds."""
+    if isinstance(spec, tuple):
+        return megatron_tokenizer(*spec)
     path = Path(spec)
     if path.is_dir():
         return HuggingFaceTokenizer(path)

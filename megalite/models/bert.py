@@ -32,7 +32,7 @@ from megalite.models.rng import init_generator, init_replicated
 from megalite.parallel import state
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.mappings import gather_from_sequence_parallel_region
-from megalite.runtime import UsageError
+from megalite.errors import UsageError
 
 # Generator components of BERT's own parts (0 and 1 are the word and position embeddings).
 TOKENTYPE_EMBEDDING_COMPONENT, LM_HEAD_COMPONENT, POOLER_COMPONENT, BINARY_HEAD_COMPONENT = range(2, 6)

@@ -67,12 +67,14 @@ class LanguageModelStage(nn.Module):
     def _vocab_parallel(self, component: int) -> VocabParallelEmbedding:
         """A [padded_vocab, h] table sharded by vocabulary rows, drawn from `component`'s generator."""
         c = self.config
-        return VocabParallelEmbedding(
+        table = VocabParallelEmbedding(
             self.padded_vocab_size, c.hidden_size,
             init_method=normal_init(c.init_method_std, init_generator(self._seed, component, self._device)),
             num_real_embeddings=c.vocab_size, sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype,
             device=self._device,
         )
+        table.weight.is_embedding_or_output_parameter = True  # Megatron-LM's name: --decoupled-lr applies to it
+        return table
 
     def _tied_word_embedding(self) -> VocabParallelEmbedding:
         embedding = self._vocab_parallel(WORD_EMBEDDING_COMPONENT)

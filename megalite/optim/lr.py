@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then cosine, linear or constant decay to min_lr.
+"""Learning-rate schedule: linear warm-up, then cosine, linear, constant, inverse-square-root or WSD
+(warm-up, stable, decay) decay to min_lr.
 
 Warm-up: step i (0-based) of W warm-up steps trains at lr * (i + 1) / W, so the first step
 already moves the weights (lr / W) and step W - 1 reaches lr; with the 1-based iteration numbers
@@ -6,27 +7,52 @@ of the log, iteration k trains at lr * k / W. This is one step ahead of Megatron
 lr * i / W, whose first step runs at lr 0 and so only spends a batch (and, for Adam, feeds the
 moment estimates a gradient that never moves a weight). Decay starts after the warm-up, at lr,
 so lr is held for two steps (W - 1 and W) where the two phases meet.
+
+Lengths may be fractional (a schedule given in samples, divided by the global batch). The decay
+shapes are Megatron-LM's: inverse-square-root is lr * sqrt(W / i) (floored at min_lr); WSD holds lr
+until the last D steps of the decay length, then falls to min_lr over them with q from 0 to 1 as
+exponential 2 * 0.5**q - 1, linear 1 - q, cosine (1 + cos(pi q)) / 2 or minus_sqrt 1 - sqrt(q).
 """
 from __future__ import annotations
 
 import math
 
 
+_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
+_WSD_SHAPES = {
+    "exponential": lambda q: 2.0 * 0.5 ** q - 1.0,
+    "linear": lambda q: 1.0 - q,
+    "cosine": lambda q: 0.5 * (1.0 + math.cos(math.pi * q)),
+    "minus_sqrt": lambda q: 1.0 - math.sqrt(q),
+}
+
+
 class LRSchedule:
-    def __init__(self, lr: float, min_lr: float = 0.0, warmup_iters: int = 0, decay_iters: int = 0,
-                 style: str = "cosine"):
-        if style not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr decay style must be cosine, linear or constant, got {style!r}")
+    def __init__(self, lr: float, min_lr: float = 0.0, warmup_iters: float = 0, decay_iters: float = 0,
+                 style: str = "cosine", wsd_decay_iters: float | None = None, wsd_style: str = "exponential"):
+        if style not in _STYLES:
+            raise ValueError(f"lr decay style must be one of {', '.join(_STYLES)}, got {style!r}")
         if min_lr > lr:
             raise ValueError(f"min_lr ({min_lr}) is larger than lr ({lr})")
+        if style == "WSD" and (wsd_decay_iters is None or wsd_style not in _WSD_SHAPES):
+            raise ValueError(f"WSD needs the length of its decay and a shape among {', '.join(_WSD_SHAPES)}")
         self.lr, self.min_lr, self.warmup, self.decay, self.style = lr, min_lr, warmup_iters, decay_iters, style
+        self.wsd_decay, self.wsd_shape = wsd_decay_iters, _WSD_SHAPES.get(wsd_style)
 
     def __call__(self, iteration: int) -> float:
         """LR for step `iteration` (0-based)."""
-        if self.warmup and iteration < self.warmup:
-            return self.lr * (iteration + 1) / self.warmup
+        if self.warmup and iteration < self.warmup:  # a fractional warm-up (in samples) ends inside a step
+            return self.lr * min(1.0, (iteration + 1) / self.warmup)
+        if self.style == "inverse-square-root":
+            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup, 1) / max(iteration, 1)))
         if self.style == "constant" or self.decay <= self.warmup:
             return self.lr
+        if self.style == "WSD":
+            anneal_start = self.decay - self.wsd_decay
+            if iteration <= anneal_start:
+                return self.lr
+            coeff = self.wsd_shape(min(1.0, (iteration - anneal_start) / self.wsd_decay))
+            return self.min_lr + coeff * (self.lr - self.min_lr)
         frac = min(1.0, (iteration - self.warmup) / (self.decay - self.warmup))
         if self.style == "linear":
             coeff = 1.0 - frac

@@ -37,7 +37,7 @@ class _Piece:
 class MegaliteOptimizer:
     def __init__(self, buffers: list[ParamAndGradBuffer], *, lr: float, weight_decay: float = 0.01,
                  betas=(0.9, 0.95), eps: float = 1e-8, distributed: bool = False, loss_scaler=None,
-                 use_apex: bool = False):
+                 use_apex: bool = False, separate_embedding_lr: bool = False):
         from megalite.optim.loss_scaler import ConstantLossScaler
 
         self.buffers, self.distributed = buffers, distributed
@@ -56,10 +56,14 @@ class MegaliteOptimizer:
                         self.pieces.append(_Piece(p, buf, lo, hi, self._master(p, buf, lo, hi, p_lo, p_hi)))
         for buf in buffers:
             buf.drop_fp32_init()  # the masters hold these values now
-        groups = {0.0: [], weight_decay: []}
+        # Groups by weight decay (none on biases and norms) and, with separate_embedding_lr, the word
+        # embedding and output layer apart (their lr is step()'s embedding_lr: --decoupled-lr).
+        groups: dict[tuple[float, bool], list] = {}
         for piece in self.pieces:
-            groups[weight_decay if piece.param.ndim > 1 else 0.0].append(piece.master)
-        param_groups_ = [{"params": ps, "weight_decay": wd} for wd, ps in groups.items() if ps]
+            apart = separate_embedding_lr and getattr(piece.param, "is_embedding_or_output_parameter", False)
+            groups.setdefault((weight_decay if piece.param.ndim > 1 else 0.0, apart), []).append(piece.master)
+        param_groups_ = [{"params": ps, "weight_decay": wd, "embedding_or_output": apart}
+                         for (wd, apart), ps in sorted(groups.items())]
         if not param_groups_:
             param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
         self.inner = _adamw(param_groups_, lr, betas, eps, use_apex)
@@ -131,9 +135,10 @@ class MegaliteOptimizer:
             traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
         return sq.sqrt()[0]
 
-    def step(self, lr: float, clip_grad: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, lr: float, clip_grad: float, embedding_lr: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, measure the norm, skip on inf/NaN, clip, update, publish the new weights.
         Returns (grad norm, found_inf): device tensors, found_inf 1.0 when the step was skipped.
+        `embedding_lr`: the lr of the word embedding and output layer, where they are grouped apart.
 
         The skip is decided on the device (fused AdamW's `found_inf` leaves weights, moments and
         step count alone), so a step makes no host sync. Only a dynamic fp16 loss scaler reads the
@@ -155,7 +160,7 @@ class MegaliteOptimizer:
             coeff = (clip_grad / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_([p.master.grad for p in self.pieces], coeff)
         for group in self.inner.param_groups:
-            group["lr"] = lr
+            group["lr"] = embedding_lr if group.get("embedding_or_output") and embedding_lr is not None else lr
         if self._device_skip:
             self.inner.found_inf = found_inf
         self.inner.step()

@@ -23,7 +23,7 @@ from megalite.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megalite.runtime import UsageError
+from megalite.errors import UsageError
 
 InitMethod = Callable[[torch.Tensor], object]
 DEBUG_IDS_ENV = "MEGALITE_DEBUG_IDS"

@@ -18,18 +18,18 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def micro_batches(data, step: int, args, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
+def micro_batches(data, step: int, cfg, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
     """This DP rank's contiguous slice of global batch `step` (the one starting at sample
     `consumed`, default step * global batch), cut into micro-batches; with context parallelism,
     this CP rank's share of every sequence."""
-    per_rank = args.global_batch_size // dp
-    first = (step * args.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
-    cp = getattr(args, "cp", 1)
+    per_rank = cfg.training.global_batch_size // dp
+    first = (step * cfg.training.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
+    cp = cfg.parallel.cp
     out = []
-    for start in range(first, first + per_rank, args.micro_batch_size):
-        batch = data.batch(range(start, start + args.micro_batch_size))
+    for start in range(first, first + per_rank, cfg.training.micro_batch_size):
+        batch = data.batch(range(start, start + cfg.training.micro_batch_size))
         if cp > 1:
-            batch = context_parallel_share(batch, args.seq_length, parallel.get_context_parallel_rank(), cp)
+            batch = context_parallel_share(batch, cfg.model.seq_length, parallel.get_context_parallel_rank(), cp)
         out.append(to_device(batch, device))
     return out
 

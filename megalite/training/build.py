@@ -6,9 +6,10 @@ import datetime
 
 import torch
 
-from megalite import arguments, parallel
+from megalite import parallel
 from megalite.models import compile_layers
-from megalite.optim import ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate
+from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import layers_of, stage_layer_counts
@@ -23,15 +24,15 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-def _plan_warning(args, world_size: int) -> None:
+def _plan_warning(cfg, world_size: int) -> None:
     """--plan: the layout planner's prediction for this run, with a warning if it will not fit."""
-    from megalite.tools.plan import check_args
+    from megalite.training.plan_check import check_run
 
-    memory = args.plan_gpu_memory_gib * 2 ** 30 if args.plan_gpu_memory_gib else None
+    memory = cfg.training.plan_gpu_memory_gib * 2 ** 30 if cfg.training.plan_gpu_memory_gib else None
     if memory is None and not torch.cuda.is_available():
         raise UsageError("--plan on a machine without GPUs needs --plan-gpu-memory-gib (the GPUs' memory)")
     try:
-        fits, pred = check_args(args, world_size, gpu_memory_bytes=memory)
+        fits, pred = check_run(cfg, world_size, gpu_memory_bytes=memory)
     except ValueError as e:
         say(f"megalite: --plan cannot model this run: {e}")
         return
@@ -44,58 +45,58 @@ def _plan_warning(args, world_size: int) -> None:
             f"`python -m megalite.tools.plan` lists layouts that do")
 
 
-def setup(args, world_size: int):
+def setup(cfg, world_size: int):
     """Validate the layout, start the process groups, seed the RNG streams. Returns (model config,
     data-parallel size, device)."""
     select_device()  # first: validation may build the fused kernels on the current GPU
-    config = arguments.model_config(args)
-    dp = arguments.validate(args, world_size, config)
-    set_tf32(not args.no_tf32)
-    if args.plan:
-        _plan_warning(args, world_size)
-    device = init_distributed(args.distributed_timeout_minutes)
-    parallel.initialize_model_parallel(args.tp, args.pp, args.vpp,
-                                       timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-                                       context_parallel_size=getattr(args, "cp", 1))
-    parallel.model_parallel_manual_seed(args.seed)
+    config = model_config(cfg)
+    dp = validate(cfg, world_size, config)
+    set_tf32(not cfg.precision.no_tf32)
+    if cfg.training.plan:
+        _plan_warning(cfg, world_size)
+    device = init_distributed(cfg.parallel.distributed_timeout_minutes)
+    parallel.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,
+                                       timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
+                                       context_parallel_size=cfg.parallel.cp)
+    parallel.model_parallel_manual_seed(cfg.training.seed)
     return config, dp, device
 
 
-def build_model_chunks(task: Task, config, args, device) -> list[torch.nn.Module]:
+def build_model_chunks(task: Task, config, cfg, device) -> list[torch.nn.Module]:
     """This rank's model chunks: one per virtual stage it runs (chunk c is virtual stage c*pp + r)."""
-    p, r, v = args.pp, parallel.get_pipeline_model_parallel_rank(), args.vpp or 1
-    counts = stage_layer_counts(config.num_layers, p, args.vpp, args.pipeline_layers)
+    p, r, v = cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), cfg.parallel.vpp or 1
+    counts = stage_layer_counts(config.num_layers, p, cfg.parallel.vpp, cfg.parallel.pipeline_layers)
     chunks = []
     for c in range(v):
         vs = c * p + r
-        chunks.append(task.build_model(config, args, device, pre_process=vs == 0,
+        chunks.append(task.build_model(config, cfg, device, pre_process=vs == 0,
                                        post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
-        if getattr(args, "torch_compile", False):
+        if cfg.model.torch_compile:
             compile_layers(chunks[-1])
     return chunks
 
 
-def tied_embedding_group(args):
+def tied_embedding_group(cfg):
     """The group over which the tied word embedding's gradient is summed: the first and last
     pipeline stage; None when one stage holds both copies (no pipeline). An untied model marks no
     parameter tied, so nothing is summed over it."""
-    return parallel.get_embedding_group() if args.pp > 1 else None
+    return parallel.get_embedding_group() if cfg.parallel.pp > 1 else None
 
 
-def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOptimizer]:
+def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOptimizer]:
     """Lay each chunk's parameters out in gradient buckets (ZeRO-3: one unit per layer) and build
     the optimizer over them."""
-    dtype = arguments.model_dtype(args)
-    tied_across_stages = tied_embedding_group(args) is not None
-    stage = getattr(args, "zero_stage", 1 if args.use_distributed_optimizer else 0)
+    dtype = model_dtype(cfg)
+    tied_across_stages = tied_embedding_group(cfg) is not None
+    stage = cfg.data_parallel.zero_stage
 
     def deferred(p):
         return tied_across_stages and getattr(p, "tied_embedding", False)
 
-    if getattr(args, "local_sgd_interval", 0):
+    if cfg.local_sgd.local_sgd_interval:
         # Local SGD: a replica's gradients are reduced only inside it (over CP, whose ranks hold the
         # same parameters); replicas meet in the outer step (megalite.optim.local_sgd).
-        cp = getattr(args, "cp", 1)
+        cp = cfg.parallel.cp
         reduce_group, reduce_size = (parallel.get_context_parallel_group(), cp) if cp > 1 else (None, 1)
     else:  # context-parallel ranks hold the same parameters: reduce and shard over DP x CP
         reduce_group = parallel.get_data_parallel_group(with_context_parallel=True)
@@ -103,53 +104,69 @@ def build_optimizer(args, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpt
     buffers = []
     for chunk in chunks:
         params = [p for p in chunk.parameters() if p.requires_grad]
-        bf16_reduce = args.grad_reduce_dtype == "bf16"
+        bf16_reduce = cfg.data_parallel.grad_reduce_dtype == "bf16"
         # Stages 2-3 keep gradients only as reduced shards: in bf16 when they are reduced in bf16
         # (the ZeRO paper's 2 + 2 + 12 bytes per parameter); below stage 2 they accumulate in fp32.
         grad_dtype = torch.bfloat16 if bf16_reduce and stage >= 2 else torch.float32
-        common = dict(param_dtype=dtype, grad_dtype=grad_dtype, bucket_numel=args.ddp_bucket_size,
+        common = dict(param_dtype=dtype, grad_dtype=grad_dtype, bucket_numel=cfg.data_parallel.ddp_bucket_size,
                       dp_group=reduce_group, dp_size=reduce_size,
                       comm_dtype=torch.bfloat16 if bf16_reduce else None, deferred=deferred)
         if stage == 3:
             buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),
-                                     reshard_after_forward=args.zero_reshard_after_forward,
-                                     keep_params_for_step=args.zero_keep_params_for_step, **common)
+                                     reshard_after_forward=cfg.data_parallel.zero_reshard_after_forward,
+                                     keep_params_for_step=cfg.data_parallel.zero_keep_params_for_step, **common)
             attach_unit_hooks(chunk, buf)
         elif stage == 2:
             buf = ShardedGradBuffer(params, **common)
         else:
             buf = ParamAndGradBuffer(params, reduce_scatter=stage == 1, **common)
         buffers.append(buf)
-    if args.fp16:
-        scaler = ConstantLossScaler(args.loss_scale) if args.loss_scale is not None else DynamicLossScaler(
-            args.initial_loss_scale, args.loss_scale_window, args.hysteresis, args.min_loss_scale)
+    prec, o = cfg.precision, cfg.optimizer
+    if prec.fp16:
+        scaler = ConstantLossScaler(prec.loss_scale) if prec.loss_scale is not None else DynamicLossScaler(
+            prec.initial_loss_scale, prec.loss_scale_window, prec.hysteresis, prec.min_loss_scale)
     else:
         scaler = ConstantLossScaler()
-    optimizer = MegaliteOptimizer(buffers, lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                  distributed=args.use_distributed_optimizer, loss_scaler=scaler,
-                                  use_apex=args.use_apex_adam)
-    if getattr(args, "optimizer", "adam") == "sgd":
-        _use_plain_sgd(optimizer, args.lr)
+    optimizer = MegaliteOptimizer(buffers, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                                  eps=o.adam_eps, distributed=cfg.data_parallel.use_distributed_optimizer,
+                                  loss_scaler=scaler, use_apex=o.use_apex_adam,
+                                  separate_embedding_lr=o.decoupled_lr is not None)
+    if o.optimizer == "sgd":
+        _use_plain_sgd(optimizer, o.lr)
     return buffers, optimizer
+
+
+def lr_schedules(cfg) -> tuple[LRSchedule, LRSchedule | None]:
+    """The learning rate of each step, with lengths given in iterations or samples; and the word
+    embedding and output layer's, of the same shape, with --decoupled-lr (else None)."""
+    o = cfg.optimizer
+    warmup, decay, wsd = lr_schedule_lengths(cfg)
+
+    def schedule(peak: float, floor: float) -> LRSchedule:
+        return LRSchedule(peak, floor, warmup, decay, o.lr_decay_style, wsd_decay_iters=wsd,
+                          wsd_style=o.lr_wsd_decay_style)
+
+    decoupled = None if o.decoupled_lr is None else schedule(o.decoupled_lr, o.decoupled_min_lr if
+                                                              o.decoupled_min_lr is not None else o.min_lr)
+    return schedule(o.lr, o.min_lr), decoupled
 
 
 def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float) -> None:
     """--optimizer sgd: the same masters, groups and weight decay under plain SGD. Without momentum,
     SGD's weight decay (added to the gradient) is AdamW's decoupled one: p - lr * (g + wd * p). Fused,
     like the AdamW it replaces, so a step with inf/NaN gradients is skipped on the device."""
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.inner.param_groups]
+    groups = [{k: g[k] for k in ("params", "weight_decay", "embedding_or_output")} for g in optimizer.inner.param_groups]
     optimizer.inner = torch.optim.SGD(groups, lr=lr, momentum=0.0, fused=True)
 
 
-def build_local_sgd(args, optimizer: MegaliteOptimizer) -> LocalSGD | None:
+def build_local_sgd(cfg, optimizer: MegaliteOptimizer) -> LocalSGD | None:
     """--local-sgd-interval H: the outer loop over the optimizer's masters (as they are now: build it
     after a checkpoint's optimizer state is loaded), averaging over the data-parallel group."""
-    if not getattr(args, "local_sgd_interval", 0):
+    if not cfg.local_sgd.local_sgd_interval:
         return None
-    return LocalSGD([piece.master for piece in optimizer.pieces], interval=args.local_sgd_interval,
-                    outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+    return LocalSGD([piece.master for piece in optimizer.pieces], interval=cfg.local_sgd.local_sgd_interval,
+                    outer_lr=cfg.local_sgd.outer_lr, outer_momentum=cfg.local_sgd.outer_momentum,
                     group=parallel.get_data_parallel_group(),
-                    comm_dtype=torch.bfloat16 if args.outer_grad_dtype == "bf16" else torch.float32,
-                    asynchronous=args.local_sgd_async, fragments=args.local_sgd_fragments,
-                    publish=optimizer.publish, warmup=getattr(args, "local_sgd_warmup_iters", 0))
+                    comm_dtype=torch.bfloat16 if cfg.local_sgd.outer_grad_dtype == "bf16" else torch.float32,
+                    asynchronous=cfg.local_sgd.local_sgd_async, fragments=cfg.local_sgd.local_sgd_fragments,
+                    publish=optimizer.publish, warmup=cfg.local_sgd.local_sgd_warmup_iters)

@@ -12,15 +12,15 @@ from megalite.training.step import TrainStep
 from megalite.training.task import Task
 
 
-def evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
+def evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
     """Mean loss (and the task's loss terms) over `--eval-iters` global batches of `data` (the same
     ones each time), forward only through the pipeline (`program`) over `step`'s chunks; the same
     values on every rank. Its communication is not counted in the training steps' traffic."""
     with traffic.excluded():
-        return _evaluate(args, task, step, program, data, device)
+        return _evaluate(cfg, task, step, program, data, device)
 
 
-def _evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
+def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
     chunks = step.chunks
     dp = parallel.get_data_parallel_world_size()  # samples dealt over DP, sums over DP x CP
     dp_group = parallel.get_data_parallel_group(with_context_parallel=True)
@@ -29,9 +29,9 @@ def _evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device
     sums = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the terms
     tokens = torch.zeros((), device=device)
     with torch.no_grad():
-        for j in range(args.eval_iters):
-            batches = micro_batches(data, j, args, dp, parallel.get_data_parallel_rank(), device)
-            n = global_normalizer(batches, args.global_batch_size, dp_group)
+        for j in range(cfg.training.eval_iters):
+            batches = micro_batches(data, j, cfg, dp, parallel.get_data_parallel_rank(), device)
+            n = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
             stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype)
             sums[0] += stats.loss_sum
             if task.loss_terms:
@@ -39,7 +39,7 @@ def _evaluate(args, task: Task, step: TrainStep, program: list[Op], data, device
             tokens += n  # already global (`global_normalizer`): only the sums are per DP rank
     if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
-    if args.pp > 1:
+    if cfg.parallel.pp > 1:
         dist.broadcast(sums, src=parallel.get_pipeline_model_parallel_ranks()[-1],
                        group=parallel.get_pipeline_model_parallel_group())
     for c in chunks:

@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 
 from megalite import ops, parallel
-from megalite.optim import LocalSGD, LRSchedule, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.pipeline.schedules import build_program
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
 from megalite.training.batches import global_normalizer, loss_terms, micro_batches
-from megalite.training.build import build_local_sgd, build_model_chunks, build_optimizer, setup
+from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
 from megalite.training.evaluate import evaluate
 from megalite.training.progress import Progress
 from megalite.training.resume import load_checkpoint, resume, resume_local_sgd
@@ -33,15 +34,22 @@ class TrainingRun:
     local_sgd: LocalSGD | None = None  # --local-sgd-interval: the outer loop's state
 
 
-def _announce(args, config, world_size: int, dp: int, m: int, device) -> None:
+def _announce(cfg, config, world_size: int, dp: int, m: int, device) -> None:
+    p, s = cfg.parallel, cfg.local_sgd
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
-        f"tp={args.tp}" + (f" cp={args.cp}" if getattr(args, "cp", 1) > 1 else "") + f" pp={args.pp} dp={dp}" +
-        (f" vpp={args.vpp}" if args.vpp else "") +
-        (f" (ZeRO stage {args.zero_stage})" if getattr(args, "zero_stage", 0) else "") +
-        (f" (local SGD: outer step every {args.local_sgd_interval}" +
-         (f", {args.local_sgd_fragments} fragments" if args.local_sgd_fragments > 1 else "") +
-         (", async" if args.local_sgd_async else "") + ")" if getattr(args, "local_sgd_interval", 0) else "") +
-        f", global batch {args.global_batch_size} x {args.seq_length} tokens, {m} micro-batches per step")
+        f"tp={p.tp}" + (f" cp={p.cp}" if p.cp > 1 else "") + f" pp={p.pp} dp={dp}" +
+        (f" vpp={p.vpp}" if p.vpp else "") +
+        (f" (ZeRO stage {cfg.data_parallel.zero_stage})" if cfg.data_parallel.zero_stage else "") +
+        (f" (local SGD: outer step every {s.local_sgd_interval}" +
+         (f", {s.local_sgd_fragments} fragments" if s.local_sgd_fragments > 1 else "") +
+         (", async" if s.local_sgd_async else "") + ")" if s.local_sgd_interval else "") +
+        f", global batch {cfg.training.global_batch_size} x {cfg.model.seq_length} tokens, {m} micro-batches per step")
+    outputs = [(what, path) for what, path in (
+        ("checkpoints", cfg.checkpoint.save), ("metrics", cfg.logging.metrics_file),
+        ("configuration", cfg.logging.metrics_file and cfg.logging.metrics_file + ".config.toml"),
+        ("TensorBoard", cfg.logging.tensorboard_dir), ("timeline", cfg.logging.timeline)) if path]
+    if outputs:
+        say("megalite: writing " + ", ".join(f"{what} to {path}" for what, path in outputs))
     if device.type == "cuda" and config.norm_backend != "torch":
         # Build (or load) the fused kernels now, not inside the first step, and say which path runs.
         say(f"megalite: {ops.kernels_available()}")
@@ -51,64 +59,66 @@ def _due(every: int, iteration: int, last: int) -> bool:
     return bool(every) and (iteration % every == 0 or iteration == last)
 
 
-def pretrain(args, task: Task) -> TrainingRun:
-    """Train as `args` say."""
+def pretrain(cfg, task: Task) -> TrainingRun:
+    """Train as `cfg` say."""
     _, world_size, _ = env_world()
+    cfg = adopt_checkpoint_shape(cfg)  # --load without shape flags: the checkpoint's model
     if task.prepare is not None:
-        task.prepare(args)
-    config, dp, device = setup(args, world_size)
-    chunks = build_model_chunks(task, config, args, device)
+        cfg = task.prepare(cfg)
+    config, dp, device = setup(cfg, world_size)
+    chunks = build_model_chunks(task, config, cfg, device)
     set_phase("loading the checkpoint")
-    reader = load_checkpoint(args, task, config, chunks)
-    buffers, optimizer = build_optimizer(args, chunks)
-    layout = {"tp": args.tp, "cp": getattr(args, "cp", 1), "pp": args.pp, "dp": dp, "vpp": args.vpp,
+    reader, cfg = load_checkpoint(cfg, task, config, chunks)
+    buffers, optimizer = build_optimizer(cfg, chunks)
+    layout = {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "pp": cfg.parallel.pp, "dp": dp, "vpp": cfg.parallel.vpp,
               "world": world_size}
-    start = resume(args, reader, chunks, optimizer, layout)
-    local_sgd = build_local_sgd(args, optimizer)  # after resume: it starts from the loaded masters
-    resume_local_sgd(args, reader, local_sgd, optimizer, layout)
-    checkpoints = CheckpointAndExit(args, config, task.model_kind, layout, local_sgd)
-    schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
-                          args.lr_decay_style)
-    data, valid_data = task.build_data(config, args)
+    start = resume(cfg, reader, chunks, optimizer, layout)
+    local_sgd = build_local_sgd(cfg, optimizer)  # after resume: it starts from the loaded masters
+    resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
+    checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd)
+    schedule, embedding_schedule = lr_schedules(cfg)
+    data, valid_data = task.build_data(config, cfg)
 
-    step = TrainStep.for_run(args, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
+    step = TrainStep.for_run(cfg, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
     m = step.micro_batches
-    eval_program = build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp,
+    eval_program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
                                  kind="forward-only")
-    progress = Progress(args, task, config, step.dtype, device, m)
-    _announce(args, config, world_size, dp, m, device)
+    progress = Progress(cfg, task, config, step.dtype, device, m)
+    _announce(cfg, config, world_size, dp, m, device)
     # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds
     # part of every sequence).
     dp_rank, dp_group = parallel.get_data_parallel_rank(), parallel.get_data_parallel_group(with_context_parallel=True)
     # Local SGD: each replica (its CP ranks) trains on the mean loss of its own share of the batch.
-    replica_group = parallel.get_context_parallel_group() if getattr(args, "cp", 1) > 1 else None
+    replica_group = parallel.get_context_parallel_group() if cfg.parallel.cp > 1 else None
 
     dist.barrier()
     progress.start()
     for c in chunks:
         c.train()
     consumed, stop_reason = start.consumed_samples, None
-    for iteration in range(start.iteration + 1, args.train_iters + 1):  # 1-based: the iteration being run
+    for iteration in range(start.iteration + 1, cfg.training.train_iters + 1):  # 1-based: the iteration being run
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
         set_phase(f"iteration {iteration}: the forward/backward schedule (pipeline send/recv)")
-        batches = micro_batches(data, iteration - 1, args, dp, dp_rank, device, consumed)
+        batches = micro_batches(data, iteration - 1, cfg, dp, dp_rank, device, consumed)
         if local_sgd is None:
-            num_tokens = logged_tokens = global_normalizer(batches, args.global_batch_size, dp_group)
+            num_tokens = logged_tokens = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
         else:  # the log line's loss: the mean over replicas of each replica's mean
-            num_tokens = global_normalizer(batches, args.global_batch_size // dp, replica_group)
+            num_tokens = global_normalizer(batches, cfg.training.global_batch_size // dp, replica_group)
             logged_tokens = num_tokens * dp
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(iteration - 1)
-        result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}")
-        consumed += args.global_batch_size
+        embedding_lr = embedding_schedule(iteration - 1) if embedding_schedule is not None else None
+        result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}", embedding_lr)
+        consumed += cfg.training.global_batch_size
         try:
             progress.after_step(iteration, result, optimizer, loss_scale, lr, consumed,
                                 loss_terms(task, batches, device), logged_tokens, record_spans)
         except TrainingStopped:
             checkpoints.abandon()  # every rank stops at this iteration together
             raise
-        if valid_data is not None and args.eval_iters and _due(args.eval_interval, iteration, args.train_iters):
+        t = cfg.training
+        if valid_data is not None and t.eval_iters and _due(t.eval_interval, iteration, t.train_iters):
             set_phase(f"iteration {iteration}: validation")
-            progress.logger.evaluation(iteration, evaluate(args, task, step, eval_program, valid_data, device),
+            progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, valid_data, device),
                                        task.perplexity_of)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
         if stop_reason:
@@ -119,6 +129,6 @@ def pretrain(args, task: Task) -> TrainingRun:
     progress.close()
     for buf in buffers:  # ZeRO-3: read the returned parameters inside run.optimizer.whole_parameters()
         buf.park()
-    if not progress.records and not stop_reason and start.iteration < args.train_iters:
+    if not progress.records and not stop_reason and start.iteration < cfg.training.train_iters:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
     return TrainingRun(progress.records, chunks, optimizer, buffers, local_sgd)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
+from megalite.config import to_toml
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
 from megalite.parallel import traffic
 from megalite.pipeline.schedules import theoretical_bubble
@@ -22,23 +23,26 @@ def _rank_label(rank: int, tp: int, dp: int, cp: int = 1) -> str:
 
 
 class Progress:
-    def __init__(self, args, task, config, dtype: torch.dtype, device, micro_batches: int):
-        self.args, self.device = args, device
+    def __init__(self, cfg, task, config, dtype: torch.dtype, device, micro_batches: int):
+        self.cfg, self.device = cfg, device
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        dp, pp = parallel.get_data_parallel_world_size(), args.pp
+        dp, pp = parallel.get_data_parallel_world_size(), cfg.parallel.pp
         self.dp = dp
-        self.logger = TrainingLogger(self.rank == 0, args.metrics_file, args.tensorboard_dir, args.train_iters,
-                                     not args.no_progress_bar)
-        self.timeline = Timeline(args.timeline, args.timeline_iters)
+        log = cfg.logging
+        self.logger = TrainingLogger(self.rank == 0, log.metrics_file, log.tensorboard_dir, cfg.training.train_iters,
+                                     not log.no_progress_bar)
+        self.timeline = Timeline(cfg.logging.timeline, cfg.logging.timeline_iters)
+        self.logger.configuration(to_toml(cfg, "the configuration of this run (--config reads it)"),
+                                  cfg.logging.metrics_file)
         sums_over = parallel.get_data_parallel_world_size(with_context_parallel=True)  # DP x CP
         self.window = LogWindow(device, task.loss_terms, task.perplexity_of,
                                 parallel.get_data_parallel_group(with_context_parallel=True) if sums_over > 1 else None,
                                 parallel.get_pipeline_model_parallel_group() if pp > 1 else None,
                                 parallel.get_pipeline_model_parallel_ranks()[-1])
         self.skips = SkippedSteps(device)
-        self.flops = model_flops_per_iteration(config, args.global_batch_size, args.seq_length)
-        self.peak = args.peak_tflops or default_peak_tflops(dtype, tf32=not args.no_tf32)
-        self.bubble_theory = theoretical_bubble(pp, micro_batches, args.vpp)
+        self.flops = model_flops_per_iteration(config, cfg.training.global_batch_size, cfg.model.seq_length)
+        self.peak = cfg.logging.peak_tflops or default_peak_tflops(dtype, tf32=not cfg.precision.no_tf32)
+        self.bubble_theory = theoretical_bubble(pp, micro_batches, cfg.parallel.vpp)
         self.records: list[dict] = []
 
     def start(self) -> None:
@@ -54,17 +58,17 @@ class Progress:
                    consumed: int, terms: torch.Tensor | None, num_tokens: torch.Tensor, record_spans: bool) -> None:
         """Account iteration `iteration` (1-based, done). Raises TrainingStopped after
         --max-skipped-iters skipped steps in a row (the same iteration on every rank)."""
-        args = self.args
+        cfg = self.cfg
         self.logger.step()
         self.skips.add(result.found_inf, optimizer.last_skipped)
         if optimizer.last_skipped:
             self.logger.say(f"megalite: iteration {iteration}: inf/NaN gradients, step skipped "
                             f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
-        log_now = iteration % args.log_interval == 0 or iteration == args.train_iters
+        log_now = iteration % cfg.logging.log_interval == 0 or iteration == cfg.training.train_iters
         window_skipped = 0
         if log_now or optimizer.last_skipped is not None:  # the host reads the skips only now
             window_skipped, in_a_row = self.skips.read(end_window=log_now)
-            if in_a_row >= args.max_skipped_iters:
+            if in_a_row >= cfg.training.max_skipped_iters:
                 raise TrainingStopped(
                     f"stopping at iteration {iteration}: {in_a_row} iterations in a row had inf/NaN "
                     f"gradients (loss scale {optimizer.loss_scaler.scale:g}); lower --lr, check the data, or "
@@ -93,12 +97,12 @@ class Progress:
 
     def _log(self, iteration, result: StepResult, optimizer, lr, consumed, skipped, figures: dict,
              comm_bytes: dict[str, int]) -> None:
-        args = self.args
+        cfg = self.cfg
         elapsed, bubble_measured = figures.pop("seconds_per_iter"), figures.pop("bubble")
         tflops = self.flops / elapsed / self.world_size / 1e12
         record = {
             "iteration": iteration,
-            "train_iters": args.train_iters,
+            "train_iters": cfg.training.train_iters,
             "consumed_samples": consumed,
             **figures,
             "lr": lr,
@@ -106,7 +110,7 @@ class Progress:
             "loss_scale": optimizer.loss_scaler.scale,
             "skipped": skipped,
             "ms_per_iter": elapsed * 1e3,
-            "tokens_per_sec": args.global_batch_size * args.seq_length / elapsed,
+            "tokens_per_sec": cfg.training.global_batch_size * cfg.model.seq_length / elapsed,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,
@@ -119,5 +123,5 @@ class Progress:
 
     def close(self) -> None:
         self.logger.close()
-        cp = getattr(self.args, "cp", 1)
-        self.timeline.write({r: _rank_label(r, self.args.tp, self.dp, cp) for r in range(self.world_size)})
+        cp = self.cfg.parallel.cp
+        self.timeline.write({r: _rank_label(r, self.cfg.parallel.tp, self.dp, cp) for r in range(self.world_size)})

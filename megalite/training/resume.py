@@ -23,67 +23,70 @@ def _same_directory(a: str, b: str | None) -> bool:
     return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
-def load_checkpoint(args, task, config, chunks):
-    """Weights before the optimizer exists (its masters copy them); returns the reader or None.
+def load_checkpoint(cfg, task, config, chunks):
+    """Weights before the optimizer exists (its masters copy them); returns (the reader or None, the
+    configuration: a requeued fine-tuning job resumes its own checkpoints instead).
     `--load` names a --save directory (its newest checkpoint) or one `iter_NNNNNNN` in it. Only
     the restart idiom (`--load` equal to `--save`) may find nothing there and start from scratch."""
-    if not args.load:
-        return None
-    if args.finetune and args.save and not _same_directory(args.load, args.save) \
-            and checkpoint.CheckpointReader.exists(args.save):
+    if not cfg.checkpoint.load:
+        return None, cfg
+    c = cfg.checkpoint
+    if c.finetune and c.save and not _same_directory(c.load, c.save) and checkpoint.CheckpointReader.exists(c.save):
         # A requeued fine-tuning job: its own checkpoints are newer than the weights it started from.
-        say(f"megalite: --save {args.save} already holds this fine-tuning run's checkpoints: resuming them "
-            f"instead of starting again from --load {args.load}")
-        args.load, args.finetune = args.save, False
-    if not checkpoint.CheckpointReader.exists(args.load):
-        path = Path(args.load)
+        say(f"megalite: --save {cfg.checkpoint.save} already holds this fine-tuning run's checkpoints: resuming them "
+            f"instead of starting again from --load {cfg.checkpoint.load}")
+        cfg = cfg.replace("checkpoint", load=cfg.checkpoint.save, finetune=False)
+    if not checkpoint.CheckpointReader.exists(cfg.checkpoint.load):
+        path = Path(cfg.checkpoint.load)
         if path.is_file():
-            raise UsageError(f"--load {args.load} is a file: give the directory that --save wrote "
+            raise UsageError(f"--load {cfg.checkpoint.load} is a file: give the directory that --save wrote "
                              f"(or one of its iter_NNNNNNN directories)")
-        if _same_directory(args.load, args.save):
-            say(f"megalite: no checkpoint in {args.load} yet: starting from scratch")
-            return None
+        if _same_directory(cfg.checkpoint.load, cfg.checkpoint.save):
+            say(f"megalite: no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
+            return None, cfg
         if not path.exists():
-            raise UsageError(f"--load {args.load} does not exist: check the path; to start from scratch drop "
+            raise UsageError(f"--load {cfg.checkpoint.load} does not exist: check the path; to start from scratch drop "
                              f"--load, or give it the same directory as --save (the restart idiom)")
-        raise UsageError(f"--load {args.load} holds no checkpoint (no 'latest' file, no metadata.json): give a "
-                         f"directory written by --save or by `python -m megalite.tools.convert_hf import`")
-    reader = checkpoint.CheckpointReader(args.load)
+        raise UsageError(f"--load {cfg.checkpoint.load} holds no checkpoint (no 'latest' file, no metadata.json): "
+                         f"give a directory written by --save or by `python -m megalite.tools.convert_hf import`")
+    reader = checkpoint.CheckpointReader(cfg.checkpoint.load)
     checkpoint.check_compatible(reader, config, task.model_kind)
     checkpoint.load_model_weights(reader.path, chunks, reader)
-    return reader
+    return reader, cfg
 
 
-def resume_point(args, reader) -> StartPoint:
+def resume_point(cfg, reader) -> StartPoint:
     """Where the checkpoint stopped, or the start with --finetune (a new run from loaded weights).
     A checkpoint past --train-iters is refused."""
-    if reader is None or args.finetune:
+    if reader is None or cfg.checkpoint.finetune:
         return StartPoint()
     iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
-    if iteration > args.train_iters:
+    if iteration > cfg.training.train_iters:
         raise UsageError(f"the checkpoint {reader.path} is at iteration {iteration}, past --train-iters "
-                         f"{args.train_iters}: raise --train-iters to continue it, or add --finetune to train "
-                         f"{args.train_iters} new iterations from its weights")
+                         f"{cfg.training.train_iters}: raise --train-iters to continue it, or add --finetune to train "
+                         f"{cfg.training.train_iters} new iterations from its weights")
     return StartPoint(iteration, consumed)
 
 
-def resume(args, reader, chunks, optimizer, layout: dict) -> StartPoint:
+def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:
     """After the optimizer exists: the start point, with the optimizer state and RNG streams of a
     resumed run restored, and one line saying what was restored."""
-    start = resume_point(args, reader)
+    start = resume_point(cfg, reader)
     if reader is None:
         return start
-    if args.finetune:
+    if cfg.checkpoint.finetune:
         say(f"megalite: fine-tuning from the weights of {reader.path} (iteration {reader.metadata['iteration']}): "
             f"iteration, data position, optimizer state and RNG streams start anew")
         return start
-    loaded_optim = not args.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
-    same_rng = checkpoint.restore_rng(reader, layout)
+    loaded_optim = not cfg.checkpoint.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
+    same_rng = not cfg.checkpoint.no_load_rng and checkpoint.restore_rng(reader, layout)
+    rng = ("restored" if same_rng else "from the seed (--no-load-rng)" if cfg.checkpoint.no_load_rng
+           else "from the seed (layout changed)")
     say(f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
         f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams "
-        f"{'restored' if same_rng else 'from the seed (layout changed)'})")
-    if start.iteration == args.train_iters:
-        say(f"megalite: the checkpoint is already at --train-iters {args.train_iters}: nothing to train "
+        f"{rng})")
+    if start.iteration == cfg.training.train_iters:
+        say(f"megalite: the checkpoint is already at --train-iters {cfg.training.train_iters}: nothing to train "
             f"(raise --train-iters to continue, or add --finetune to start a new run from these weights)")
     return start
 
@@ -91,12 +94,12 @@ def resume(args, reader, chunks, optimizer, layout: dict) -> StartPoint:
 _LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "vpp", "world")
 
 
-def resume_local_sgd(args, reader, local_sgd, optimizer, layout: dict) -> None:
+def resume_local_sgd(cfg, reader, local_sgd, optimizer, layout: dict) -> None:
     """Local SGD: every rank's own state (inner masters and optimizer, outer parameters and momentum,
     the step within the round, an async round's averaged pseudo-gradient) from its rank file. It
     resumes at the same layout only; a checkpoint without it (a plain run's) starts the outer loop
     from the loaded weights."""
-    if local_sgd is None or reader is None or args.finetune or args.no_load_optim:
+    if local_sgd is None or reader is None or cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim:
         return
     saved = reader.metadata.get("layout", {})
     has_state = reader.metadata.get("local_sgd") is not None

@@ -9,20 +9,21 @@ from megalite.runtime import say, set_phase
 
 
 class CheckpointAndExit:
-    def __init__(self, args, config, model_kind: str, layout: dict, local_sgd=None):
-        self.args, self.config, self.model_kind, self.layout = args, config, model_kind, layout
+    def __init__(self, cfg, config, model_kind: str, layout: dict, local_sgd=None):
+        self.cfg, self.config, self.model_kind, self.layout = cfg, config, model_kind, layout
         self.local_sgd = local_sgd  # its replicas differ: every rank also saves its own state
-        self.saver = checkpoint.Checkpointer(args.save, args.save_async) if args.save else None
-        self.exits = ExitWatch(args, checkpoint_error=self.saver.poll if self.saver is not None else lambda: None,
-                               watch_checkpoints=self.saver is not None and args.save_async)
+        c = cfg.checkpoint
+        self.saver = checkpoint.Checkpointer(c.save, c.save_async) if c.save else None
+        self.exits = ExitWatch(cfg, checkpoint_error=self.saver.poll if self.saver is not None else lambda: None,
+                               watch_checkpoints=self.saver is not None and cfg.checkpoint.save_async)
 
     def after_iteration(self, iteration: int, consumed: int, chunks, optimizer, log) -> str | None:
         """Iteration `iteration` (1-based) is done: save if it is due (interval, last iteration, or a
         stop), and return why to stop now (None: go on). `log` prints on the logging rank."""
-        args = self.args
+        cfg = self.cfg
         stop_reason = self.exits.reason(iteration)
-        due = stop_reason or iteration == args.train_iters or (
-            args.save_interval and iteration % args.save_interval == 0)
+        due = stop_reason or iteration == cfg.training.train_iters or (
+            cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0)
         if self.saver is not None and due:
             self._save(iteration, consumed, chunks, optimizer)
         if stop_reason:
@@ -33,16 +34,17 @@ class CheckpointAndExit:
     def _save(self, iteration: int, consumed: int, chunks, optimizer) -> None:
         set_phase(f"saving the checkpoint of iteration {iteration}")
         meta = checkpoint.build_metadata(self.config, self.model_kind, iteration, consumed, self.layout)
+        meta["run_config"] = self.cfg.to_dict()  # the whole configuration travels with the weights
         replica = None
         if self.local_sgd is not None:
-            a = self.args
-            meta["local_sgd"] = {"interval": a.local_sgd_interval, "fragments": a.local_sgd_fragments,
-                                 "async": a.local_sgd_async, "inner_steps": self.local_sgd.steps}
+            s = self.cfg.local_sgd
+            meta["local_sgd"] = {"interval": s.local_sgd_interval, "fragments": s.local_sgd_fragments,
+                                 "async": s.local_sgd_async, "inner_steps": self.local_sgd.steps}
             replica = replica_state(self.local_sgd, optimizer)
         self.saver.save(chunks, optimizer, iteration, meta, replica)
-        say(f"megalite: checkpoint iteration {iteration} writing in the background to {self.args.save} (committed "
-            f"when every rank has written)" if self.args.save_async else
-            f"megalite: saved checkpoint iteration {iteration} to {self.args.save}")
+        say(f"megalite: checkpoint iteration {iteration} writing in the background to {self.cfg.checkpoint.save} "
+            f"(committed when every rank has written)" if self.cfg.checkpoint.save_async else
+            f"megalite: saved checkpoint iteration {iteration} to {self.cfg.checkpoint.save}")
 
     def abandon(self) -> None:
         """Every rank stops here together (an error they all see): commit a pending async save."""

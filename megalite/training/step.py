@@ -8,7 +8,8 @@ from typing import Callable
 
 import torch
 
-from megalite import arguments, parallel
+from megalite import parallel
+from megalite.config import model_dtype
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
 from megalite.pipeline.schedules import Op, ScheduleStats, build_program, run_schedule
 from megalite.runtime import set_phase
@@ -44,17 +45,18 @@ class TrainStep:
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
 
     @classmethod
-    def for_run(cls, args, hidden_size: int, chunks, forward_step, buffers, optimizer,
+    def for_run(cls, cfg, hidden_size: int, chunks, forward_step, buffers, optimizer,
                 local_sgd: LocalSGD | None = None) -> "TrainStep":
-        """The step `args` describe, on this rank of the current layout (with local SGD's outer loop)."""
+        """The step `cfg` describe, on this rank of the current layout (with local SGD's outer loop)."""
         dp = parallel.get_data_parallel_world_size()
-        m = args.global_batch_size // (args.micro_batch_size * dp)
-        seq = args.seq_length // getattr(args, "cp", 1)  # this rank's share of each sequence
-        seq = seq // args.tp if args.sequence_parallel else seq
-        return cls(build_program(args.pp, parallel.get_pipeline_model_parallel_rank(), m, args.vpp), chunks,
-                   forward_step, (seq, args.micro_batch_size, hidden_size), arguments.model_dtype(args), buffers,
-                   optimizer, args.clip_grad, tied_embedding_group(args),
-                   getattr(args, "overlap_grad_reduce", True), local_sgd)
+        m = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
+        seq = cfg.model.seq_length // cfg.parallel.cp  # this rank's share of each sequence
+        seq = seq // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq
+        program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp)
+        return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
+                   buffers,
+                   optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
+                   cfg.data_parallel.overlap_grad_reduce, local_sgd)
 
     @property
     def micro_batches(self) -> int:
@@ -62,7 +64,7 @@ class TrainStep:
         return sum(op.kind == "F" for op in self.program) // len(self.chunks)
 
     def __call__(self, micro_batches: list[dict], num_tokens: torch.Tensor, lr: float, record_spans: bool = False,
-                 label: str = "step") -> StepResult:
+                 label: str = "step", embedding_lr: float | None = None) -> StepResult:
         if record_spans:
             for buf in self.buffers:
                 if hasattr(buf, "spans"):
@@ -85,7 +87,7 @@ class TrainStep:
                     buf.spans = None
         t = time.perf_counter()
         set_phase(f"{label}: the optimizer step")
-        grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad)
+        grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad, embedding_lr)
         self.optimizer.zero_grad()
         if self.local_sgd is not None:
             set_phase(f"{label}: the local-SGD outer step")

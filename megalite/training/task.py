@@ -6,11 +6,12 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from megalite.config import RunConfig
 from megalite.models.config import TransformerConfig
 
 
 class BuildModel(Protocol):
-    def __call__(self, config: TransformerConfig, args, device: torch.device, pre_process: bool = True,
+    def __call__(self, config: TransformerConfig, cfg: RunConfig, device: torch.device, pre_process: bool = True,
                  post_process: bool = True, layer_numbers: Sequence[int] | None = None) -> torch.nn.Module:
         """One model chunk: the layers `layer_numbers`, with the embedding (pre_process) and the
         output layer (post_process) where this chunk is the first or last virtual stage."""
@@ -25,12 +26,12 @@ class Dataset(Protocol):
 class Task:
     """What an entry point plugs into the loop."""
     build_model: BuildModel
-    # build_data(config, args) -> (train, valid or None)
-    build_data: Callable[[TransformerConfig, object], tuple[Dataset, Dataset | None]]
+    # build_data(config, cfg) -> (train, valid or None)
+    build_data: Callable[[TransformerConfig, RunConfig], tuple[Dataset, Dataset | None]]
     # forward_step(chunk, batch): summed loss on the last stage, hidden states elsewhere
     forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
-    # prepare(args): before anything else, resolve data and tokenizer (may set args.vocab_size)
-    prepare: Callable[[object], None] | None = None
+    # prepare(cfg) -> cfg: before anything else, the data and tokenizer resolved (the vocabulary size too)
+    prepare: Callable[[RunConfig], RunConfig] | None = None
     model_kind: str = "gpt"  # recorded in checkpoints
     # Named parts of the loss that forward_step leaves in batch["loss_terms"] on the last stage, as
     # sums normalized like the loss (divided by the global token count they are means): logged

@@ -4,7 +4,7 @@ ZeRO stage) to train a GPT with, on how many GPUs, and what it costs.
     python -m megalite.tools.plan --model gpt-175b --gpus 1024 --gpu-memory-gib 80 \\
         --global-batch-size 1536 --seq-length 2048 [--explain] [--json]
 
-    from megalite.tools.plan import Cluster, Layout, plan, predict, check_layout, check_args
+    from megalite.tools.plan import Cluster, Layout, plan, predict, check_layout
     result = plan(preset("gpt-175b"), Cluster(gpus=1024), global_batch_size=1536, seq_length=2048)
     best = result[0]                       # a Prediction: .memory, .time, .fits, .command()
     fits, pred = check_layout(config, tp=8, pp=16, dp=8, micro_batch_size=1, global_batch_size=1536,
@@ -29,7 +29,7 @@ Every layout megalite accepts is enumerated and, for each, the planner predicts:
   backward pass, and the optimizer step.
 
 inputs.py: Cluster, Layout, Run, parameter counts; predict.py: one layout; search.py: every
-layout, check_layout, check_args; report.py: tables, --explain, commands, JSON; cli.py: the command
+layout, check_layout; report.py: tables, --explain, commands, JSON; cli.py: the command
 line. docs/planner.md states every formula and assumption.
 """
 from megalite.tools.plan.cli import build_parser, config_from_args, main
@@ -54,7 +54,6 @@ from megalite.tools.plan.report import explain, format_rejections, format_table,
 from megalite.tools.plan.search import (
     PlanResult,
     Rejection,
-    check_args,
     check_layout,
     divisors,
     plan,
@@ -81,7 +80,6 @@ __all__ = [
     "StateBytes",
     "StepTime",
     "build_parser",
-    "check_args",
     "check_layout",
     "config_from_args",
     "divisors",

@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args, ap: argparse.ArgumentParser) -> TransformerConfig:
-    shape = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                                          "vocab_size") if getattr(args, k) is not None}
+    given = vars(args)
+    shape = {k: given[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                   "vocab_size") if given[k] is not None}
     if args.model:
         base = dict(PRESETS[args.model])
     else:

@@ -156,7 +156,7 @@ def check_gpt(config: TransformerConfig) -> None:
 
 def positions(config: TransformerConfig, seq_length: int) -> int:
     """Rows of the position embedding: the preset's, grown to the sequence length as
-    `megalite.arguments.model_config` does."""
+    `megalite.config.model_config` does."""
     return max(config.max_position_embeddings, seq_length)
 
 

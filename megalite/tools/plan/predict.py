@@ -112,7 +112,7 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
 
 
 def context_parallel_refusal(cp: int, t: int, s: int, sequence_parallel: bool) -> str | None:
-    """Why megalite refuses --cp `cp` here (arguments._check_context_parallel), or None."""
+    """Why megalite refuses --cp `cp` here (config.layout._check_context_parallel), or None."""
     if cp == 1:
         return None
     if s % (2 * cp):

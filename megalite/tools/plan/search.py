@@ -1,5 +1,5 @@
 """Which layout: every valid one of a cluster, predicted and ranked (`plan`); or one requested
-layout checked (`check_layout`, `check_args` for pretrain_gpt.py --plan)."""
+layout checked (`check_layout`; megalite.training.plan_check applies it to a run's configuration)."""
 from __future__ import annotations
 
 import math
@@ -158,7 +158,7 @@ def _layouts(config: TransformerConfig, N: int, run: Run, space: SearchSpace, re
 
 
 def _cp_is_valid(c: int, run: Run, reject: Reject) -> bool:
-    """megalite's --cp rules that do not depend on tp (arguments._check_context_parallel; the
+    """megalite's --cp rules that do not depend on tp (config.layout._check_context_parallel; the
     planner models GPT only, so BERT's refusal never applies)."""
     if c > 1 and run.seq_length % (2 * c):
         reject("seq % 2cp", f"cp {c} cuts each sequence into {2 * c} chunks: seq length {run.seq_length} "
@@ -288,42 +288,9 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
     return pred.fits, pred
 
 
-def check_args(args, world_size: int, gpu_memory_bytes: float | None = None,
-               cluster: Cluster | None = None) -> tuple[bool, Prediction]:
-    """check_layout for a parsed pretrain_gpt.py namespace (after megalite.arguments.validate):
-    the device's memory by default."""
-    from megalite import arguments
-
-    config = arguments.model_config(args)
-    if gpu_memory_bytes is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("no GPU: give gpu_memory_bytes to check a layout")
-        gpu_memory_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if cluster is None:
-        from megalite.metrics import default_peak_tflops
-
-        cluster = Cluster(gpus=world_size, peak_tflops=getattr(args, "peak_tflops", None) or default_peak_tflops()
-                          or Cluster.peak_tflops)
-    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    cp = getattr(args, "cp", 1)
-    dp = world_size // (args.tp * cp * args.pp)
-    return check_layout(config, tp=args.tp, pp=args.pp, dp=dp, cp=cp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                        use_distributed_optimizer=args.use_distributed_optimizer, dtype=dtype,
-                        gpu_memory_bytes=gpu_memory_bytes, cluster=cluster, ddp_bucket_size=args.ddp_bucket_size,
-                        pipeline_layers=args.pipeline_layers, zero_stage=getattr(args, "zero_stage", None),
-                        grad_reduce_dtype=getattr(args, "grad_reduce_dtype", "fp32"),
-                        zero_reshard_after_forward=getattr(args, "zero_reshard_after_forward", None) is not False,
-                        zero_keep_params_for_step=bool(getattr(args, "zero_keep_params_for_step", False)),
-                        local_sgd=local_sgd_of(args))
-
-
 def local_sgd_of(args) -> dict | None:
-    """Run's local-SGD fields from a namespace with megalite's (or the planner's) flags; None when off."""
-    if not getattr(args, "local_sgd_interval", 0):
+    """Run's local-SGD fields from the local_sgd section (or the planner's namespace); None when off."""
+    if not args.local_sgd_interval:
         return None
     return {"local_sgd_interval": args.local_sgd_interval, "local_sgd_fragments": args.local_sgd_fragments,
             "outer_grad_dtype": args.outer_grad_dtype, "local_sgd_async": args.local_sgd_async}

@@ -1,0 +1,14 @@
+"""A run's configuration: typed sections (megalite.config.sections), the command line and config
+files generated from them, and the rules that join them. docs/configuration.md lists every field."""
+from megalite.config.cli import ConfigParser, build_parser
+from megalite.config.files import read_config_file, to_toml
+from megalite.config.layout import validate
+from megalite.config.rules import lr_schedule_lengths, model_config, model_dtype, resolve
+from megalite.config.run import SECTIONS, ConfigError, RunConfig
+from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
+                                      ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
+
+__all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "ConfigParser", "DataConfig", "DataParallelConfig",
+           "LocalSGDConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+           "RunConfig", "TrainingConfig", "build_parser", "lr_schedule_lengths", "model_config", "model_dtype",
+           "read_config_file", "resolve", "to_toml", "validate"]

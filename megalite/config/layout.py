@@ -1,0 +1,108 @@
+"""The layout checked against the world size and the model, before anything starts: every rank
+runs the same checks on the same configuration and ends with the same one-line message."""
+from __future__ import annotations
+
+from megalite.config.rules import check_sections
+from megalite.config.run import RunConfig
+from megalite.errors import UsageError
+from megalite.models.config import TransformerConfig
+from megalite.pipeline.partition import stage_layer_counts
+
+
+def _check_context_parallel(config: RunConfig, world_size: int, model: TransformerConfig) -> None:
+    """--cp N: the ranks, the sequence's 2N chunks (causal load balancing), and what attends."""
+    p, seq = config.parallel, config.model.seq_length
+    tp, cp, pp = p.tp, p.cp, p.pp
+    if world_size % (tp * cp * pp):
+        raise UsageError(f"--tp {tp} x --cp {cp} x --pp {pp} = {tp * cp * pp} does not divide the number of ranks "
+                         f"({world_size}): launch a multiple of {tp * cp * pp} ranks or change the sizes")
+    if seq % (2 * cp):
+        raise UsageError(f"--cp {cp} cuts each sequence into {2 * cp} chunks: --seq-length {seq} is not "
+                         f"divisible by {2 * cp}; use a multiple of {2 * cp}")
+    if p.sequence_parallel and (seq // cp) % tp:
+        raise UsageError(f"--sequence-parallel with --cp {cp} needs each rank's {seq // cp} tokens "
+                         f"divisible by --tp {tp}: change --seq-length")
+    if config.model.attention_dropout:
+        raise UsageError(f"--cp attends over ranks without attention dropout: drop --attention-dropout "
+                         f"{config.model.attention_dropout} (hidden dropout is fine)")
+    if p.cp_comm_type == "a2a":
+        heads = model.num_attention_heads // tp
+        kv_heads = max(1, (model.num_query_groups or model.num_attention_heads) // tp)  # this rank's
+        if heads % cp or kv_heads % cp:
+            raise UsageError(f"--cp-comm-type a2a exchanges heads for sequence: this rank's {heads} attention heads "
+                             f"(and its key/value groups) must be divisible by --cp {cp}; use --cp-comm-type p2p")
+
+
+def _check_batches(config: RunConfig, dp: int) -> None:
+    t, p = config.training, config.parallel
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise UsageError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                         f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}: use a multiple of {per_step}")
+    micro_batches = t.global_batch_size // per_step
+    if p.vpp and p.vpp > 1 and micro_batches % p.pp:
+        raise UsageError(
+            f"the interleaved schedule (--vpp {p.vpp}) needs the micro-batches per step ({micro_batches} = "
+            f"--global-batch-size {t.global_batch_size} / (--micro-batch-size {t.micro_batch_size} x "
+            f"data-parallel size {dp})) to be a multiple of --pp ({p.pp}): raise --global-batch-size")
+
+
+def _check_installed(config: RunConfig) -> None:
+    """What the configuration needs installed or runnable on this machine."""
+    if config.logging.tensorboard_dir:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard-dir needs tensorboard: pip install 'megalite[tb]'") from None
+    if config.optimizer.use_apex_adam:
+        try:
+            import apex.optimizers  # noqa: F401
+        except ImportError:
+            raise UsageError("--use-apex-adam needs NVIDIA apex built from source (the PyPI package named "
+                             "'apex' is unrelated); drop the flag to use PyTorch's fused AdamW") from None
+    m = config.model
+    for flag, value in (("--attention-backend", m.attention_backend), ("--norm-backend", m.norm_backend)):
+        if value == "fused":
+            from megalite import ops
+            status = ops.kernels_available()
+            if not status:
+                raise UsageError(f"{flag} fused needs megalite's CUDA kernels, which cannot run here: {status.reason}. "
+                                 f"Use {flag} auto (or torch), or fix the cause")
+
+
+def validate(config: RunConfig, world_size: int, model: TransformerConfig, machine: bool = True) -> int:
+    """Check the layout against the world and the model; return the data-parallel size. `machine`:
+    also what this machine must have installed or be able to run (not for --print-config, which
+    may run on a login node for a job elsewhere)."""
+    check_sections(config)
+    p, d = config.parallel, config.data_parallel
+    tp, pp, cp = p.tp, p.pp, p.cp
+    if world_size % tp:
+        raise UsageError(f"--tp {tp} does not divide the number of ranks ({world_size}): "
+                         f"use a --tp among the divisors of {world_size}, or launch a multiple of {tp} ranks")
+    if world_size % (tp * pp):
+        raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of ranks ({world_size}): "
+                         f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
+    if cp > 1:
+        _check_context_parallel(config, world_size, model)
+    dp = world_size // (tp * cp * pp)
+    try:
+        model.check_tensor_parallel(tp)
+        stage_layer_counts(model.num_layers, pp, p.vpp, p.pipeline_layers)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if model.vocab_size < 2:
+        raise UsageError(f"vocabulary size must be >= 2, got {model.vocab_size}")
+    _check_batches(config, dp)
+    if machine:
+        _check_installed(config)
+    if d.zero_stage == 3 and config.model.torch_compile:
+        raise UsageError("--zero-stage 3 gathers parameters in module hooks, which --torch-compile does not "
+                         "trace here: drop --torch-compile, or use --zero-stage 2")
+    if p.sequence_parallel and config.model.seq_length % tp:
+        raise UsageError(f"--sequence-parallel needs --seq-length ({config.model.seq_length}) divisible by "
+                         f"--tp ({tp})")
+    if config.local_sgd.local_sgd_interval and d.zero_stage:
+        raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
+                         "data parallelism): drop --use-distributed-optimizer / --zero-stage")
+    return dp

@@ -1,0 +1,156 @@
+"""Rules that join sections: the defaults one section takes from another (resolve), the model a
+configuration describes (model_config), and the layout checked against the world (validate).
+Validation runs before any process group exists, from the world size torchrun announces, so a bad
+layout ends every rank at once with the same one-line message."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megalite.config.run import ConfigError, RunConfig
+from megalite.errors import UsageError
+from megalite.models.config import PRESETS, TransformerConfig, preset
+
+DEFAULT_TRAIN_ITERS, DEFAULT_WARMUP_ITERS = 100, 10
+
+
+def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), ignored=()) -> RunConfig:
+    """The defaults that depend on other fields, filled in once here so nothing later changes the
+    configuration. Idempotent: resolving a resolved configuration changes nothing."""
+    m, t, o, d, p = config.model, config.training, config.optimizer, config.data_parallel, config.parallel
+    name = m.model or default_model
+    if name not in PRESETS:
+        import difflib
+        close = difflib.get_close_matches(str(name), PRESETS, n=1)
+        raise ConfigError(f"--model {name}: no such preset{f' (did you mean {close[0]}?)' if close else ''}; "
+                          f"presets: {', '.join(sorted(PRESETS))}")
+    seq = m.seq_length or m.max_position_embeddings or PRESETS[name].get("max_position_embeddings")
+    if d.use_distributed_optimizer and d.zero_stage == 0:  # before the two become one value
+        raise ConfigError("--use-distributed-optimizer is ZeRO stage 1: drop --zero-stage 0, or the flag")
+    stage = d.zero_stage if d.zero_stage is not None else int(d.use_distributed_optimizer)
+    if t.train_iters is not None and t.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples both give the run's length: keep one")
+    if t.train_iters is None:
+        iters = t.train_samples // t.global_batch_size if t.train_samples is not None else DEFAULT_TRAIN_ITERS
+    else:
+        iters = t.train_iters
+    if t.train_samples is not None and iters < 1:
+        raise ConfigError(f"--train-samples {t.train_samples} is less than one --global-batch-size "
+                          f"({t.global_batch_size})")
+    if t.train_samples is not None and o.lr_decay_iters is None and o.lr_decay_samples is None:
+        # Megatron-LM: a run given in samples decays over them (not over the whole steps they make)
+        o = dataclasses.replace(o, lr_decay_samples=t.train_samples)
+    no_warmup_given = o.lr_warmup_fraction is None and o.lr_warmup_samples is None
+    warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None or not no_warmup_given else DEFAULT_WARMUP_ITERS
+    vpp = p.vpp
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        layers = m.num_layers or PRESETS[name]["num_layers"]
+        per = p.num_layers_per_virtual_pipeline_stage * p.pp
+        if layers % per:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage} x "
+                              f"--pp {p.pp} does not divide the {layers} layers")
+        if vpp is not None and vpp != layers // per:
+            raise ConfigError(f"--vpp {vpp} and --num-layers-per-virtual-pipeline-stage "
+                              f"{p.num_layers_per_virtual_pipeline_stage} disagree ({layers // per} virtual stages)")
+        vpp = layers // per if layers // per > 1 else None
+    if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
+        p = dataclasses.replace(p, sequence_parallel=False)
+        ignored = (*ignored, "--sequence-parallel (with --tp 1)")
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(m, model=name, seq_length=seq),
+        training=dataclasses.replace(t, train_iters=iters, train_samples=None),  # one length, in steps
+        optimizer=dataclasses.replace(o, lr_warmup_iters=warmup),
+        data_parallel=dataclasses.replace(d, zero_stage=stage, use_distributed_optimizer=stage >= 1,
+                                          # stage 3 frees a layer after its forward unless told otherwise
+                                          zero_reshard_after_forward=(d.zero_reshard_after_forward if stage != 3 or
+                                                                      d.zero_reshard_after_forward is not None
+                                                                      else True)),
+        # Megatron-LM's layers per virtual stage becomes --vpp (one value, one meaning)
+        parallel=dataclasses.replace(p, vpp=vpp, num_layers_per_virtual_pipeline_stage=None),
+        explicit=frozenset(explicit) | config.explicit, ignored_flags=tuple(ignored) or config.ignored_flags)
+
+
+def lr_schedule_lengths(config: RunConfig) -> tuple[float, float, float | None]:
+    """(warm-up, decay, WSD's final decay) in iterations; sample counts are divided by the global
+    batch (not rounded: the schedule is a function of the samples seen, as Megatron-LM's is)."""
+    o, gbs = config.optimizer, config.training.global_batch_size
+    decay = (o.lr_decay_samples / gbs if o.lr_decay_samples is not None else
+             o.lr_decay_iters if o.lr_decay_iters is not None else config.training.train_iters)
+    warmup = (o.lr_warmup_fraction * decay if o.lr_warmup_fraction is not None else
+              o.lr_warmup_samples / gbs if o.lr_warmup_samples is not None else o.lr_warmup_iters)
+    wsd = (o.lr_wsd_decay_samples / gbs if o.lr_wsd_decay_samples is not None else o.lr_wsd_decay_iters)
+    return warmup, decay, wsd
+
+
+_ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_position_embeddings")
+
+
+def _model_overrides(m) -> dict:
+    """TransformerConfig fields the model section sets; fields left unset set nothing."""
+    same = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "normalization",
+            "position_embedding_type", "num_query_groups", "max_position_embeddings", "init_method_std",
+            "make_vocab_size_divisible_by", *_ROPE_FIELDS)
+    out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
+    if m.norm_epsilon is not None:
+        out["layernorm_epsilon"] = m.norm_epsilon
+    if m.use_rope_scaling and m.rope_scaling_factor is None:
+        out["rope_scaling_factor"] = 8.0  # Llama 3.1's factor, as Megatron-LM's --use-rope-scaling
+    switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),
+                "disable_bias_linear": dict(add_bias_linear=False),
+                "add_qkv_bias": dict(add_qkv_bias=True), "qk_layernorm": dict(qk_layernorm=True),
+                "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True)}
+    for name, fields in switches.items():
+        if getattr(m, name):
+            out.update(fields)
+    return out
+
+
+def model_config(config: RunConfig) -> TransformerConfig:
+    """The model `config` describes (the preset with its overrides); reads `config`, never changes it."""
+    check_sections(config)
+    m = config.model
+    overrides = _model_overrides(m)
+    if m.swiglu and m.ffn_hidden_size is None and not PRESETS[m.model].get("gated_linear_unit"):
+        # As Megatron-LM sizes it: the gated MLP's three matrices hold about the parameters of a 4h
+        # GeLU MLP's two (8h/3 each), rounded down to a multiple of 64.
+        hidden = m.hidden_size or PRESETS[m.model]["hidden_size"]
+        overrides["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
+    try:
+        built = preset(m.model, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                       sequence_parallel=config.parallel.sequence_parallel, recompute=m.recompute,
+                       attention_backend="sdpa" if m.attention_backend == "auto" else m.attention_backend,
+                       norm_backend=m.norm_backend, recompute_method=m.recompute_method,
+                       recompute_num_layers=m.recompute_num_layers, cp_comm_type=config.parallel.cp_comm_type,
+                       **overrides)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rope_flags = [f"--{k.replace('_', '-')}" for k in _ROPE_FIELDS if k in overrides]
+    if rope_flags and built.position_embedding_type != "rope":
+        raise UsageError(f"{', '.join(rope_flags)}: for rotary positions only, but this model's position embedding "
+                         f"is {built.position_embedding_type}: add --position-embedding-type rope, or drop them")
+    if m.kv_channels is not None and m.kv_channels != built.head_dim:
+        raise UsageError(f"--kv-channels {m.kv_channels}: megalite's heads are hidden / heads = {built.head_dim} "
+                         f"wide; drop --kv-channels or change --hidden-size/--num-attention-heads")
+    if m.seq_length > built.max_position_embeddings:
+        if m.max_position_embeddings is not None:
+            raise UsageError(f"--seq-length {m.seq_length} is above --max-position-embeddings "
+                             f"{m.max_position_embeddings}: raise it, or shorten the samples")
+        built = built.replace(max_position_embeddings=m.seq_length)
+    return built
+
+
+def check_sections(config: RunConfig) -> None:
+    """Each section's own rules, as one-line usage errors."""
+    try:
+        config.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def model_dtype(config: RunConfig) -> torch.dtype:
+    """The dtype parameters and activations train in (the model is built, and masters kept, in fp32)."""
+    p = config.precision
+    return torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32

@@ -1,0 +1,370 @@
+"""The sections of a run's configuration, one dataclass per concern. Each field has a default, a
+type and one line of help; each section checks its own fields (`check`). Rules that join sections
+live in megalite.config.rules. Flags are the fields' names with dashes, plus Megatron-LM's
+spellings where they differ (the `flags` and `sets` of a field)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megalite.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, check_numbers, opt
+
+_SEED = (lambda v: 0 <= v < 2 ** 63, "in [0, 2**63)")
+
+
+def split_weights(split: str) -> list[float]:
+    """--split '949,50,1' -> [949, 50, 1] (missing parts 0). Read as Megatron-LM reads it: the numbers
+    in the text, so quotes a shell script passed through (`'99,1,0'`) or slashes do not matter."""
+    if re.search(r"[^0-9.,/ '\"]", split) or not re.findall(r"[.0-9]+", split):
+        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 949,50,1")
+    weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    weights += [0.0] * (3 - len(weights))
+    if len(weights) != 3 or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} must be up to three non-negative numbers with a positive sum")
+    return weights
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks split the model and the data."""
+    tp: int = opt(1, "tensor-parallel size", flags=("--tp", "--tensor-model-parallel-size"), check=POSITIVE_INT)
+    pp: int = opt(1, "pipeline-parallel size", flags=("--pp", "--pipeline-model-parallel-size"), check=POSITIVE_INT)
+    vpp: int | None = opt(None, "virtual stages (model chunks) per pipeline rank",
+                          flags=("--vpp", "--virtual-pipeline-model-parallel-size"), check=POSITIVE_INT)
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "layers per virtual stage (Megatron-LM's other way to give --vpp: layers / (pp x this))",
+        check=POSITIVE_INT)
+    pipeline_layers: list[int] | None = opt(
+        None, "explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)", metavar="N,N,...")
+    sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
+    cp: int = opt(1, "context-parallel size: each sequence split over N ranks (ring attention; "
+                     "docs/context-parallel.md)", flags=("--cp", "--context-parallel-size"), check=POSITIVE_INT)
+    cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p) or heads "
+                                   "exchanged for the sequence (a2a, DeepSpeed-Ulysses; heads and KV groups "
+                                   "divisible by --cp)", choices=("p2p", "a2a"))
+    distributed_timeout_minutes: float = opt(10.0, "how long a collective may wait for another rank", check=POSITIVE)
+
+    def check(self) -> None:
+        check_numbers(self)
+        for i, n in enumerate(self.pipeline_layers or []):
+            if n < 1:
+                raise ValueError(f"--pipeline-layers: stage {i} gets {n} layers; every stage needs at least 1")
+        if self.vpp and self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"--vpp {self.vpp} needs pipeline parallelism (--pp > 1)")
+
+
+_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class ModelConfig:
+    """The model: a preset and what overrides it (unset fields keep the preset's value)."""
+    model: str | None = opt(None, "model preset (default: the entry point's tiny model)", metavar="PRESET",
+                             shape=True)
+    num_layers: int | None = opt(None, "override the preset", check=POSITIVE_INT, shape=True)
+    hidden_size: int | None = opt(None, "override the preset", check=POSITIVE_INT, shape=True)
+    num_attention_heads: int | None = opt(None, "override the preset", check=POSITIVE_INT, shape=True)
+    ffn_hidden_size: int | None = opt(None, "override the preset (default 4 x hidden; 8h/3 rounded down to 64 "
+                                            "with --swiglu)", check=POSITIVE_INT, shape=True)
+    kv_channels: int | None = opt(None, "width of a head (megalite's heads are hidden / heads wide: any other "
+                                        "value is refused)", check=POSITIVE_INT, shape=True)
+    vocab_size: int | None = opt(None, "override the preset (synthetic data; with a tokenizer: at least its size)",
+                                 check=(lambda v: v >= 2, "an integer >= 2"), shape=True)
+    make_vocab_size_divisible_by: int | None = opt(
+        None, "pad the vocabulary to a multiple of this x tp (default 128)", check=POSITIVE_INT, shape=True)
+    seq_length: int | None = opt(None, "tokens per sample (default: the preset's positions)", check=POSITIVE_INT)
+    max_position_embeddings: int | None = opt(
+        None, "positions the model holds (default: the preset's, raised to --seq-length)", check=POSITIVE_INT,
+        shape=True)
+    init_method_std: float | None = opt(None, "standard deviation of the weights' initialization (default 0.02)",
+                                        check=POSITIVE)
+    hidden_dropout: float = opt(0.0, "dropout on the residual stream (0 is usual for pretraining)", check=PROBABILITY)
+    attention_dropout: float = opt(0.0, "dropout on attention probabilities", check=PROBABILITY)
+    recompute: str = opt("none", "activation recomputation", choices=_RECOMPUTE,
+                         flags=("--recompute", "--recompute-granularity"),
+                         sets={"--recompute-activations": "selective"})
+    recompute_method: str = opt("uniform", "--recompute full: which layers of a stage (uniform: every "
+                                           "--recompute-num-layers; block: the first N)", choices=("uniform", "block"))
+    recompute_num_layers: int | None = opt(None, "--recompute full: layers per stage (default all)",
+                                           check=POSITIVE_INT)
+    attention_backend: str = opt("auto", "sdpa: PyTorch's fused attention (what auto picks); fused: score matmuls "
+                                         "+ megalite's fused softmax kernel; torch: explicit softmax matrices",
+                                 choices=("auto", "sdpa", "fused", "torch"))
+    torch_compile: bool = opt(False, "torch.compile each transformer layer (fuses bias+GeLU, dropout+residual, "
+                                     "norms)")
+    normalization: str | None = opt(None, "the norm of every layer (default: the preset's); Megatron-LM's "
+                                          "LayerNorm/RMSNorm spellings too", choices=("layernorm", "rmsnorm"),
+                                    shape=True)
+    norm_backend: str = opt("auto", "LayerNorm / RMSNorm: megalite's fused kernel where it runs, else PyTorch "
+                                    "(auto); fused: the kernel or an error saying why it cannot run; torch: "
+                                    "PyTorch ops", choices=("auto", "fused", "torch"))
+    position_embedding_type: str | None = opt(
+        None, "positions (default: the preset's)", choices=("learned_absolute", "rope", "none"),
+        sets={"--use-rotary-position-embeddings": "rope", "--no-position-embedding": "none"}, shape=True)
+    rotary_base: float | None = opt(None, "rope: the base of the rotation frequencies", check=POSITIVE, shape=True)
+    rotary_percent: float | None = opt(None, "rope: the fraction of each head's dims rotated", check=FRACTION,
+                                       shape=True)
+    rope_scaling_factor: float | None = opt(None, "rope: Llama 3.1 frequency scaling factor",
+                                            check=(lambda v: v >= 1, ">= 1"), shape=True)
+    rope_low_freq_factor: float | None = opt(None, "rope scaling: low-frequency factor", check=POSITIVE, shape=True)
+    rope_high_freq_factor: float | None = opt(None, "rope scaling: high-frequency factor", check=POSITIVE,
+                                              shape=True)
+    rope_original_max_position_embeddings: int | None = opt(
+        None, "rope scaling: the context length the model was first trained at", check=POSITIVE_INT, shape=True)
+    use_rope_scaling: bool = opt(False, "rope: Llama 3.1 frequency scaling (factor 8 unless "
+                                        "--rope-scaling-factor)", shape=True)
+    swiglu: bool = opt(False, "gated MLP with silu (ffn size: each of gate and up; default 8h/3 rounded down "
+                              "to 64)", shape=True)
+    group_query_attention: bool = opt(False, "grouped-query attention (with --num-query-groups)", shape=True)
+    num_query_groups: int | None = opt(None, "key/value heads (with --group-query-attention)", check=POSITIVE_INT,
+                                       shape=True)
+    disable_bias_linear: bool = opt(False, "no biases in the layers' linear maps", shape=True)
+    add_qkv_bias: bool = opt(False, "query/key/value biases even without other biases", shape=True)
+    qk_layernorm: bool = opt(False, "normalize every query and key head", shape=True)
+    untie_embeddings_and_output_weights: bool = opt(False, "an output layer of its own instead of the word "
+                                                           "embedding", shape=True)
+    norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
+                                     flags=("--norm-epsilon", "--layernorm-epsilon"), check=POSITIVE, shape=True)
+
+    def check(self) -> None:
+        check_numbers(self)
+        if self.recompute_num_layers is not None and self.recompute != "full":
+            raise ValueError(f"--recompute-num-layers {self.recompute_num_layers} applies to --recompute full only "
+                             f"(got --recompute {self.recompute})")
+        if (self.num_query_groups is not None) != self.group_query_attention:
+            raise ValueError("--group-query-attention and --num-query-groups G go together: give both, or neither")
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+    data_path: list[str] | None = opt(None, "indexed dataset prefix, or weight-prefix pairs to blend (default: "
+                                            "the embedded corpus)", metavar="[WEIGHT] PREFIX")
+    tokenizer: str | None = opt(None, "SentencePiece .model file or Hugging Face tokenizer directory")
+    tokenizer_type: str | None = opt(
+        None, "Megatron-LM's tokenizer kinds: the files they read are --vocab-file/--merge-file/--tokenizer-model",
+        choices=("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "HuggingFaceTokenizer",
+                 "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer"))
+    vocab_file: str | None = opt(None, "GPT2BPETokenizer: vocab.json; BertWordPiece*: vocab.txt")
+    merge_file: str | None = opt(None, "GPT2BPETokenizer: merges.txt")
+    tokenizer_model: str | None = opt(None, "SentencePiece model file, or a Hugging Face tokenizer directory")
+    split: str = opt("969,30,1", "train,valid,test proportions of the documents")
+    mock_data: bool = opt(False, "a deterministic synthetic token stream")
+
+    def check(self) -> None:
+        split_weights(self.split)
+        if self.data_path and self.mock_data:
+            raise ValueError("--mock-data and --data-path exclude each other")
+
+
+@dataclass
+class TrainingConfig:
+    """How long, how big a batch, and when to stop early."""
+    train_iters: int | None = opt(None, "optimizer steps (default 100, or from --train-samples)", check=POSITIVE_INT)
+    train_samples: int | None = opt(None, "samples to train on instead of --train-iters (steps: this / global "
+                                          "batch)", check=POSITIVE_INT)
+    micro_batch_size: int = opt(2, "samples per forward/backward on one rank", check=POSITIVE_INT)
+    global_batch_size: int = opt(16, "samples per optimizer step over all ranks", check=POSITIVE_INT)
+    seed: int = opt(1234, "seed of the weights, dropout and data order", check=_SEED)
+    eval_interval: int = opt(100, "validate every N iterations (0: never)", check=NON_NEGATIVE)
+    eval_iters: int = opt(4, "global batches per validation", check=NON_NEGATIVE)
+    exit_interval: int | None = opt(None, "save and exit at an iteration divisible by N", check=POSITIVE_INT)
+    exit_duration_in_mins: float | None = opt(None, "save and exit after this long", check=POSITIVE)
+    no_exit_signal_handler: bool = opt(False, "do not turn SIGTERM/SIGUSR1 into save-and-exit",
+                                       sets={"--exit-signal-handler": False})
+    max_skipped_iters: int = opt(30, "stop after this many iterations in a row with inf/NaN gradients",
+                                 check=POSITIVE_INT)
+    plan: bool = opt(False, "before training, predict memory and step time of this layout and warn if it will "
+                            "not fit")
+    plan_gpu_memory_gib: float | None = opt(None, "GPU memory for --plan (default: this GPU's)", check=POSITIVE)
+
+    def check(self) -> None:
+        check_numbers(self)
+
+
+_LR_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer and its learning-rate schedule. Schedule lengths are in iterations, or in samples
+    (Megatron-LM's sample-based schedules: divided by the global batch)."""
+    optimizer: str = opt("adam", "the (inner) optimizer: AdamW, or plain SGD without momentum (same lr schedule "
+                                 "and decoupled weight decay)", choices=("adam", "sgd"))
+    lr: float = opt(1e-3, "peak learning rate", check=POSITIVE)
+    min_lr: float = opt(1e-4, "learning rate at the end of the decay", check=NON_NEGATIVE)
+    lr_decay_style: str = opt("cosine", "shape of the decay after warm-up (WSD: constant, then "
+                                        "--lr-wsd-decay-style over the last --lr-wsd-decay-iters)", choices=_LR_STYLES)
+    lr_warmup_iters: int | None = opt(None, "warm-up iterations (default 10 unless a fraction or samples are "
+                                            "given)", check=NON_NEGATIVE)
+    lr_warmup_fraction: float | None = opt(None, "warm-up as a fraction of the decay length", check=FRACTION)
+    lr_warmup_samples: int | None = opt(None, "warm-up in samples", check=NON_NEGATIVE)
+    lr_decay_iters: int | None = opt(None, "iterations of decay, warm-up included (default: the run's length)",
+                                     check=POSITIVE_INT)
+    lr_decay_samples: int | None = opt(None, "decay length in samples", check=POSITIVE_INT)
+    lr_wsd_decay_style: str = opt("exponential", "WSD: the shape of the final decay",
+                                  choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: int | None = opt(None, "WSD: iterations of the final decay", check=POSITIVE_INT)
+    lr_wsd_decay_samples: int | None = opt(None, "WSD: the final decay in samples", check=POSITIVE_INT)
+    decoupled_lr: float | None = opt(None, "a peak learning rate of its own for the word embedding and output "
+                                           "layer (same schedule shape)", check=POSITIVE)
+    decoupled_min_lr: float | None = opt(None, "with --decoupled-lr: its final learning rate (default --min-lr)",
+                                         check=NON_NEGATIVE)
+    weight_decay: float = opt(0.1, "decoupled weight decay (not on biases and norms)", check=NON_NEGATIVE)
+    adam_beta1: float = opt(0.9, "Adam's first-moment decay", check=PROBABILITY)
+    adam_beta2: float = opt(0.95, "Adam's second-moment decay", check=PROBABILITY)
+    adam_eps: float = opt(1e-8, "Adam's epsilon", check=POSITIVE)
+    clip_grad: float = opt(1.0, "global gradient-norm clip (0: off)", check=NON_NEGATIVE)
+    use_apex_adam: bool = opt(False, "NVIDIA apex FusedAdam, if you built apex")
+
+    def check(self) -> None:
+        check_numbers(self)
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the schedule decays from --lr to "
+                             f"--min-lr")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ValueError("--decoupled-min-lr goes with --decoupled-lr (the embedding and output layer's peak)")
+        if self.decoupled_lr is not None and (self.decoupled_min_lr or self.min_lr) > self.decoupled_lr:
+            raise ValueError(f"--decoupled-min-lr {self.decoupled_min_lr or self.min_lr} is above --decoupled-lr "
+                             f"{self.decoupled_lr}")
+        warmups = [f for f in ("--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples")
+                   if getattr(self, f[2:].replace("-", "_")) is not None]
+        if len(warmups) > 1:
+            raise ValueError(f"{' and '.join(warmups)} each give the warm-up: keep one")
+        for iters, samples in (("lr_decay_iters", "lr_decay_samples"), ("lr_wsd_decay_iters", "lr_wsd_decay_samples")):
+            if getattr(self, iters) is not None and getattr(self, samples) is not None:
+                raise ValueError(f"--{iters.replace('_', '-')} and --{samples.replace('_', '-')} give the same "
+                                 f"length: keep one")
+        wsd = self.lr_wsd_decay_iters is not None or self.lr_wsd_decay_samples is not None
+        if self.lr_decay_style == "WSD" and not wsd:
+            raise ValueError("--lr-decay-style WSD needs the length of its final decay: add --lr-wsd-decay-iters N "
+                             "(or --lr-wsd-decay-samples)")
+        if wsd and self.lr_decay_style != "WSD":
+            raise ValueError("--lr-wsd-decay-iters/--lr-wsd-decay-samples apply to --lr-decay-style WSD")
+
+
+@dataclass
+class DataParallelConfig:
+    """Data parallelism: the gradient reduction and what ZeRO shards."""
+    use_distributed_optimizer: bool = opt(False, "shard fp32 master weights and Adam states over data-parallel "
+                                                 "ranks (ZeRO-1)")
+    zero_stage: int | None = opt(None, "shard over data-parallel ranks: 1 optimizer state (= "
+                                       "--use-distributed-optimizer), 2 and gradients, 3 and parameters (gathered "
+                                       "layer by layer); docs/optimizer.md", choices=(0, 1, 2, 3))
+    zero_reshard_after_forward: bool | None = opt(
+        None, "stage 3: free a layer's gathered parameters after its forward (true) or keep them until its "
+              "backward (false: one gather less per micro-batch, more memory)", switch=False)
+    zero_keep_params_for_step: bool = opt(False, "stage 3: gather each layer once per step and keep it across the "
+                                                 "step's micro-batches")
+    ddp_bucket_size: int = opt(40_000_000, "gradient elements per data-parallel reduction bucket", check=POSITIVE_INT)
+    grad_reduce_dtype: str = opt("fp32", "dtype of the data-parallel gradient reduction (bf16 halves the traffic)",
+                                 choices=("fp32", "bf16"), sets={"--grad-reduce-in-bf16": "bf16"})
+    overlap_grad_reduce: bool = opt(True, "ZeRO stages 0-1: start each bucket's reduction as soon as backward "
+                                          "fills it (true), or reduce every bucket after the last backward (false)")
+
+    def check(self) -> None:
+        check_numbers(self)
+        stage = self.zero_stage if self.zero_stage is not None else int(self.use_distributed_optimizer)
+        if stage != 3 and (self.zero_reshard_after_forward is not None or self.zero_keep_params_for_step):
+            raise ValueError("--zero-reshard-after-forward and --zero-keep-params-for-step apply to --zero-stage 3")
+        if not self.overlap_grad_reduce and stage >= 2:
+            raise ValueError(f"--overlap-grad-reduce false applies to ZeRO stages 0-1 (stage {stage} "
+                             f"reduce-scatters during every backward): drop it, or use --zero-stage 0 or 1")
+
+
+@dataclass
+class PrecisionConfig:
+    """The dtype the model trains in, and fp16's loss scaling."""
+    bf16: bool = opt(False, "bf16 model, fp32 master weights")
+    fp16: bool = opt(False, "fp16 model, fp32 master weights, loss scaling")
+    loss_scale: float | None = opt(None, "fp16: a fixed loss scale (default: dynamic)", check=POSITIVE)
+    initial_loss_scale: float = opt(2.0 ** 16, "fp16: the dynamic scale's start", check=POSITIVE)
+    loss_scale_window: int = opt(1000, "clean steps before the scale grows", check=POSITIVE_INT)
+    hysteresis: int = opt(2, "overflowing steps before the scale shrinks", check=POSITIVE_INT)
+    min_loss_scale: float = opt(1.0, "fp16: the dynamic scale's floor", check=POSITIVE)
+    no_tf32: bool = opt(False, "fp32 runs: full-FP32 matmuls instead of TF32 tensor cores (MFU then against the "
+                               "FP32 peak)")
+
+    def check(self) -> None:
+        check_numbers(self)
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 exclude each other: keep one")
+        if self.loss_scale is not None and not self.fp16:
+            raise ValueError("--loss-scale applies to --fp16 only")
+        if self.fp16 and self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(f"--min-loss-scale {self.min_loss_scale} is above --initial-loss-scale "
+                             f"{self.initial_loss_scale}")
+
+
+@dataclass
+class LocalSGDConfig:
+    """Local SGD / DiLoCo for slow links (docs/local-sgd.md)."""
+    local_sgd_interval: int = opt(0, "data-parallel replicas take H optimizer steps without reducing gradients "
+                                     "across replicas, then average their parameter deltas into an outer "
+                                     "Nesterov-SGD step (0: off)", metavar="H",
+                                  check=(lambda v: v >= 0, "an integer >= 0 (0: off)"))
+    outer_lr: float = opt(0.7, "the outer optimizer's learning rate", check=POSITIVE)
+    outer_momentum: float = opt(0.9, "the outer Nesterov momentum", check=PROBABILITY)
+    outer_grad_dtype: str = opt("fp32", "dtype of the averaged pseudo-gradients on the wire", choices=("fp32", "bf16"))
+    local_sgd_async: bool = opt(False, "overlap each outer reduction with the next H inner steps and apply it one "
+                                       "round late")
+    local_sgd_fragments: int = opt(1, "streaming: synchronize the parameters in F fragments, one every H/F steps",
+                                   metavar="F", check=POSITIVE_INT)
+    local_sgd_warmup_iters: int = opt(0, "plain data parallelism for the first N steps, local SGD after "
+                                         "(post-local SGD)", metavar="N", check=(lambda v: v >= 0, "an integer >= 0"))
+
+    def check(self) -> None:
+        check_numbers(self)
+        if not self.local_sgd_interval:
+            given = (("--local-sgd-async", self.local_sgd_async),
+                     ("--local-sgd-fragments", self.local_sgd_fragments != 1),
+                     ("--outer-grad-dtype bf16", self.outer_grad_dtype != "fp32"),
+                     ("--local-sgd-warmup-iters", self.local_sgd_warmup_iters != 0))
+            extras = [flag for flag, on in given if on]
+            if extras:
+                raise ValueError(f"{', '.join(extras)}: options of local SGD; add --local-sgd-interval H (or drop "
+                                 f"them)")
+        elif self.local_sgd_interval % self.local_sgd_fragments:
+            f, h = self.local_sgd_fragments, self.local_sgd_interval
+            raise ValueError(f"--local-sgd-fragments {f} must divide --local-sgd-interval {h} (one fragment every "
+                             f"H/F steps): use a divisor of {h}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and what a resumed run takes from them."""
+    save: str | None = opt(None, "save checkpoints here", metavar="DIR")
+    load: str | None = opt(None, "resume from the newest checkpoint here (at any layout)", metavar="DIR")
+    save_interval: int | None = opt(None, "save every N iterations (and at the end)", check=POSITIVE_INT)
+    save_async: bool = opt(False, "write checkpoints in the background", flags=("--save-async", "--async-save"))
+    no_load_optim: bool = opt(False, "load weights only (fresh optimizer)")
+    no_load_rng: bool = opt(False, "do not restore the RNG streams (dropout draws start from the seed)")
+    finetune: bool = opt(False, "with --load: take the weights only and start a new run (iteration 0, data from "
+                                "the start, fresh optimizer and RNG streams)")
+    use_checkpoint_args: bool = opt(False, "with --load: take the model's shape from the checkpoint (also the "
+                                           "default when no shape flag is given)")
+
+    def check(self) -> None:
+        check_numbers(self)
+        if self.finetune and not self.load:
+            raise ValueError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+        if self.save_interval and not self.save:
+            raise ValueError("--save-interval needs --save DIR")
+        if self.use_checkpoint_args and not self.load:
+            raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose shape to take)")
+
+
+@dataclass
+class LoggingConfig:
+    """What a run reports, and where."""
+    log_interval: int = opt(10, "a log line (and a metrics record) every N iterations", check=POSITIVE_INT)
+    metrics_file: str | None = opt(None, "JSON lines, one record per logged iteration", metavar="PATH")
+    tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here (needs megalite[tb])", metavar="DIR")
+    timeline: str | None = opt(None, "write a Chrome-trace timeline of all ranks (one row each)", metavar="PATH")
+    timeline_iters: int = opt(3, "iterations recorded in the timeline", check=POSITIVE_INT)
+    no_progress_bar: bool = opt(False, "no progress bar even on a terminal")
+    peak_tflops: float | None = opt(None, "per-GPU peak for MFU (default: the datasheet dense peak of known GPUs "
+                                          "for the dtype in use)", check=POSITIVE)
+
+    def check(self) -> None:
+        check_numbers(self)

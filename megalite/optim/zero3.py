@@ -1,0 +1,358 @@
+"""ZeRO stage 3 (`ShardedParamBuffer` and the module hooks that gather its units; import them from
+`megalite.optim.zero`).
+
+Stage 3 (`ShardedParamBuffer`): parameters sharded too. Buckets are *units*: one per transformer
+layer, one for the rest of the chunk (embeddings, final norm, output layer), one for a tied
+embedding shared with another stage. A unit's whole parameters exist only while it is gathered;
+the parameters stay views of its whole buffer, whose storage is resized to zero when freed (the
+tensors autograd saved for backward are views of the same storage, so a re-gather before backward
+refills them). `attach_unit_hooks` gathers each layer just before its forward (the next layer's
+gather is prefetched asynchronously), frees it after (`reshard_after_forward`), gathers it again
+when backward reaches its output (prefetching the layer before), and frees it once its gradients
+are reduce-scattered. Gathered at once: the chunk's rest unit and at most two layers.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from megalite.optim import buffers as _buffers
+from megalite.optim.buffers import Bucket
+from megalite.optim.zero2 import ShardedGradBuffer
+from megalite.parallel import traffic
+
+FREE, GATHERING, WHOLE = "free", "gathering", "whole"
+
+
+@dataclass
+class _Unit:
+    whole: torch.Tensor  # the unit's whole parameters; storage resized to 0 while free
+    state: str = WHOLE
+    work: object = None
+    holds: int = 0  # forwards waiting for their backward (reshard_after_forward=False)
+    parked: bool = False  # parameters are empty placeholders (see ShardedParamBuffer.park)
+
+
+class ShardedParamBuffer(ShardedGradBuffer):
+    """ZeRO-3: parameters and gradients sharded; each unit (bucket) gathered when it is used."""
+    zero_stage = 3
+
+    def __init__(self, params, *, reshard_after_forward: bool = True, keep_params_for_step: bool = False,
+                 **kwargs):
+        self.reshard_after_forward = reshard_after_forward
+        self.keep_params_for_step = keep_params_for_step
+        self.pinned = False
+        self.gather_log: list[tuple[int, str]] = []  # (unit, "forward" / "backward" / ...) per gather
+        # Timeline spans (name, category, start, duration) while a step records them: each gather from
+        # its launch to its completion, and each wait for one (what prefetching did not hide).
+        self.spans: list | None = None
+        self.layer_unit_indices: set[int] = set()  # filled by attach_unit_hooks
+        super().__init__(params, **kwargs)
+
+    def _allocate_params(self) -> None:
+        shard = self.numel // self.dp_size
+        self.param_shard = torch.zeros(shard, dtype=self.param_dtype, device=self.device)
+        self.fp32_init = None if self.param_dtype == torch.float32 else torch.zeros(
+            shard, dtype=torch.float32, device=self.device)
+        self.units: list[_Unit] = []
+        self._shapes = {id(p): p.shape for p in self.params}  # to give parked parameters their views back
+        for bucket in self.buckets:
+            whole32 = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+            for p in bucket.params:
+                lo = self.offset[id(p)] - bucket.start
+                whole32[lo:lo + p.numel()].copy_(p.detach().reshape(-1))
+            own_lo, own_hi = self.owned_range(bucket)
+            base = bucket.start // self.dp_size
+            self.param_shard[base:base + own_hi - own_lo].copy_(whole32[own_lo:own_hi])
+            if self.fp32_init is not None:
+                self.fp32_init[base:base + own_hi - own_lo].copy_(whole32[own_lo:own_hi])
+            whole = whole32 if self.param_dtype == torch.float32 else whole32.to(self.param_dtype)
+            for p in bucket.params:
+                lo = self.offset[id(p)] - bucket.start
+                p.data = whole[lo:lo + p.numel()].view(p.shape)
+            whole.untyped_storage().resize_(0)  # free until first used
+            self.units.append(_Unit(whole, state=FREE))
+
+    def param_slice(self, lo: int, hi: int) -> torch.Tensor:
+        a, b = self._shard_range(lo, hi)
+        return self.param_shard[a:b]
+
+    def initial_fp32(self, lo: int, hi: int) -> torch.Tensor:
+        a, b = self._shard_range(lo, hi)
+        return self.fp32_init[a:b]
+
+    def stored_bytes(self) -> dict[str, int]:
+        return {"params": self.param_shard.nbytes, "grads": self.grad_shard.nbytes, **self.step_peaks}
+
+    # -- gathering and freeing units
+    def gather(self, bucket: Bucket, wait: bool = True, why: str = "forward") -> None:
+        """Start the all-gather of a unit's whole parameters unless it is under way or done;
+        `wait` for it (else it is a prefetch, waited for where the unit is used)."""
+        unit = self.units[bucket.index]
+        if unit.state == FREE:
+            unit.whole.untyped_storage().resize_(unit.whole.numel() * unit.whole.element_size())
+            self._transient(unit.whole.nbytes, "gathered")
+            self._unpark(bucket)  # views need the storage to exist
+            self._fill(bucket, why)
+        if wait:
+            self._wait(unit)
+
+    def _fill(self, bucket: Bucket, why: str) -> None:
+        """All-gather the shards of `bucket` into its (allocated) whole buffer."""
+        unit = self.units[bucket.index]
+        base = bucket.start // self.dp_size
+        shard = self.param_shard[base:base + bucket.numel // self.dp_size]
+        start = time.perf_counter()
+        if self.dp_size == 1:
+            unit.whole.copy_(shard)
+        else:
+            traffic.gather_or_scatter("dp", unit.whole.nbytes, self.dp_size)
+            unit.work = _buffers._all_gather_single(unit.whole, shard, group=self.dp_group, async_op=True)
+        unit.state = GATHERING
+        self.gather_log.append((bucket.index, why))
+        if self.spans is not None:
+            self._span_when_done(unit.work, f"all-gather unit {bucket.index} ({why})", start)
+
+    def _span_when_done(self, work, name: str, start: float) -> None:
+        spans = self.spans
+
+        def done(_=None):
+            spans.append((name, "zero-gather", start, time.perf_counter() - start))
+        if work is None:
+            done()
+        else:  # the communication thread completes it: no wait, no host sync on this thread
+            work.get_future().add_done_callback(done)
+
+    def _wait(self, unit: _Unit) -> None:
+        if unit.state == GATHERING:
+            if unit.work is not None:
+                start = time.perf_counter()
+                unit.work.wait()
+                if self.spans is not None:
+                    self.spans.append(("wait for a gather", "zero-wait", start, time.perf_counter() - start))
+            unit.state, unit.work = WHOLE, None
+
+    def _free(self, bucket: Bucket) -> None:
+        unit = self.units[bucket.index]
+        if unit.state == FREE or self.pinned:
+            return
+        self._wait(unit)
+        unit.whole.untyped_storage().resize_(0)
+        self._transient(-unit.whole.nbytes, "gathered")
+        unit.state, unit.holds = FREE, 0
+
+    def after_forward(self, bucket: Bucket, training: bool) -> None:
+        """A unit's forward is done: free it, or keep it for the backward (or the step)."""
+        unit = self.units[bucket.index]
+        if not torch.is_grad_enabled():  # evaluation, or recomputation's first pass: no backward of it
+            if not (self.keep_params_for_step and training):
+                self._free(bucket)
+        elif self.keep_params_for_step:
+            pass
+        elif self.reshard_after_forward:
+            self._free(bucket)
+        else:  # one hold per forward whose backward is still to come (1F1B runs several forwards
+            # first); a layer called twice in one forward is held until finish_grad_sync frees it
+            unit.holds += 1
+
+    def _after_backward(self, bucket: Bucket) -> None:
+        unit = self.units[bucket.index]
+        unit.holds = max(0, unit.holds - 1)
+        if unit.holds == 0 and not self.keep_params_for_step:
+            self._free(bucket)
+
+    def finish_grad_sync(self) -> None:
+        super().finish_grad_sync()
+        for bucket in self.buckets:  # the step is over: nothing stays gathered unless pinned
+            self._free(bucket)
+
+    def all_gather_params(self) -> None:
+        """After the update only the shards are new: refill the units kept whole (pinned)."""
+        kept = [(b, u) for b, u in zip(self.buckets, self.units) if u.state != FREE]
+        for bucket, unit in kept:
+            self._wait(unit)
+            self._fill(bucket, "refresh")
+        for _, unit in kept:
+            self._wait(unit)
+
+    def pin(self) -> None:
+        with traffic.excluded():  # a save or an export, between steps: not a step's traffic
+            for bucket in self.buckets:
+                self.gather(bucket, wait=False, why="pin")
+            for bucket in self.buckets:
+                self.gather(bucket)
+        self.pinned = True
+
+    def unpin(self) -> None:
+        self.pinned = False
+        for bucket in self.buckets:
+            self._free(bucket)
+
+    def park(self) -> None:
+        """Outside training (no autograd graph holds them), make the parameters of free units empty
+        tensors: reading one then fails loudly instead of touching freed memory. The next gather
+        gives them back their views (shapes included)."""
+        for bucket, unit in zip(self.buckets, self.units):
+            if unit.state == FREE and not unit.parked:
+                for p in bucket.params:
+                    p.data = unit.whole.new_empty(0)
+                unit.parked = True
+
+    def _unpark(self, bucket: Bucket) -> None:
+        unit = self.units[bucket.index]
+        if unit.parked:
+            for p in bucket.params:
+                lo = self.offset[id(p)] - bucket.start
+                p.data = unit.whole[lo:lo + self.numel_of[id(p)]].view(self._shapes[id(p)])
+            unit.parked = False
+
+    def unit_storage_keys(self) -> list[int]:
+        """The storage key of every unit (see `units_gathered_in_turn`). Parked parameters get their
+        views (shapes) back first: a view needs its storage, so each parked unit is gathered and
+        freed in turn (collective, like every gather)."""
+        for bucket, unit in zip(self.buckets, self.units):
+            if unit.parked:
+                with traffic.excluded():  # checkpoint saves: not a step's traffic
+                    self.gather(bucket, why="unpark")
+                self._free(bucket)
+        return [unit.whole.untyped_storage()._cdata for unit in self.units]
+
+    @contextmanager
+    def non_layer_units_gathered(self):
+        """The chunk's units other than its layers (embeddings, final norm, output layer) gathered
+        inside the block: what every forward holds anyway. A save cuts the vocabulary padding off
+        these, and a cut view needs its storage."""
+        held = [b for b in self.buckets if b.index not in self.layer_unit_indices and self.units[b.index].state == FREE]
+        with traffic.excluded():
+            for bucket in held:
+                self.gather(bucket, why="save")
+        try:
+            yield
+        finally:
+            for bucket in held:
+                self._free(bucket)
+
+    def units_gathered_in_turn(self):
+        """Each unit gathered in turn (and freed again after, if it was free): yields the key of its
+        storage (`untyped_storage()._cdata`, shared by every view of it). A save copies each
+        parameter while its unit is whole, holding one unit at a time. Collective over DP."""
+        for bucket, unit in zip(self.buckets, self.units):
+            was_free = unit.state == FREE
+            with traffic.excluded():
+                self.gather(bucket, why="save")
+            yield unit.whole.untyped_storage()._cdata
+            if was_free:
+                self._free(bucket)
+
+
+# -- stage 3's units and hooks ------------------------------------------------------------------
+def layer_units(chunk: nn.Module, params: list[torch.nn.Parameter], deferred) -> list[list[int]]:
+    """ZeRO-3 units of a chunk, as indices into `params`: each of `chunk.layers` (last first, as
+    backward meets them), then the rest, then each deferred (tied across stages) parameter alone."""
+    index = {id(p): k for k, p in enumerate(params)}
+    if not hasattr(chunk, "layers"):
+        raise ValueError(f"ZeRO-3 gathers a chunk's parameters layer by layer, but {type(chunk).__name__} has no "
+                         "`layers` (a ModuleList of its transformer layers): give it one, or use --zero-stage 2")
+    units, in_layers = [], set()
+    for layer in reversed(list(chunk.layers)):
+        members = [index[id(p)] for p in reversed(list(layer.parameters())) if id(p) in index]
+        in_layers.update(members)
+        if members:
+            units.append(members)
+    rest = [k for k in reversed(range(len(params))) if k not in in_layers and not deferred(params[k])]
+    if rest:
+        units.append(rest)
+    units += [[k] for k in range(len(params)) if k not in in_layers and deferred(params[k])]
+    return units
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def _in_backward() -> bool:
+    """True inside autograd's backward (a recomputation, a tensor hook). A private torch call, pinned
+    by tests/test_zero.py::test_in_backward_tells_forward_from_backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _UnitHooks:
+    """Module hooks that gather a chunk's units on use (see the module docstring)."""
+
+    def __init__(self, buffer: ShardedParamBuffer, chunk: nn.Module):
+        self.buffer, self.chunk = buffer, chunk
+        layers = list(getattr(chunk, "layers", []))
+        first_of = {id(p): buffer.bucket_of[id(p)] for p in buffer.params}
+        self.layer_units = []
+        for layer in layers:
+            units = {first_of[id(p)].index: first_of[id(p)] for p in layer.parameters() if id(p) in first_of}
+            self.layer_units.append(list(units.values()))
+        in_layers = {b.index for units in self.layer_units for b in units}
+        buffer.layer_unit_indices |= in_layers
+        self.chunk_units = [b for b in buffer.buckets if b.index not in in_layers]
+        chunk.register_forward_pre_hook(self._chunk_pre)
+        chunk.register_forward_hook(self._chunk_post)
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(partial(self._layer_pre, i))
+            layer.register_forward_hook(partial(self._layer_post, i))
+
+    def _gather(self, units, wait=True, why="forward"):
+        for b in units:
+            self.buffer.gather(b, wait=wait, why=why)
+
+    def _prefetch_layer(self, i: int, why: str) -> None:
+        if 0 <= i < len(self.layer_units):
+            self._gather(self.layer_units[i], wait=False, why=f"prefetch {why}")
+
+    def _on_backward_of(self, units, previous_layer: int):
+        def hook(grad):
+            self._gather(units, why="backward")
+            self._prefetch_layer(previous_layer, "backward")
+            return grad
+        return hook
+
+    def _chunk_pre(self, module, args):
+        if _in_backward():
+            return
+        self._gather(self.chunk_units)
+        self._prefetch_layer(0, "forward")
+
+    def _chunk_post(self, module, args, out):
+        if _in_backward():
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._on_backward_of(self.chunk_units, len(self.layer_units) - 1))
+        for b in self.chunk_units:
+            self.buffer.after_forward(b, module.training)
+
+    def _layer_pre(self, i, module, args):
+        self._gather(self.layer_units[i], why="recompute" if _in_backward() else "forward")
+        if not _in_backward():
+            self._prefetch_layer(i + 1, "forward")
+
+    def _layer_post(self, i, module, args, out):
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._on_backward_of(self.layer_units[i], i - 1))
+        if not _in_backward():  # a recomputation inside backward keeps its unit for that backward
+            for b in self.layer_units[i]:
+                self.buffer.after_forward(b, module.training)
+
+
+def attach_unit_hooks(chunk: nn.Module, buffer: ShardedParamBuffer) -> None:
+    """Gather `chunk`'s ZeRO-3 units as its forward and backward use them."""
+    _UnitHooks(buffer, chunk)

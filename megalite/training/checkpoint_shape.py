@@ -1,0 +1,75 @@
+"""`--load` without shape flags: the model's shape comes from the checkpoint (Megatron-LM's
+--use-checkpoint-args is the explicit form). A shape flag that disagrees is named in one line; the
+layout, intervals and paths just change. The checkpoint's configuration, where it holds one, also
+gives the preset and the sequence length."""
+from __future__ import annotations
+
+import dataclasses
+
+from megalite import checkpoint
+from megalite.config import RunConfig, model_config
+from megalite.config.fields import section_fields, spec_of
+from megalite.config.run import flag_name
+from megalite.errors import UsageError
+from megalite.models.config import TransformerConfig
+from megalite.runtime import say
+
+_ROPE = ("rotary_base", "rotary_percent")
+_ROPE_SCALING = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_original_max_position_embeddings")
+
+
+def shape_fields(model: TransformerConfig) -> dict:
+    """The model section's shape fields that build `model` (the inverse of config.rules' overrides)."""
+    out = dict(num_layers=model.num_layers, hidden_size=model.hidden_size,
+               num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+               vocab_size=model.vocab_size, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+               max_position_embeddings=model.max_position_embeddings, normalization=model.normalization,
+               position_embedding_type=model.position_embedding_type, num_query_groups=model.num_query_groups,
+               group_query_attention=model.num_query_groups is not None, norm_epsilon=model.layernorm_epsilon,
+               swiglu=model.gated_linear_unit, disable_bias_linear=not model.add_bias_linear,
+               add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
+               untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights)
+    if model.position_embedding_type == "rope":
+        out.update({k: getattr(model, k) for k in _ROPE})
+        if model.rope_scaling_factor is not None:
+            out.update({k: getattr(model, k) for k in _ROPE_SCALING})
+    return out
+
+
+def _shape_flags_given(cfg: RunConfig) -> list[str]:
+    return [f.name for f in section_fields(cfg.model) if not spec_of(f).resume and cfg.given(f.name)]
+
+
+def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the model section of the checkpoint `--load` names, when no shape flag is given (or
+    with --use-checkpoint-args); unchanged when there is no checkpoint (yet) or flags give the shape."""
+    c = cfg.checkpoint
+    if not c.load or not checkpoint.CheckpointReader.exists(c.load):
+        return cfg
+    given = _shape_flags_given(cfg)
+    if given and not c.use_checkpoint_args:
+        return cfg  # the flags' model, checked against the checkpoint's when it loads
+    reader = checkpoint.CheckpointReader(c.load)
+    saved = reader.metadata.get("run_config", {}).get("model", {})
+    fields = shape_fields(reader.config)
+    for name in given:
+        if getattr(cfg.model, name) != fields.get(name, getattr(cfg.model, name)):
+            raise UsageError(f"{flag_name(name)} {getattr(cfg.model, name)}: the checkpoint {reader.path} holds "
+                             f"{fields[name]}; drop the flag to train the checkpoint's model, or --load another")
+    changes = dict(fields)
+    if not cfg.given("model") and saved.get("model"):
+        changes["model"] = saved["model"]
+    if not cfg.given("seq_length"):
+        changes["seq_length"] = saved.get("seq_length", reader.config.max_position_embeddings)
+    adopted = cfg.replace("model", **changes)
+    built = model_config(adopted)
+    differs = [k for k in checkpoint.SHAPE_FIELDS + checkpoint.LLAMA_SHAPE_FIELDS
+               if getattr(built, k) != getattr(reader.config, k)]
+    if differs:
+        raise UsageError(f"the model of {reader.path} cannot be described by megalite's flags ({', '.join(differs)} "
+                         f"differ from its preset): give the model flags (--model and the shape) explicitly")
+    say(f"megalite: model from {reader.path}: {built.num_layers} layers, hidden {built.hidden_size}, "
+        f"{built.num_attention_heads} heads, vocabulary {built.vocab_size}, {built.max_position_embeddings} positions "
+        f"(no shape flag given; --use-checkpoint-args is the explicit form)")
+    return dataclasses.replace(adopted, explicit=cfg.explicit)
