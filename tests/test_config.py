@@ -66,7 +66,8 @@ def test_documented_commands_and_each_old_flag_resolve_as_before(rec):
         want = rec["args"].get(key, old)
         assert flat[key] == want, f"{key}: {flat[key]!r} now, {want!r} before"
     got = {k: str(v) if k == "params_dtype" else v for k, v in dataclasses.asdict(model).items()}
-    assert got == {**base["model"], **rec["model"]}
+    added = {f.name: f.default for f in dataclasses.fields(model) if f.name not in base["model"]}  # since then
+    assert got == {**base["model"], **rec["model"], **added}
 
 
 def test_the_comparison_covers_every_old_flag_and_every_documented_command():
@@ -197,8 +198,9 @@ def test_max_position_embeddings_is_kept_and_bounds_the_sequence():
         C.model_config(parse(["--max-position-embeddings", "256", "--seq-length", "512"]))
 
 
-def test_init_method_std_reaches_the_model():
+def test_init_method_std_and_zero_centred_norms_reach_the_model():
     assert C.model_config(parse(["--init-method-std", "0.006"])).init_method_std == 0.006
+    assert C.model_config(parse(["--apply-layernorm-1p"])).layernorm_zero_centered_gamma
 
 
 def _lrs(cfg):

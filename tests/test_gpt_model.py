@@ -100,3 +100,30 @@ def test_rank_order_tensor_fastest_then_data_then_pipeline():
         assert g["dp"] == [pp_rank * 4 + d * 2 + tp_rank for d in range(2)]
         assert g["pp"] == [p * 4 + dp_rank * 2 + tp_rank for p in range(2)]
         assert (g["first"], g["last"]) == (pp_rank == 0, pp_rank == 1)
+
+
+def zero_centred_records(rank, world, seed, normalization):
+    """The same model with plain and zero-centred (1 + w) norm weights, at this TP size."""
+    parallel.initialize_model_parallel(world)
+    out = []
+    for centred in (False, True):
+        parallel.model_parallel_manual_seed(seed)
+        config = tiny_config(normalization=normalization, qk_layernorm=True, layernorm_zero_centered_gamma=centred)
+        out.append(gpt_forward_backward_record(GPTModel(config, seed=seed), world, seed, VOCAB))
+    return out
+
+
+@pytest.mark.parametrize("normalization", ["layernorm", "rmsnorm"])
+def test_zero_centred_norm_weights_compute_the_plain_model_at_every_tp(normalization):
+    """--apply-layernorm-1p: norm weights start at 0 and scale by 1 + w, so the model computes what
+    the plain one (weights 1) does, with the same gradients, at TP 1 and 2."""
+    seed = fresh_seed()
+    for world in (1, 2):
+        for plain, centred in run_ranks(zero_centred_records, world, args=(seed, normalization)):
+            norms = [n for n in plain["weights"] if "norm" in n and n.endswith("weight")]
+            assert len(norms) >= 5  # input, post-attention, q and k of each layer, final
+            for name, w in plain["weights"].items():
+                want = w - 1 if name in norms else w
+                assert torch.equal(centred["weights"][name], want), name
+            centred["weights"] = plain["weights"]  # compared above, as 1 + w
+            assert_same_model_run(centred, plain, f"zero-centred {normalization} at tp={world}")

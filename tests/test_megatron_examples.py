@@ -1,8 +1,9 @@
 """Megatron-LM's own example scripts, as their flags reach the entry point (read in the public
 repository: examples/gpt3/train_gpt3_175b_distributed.sh, examples/bert/train_bert_340m_distributed.sh,
 examples/llama/train_llama3_8b_h100_fp8.sh; paths replaced), checked with --print-config at their
-layouts' world sizes. What megalite does not do yet is listed per script, and each such flag or
-setting must be refused in one line saying why; everything else must pass."""
+layouts' world sizes. What megalite does not do is listed per script (FP8, which needs FP8 tensor
+cores; batch-size ramp-up), and each such flag must be refused in one line saying why; everything
+else must pass."""
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ SCRIPTS = {
     "gpt3_175b": ("pretrain_gpt.py", 8 * 16, GPT3_175B, {"--rampup-batch-size": 3}),
     "bert_340m": ("pretrain_bert.py", 8 * 16, BERT_340M, {}),
     "llama3_8b_fp8": ("pretrain_gpt.py", 8, LLAMA3_8B_FP8,
-                      {"--apply-layernorm-1p": 0, "--fp8-format": 1,
+                      {"--fp8-format": 1,
                        "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0}),
 }
 
@@ -108,6 +109,7 @@ def test_the_llama_example_resolves_to_megatrons_numbers(tmp_path):
     assert (model.head_dim, model.ffn_hidden_size, model.num_query_groups, model.rotary_base) == (128, 14336, 8, 1e6)
     assert cfg.data_parallel.grad_reduce_dtype == "bf16" and cfg.data_parallel.zero_stage == 1
     assert (cfg.optimizer.decoupled_lr, cfg.optimizer.decoupled_min_lr) == (5.0e-4, 4.5e-5)
+    assert model.layernorm_zero_centered_gamma and model.normalization == "layernorm"
     assert not cfg.parallel.sequence_parallel and "--sequence-parallel (with --tp 1)" in cfg.ignored_flags
     assert {"--use-mcore-models", "--manual-gc", "--profile", "--ckpt-format"} <= set(cfg.ignored_flags)
 

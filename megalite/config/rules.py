@@ -101,7 +101,8 @@ def _model_overrides(m) -> dict:
     switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),
                 "disable_bias_linear": dict(add_bias_linear=False),
                 "add_qkv_bias": dict(add_qkv_bias=True), "qk_layernorm": dict(qk_layernorm=True),
-                "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True)}
+                "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
+                "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True)}
     for name, fields in switches.items():
         if getattr(m, name):
             out.update(fields)

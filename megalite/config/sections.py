@@ -123,6 +123,7 @@ class ModelConfig:
     qk_layernorm: bool = opt(False, "normalize every query and key head", shape=True)
     untie_embeddings_and_output_weights: bool = opt(False, "an output layer of its own instead of the word "
                                                            "embedding", shape=True)
+    apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)
     norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
                                      flags=("--norm-epsilon", "--layernorm-epsilon"), check=POSITIVE, shape=True)
 

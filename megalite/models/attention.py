@@ -128,7 +128,8 @@ class ParallelAttention(nn.Module):
         """A norm over head_dim, whole on every rank; each rank sees its own heads only, so its
         gradient is partial over TP and `finalize_grads` sums it there."""
         c = self.config
-        norm = NORMS[c.normalization](c.head_dim, c.layernorm_epsilon, False, c.params_dtype, device, c.norm_backend)
+        norm = NORMS[c.normalization](c.head_dim, c.layernorm_epsilon, False, c.params_dtype, device, c.norm_backend,
+                                      c.layernorm_zero_centered_gamma)
         for p in norm.parameters():
             p.partial_over_tp = True
         return norm

@@ -20,6 +20,9 @@ class TransformerConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
+    # Norm weights stored zero-centred, applied as 1 + w (Megatron-LM's --apply-layernorm-1p): the same
+    # function at initialization, the weights small numbers whatever their precision.
+    layernorm_zero_centered_gamma: bool = False
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this times TP
     sequence_parallel: bool = False

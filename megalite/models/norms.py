@@ -14,33 +14,41 @@ from megalite.models.config import TransformerConfig
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (weight and bias) on megalite's kernel unless `backend` is "torch"."""
+    """nn.LayerNorm (weight and bias) on megalite's kernel unless `backend` is "torch". Zero-centred:
+    the weight starts at 0 and scales by 1 + weight."""
 
-    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto"):
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto",
+                 zero_centered: bool = False):
         super().__init__(size, eps=eps, dtype=dtype, device=device)
-        self.backend = backend
+        self.backend, self.zero_centered = backend, zero_centered
+        if zero_centered:
+            nn.init.zeros_(self.weight)
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.backend == "torch":
-            return super().forward(x)
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+            return nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        return ops.layer_norm(x, weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension, fp32 statistics (megalite.ops)."""
 
-    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto"):
+    def __init__(self, size: int, eps: float, sequence_parallel: bool, dtype, device, backend: str = "auto",
+                 zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
-        self.eps, self.backend = eps, backend
+        start = torch.zeros if zero_centered else torch.ones  # zero-centred: scales by 1 + weight
+        self.weight = nn.Parameter(start(size, dtype=dtype, device=device))
+        self.eps, self.backend, self.zero_centered = eps, backend, zero_centered
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.backend == "torch":
-            return ops.reference.rms_norm(x, self.weight, self.eps)
-        return ops.rms_norm(x, self.weight, self.eps)
+            return ops.reference.rms_norm(x, weight, self.eps)
+        return ops.rms_norm(x, weight, self.eps)
 
 
 NORMS: dict[str, type[nn.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
@@ -49,4 +57,5 @@ NORMS: dict[str, type[nn.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 def norm_layer(config: TransformerConfig, device=None) -> nn.Module:
     """The config's normalization over the hidden size, on its backend."""
     return NORMS[config.normalization](config.hidden_size, config.layernorm_epsilon, config.sequence_parallel,
-                                       config.params_dtype, device, config.norm_backend)
+                                       config.params_dtype, device, config.norm_backend,
+                                       config.layernorm_zero_centered_gamma)

@@ -29,7 +29,8 @@ def shape_fields(model: TransformerConfig) -> dict:
                group_query_attention=model.num_query_groups is not None, norm_epsilon=model.layernorm_epsilon,
                swiglu=model.gated_linear_unit, disable_bias_linear=not model.add_bias_linear,
                add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
-               untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights)
+               untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+               apply_layernorm_1p=model.layernorm_zero_centered_gamma)
     if model.position_embedding_type == "rope":
         out.update({k: getattr(model, k) for k in _ROPE})
         if model.rope_scaling_factor is not None:

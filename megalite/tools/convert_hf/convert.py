@@ -90,6 +90,9 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     Qwen3ForCausalLM with qk norms, Qwen2ForCausalLM with q/k/v biases alone, else
     LlamaForCausalLM. Tensors are copied in their dtype."""
     kind = kind or model_kind(state_dict)
+    if config.layernorm_zero_centered_gamma:
+        raise ConversionError("the model keeps its norm weights zero-centred (--apply-layernorm-1p); Hugging Face "
+                              "models hold them whole: export is not implemented for it")
     if kind not in ("gpt", "bert"):
         raise ConversionError(f"model kind must be 'gpt' or 'bert', got {kind!r}")
     exports = EXPORTS[kind]
