@@ -2,7 +2,7 @@
 repository: examples/gpt3/train_gpt3_175b_distributed.sh, examples/bert/train_bert_340m_distributed.sh,
 examples/llama/train_llama3_8b_h100_fp8.sh; paths replaced), checked with --print-config at their
 layouts' world sizes. What megalite does not do is listed per script (FP8, which needs FP8 tensor
-cores; batch-size ramp-up), and each such flag must be refused in one line saying why; everything
+cores and Transformer Engine), and each such flag must be refused in one line saying why; everything
 else must pass."""
 import subprocess
 import sys
@@ -55,7 +55,7 @@ LLAMA3_8B_FP8 = _words("""
 
 # script -> (entry point, world size of its layout, what megalite refuses today: flag -> values it takes)
 SCRIPTS = {
-    "gpt3_175b": ("pretrain_gpt.py", 8 * 16, GPT3_175B, {"--rampup-batch-size": 3}),
+    "gpt3_175b": ("pretrain_gpt.py", 8 * 16, GPT3_175B, {}),
     "bert_340m": ("pretrain_bert.py", 8 * 16, BERT_340M, {}),
     "llama3_8b_fp8": ("pretrain_gpt.py", 8, LLAMA3_8B_FP8,
                       {"--fp8-format": 1,
@@ -159,7 +159,7 @@ def _tokenizer_files_and_data(root: Path) -> dict:
         "DATA/bert_text_sentence": str(root / "bert_text_sentence")}
 
 
-TINY = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "64",
+TINY = {"--rampup-batch-size": "2", "--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "64",
         "--max-position-embeddings": "64", "--micro-batch-size": "2", "--global-batch-size": "8", "--train-iters": "3",
         "--lr-decay-iters": "3", "--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
         "--log-interval": "1", "--eval-iters": "1"}
@@ -175,9 +175,14 @@ def test_the_examples_scaled_down_train_on_data_their_tokenizer_flags_made(name,
     paths.update({"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb")})
     argv = _without(argv, refused)
     argv = [TINY[argv[i - 1]] if i and argv[i - 1] in TINY else paths.get(w, w) for i, w in enumerate(argv)]
+    if "--rampup-batch-size" in argv:  # 2 -> 8 samples a step by 2 over the first 16 samples
+        at = argv.index("--rampup-batch-size")
+        argv[at + 1:at + 4] = ["2", "2", "16"]
     metrics = tmp_path / "m.jsonl"
     run = torchrun(entry, 4, *argv, "--metrics-file", str(metrics), timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     recs = records(metrics)
     assert [r["iteration"] for r in recs] == [1, 2, 3] and all(r["skipped"] == 0 for r in recs)
+    if name == "gpt3_175b":  # the ramp: 2 samples a step, then 4 after int(6 / (16 / 3)) = 1 increment
+        assert [r["consumed_samples"] for r in recs] == [2, 4, 6]
     assert "saved checkpoint iteration 3" in run.stdout

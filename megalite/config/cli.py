@@ -112,7 +112,8 @@ def _add_field(group, section: str, f: dataclasses.Field, hint) -> None:
     elif kind is bool:
         kw.update(nargs="?", const=True, type=_on_off, metavar="{true,false}")
     elif typing.get_origin(kind) is list:
-        many = {"type": _int_list} if typing.get_args(kind)[0] is int else {"nargs": "+"}  # "3,5" or words
+        many = ({"type": int, "nargs": spec.nargs} if spec.nargs else
+                {"type": _int_list} if typing.get_args(kind)[0] is int else {"nargs": "+"})  # N words, "3,5", words
         kw.update(many, metavar=spec.metavar)
     else:
         if f.name == "normalization":  # Megatron-LM spells them LayerNorm / RMSNorm

@@ -30,16 +30,17 @@ class Spec:
     sets: tuple[tuple[str, Any], ...] = ()
     switch: bool = False  # a bool given as a bare flag (store_true); else --flag {true,false}
     resume: bool = True  # may change when a run resumes (layout, intervals, paths); False: the model's shape
+    nargs: int | None = None  # a list given as N words (--flag 1 2 3) rather than "1,2,3"
 
 
 def opt(default, help: str, *, flags: tuple[str, ...] = (), choices=None, check=None, metavar=None,
-        sets: dict | None = None, switch: bool | None = None, shape: bool = False):
+        sets: dict | None = None, switch: bool | None = None, shape: bool = False, nargs: int | None = None):
     """A section field. `flags` defaults to --field-name; `switch` (bools) to True when the default
     is False; `shape`: part of the model's shape (a checkpoint's value is kept on --load)."""
     if switch is None:
         switch = default is False
     spec = Spec(help, tuple(flags), tuple(choices) if choices else None, check, metavar,
-                tuple((sets or {}).items()), switch, not shape)
+                tuple((sets or {}).items()), switch, not shape, nargs)
     factory = {"default_factory": (lambda: list(default))} if isinstance(default, list) else {"default": default}
     return dataclasses.field(metadata={"spec": spec}, **factory)
 

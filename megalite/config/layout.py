@@ -39,6 +39,16 @@ def _check_batches(config: RunConfig, dp: int) -> None:
     if t.global_batch_size % per_step:
         raise UsageError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                          f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}: use a multiple of {per_step}")
+    if t.rampup_batch_size is not None:
+        start, increment, _ = t.rampup_batch_size
+        if start % per_step or increment % per_step:
+            raise UsageError(f"--rampup-batch-size {start} {increment}: every batch of the ramp must be a multiple of "
+                             f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {per_step}")
+        if p.vpp and p.vpp > 1 and (start // per_step % p.pp or increment // per_step % p.pp):
+            raise UsageError(f"--rampup-batch-size with the interleaved schedule (--vpp {p.vpp}): every batch of the "
+                             f"ramp must hold a multiple of --pp ({p.pp}) micro-batches")
+        if config.local_sgd.local_sgd_interval:
+            raise UsageError("--rampup-batch-size with --local-sgd-interval is not supported: drop one")
     micro_batches = t.global_batch_size // per_step
     if p.vpp and p.vpp > 1 and micro_batches % p.pp:
         raise UsageError(

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from megalite.config.run import ConfigError, RunConfig
+from megalite.config.sections import steps_for_samples
 from megalite.errors import UsageError
 from megalite.models.config import PRESETS, TransformerConfig, preset
 
@@ -32,7 +33,9 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if t.train_iters is not None and t.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples both give the run's length: keep one")
     if t.train_iters is None:
-        iters = t.train_samples // t.global_batch_size if t.train_samples is not None else DEFAULT_TRAIN_ITERS
+        ramp = t.rampup_batch_size if t.rampup_batch_size is not None and len(t.rampup_batch_size) == 3 else None
+        iters = (steps_for_samples(t.train_samples, t.global_batch_size, ramp) if t.train_samples is not None
+                 else DEFAULT_TRAIN_ITERS)
     else:
         iters = t.train_iters
     if t.train_samples is not None and iters < 1:

@@ -166,6 +166,10 @@ class TrainingConfig:
                                           "batch)", check=POSITIVE_INT)
     micro_batch_size: int = opt(2, "samples per forward/backward on one rank", check=POSITIVE_INT)
     global_batch_size: int = opt(16, "samples per optimizer step over all ranks", check=POSITIVE_INT)
+    rampup_batch_size: list[int] | None = opt(
+        None, "Megatron-LM's batch ramp-up: start at START samples a step, add INCREMENT every SAMPLES / ((global - "
+              "START) / INCREMENT) samples, reach --global-batch-size after SAMPLES", nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"))
     seed: int = opt(1234, "seed of the weights, dropout and data order", check=_SEED)
     eval_interval: int = opt(100, "validate every N iterations (0: never)", check=NON_NEGATIVE)
     eval_iters: int = opt(4, "global batches per validation", check=NON_NEGATIVE)
@@ -181,6 +185,39 @@ class TrainingConfig:
 
     def check(self) -> None:
         check_numbers(self)
+        if self.rampup_batch_size is not None:
+            if len(self.rampup_batch_size) != 3:
+                raise ValueError(f"--rampup-batch-size takes START INCREMENT SAMPLES, got {self.rampup_batch_size}")
+            start, increment, samples = self.rampup_batch_size
+            if start < 1 or increment < 1 or samples < 0 or start > self.global_batch_size:
+                raise ValueError(f"--rampup-batch-size {start} {increment} {samples}: START and INCREMENT must be "
+                                 f">= 1, SAMPLES >= 0 and START at most --global-batch-size {self.global_batch_size}")
+            if (self.global_batch_size - start) % increment:
+                raise ValueError(f"--rampup-batch-size: --global-batch-size {self.global_batch_size} - START {start} "
+                                 f"is not a multiple of INCREMENT {increment}")
+
+
+def global_batch_at(consumed: int, global_batch_size: int, rampup: list[int] | None) -> int:
+    """The global batch of the step that starts after `consumed` samples (Megatron-LM's ramp-up: the
+    final size past SAMPLES, else START + INCREMENT x whole steps of SAMPLES / increments)."""
+    if rampup is None:
+        return global_batch_size
+    start, increment, samples = rampup
+    increments = (global_batch_size - start) // increment
+    if increments == 0 or consumed > samples:
+        return global_batch_size
+    return start + int(consumed / (samples / increments)) * increment
+
+
+def steps_for_samples(samples: int, global_batch_size: int, rampup: list[int] | None) -> int:
+    """Optimizer steps that train on `samples` samples (Megatron-LM's count: the ramp-up's steps one
+    by one, then whole final batches; a last partial batch is dropped)."""
+    consumed = steps = 0
+    if rampup is not None:
+        while consumed <= rampup[2] and consumed <= samples:
+            consumed += global_batch_at(consumed, global_batch_size, rampup)
+            steps += 1
+    return steps + max(0, samples - consumed) // global_batch_size
 
 
 _LR_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")

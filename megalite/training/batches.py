@@ -18,12 +18,15 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def micro_batches(data, step: int, cfg, dp: int, dp_rank: int, device, consumed: int | None = None) -> list[dict]:
+def micro_batches(data, step: int, cfg, dp: int, dp_rank: int, device, consumed: int | None = None,
+                  global_batch: int | None = None) -> list[dict]:
     """This DP rank's contiguous slice of global batch `step` (the one starting at sample
-    `consumed`, default step * global batch), cut into micro-batches; with context parallelism,
-    this CP rank's share of every sequence."""
-    per_rank = cfg.training.global_batch_size // dp
-    first = (step * cfg.training.global_batch_size if consumed is None else consumed) + dp_rank * per_rank
+    `consumed`, default step * global batch; `global_batch` samples, default the configured size, smaller
+    during a ramp-up), cut into micro-batches; with context parallelism, this CP rank's share of every
+    sequence."""
+    global_batch = global_batch or cfg.training.global_batch_size
+    per_rank = global_batch // dp
+    first = (step * global_batch if consumed is None else consumed) + dp_rank * per_rank
     cp = cfg.parallel.cp
     out = []
     for start in range(first, first + per_rank, cfg.training.micro_batch_size):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megalite import ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.config.sections import global_batch_at
 from megalite.pipeline.schedules import build_program
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
 from megalite.training.batches import global_normalizer, loss_terms, micro_batches
@@ -92,23 +93,28 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     replica_group = parallel.get_context_parallel_group() if cfg.parallel.cp > 1 else None
 
     dist.barrier()
-    progress.start()
+    progress.start(start.consumed_samples)
     for c in chunks:
         c.train()
     consumed, stop_reason = start.consumed_samples, None
     for iteration in range(start.iteration + 1, cfg.training.train_iters + 1):  # 1-based: the iteration being run
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
         set_phase(f"iteration {iteration}: the forward/backward schedule (pipeline send/recv)")
-        batches = micro_batches(data, iteration - 1, cfg, dp, dp_rank, device, consumed)
+        global_batch = global_batch_at(consumed, cfg.training.global_batch_size, cfg.training.rampup_batch_size)
+        if cfg.training.rampup_batch_size is not None:
+            step.use_micro_batches(global_batch // (cfg.training.micro_batch_size * dp))
+        batches = micro_batches(data, iteration - 1, cfg, dp, dp_rank, device, consumed, global_batch)
         if local_sgd is None:
-            num_tokens = logged_tokens = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
+            num_tokens = logged_tokens = global_normalizer(batches, global_batch, dp_group)
         else:  # the log line's loss: the mean over replicas of each replica's mean
             num_tokens = global_normalizer(batches, cfg.training.global_batch_size // dp, replica_group)
             logged_tokens = num_tokens * dp
-        loss_scale, lr = optimizer.loss_scaler.scale, schedule(iteration - 1)
-        embedding_lr = embedding_schedule(iteration - 1) if embedding_schedule is not None else None
+        # The schedule runs on steps; during a ramp-up on samples seen, in final batches (Megatron-LM's).
+        at = iteration - 1 if cfg.training.rampup_batch_size is None else consumed / cfg.training.global_batch_size
+        loss_scale, lr = optimizer.loss_scaler.scale, schedule(at)
+        embedding_lr = embedding_schedule(at) if embedding_schedule is not None else None
         result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}", embedding_lr)
-        consumed += cfg.training.global_batch_size
+        consumed += global_batch
         try:
             progress.after_step(iteration, result, optimizer, loss_scale, lr, consumed,
                                 loss_terms(task, batches, device), logged_tokens, record_spans)

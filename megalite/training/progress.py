@@ -44,10 +44,14 @@ class Progress:
         self.peak = cfg.logging.peak_tflops or default_peak_tflops(dtype, tf32=not cfg.precision.no_tf32)
         self.bubble_theory = theoretical_bubble(pp, micro_batches, cfg.parallel.vpp)
         self.records: list[dict] = []
+        self.window_samples = self.window_steps = 0  # a ramp-up's steps are smaller: throughput from samples
+        self.last_consumed = 0
 
-    def start(self) -> None:
+    def start(self, consumed: int = 0) -> None:
         """Right after a barrier: every rank's timeline clock starts together; the traffic of the
-        setup (initial broadcasts, a checkpoint load) is not the first step's."""
+        setup (initial broadcasts, a checkpoint load) is not the first step's. `consumed`: the samples
+        the run starts after."""
+        self.last_consumed = consumed
         self.timeline.start()
         traffic.take()
 
@@ -61,6 +65,9 @@ class Progress:
         cfg = self.cfg
         self.logger.step()
         self.skips.add(result.found_inf, optimizer.last_skipped)
+        self.window_samples += consumed - self.last_consumed
+        self.window_steps += 1
+        self.last_consumed = consumed
         if optimizer.last_skipped:
             self.logger.say(f"megalite: iteration {iteration}: inf/NaN gradients, step skipped "
                             f"(loss scale {loss_scale:g} -> {optimizer.loss_scaler.scale:g})")
@@ -99,7 +106,11 @@ class Progress:
              comm_bytes: dict[str, int]) -> None:
         cfg = self.cfg
         elapsed, bubble_measured = figures.pop("seconds_per_iter"), figures.pop("bubble")
-        tflops = self.flops / elapsed / self.world_size / 1e12
+        samples_per_iter = self.window_samples / self.window_steps
+        self.window_samples = self.window_steps = 0
+        # FLOPs grow with the batch: a ramp-up's smaller steps count their own samples (else 1.0 exactly)
+        flops = self.flops * (samples_per_iter / cfg.training.global_batch_size)
+        tflops = flops / elapsed / self.world_size / 1e12
         record = {
             "iteration": iteration,
             "train_iters": cfg.training.train_iters,
@@ -110,7 +121,7 @@ class Progress:
             "loss_scale": optimizer.loss_scaler.scale,
             "skipped": skipped,
             "ms_per_iter": elapsed * 1e3,
-            "tokens_per_sec": cfg.training.global_batch_size * cfg.model.seq_length / elapsed,
+            "tokens_per_sec": samples_per_iter * cfg.model.seq_length / elapsed,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "optimizer_state_mib": optimizer.state_bytes() / 2 ** 20,

@@ -40,9 +40,20 @@ class TrainStep:
     overlap_grad_reduce: bool = True  # False: every bucket reduced after the last backward
     local_sgd: LocalSGD | None = None  # --local-sgd-interval: the outer loop, after each inner step
     params: list[torch.nn.Parameter] = field(init=False)
+    programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
 
     def __post_init__(self):
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
+        self.programs = {self.micro_batches: self.program}
+
+    def use_micro_batches(self, m: int) -> None:
+        """Run the next steps with `m` micro-batches (the batch ramp-up): the same schedule, built once
+        for each count."""
+        if m not in self.programs:
+            vpp = len(self.chunks) if len(self.chunks) > 1 else None
+            self.programs[m] = build_program(parallel.get_pipeline_model_parallel_world_size(),
+                                             parallel.get_pipeline_model_parallel_rank(), m, vpp)
+        self.program = self.programs[m]
 
     @classmethod
     def for_run(cls, cfg, hidden_size: int, chunks, forward_step, buffers, optimizer,
