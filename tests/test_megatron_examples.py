@@ -90,10 +90,11 @@ def test_a_megatron_example_is_refused_only_for_what_megalite_cannot_do(name, tm
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and next(iter(refused)) in lines[0], run.stderr
     run = _print_config(entry, world, _without(argv, refused), tmp_path)
-    if name == "bert_340m":  # 24 layers on 16 stages: Megatron-LM refuses this layout too
+    if name == "bert_340m":  # 24 layers on 16 stages: Megatron-LM refuses this layout too; the line names the fix
         assert run.returncode == 2
         assert "the number of layers (24) is not divisible by --pp (16)" in run.stderr
-        run = _print_config(entry, world // 2, argv + ["--pipeline-model-parallel-size", "8"], tmp_path)
+        assert "--pipeline-layers" in run.stderr
+        run = _print_config(entry, world, argv + ["--pipeline-layers", ",".join(["2"] * 8 + ["1"] * 8)], tmp_path)
     assert run.returncode == 0, run.stderr
     assert "[parallel]" in run.stdout
 
