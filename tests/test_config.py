@@ -169,7 +169,7 @@ def test_a_bad_command_line_is_one_line_with_the_closest_flag(capsys, argv, says
     (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "true"]),
     (["--exit-signal-handler"], []),
     (["--num-layers", "8", "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
-     ["--num-layers", "8", "--pp", "2", "--vpp", "2"]),
+     ["--num-layers", "8", "--pp", "2", "--vpp", "2", "--num-layers-per-virtual-pipeline-stage", "2"]),
     (["--use-mcore-models", "--transformer-impl", "local", "--use-flash-attn"], []),
 ], ids=["sizes", "recompute-activations", "granularity", "norm", "rope", "eps", "async-save", "overlap", "signal",
         "layers-per-virtual-stage", "no-ops"])
@@ -306,3 +306,30 @@ def test_runs_train_with_the_losses_recorded_before_the_typed_configuration(name
                     "--seq-length", "32", "--eval-interval", "0", *run["flags"], "--metrics-file", str(path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert rel_err(torch.tensor(losses(path)), torch.tensor(run["losses"])) <= 1e-5
+
+
+def test_a_printed_file_writes_derived_values_as_comments_so_flags_over_it_derive_them_again(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(C.to_toml(parse(["--zero-stage", "3", "--train-samples", "1600"])))
+    text = path.read_text()
+    assert "# lr_warmup_iters = 10  (derived)" in text and "# train_iters = 100  (derived)" in text
+    assert parse(["--config", str(path), "--zero-stage", "2"]).data_parallel.zero_reshard_after_forward is None
+    assert parse(["--config", str(path), "--lr-warmup-fraction", "0.1"]).optimizer.lr_warmup_iters is None
+    again = parse(["--config", str(path), "--global-batch-size", "32"])
+    assert again.training.train_iters == 50 and C.lr_schedule_lengths(again)[1] == 50.0
+    plain = tmp_path / "plain.toml"
+    plain.write_text(C.to_toml(parse([])))
+    assert parse(["--config", str(plain), "--use-distributed-optimizer"]).data_parallel.zero_stage == 1
+
+
+def test_an_explicit_zero_decoupled_floor_is_kept():
+    cfg = parse(["--lr", "1e-2", "--min-lr", "1e-3", "--decoupled-lr", "1e-4", "--decoupled-min-lr", "0"])
+    C.model_config(cfg)
+    assert cfg.optimizer.decoupled_min_lr == 0.0
+
+
+def test_print_config_refuses_a_world_size_that_is_not_one(tmp_path):
+    for world in ("abc", "0"):
+        run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--print-config"], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT, env={"WORLD_SIZE": world, "PATH": "/usr/bin:/bin"})
+        assert run.returncode == 2 and f"WORLD_SIZE={world}" in run.stderr and "Traceback" not in run.stderr

@@ -88,3 +88,14 @@ def test_the_imported_model_trains_and_its_configuration_travels(imported, tmp_p
     assert "resumed from" in again.stdout and "x 32 tokens" in again.stdout
     assert [r["iteration"] for r in records(tmp_path / "r.jsonl")] == [3]
     assert json.loads((tmp_path / "r.jsonl").read_text().splitlines()[0])["loss"] > 0
+
+
+def test_a_resumed_rope_model_may_take_longer_sequences_and_a_retuned_base(imported, tmp_path):
+    run = _print_config("--load", str(imported), "--mock-data", "--seq-length", "512", "--rotary-base", "20000",
+                        "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1")
+    assert run.returncode == 0, run.stderr
+    path = tmp_path / "run.toml"
+    path.write_text(run.stdout)
+    cfg = build_parser("x", "gpt-tiny").parse_args(["--config", str(path)])
+    # rotary positions are no weights: 512 tokens raise them; 2 layers on 2 stages are one a stage (no --vpp)
+    assert (cfg.model.max_position_embeddings, cfg.model.rotary_base, cfg.parallel.vpp) == (512, 20000.0, None)

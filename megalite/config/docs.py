@@ -20,9 +20,10 @@ from the same dataclasses.
 - **Files**: `--config FILE` reads a TOML file (YAML too, with PyYAML) of `[section]` tables with
   these field names; flags given with it override the file. Unknown sections or keys, wrong types
   and values outside the choices end the run in one line naming the key and the file.
-- **`--print-config`** prints the resolved configuration (every default and derived value filled
-  in) as a file `--config` reads again, after checking it for the world size torchrun gives
-  (`WORLD_SIZE`): no process group is started and no data is read.
+- **`--print-config`** prints the resolved configuration (every default filled in) as a file
+  `--config` reads again, after checking it for the world size torchrun gives (`WORLD_SIZE`): no
+  process group is started and no data is read. Values derived from other settings are written as
+  comments (`# lr_warmup_iters = 10  (derived)`), so a flag given over the file derives them anew.
 - **Resuming**: `--load` without shape flags takes the model's shape from the checkpoint (its
   `run_config`, or the model of one imported from Hugging Face); `--use-checkpoint-args` says so
   explicitly, and then a shape flag that disagrees is refused naming it. Layout, intervals and
@@ -39,7 +40,11 @@ Derived values: `--seq-length` defaults to `--max-position-embeddings`, else the
 positions; `--train-samples N` sets `--train-iters` to N // global batch and, with no decay length
 given, decays the learning rate over N samples; `--lr-warmup-fraction f` warms up for f x the decay
 length; `--num-layers-per-virtual-pipeline-stage L` sets `--vpp` to layers / (pp x L); `--zero-stage`
-defaults to 1 with `--use-distributed-optimizer`, else 0.
+defaults to 1 with `--use-distributed-optimizer`, else 0. `--rampup-batch-size START INCREMENT SAMPLES`
+grows the global batch as Megatron-LM does: START + INCREMENT x (samples seen / (SAMPLES / increments)),
+the full batch after SAMPLES; the learning rate then follows the samples seen, in full batches, and
+`--train-samples` counts the ramp's steps one by one (with `--train-iters`, which Megatron-LM refuses
+with a ramp, the run is that many steps).
 """
 
 

@@ -48,9 +48,11 @@ def _toml_value(value) -> str:
 
 
 def to_toml(config: RunConfig, header: str = "") -> str:
-    """The configuration as a TOML file that --config reads back to the same RunConfig."""
+    """The configuration as a TOML file that --config reads back to the same RunConfig. Values derived
+    from other settings are comments: a flag given with the file derives them again."""
     lines = [f"# {line}" for line in header.splitlines()]
     for name, values in config.to_dict().items():
         if values:
-            lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines += ["", f"[{name}]"] + [f"# {k} = {_toml_value(v)}  (derived)" if f"{name}.{k}" in config.derived
+                                          else f"{k} = {_toml_value(v)}" for k, v in values.items()]
     return "\n".join(lines).lstrip("\n") + "\n"

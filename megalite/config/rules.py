@@ -18,7 +18,10 @@ DEFAULT_TRAIN_ITERS, DEFAULT_WARMUP_ITERS = 100, 10
 
 def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), ignored=()) -> RunConfig:
     """The defaults that depend on other fields, filled in once here so nothing later changes the
-    configuration. Idempotent: resolving a resolved configuration changes nothing."""
+    configuration. Idempotent: resolving a resolved configuration changes nothing. The fields it fills
+    (not given) are recorded as `derived`: a printed configuration writes them as comments, so a flag
+    over the file derives them anew."""
+    given = frozenset(explicit) | config.explicit
     m, t, o, d, p = config.model, config.training, config.optimizer, config.data_parallel, config.parallel
     name = m.model or default_model
     if name not in PRESETS:
@@ -30,49 +33,61 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if d.use_distributed_optimizer and d.zero_stage == 0:  # before the two become one value
         raise ConfigError("--use-distributed-optimizer is ZeRO stage 1: drop --zero-stage 0, or the flag")
     stage = d.zero_stage if d.zero_stage is not None else int(d.use_distributed_optimizer)
-    if t.train_iters is not None and t.train_samples is not None:
+    if t.train_samples is not None and "training.train_iters" in given:
         raise ConfigError("--train-iters and --train-samples both give the run's length: keep one")
-    if t.train_iters is None:
+    if t.train_samples is not None:
         ramp = t.rampup_batch_size if t.rampup_batch_size is not None and len(t.rampup_batch_size) == 3 else None
-        iters = (steps_for_samples(t.train_samples, t.global_batch_size, ramp) if t.train_samples is not None
-                 else DEFAULT_TRAIN_ITERS)
+        iters = steps_for_samples(t.train_samples, t.global_batch_size, ramp)
+        if iters < 1:
+            raise ConfigError(f"--train-samples {t.train_samples} is less than one --global-batch-size "
+                              f"({t.global_batch_size})")
     else:
-        iters = t.train_iters
-    if t.train_samples is not None and iters < 1:
-        raise ConfigError(f"--train-samples {t.train_samples} is less than one --global-batch-size "
-                          f"({t.global_batch_size})")
+        iters = t.train_iters if t.train_iters is not None else DEFAULT_TRAIN_ITERS
     if t.train_samples is not None and o.lr_decay_iters is None and o.lr_decay_samples is None:
         # Megatron-LM: a run given in samples decays over them (not over the whole steps they make)
         o = dataclasses.replace(o, lr_decay_samples=t.train_samples)
     no_warmup_given = o.lr_warmup_fraction is None and o.lr_warmup_samples is None
     warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None or not no_warmup_given else DEFAULT_WARMUP_ITERS
-    vpp = p.vpp
-    if p.num_layers_per_virtual_pipeline_stage is not None:
-        layers = m.num_layers or PRESETS[name]["num_layers"]
-        per = p.num_layers_per_virtual_pipeline_stage * p.pp
-        if layers % per:
-            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage} x "
-                              f"--pp {p.pp} does not divide the {layers} layers")
-        if vpp is not None and vpp != layers // per:
-            raise ConfigError(f"--vpp {vpp} and --num-layers-per-virtual-pipeline-stage "
-                              f"{p.num_layers_per_virtual_pipeline_stage} disagree ({layers // per} virtual stages)")
-        vpp = layers // per if layers // per > 1 else None
+    vpp = p.vpp if "parallel.vpp" in given or p.num_layers_per_virtual_pipeline_stage is None else None
+    vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp)
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
-    return dataclasses.replace(
+    resolved = dataclasses.replace(
         config,
         model=dataclasses.replace(m, model=name, seq_length=seq),
-        training=dataclasses.replace(t, train_iters=iters, train_samples=None),  # one length, in steps
+        training=dataclasses.replace(t, train_iters=iters),
         optimizer=dataclasses.replace(o, lr_warmup_iters=warmup),
         data_parallel=dataclasses.replace(d, zero_stage=stage, use_distributed_optimizer=stage >= 1,
                                           # stage 3 frees a layer after its forward unless told otherwise
                                           zero_reshard_after_forward=(d.zero_reshard_after_forward if stage != 3 or
                                                                       d.zero_reshard_after_forward is not None
                                                                       else True)),
-        # Megatron-LM's layers per virtual stage becomes --vpp (one value, one meaning)
-        parallel=dataclasses.replace(p, vpp=vpp, num_layers_per_virtual_pipeline_stage=None),
-        explicit=frozenset(explicit) | config.explicit, ignored_flags=tuple(ignored) or config.ignored_flags)
+        parallel=dataclasses.replace(p, vpp=vpp),
+        explicit=given, ignored_flags=tuple(ignored) or config.ignored_flags)
+    before, after = _dotted(config), _dotted(resolved)
+    derived = {k for k in after if after[k] != before[k] and k not in given and k != "model.model"}
+    return dataclasses.replace(resolved, derived=frozenset(derived) | config.derived)
+
+
+def _dotted(config: RunConfig) -> dict:
+    return {f"{name}.{k}": v for name, section in config.sections() for k, v in dataclasses.asdict(section).items()}
+
+
+def virtual_stages(p, layers: int, vpp: int | None) -> int | None:
+    """--vpp, or the virtual stages Megatron-LM's --num-layers-per-virtual-pipeline-stage makes of
+    `layers` layers (none when one a rank)."""
+    per_stage = p.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return vpp
+    per = per_stage * p.pp
+    if layers % per:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_stage} x --pp {p.pp} does not divide the "
+                          f"{layers} layers")
+    if vpp is not None and vpp != layers // per:
+        raise ConfigError(f"--vpp {vpp} and --num-layers-per-virtual-pipeline-stage {per_stage} disagree "
+                          f"({layers // per} virtual stages)")
+    return layers // per if layers // per > 1 else None
 
 
 def lr_schedule_lengths(config: RunConfig) -> tuple[float, float, float | None]:

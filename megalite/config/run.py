@@ -30,6 +30,7 @@ class RunConfig:
     # Not settings: which fields a file or a flag set ("section.field"; the rest are defaults or
     # derived), and the Megatron-LM flags given that change nothing here.
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False, metadata={"meta": True})
+    derived: frozenset = field(default=frozenset(), compare=False, repr=False, metadata={"meta": True})
     ignored_flags: tuple = field(default=(), compare=False, repr=False, metadata={"meta": True})
 
     def sections(self):
@@ -102,6 +103,8 @@ def section_from_dict(name: str, values: dict, source: str):
             home = FIELD_SECTION.get(key)
             hint = f" (it belongs in [{home}])" if home else _did_you_mean(key, fields)
             raise ConfigError(f"{source}: unknown key {name}.{key}{hint}")
+        if key == "normalization" and isinstance(value, str):  # Megatron-LM spells them LayerNorm / RMSNorm
+            value = value.lower()
         out[key] = coerce(value, types[key], f"{source}: {name}.{key}", spec_of(fields[key]).choices)
     return cls(**out)
 

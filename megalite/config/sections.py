@@ -4,6 +4,7 @@ live in megalite.config.rules. Flags are the fields' names with dashes, plus Meg
 spellings where they differ (the `flags` and `sets` of a field)."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -13,11 +14,14 @@ _SEED = (lambda v: 0 <= v < 2 ** 63, "in [0, 2**63)")
 
 
 def split_weights(split: str) -> list[float]:
-    """--split '949,50,1' -> [949, 50, 1] (missing parts 0). Read as Megatron-LM reads it: the numbers
-    in the text, so quotes a shell script passed through (`'99,1,0'`) or slashes do not matter."""
-    if re.search(r"[^0-9.,/ '\"]", split) or not re.findall(r"[.0-9]+", split):
-        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 949,50,1")
-    weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    """--split '949,50,1' -> [949, 50, 1] (missing parts 0). Quotes a shell script passed through
+    (`'99,1,0'`, as Megatron-LM's Llama example does) and slashes as separators are accepted."""
+    try:
+        weights = [float(x) for x in re.split(r"[,/]", split.strip().strip("'\""))]
+    except ValueError:
+        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 949,50,1") from None
+    if any(w < 0 or not math.isfinite(w) for w in weights):
+        raise ValueError(f"--split {split!r} must be up to three non-negative numbers with a positive sum")
     weights += [0.0] * (3 - len(weights))
     if len(weights) != 3 or sum(weights) <= 0:
         raise ValueError(f"--split {split!r} must be up to three non-negative numbers with a positive sum")
@@ -101,18 +105,18 @@ class ModelConfig:
     position_embedding_type: str | None = opt(
         None, "positions (default: the preset's)", choices=("learned_absolute", "rope", "none"),
         sets={"--use-rotary-position-embeddings": "rope", "--no-position-embedding": "none"}, shape=True)
-    rotary_base: float | None = opt(None, "rope: the base of the rotation frequencies", check=POSITIVE, shape=True)
+    # Rope frequencies and the norms' epsilon may be retuned on resume (a longer context): a note says so.
+    rotary_base: float | None = opt(None, "rope: the base of the rotation frequencies", check=POSITIVE)
     rotary_percent: float | None = opt(None, "rope: the fraction of each head's dims rotated", check=FRACTION,
                                        shape=True)
     rope_scaling_factor: float | None = opt(None, "rope: Llama 3.1 frequency scaling factor",
-                                            check=(lambda v: v >= 1, ">= 1"), shape=True)
-    rope_low_freq_factor: float | None = opt(None, "rope scaling: low-frequency factor", check=POSITIVE, shape=True)
-    rope_high_freq_factor: float | None = opt(None, "rope scaling: high-frequency factor", check=POSITIVE,
-                                              shape=True)
+                                            check=(lambda v: v >= 1, ">= 1"))
+    rope_low_freq_factor: float | None = opt(None, "rope scaling: low-frequency factor", check=POSITIVE)
+    rope_high_freq_factor: float | None = opt(None, "rope scaling: high-frequency factor", check=POSITIVE)
     rope_original_max_position_embeddings: int | None = opt(
-        None, "rope scaling: the context length the model was first trained at", check=POSITIVE_INT, shape=True)
+        None, "rope scaling: the context length the model was first trained at", check=POSITIVE_INT)
     use_rope_scaling: bool = opt(False, "rope: Llama 3.1 frequency scaling (factor 8 unless "
-                                        "--rope-scaling-factor)", shape=True)
+                                        "--rope-scaling-factor)")
     swiglu: bool = opt(False, "gated MLP with silu (ffn size: each of gate and up; default 8h/3 rounded down "
                               "to 64)", shape=True)
     group_query_attention: bool = opt(False, "grouped-query attention (with --num-query-groups)", shape=True)
@@ -125,7 +129,7 @@ class ModelConfig:
                                                            "embedding", shape=True)
     apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)
     norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
-                                     flags=("--norm-epsilon", "--layernorm-epsilon"), check=POSITIVE, shape=True)
+                                     flags=("--norm-epsilon", "--layernorm-epsilon"), check=POSITIVE)
 
     def check(self) -> None:
         check_numbers(self)
@@ -262,8 +266,9 @@ class OptimizerConfig:
                              f"--min-lr")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
             raise ValueError("--decoupled-min-lr goes with --decoupled-lr (the embedding and output layer's peak)")
-        if self.decoupled_lr is not None and (self.decoupled_min_lr or self.min_lr) > self.decoupled_lr:
-            raise ValueError(f"--decoupled-min-lr {self.decoupled_min_lr or self.min_lr} is above --decoupled-lr "
+        floor = self.decoupled_min_lr if self.decoupled_min_lr is not None else self.min_lr
+        if self.decoupled_lr is not None and floor > self.decoupled_lr:
+            raise ValueError(f"--decoupled-min-lr {floor} (default --min-lr) is above --decoupled-lr "
                              f"{self.decoupled_lr}")
         warmups = [f for f in ("--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples")
                    if getattr(self, f[2:].replace("-", "_")) is not None]

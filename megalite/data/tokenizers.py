@@ -141,7 +141,9 @@ class VocabFileTokenizer(HuggingFaceTokenizer):
                 specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]",
                                 mask_token="[MASK]")
             tok = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
-        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own kinds for a bad file
+        except BaseException as e:  # noqa: BLE001 - the tokenizers library raises its own kinds (a Rust panic too)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             raise TokenizerError(f"--tokenizer-type {kind}: {vocab_file} could not be read ({type(e).__name__}: "
                                  f"{str(e).strip()[:200]})") from None
         self._adopt(tok)

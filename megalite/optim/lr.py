@@ -42,7 +42,7 @@ class LRSchedule:
     def __call__(self, iteration: int) -> float:
         """LR for step `iteration` (0-based)."""
         if self.warmup and iteration < self.warmup:  # a fractional warm-up (in samples) ends inside a step
-            return self.lr * min(1.0, (iteration + 1) / self.warmup)
+            return min(self.lr, self.lr * (iteration + 1) / self.warmup)
         if self.style == "inverse-square-root":
             return max(self.min_lr, self.lr * math.sqrt(max(self.warmup, 1) / max(iteration, 1)))
         if self.style == "constant" or self.decay <= self.warmup:

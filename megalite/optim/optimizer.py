@@ -65,7 +65,8 @@ class MegaliteOptimizer:
         param_groups_ = [{"params": ps, "weight_decay": wd, "embedding_or_output": apart}
                          for (wd, apart), ps in sorted(groups.items())]
         if not param_groups_:
-            param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0}]
+            param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0,
+                              "embedding_or_output": False}]
         self.inner = _adamw(param_groups_, lr, betas, eps, use_apex)
         self.last_skipped: bool | None = None  # the last step's skip, where the host read it
 

@@ -8,6 +8,7 @@ import dataclasses
 
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config
+from megalite.config.rules import virtual_stages
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import flag_name
 from megalite.errors import UsageError
@@ -58,19 +59,27 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         if getattr(cfg.model, name) != fields.get(name, getattr(cfg.model, name)):
             raise UsageError(f"{flag_name(name)} {getattr(cfg.model, name)}: the checkpoint {reader.path} holds "
                              f"{fields[name]}; drop the flag to train the checkpoint's model, or --load another")
-    changes = dict(fields)
+    changes = {k: v for k, v in fields.items() if not cfg.given(k)}  # a retuned rope base or epsilon stays
     if not cfg.given("model") and saved.get("model"):
         changes["model"] = saved["model"]
     if not cfg.given("seq_length"):
         changes["seq_length"] = saved.get("seq_length", reader.config.max_position_embeddings)
+    if reader.config.position_embedding_type != "learned_absolute" and not cfg.given("max_position_embeddings"):
+        # Rotary (or no) positions are no weights: a longer sequence raises them, as without --load.
+        seq = changes.get("seq_length", cfg.model.seq_length)
+        changes["max_position_embeddings"] = max(reader.config.max_position_embeddings, seq)
     adopted = cfg.replace("model", **changes)
+    p = adopted.parallel
+    if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
+        adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))
     built = model_config(adopted)
     differs = [k for k in checkpoint.SHAPE_FIELDS + checkpoint.LLAMA_SHAPE_FIELDS
                if getattr(built, k) != getattr(reader.config, k)]
     if differs:
         raise UsageError(f"the model of {reader.path} cannot be described by megalite's flags ({', '.join(differs)} "
                          f"differ from its preset): give the model flags (--model and the shape) explicitly")
+    why = "--use-checkpoint-args" if c.use_checkpoint_args else "no shape flag given; --use-checkpoint-args says so"
     say(f"megalite: model from {reader.path}: {built.num_layers} layers, hidden {built.hidden_size}, "
         f"{built.num_attention_heads} heads, vocabulary {built.vocab_size}, {built.max_position_embeddings} positions "
-        f"(no shape flag given; --use-checkpoint-args is the explicit form)")
+        f"({why})")
     return dataclasses.replace(adopted, explicit=cfg.explicit)

@@ -7,6 +7,7 @@ import os
 import sys
 
 from megalite.config import RunConfig, build_parser, model_config, to_toml, validate
+from megalite.errors import UsageError
 from megalite.runtime import env_world, run_main, say
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.loop import pretrain
@@ -17,7 +18,11 @@ def print_config(cfg: RunConfig, task: Task) -> None:
     """The resolved configuration as a file --config reads, after the checks a run makes for the world
     size torchrun gives (WORLD_SIZE, else 1); no process group is started and no data is read. Notes go
     to stderr, so stdout is the file alone."""
-    world = int(os.environ.get("WORLD_SIZE", env_world()[1]))
+    world = os.environ.get("WORLD_SIZE", str(env_world()[1]))
+    if not world.isdigit() or int(world) < 1:
+        raise UsageError(f"WORLD_SIZE={world}: --print-config checks the configuration for that many ranks; give "
+                         f"a whole number >= 1")
+    world = int(world)
     with contextlib.redirect_stdout(sys.stderr):
         cfg = adopt_checkpoint_shape(cfg)  # what the run would train: --load without shape flags
         dp = validate(cfg, world, model_config(cfg), machine=False)
