@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cli import records, torchrun
 from megalite import parallel
+from megalite.parallel.layers import partition_blocks, tp_unshard
 
 
 def fresh_seed() -> int:
@@ -30,14 +31,14 @@ def assert_rel_close(a, b, tol=1e-5, what="tensor"):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
 
 
-def gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Concatenate each TP rank's `t` along `dim`."""
+def gather_tp(t: torch.Tensor, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Each TP rank's `t` joined along `dim` into the full tensor (`blocks`: as `tp_unshard`)."""
     tp = parallel.get_tensor_model_parallel_world_size()
     if tp == 1:
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.detach().contiguous(), group=parallel.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=dim)
+    return tp_unshard(parts, dim, blocks)
 
 
 def tp_slice(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -122,7 +123,8 @@ def full_tensors(named: dict[str, torch.Tensor], params: dict[str, torch.nn.Para
     out = {}
     for name, t in named.items():
         p = params[name]
-        full = gather_tp(t, p.partition_dim) if getattr(p, "tensor_model_parallel", False) else t.detach().clone()
+        full = (gather_tp(t, p.partition_dim, partition_blocks(p)) if getattr(p, "tensor_model_parallel", False)
+                else t.detach().clone())
         out[name] = full[:vocab] if name in VOCAB_ROWS else full
     return out
 

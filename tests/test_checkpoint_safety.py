@@ -81,7 +81,7 @@ def test_a_version_1_checkpoint_is_refused_without_unpickling(saved, tmp_path):
     meta = json.loads((it / "metadata.json").read_text())
     meta.update(format_version=1, files={"rank_00000.pt": (it / "rank_00000.pt").stat().st_size})
     (it / "metadata.json").write_text(json.dumps(meta))
-    with pytest.raises(UsageError, match="format version 1, this megalite reads version 2"):
+    with pytest.raises(UsageError, match="format version 1, this megalite reads versions 2, 3"):
         checkpoint.load_full_state_dict(saved)
     assert not marker.exists()
 

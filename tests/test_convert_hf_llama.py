@@ -19,6 +19,7 @@ from helpers import gather_tp, randomized  # noqa: E402
 from megalite import parallel  # noqa: E402
 from megalite.models import TransformerConfig  # noqa: E402
 from megalite.testing import run_ranks  # noqa: E402
+from megalite.parallel.layers import tp_shard  # noqa: E402
 from megalite.tools import convert_hf  # noqa: E402
 from megalite.tools.convert_hf import ConversionNote, from_hf, hf_model_kind, llama, to_hf  # noqa: E402
 
@@ -112,7 +113,7 @@ def test_tensors_round_trip_bit_for_bit_and_export_rebuilds_the_model(name):
     assert torch.equal(_hf_logits(again), _hf_logits(hf))
 
 
-def test_kv_rows_hold_each_group_k_then_v_and_fc1_rows_alternate_gate_and_up():
+def test_kv_rows_hold_each_group_k_then_v_and_fc1_holds_gate_then_up():
     hf = _hf_model("llama")
     attn, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
     config = TransformerConfig(**llama.config_fields(hf.config, "LlamaForCausalLM")[0])
@@ -122,10 +123,12 @@ def test_kv_rows_hold_each_group_k_then_v_and_fc1_rows_alternate_gate_and_up():
     for g in range(GROUPS):
         assert torch.equal(kv[2 * g * d:(2 * g + 1) * d], attn.k_proj.weight[g * d:(g + 1) * d])
         assert torch.equal(kv[(2 * g + 1) * d:(2 * g + 2) * d], attn.v_proj.weight[g * d:(g + 1) * d])
-    assert torch.equal(fc1[0::2], mlp.gate_proj.weight) and torch.equal(fc1[1::2], mlp.up_proj.weight)
-    # So a TP rank's contiguous rows are whole groups and matching gate/up rows (tp 2 here).
+    assert torch.equal(fc1, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    # So a TP rank's contiguous rows are whole groups (tp 2 here), and its fc1 shard is its half of
+    # the gate rows, then its half of the up rows.
     assert torch.equal(kv.chunk(2)[1], torch.cat([attn.k_proj.weight[d:2 * d], attn.v_proj.weight[d:2 * d]]))
-    assert torch.equal(fc1.chunk(2)[1][0::2], mlp.gate_proj.weight[FFN // 2:])
+    assert torch.equal(tp_shard(fc1, 0, 2, 1, blocks=2),
+                       torch.cat([mlp.gate_proj.weight[FFN // 2:], mlp.up_proj.weight[FFN // 2:]]))
 
 
 def test_hf_settings_map_to_the_agreed_config_fields():

@@ -151,7 +151,7 @@ def test_attention_equals_the_repeat_kv_reference(changes):
     assert_rel_close(attn(x, mask), reference_attention(attn, x, c, mask), what="masked attention")
 
 
-def test_swiglu_is_fc2_of_silu_gate_times_up_with_interleaved_rows():
+def test_swiglu_is_fc2_of_silu_gate_times_up_with_gate_rows_then_up_rows():
     c = small_config(add_bias_linear=True)
     mlp = mlp_layer(c, normal_init(0.2, torch.Generator().manual_seed(0)), normal_init(0.2), device="cpu")
     with torch.no_grad():
@@ -159,7 +159,7 @@ def test_swiglu_is_fc2_of_silu_gate_times_up_with_interleaved_rows():
     x = torch.randn(5, 2, c.hidden_size, generator=torch.Generator().manual_seed(1))
     assert mlp.fc1.weight.shape == (2 * c.ffn_hidden_size, c.hidden_size)
     w, b = mlp.fc1.weight, mlp.fc1.bias
-    gate, up = F.linear(x, w[0::2], b[0::2]), F.linear(x, w[1::2], b[1::2])
+    gate, up = F.linear(x, w[:c.ffn_hidden_size], b[:c.ffn_hidden_size]), F.linear(x, w[c.ffn_hidden_size:], b[c.ffn_hidden_size:])
     want = F.linear(F.silu(gate) * up, mlp.fc2.weight, mlp.fc2.bias)
     assert_rel_close(mlp(x), want, what="swiglu")
 

@@ -1,15 +1,17 @@
 """Checkpoints that load at any layout, never lose work, and never run code from a file.
 
-Format (version 2): `DIR/latest` names the newest complete checkpoint `DIR/iter_NNNNNNN/`, which
+Format (version 3): `DIR/latest` names the newest complete checkpoint `DIR/iter_NNNNNNN/`, which
 holds `metadata.json` and one `rank_NNNNN.safetensors` per rank (see `fileformat`). Every tensor
 is stored as a slice of its *full* tensor: the one a single-device model would hold, under a
 layout-free name (layers by global number, vocabulary without padding). A rank file's structure
 (JSON in its header) holds
 
-  "model": {name: [{tensor, dim, start, full}]}    slices of model weights (dim None: the whole)
-  "optim": {name: [{dim, start, shard, full, lo, hi, values: {master, exp_avg, exp_avg_sq}}]}
+  "model": {name: [{tensor, dim, start, full, blocks}]}    slices of model weights (dim None: the whole)
+  "optim": {name: [{dim, start, shard, full, blocks, lo, hi, values: {master, exp_avg, exp_avg_sq}}]}
            flat ranges [lo, hi) of a TP shard (placed at `start` along `dim` of the full tensor);
            master "model" when the fp32 master is the parameter itself (stored once, as the weight)
+  "blocks" (absent: 1) k > 1: the full tensor is k equal blocks along `dim` (a gated MLP's fc1:
+           [gate; up]) and the slice is its part of each, at `start` within every block
   "step", "loss_scaler", "rng" (this rank's RNG streams)
 
 Loading assembles, for each tensor this rank needs, its full tensor from every rank's slices
@@ -17,6 +19,9 @@ Loading assembles, for each tensor this rank needs, its full tensor from every r
 other, at any ZeRO stage (the optimizer's shards too; stage 3 gathers its units while saving).
 Each replica writes once: model weights from DP rank 0, replicated (non-TP) tensors from TP rank 0,
 the tied embedding from the first stage only.
+
+Version 2 (read too) differs only in a gated MLP's fc1, whose rows it interleaved (gate_i, up_i);
+the reader puts them in halves as it assembles them.
 
 Writing is atomic: ranks write into `iter_N.tmp/` (fsynced), then rank 0 writes the metadata,
 renames the directory into place and updates `latest` last, so a crash at any moment leaves the

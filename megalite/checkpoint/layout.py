@@ -10,8 +10,13 @@ import torch
 
 from megalite import parallel
 from megalite.models.config import TransformerConfig
+from megalite.parallel.layers import partition_blocks
 
-FORMAT_VERSION = 2
+# Version 3 stores a gated MLP's fc1 as [gate; up] (slices with "blocks": 2); version 2 stored its
+# rows interleaved (gate_i, up_i) and is still read, converted on the way in (see reader).
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+GLU_FC1 = re.compile(r"^layers\.\d+\.mlp\.fc1\.(weight|bias)$")
 VOCAB_PARAMS = ("word_embeddings.weight", "lm_bias", "output_layer.weight")  # rows past the vocabulary are padding
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                 "layernorm_position", "activation", "normalization")
@@ -66,11 +71,12 @@ def piece_place(owners: dict, piece):
 
 
 def placement(model, local: str, p: torch.Tensor):
-    """(dim, start, rows to keep) of this rank's piece of the full tensor; dim None if replicated."""
+    """(dim, start, rows to keep) of this rank's piece of the full tensor; dim None if replicated.
+    A parameter of k blocks (`partition_blocks`): `start` is within each block, of size full / k."""
     if not getattr(p, "tensor_model_parallel", False):
         return None, 0, None
     dim = p.partition_dim
-    start = parallel.get_tensor_model_parallel_rank() * p.shape[dim]
+    start = parallel.get_tensor_model_parallel_rank() * (p.shape[dim] // partition_blocks(p))
     keep = None
     if local in VOCAB_PARAMS:
         keep = max(0, min(p.shape[dim], model.config.vocab_size - start))
@@ -86,10 +92,15 @@ def full_size(model, local: str, p: torch.Tensor) -> int | None:
     return p.shape[p.partition_dim] * parallel.get_tensor_model_parallel_world_size()
 
 
-def shard_of(full: torch.Tensor, dim, start: int, shape) -> torch.Tensor:
-    """The TP shard of `shape` at `start` along `dim`, zero-padded past the vocabulary."""
+def shard_of(full: torch.Tensor, dim, start: int, shape, blocks: int = 1) -> torch.Tensor:
+    """The TP shard of `shape` at `start` along `dim`, zero-padded past the vocabulary; with
+    `blocks` > 1, the pieces at `start` of each of the full tensor's blocks, concatenated."""
     if dim is None:
         return full
+    if blocks > 1:
+        block_shape = list(shape)
+        block_shape[dim] //= blocks
+        return torch.cat([shard_of(b, dim, start, block_shape) for b in full.chunk(blocks, dim=dim)], dim=dim)
     n = shape[dim]
     have = max(0, min(n, full.shape[dim] - start))
     if have == n:

@@ -11,12 +11,15 @@ from megalite.checkpoint.layout import (VOCAB_PARAMS, full_size, named_params, p
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.models.config import TransformerConfig
+from megalite.parallel.layers import partition_blocks
 from megalite.runtime import UsageError
 
 
-def _copy_local(dst: torch.Tensor, full: torch.Tensor, dim, start: int, shape, lo: int, hi: int) -> None:
+def _copy_local(dst: torch.Tensor, full: torch.Tensor, dim, start: int, shape, lo: int, hi: int,
+                blocks: int = 1) -> None:
     """dst (flat, hi - lo elements) <- elements [lo, hi) of the flattened shard of `full` at `start`
-    along `dim`, without building the shard when only vocabulary rows are missing."""
+    along `dim` (of each of `blocks` blocks), without building the shard when only vocabulary rows
+    are missing."""
     n = shape[dim] if dim is not None else None
     have = None if dim is None else max(0, min(n, full.shape[dim] - start))
     if dim == 0 and have < n:  # padded vocabulary rows: copy the real ones, zero the rest
@@ -25,7 +28,7 @@ def _copy_local(dst: torch.Tensor, full: torch.Tensor, dim, start: int, shape, l
         dst[:part.numel()].copy_(part)
         dst[part.numel():].zero_()
         return
-    dst.copy_(shard_of(full, dim, start, shape).reshape(-1)[lo:hi])
+    dst.copy_(shard_of(full, dim, start, shape, blocks).reshape(-1)[lo:hi])
 
 
 def load_model_weights(directory, model_chunks, reader: CheckpointReader | None = None) -> CheckpointReader:
@@ -35,7 +38,7 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
     plan = []
     for chunk, local, p, name in named_params(model_chunks):
         dim, start, _ = placement(chunk, local, p)
-        plan.append((chunk, local, p, name, dim, start, reader.direct_model(name, dim, start, p)))
+        plan.append((chunk, local, p, name, dim, start, reader.direct_model(name, dim, start, p, partition_blocks(p))))
     reader.verify(item[3] for item in plan if item[6] is None)
     with torch.no_grad():
         for chunk, local, p, name, dim, start, direct in plan:
@@ -49,7 +52,7 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
             if list(full.shape) != expected:
                 raise UsageError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
                                  f"which does not fit this model's {local} ({tuple(p.shape)} per rank)")
-            _copy_local(p.view(-1), full, dim, start, p.shape, 0, p.numel())
+            _copy_local(p.view(-1), full, dim, start, p.shape, 0, p.numel(), partition_blocks(p))
         reader.finish_direct()
     return reader
 
@@ -63,7 +66,7 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
     plan = []
     for piece in optimizer.pieces:
         name, dim, start, lo, hi = piece_place(owners, piece)
-        direct = reader.direct_optim(name, dim, start, piece.param.shape, lo, hi)
+        direct = reader.direct_optim(name, dim, start, piece.param.shape, lo, hi, partition_blocks(piece.param))
         plan.append((piece, name, dim, start, lo, hi, direct))
     reader.verify(item[1] for item in plan if item[6] is None)
     fused = bool(optimizer.inner.defaults.get("fused"))
@@ -73,7 +76,7 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
         for piece, name, dim, start, lo, hi, direct in plan:
             # fp32 masters that are the parameters and were stored as the weights: already loaded.
             skip = ("master",) if master_is_the_param(piece) and reader.master_is_the_weight(name) else ()
-            shape = piece.param.shape
+            shape, blocks = piece.param.shape, partition_blocks(piece.param)
             st = optimizer.inner.state[piece.master]
             if direct is not None and _read_optim_direct(reader, piece, st, name, skip, *direct):
                 pass
@@ -82,11 +85,11 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
                 if full is None:
                     raise UsageError(f"checkpoint {reader.path} has no optimizer state for {name}")
                 if "master" in full:
-                    _copy_local(piece.master.view(-1), full["master"], dim, start, shape, lo, hi)
+                    _copy_local(piece.master.view(-1), full["master"], dim, start, shape, lo, hi, blocks)
                 for k in ("exp_avg", "exp_avg_sq"):
                     if k in full:
                         st[k] = _state_tensor(st.get(k), piece.master)
-                        _copy_local(st[k].view(-1), full[k], dim, start, shape, lo, hi)
+                        _copy_local(st[k].view(-1), full[k], dim, start, shape, lo, hi, blocks)
                 del full
             if "exp_avg" in st:
                 st["step"] = torch.tensor(float(step), device=piece.master.device if fused else "cpu")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megalite import parallel
 from megalite.checkpoint.layout import full_size, is_writer, named_params, param_owners, piece_place, placement
+from megalite.parallel.layers import partition_blocks
 from megalite.parallel.random import get_rng_tracker
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
             dim, start, keep = placement(chunk, local, p)
             t = p.detach() if keep is None else p.detach().narrow(dim, 0, keep)
             model.setdefault(name, []).append({"tensor": add(f"model/{name}", t), "dim": dim, "start": start,
-                                               "full": full_size(chunk, local, p)})
+                                               "full": full_size(chunk, local, p), **_blocks(p)})
     meta: dict = {"iteration": iteration, "model": model}
     if optimizer is not None:
         meta.update(_collect_optimizer(model_chunks, optimizer, add))
@@ -85,6 +86,12 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
     if replica is not None:
         meta["replica"] = encode_plain(replica, "replica", add)
     return tensors, meta
+
+
+def _blocks(p) -> dict:
+    """A slice's "blocks" entry: only for a parameter stacking blocks (a gated MLP's fc1)."""
+    k = partition_blocks(p)
+    return {"blocks": k} if k > 1 else {}
 
 
 def _collect_optimizer(model_chunks, optimizer, add) -> dict:
@@ -104,7 +111,7 @@ def _collect_optimizer(model_chunks, optimizer, add) -> dict:
         tp = parallel.get_tensor_model_parallel_world_size()
         optim.setdefault(name, []).append({
             "dim": dim, "start": start, "shard": list(p.shape), "full": None if dim is None else p.shape[dim] * tp,
-            "lo": lo, "hi": hi, "values": values})
+            "lo": lo, "hi": hi, "values": values, **_blocks(p)})
     # Fused AdamW keeps each step count on the device: one read for all of them, not one per tensor.
     steps = [torch.as_tensor(s["step"]).float().reshape(()) for s in optimizer.inner.state.values() if "step" in s]
     step = int(torch.stack(steps).max()) if steps else 0

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from megalite.checkpoint.fileformat import RankFile, RankFileError, all_finite
-from megalite.checkpoint.layout import (FORMAT_VERSION, ITER_NAME, RANK_FILE_NAME, SHAPE_FIELDS, VOCAB_PARAMS,
-                                        config_from_dict, rank_file_name, shard_of)
+from megalite.checkpoint.layout import (GLU_FC1, ITER_NAME, RANK_FILE_NAME, READABLE_VERSIONS,
+                                        SHAPE_FIELDS, VOCAB_PARAMS, config_from_dict, rank_file_name, shard_of)
 from megalite.checkpoint.rank_state import decode_plain
 from megalite.models.config import TransformerConfig
 from megalite.runtime import UsageError, say
@@ -53,10 +53,11 @@ def _read_metadata(path: Path, directory: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"checkpoint metadata {meta_path} is corrupt ({e})") from None
     version = metadata.get("format_version")
-    if version != FORMAT_VERSION:
-        raise UsageError(f"checkpoint {path} has format version {version}, this megalite reads version "
-                         f"{FORMAT_VERSION} (safetensors rank files; version 1's pickled files are not loaded "
-                         f"because unpickling can run code): load it with the megalite that wrote it")
+    if version not in READABLE_VERSIONS:
+        raise UsageError(f"checkpoint {path} has format version {version}, this megalite reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))} (safetensors rank files; version 1's pickled "
+                         f"files are not loaded because unpickling can run code): load it with the megalite "
+                         f"that wrote it")
     return metadata
 
 
@@ -100,6 +101,8 @@ class CheckpointReader:
         self._file_names = _check_files(self.path, self.metadata)
         self.config = config_from_dict(self.metadata["config"])
         self.model_kind = self.metadata["model_kind"]
+        # Version 2 stored a gated fc1's rows interleaved (gate_i, up_i): read, then put in halves.
+        self._interleaved_glu = self.metadata["format_version"] == 2 and self.config.gated_linear_unit
         self._files: list[RankFile] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._checks: dict = {}  # (file, key) -> future of its checksum check
@@ -178,17 +181,26 @@ class CheckpointReader:
         return (info is not None and info == (dst.dtype, list(dst.shape)) and dst.device.type == "cpu"
                 and dst.is_contiguous())
 
-    def direct_model(self, name: str, dim, start: int, dst: torch.Tensor):
+    def _stored_as_halves(self, name: str) -> bool:
+        """False for a version 2 gated fc1 tensor, whose stored rows interleave gate and up."""
+        return not (self._interleaved_glu and GLU_FC1.match(name))
+
+    def direct_model(self, name: str, dim, start: int, dst: torch.Tensor, blocks: int = 1):
         """(file, key) of the one stored slice that is exactly `dst`'s piece, or None."""
+        if not self._stored_as_halves(name):
+            return None
         hits = [(f, s["tensor"]) for f in self.files for s in f.meta.get("model", {}).get(name, [])
-                if s["dim"] == dim and (dim is None or s["start"] == start) and self.fits(f, s["tensor"], dst)]
+                if s["dim"] == dim and (dim is None or s["start"] == start) and self.fits(f, s["tensor"], dst)
+                and _same_blocks(s, blocks, dst.shape[dim] if dim is not None else None)]
         return hits[0] if len(hits) == 1 else None
 
-    def direct_optim(self, name: str, dim, start: int, shape, lo: int, hi: int):
+    def direct_optim(self, name: str, dim, start: int, shape, lo: int, hi: int, blocks: int = 1):
         """(file, values) of the one stored optimizer range that is exactly this piece, or None."""
+        if not self._stored_as_halves(name):
+            return None
         hits = [(f, p["values"]) for f in self.files for p in f.meta.get("optim", {}).get(name, [])
                 if p["dim"] == dim and (dim is None or p["start"] == start) and p["shard"] == list(shape)
-                and (p["lo"], p["hi"]) == (lo, hi)]
+                and (p["lo"], p["hi"]) == (lo, hi) and _same_blocks(p, blocks, shape[dim] if dim is not None else None)]
         return hits[0] if len(hits) == 1 else None
 
     def read_direct(self, f: RankFile, key: str, dst: torch.Tensor, name: str) -> None:
@@ -216,8 +228,14 @@ class CheckpointReader:
 
     def full_tensor(self, name: str) -> torch.Tensor:
         """The whole (unpadded) model tensor `name`, from every rank's slices."""
-        slices = [(s["dim"], s["start"], s.get("full"), self.tensor(f, s["tensor"], name))
-                  for f in self.files for s in f.meta.get("model", {}).get(name, [])]
+        t = self._stored_full_tensor(name)
+        return t if self._stored_as_halves(name) else _halves(t)
+
+    def _stored_full_tensor(self, name: str) -> torch.Tensor:
+        """`full_tensor` as stored (a version 2 gated fc1 interleaved)."""
+        slices = [sl for f in self.files for s in f.meta.get("model", {}).get(name, [])
+                  for sl in _blocks_placed(s["dim"], s["start"], s.get("full"), self.tensor(f, s["tensor"], name),
+                                           s.get("blocks", 1))]
         if not slices:
             raise UsageError(f"checkpoint {self.path} has no tensor {name!r}: it holds another model")
         return _assemble(self.path, name, slices)
@@ -233,23 +251,25 @@ class CheckpointReader:
             return None
         shards: dict[tuple, list] = {}
         for f, p in pieces:
-            shards.setdefault((p["dim"], p["start"], tuple(p["shard"]), p.get("full")), []).append((f, p))
+            key = (p["dim"], p["start"], tuple(p["shard"]), p.get("full"), p.get("blocks", 1))
+            shards.setdefault(key, []).append((f, p))
         out = {}
         for k in pieces[0][1]["values"]:
             if k in skip:
                 continue
             slices = []
-            for (dim, start, shape, full), parts in shards.items():
-                flat = self._flat_shard(name, k, dim, start, shape, parts)
+            for (dim, start, shape, full, blocks), parts in shards.items():
+                flat = self._flat_shard(name, k, dim, start, shape, parts, blocks)
                 t = flat.view(shape)
                 if name in VOCAB_PARAMS and dim is not None:
                     t = t.narrow(dim, 0, max(0, min(shape[dim], self.config.vocab_size - start)))
                     full = self.config.vocab_size
-                slices.append((dim, start, full, t))
-            out[k] = _assemble(self.path, f"{name} ({k})", slices)
+                slices += _blocks_placed(dim, start, full, t, blocks)
+            whole = _assemble(self.path, f"{name} ({k})", slices)
+            out[k] = whole if self._stored_as_halves(name) else _halves(whole)
         return out
 
-    def _flat_shard(self, name, k, dim, start, shape, parts) -> torch.Tensor:
+    def _flat_shard(self, name, k, dim, start, shape, parts, blocks: int = 1) -> torch.Tensor:
         """A TP shard's flat optimizer state `k`, from the DP ranks' ranges, which must tile it."""
         numel = math.prod(shape)
         parts = sorted(parts, key=lambda fp: fp[1]["lo"])
@@ -263,8 +283,9 @@ class CheckpointReader:
             ref = p["values"].get(k)
             if ref is None:
                 raise UsageError(f"checkpoint file {f.path} lacks the optimizer state {k} of {name}")
-            if ref == "model":  # an fp32 master stored once, as the model weight
-                pieces.append(shard_of(self.full_tensor(name), dim, start, shape).reshape(-1)[p["lo"]:p["hi"]])
+            if ref == "model":  # an fp32 master stored once, as the model weight (in the same row order)
+                stored = self._stored_full_tensor(name)
+                pieces.append(shard_of(stored, dim, start, shape, blocks).reshape(-1)[p["lo"]:p["hi"]])
             else:
                 pieces.append(self.tensor(f, ref, f"{name} ({k})"))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -276,8 +297,13 @@ class CheckpointReader:
     def replica(self, rank: int):
         """Rank `rank`'s own state (local SGD's replicas, see `collect_rank_state`), or None."""
         f = self.rank_file(rank)
-        return None if "replica" not in f.meta else decode_plain(f.meta["replica"],
-                                                                 lambda key: self.tensor(f, key).clone())
+        if "replica" not in f.meta:
+            return None
+        if self._interleaved_glu:  # flat per-rank buffers: the fc1 rows inside them cannot be found again
+            raise UsageError(f"checkpoint {self.path} (format version 2) holds local SGD replica state of a gated "
+                             f"MLP, whose fc1 rows this megalite orders differently: resume it without --local-sgd "
+                             f"(the model and its optimizer state load), or with the megalite that wrote it")
+        return decode_plain(f.meta["replica"], lambda key: self.tensor(f, key).clone())
 
 
 def _verify_one(f: RankFile, key: str) -> str | None:
@@ -286,6 +312,25 @@ def _verify_one(f: RankFile, key: str) -> str | None:
     except RankFileError as e:
         return str(e)
     return None
+
+
+def _same_blocks(stored: dict, blocks: int, rows) -> bool:
+    """Whether a stored slice splits its rows into the same blocks as the destination (moot for a
+    slice that is the whole tensor: tp 1)."""
+    return stored.get("blocks", 1) == blocks or (stored["start"] == 0 and stored.get("full") in (None, rows))
+
+
+def _blocks_placed(dim, start: int, full, t: torch.Tensor, blocks: int) -> list:
+    """(dim, start, full, tensor) slices of a stored slice: itself, or, when it stacks `blocks`
+    blocks, each block's part at its place in the full tensor."""
+    if blocks == 1 or dim is None:
+        return [(dim, start, full, t)]
+    return [(dim, i * (full // blocks) + start, full, part) for i, part in enumerate(t.chunk(blocks, dim=dim))]
+
+
+def _halves(interleaved: torch.Tensor) -> torch.Tensor:
+    """A version 2 gated fc1 tensor (rows gate_0, up_0, gate_1, ...) as [gate; up]."""
+    return torch.cat((interleaved[0::2], interleaved[1::2]))
 
 
 def _assemble(path: Path, name: str, slices) -> torch.Tensor:

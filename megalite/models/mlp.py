@@ -1,7 +1,9 @@
 """The transformer's feed-forward block (tensor-parallel) and its activations.
 
 `mlp_layer(config, ...)` is the one place a layer's MLP is chosen: plain, or gated (SwiGLU with
-silu: fc1 twice as wide, fc2(act(gate) * up)) when `config.gated_linear_unit`.
+silu: fc1 twice as wide, fc2(act(gate) * up)) when `config.gated_linear_unit`. The gated fc1 holds
+the gate rows, then the up rows (each TP rank: its gate rows, then its up rows); checkpoints and
+Hugging Face conversion store it as [gate; up] whatever the TP size.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +40,9 @@ class ParallelMLP(nn.Module):
         super().__init__()
         sp, dtype, bias = config.sequence_parallel, config.params_dtype, config.add_bias_linear
         self.fc1 = ColumnParallelLinear(
-            config.hidden_size, self.fc1_width * config.ffn_hidden_size, bias=bias, init_method=init_method,
-            sequence_parallel=sp, params_dtype=dtype, device=device,
+            config.hidden_size, self.fc1_width * config.ffn_hidden_size, bias=bias,
+            init_method=self._fc1_init(init_method), sequence_parallel=sp, params_dtype=dtype, device=device,
+            partition_blocks=self.fc1_width,
         )
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=bias, init_method=output_init_method,
@@ -47,19 +50,37 @@ class ParallelMLP(nn.Module):
         )
         self.activation = activation_function(config)
 
+    @staticmethod
+    def _fc1_init(init_method):
+        return init_method
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.activation(self.fc1(x)))
 
 
 class GatedMLP(ParallelMLP):
-    """fc2(act(gate) * up) (SwiGLU with silu). fc1's rows interleave gate and up (row 2i gate_i,
-    row 2i + 1 up_i), so every contiguous TP block holds matching pairs, whatever the TP size."""
+    """fc2(act(gate) * up) (SwiGLU with silu). fc1's full weight is the gate rows, then the up rows,
+    each block split over TP (`partition_blocks=2`), so a rank's fc1 output is [its gate | its up]:
+    the activation reads two contiguous halves and the backward writes them without a scatter."""
 
     fc1_width = 2
 
+    @staticmethod
+    def _fc1_init(init_method):
+        """Draw as megalite always has (rows 2i, 2i + 1 = gate_i, up_i) and stack the halves, so a
+        seed builds the same function as before the halves layout."""
+        init_method = init_method or normal_init()
+
+        def init(w: torch.Tensor):
+            init_method(w)
+            if not w.is_meta:
+                w.copy_(torch.cat((w[0::2], w[1::2])))
+            return w
+        return init
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)
-        return self.fc2(self.activation(y[..., 0::2]) * y[..., 1::2])
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(self.activation(gate) * up)
 
 
 def mlp_layer(config: TransformerConfig, init_method, output_init_method, device=None) -> nn.Module:

@@ -3,6 +3,11 @@
 Initialization is layout-free: every rank initializes the *full* weight from the same RNG
 (`init_method` receives the full fp32 matrix) and keeps its contiguous block, so a model built
 at any TP size from one seed holds the same full weights.
+
+A weight may be `partition_blocks` equal blocks stacked along its TP dimension (a gated MLP's
+gate rows, then its up rows): then each block is split over TP separately and a rank's shard is
+its part of every block, in order, so the rank computes on contiguous halves (`tp_shard`,
+`tp_unshard`; the checkpoint records the blocks, so its full tensors stay layout-free).
 """
 from __future__ import annotations
 
@@ -64,17 +69,42 @@ def init_device(device) -> torch.device:
     return device if device.type in ("cuda", "meta") else torch.device("cpu")
 
 
-def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None) -> nn.Parameter:
-    """Initialize the full matrix in fp32 (on `init_device`), keep this TP rank's contiguous block.
-    The init method's generator must live on that device (`megalite.models` builds it there)."""
+def tp_shard(full: torch.Tensor, dim: int, tp: int, rank: int, blocks: int = 1) -> torch.Tensor:
+    """TP rank `rank`'s shard of `full` along `dim`: its contiguous block, or, with `blocks` > 1,
+    its part of each of the `blocks` equal blocks, concatenated (a view when blocks == 1)."""
+    if blocks == 1:
+        return full.chunk(tp, dim=dim)[rank]
+    return torch.cat([b.chunk(tp, dim=dim)[rank] for b in full.chunk(blocks, dim=dim)], dim=dim)
+
+
+def tp_unshard(shards, dim: int, blocks: int = 1) -> torch.Tensor:
+    """The inverse of `tp_shard`: the full tensor from every TP rank's shard, in rank order."""
+    if blocks == 1:
+        return torch.cat(list(shards), dim=dim)
+    parts = [s.chunk(blocks, dim=dim) for s in shards]
+    return torch.cat([p[b] for b in range(blocks) for p in parts], dim=dim)
+
+
+def partition_blocks(p: torch.Tensor) -> int:
+    """How many blocks a TP-sharded parameter stacks along its partition dimension (1: a plain shard)."""
+    return getattr(p, "partition_blocks", 1)
+
+
+def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None,
+                       blocks: int = 1) -> nn.Parameter:
+    """Initialize the full matrix in fp32 (on `init_device`), keep this TP rank's shard (its
+    contiguous block, or its part of each of `blocks` blocks). The init method's generator must
+    live on that device (`megalite.models` builds it there)."""
     tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
     rows = full_shape[0] if real_rows is None else real_rows
     full = torch.zeros(full_shape, dtype=torch.float32, device=init_device(device))
     init_method(full[:rows])  # padding rows (vocab) stay zero whatever the padding is
-    shard = full.chunk(tp, dim=shard_dim)[rank]
+    shard = tp_shard(full, shard_dim, tp, rank, blocks)
     param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
     param.tensor_model_parallel = True
     param.partition_dim = shard_dim
+    if blocks > 1:
+        param.partition_blocks = blocks
     return param
 
 
@@ -94,13 +124,15 @@ class _ParallelLinear(nn.Module):
     1: input features), and a bias of the weight shard's rows, sharded with them when they are."""
 
     def __init__(self, input_size: int, output_size: int, partition_dim: int, bias: bool,
-                 init_method: InitMethod | None, sequence_parallel: bool, params_dtype: torch.dtype, device):
+                 init_method: InitMethod | None, sequence_parallel: bool, params_dtype: torch.dtype, device,
+                 blocks: int = 1):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.sequence_parallel = sequence_parallel
         device = default_device(device)
         self.weight = _sharded_parameter(
-            (output_size, input_size), partition_dim, init_method or normal_init(), params_dtype, device
+            (output_size, input_size), partition_dim, init_method or normal_init(), params_dtype, device,
+            blocks=blocks,
         )
         if not bias:
             self.register_parameter("bias", None)
@@ -108,6 +140,8 @@ class _ParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.weight.shape[0], dtype=params_dtype, device=device))
         if partition_dim == 0:
             self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
+            if blocks > 1:
+                self.bias.partition_blocks = blocks
         else:
             # Added to a sequence shard, its gradient is partial per TP rank and must be summed.
             self.bias.sequence_parallel = sequence_parallel
@@ -118,16 +152,24 @@ class ColumnParallelLinear(_ParallelLinear):
 
     Input is replicated across TP (or, with `sequence_parallel`, sharded along the sequence,
     dim 0, and all-gathered here). Output is this rank's slice of the features unless
-    `gather_output`.
+    `gather_output`. `partition_blocks` > 1: the output features are that many equal blocks
+    (gate, up), each split over TP, so this rank's output is its part of each block, in order.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
                  init_method: InitMethod | None = None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None):
+                 params_dtype: torch.dtype = torch.float32, device=None, partition_blocks: int = 1):
         output_size_per_partition = _per_rank(output_size, "output_size")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
-        super().__init__(input_size, output_size, 0, bias, init_method, sequence_parallel, params_dtype, device)
+        if partition_blocks < 1 or output_size % (partition_blocks * state.get_tensor_model_parallel_world_size()):
+            raise ValueError(f"ColumnParallelLinear: output_size ({output_size}) must split into {partition_blocks} "
+                             f"blocks, each divisible by the tensor-parallel size")
+        if gather_output and partition_blocks > 1:
+            raise ValueError("ColumnParallelLinear: gather_output needs partition_blocks=1 (the gathered "
+                             "features would interleave the blocks' parts)")
+        super().__init__(input_size, output_size, 0, bias, init_method, sequence_parallel, params_dtype, device,
+                         blocks=partition_blocks)
         self.output_size_per_partition, self.gather_output = output_size_per_partition, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

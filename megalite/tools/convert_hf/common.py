@@ -9,9 +9,9 @@ happens to the tensor on the way in; the way out undoes it:
   qkv    q, k, v interleaved into rows [head, (q, k, v), head_dim]: from three Hugging Face tensors
          (a tuple of names), or from GPT-2's packed c_attn (one name; transposed first when a weight);
   kv     k, v interleaved into rows [group, (k, v), head_dim] (grouped-query attention);
-  glu    gate, up interleaved row by row: row 2i is gate row i, row 2i + 1 up row i.
-Interleaving keeps what belongs together (a head's q, k, v; a group's k, v; a gate row and its up
-row) in neighbouring rows, so any tensor-parallel rank's contiguous block of rows holds whole sets.
+  glu    gate, up stacked: [gate; up] (one interleaved set); the layer splits each half over TP.
+Interleaving keeps what belongs together (a head's q, k, v; a group's k, v) in neighbouring rows, so
+any tensor-parallel rank's contiguous block of rows holds whole sets.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def own(t: torch.Tensor) -> torch.Tensor:
 def import_tensors(theirs: Mapping[str, torch.Tensor], table: list[Row], groups: Mapping[str, int],
                    padded_vocab: int) -> dict[str, torch.Tensor]:
     """megalite's tensors from a Hugging Face state dict. `groups[how]`: the number of interleaved
-    sets for qkv (heads), kv (query groups) and glu (ffn width)."""
+    sets for qkv (heads), kv (query groups) and glu (1: gate and up stacked)."""
     out = {}
     for ours_name, theirs_name, how in table:
         if isinstance(theirs_name, tuple):  # q, k, v / k, v / gate, up: separate Linear layers

@@ -2,8 +2,8 @@
 megalite's GPTModel with RoPE, grouped-query attention, a SwiGLU MLP and RMSNorm.
 
 Hugging Face's q_proj and k_proj use the "rotate half" RoPE convention, as megalite does, so q is
-copied unchanged; k and v are interleaved per query group into `attention.kv`, gate and up row by
-row into `mlp.fc1` (see common). The four architectures differ only in biases, qk norms and
+copied unchanged; k and v are interleaved per query group into `attention.kv`; gate and up are
+stacked into `mlp.fc1` as [gate; up] (see common). The four architectures differ only in biases, qk norms and
 sliding windows; the table is the same.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def table(s: Shape) -> list[Row]:
 
 def _groups(c) -> dict[str, int]:
     query_groups = getattr(c, "num_query_groups", None) or c.num_attention_heads
-    return {"qkv": c.num_attention_heads, "kv": query_groups, "glu": c.ffn_hidden_size}
+    return {"qkv": c.num_attention_heads, "kv": query_groups, "glu": 1}
 
 
 def tensors_from_hf(theirs: Mapping[str, torch.Tensor], c, padded_vocab: int) -> dict[str, torch.Tensor]:
