@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
@@ -15,6 +14,7 @@ from megalite.models.norms import norm_layer
 from megalite.models.rng import OUTPUT_LAYER_COMPONENT, WORD_EMBEDDING_COMPONENT, hidden_dropout, init_generator
 from megalite.models.transformer import TransformerLayer, run_layers
 from megalite.parallel import state
+from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import VocabParallelEmbedding, default_device, normal_init, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -120,7 +120,9 @@ class LanguageModelStage(nn.Module):
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)
-        output = self.output_layer if self.config.untie_embeddings_and_output_weights else self.word_embeddings
-        logits = F.linear(x, output.weight, bias)
+        untied = self.config.untie_embeddings_and_output_weights
+        output = self.output_layer if untied else self.word_embeddings
+        # A tied weight's other use (the lookup) accumulates through autograd: only an untied one fuses.
+        logits = linear(x, output.weight, bias, into_main_grad=untied)
         output.mask_padding_logits(logits)  # padding never wins
         return logits

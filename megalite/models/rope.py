@@ -55,7 +55,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, s: int, device, cp_rank: int = 0, cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads: positions 0..s-1, or
-        with context parallelism the global positions of CP rank `cp_rank`'s s tokens."""
+        with context parallelism the global positions of CP rank `cp_rank`'s s tokens. The sine's
+        first half is negated: rotate_half(x) * sin is then x.roll(half) * sin, with no cat."""
         key = (self._key, s, str(device), cp_rank, cp)
         if key not in _TABLES:
             if len(_TABLES) >= _MAX_TABLES:
@@ -63,7 +64,9 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(s) if cp == 1 else context_parallel_positions(s * cp, cp_rank, cp)
             angles = torch.outer(positions.to(torch.float32), self.inv_freq)
             angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
-            _TABLES[key] = (angles.cos(), angles.sin())
+            sin = angles.sin()
+            sin[..., :self.rotary_dims // 2].neg_()
+            _TABLES[key] = (angles.cos(), sin)
         return _TABLES[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,11 +76,12 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(x, cos, sin, self.rotary_dims)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin on the first `dims` dims of the last axis (in fp32)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin on the first `dims` dims of the last axis (in fp32), where
+    rotate_half(x) = [-second half, first half]: computed as x.roll(half) * signed_sin (the sine
+    with its first half negated, as `cos_sin` returns it), the same numbers with no cat."""
     rotated, rest = x[..., :dims].float(), x[..., dims:]
-    first, second = rotated.chunk(2, dim=-1)
-    out = rotated * cos + torch.cat([-second, first], dim=-1) * sin
+    out = rotated * cos + rotated.roll(dims // 2, dims=-1) * signed_sin
     return torch.cat([out.to(x.dtype), rest], dim=-1) if rest.shape[-1] else out.to(x.dtype)
 
 

@@ -149,6 +149,8 @@ class ParamAndGradBuffer:
         self.comm_dtype = comm_dtype if comm_dtype not in (None, grad_dtype) else None
         self.launch_log: list[tuple[int, int]] = []  # (bucket index, gradients ready so far) per launch
         self._hooks_seen = 0
+        # Linear weights whose gradient a GEMM wrote here since `zero_grad` (see add_weight_grad).
+        self._written: set[int] = set()
         self.sync_enabled = False
 
         layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units)
@@ -179,6 +181,7 @@ class ParamAndGradBuffer:
             p.main_grad = self.grad_data[lo:lo + n].view(p.shape)
             if p.dtype == self.grad_dtype:
                 p.grad = p.main_grad  # autograd accumulates in place: no copy
+                p.grad_buffer = self  # and linear layers' GEMMs write their weight gradients here
 
     def _allocate_params(self) -> None:
         """The whole parameter buffer (parameters become views of it) and, for a cast-down model,
@@ -248,6 +251,16 @@ class ParamAndGradBuffer:
         if len(bucket.ready) == len(bucket.params) and not bucket.deferred and bucket.work is None:
             self._launch(bucket)
 
+    def add_weight_grad(self, p: torch.nn.Parameter, grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
+        """main_grad (+)= grad_out^T @ inputs (2-D), as autograd's linear backward computes and
+        accumulates it (megalite.parallel.grad_accumulation). Autograd still runs `p`'s
+        post-accumulate hook, with no gradient, once all its uses are back: readiness as before."""
+        if id(p) in self._written:
+            p.main_grad.add_(grad_out.t().mm(inputs))
+        else:  # zeroed since the last step: the GEMM's output is the gradient
+            torch.mm(grad_out.t(), inputs, out=p.main_grad)
+            self._written.add(id(p))
+
     def _launch(self, bucket: Bucket) -> None:
         self.launch_log.append((bucket.index, self._hooks_seen))
         if self.dp_size == 1:
@@ -289,6 +302,7 @@ class ParamAndGradBuffer:
         self.grad_data.zero_()
         self.launch_log.clear()
         self._hooks_seen = 0
+        self._written.clear()
 
     # -- optimizer side ------------------------------------------------------------------------
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:

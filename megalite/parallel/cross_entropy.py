@@ -15,12 +15,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         tp, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group()
-        logits_max = logits.max(dim=-1).values.float()
+        logits_max = logits.amax(dim=-1).float()  # amax: max() would also find the indices
         if tp > 1:
             traffic.counted_all_reduce("tp", logits_max, group, op=dist.ReduceOp.MAX)
-        # One fp32 working copy, shifted in place (16-bit logits: no second vocabulary-sized copy).
-        shifted = logits.to(torch.float32, copy=True)
-        shifted -= logits_max.unsqueeze(-1)
+        # One fp32 working copy, shifted as it is made (one pass; 16-bit logits are promoted).
+        shifted = logits - logits_max.unsqueeze(-1)
 
         part = logits.shape[-1]
         start = state.get_tensor_model_parallel_rank() * part

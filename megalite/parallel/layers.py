@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel import state
+from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -177,7 +178,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, into_main_grad=True)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -204,7 +205,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, into_main_grad=True)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:

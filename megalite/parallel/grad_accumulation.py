@@ -1,0 +1,58 @@
+"""Weight gradients of linear layers written straight into the gradient buffer.
+
+Autograd would compute a linear layer's weight gradient into a new tensor and then add it to the
+parameter's `.grad` (the buffer's `main_grad` view): a second pass over every weight gradient, per
+micro-batch. Here the backward writes the GEMM's output into `main_grad` itself: the step's first
+write overwrites (the buffer was zeroed), later micro-batches add. The numbers are those of
+autograd's path (the same GEMM; the same addition when accumulating), one memory pass fewer.
+
+It applies to a weight whose buffer opted in (`ParamAndGradBuffer`: same dtype as its gradients,
+not ZeRO-2/3, which reduce separate gradients) where the caller asks (`linear(...,
+into_main_grad=True)`: a parallel linear layer's own weight; not a tied embedding, whose lookup's
+gradient autograd adds in place meanwhile). The backward returns no weight gradient, and autograd
+still runs the weight's post-accumulate hook once every use of it is back, so the buffer's bucket
+readiness is what it was. Under torch.compile, and without a buffer, `linear` is F.linear.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _buffer_of(weight: torch.Tensor):
+    """The buffer that takes this weight's gradient straight from the GEMM, or None."""
+    buffer = getattr(weight, "grad_buffer", None)
+    if buffer is None or not torch.is_grad_enabled() or not weight.requires_grad:
+        return None
+    if torch.compiler.is_compiling() or weight.grad is not weight.main_grad:
+        return None
+    return buffer
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           into_main_grad: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias); with `into_main_grad` (the weight is used once per forward), its
+    gradient goes straight into the weight's gradient buffer when it has one."""
+    buffer = _buffer_of(weight) if into_main_grad else None
+    if buffer is None:
+        return F.linear(x, weight, bias)
+    return _LinearIntoMainGrad.apply(x, weight, bias, buffer)
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, buffer):
+        ctx.save_for_backward(x, weight)
+        # The parameter itself: under recomputation the saved weight comes back as another tensor.
+        ctx.param, ctx.buffer, ctx.has_bias = weight, buffer, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        # What autograd's linear backward computes: dx = dy W, dW = dy^T x, db = sum of dy's rows.
+        dx = dy.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
+        ctx.buffer.add_weight_grad(ctx.param, dy, x.reshape(-1, x.shape[-1]))
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, None, db, None
