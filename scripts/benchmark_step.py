@@ -22,10 +22,10 @@ B A A B), warm-up steps first; CPU time per step from time.process_time(). A rou
 megalite's ms per step over plain's; the summary is the median ratio over rounds, its range, and
 each side's median ms per step.
 
---compile compiles both: megalite as its --torch-compile flag does (each transformer layer compiled
-on its own, `megalite.models.compile_layers`; embedding, output layer and loss eager), or with
-`--megalite-compile model` the whole model chunk; the plain side's forward and loss as one
-torch.compile'd function. --profile runs torch.profiler over a few steps of each side and prints the
+--compile compiles both: megalite as its --torch-compile flag does (at tp 1, the model chunk as one
+region: embedding, layers, output layer and loss), or with `--megalite-compile layers` each
+transformer layer on its own (what the flag does under tensor parallelism; embedding, output layer
+and loss eager); the plain side's forward and loss as one torch.compile'd function. --profile runs torch.profiler over a few steps of each side and prints the
 top operators by self CPU time side by side, then the operators where the two differ most.
 """
 from __future__ import annotations
@@ -119,14 +119,15 @@ def _task(family: str):
 def build_megalite(family: str, s: Shape, compile_mode: str | None, state_dict=None):
     """(Side, batch dict, model config, padded vocabulary) built the way megalite.training.pretrain
     builds a run: parsed flags, setup, model chunks, buffers and optimizer, one TrainStep.
-    compile_mode: None (eager), "layers" (--torch-compile) or "model" (the whole chunk compiled).
+    compile_mode: None (eager), "flag" (--torch-compile: the chunk whole at tp 1) or "layers" (each
+    transformer layer compiled on its own).
     `state_dict` (tp = 1 names) is loaded into the model before the optimizer takes its masters."""
     from megalite import parallel, training
     from megalite.config import build_parser
-    from megalite.models.norms import NORMS
+    from megalite.models import compile_layers
 
     task = _task(family)
-    cfg = build_parser("benchmark_step", "gpt-tiny").parse_args(megalite_args(family, s, compile_mode == "layers"))
+    cfg = build_parser("benchmark_step", "gpt-tiny").parse_args(megalite_args(family, s, compile_mode == "flag"))
     cfg = task.prepare(cfg)
     if parallel.model_parallel_is_initialized():  # a second build in this process (the tests)
         parallel.destroy_model_parallel()
@@ -134,12 +135,9 @@ def build_megalite(family: str, s: Shape, compile_mode: str | None, state_dict=N
     chunks = training.build_model_chunks(task, config, cfg, device)
     if state_dict is not None:
         chunks[0].load_state_dict(state_dict)
-    if compile_mode == "model":
+    if compile_mode == "layers":  # what --torch-compile does under tensor parallelism
         for chunk in chunks:
-            for module in chunk.modules():  # as compile_layers does: let inductor fuse the norms
-                if isinstance(module, tuple(NORMS.values())) and module.backend == "auto":
-                    module.backend = "torch"
-            chunk.compile()
+            compile_layers(chunk)
     buffers, optimizer = training.build_optimizer(cfg, chunks)
     data, _ = task.build_data(config, cfg)
     train_step = training.TrainStep.for_run(cfg, config.hidden_size, chunks, task.forward_step, buffers, optimizer)
@@ -375,8 +373,8 @@ def main(argv=None) -> dict:
     p.add_argument("--family", choices=FAMILIES, required=True)
     p.add_argument("--size", choices=("tiny", "124m"), default="tiny")
     p.add_argument("--compile", action="store_true", help="torch.compile both sides")
-    p.add_argument("--megalite-compile", choices=("layers", "model"), default="layers",
-                   help="with --compile: each layer (what --torch-compile does) or the whole model chunk")
+    p.add_argument("--megalite-compile", choices=("flag", "layers"), default="flag",
+                   help="with --compile: as --torch-compile does (the chunk whole at tp 1), or each layer alone")
     p.add_argument("--rounds", type=int, default=None, help="ABBA rounds (default: tiny 20, 124m 10, quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps of each side")
     p.add_argument("--steps-per-slot", type=int, default=None, help="steps in each A or B slot of a round")

@@ -94,8 +94,8 @@ class ModelConfig:
     attention_backend: str = opt("auto", "sdpa: PyTorch's fused attention (what auto picks); fused: score matmuls "
                                          "+ megalite's fused softmax kernel; torch: explicit softmax matrices",
                                  choices=("auto", "sdpa", "fused", "torch"))
-    torch_compile: bool = opt(False, "torch.compile each transformer layer (fuses bias+GeLU, dropout+residual, "
-                                     "norms)")
+    torch_compile: bool = opt(False, "torch.compile the model (fuses bias+GeLU, dropout+residual, norms, the "
+                                     "loss): each stage's chunk whole at --tp 1 and --cp 1, else each layer")
     normalization: str | None = opt(None, "the norm of every layer (default: the preset's); Megatron-LM's "
                                           "LayerNorm/RMSNorm spellings too", choices=("layernorm", "rmsnorm"),
                                     shape=True)

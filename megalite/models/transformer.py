@@ -54,22 +54,31 @@ class TransformerLayer(nn.Module):
         return x + drop(self.mlp(self.post_attention_layernorm(x)))
 
 
-def compile_layers(model: nn.Module, backend: str | None = None) -> nn.Module:
+def _norms_to_torch(module: nn.Module) -> None:
+    """Inductor fuses F.layer_norm with its neighbours; a custom kernel would break the graph."""
+    for m in module.modules():
+        if isinstance(m, tuple(NORMS.values())) and m.backend == "auto":
+            m.backend = "torch"
+
+
+def compile_layers(model: nn.Module, backend: str | None = None, whole: bool = False) -> nn.Module:
     """torch.compile each transformer layer of `model` in place (`model.layers`): the layers are
     where the element-wise work (bias + GeLU, dropout + residual, LayerNorm) fuses; the embedding,
-    loss and pipeline boundaries stay eager. Parameters and state_dict names do not change. Norms
-    left on "auto" run F.layer_norm inside the compiled layers.
-    `backend` defaults to $MEGALITE_COMPILE_BACKEND, else inductor."""
+    loss and pipeline boundaries stay eager. `whole`: compile the model (this stage's chunk) as one
+    region instead, so the embedding, final norm, output layer and loss fuse too and no graph
+    boundary sits between layers (where no tensor-parallel collective runs between them).
+    Parameters and state_dict names do not change. Norms left on "auto" run F.layer_norm inside the
+    compiled code. `backend` defaults to $MEGALITE_COMPILE_BACKEND, else inductor."""
     import torch._dynamo
 
     backend = backend or os.environ.get("MEGALITE_COMPILE_BACKEND", "inductor")
+    _norms_to_torch(model)
+    if whole:
+        model.compile(backend=backend)
+        return model
     # Every layer is its own module instance: leave room for one compiled entry each.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(model.layers))
     for layer in model.layers:
-        for module in layer.modules():
-            # Inductor fuses F.layer_norm with its neighbours; a custom kernel would break the graph.
-            if isinstance(module, tuple(NORMS.values())) and module.backend == "auto":
-                module.backend = "torch"
         layer.compile(backend=backend)
     return model
 

@@ -72,7 +72,8 @@ def build_model_chunks(task: Task, config, cfg, device) -> list[torch.nn.Module]
         chunks.append(task.build_model(config, cfg, device, pre_process=vs == 0,
                                        post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
         if cfg.model.torch_compile:
-            compile_layers(chunks[-1])
+            # One region per chunk where no TP/CP collective runs inside it; else layer by layer.
+            compile_layers(chunks[-1], whole=cfg.parallel.tp == 1 and cfg.parallel.cp == 1)
     return chunks
 
 
