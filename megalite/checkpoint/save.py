@@ -11,8 +11,10 @@ The files and the commit themselves are `atomic`'s; the state written is `rank_s
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import mmap
 import shutil
 import threading
 import time
@@ -30,25 +32,57 @@ from megalite.runtime import TrainingStopped, UsageError
 
 _POLL_S = 0.02
 _ALIGN = 64
+_PAGE = mmap.PAGESIZE
 
 
 class Snapshot:
-    """One contiguous (pinned, with CUDA) host buffer, reused across saves: one copy per tensor."""
+    """One contiguous (pinned, with CUDA) host buffer, reused across saves: one copy per tensor.
+
+    `prepare` allocates it ahead of the first save, in a background thread, so that the allocation
+    (pinned memory is slow to allocate) and the first touch of its pages (on CPU these page faults
+    cost more than the copy itself) overlap training; `take` waits only for what is not done yet."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
+        self._preparing: threading.Thread | None = None
+
+    def prepare(self, entries, pin: bool) -> None:
+        """Start allocating the buffer that `take(entries)` uses, unless the one held is big enough.
+        Only the entries' sizes are read: meta tensors will do."""
+        self.wait()
+        total = _layout(entries)[1]
+        if self.buffer is not None and self.buffer.numel() >= total:
+            return
+        self.buffer = None  # let the old one go first
+        device = torch.cuda.current_device() if pin else None  # the thread's own device would be GPU 0
+        self._preparing = threading.Thread(target=self._allocate_quietly, args=(total, pin, device), daemon=True,
+                                           name="megalite-checkpoint-buffer")
+        self._preparing.start()
+
+    def wait(self) -> None:
+        """Return once a preparation under way is done."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
+    def _allocate_quietly(self, total: int, pin: bool, device) -> None:
+        try:
+            buffer = _allocate(total, pin, device)
+            if not pin:  # pageable memory is resident once written; pinned memory is so from the start
+                buffer[::_PAGE].zero_()
+            self.buffer = buffer
+        except Exception:  # noqa: BLE001 - out of memory, say: `take` allocates again and raises in the loop
+            self.buffer = None
 
     def take(self, entries, unit_keys=(), units_gathered_in_turn=()):
         """Copies of `entries` in the host buffer. A tensor whose storage is a ZeRO-3 unit's (its
         key in `unit_keys`) is copied while `units_gathered_in_turn` holds that unit gathered."""
-        offsets, total = [], 0
-        for _, t in entries:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        self.wait()
+        offsets, total = _layout(entries)
         if self.buffer is None or self.buffer.numel() < total:
             self.buffer = None  # let the old one go first
-            pin = torch.cuda.is_available() and any(t.is_cuda for _, t in entries)
-            self.buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+            pin = _pinned(entries)
+            self.buffer = _allocate(total, pin, torch.cuda.current_device() if pin else None)
         out = []
         for (key, t), off in zip(entries, offsets):
             n = t.numel() * t.element_size()
@@ -66,6 +100,24 @@ class Snapshot:
         if any(t.is_cuda for _, t in entries):
             torch.cuda.synchronize()
         return out
+
+
+def _layout(entries) -> tuple[list[int], int]:
+    """Each entry's byte offset in the snapshot buffer, and the buffer's size."""
+    offsets, total = [], 0
+    for _, t in entries:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _pinned(entries) -> bool:
+    return torch.cuda.is_available() and any(t.is_cuda for _, t in entries)
+
+
+def _allocate(total: int, pin: bool, device) -> torch.Tensor:
+    with torch.cuda.device(device) if pin else contextlib.nullcontext():  # pinned for this rank's GPU
+        return torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
 
 
 class _LocalStore:
@@ -190,6 +242,32 @@ class Checkpointer:
                 self._commit_when_written(job)
             self.finalize()
 
+    def prepare(self, model_chunks, optimizer, replica=None, wait: bool = False) -> None:
+        """Allocate the snapshot buffer of a --save-async save now, in a background thread, so that
+        no save has to (the first one waits only for what is not done yet). Call it right after
+        building the model and optimizer, on every rank (ZeRO-3 gathers the embeddings' units, as a
+        save does). Before the first step the buffer is sized for the Adam state that step creates.
+        `replica`: a function of the optimizer giving the `replica` a save is handed (local SGD),
+        called on that stand-in. `wait`: return only once the buffer is ready (tests, benchmarks).
+        A save whose entries outgrow the buffer allocates a bigger one, as without preparing."""
+        stand_in = _after_first_step(optimizer) if optimizer is not None else None
+
+        def collect():
+            return collect_rank_state(model_chunks, stand_in, replica=replica(stand_in) if replica else None)[0]
+
+        if _zero_stage(optimizer) == 3:
+            optimizer.unit_storage_keys()  # as a save: parked parameters get their shapes back
+            with optimizer.non_layer_units_gathered():  # the vocabulary is cut while whole
+                entries = collect()
+        else:
+            entries = collect()
+        live = any(t.device.type not in ("cpu", "meta") for _, t in entries) or (
+            stand_in is not None and any(piece.master.device.type != "cpu" for piece in optimizer.pieces))
+        if self.async_save or live:  # else a save writes the live tensors, without a snapshot
+            self._snapshot.prepare(entries, pin=torch.cuda.is_available() and live)
+            if wait:
+                self._snapshot.wait()
+
     def poll(self) -> str | None:
         """None while saving goes well (or nothing is pending), else the failed save's one line.
         Cheap and local: a look at this rank's writer and one store lookup."""
@@ -264,6 +342,36 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         job.outcome = outcome
         self._store.set(job.prefix + "outcome", json.dumps(outcome))
+
+
+def _after_first_step(optimizer):
+    """The optimizer as a save collects it once a step has run: every master's Adam state as the
+    first step creates it (or as it is), in stand-ins of the same shapes and dtypes that hold no
+    memory (meta tensors; step counts as host zeros, so nothing is read from the device)."""
+    state = {piece.master: _stand_ins(optimizer.inner, piece.master) for piece in optimizer.pieces}
+    return _With(optimizer, inner=_With(optimizer.inner, state=state))
+
+
+class _With:
+    """`base` with some attributes replaced."""
+
+    def __init__(self, base, **replaced):
+        self._base = base
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def _stand_ins(inner, master) -> dict:
+    state = inner.state.get(master)
+    if not state:  # no step yet: what torch's Adam/AdamW (and apex's FusedAdam, step count aside) create
+        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
+        state = {k: master for k in moments}
+        if isinstance(inner, torch.optim.Adam):  # AdamW too
+            state["step"] = torch.zeros((), dtype=torch.float32)
+    return {k: (torch.zeros(v.shape, dtype=v.dtype) if k == "step" else torch.empty_like(v, device="meta"))
+            if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def _zero_stage(optimizer) -> int:

@@ -77,6 +77,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     local_sgd = build_local_sgd(cfg, optimizer)  # after resume: it starts from the loaded masters
     resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
     checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd)
+    checkpoints.prepare(chunks, optimizer)  # --save-async: the host buffer, while training starts
     schedule, embedding_schedule = lr_schedules(cfg)
     data, valid_data = task.build_data(config, cfg)
 

@@ -2,6 +2,10 @@
 failed background save, the last iteration), agreed by every rank without a device sync."""
 from __future__ import annotations
 
+from functools import partial
+
+import torch
+
 from megalite import checkpoint
 from megalite.exits import ExitWatch
 from megalite.optim.local_sgd import replica_state
@@ -16,6 +20,13 @@ class CheckpointAndExit:
         self.saver = checkpoint.Checkpointer(c.save, c.save_async) if c.save else None
         self.exits = ExitWatch(cfg, checkpoint_error=self.saver.poll if self.saver is not None else lambda: None,
                                watch_checkpoints=self.saver is not None and cfg.checkpoint.save_async)
+
+    def prepare(self, chunks, optimizer) -> None:
+        """With --save-async, allocate the saves' host buffer now, in the background, so that no save
+        has to (every rank, right after the model and optimizer are built)."""
+        if self.saver is not None and self.cfg.checkpoint.save_async:
+            replica = partial(_replica_after_a_round, self.local_sgd) if self.local_sgd is not None else None
+            self.saver.prepare(chunks, optimizer, replica)
 
     def after_iteration(self, iteration: int, consumed: int, chunks, optimizer, log) -> str | None:
         """Iteration `iteration` (1-based) is done: save if it is due (interval, last iteration, or a
@@ -56,3 +67,13 @@ class CheckpointAndExit:
         if self.saver is not None:
             set_phase("finishing the last checkpoint")
             self.saver.close()  # waits for a background commit, then gives the directory up
+
+
+def _replica_after_a_round(local_sgd, optimizer) -> dict:
+    """`replica_state` as a save holds it once outer rounds run: with --local-sgd-async, every
+    fragment's average waiting to be applied (fp32; a stand-in of its size)."""
+    state = replica_state(local_sgd, optimizer)
+    if local_sgd.asynchronous:
+        pending = [torch.empty(f.hi - f.lo, device="meta") for f in local_sgd.fragments]
+        state["local_sgd"] = {**state["local_sgd"], "pending": pending}
+    return state
