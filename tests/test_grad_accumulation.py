@@ -1,7 +1,7 @@
-"""Linear layers' weight gradients written by the GEMM straight into the gradient buffer (issue 30):
-bitwise the gradients autograd accumulates, over several micro-batches, for GPT (biases, tied
-embedding) and a Llama-shaped model (GQA, SwiGLU, untied output layer), with full and selective
-recomputation; the buffer hears of each weight once all its forward uses are back (a weight used
+"""Linear layers' weight gradients written by the GEMM straight into the gradient buffer, and an
+untied embedding's rows added there (issue 30): bitwise the gradients autograd accumulates, over
+several micro-batches, for GPT (biases, tied embedding) and a Llama-shaped model (GQA, SwiGLU, untied
+embedding and output layer) at TP 1 and 2, with full and selective recomputation; the buffer hears of each weight once all its forward uses are back (a weight used
 twice launches its bucket only after both); bf16 weights, ZeRO-2 and compiled code keep autograd's
 path; no host sync is added."""
 import copy
@@ -19,7 +19,7 @@ from megalite.testing import count_host_syncs, run_ranks
 LLAMA = dict(gated_linear_unit=True, activation="silu", normalization="rmsnorm", position_embedding_type="rope",
              num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)
 MODELS = {"gpt": {}, "llama": LLAMA, "llama-recompute-full": dict(LLAMA, recompute="full"),
-          "gpt-recompute-selective": dict(recompute="selective")}
+          "gpt-recompute-selective": dict(recompute="selective"), "llama-tp2": LLAMA}
 
 
 def _config(**kw) -> TransformerConfig:
@@ -33,23 +33,31 @@ def _buffer(params, dtype=torch.float32, **kw):
 
 
 class _Counting:
-    """Counts the fused backward's calls while active."""
+    """Counts the fused backwards' calls while active (linear, embedding)."""
 
     def __enter__(self):
-        self.calls, self._original = 0, grad_accumulation._LinearIntoMainGrad.backward
+        self.calls, self.embedding_calls = 0, 0
+        self._originals = (grad_accumulation._LinearIntoMainGrad.backward,
+                           grad_accumulation._EmbeddingIntoMainGrad.backward)
 
         def counted(ctx, g):
             self.calls += 1
-            return self._original(ctx, g)
+            return self._originals[0](ctx, g)
+
+        def counted_embedding(ctx, g):
+            self.embedding_calls += 1
+            return self._originals[1](ctx, g)
         grad_accumulation._LinearIntoMainGrad.backward = staticmethod(counted)
+        grad_accumulation._EmbeddingIntoMainGrad.backward = staticmethod(counted_embedding)
         return self
 
     def __exit__(self, *exc):
-        grad_accumulation._LinearIntoMainGrad.backward = staticmethod(self._original)
+        grad_accumulation._LinearIntoMainGrad.backward = staticmethod(self._originals[0])
+        grad_accumulation._EmbeddingIntoMainGrad.backward = staticmethod(self._originals[1])
 
 
 def _fused_equals_autograd(rank, world, model_kw, micro_batches):
-    parallel.initialize_model_parallel(1)
+    parallel.initialize_model_parallel(world)
     model = GPTModel(_config(**model_kw), seed=3, device="cpu").train()
     reference = copy.deepcopy(model)
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(micro_batches)]
@@ -65,16 +73,20 @@ def _fused_equals_autograd(rank, world, model_kw, micro_batches):
     buffer.finish_grad_sync()
     differ = [n for (n, p), q in zip(model.named_parameters(), reference.parameters())
               if not torch.equal(p.main_grad, q.grad)]
-    return {"differ": differ, "fused_calls": counting.calls, "syncs": syncs.calls, "launched": launched,
+    return {"differ": differ, "fused_calls": counting.calls, "embedding_calls": counting.embedding_calls,
+            "syncs": syncs.calls, "launched": launched,
             "hooks": hooks, "params": len(buffer.params)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
-    out = run_ranks(_fused_equals_autograd, 1, args=(MODELS[name], 3))[0]
+    tp = 2 if name.endswith("tp2") else 1
+    out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3))[0]
     assert out["differ"] == [], f"gradients differ from autograd's: {out['differ']}"
     linears_per_layer = 4 if name.startswith("gpt") else 5  # qkv|q,kv, proj, fc1, fc2
-    assert out["fused_calls"] == 3 * (2 * linears_per_layer + (1 if name.startswith("llama") else 0))
+    untied = name.startswith("llama")  # its output layer fuses, and its embedding's lookups
+    assert out["fused_calls"] == 3 * (2 * linears_per_layer + untied)
+    assert out["embedding_calls"] == 3 * untied
     assert out["syncs"] == []
     # Buckets still launch during the last backward, before every gradient is in.
     assert out["hooks"] == 3 * out["params"]  # every weight heard of once per micro-batch

@@ -56,6 +56,7 @@ class LanguageModelStage(nn.Module):
         if config.untie_embeddings_and_output_weights:
             if pre_process:
                 self.word_embeddings = self._vocab_parallel(WORD_EMBEDDING_COMPONENT)
+                self.word_embeddings.fuse_weight_grad = True  # untied: looked up, never multiplied
             if post_process:
                 self.output_layer = self._vocab_parallel(OUTPUT_LAYER_COMPONENT)
         elif pre_process or post_process:

@@ -261,6 +261,15 @@ class ParamAndGradBuffer:
             torch.mm(grad_out.t(), inputs, out=p.main_grad)
             self._written.add(id(p))
 
+    def add_embedding_grad(self, p: torch.nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """main_grad[ids] += rows (1-D ids, 2-D rows), summed as autograd's embedding backward sums
+        them into a zeroed table (then added to main_grad): bitwise the same gradient."""
+        if id(p) in self._written:
+            p.main_grad.add_(torch.zeros_like(p.main_grad).index_add_(0, ids, rows))
+        else:  # zeroed since the last step: the table is the zeroed buffer itself
+            p.main_grad.index_add_(0, ids, rows)
+            self._written.add(id(p))
+
     def _launch(self, bucket: Bucket) -> None:
         self.launch_log.append((bucket.index, self._hooks_seen))
         if self.dp_size == 1:

@@ -12,6 +12,8 @@ into_main_grad=True)`: a parallel linear layer's own weight; not a tied embeddin
 gradient autograd adds in place meanwhile). The backward returns no weight gradient, and autograd
 still runs the weight's post-accumulate hook once every use of it is back, so the buffer's bucket
 readiness is what it was. Under torch.compile, and without a buffer, `linear` is F.linear.
+`embedding` does the same for an untied word embedding: its rows' gradients are added into the
+buffer (index_add_, as autograd's embedding backward sums them) instead of into a zeroed table.
 """
 from __future__ import annotations
 
@@ -37,6 +39,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if buffer is None:
         return F.linear(x, weight, bias)
     return _LinearIntoMainGrad.apply(x, weight, bias, buffer)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False) -> torch.Tensor:
+    """F.embedding(ids, weight); with `into_main_grad` (the table is used once per forward: untied),
+    the rows' gradients are added straight into the weight's gradient buffer, with no vocabulary-
+    sized zeroed tensor and no second pass over it."""
+    buffer = _buffer_of(weight) if into_main_grad else None
+    if buffer is None:
+        return F.embedding(ids, weight)
+    return _EmbeddingIntoMainGrad.apply(ids, weight, buffer)
+
+
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, buffer):
+        ctx.save_for_backward(ids)
+        ctx.param, ctx.buffer = weight, buffer
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        ctx.buffer.add_embedding_grad(ctx.param, ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]))
+        return None, None, None
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):

@@ -16,11 +16,10 @@ import os
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel import state
-from megalite.parallel.grad_accumulation import linear
+from megalite.parallel.grad_accumulation import embedding, linear
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -242,6 +241,8 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         rank = state.get_tensor_model_parallel_rank()
+        # Lookups only (an untied table): its gradient may go straight into the gradient buffer.
+        self.fuse_weight_grad = False
         self.check_ids = os.environ.get(DEBUG_IDS_ENV, "") not in ("", "0") if check_ids is None else check_ids
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_real_embeddings = num_real_embeddings or num_embeddings
@@ -268,9 +269,9 @@ class VocabParallelEmbedding(nn.Module):
         if state.get_tensor_model_parallel_world_size() > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = embedding(local, self.weight, self.fuse_weight_grad).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = embedding(ids, self.weight, self.fuse_weight_grad)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tensor_model_parallel_region(out)
