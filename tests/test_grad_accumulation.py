@@ -57,6 +57,7 @@ class _Counting:
 
 
 def _fused_equals_autograd(rank, world, model_kw, micro_batches):
+    grad_accumulation.MIN_FUSED_NUMEL = 0  # tiny weights fuse too, here
     parallel.initialize_model_parallel(world)
     model = GPTModel(_config(**model_kw), seed=3, device="cpu").train()
     reference = copy.deepcopy(model)
@@ -94,6 +95,7 @@ def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
 
 
 def _used_twice(rank, world):
+    grad_accumulation.MIN_FUSED_NUMEL = 0
     parallel.initialize_model_parallel(1)
     layer = ColumnParallelLinear(8, 6, bias=False, device="cpu")
     other = torch.nn.Parameter(torch.ones(3))
@@ -113,7 +115,8 @@ def test_a_weight_used_twice_is_ready_once_after_both_backwards():
     assert len(seen_at_ready) == 1 and torch.allclose(seen_at_ready[0], want)  # after both, not the first
 
 
-def test_without_a_buffer_bf16_or_compiling_it_is_plain_linear():
+def test_without_a_buffer_bf16_small_or_compiling_it_is_plain_linear(monkeypatch):
+    monkeypatch.setattr(grad_accumulation, "MIN_FUSED_NUMEL", 0)
     layer = torch.nn.Linear(4, 3)
     x = torch.randn(2, 4)
     assert grad_accumulation._buffer_of(layer.weight) is None  # no buffer
@@ -125,6 +128,9 @@ def test_without_a_buffer_bf16_or_compiling_it_is_plain_linear():
     assert grad_accumulation._buffer_of(fp32) is buffer
     with torch.no_grad():
         assert grad_accumulation._buffer_of(fp32) is None  # evaluation
+    monkeypatch.setattr(grad_accumulation, "MIN_FUSED_NUMEL", fp32.numel() + 1)
+    assert grad_accumulation._buffer_of(fp32) is None  # too small to pay for the Python
+    monkeypatch.setattr(grad_accumulation, "MIN_FUSED_NUMEL", 0)
     fp32.grad = None  # someone took the gradient away from the buffer: autograd's path again
     assert grad_accumulation._buffer_of(fp32) is None
     assert torch.equal(grad_accumulation.linear(x, layer.weight, layer.bias, into_main_grad=True), layer(x))

@@ -20,11 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Below this many elements a weight keeps autograd's path: the fused backward's Python costs about
+# 0.1 ms a call on a CPU, more than the pass it saves (scripts/benchmark_step.py: a 4-layer h256
+# model ran 2-3% slower fused, a 124M one 3.4% faster; docs/BENCHMARKS.md).
+MIN_FUSED_NUMEL = 1 << 20
+
 
 def _buffer_of(weight: torch.Tensor):
     """The buffer that takes this weight's gradient straight from the GEMM, or None."""
     buffer = getattr(weight, "grad_buffer", None)
-    if buffer is None or not torch.is_grad_enabled() or not weight.requires_grad:
+    if buffer is None or not torch.is_grad_enabled() or not weight.requires_grad or weight.numel() < MIN_FUSED_NUMEL:
         return None
     if torch.compiler.is_compiling() or weight.grad is not weight.main_grad:
         return None
