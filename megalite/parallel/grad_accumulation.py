@@ -38,8 +38,8 @@ def _buffer_of(weight: torch.Tensor):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            into_main_grad: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias); with `into_main_grad` (the weight is used once per forward), its
-    gradient goes straight into the weight's gradient buffer when it has one."""
+    """F.linear(x, weight, bias); with `into_main_grad` (every use of the weight comes this way: not
+    a tied embedding), its gradient goes straight into the weight's gradient buffer when it has one."""
     buffer = _buffer_of(weight) if into_main_grad else None
     if buffer is None:
         return F.linear(x, weight, bias)
