@@ -19,7 +19,8 @@ from megalite.testing import count_host_syncs, run_ranks
 LLAMA = dict(gated_linear_unit=True, activation="silu", normalization="rmsnorm", position_embedding_type="rope",
              num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)
 MODELS = {"gpt": {}, "llama": LLAMA, "llama-recompute-full": dict(LLAMA, recompute="full"),
-          "gpt-recompute-selective": dict(recompute="selective"), "llama-tp2": LLAMA}
+          "gpt-recompute-selective": dict(recompute="selective"), "llama-tp2": LLAMA, "gpt-tp2": {},
+          "gpt-sp-tp2": dict(sequence_parallel=True)}
 
 
 def _config(**kw) -> TransformerConfig:
@@ -85,13 +86,61 @@ def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
     out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3))[0]
     assert out["differ"] == [], f"gradients differ from autograd's: {out['differ']}"
     linears_per_layer = 4 if name.startswith("gpt") else 5  # qkv|q,kv, proj, fc1, fc2
-    untied = name.startswith("llama")  # its output layer fuses, and its embedding's lookups
-    assert out["fused_calls"] == 3 * (2 * linears_per_layer + untied)
-    assert out["embedding_calls"] == 3 * untied
+    # The output layer fuses, and the embedding's lookups: untied (llama) or tied (gpt).
+    assert out["fused_calls"] == 3 * (2 * linears_per_layer + 1)
+    assert out["embedding_calls"] == 3
     assert out["syncs"] == []
     # Buckets still launch during the last backward, before every gradient is in.
     assert out["hooks"] == 3 * out["params"]  # every weight heard of once per micro-batch
     assert out["launched"] and out["launched"][0][1] < out["hooks"], out["launched"]
+
+
+def _tied_stages(rank, world, micro_batches):
+    """A tied GPT cut in two pipeline stages: the first only looks the table up, the last only
+    multiplies by it; each stage's gradient equals autograd's (the input gradient of the last
+    stage's received activations feeds the first stage's backward, as the schedule does)."""
+    grad_accumulation.MIN_FUSED_NUMEL = 0
+    parallel.initialize_model_parallel(1)
+    config = _config(num_layers=2)
+    first = GPTModel(config, pre_process=True, post_process=False, layer_numbers=[0], seed=3, device="cpu").train()
+    last = GPTModel(config, pre_process=False, post_process=True, layer_numbers=[1], seed=3, device="cpu").train()
+    ref_first, ref_last = copy.deepcopy(first), copy.deepcopy(last)
+    buffers = [_buffer(list(first.parameters())), _buffer(list(last.parameters()))]
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(micro_batches)]
+    with _Counting() as counting:
+        for fused, (a, b) in ((False, (ref_first, ref_last)), (True, (first, last))):
+            for ids in batches:
+                h = a(ids)
+                received = h.detach().requires_grad_()
+                b.set_input_tensor(received)
+                b(labels=ids).sum().backward()
+                h.backward(received.grad)
+    differ = [n for m, ref in ((first, ref_first), (last, ref_last))
+              for (n, p), q in zip(m.named_parameters(), ref.parameters()) if not torch.equal(p.main_grad, q.grad)]
+    return differ, counting.calls, counting.embedding_calls, [b._tied_pending for b in buffers]
+
+
+def test_tied_embedding_on_two_stages_fuses_each_use_bitwise():
+    differ, calls, embedding_calls, pending = run_ranks(_tied_stages, 1, args=(3,))[0]
+    assert differ == []
+    assert calls == 3 * (2 * 4 + 1) and embedding_calls == 3  # both layers' linears, the output, the lookup
+    assert pending == [set(), set()]  # neither stage holds both uses
+
+
+def test_row_sums_add_once_per_row_as_a_zeroed_table_would_bitwise():
+    g = torch.Generator().manual_seed(0)
+    for n, vocab in ((1, 7), (64, 5), (64, 1000), (300, 40)):
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        rows = torch.randn(n, 6, generator=g) * torch.logspace(-3, 3, n).unsqueeze(1)  # sums that round
+        table = torch.randn(vocab, 6, generator=g)
+        want = table + torch.zeros_like(table).index_add_(0, ids, rows)  # autograd: output + lookup
+        got = table.clone()
+        grad_accumulation.add_row_sums(got, ids, rows)
+        assert torch.equal(got, want), (n, vocab)
+    ids = torch.tensor([3, 3, 3])  # id 0 absent: the idle slots add zeros to row 0 and change nothing
+    got = torch.zeros(4, 2)
+    grad_accumulation.add_row_sums(got, ids, torch.ones(3, 2))
+    assert got.tolist() == [[0, 0], [0, 0], [0, 0], [3, 3]]
 
 
 def _used_twice(rank, world):

@@ -83,6 +83,10 @@ class LanguageModelStage(nn.Module):
         # copy on a last stage that is not also the first is the same weight, counted once.
         embedding.weight.tied_embedding = True
         embedding.weight.shared_embedding = not self.pre_process
+        # Its gradient goes straight into the buffer: looked up here, multiplied here, or both
+        # (then the two parts are summed as autograd sums them; see grad_accumulation).
+        embedding.fuse_weight_grad = True
+        embedding.tied_output = self.pre_process and self.post_process
         return embedding
 
     def build_layers(self) -> nn.ModuleList:
@@ -123,7 +127,6 @@ class LanguageModelStage(nn.Module):
             x = copy_to_tensor_model_parallel_region(x)
         untied = self.config.untie_embeddings_and_output_weights
         output = self.output_layer if untied else self.word_embeddings
-        # A tied weight's other use (the lookup) accumulates through autograd: only an untied one fuses.
-        logits = linear(x, output.weight, bias, into_main_grad=untied)
+        logits = linear(x, output.weight, bias, into_main_grad=True, tied=not untied and self.pre_process)
         output.mask_padding_logits(logits)  # padding never wins
         return logits

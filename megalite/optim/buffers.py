@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import traffic
+from megalite.parallel.grad_accumulation import add_row_sums
 # Module attributes, so that tests can count the bytes sent by wrapping them (megalite counts them
 # itself too, in megalite.parallel.traffic).
 from megalite.parallel.mappings import all_gather_single as _all_gather_single
@@ -151,6 +152,9 @@ class ParamAndGradBuffer:
         self._hooks_seen = 0
         # Linear weights whose gradient a GEMM wrote here since `zero_grad` (see add_weight_grad).
         self._written: set[int] = set()
+        # Tied embeddings whose output GEMM wrote main_grad in this micro-batch and whose lookup's
+        # rows are still to be added (add_tied_output_grad, add_tied_lookup_grad).
+        self._tied_pending: set[int] = set()
         self.sync_enabled = False
 
         layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units)
@@ -270,6 +274,30 @@ class ParamAndGradBuffer:
             p.main_grad.index_add_(0, ids, rows)
             self._written.add(id(p))
 
+    def add_tied_output_grad(self, p: torch.nn.Parameter, grad_out: torch.Tensor,
+                             inputs: torch.Tensor) -> torch.Tensor | None:
+        """The output layer's part of a tied embedding's gradient, grad_out^T @ inputs. In the
+        step's first micro-batch it is written into main_grad and the lookup's part follows
+        (add_tied_lookup_grad; the lookup's backward always comes after, as the output's input
+        gradient feeds it); later, it is returned for autograd to sum with the lookup's part, as
+        autograd does (G + (output + lookup): main_grad may not take them one by one)."""
+        if id(p) in self._written:
+            return grad_out.t().mm(inputs)
+        torch.mm(grad_out.t(), inputs, out=p.main_grad)
+        self._written.add(id(p))
+        self._tied_pending.add(id(p))
+        return None
+
+    def add_tied_lookup_grad(self, p: torch.nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The lookup's part of a tied embedding's gradient: added into main_grad right after the
+        output's part was written there (one addition per element, as autograd's output + lookup),
+        else returned as autograd's embedding backward makes it, a zeroed table with the rows added."""
+        if id(p) in self._tied_pending:
+            self._tied_pending.discard(id(p))
+            add_row_sums(p.main_grad, ids, rows)
+            return None
+        return torch.zeros_like(p.main_grad).index_add_(0, ids, rows)
+
     def _launch(self, bucket: Bucket) -> None:
         self.launch_log.append((bucket.index, self._hooks_seen))
         if self.dp_size == 1:
@@ -312,6 +340,7 @@ class ParamAndGradBuffer:
         self.launch_log.clear()
         self._hooks_seen = 0
         self._written.clear()
+        self._tied_pending.clear()
 
     # -- optimizer side ------------------------------------------------------------------------
     def owned_range(self, bucket: Bucket) -> tuple[int, int]:

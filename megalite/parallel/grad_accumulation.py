@@ -8,12 +8,18 @@ autograd's path (the same GEMM; the same addition when accumulating), one memory
 
 It applies to a weight whose buffer opted in (`ParamAndGradBuffer`: same dtype as its gradients,
 not ZeRO-2/3, which reduce separate gradients) where the caller asks (`linear(...,
-into_main_grad=True)`: a parallel linear layer's own weight; not a tied embedding, whose lookup's
-gradient autograd adds in place meanwhile). The backward returns no weight gradient, and autograd
-still runs the weight's post-accumulate hook once every use of it is back, so the buffer's bucket
-readiness is what it was. Under torch.compile, and without a buffer, `linear` is F.linear.
+into_main_grad=True)`). The backward returns no weight gradient, and autograd still runs the
+weight's post-accumulate hook once every use of it is back, so the buffer's bucket readiness is
+what it was. Under torch.compile, and without a buffer, `linear` is F.linear.
 `embedding` does the same for an untied word embedding: its rows' gradients are added into the
 buffer (index_add_, as autograd's embedding backward sums them) instead of into a zeroed table.
+
+A tied word embedding (`tied=True` on both calls: the output layer multiplies by the table the
+lookup read, in the same graph) is summed by autograd as output + lookup, where the lookup's part
+is a vocabulary-sized zeroed table with the rows added. In a step's first micro-batch the output
+GEMM writes `main_grad` and the lookup adds each distinct row's sum once (`add_row_sums`): the same
+single addition per element, with no vocabulary-sized temporary. Later micro-batches hand both
+parts back to autograd, whose order of sums (G + (output + lookup)) a fused path could not keep.
 """
 from __future__ import annotations
 
@@ -37,45 +43,66 @@ def _buffer_of(weight: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           into_main_grad: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias); with `into_main_grad` (every use of the weight comes this way: not
-    a tied embedding), its gradient goes straight into the weight's gradient buffer when it has one."""
+           into_main_grad: bool = False, tied: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias); with `into_main_grad`, the weight's gradient goes straight into its
+    gradient buffer when it has one. Every use of the weight must come through here, or through
+    `embedding(..., tied=True)` with `tied=True` here (a tied word embedding)."""
     buffer = _buffer_of(weight) if into_main_grad else None
     if buffer is None:
         return F.linear(x, weight, bias)
-    return _LinearIntoMainGrad.apply(x, weight, bias, buffer)
+    return _LinearIntoMainGrad.apply(x, weight, bias, buffer, tied)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False) -> torch.Tensor:
-    """F.embedding(ids, weight); with `into_main_grad` (the table is used once per forward: untied),
-    the rows' gradients are added straight into the weight's gradient buffer, with no vocabulary-
-    sized zeroed tensor and no second pass over it."""
+def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False, tied: bool = False) -> torch.Tensor:
+    """F.embedding(ids, weight); with `into_main_grad` (the table is looked up once per forward and
+    not multiplied, or `tied`: also multiplied once by `linear(..., tied=True)` later in the same
+    forward), the rows' gradients are added straight into the weight's gradient buffer, with no
+    vocabulary-sized zeroed tensor and no second pass over it."""
     buffer = _buffer_of(weight) if into_main_grad else None
     if buffer is None:
         return F.embedding(ids, weight)
-    return _EmbeddingIntoMainGrad.apply(ids, weight, buffer)
+    return _EmbeddingIntoMainGrad.apply(ids, weight, buffer, tied)
+
+
+def add_row_sums(table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """table[k] += (the rows whose id is k, summed from zero in the order they come), for 1-D `ids`
+    and 2-D `rows`: one addition per element of `table`, as `table + zeros.index_add_(ids, rows)`
+    makes, with no table-sized temporary. The sums are made per distinct id in slots sized by the
+    batch, so no size depends on the data: no host sync."""
+    n = ids.numel()
+    sorted_ids, order = torch.sort(ids, stable=True)
+    first = torch.ones(n, dtype=torch.bool, device=ids.device)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot_of_sorted = first.cumsum(0) - 1  # distinct ids numbered in sorted order
+    slot = torch.empty_like(slot_of_sorted).scatter_(0, order, slot_of_sorted)
+    sums = rows.new_zeros(n, rows.shape[1]).index_add_(0, slot, rows)  # each slot summed in batch order
+    # Slots past the last distinct id keep id 0 and a zero sum: adding it changes nothing.
+    table.index_add_(0, ids.new_zeros(n).scatter_(0, slot_of_sorted, sorted_ids), sums)
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, buffer):
+    def forward(ctx, ids, weight, buffer, tied):
         ctx.save_for_backward(ids)
-        ctx.param, ctx.buffer = weight, buffer
+        ctx.param, ctx.buffer, ctx.tied = weight, buffer, tied
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        ctx.buffer.add_embedding_grad(ctx.param, ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]))
-        return None, None, None
+        ids, rows = ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.tied:
+            return None, ctx.buffer.add_tied_lookup_grad(ctx.param, ids, rows), None, None
+        ctx.buffer.add_embedding_grad(ctx.param, ids, rows)
+        return None, None, None, None
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, buffer):
+    def forward(ctx, x, weight, bias, buffer, tied):
         ctx.save_for_backward(x, weight)
         # The parameter itself: under recomputation the saved weight comes back as another tensor.
-        ctx.param, ctx.buffer, ctx.has_bias = weight, buffer, bias is not None
+        ctx.param, ctx.buffer, ctx.has_bias, ctx.tied = weight, buffer, bias is not None, tied
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -84,6 +111,10 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         # What autograd's linear backward computes: dx = dy W, dW = dy^T x, db = sum of dy's rows.
         dx = dy.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-        ctx.buffer.add_weight_grad(ctx.param, dy, x.reshape(-1, x.shape[-1]))
+        x2d = x.reshape(-1, x.shape[-1])
+        if ctx.tied:
+            dw = ctx.buffer.add_tied_output_grad(ctx.param, dy, x2d)
+        else:
+            dw = ctx.buffer.add_weight_grad(ctx.param, dy, x2d)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, None, db, None
+        return dx, dw, db, None, None

@@ -241,8 +241,11 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         rank = state.get_tensor_model_parallel_rank()
-        # Lookups only (an untied table): its gradient may go straight into the gradient buffer.
+        # Its gradient may go straight into the gradient buffer: lookups only (an untied table, or a
+        # tied one on a stage without the output layer), or `tied_output` too (the output layer
+        # multiplies by it in the same forward, through grad_accumulation.linear(tied=True)).
         self.fuse_weight_grad = False
+        self.tied_output = False
         self.check_ids = os.environ.get(DEBUG_IDS_ENV, "") not in ("", "0") if check_ids is None else check_ids
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_real_embeddings = num_real_embeddings or num_embeddings
@@ -269,9 +272,9 @@ class VocabParallelEmbedding(nn.Module):
         if state.get_tensor_model_parallel_world_size() > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = embedding(local, self.weight, self.fuse_weight_grad).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = embedding(local, self.weight, self.fuse_weight_grad, self.tied_output).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = embedding(ids, self.weight, self.fuse_weight_grad)
+            out = embedding(ids, self.weight, self.fuse_weight_grad, self.tied_output)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tensor_model_parallel_region(out)
