@@ -95,6 +95,43 @@ def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
     assert out["launched"] and out["launched"][0][1] < out["hooks"], out["launched"]
 
 
+def _second_step(rank, world, model_kw):
+    """Two steps through one buffer, `zero_grad` between them (which does not clear the buffer): the
+    second step's gradients are bitwise a fresh autograd run's, and a parameter with no gradient in
+    it reads zero, not the first step's."""
+    grad_accumulation.MIN_FUSED_NUMEL = 0
+    parallel.initialize_model_parallel(1)
+    model = GPTModel(_config(**model_kw), seed=3, device="cpu").train()
+    extra = torch.nn.Parameter(torch.ones(3))  # used in the first step only
+    reference = copy.deepcopy(model)
+    buffer = _buffer(list(model.parameters()) + [extra])
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    (model(batches[0], labels=batches[0]).sum() + extra.sum()).backward()
+    buffer.finish_grad_sync()
+    first_extra = extra.main_grad.clone()
+    buffer.zero_grad()
+    stale = buffer.grad_data.abs().sum().item()  # the first step's gradients, still there
+    for i, ids in enumerate(batches[1:]):
+        if i == 2:
+            buffer.enable_sync()
+        model(ids, labels=ids).sum().backward()
+        reference(ids, labels=ids).sum().backward()
+    buffer.finish_grad_sync()
+    differ = [n for (n, p), q in zip(model.named_parameters(), reference.parameters())
+              if not torch.equal(p.main_grad, q.grad)]
+    grads_are_views = all(p.grad is p.main_grad for p in buffer.params)
+    return differ, first_extra, extra.main_grad.clone(), stale, grads_are_views
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_the_buffer_is_not_cleared_between_steps_and_each_step_is_autograds(name):
+    differ, first_extra, extra, stale, views = run_ranks(_second_step, 1, args=(MODELS[name],))[0]
+    assert stale > 0  # zero_grad left the buffer as it was: no pass over it
+    assert differ == []
+    assert first_extra.tolist() == [1, 1, 1] and extra.tolist() == [0, 0, 0]
+    assert views  # after the step every parameter's .grad is its main_grad again
+
+
 def _tied_stages(rank, world, micro_batches):
     """A tied GPT cut in two pipeline stages: the first only looks the table up, the last only
     multiplies by it; each stage's gradient equals autograd's (the input gradient of the last
@@ -180,6 +217,8 @@ def test_without_a_buffer_bf16_small_or_compiling_it_is_plain_linear(monkeypatch
     monkeypatch.setattr(grad_accumulation, "MIN_FUSED_NUMEL", fp32.numel() + 1)
     assert grad_accumulation._buffer_of(fp32) is None  # too small to pay for the Python
     monkeypatch.setattr(grad_accumulation, "MIN_FUSED_NUMEL", 0)
-    fp32.grad = None  # someone took the gradient away from the buffer: autograd's path again
+    fp32.grad = None  # a new step (the buffer's zero_grad): main_grad is written, not added to
+    assert grad_accumulation._buffer_of(fp32) is buffer
+    fp32.grad = torch.zeros_like(fp32)  # someone gave it another gradient tensor: autograd's path again
     assert grad_accumulation._buffer_of(fp32) is None
     assert torch.equal(grad_accumulation.linear(x, layer.weight, layer.bias, into_main_grad=True), layer(x))

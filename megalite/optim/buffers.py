@@ -150,7 +150,10 @@ class ParamAndGradBuffer:
         self.comm_dtype = comm_dtype if comm_dtype not in (None, grad_dtype) else None
         self.launch_log: list[tuple[int, int]] = []  # (bucket index, gradients ready so far) per launch
         self._hooks_seen = 0
-        # Linear weights whose gradient a GEMM wrote here since `zero_grad` (see add_weight_grad).
+        # Parameters whose main_grad holds this step's gradient: `zero_grad` does not clear the
+        # buffer (a pass over every gradient, each step); a parameter's first gradient overwrites
+        # its main_grad (the hook's copy, a GEMM's `out=`), later ones add, and one that gets none
+        # is zeroed before its bucket is read (`_zero_unwritten`).
         self._written: set[int] = set()
         # Tied embeddings whose output GEMM wrote main_grad in this micro-batch and whose lookup's
         # rows are still to be added (add_tied_output_grad, add_tied_lookup_grad).
@@ -244,9 +247,18 @@ class ParamAndGradBuffer:
         self.sync_enabled = True
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
-        if p.grad is not p.main_grad:  # low-precision parameter: accumulate into fp32
-            p.main_grad.add_(p.grad)
-            p.grad = None
+        grad = p.grad
+        if grad is not p.main_grad:  # the step's first gradient, or a low-precision parameter's
+            if grad is None:  # every use wrote main_grad itself (grad_accumulation), or none had a gradient
+                if id(p) not in self._written:
+                    p.main_grad.zero_()
+            elif id(p) in self._written:
+                p.main_grad.add_(grad)
+            else:  # main_grad still holds the last step's: overwritten, as zero + grad would give
+                p.main_grad.copy_(grad)
+            # Later micro-batches accumulate in place (same dtype); a bf16 one's comes here again.
+            p.grad = p.main_grad if p.dtype == self.grad_dtype else None
+        self._written.add(id(p))  # (autograd added in place into main_grad: written too)
         self._hooks_seen += 1
         if not self.sync_enabled:
             return
@@ -261,7 +273,7 @@ class ParamAndGradBuffer:
         post-accumulate hook, with no gradient, once all its uses are back: readiness as before."""
         if id(p) in self._written:
             p.main_grad.add_(grad_out.t().mm(inputs))
-        else:  # zeroed since the last step: the GEMM's output is the gradient
+        else:  # the step's first: the GEMM's output is the gradient
             torch.mm(grad_out.t(), inputs, out=p.main_grad)
             self._written.add(id(p))
 
@@ -270,8 +282,8 @@ class ParamAndGradBuffer:
         them into a zeroed table (then added to main_grad): bitwise the same gradient."""
         if id(p) in self._written:
             p.main_grad.add_(torch.zeros_like(p.main_grad).index_add_(0, ids, rows))
-        else:  # zeroed since the last step: the table is the zeroed buffer itself
-            p.main_grad.index_add_(0, ids, rows)
+        else:  # the step's first: the zeroed table is main_grad itself
+            p.main_grad.zero_().index_add_(0, ids, rows)
             self._written.add(id(p))
 
     def add_tied_output_grad(self, p: torch.nn.Parameter, grad_out: torch.Tensor,
@@ -298,7 +310,17 @@ class ParamAndGradBuffer:
             return None
         return torch.zeros_like(p.main_grad).index_add_(0, ids, rows)
 
+    def _zero_unwritten(self, bucket: Bucket) -> None:
+        """Parameters of `bucket` that got no gradient this step: zeroed before it is read."""
+        for p in bucket.params:
+            if id(p) not in self._written:
+                p.main_grad.zero_()
+                self._written.add(id(p))
+                if p.dtype == self.grad_dtype:
+                    p.grad = p.main_grad
+
     def _launch(self, bucket: Bucket) -> None:
+        self._zero_unwritten(bucket)
         self.launch_log.append((bucket.index, self._hooks_seen))
         if self.dp_size == 1:
             bucket.work = True
@@ -333,10 +355,17 @@ class ParamAndGradBuffer:
 
     def deferred_grads(self) -> list[torch.Tensor]:
         """The gradient views of the deferred buckets, to be summed elsewhere before `finish_grad_sync`."""
+        for bucket in self.buckets:
+            if bucket.deferred:
+                self._zero_unwritten(bucket)
         return [self.grad_data[b.start:b.end] for b in self.buckets if b.deferred]
 
     def zero_grad(self) -> None:
-        self.grad_data.zero_()
+        """A new step: no fill (see `_written`); autograd hands each parameter's first gradient
+        over as a new tensor (`grad` None), which the hook copies into main_grad."""
+        for p in self.params:
+            if p.dtype == self.grad_dtype:
+                p.grad = None
         self.launch_log.clear()
         self._hooks_seen = 0
         self._written.clear()

@@ -3,8 +3,8 @@
 Autograd would compute a linear layer's weight gradient into a new tensor and then add it to the
 parameter's `.grad` (the buffer's `main_grad` view): a second pass over every weight gradient, per
 micro-batch. Here the backward writes the GEMM's output into `main_grad` itself: the step's first
-write overwrites (the buffer was zeroed), later micro-batches add. The numbers are those of
-autograd's path (the same GEMM; the same addition when accumulating), one memory pass fewer.
+write overwrites (the buffer is not zeroed between steps), later micro-batches add. The numbers are
+those of autograd's path (the same GEMM; the same addition when accumulating), one memory pass fewer.
 
 It applies to a weight whose buffer opted in (`ParamAndGradBuffer`: same dtype as its gradients,
 not ZeRO-2/3, which reduce separate gradients) where the caller asks (`linear(...,
@@ -37,7 +37,8 @@ def _buffer_of(weight: torch.Tensor):
     buffer = getattr(weight, "grad_buffer", None)
     if buffer is None or not torch.is_grad_enabled() or not weight.requires_grad or weight.numel() < MIN_FUSED_NUMEL:
         return None
-    if torch.compiler.is_compiling() or weight.grad is not weight.main_grad:
+    # grad None: a new step (ParamAndGradBuffer.zero_grad); another tensor: taken from the buffer.
+    if torch.compiler.is_compiling() or weight.grad is not None and weight.grad is not weight.main_grad:
         return None
     return buffer
 
