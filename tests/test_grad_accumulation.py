@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalite import parallel
-from megalite.models import GPTModel, TransformerConfig
+from megalite.models import BERTModel, GPTModel, TransformerConfig
 from megalite.optim.buffers import ParamAndGradBuffer
 from megalite.parallel import grad_accumulation
 from megalite.parallel.layers import ColumnParallelLinear
@@ -20,7 +20,7 @@ LLAMA = dict(gated_linear_unit=True, activation="silu", normalization="rmsnorm",
              num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)
 MODELS = {"gpt": {}, "llama": LLAMA, "llama-recompute-full": dict(LLAMA, recompute="full"),
           "gpt-recompute-selective": dict(recompute="selective"), "llama-tp2": LLAMA, "gpt-tp2": {},
-          "gpt-sp-tp2": dict(sequence_parallel=True)}
+          "gpt-sp-tp2": dict(sequence_parallel=True), "bert": {}, "bert-tp2": {}}
 
 
 def _config(**kw) -> TransformerConfig:
@@ -57,41 +57,48 @@ class _Counting:
         grad_accumulation._EmbeddingIntoMainGrad.backward = staticmethod(self._originals[1])
 
 
-def _fused_equals_autograd(rank, world, model_kw, micro_batches):
+def _loss(model, ids):
+    if isinstance(model, BERTModel):  # its masked-LM logits: a tied output layer with a bias, padding masked
+        return model(ids, lm_labels=ids)[0].sum()
+    return model(ids, labels=ids).sum()
+
+
+def _fused_equals_autograd(rank, world, model_kw, micro_batches, kind="gpt"):
     grad_accumulation.MIN_FUSED_NUMEL = 0  # tiny weights fuse too, here
     parallel.initialize_model_parallel(world)
-    model = GPTModel(_config(**model_kw), seed=3, device="cpu").train()
+    model = (BERTModel if kind == "bert" else GPTModel)(_config(**model_kw), seed=3, device="cpu").train()
     reference = copy.deepcopy(model)
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(micro_batches)]
     for ids in batches:
-        reference(ids, labels=ids).sum().backward()
+        _loss(reference, ids).backward()
     buffer = _buffer(list(model.parameters()))
     with _Counting() as counting, count_host_syncs() as syncs:
         for i, ids in enumerate(batches):
             if i == micro_batches - 1:
                 buffer.enable_sync()
-            model(ids, labels=ids).sum().backward()
+            _loss(model, ids).backward()
     launched, hooks = list(buffer.launch_log), buffer._hooks_seen
     buffer.finish_grad_sync()
+    # (BERT's binary head is unused without sentence-order labels: no gradient, a zero main_grad)
     differ = [n for (n, p), q in zip(model.named_parameters(), reference.parameters())
-              if not torch.equal(p.main_grad, q.grad)]
+              if not torch.equal(p.main_grad, q.grad if q.grad is not None else torch.zeros_like(q))]
     return {"differ": differ, "fused_calls": counting.calls, "embedding_calls": counting.embedding_calls,
             "syncs": syncs.calls, "launched": launched,
-            "hooks": hooks, "params": len(buffer.params)}
+            "hooks": hooks, "params": sum(q.grad is not None for q in reference.parameters())}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
     tp = 2 if name.endswith("tp2") else 1
-    out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3))[0]
+    out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3, name.split("-")[0]))[0]
     assert out["differ"] == [], f"gradients differ from autograd's: {out['differ']}"
-    linears_per_layer = 4 if name.startswith("gpt") else 5  # qkv|q,kv, proj, fc1, fc2
-    # The output layer fuses, and the embedding's lookups: untied (llama) or tied (gpt).
+    linears_per_layer = 5 if name.startswith("llama") else 4  # qkv|q,kv, proj, fc1, fc2
+    # The output layer fuses, and the embedding's lookups: untied (llama) or tied (gpt, bert).
     assert out["fused_calls"] == 3 * (2 * linears_per_layer + 1)
     assert out["embedding_calls"] == 3
     assert out["syncs"] == []
     # Buckets still launch during the last backward, before every gradient is in.
-    assert out["hooks"] == 3 * out["params"]  # every weight heard of once per micro-batch
+    assert out["hooks"] == 3 * out["params"]  # every weight with a gradient heard of once per micro-batch
     assert out["launched"] and out["launched"][0][1] < out["hooks"], out["launched"]
 
 

@@ -49,9 +49,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gradient buffer when it has one. Every use of the weight must come through here, or through
     `embedding(..., tied=True)` with `tied=True` here (a tied word embedding)."""
     buffer = _buffer_of(weight) if into_main_grad else None
-    if buffer is None:
+    # F.linear adds a bias to a 3-D input in the GEMM (addmm) only when the input is contiguous.
+    if buffer is None or bias is not None and x.dim() > 2 and not (x.dim() == 3 and x.is_contiguous()):
         return F.linear(x, weight, bias)
-    return _LinearIntoMainGrad.apply(x, weight, bias, buffer, tied)
+    # Two dimensions inside, the view outside: a caller may modify the output in place (the
+    # padding logits), which autograd forbids on a view made inside a custom Function.
+    y = _LinearIntoMainGrad.apply(x.reshape(-1, x.shape[-1]), weight, bias, buffer, tied)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False, tied: bool = False) -> torch.Tensor:
@@ -107,15 +111,13 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors  # both 2-D
         # What autograd's linear backward computes: dx = dy W, dW = dy^T x, db = sum of dy's rows.
-        dx = dy.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-        x2d = x.reshape(-1, x.shape[-1])
+        dx = dy.mm(weight) if ctx.needs_input_grad[0] else None
         if ctx.tied:
-            dw = ctx.buffer.add_tied_output_grad(ctx.param, dy, x2d)
+            dw = ctx.buffer.add_tied_output_grad(ctx.param, dy, x)
         else:
-            dw = ctx.buffer.add_weight_grad(ctx.param, dy, x2d)
+            dw = ctx.buffer.add_weight_grad(ctx.param, dy, x)
         db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
