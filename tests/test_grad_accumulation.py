@@ -229,3 +229,33 @@ def test_without_a_buffer_bf16_small_or_compiling_it_is_plain_linear(monkeypatch
     fp32.grad = torch.zeros_like(fp32)  # someone gave it another gradient tensor: autograd's path again
     assert grad_accumulation._buffer_of(fp32) is None
     assert torch.equal(grad_accumulation.linear(x, layer.weight, layer.bias, into_main_grad=True), layer(x))
+
+
+def _compiled(rank, world, name):
+    """The model compiled whole (aot_eager: what inductor is given): uses whose weight fuses leave
+    the graph and run fused, eagerly; the gradients are autograd's."""
+    import torch._dynamo
+    grad_accumulation.MIN_FUSED_NUMEL = 0
+    torch._dynamo.reset()
+    parallel.initialize_model_parallel(1)
+    model = GPTModel(_config(**MODELS[name]), seed=3, device="cpu").train()
+    reference = copy.deepcopy(model)
+    buffer = _buffer(list(model.parameters()))
+    compiled = torch.compile(model, backend="aot_eager")
+    batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with _Counting() as counting:
+        for ids in batches:
+            compiled(ids, labels=ids).sum().backward()
+            reference(ids, labels=ids).sum().backward()
+    buffer.finish_grad_sync()
+    worst = max(((p.main_grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+    return worst, counting.calls, counting.embedding_calls
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_compiled_code_runs_the_fused_uses_outside_its_graph(name):
+    worst, calls, embedding_calls = run_ranks(_compiled, 1, args=(name,))[0]
+    assert worst <= 1e-6
+    linears_per_layer = 5 if name == "llama" else 4
+    assert calls == 2 * (2 * linears_per_layer + 1) and embedding_calls == 2

@@ -10,7 +10,10 @@ It applies to a weight whose buffer opted in (`ParamAndGradBuffer`: same dtype a
 not ZeRO-2/3, which reduce separate gradients) where the caller asks (`linear(...,
 into_main_grad=True)`). The backward returns no weight gradient, and autograd still runs the
 weight's post-accumulate hook once every use of it is back, so the buffer's bucket readiness is
-what it was. Under torch.compile, and without a buffer, `linear` is F.linear.
+what it was. Without a buffer `linear` is F.linear. Under torch.compile a use whose weight fuses
+leaves the graph (torch.compiler.disable) and runs fused, eagerly: the element-wise work between
+the GEMMs still compiles, and the weight's gradient is not copied into the buffer afterwards (on a
+CPU, a 124M Llama stepped about 5% faster compiled so than compiled with the GEMMs in the graph).
 `embedding` does the same for an untied word embedding: its rows' gradients are added into the
 buffer (index_add_, as autograd's embedding backward sums them) instead of into a zeroed table.
 
@@ -43,11 +46,32 @@ def _buffer_of(weight: torch.Tensor):
     return buffer
 
 
+def _fuses_in_compiled_code(weight: torch.Tensor) -> bool:
+    """Under torch.compile: whether this weight's use leaves the graph to run fused (eagerly), as
+    decided when the graph is traced (what a buffer makes of it then happens at run time)."""
+    return (getattr(weight, "grad_buffer", None) is not None and torch.is_grad_enabled() and weight.requires_grad
+            and weight.numel() >= MIN_FUSED_NUMEL)
+
+
+@torch.compiler.disable
+def _linear_outside_the_graph(x, weight, bias, tied):
+    return linear(x, weight, bias, True, tied)
+
+
+@torch.compiler.disable
+def _embedding_outside_the_graph(ids, weight, tied):
+    return embedding(ids, weight, True, tied)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            into_main_grad: bool = False, tied: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias); with `into_main_grad`, the weight's gradient goes straight into its
     gradient buffer when it has one. Every use of the weight must come through here, or through
     `embedding(..., tied=True)` with `tied=True` here (a tied word embedding)."""
+    if torch.compiler.is_compiling():
+        if into_main_grad and _fuses_in_compiled_code(weight):
+            return _linear_outside_the_graph(x, weight, bias, tied)
+        return F.linear(x, weight, bias)
     buffer = _buffer_of(weight) if into_main_grad else None
     # F.linear adds a bias to a 3-D input in the GEMM (addmm) only when the input is contiguous.
     if buffer is None or bias is not None and x.dim() > 2 and not (x.dim() == 3 and x.is_contiguous()):
@@ -63,6 +87,10 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = Fa
     not multiplied, or `tied`: also multiplied once by `linear(..., tied=True)` later in the same
     forward), the rows' gradients are added straight into the weight's gradient buffer, with no
     vocabulary-sized zeroed tensor and no second pass over it."""
+    if torch.compiler.is_compiling():
+        if into_main_grad and _fuses_in_compiled_code(weight):
+            return _embedding_outside_the_graph(ids, weight, tied)
+        return F.embedding(ids, weight)
     buffer = _buffer_of(weight) if into_main_grad else None
     if buffer is None:
         return F.embedding(ids, weight)
