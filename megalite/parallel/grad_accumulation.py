@@ -13,7 +13,7 @@ weight's post-accumulate hook once every use of it is back, so the buffer's buck
 what it was. Without a buffer `linear` is F.linear. Under torch.compile a use whose weight fuses
 leaves the graph (torch.compiler.disable) and runs fused, eagerly: the element-wise work between
 the GEMMs still compiles, and the weight's gradient is not copied into the buffer afterwards (on a
-CPU, a 124M Llama stepped about 5% faster compiled so than compiled with the GEMMs in the graph).
+CPU a compiled 124M Llama stepped about 5% faster so than with the GEMMs in the graph).
 `embedding` does the same for an untied word embedding: its rows' gradients are added into the
 buffer (index_add_, as autograd's embedding backward sums them) instead of into a zeroed table.
 
