@@ -127,6 +127,6 @@ class LanguageModelStage(nn.Module):
             x = copy_to_tensor_model_parallel_region(x)
         untied = self.config.untie_embeddings_and_output_weights
         output = self.output_layer if untied else self.word_embeddings
-        logits = linear(x, output.weight, bias, into_main_grad=True, tied=not untied and self.pre_process)
+        logits = linear(x, output.weight, bias, into_main_grad=True, tied=output.tied_output)
         output.mask_padding_logits(logits)  # padding never wins
         return logits

@@ -280,8 +280,8 @@ class ParamAndGradBuffer:
     def add_embedding_grad(self, p: torch.nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """main_grad[ids] += rows (1-D ids, 2-D rows), summed as autograd's embedding backward sums
         them into a zeroed table (then added to main_grad): bitwise the same gradient."""
-        if id(p) in self._written:
-            p.main_grad.add_(torch.zeros_like(p.main_grad).index_add_(0, ids, rows))
+        if id(p) in self._written:  # G + (the rows summed from zero), with no table-sized temporary
+            add_row_sums(p.main_grad, ids, rows)
         else:  # the step's first: the zeroed table is main_grad itself
             p.main_grad.zero_().index_add_(0, ids, rows)
             self._written.add(id(p))

@@ -35,22 +35,20 @@ import torch.nn.functional as F
 MIN_FUSED_NUMEL = 1 << 20
 
 
-def _buffer_of(weight: torch.Tensor):
-    """The buffer that takes this weight's gradient straight from the GEMM, or None."""
-    buffer = getattr(weight, "grad_buffer", None)
-    if buffer is None or not torch.is_grad_enabled() or not weight.requires_grad or weight.numel() < MIN_FUSED_NUMEL:
-        return None
-    # grad None: a new step (ParamAndGradBuffer.zero_grad); another tensor: taken from the buffer.
-    if torch.compiler.is_compiling() or weight.grad is not None and weight.grad is not weight.main_grad:
-        return None
-    return buffer
-
-
-def _fuses_in_compiled_code(weight: torch.Tensor) -> bool:
-    """Under torch.compile: whether this weight's use leaves the graph to run fused (eagerly), as
-    decided when the graph is traced (what a buffer makes of it then happens at run time)."""
+def _may_fuse(weight: torch.Tensor) -> bool:
+    """What can be known when a graph is traced: the weight has a buffer that takes its gradient,
+    needs one now, and is large enough to pay for the fused backward's Python."""
     return (getattr(weight, "grad_buffer", None) is not None and torch.is_grad_enabled() and weight.requires_grad
             and weight.numel() >= MIN_FUSED_NUMEL)
+
+
+def _buffer_of(weight: torch.Tensor):
+    """The buffer that takes this weight's gradient straight from the GEMM, or None."""
+    # grad None: a new step (ParamAndGradBuffer.zero_grad); another tensor: taken from the buffer.
+    if not _may_fuse(weight) or torch.compiler.is_compiling() or (
+            weight.grad is not None and weight.grad is not weight.main_grad):
+        return None
+    return weight.grad_buffer
 
 
 @torch.compiler.disable
@@ -69,7 +67,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gradient buffer when it has one. Every use of the weight must come through here, or through
     `embedding(..., tied=True)` with `tied=True` here (a tied word embedding)."""
     if torch.compiler.is_compiling():
-        if into_main_grad and _fuses_in_compiled_code(weight):
+        if into_main_grad and _may_fuse(weight):  # leaves the graph; the buffer decides at run time
             return _linear_outside_the_graph(x, weight, bias, tied)
         return F.linear(x, weight, bias)
     buffer = _buffer_of(weight) if into_main_grad else None
@@ -82,13 +80,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False, tied: bool = False) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False,
+              tied: bool = False) -> torch.Tensor:
     """F.embedding(ids, weight); with `into_main_grad` (the table is looked up once per forward and
     not multiplied, or `tied`: also multiplied once by `linear(..., tied=True)` later in the same
     forward), the rows' gradients are added straight into the weight's gradient buffer, with no
     vocabulary-sized zeroed tensor and no second pass over it."""
     if torch.compiler.is_compiling():
-        if into_main_grad and _fuses_in_compiled_code(weight):
+        if into_main_grad and _may_fuse(weight):  # leaves the graph; the buffer decides at run time
             return _embedding_outside_the_graph(ids, weight, tied)
         return F.embedding(ids, weight)
     buffer = _buffer_of(weight) if into_main_grad else None

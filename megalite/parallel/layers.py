@@ -272,7 +272,8 @@ class VocabParallelEmbedding(nn.Module):
         if state.get_tensor_model_parallel_world_size() > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = embedding(local, self.weight, self.fuse_weight_grad, self.tied_output).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = embedding(local, self.weight, self.fuse_weight_grad, self.tied_output)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         else:
             out = embedding(ids, self.weight, self.fuse_weight_grad, self.tied_output)
         if self.sequence_parallel:
