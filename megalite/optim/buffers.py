@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megalite.optim.host_pages import zeros_flat
 from megalite.parallel import traffic
 from megalite.parallel.grad_accumulation import add_row_sums
 # Module attributes, so that tests can count the bytes sent by wrapping them (megalite counts them
@@ -182,7 +183,7 @@ class ParamAndGradBuffer:
     def _allocate(self) -> None:
         """Whole flat buffers; parameters become views of one, `main_grad` views of the other."""
         self._allocate_params()
-        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
+        self.grad_data = zeros_flat(self.numel, self.grad_dtype, self.device)
         for p in self.params:
             lo, n = self.offset[id(p)], p.numel()
             p.main_grad = self.grad_data[lo:lo + n].view(p.shape)
@@ -193,7 +194,7 @@ class ParamAndGradBuffer:
     def _allocate_params(self) -> None:
         """The whole parameter buffer (parameters become views of it) and, for a cast-down model,
         the fp32 values as initialized (the optimizer's master weights start from them)."""
-        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+        self.param_data = zeros_flat(self.numel, self.param_dtype, self.device)
         self.fp32_init = None
         if self.param_dtype != torch.float32:
             self.fp32_init = torch.zeros(self.numel, dtype=torch.float32, device=self.device)

@@ -1,0 +1,73 @@
+"""Flat host buffers in huge pages (megalite.optim.host_pages): aligned, the right size and values,
+advised before the first write, and plain tensors wherever the advice does not apply."""
+import copy
+import re
+import sys
+
+import pytest
+import torch
+
+from megalite.optim import host_pages
+from megalite.optim.buffers import ParamAndGradBuffer
+
+
+def _huge_kib() -> int:
+    return sum(int(k) for k in re.findall(r"AnonHugePages:\s+(\d+) kB", open("/proc/self/smaps").read()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_a_large_flat_buffer_starts_on_a_huge_page_and_is_advised_before_its_first_write(monkeypatch):
+    calls = []
+    real = host_pages._madvise()
+    monkeypatch.setattr(host_pages, "_madvise", lambda: lambda a, n, f: calls.append((a, n, f)) or real(a, n, f))
+    t = host_pages.zeros_flat(3 * (1 << 20) + 5, torch.float32, "cpu")
+    assert t.numel() == 3 * (1 << 20) + 5 and t.is_contiguous() and not t.any()
+    assert t.data_ptr() % host_pages.HUGE_PAGE == 0
+    (addr, length, flag), = calls
+    assert addr == t.data_ptr() and flag == 14
+    # The advice covers the whole buffer and nothing past its allocation.
+    storage = t.untyped_storage()
+    assert t.numel() * 4 <= length <= storage.data_ptr() + storage.nbytes() - addr
+    t.fill_(1.5)
+    assert t.sum().item() == 1.5 * t.numel()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_where_the_kernel_grants_huge_pages_the_buffer_gets_them():
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" in mode:  # THP off on this host: the buffer is still correct, in small pages
+        t = host_pages.zeros_flat(1 << 22, torch.float32, "cpu")
+        assert not t.any()
+        return
+    before = _huge_kib()
+    t = host_pages.zeros_flat(1 << 22, torch.float32, "cpu")  # 16 MiB
+    assert _huge_kib() - before >= 8 * 1024  # at least half of it (the kernel may lack free huge pages)
+    del t
+
+
+def test_small_buffers_and_other_devices_are_plain_tensors():
+    assert not host_pages.huge_pages_apply("cpu", host_pages.HUGE_PAGE - 1)
+    assert not host_pages.huge_pages_apply("meta", 1 << 30)
+    small = host_pages.zeros_flat(1000, torch.bfloat16, "cpu")
+    assert small.numel() == 1000 and small.untyped_storage().nbytes() == 2000 and not small.any()
+    meta = host_pages.empty_flat(1 << 24, torch.float32, "meta")
+    assert meta.is_meta and meta.numel() == 1 << 24
+
+
+def test_the_gradient_buffers_parameters_and_gradients_are_views_of_aligned_flat_buffers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8))
+    want = [p.detach().clone() for p in model.parameters()]
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 1024)
+    twin(x).sum().backward()
+    buf = ParamAndGradBuffer(list(model.parameters()), param_dtype=torch.float32, grad_dtype=torch.float32,
+                             bucket_numel=1 << 30, dp_group=None, dp_size=1, reduce_scatter=False)
+    assert [torch.equal(p, w) for p, w in zip(model.parameters(), want)] == [True] * len(want)
+    if sys.platform.startswith("linux"):
+        assert buf.param_data.data_ptr() % host_pages.HUGE_PAGE == 0
+        assert buf.grad_data.data_ptr() % host_pages.HUGE_PAGE == 0
+    model(x).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert p.grad is p.main_grad and torch.equal(p.main_grad, q.grad)
+        assert p.main_grad.untyped_storage().data_ptr() == buf.grad_data.untyped_storage().data_ptr()
