@@ -1,4 +1,4 @@
-"""Every training command in the code blocks of README and docs/{slurm,optimizer,checkpoints,context-parallel}.md
+"""Every training command in the code blocks of README and docs/{slurm,optimizer,checkpoints,context-parallel,moe,...}.md
 runs as written: it parses,
 builds its model config and passes the layout validation for the world size it launches, checked
 in-process without training. The CI test command after its marker is what .ci/run reads."""
@@ -13,7 +13,7 @@ from megalite.runtime import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_NAMES = ("slurm", "optimizer", "checkpoints", "context-parallel", "activation-memory", "planner",
-             "local-sgd", "communication", "configuration")
+             "local-sgd", "communication", "configuration", "moe")
 DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES)]
 ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 # What scripts/slurm/*.sbatch put before the job's own flags (its `defaults` array).

@@ -74,3 +74,8 @@ def train_with_inf_at(rank, world, argv, bad_iteration, through=None):
     run = pretrain(args, Task(base.build_model, base.build_data, forward_step))
     steps = [int(s["step"]) for s in run.optimizer.inner.state.values() if "step" in s]
     return run.records, max(steps)
+
+
+def several(rank, world, fn, argvs):
+    """fn(rank, world, argv) for each argv in turn, in one set of ranks (one spawn, one process group)."""
+    return [fn(rank, world, argv) for argv in argvs]

@@ -80,6 +80,34 @@ def _check_installed(config: RunConfig) -> None:
                                  f"Use {flag} auto (or torch), or fix the cause")
 
 
+def _check_experts(config: RunConfig, model: TransformerConfig, dp: int) -> None:
+    """The expert layout against the dense one (parallel folding) and the model."""
+    from megalite.parallel.state import expert_grid
+
+    p = config.parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tp
+    try:
+        expert_grid(p.tp, p.cp, dp, p.pp, ep, etp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if model.num_moe_experts % ep:
+        raise UsageError(f"--num-experts {model.num_moe_experts} is not divisible by --ep {ep}: choose --ep among "
+                         f"its divisors")
+    if model.moe_ffn_hidden_size % etp:
+        raise UsageError(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by --etp {etp}: "
+                         f"choose --etp among its divisors")
+    c = config.checkpoint
+    if ep * etp > 1 and (c.save or c.load):
+        raise UsageError(f"checkpoints of expert weights split over --ep {ep} x --etp {etp} are not written or read "
+                         f"yet in this version: train at --ep 1 --etp 1 to save, or drop --save/--load")
+    if model.moe_router_enable_expert_bias and (c.save or c.load):
+        raise UsageError("checkpoints do not hold the routers' expert bias yet in this version: drop "
+                         "--moe-router-enable-expert-bias or --save/--load")
+    if p.tp > 1 and not p.sequence_parallel:
+        raise UsageError(f"mixture-of-experts layers at --tp {p.tp} need --sequence-parallel (each TP rank routes "
+                         f"its own part of the sequence): add --sequence-parallel")
+
+
 def validate(config: RunConfig, world_size: int, model: TransformerConfig, machine: bool = True) -> int:
     """Check the layout against the world and the model; return the data-parallel size. `machine`:
     also what this machine must have installed or be able to run (not for --print-config, which
@@ -104,6 +132,8 @@ def validate(config: RunConfig, world_size: int, model: TransformerConfig, machi
     if model.vocab_size < 2:
         raise UsageError(f"vocabulary size must be >= 2, got {model.vocab_size}")
     _check_batches(config, dp)
+    if model.is_moe:
+        _check_experts(config, model, dp)
     if machine:
         _check_installed(config)
     if d.zero_stage == 3 and config.model.torch_compile:

@@ -127,6 +127,19 @@ def _model_overrides(m) -> dict:
     return out
 
 
+_MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
+               "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+               "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+               "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_token_dispatcher_type",
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+
+
+def _moe_fields(m) -> dict:
+    """TransformerConfig's MoE fields from the moe section (`num_experts` is `num_moe_experts` there)."""
+    return {"num_moe_experts": m.num_experts, **{n: getattr(m, n) for n in _MOE_FIELDS}}
+
+
 def model_config(config: RunConfig) -> TransformerConfig:
     """The model `config` describes (the preset with its overrides); reads `config`, never changes it."""
     check_sections(config)
@@ -146,6 +159,16 @@ def model_config(config: RunConfig) -> TransformerConfig:
                        **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if config.moe.num_experts is None:
+        given = [f"--{n.replace('_', '-')}" for n in _MOE_FIELDS if config.given(n)]
+        if given or config.parallel.expert_model_parallel_size > 1:
+            raise UsageError(f"{', '.join(given) or '--ep'}: for mixture-of-experts models only: add --num-experts N, "
+                             f"or drop them")
+    else:
+        try:
+            built = built.replace(**_moe_fields(config.moe))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     rope_flags = [f"--{k.replace('_', '-')}" for k in _ROPE_FIELDS if k in overrides]
     if rope_flags and built.position_embedding_type != "rope":
         raise UsageError(f"{', '.join(rope_flags)}: for rotary positions only, but this model's position embedding "

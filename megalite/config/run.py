@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from megalite.config.fields import flag_of, section_fields, spec_of
 from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
+                                      MoEConfig, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
 
 
 class ConfigError(ValueError):
@@ -19,6 +19,7 @@ class ConfigError(ValueError):
 class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

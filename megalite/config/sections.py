@@ -46,6 +46,12 @@ class ParallelConfig:
     cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p) or heads "
                                    "exchanged for the sequence (a2a, DeepSpeed-Ulysses; heads and KV groups "
                                    "divisible by --cp)", choices=("p2p", "a2a"))
+    expert_model_parallel_size: int = opt(1, "expert-parallel size: the experts of each MoE layer split over N "
+                                             "ranks (folded onto TP x CP x DP; docs/moe.md)",
+                                          flags=("--ep", "--expert-model-parallel-size"), check=POSITIVE_INT)
+    expert_tensor_parallel_size: int | None = opt(None, "each expert split over N ranks like a tensor-parallel MLP "
+                                                        "(default: --tp)",
+                                                  flags=("--etp", "--expert-tensor-parallel-size"), check=POSITIVE_INT)
     distributed_timeout_minutes: float = opt(10.0, "how long a collective may wait for another rank", check=POSITIVE)
 
     def check(self) -> None:
@@ -138,6 +144,47 @@ class ModelConfig:
                              f"(got --recompute {self.recompute})")
         if (self.num_query_groups is not None) != self.group_query_attention:
             raise ValueError("--group-query-attention and --num-query-groups G go together: give both, or neither")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (Megatron-LM's flags; docs/moe.md). Without --num-experts every MLP is dense."""
+    num_experts: int | None = opt(None, "experts per MoE layer", flags=("--num-experts",), check=POSITIVE_INT,
+                                  shape=True)
+    moe_router_topk: int = opt(2, "experts per token", check=POSITIVE_INT, shape=True)
+    moe_ffn_hidden_size: int | None = opt(None, "one expert's MLP width (default --ffn-hidden-size)",
+                                          check=POSITIVE_INT, shape=True)
+    moe_layer_freq: str = opt("1", "which layers are MoE: every k-th (an int), or one 0/1 per layer: [0,1,1,1] "
+                                   "or ([0]*1+[1]*3)", shape=True)
+    moe_router_score_function: str = opt("softmax", "router scores", choices=("softmax", "sigmoid"), shape=True)
+    moe_router_pre_softmax: bool = opt(False, "softmax over all experts before top-k (weights not renormalised)",
+                                       shape=True)
+    moe_router_topk_scaling_factor: float | None = opt(None, "multiply the top-k weights by this", check=POSITIVE,
+                                                       shape=True)
+    moe_router_num_groups: int | None = opt(None, "group-limited routing: experts in this many groups",
+                                            check=POSITIVE_INT, shape=True)
+    moe_router_group_topk: int | None = opt(None, "group-limited routing: groups a token may use",
+                                            check=POSITIVE_INT, shape=True)
+    moe_router_load_balancing_type: str = opt("aux_loss", "load-balancing loss",
+                                              choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+    moe_aux_loss_coeff: float = opt(0.0, "load-balancing loss coefficient", check=NON_NEGATIVE)
+    moe_z_loss_coeff: float | None = opt(None, "router z-loss coefficient", check=NON_NEGATIVE)
+    moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: a per-expert bias on selection only "
+                                                     "(sigmoid scores)", shape=True)
+    moe_router_bias_update_rate: float = opt(1e-3, "the expert bias's step per optimizer step", check=NON_NEGATIVE)
+    moe_token_dispatcher_type: str = opt("alltoall", "how tokens reach the experts' ranks",
+                                         choices=("alltoall", "allgather"))
+    moe_expert_capacity_factor: float | None = opt(None, "tokens an expert takes: this x its even share (default: "
+                                                         "dropless)", check=POSITIVE)
+    moe_token_drop_policy: str = opt("probs", "over capacity, drop the lowest-weight tokens or the last ones",
+                                     choices=("probs", "position"))
+    moe_pad_expert_input_to_capacity: bool = opt(False, "pad every expert's input to its capacity (static shapes)")
+    moe_shared_expert_intermediate_size: int | None = opt(None, "a dense MLP of this width every token also takes",
+                                                          check=POSITIVE_INT, shape=True)
+    moe_shared_expert_gate: bool = opt(False, "the shared expert's output times sigmoid(x . w)", shape=True)
+
+    def check(self) -> None:
+        check_numbers(self)
 
 
 @dataclass

@@ -58,6 +58,27 @@ class TransformerConfig:
     add_qkv_bias: bool = False  # query/key/value biases even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False  # a norm over head_dim on every query and key head, before rope
     untie_embeddings_and_output_weights: bool = False  # an output layer of its own on the last stage
+    # Mixture of experts (Megatron-Core's names; megalite.models.moe). None: every MLP is dense.
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # one expert's width (default ffn_hidden_size)
+    moe_layer_freq: int | list = 1  # every k-th layer is MoE, or a 0/1 per layer ([0, 1, 1, 1])
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (weights not renormalised)
+    moe_router_topk_scaling_factor: float | None = None  # the top-k weights times this
+    moe_router_num_groups: int | None = None  # group-limited routing: experts in this many groups,
+    moe_router_group_topk: int | None = None  # of which each token may use this many
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a bias on selection only
+    moe_router_bias_update_rate: float = 1e-3
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_token_drop_policy: str = "probs"  # probs | position: which tokens over capacity are dropped
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: int | None = None  # a dense MLP every token also takes
+    moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -90,6 +111,57 @@ class TransformerConfig:
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
         self._check_llama_fields()
+        if self.num_moe_experts is not None:
+            self._check_moe_fields()
+
+    def _check_moe_fields(self) -> None:
+        experts, topk = self.num_moe_experts, self.moe_router_topk
+        if experts < 1:
+            raise ValueError(f"num_moe_experts must be >= 1, got {experts}")
+        if not 1 <= topk <= experts:
+            raise ValueError(f"--moe-router-topk ({topk}) must be between 1 and the number of experts ({experts})")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        choices = {"moe_router_score_function": ("softmax", "sigmoid"),
+                   "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+                   "moe_token_dispatcher_type": ("alltoall", "allgather"),
+                   "moe_token_drop_policy": ("probs", "position")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError("--moe-router-pre-softmax applies to the softmax score function only")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk")
+        if groups is not None:
+            if groups < 1 or experts % groups:
+                raise ValueError(f"--moe-router-num-groups ({groups}) must divide the number of experts ({experts})")
+            if not 1 <= group_topk <= groups:
+                raise ValueError(f"--moe-router-group-topk ({group_topk}) must be between 1 and "
+                                 f"--moe-router-num-groups ({groups})")
+            if group_topk * (experts // groups) < topk:
+                raise ValueError(f"--moe-router-group-topk {group_topk} groups of {experts // groups} experts cannot "
+                                 f"hold --moe-router-topk {topk} experts: raise the group top-k")
+            if topk % group_topk:
+                raise ValueError(f"--moe-router-topk ({topk}) must be a multiple of --moe-router-group-topk "
+                                 f"({group_topk}): each chosen group's score is the sum of its top "
+                                 f"topk / group_topk experts")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"--moe-expert-capacity-factor must be > 0, got {self.moe_expert_capacity_factor}")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        self.moe_layer_freq = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` (0-based, of the whole model) has experts for its MLP."""
+        return self.is_moe and bool(self.moe_layer_freq[layer_number])
 
     def _check_llama_fields(self) -> None:
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
@@ -221,6 +293,42 @@ PRESETS.update({
     "llama-3-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672,
                         max_position_embeddings=8192),
 })
+
+
+def moe_layer_pattern(freq, num_layers: int) -> list[int]:
+    """--moe-layer-freq as a 0/1 per layer: an int k (every k-th layer, the first included: 1 is all),
+    a list, or Megatron-LM's Python spelling of one ("([0]*1+[1]*3)")."""
+    if isinstance(freq, str):
+        freq = _parse_layer_freq(freq)
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
+        return [int(i % freq == 0) for i in range(num_layers)]
+    pattern = [int(v) for v in freq]
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(f"--moe-layer-freq lists {len(pattern)} entries ({pattern}) for {num_layers} layers: "
+                         f"give one 0 (dense) or 1 (MoE) per layer")
+    return pattern
+
+
+def _parse_layer_freq(text: str):
+    """"4", "[0,1,1,1]" or "([0]*1+[1]*3)": lists of 0/1, repeated (*) and joined (+), nothing else."""
+    import re
+
+    body = text.strip()
+    if re.fullmatch(r"\d+", body):
+        return int(body)
+    while body.startswith("(") and body.endswith(")"):
+        body = body[1:-1].strip()
+    out: list[int] = []
+    for term in body.split("+"):
+        m = re.fullmatch(r"\s*\[([\d\s,]*)\]\s*(?:\*\s*(\d+))?\s*", term)
+        if not m:
+            raise ValueError(f"--moe-layer-freq {text!r} is not an int, a list like [0,1,1,1] or a sum of "
+                             f"repeated lists like ([0]*1+[1]*3)")
+        items = [int(v) for v in m.group(1).replace(",", " ").split()]
+        out += items * int(m.group(2) or 1)
+    return out
 
 
 def preset(name: str, **overrides) -> TransformerConfig:

@@ -59,6 +59,15 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     return x * keep * (1.0 / (1.0 - p))
 
 
+_recomputing = [0]  # > 0 while a checkpointed forward runs again in the backward
+
+
+def is_recomputing() -> bool:
+    """Whether the forward running now is activation recomputation (so it counts nothing: the
+    routers' token counts, say, were taken in the first forward)."""
+    return _recomputing[0] > 0
+
+
 def checkpoint_with_tp_rng(fn, *args):
     """Activation checkpoint whose recomputation replays the same dropout masks, in the default
     RNG (torch restores it) and in the TP-rank RNG stream (restored here)."""
@@ -72,9 +81,11 @@ def checkpoint_with_tp_rng(fn, *args):
             return fn(*a)
         now = tracker.get_states()
         tracker.set_states(states_at_forward)
+        _recomputing[0] += 1
         try:
             return fn(*a)
         finally:
+            _recomputing[0] -= 1
             tracker.set_states(now)
 
     return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -40,7 +40,12 @@ class TransformerLayer(nn.Module):
             self.input_layernorm = norm_layer(config, device)
         self.attention = ParallelAttention(config, init, out_init, device)
         self.post_attention_layernorm = norm_layer(config, device)
-        self.mlp = mlp_layer(config, init, out_init, device)
+        if config.is_moe_layer(layer_number):
+            from megalite.models.moe import MoELayer
+
+            self.mlp = MoELayer(config, init, out_init, device)
+        else:
+            self.mlp = mlp_layer(config, init, out_init, device)
         if self.post_norm:
             self.post_mlp_layernorm = norm_layer(config, device)
 

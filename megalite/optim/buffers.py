@@ -137,10 +137,12 @@ class ParamAndGradBuffer:
     def __init__(self, params: list[torch.nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  bucket_numel: int, dp_group, dp_size: int, reduce_scatter: bool,
                  comm_dtype: torch.dtype | None = None, deferred=lambda p: False, dp_rank: int | None = None,
-                 units: list[list[int]] | None = None):
+                 units: list[list[int]] | None = None, experts: bool = False):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.dp_group, self.dp_size, self.reduce_scatter = dp_group, dp_size, reduce_scatter
+        self.experts = experts  # expert weights: dp_group is the expert-data-parallel group
+        self.chunk_index = 0  # the model chunk whose parameters these are (set by whoever builds several)
         if reduce_scatter and self.zero_stage == 0:
             self.zero_stage = 1
         # dp_rank: only to lay out and shard without a process group (tests, planning).

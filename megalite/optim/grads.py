@@ -66,4 +66,11 @@ def counts_once(p: torch.nn.Parameter) -> bool:
     replicated ones on TP rank 0 only, the last stage's copy of a tied embedding never."""
     if getattr(p, "shared_embedding", False):
         return False
+    if is_expert(p):  # a distinct shard on every ETP x EP rank (norms sum them over that grid)
+        return True
     return getattr(p, "tensor_model_parallel", False) or state.get_tensor_model_parallel_rank() == 0
+
+
+def is_expert(p: torch.nn.Parameter) -> bool:
+    """An expert's weight: sharded over the expert grid (EP x ETP), reduced over expert data parallelism."""
+    return getattr(p, "expert_parallel", False)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.optim.buffers import ParamAndGradBuffer
-from megalite.optim.grads import counts_once
+from megalite.optim.grads import counts_once, is_expert
 from megalite.optim.zero import whole_parameters
 from megalite.parallel import state, traffic
 
@@ -37,10 +37,11 @@ class _Piece:
 class MegaliteOptimizer:
     def __init__(self, buffers: list[ParamAndGradBuffer], *, lr: float, weight_decay: float = 0.01,
                  betas=(0.9, 0.95), eps: float = 1e-8, distributed: bool = False, loss_scaler=None,
-                 use_apex: bool = False, separate_embedding_lr: bool = False):
+                 use_apex: bool = False, separate_embedding_lr: bool = False, moe: bool = False):
         from megalite.optim.loss_scaler import ConstantLossScaler
 
         self.buffers, self.distributed = buffers, distributed
+        self.moe = moe  # the model has expert layers (on some stage): norms add the expert grid's sum
         self.loss_scaler = loss_scaler or ConstantLossScaler()
         self.pieces: list[_Piece] = []
         for buf in buffers:
@@ -123,18 +124,32 @@ class MegaliteOptimizer:
             piece.master.grad = g.view(piece.master.shape)
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the (unscaled) gradient: each element counted once over TP, PP, DP."""
-        grads = [piece.master.grad for piece in self.pieces if counts_once(piece.param)]
+        """Global L2 norm of the (unscaled) gradient: each element counted once over TP, PP, DP, and
+        for experts once over the expert grid (ETP x EP x PP) and expert data parallelism."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        sq = self._sum_of_squares([p for p in self.pieces if counts_once(p.param) and not is_expert(p.param)], device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dense = next((b for b in self.buffers if not b.experts), None)
+            if self.distributed and dense is not None and dense.dp_size > 1:  # shards over DP (x CP)
+                traffic.counted_all_reduce("metrics", sq, dense.dp_group)
+            traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
+        if self.moe:  # every rank takes part: a stage of dense layers adds zero
+            expert_sq = self._sum_of_squares([p for p in self.pieces if is_expert(p.param)], device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                experts = next((b for b in self.buffers if b.experts), None)
+                if self.distributed and experts is not None and experts.dp_size > 1:
+                    traffic.counted_all_reduce("metrics", expert_sq, experts.dp_group)
+                traffic.counted_all_reduce("metrics", expert_sq, state.get_expert_model_pipeline_group())
+            sq = sq + expert_sq
+        return sq.sqrt()[0]
+
+    @staticmethod
+    def _sum_of_squares(pieces, device) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float32, device=device)
+        grads = [piece.master.grad for piece in pieces]
         if grads:  # one multi-tensor kernel for all the norms, not one kernel per parameter
             sq += torch.stack(torch._foreach_norm(grads)).square().sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            buf = self.buffers[0] if self.buffers else None
-            if self.distributed and buf is not None and buf.dp_size > 1:  # shards over DP (x CP)
-                traffic.counted_all_reduce("metrics", sq, buf.dp_group)
-            traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
-        return sq.sqrt()[0]
+        return sq
 
     def step(self, lr: float, clip_grad: float, embedding_lr: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Unscale, measure the norm, skip on inf/NaN, clip, update, publish the new weights.

@@ -9,6 +9,8 @@ every collective is the identity and adds no autograd node.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -33,10 +35,14 @@ def _group(group):
 
 
 def _kind(group, tp_kind: str) -> str:
-    """The traffic kind of a collective over `group`: "cp" over the context-parallel group, else
+    """The traffic kind of a collective over `group`: "cp" over the context-parallel group, "ep" over the
+    expert ETP x EP group, else
     `tp_kind` ("tp" for the last-dim and all-reduce regions, "sp" for the sequence ones)."""
-    if group is not None and state.model_parallel_is_initialized() and group is state.get_context_parallel_group():
-        return "cp"
+    if group is not None and state.model_parallel_is_initialized():
+        if group is state.get_context_parallel_group():
+            return "cp"
+        if group is state.get_expert_tensor_and_model_parallel_group():  # the all-gather dispatcher
+            return "ep"
     return tp_kind
 
 
@@ -189,3 +195,107 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, output_grad_is_paralle
     consumers are tensor-parallel (`output_grad_is_parallel`), else keep this rank's slice of it."""
     region = _GatherFromSequenceRegion if output_grad_is_parallel else _GatherFromSequenceRegionFullGrad
     return _apply(region, x, group)
+
+
+# -- expert parallelism: exchanges whose sizes vary by rank (megalite.models.moe) ----------------
+def _count_ep(nbytes_sent: int) -> None:
+    if not torch.compiler.is_compiling():
+        traffic.record("ep", nbytes_sent)
+
+
+def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows of `x` sent to each rank of `group` (input_splits[r] rows to rank r, in rank order), rows
+    received from each (output_splits[r]). Bytes counted: the rows that leave this rank."""
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    row = x.element_size() * math.prod(x.shape[1:])
+    me = dist.get_rank(group)
+    _count_ep(row * (sum(input_splits) - input_splits[me]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """All-to-all of rows with sizes that vary by rank (experts receive what the router sends them,
+    zero rows included); backward sends the gradients back the same way. Identity over one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _AllToAllRows.apply(x, group, list(output_splits), list(input_splits))
+
+
+def _gather_rows_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Every rank's rows, rank order (sizes[r] rows from rank r): an all-gather over rows padded to the
+    largest count, the padding dropped."""
+    longest = max(sizes)
+    if longest == 0:  # nobody has a row (every rank knows the sizes): nothing to exchange
+        return x
+    padded = x.new_zeros((longest, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    out = x.new_empty((longest * len(sizes), *x.shape[1:]))
+    _count_ep(padded.nbytes * (len(sizes) - 1))
+    all_gather_single(out, padded, group=group)
+    return torch.cat([out[r * longest:r * longest + n] for r, n in enumerate(sizes)])
+
+
+def _reduce_scatter_rows_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """The inverse of `_gather_rows_v` for gradients: each rank's rows summed over the group."""
+    longest, me = max(sizes), dist.get_rank(group)
+    if longest == 0:
+        return x
+    padded = x.new_zeros((longest * len(sizes), *x.shape[1:]))
+    for r, part in enumerate(x.split(sizes)):
+        padded[r * longest:r * longest + sizes[r]] = part
+    out = x.new_empty((longest, *x.shape[1:]))
+    _count_ep(out.nbytes * (len(sizes) - 1))
+    reduce_scatter_single(out, padded, group=group)
+    return out[:sizes[me]]
+
+
+class _GatherRowsV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _gather_rows_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows_v(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterRowsV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_rows_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows_v(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+def gather_rows_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """All-gather of rows whose count differs by rank (`sizes`, rank order); backward: each rank's
+    rows' gradients summed over the group. Identity over one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherRowsV.apply(x, group, list(sizes))
+
+
+def reduce_scatter_rows_v(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Rows laid out as `gather_rows_v` returns them, summed over the group; this rank keeps its own
+    (sizes[rank] rows). Backward: the all-gather. Identity over one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _ReduceScatterRowsV.apply(x, group, list(sizes))

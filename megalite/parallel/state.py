@@ -1,10 +1,17 @@
-"""Process groups: tensor (TP) x context (CP) x data (DP) x pipeline (PP).
+"""Process groups: tensor (TP) x context (CP) x data (DP) x pipeline (PP), and for expert layers
+expert-tensor (ETP) x expert (EP) x expert-data (EDP) x pipeline over the same ranks.
 
 Rank order follows Megatron-Core: tensor fastest, then context, then data, then pipeline,
     rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 so a TP group is a block of consecutive ranks (one node's fast links), and with cp = 1 every rank
 keeps the 3D position. Every group is the set of ranks that differ along some of these dimensions
 only (`GROUPS`, `rank_groups`).
+
+Expert layers fold their own grid onto each pipeline stage's TP x CP x DP ranks (Megatron-Core's
+"parallel folding"): ETP fastest, then EP, then EDP, with ETP x EP x EDP = TP x CP x DP, so
+    rank = pp_rank * (edp * ep * etp) + edp_rank * (ep * etp) + ep_rank * etp + etp_rank
+Attention and dense layers keep the first grid; an expert's weights are split over ETP, the experts
+over EP, and copies of one expert shard are the EDP group (its gradients are reduced there).
 
 When torch.distributed is not initialized at all, every getter answers as a single
 process (size 1, rank 0, group None), so the parallel layers work in a plain script.
@@ -25,8 +32,19 @@ GROUPS = {
     # Context-parallel ranks hold the same parameters: their gradients are reduced together with
     # data parallelism's, and the distributed optimizer shards over both.
     "data_context": ("context", "data"),
+    # One micro-batch's tokens under sequence and context parallelism (MoE load-balancing statistics).
+    "tensor_context": ("tensor", "context"),
     "model": ("tensor", "pipeline"),  # one full model replica (for global norms and checks)
     "pipeline": ("pipeline",),
+}
+# The expert grid's groups, over the sizes (expert_tensor, expert, expert_data, pipeline).
+EXPERT_GROUPS = {
+    "expert_tensor": ("expert_tensor",),
+    "expert": ("expert",),
+    "expert_tensor_and_model": ("expert_tensor", "expert"),  # the all-gather dispatcher's ranks
+    "expert_data": ("expert_data",),
+    # every expert shard of the model once (for global norms)
+    "expert_model_pipeline": ("expert_tensor", "expert", "pipeline"),
 }
 
 
@@ -39,6 +57,7 @@ class _ParallelState:
     embedding_group: object = None  # first and last pipeline stage, for tied embeddings
     embedding_ranks: list = field(default_factory=list)
     virtual_pp_rank: int | None = None
+    expert_sizes: dict = field(default_factory=dict)  # the expert grid's dimension -> size
 
 
 _STATE: _ParallelState | None = None
@@ -93,15 +112,34 @@ def _check_sizes(world: int, tp: int, pp: int, vpp: int | None, cp: int = 1) -> 
         raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
 
 
+def expert_grid(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int | None = None) -> dict[str, int]:
+    """The expert layers' sizes, fastest first, folded onto the TP x CP x DP ranks of each stage.
+    A ValueError names the numbers when EP x ETP does not divide TP x CP x DP."""
+    etp = tp if etp is None else etp
+    for name, size in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    stage = tp * cp * dp
+    if stage % (ep * etp):
+        raise ValueError(
+            f"expert-tensor x expert parallel sizes ({etp} x {ep} = {etp * ep}) do not divide the ranks of a "
+            f"pipeline stage (TP x CP x DP = {tp} x {cp} x {dp} = {stage}): choose --ep and --etp whose product "
+            f"divides {stage}")
+    return {"expert_tensor": etp, "expert": ep, "expert_data": stage // (ep * etp), "pipeline": pp}
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout=None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> None:
-    """Build the TP, CP, PP, DP, model-parallel and embedding groups on every rank. `timeout` (a
-    timedelta) bounds every collective in them; by default torch's default for the backend."""
+    """Build the TP, CP, PP, DP, model-parallel and embedding groups on every rank, and the expert
+    grid's ETP, EP, ETP x EP and EDP groups (ETP defaults to the TP size). `timeout` (a timedelta)
+    bounds every collective in them; by default torch's default for the backend."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError(
@@ -113,12 +151,18 @@ def initialize_model_parallel(
     cp = context_parallel_size
     _check_sizes(world, tp, pp, vpp, cp)
     sizes = {"tensor": tp, "context": cp, "data": world // (tp * cp * pp), "pipeline": pp}  # fastest first
-    state = _ParallelState(sizes=sizes, vpp=vpp if vpp and vpp > 1 else None)
+    expert_sizes = expert_grid(tp, cp, sizes["data"], pp, expert_model_parallel_size, expert_tensor_parallel_size)
+    state = _ParallelState(sizes=sizes, vpp=vpp if vpp and vpp > 1 else None, expert_sizes=expert_sizes)
     if state.vpp:
         state.virtual_pp_rank = 0
     rank = dist.get_rank()
     for name, spanned in GROUPS.items():
         for ranks in rank_groups(sizes, spanned):
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                state.groups[name], state.ranks[name] = group, ranks
+    for name, spanned in EXPERT_GROUPS.items():
+        for ranks in rank_groups(expert_sizes, spanned):
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 state.groups[name], state.ranks[name] = group, ranks
@@ -150,7 +194,7 @@ def _state() -> _ParallelState | None:
 
 
 def _getters(dimension: str, prefix: str):
-    """get_{prefix}_group, get_{prefix}_world_size and get_{prefix}_rank for one dimension. Without
+    """get_{prefix}_group, get_{prefix}_world_size and get_{prefix}_rank for one group. Without
     torch.distributed they answer as a single process: group None, size 1, rank 0."""
 
     def group():
@@ -159,7 +203,7 @@ def _getters(dimension: str, prefix: str):
 
     def world_size() -> int:
         s = _state()
-        return s.sizes[dimension] if s else 1
+        return len(s.ranks[dimension]) if s else 1
 
     def rank() -> int:
         s = _state()
@@ -176,6 +220,14 @@ def _getters(dimension: str, prefix: str):
  get_pipeline_model_parallel_rank) = _getters("pipeline", "pipeline_model_parallel")
 (get_context_parallel_group, get_context_parallel_world_size,
  get_context_parallel_rank) = _getters("context", "context_parallel")
+(get_expert_model_parallel_group, get_expert_model_parallel_world_size,
+ get_expert_model_parallel_rank) = _getters("expert", "expert_model_parallel")
+(get_expert_tensor_parallel_group, get_expert_tensor_parallel_world_size,
+ get_expert_tensor_parallel_rank) = _getters("expert_tensor", "expert_tensor_parallel")
+(get_expert_tensor_and_model_parallel_group, get_expert_tensor_and_model_parallel_world_size,
+ get_expert_tensor_and_model_parallel_rank) = _getters("expert_tensor_and_model", "expert_tensor_and_model_parallel")
+(get_expert_data_parallel_group, get_expert_data_parallel_world_size,
+ get_expert_data_parallel_rank) = _getters("expert_data", "expert_data_parallel")
 _data_group, _data_world_size, _data_rank = _getters("data", "data_parallel")
 _data_context = _getters("data_context", "data_parallel")
 
@@ -195,6 +247,18 @@ def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
 
 def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
     return _data_context[2]() if with_context_parallel else _data_rank()
+
+
+def get_tensor_and_context_parallel_group():
+    """TP x CP: the ranks that share one micro-batch's tokens (sequence-sharded over both)."""
+    s = _state()
+    return s.groups["tensor_context"] if s else None
+
+
+def get_expert_model_pipeline_group():
+    """ETP x EP x PP: the ranks that together hold every expert shard of one model copy once."""
+    s = _state()
+    return s.groups["expert_model_pipeline"] if s else None
 
 
 def get_model_parallel_group():

@@ -10,7 +10,8 @@ the training loop takes them at step boundaries (docs/communication.md).
 
 Kinds: "tp" (tensor-parallel all-reduces, vocab-parallel cross-entropy), "sp" (sequence-parallel
 all-gathers / reduce-scatters and the all-reduce of sequence-parallel gradients), "cp" (context
-parallelism), "pp" (stage-to-stage sends), "dp" (gradient reduction, parameter all-gathers of
+parallelism), "ep" (expert parallelism's token dispatch: the rows an all-to-all sends to other ranks,
+the padded rows of its variable all-gathers), "pp" (stage-to-stage sends), "dp" (gradient reduction, parameter all-gathers of
 the distributed optimizer and ZeRO), "embedding" (the tied word embedding's gradient summed over
 the first and last stage), "metrics" (token counts, loss, grad norm, exit flags).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from fractions import Fraction
 
-KINDS = ("tp", "sp", "cp", "pp", "dp", "embedding", "metrics")
+KINDS = ("tp", "sp", "cp", "ep", "pp", "dp", "embedding", "metrics")
 
 # (kind, group size) -> multiplier x bytes; group size 0 stands for a point-to-point send (factor 1).
 # Integers keep the sums exact; the ring factor (n-1)/n is applied once, in `take`.

@@ -10,6 +10,7 @@ from megalite import parallel
 from megalite.models import compile_layers
 from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate
 from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim.grads import is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import layers_of, stage_layer_counts
@@ -57,7 +58,9 @@ def setup(cfg, world_size: int):
     device = init_distributed(cfg.parallel.distributed_timeout_minutes)
     parallel.initialize_model_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,
                                        timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
-                                       context_parallel_size=cfg.parallel.cp)
+                                       context_parallel_size=cfg.parallel.cp,
+                                       expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,
+                                       expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
     parallel.model_parallel_manual_seed(cfg.training.seed)
     return config, dp, device
 
@@ -102,26 +105,33 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
     else:  # context-parallel ranks hold the same parameters: reduce and shard over DP x CP
         reduce_group = parallel.get_data_parallel_group(with_context_parallel=True)
         reduce_size = parallel.get_data_parallel_world_size(with_context_parallel=True)
+    moe = config_is_moe(chunks)
+    if moe and (stage == 3 or cfg.local_sgd.local_sgd_interval):
+        raise UsageError("mixture-of-experts models train at --zero-stage 0-2 without local SGD in this version: "
+                         "drop --zero-stage 3 / --local-sgd-interval")
     buffers = []
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         params = [p for p in chunk.parameters() if p.requires_grad]
         bf16_reduce = cfg.data_parallel.grad_reduce_dtype == "bf16"
         # Stages 2-3 keep gradients only as reduced shards: in bf16 when they are reduced in bf16
         # (the ZeRO paper's 2 + 2 + 12 bytes per parameter); below stage 2 they accumulate in fp32.
         grad_dtype = torch.bfloat16 if bf16_reduce and stage >= 2 else torch.float32
         common = dict(param_dtype=dtype, grad_dtype=grad_dtype, bucket_numel=cfg.data_parallel.ddp_bucket_size,
-                      dp_group=reduce_group, dp_size=reduce_size,
                       comm_dtype=torch.bfloat16 if bf16_reduce else None, deferred=deferred)
-        if stage == 3:
-            buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),
-                                     reshard_after_forward=cfg.data_parallel.zero_reshard_after_forward,
-                                     keep_params_for_step=cfg.data_parallel.zero_keep_params_for_step, **common)
-            attach_unit_hooks(chunk, buf)
-        elif stage == 2:
-            buf = ShardedGradBuffer(params, **common)
-        else:
-            buf = ParamAndGradBuffer(params, reduce_scatter=stage == 1, **common)
-        buffers.append(buf)
+        # Expert weights (parallel folding) are copies over the expert-data-parallel group only:
+        # a buffer of their own, reduced (and sharded) there.
+        first = len(buffers)
+        dense = [p for p in params if not is_expert(p)]
+        experts = [p for p in params if is_expert(p)]
+        if dense:
+            buffers.append(_buffer(chunk, dense, stage, cfg, deferred, dict(common, dp_group=reduce_group,
+                                                                            dp_size=reduce_size)))
+        if experts:
+            buffers.append(_buffer(chunk, experts, stage, cfg, deferred, dict(
+                common, dp_group=parallel.get_expert_data_parallel_group(),
+                dp_size=parallel.get_expert_data_parallel_world_size(), experts=True)))
+        for buf in buffers[first:]:
+            buf.chunk_index = index  # the chunk whose backward fills it
     prec, o = cfg.precision, cfg.optimizer
     if prec.fp16:
         scaler = ConstantLossScaler(prec.loss_scale) if prec.loss_scale is not None else DynamicLossScaler(
@@ -131,10 +141,26 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
     optimizer = MegaliteOptimizer(buffers, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps, distributed=cfg.data_parallel.use_distributed_optimizer,
                                   loss_scaler=scaler, use_apex=o.use_apex_adam,
-                                  separate_embedding_lr=o.decoupled_lr is not None)
+                                  separate_embedding_lr=o.decoupled_lr is not None, moe=moe)
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr)
     return buffers, optimizer
+
+
+def config_is_moe(chunks) -> bool:
+    return any(getattr(c, "config", None) is not None and c.config.is_moe for c in chunks)
+
+
+def _buffer(chunk, params, stage: int, cfg, deferred, common):
+    if stage == 3:
+        buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),
+                                 reshard_after_forward=cfg.data_parallel.zero_reshard_after_forward,
+                                 keep_params_for_step=cfg.data_parallel.zero_keep_params_for_step, **common)
+        attach_unit_hooks(chunk, buf)
+        return buf
+    if stage == 2:
+        return ShardedGradBuffer(params, **common)
+    return ParamAndGradBuffer(params, reduce_scatter=stage == 1, **common)
 
 
 def lr_schedules(cfg) -> tuple[LRSchedule, LRSchedule | None]:

@@ -10,6 +10,8 @@ import torch
 
 from megalite import parallel
 from megalite.config import model_dtype
+from megalite.models.moe import losses as moe_losses
+from megalite.models.moe.router import update_expert_biases
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
 from megalite.pipeline.schedules import Op, ScheduleStats, build_program, run_schedule
 from megalite.runtime import set_phase
@@ -80,6 +82,9 @@ class TrainStep:
             for buf in self.buffers:
                 if hasattr(buf, "spans"):
                     buf.spans = []
+        # The routers' loss terms: a micro-batch's share of the global batch, and the loss scale.
+        moe_losses.set_batch(self.micro_batches * self.tensor_shape[1] * parallel.get_data_parallel_world_size(),
+                             self.tensor_shape[1], self.optimizer.loss_scaler.scale)
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
                              self.tensor_shape, self.dtype, record_spans=record_spans,
                              loss_scale=self.optimizer.loss_scaler.scale,
@@ -100,13 +105,16 @@ class TrainStep:
         set_phase(f"{label}: the optimizer step")
         grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad, embedding_lr)
         self.optimizer.zero_grad()
+        update_expert_biases(self.chunks, found_inf)
         if self.local_sgd is not None:
             set_phase(f"{label}: the local-SGD outer step")
             self.local_sgd.after_inner_step()
         return StepResult(stats, grad_norm, found_inf, t)
 
     def _enable_sync(self, chunk: int) -> None:
-        self.buffers[chunk].enable_sync()
+        for buf in self.buffers:  # a chunk's dense buffer, and its experts' where it has experts
+            if buf.chunk_index == chunk:
+                buf.enable_sync()
 
     def sync_device(self) -> None:
         if self.params and self.params[0].device.type == "cuda":

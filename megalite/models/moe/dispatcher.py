@@ -1,0 +1,138 @@
+"""Token dispatchers: carry each routed token to the rank holding its expert and the expert's
+output back, weighted by the router, summed per token. Dropless: every assignment is computed, an
+expert that gets no tokens computes nothing, the exchanges' sizes vary by rank.
+
+alltoall (the default): a rank sorts its assignments by expert, sends each rank of its EP group the
+rows of that rank's experts (variable all-to-all), gathers its ETP peers' received rows (the
+expert's shards need the same tokens), sorts them by local expert, runs the experts, and undoes
+each step: ETP partial outputs summed (reduce-scatter), rows sent home, weighted and added per token.
+allgather: every rank of the ETP x EP group gathers all of the group's tokens and routing, runs its
+experts on the rows routed to them, and a reduce-scatter sums each token's outputs over the group.
+
+Both need the number of rows per expert on the host to size their GEMMs and exchanges: one device
+to host copy a layer (inherent to dropless routing; the capacity path's sizes are static).
+Exchanges are counted in the traffic accounting as kind "ep".
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import state, traffic
+from megalite.parallel.mappings import (
+    all_gather_single,
+    all_to_all_rows,
+    gather_from_sequence_parallel_region,
+    gather_rows_v,
+    reduce_scatter_rows_v,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+def _sort_by_expert(indices: torch.Tensor, num_experts: int):
+    """(the assignments in expert order, their tokens, rows per expert): assignments are the
+    flattened [T, k] indices; the sort is stable, so an expert's rows keep token order."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, order // indices.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def _combine(rows: torch.Tensor, weights: torch.Tensor, tokens_of_rows: torch.Tensor, num_tokens: int):
+    """sum over a token's rows of weight * row: [num_tokens, hidden] (the row order fixes the order of sums)."""
+    weighted = rows * weights.unsqueeze(-1).to(rows.dtype)
+    out = rows.new_zeros((num_tokens, rows.shape[-1]))
+    return out.index_add(0, tokens_of_rows, weighted)
+
+
+def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's per-expert counts over `group` ([group size, experts], rank order)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return counts.unsqueeze(0)
+    out = counts.new_empty(dist.get_world_size(group) * counts.numel())
+    all_gather_single(out, counts, group=group)
+    return out.view(-1, counts.numel())
+
+
+class AllToAllDispatcher:
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.ep, self.etp = state.get_expert_model_parallel_world_size(), state.get_expert_tensor_parallel_world_size()
+        self.local = num_experts // self.ep
+
+    def __call__(self, tokens, weights, indices, experts):
+        """tokens [T, hidden], weights [T, k], indices [T, k] -> [T, hidden]."""
+        order, token_of, counts = _sort_by_expert(indices, self.num_experts)
+        rows = tokens.index_select(0, token_of)
+        ep, etp, local = self.ep, self.etp, self.local
+        # counts[g, e] of every rank g of the ETP x EP group (g = ep_rank * etp + etp_rank): one host copy
+        table = _gather_counts(counts, state.get_expert_tensor_and_model_parallel_group()).tolist()
+        me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
+        mine = range(me_ep * local, (me_ep + 1) * local)
+        # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
+        send = [sum(table[me_ep * etp + me_etp][j * local:(j + 1) * local]) for j in range(ep)]
+        recv = [sum(table[j * etp + me_etp][e] for e in mine) for j in range(ep)]
+        rows = all_to_all_rows(rows, state.get_expert_model_parallel_group(), recv, send)
+        # The ETP peers' received rows, then every row in (local expert, ETP peer, source) order.
+        # block[q][j][e]: rows from source EP rank j, received by ETP peer q, for local expert e.
+        block = [[[table[j * etp + q][me_ep * local + e] for e in range(local)] for j in range(ep)]
+                 for q in range(etp)]
+        peer_rows = [sum(sum(b) for b in block[q]) for q in range(etp)]
+        rows = gather_rows_v(rows, state.get_expert_tensor_parallel_group(), peer_rows)
+        perm, per_expert = self._by_expert(block, rows.device)
+        y = experts(rows.index_select(0, perm), per_expert)
+        y = y.index_select(0, torch.argsort(perm))  # back to (peer, source, expert) order
+        y = reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
+        y = all_to_all_rows(y, state.get_expert_model_parallel_group(), send, recv)
+        return _combine(y, weights.reshape(-1).index_select(0, order), token_of, tokens.shape[0])
+
+    @staticmethod
+    def _by_expert(block, device):
+        """The permutation taking (peer, source, expert)-ordered rows to expert order, and the rows
+        per local expert."""
+        starts, start = {}, 0
+        for q, per_source in enumerate(block):
+            for j, per_expert in enumerate(per_source):
+                for e, n in enumerate(per_expert):
+                    starts[q, j, e], start = start, start + n
+        local = len(block[0][0]) if block and block[0] else 0
+        pieces, counts = [], []
+        for e in range(local):
+            total = 0
+            for q, per_source in enumerate(block):
+                for j, per_expert in enumerate(per_source):
+                    n = per_expert[e]
+                    if n:
+                        pieces.append(torch.arange(starts[q, j, e], starts[q, j, e] + n))
+                        total += n
+            counts.append(total)
+        perm = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        return perm.to(device), counts
+
+
+class AllGatherDispatcher:
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.local = num_experts // state.get_expert_model_parallel_world_size()
+
+    def __call__(self, tokens, weights, indices, experts):
+        group = state.get_expert_tensor_and_model_parallel_group()
+        size = 1 if group is None else dist.get_world_size(group)
+        if size > 1:
+            tokens = gather_from_sequence_parallel_region(tokens, True, group)
+            weights = gather_from_sequence_parallel_region(weights, True, group)
+            gathered = indices.new_empty(size * indices.numel())
+            traffic.gather_or_scatter("ep", gathered.nbytes, size)
+            all_gather_single(gathered, indices.contiguous().view(-1), group=group)
+            indices = gathered.view(-1, *indices.shape[1:])
+        first = state.get_expert_model_parallel_rank() * self.local
+        order, token_of, counts = _sort_by_expert(indices, self.num_experts)
+        counts = counts.tolist()  # the one host copy
+        lo, hi = sum(counts[:first]), sum(counts[:first + self.local])
+        order, token_of = order[lo:hi], token_of[lo:hi]  # the assignments to this rank's experts
+        y = experts(tokens.index_select(0, token_of), counts[first:first + self.local])
+        out = _combine(y, weights.reshape(-1).index_select(0, order), token_of, tokens.shape[0])
+        return reduce_scatter_to_sequence_parallel_region(out, group) if size > 1 else out
+
+
+def make_dispatcher(kind: str, num_experts: int):
+    return {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[kind](num_experts)

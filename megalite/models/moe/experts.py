@@ -1,0 +1,131 @@
+"""A rank's local experts as one grouped matrix multiply.
+
+Each local expert's weights are one slice of a 3-D parameter: fc1 [local experts, rows, hidden]
+(a gated expert's rows: its gate rows, then its up rows, each split over expert tensor parallelism
+like `ColumnParallelLinear(partition_blocks=2)`), fc2 [local experts, hidden, ffn / ETP] (columns
+split like `RowParallelLinear`). Tokens arrive sorted by expert with a count per expert; the
+output is partial over ETP (the dispatcher sums it). Initialization is layout-free: every rank
+draws the full [experts, ...] tensors from the same generator and keeps its experts and its ETP
+part of each, so any (EP, ETP) builds the same model from one seed.
+
+`grouped_linear` is the one multiply: PyTorch's grouped GEMM (`torch.nn.functional.grouped_mm`)
+where the device runs it (CUDA, bf16), and elsewhere a loop of GEMMs over the experts' row blocks,
+written in place, whose backward fills one weight-gradient tensor (no per-expert full-size zeros).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite.models.config import TransformerConfig
+from megalite.models.mlp import activation_function
+from megalite.parallel import state
+from megalite.parallel.layers import default_device, init_device, normal_init, tp_shard
+
+
+def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and hasattr(torch.nn.functional, "grouped_mm"))
+
+
+def _offsets(counts: list[int], device) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device, non_blocking=True)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] @ weight[e]^T for each expert e (weight [E, out, in])."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        if _grouped_mm_applies(x, weight):
+            return torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
+            if ye.shape[0]:
+                torch.mm(xe, weight[e].t(), out=ye)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        counts, grad = ctx.counts, grad.contiguous()
+        grad_x = grad_w = None
+        if _grouped_mm_applies(x, weight):
+            offs = _offsets(counts, x.device)
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.nn.functional.grouped_mm(grad, weight, offs=offs)
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
+            return grad_x, grad_w, None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.new_empty(x.shape)
+            for e, (ge, gxe) in enumerate(zip(grad.split(counts), grad_x.split(counts))):
+                if ge.shape[0]:
+                    torch.mm(ge, weight[e], out=gxe)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.empty_like(weight)
+            for e, (ge, xe) in enumerate(zip(grad.split(counts), x.split(counts))):
+                if ge.shape[0]:
+                    torch.mm(ge.t(), xe, out=grad_w[e])
+                else:  # an expert no token reached: a zero gradient
+                    grad_w[e].zero_()
+        return grad_x, grad_w, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x [sum(counts), in] sorted by expert, weight [E, out, in] -> [sum(counts), out]."""
+    return _GroupedLinear.apply(x, weight, list(counts))
+
+
+class GroupedMLP(nn.Module):
+    """This rank's experts (experts [ep_rank * local, (ep_rank + 1) * local)), each an MLP without
+    biases: fc2(act(fc1 x)), or gated fc2(act(gate) * up) when `config.gated_linear_unit`."""
+
+    def __init__(self, config: TransformerConfig, init_method=None, output_init_method=None, device=None,
+                 ffn_hidden_size: int | None = None):
+        super().__init__()
+        ep, etp = state.get_expert_model_parallel_world_size(), state.get_expert_tensor_parallel_world_size()
+        experts, hidden = config.num_moe_experts, config.hidden_size
+        ffn = ffn_hidden_size or config.moe_ffn_hidden_size
+        if experts % ep:
+            raise ValueError(f"the number of experts ({experts}) is not divisible by the expert-parallel size "
+                             f"({ep}): choose --ep among the divisors of {experts}")
+        if ffn % etp:
+            raise ValueError(f"--moe-ffn-hidden-size ({ffn}) is not divisible by the expert-tensor-parallel size "
+                             f"({etp}): choose --etp among its divisors")
+        self.num_local_experts = experts // ep
+        self.gated = config.gated_linear_unit
+        blocks = 2 if self.gated else 1
+        first = state.get_expert_model_parallel_rank() * self.num_local_experts
+        mine = slice(first, first + self.num_local_experts)
+        etp_rank = state.get_expert_tensor_parallel_rank()
+        device = default_device(device)
+        where = init_device(device)
+        fc1 = torch.zeros(experts, blocks * ffn, hidden, dtype=torch.float32, device=where)
+        (init_method or normal_init(config.init_method_std))(fc1)
+        fc2 = torch.zeros(experts, hidden, ffn, dtype=torch.float32, device=where)
+        (output_init_method or normal_init(config.init_method_std))(fc2)
+        self.fc1_weight = self._parameter(tp_shard(fc1[mine], 1, etp, etp_rank, blocks), config, device, 1, blocks)
+        self.fc2_weight = self._parameter(tp_shard(fc2[mine], 2, etp, etp_rank), config, device, 2, 1)
+        self.activation = activation_function(config)
+
+    @staticmethod
+    def _parameter(shard: torch.Tensor, config, device, dim: int, blocks: int) -> nn.Parameter:
+        p = nn.Parameter(shard.to(device=device, dtype=config.params_dtype).contiguous())
+        p.expert_parallel = True  # sharded over EP (dim 0) and ETP (`partition_dim`), reduced over EDP
+        p.partition_dim = dim
+        if blocks > 1:
+            p.partition_blocks = blocks
+        return p
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, hidden] sorted by local expert (counts[e] rows each) -> [N, hidden], partial over ETP."""
+        h = grouped_linear(x, self.fc1_weight, counts)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.activation(gate) * up
+        else:
+            h = self.activation(h)
+        return grouped_linear(h, self.fc2_weight, counts)

@@ -1,0 +1,65 @@
+"""The MoE layer: router, dispatcher and local experts in place of a transformer layer's MLP, plus
+an optional shared expert every token takes (a dense tensor-parallel MLP, optionally gated by
+sigmoid(x . w))."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.models.config import TransformerConfig
+from megalite.models.mlp import mlp_layer
+from megalite.models.moe import losses
+from megalite.models.moe.dispatcher import make_dispatcher
+from megalite.models.moe.experts import GroupedMLP
+from megalite.models.moe.router import TopKRouter
+from megalite.parallel import state
+from megalite.parallel.layers import default_device, init_device, normal_init
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: TransformerConfig, init_method=None, output_init_method=None, device=None):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        if tp > 1 and not config.sequence_parallel:
+            raise ValueError(f"mixture-of-experts layers at --tp {tp} need --sequence-parallel (each TP rank "
+                             f"routes its own part of the sequence): add --sequence-parallel")
+        self.config = config
+        self.router = TopKRouter(config, init_method, device)
+        self.experts = GroupedMLP(config, init_method, output_init_method, device)
+        self.dispatcher = make_dispatcher(config.moe_token_dispatcher_type, config.num_moe_experts)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            shared = config.replace(ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            self.shared_experts = mlp_layer(shared, init_method, output_init_method, device)
+            self.shared_expert_gate = None
+            if config.moe_shared_expert_gate:
+                full = torch.zeros(1, config.hidden_size, dtype=torch.float32, device=init_device(default_device(device)))
+                (init_method or normal_init(config.init_method_std))(full)
+                self.shared_expert_gate = nn.Parameter(full.to(device=default_device(device), dtype=config.params_dtype))
+                self.shared_expert_gate.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, hidden] (sequence-sharded under SP) -> the same shape."""
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, indices, scores, logits = self.router(tokens)
+        out = self.dispatcher(tokens, weights, indices, self.experts).view_as(x)
+        out = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+            out = out + shared
+        return out
+
+    def _add_losses(self, out, scores, indices, logits, sequences: int):
+        c = self.config
+        if not (self.training and torch.is_grad_enabled()):
+            return out
+        if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff:
+            out = losses.attach(out, losses.load_balancing_loss(
+                c.moe_router_load_balancing_type, scores, indices, c.num_moe_experts, c.moe_router_topk,
+                sequences, c.moe_aux_loss_coeff))
+        if c.moe_z_loss_coeff:
+            out = losses.attach(out, losses.z_loss(logits, sequences, c.moe_z_loss_coeff))
+        return out

@@ -1,0 +1,119 @@
+"""A tiny MoE GPT (8 experts, top-2, a dense first layer, a shared expert, aux and z-losses) trains
+10 iterations to the one-device losses (fp32, <= 1e-5 relative) at every expert layout: EP 2 and 4,
+TP 2 (SP) x EP 2, TP 2 with ETP 1 x EP 4, PP 2 x EP 2, CP 2 x EP 2, the distributed optimizer and
+ZeRO-2, full recompute, the all-gather dispatcher; and gradient accumulation 1 vs 4 at one global
+batch. The MoE flags' bad values end in one line before anything starts."""
+import pytest
+import torch
+
+from helpers import rel_err
+from megalite.testing import run_ranks
+from training_ranks import gpt_run, several, train_losses
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
+       "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+BASE = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
+        "--micro-batch-size", "2", "--eval-interval", "0", *MOE]
+
+# DeepSeek-style routing: sigmoid scores, the expert bias moved once per step from the global counts.
+BIAS = BASE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+               "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss"]
+
+LAYOUTS = {
+    "ep2": ["--ep", "2"],
+    "ep4": ["--ep", "4"],
+    "tp2-sp-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2"],
+    "tp2-etp1-ep4": ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "4"],
+    "pp2-ep2": ["--pp", "2", "--ep", "2"],
+    "cp2-ep2": ["--cp", "2", "--ep", "2"],
+    "ep2-distributed-optimizer": ["--ep", "2", "--use-distributed-optimizer"],
+    "ep4-zero2": ["--ep", "4", "--zero-stage", "2"],
+    "ep2-recompute": ["--ep", "2", "--recompute", "full"],
+    "ep4-allgather": ["--ep", "4", "--moe-token-dispatcher-type", "allgather"],
+}
+BIAS_LAYOUTS = {
+    "bias-ep2": ["--ep", "2"],
+    "bias-pp2-ep2": ["--pp", "2", "--ep", "2"],
+    "bias-tp2-sp-ep2-recompute": ["--tp", "2", "--sequence-parallel", "--ep", "2", "--recompute", "full"],
+}
+
+
+def losses_and_biases(rank, world, argv):
+    """The losses, and every router's expert bias on this rank by layer number."""
+    from megalite.models.moe.router import TopKRouter
+
+    run = gpt_run(argv)
+    biases = {}
+    for chunk in run.model_chunks:
+        for i, layer in enumerate(chunk.layers):
+            for m in layer.modules():
+                if isinstance(m, TopKRouter) and m.expert_bias is not None:
+                    biases[chunk.layer_numbers[i]] = m.expert_bias.clone()
+    return [r["loss"] for r in run.records], biases
+
+
+def _biases(runs):
+    """Layer number -> bias over the ranks of a run (a stage's ranks agree; each layer once)."""
+    out = {}
+    for _, biases in runs:
+        for layer, b in biases.items():
+            assert layer not in out or torch.equal(out[layer], b), f"ranks disagree on layer {layer}'s bias"
+            out[layer] = b
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return run_ranks(train_losses, 1, args=(BASE,))[0]
+
+
+@pytest.mark.slow
+def test_every_expert_layout_trains_to_the_one_device_losses(one_device):
+    argvs = [BASE + f for f in LAYOUTS.values()] + [BIAS + f for f in BIAS_LAYOUTS.values()]
+    per_rank = run_ranks(several, 4, args=(losses_and_biases, argvs), timeout=900)
+    bias_losses, bias_reference = run_ranks(losses_and_biases, 1, args=(BIAS,))[0]
+    assert sorted(bias_reference) == [1, 2, 3]  # the MoE layers
+    assert all(b.abs().sum() > 0 for b in bias_reference.values()), "the expert bias never moved"
+    for i, name in enumerate([*LAYOUTS, *BIAS_LAYOUTS]):
+        runs = [rank_runs[i] for rank_runs in per_rank]
+        losses = runs[0][0] if name != "bias-pp2-ep2" else runs[-1][0]  # the last stage logs the loss
+        want = bias_losses if name.startswith("bias") else one_device
+        assert len(losses) == 10 and len(want) == 10
+        assert rel_err(torch.tensor(losses), torch.tensor(want)) <= 1e-5, (name, losses, want)
+        if name.startswith("bias"):  # moved by the same steps, from the same global counts
+            got = _biases(runs)
+            assert sorted(got) == [1, 2, 3] and all(torch.equal(got[k], bias_reference[k]) for k in got), name
+
+
+def test_ep2_trains_to_the_one_device_losses(one_device):
+    losses = run_ranks(train_losses, 2, args=(BASE + ["--ep", "2"],))[0]
+    assert rel_err(torch.tensor(losses), torch.tensor(one_device)) <= 1e-5, (losses, one_device)
+
+
+def test_gradient_accumulation_1_and_4_train_alike_at_one_global_batch():
+    seq = BASE + ["--moe-router-load-balancing-type", "seq_aux_loss"]
+    whole, accumulated = run_ranks(several, 1, args=(train_losses, [
+        seq + ["--micro-batch-size", "8"], seq + ["--micro-batch-size", "2"]]))[0]
+    assert rel_err(torch.tensor(accumulated), torch.tensor(whole)) <= 1e-5, (accumulated, whole)
+
+
+@pytest.mark.parametrize("world, argv, message", [
+    (2, ["--ep", "2"], r"--ep: for mixture-of-experts models only: add --num-experts N"),
+    (1, ["--moe-router-topk", "4"], r"--moe-router-topk: for mixture-of-experts models only"),
+    (4, MOE + ["--ep", "3"], r"expert-tensor x expert parallel sizes \(1 x 3 = 3\) do not divide"),
+    (6, MOE + ["--ep", "3", "--global-batch-size", "12"], r"--num-experts 8 is not divisible by --ep 3"),
+    (4, MOE + ["--tp", "2", "--sequence-parallel", "--ep", "4"],
+     r"\(2 x 4 = 8\) do not divide the ranks of a pipeline stage \(TP x CP x DP = 2 x 1 x 2 = 4\)"),
+    (2, MOE + ["--tp", "2"], r"mixture-of-experts layers at --tp 2 need --sequence-parallel"),
+    (1, MOE + ["--moe-router-topk", "9"], r"--moe-router-topk \(9\) must be between 1 and the number of experts"),
+    (1, MOE + ["--moe-layer-freq", "[0,1]"], r"--moe-layer-freq lists 2 entries .* for 4 layers"),
+    (2, MOE + ["--ep", "2", "--save", "/tmp/x"], r"checkpoints of expert weights split over --ep 2"),
+])
+def test_bad_moe_layouts_end_in_one_line_before_anything_starts(world, argv, message):
+    from megalite import config as C
+    from megalite.errors import UsageError
+
+    cfg = C.build_parser("test", "gpt-tiny").parse_args(["--mock-data", *argv])
+    with pytest.raises(UsageError, match=message):
+        C.validate(cfg, world, C.model_config(cfg))
