@@ -108,7 +108,6 @@ def test_gradient_accumulation_1_and_4_train_alike_at_one_global_batch():
     (2, MOE + ["--tp", "2"], r"mixture-of-experts layers at --tp 2 need --sequence-parallel"),
     (1, MOE + ["--moe-router-topk", "9"], r"--moe-router-topk \(9\) must be between 1 and the number of experts"),
     (1, MOE + ["--moe-layer-freq", "[0,1]"], r"--moe-layer-freq lists 2 entries .* for 4 layers"),
-    (2, MOE + ["--ep", "2", "--save", "/tmp/x"], r"checkpoints of expert weights split over --ep 2"),
 ])
 def test_bad_moe_layouts_end_in_one_line_before_anything_starts(world, argv, message):
     from megalite import config as C
@@ -117,3 +116,33 @@ def test_bad_moe_layouts_end_in_one_line_before_anything_starts(world, argv, mes
     cfg = C.build_parser("test", "gpt-tiny").parse_args(["--mock-data", *argv])
     with pytest.raises(UsageError, match=message):
         C.validate(cfg, world, C.model_config(cfg))
+
+
+RESUME = BASE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss"]
+
+
+def _save_then_resume(rank, world, save_dir, save_flags, resume_runs):
+    """One spawn: train 10 iterations at `save_flags` saving at 5 (kept: --exit-interval), then for each
+    (flags) of `resume_runs` resume from it; the losses of iterations 6-10 of each."""
+    from training_ranks import gpt_run as run
+
+    run(RESUME + save_flags + ["--save", save_dir, "--save-interval", "5", "--exit-interval", "5"])
+    out = []
+    for flags in resume_runs:
+        out.append([r["loss"] for r in run(RESUME + flags + ["--load", save_dir]).records])
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_ep4_resumes_exactly_at_ep1_ep2_and_with_etp_and_tp_changed(tmp_path):
+    """Layout-free expert checkpoints: the optimizer state and the expert bias come back too."""
+    unbroken = run_ranks(train_losses, 1, args=(RESUME,))[0]
+    resumes = {"ep1": [], "ep2": ["--ep", "2"], "tp2-sp-etp2-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2"],
+               "tp2-sp-etp1-ep4-distributed-optimizer": ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "4",
+                                                         "--use-distributed-optimizer"]}
+    runs = run_ranks(_save_then_resume, 4, args=(str(tmp_path / "ckpt"), ["--ep", "4"], list(resumes.values())),
+                     timeout=900)[0]
+    for name, losses in zip(resumes, runs):
+        assert len(losses) == 5, (name, losses)
+        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5, (name, losses, unbroken[5:])

@@ -56,6 +56,90 @@ def named_params(model_chunks):
             yield chunk, local, p, global_name(chunk, local)
 
 
+# A MoE layer's experts are stored one tensor per expert, named by its global index (whatever the EP
+# size): the model's [local experts, rows, cols] parameter is that many 2-D tensors in the file.
+EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(fc[12]_weight)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """One tensor as the checkpoint names and places it: a parameter, or one expert of a MoE layer's
+    experts parameter (`view` = param[e], `offset` its first element in the parameter)."""
+    chunk: object
+    local: str
+    param: torch.Tensor
+    name: str
+    view: torch.Tensor
+    offset: int
+    dim: int | None  # the sharded dimension of `view` (None: replicated)
+    start: int
+    full: int | None  # the full size along `dim`
+    keep: int | None  # rows to keep (vocabulary padding)
+
+    @property
+    def blocks(self) -> int:
+        return partition_blocks(self.param)
+
+
+def stored_tensors(model_chunks):
+    """Every tensor of this rank's chunks as the checkpoint stores it (see `Stored`)."""
+    for chunk, local, p, name in named_params(model_chunks):
+        if not getattr(p, "expert_parallel", False):
+            dim, start, keep = placement(chunk, local, p)
+            yield Stored(chunk, local, p, name, p, 0, dim, start, full_size(chunk, local, p), keep)
+            continue
+        local_experts, (prefix, leaf) = p.shape[0], name.rsplit(".", 1)
+        first = parallel.get_expert_model_parallel_rank() * local_experts
+        etp, etp_rank = parallel.get_expert_tensor_parallel_world_size(), parallel.get_expert_tensor_parallel_rank()
+        dim = p.partition_dim - 1  # of one expert's 2-D weight
+        size = p.shape[p.partition_dim]
+        for e in range(local_experts):
+            view = p[e]
+            yield Stored(chunk, local, p, f"{prefix}.{first + e}.{leaf}", view, e * view.numel(), dim,
+                         etp_rank * (size // partition_blocks(p)), size * etp, None)
+
+
+def stored_by_param(model_chunks) -> dict:
+    """id(parameter) -> its `Stored` tensors, in order."""
+    out: dict = {}
+    for st in stored_tensors(model_chunks):
+        out.setdefault(id(st.param), []).append(st)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecePart:
+    """The part of an optimizer piece that falls in one stored tensor: elements [lo, hi) of
+    `stored.view` (flattened), at offset `start` of the piece's flat elements."""
+    stored: Stored
+    lo: int
+    hi: int
+    start: int
+
+    def of(self, piece_tensor: torch.Tensor) -> torch.Tensor:
+        """This part of a tensor laid out like the piece (its master, its Adam moments)."""
+        return piece_tensor.reshape(-1)[self.start:self.start + self.hi - self.lo]
+
+
+def piece_parts(owners: dict, piece):
+    """The `PiecePart`s of an optimizer piece (`owners`: `stored_by_param`)."""
+    p_lo, _ = piece.buffer.param_range(piece.param)
+    lo, hi = piece.lo - p_lo, piece.hi - p_lo
+    for st in owners[id(piece.param)]:
+        a, b = max(lo, st.offset), min(hi, st.offset + st.view.numel())
+        if a < b:
+            yield PiecePart(st, a - st.offset, b - st.offset, a - lo)
+
+
+def expert_biases(model_chunks):
+    """(layout-free name, tensor) of every router's expert bias (aux-loss-free balancing): state
+    that is not a parameter, saved and loaded with the model."""
+    for chunk in model_chunks:
+        for local, b in chunk.named_buffers():
+            if local.endswith("router.expert_bias"):
+                yield global_name(chunk, local), b
+
+
 def param_owners(model_chunks) -> dict:
     """id(parameter) -> (chunk, local name): how an optimizer piece finds its model parameter."""
     return {id(p): (chunk, local) for chunk, local, p, _ in named_params(model_chunks)}
@@ -113,7 +197,10 @@ def shard_of(full: torch.Tensor, dim, start: int, shape, blocks: int = 1) -> tor
 
 def is_writer(p) -> bool:
     """One copy of each tensor per DP replica: TP-sharded ones from every TP rank, replicated ones
-    from TP rank 0; the last stage's tied-embedding copy never."""
+    from TP rank 0; the last stage's tied-embedding copy never; experts from every rank of the
+    expert grid (each holds its own shard)."""
+    if getattr(p, "expert_parallel", False):
+        return True
     if getattr(p, "shared_embedding", False):
         return False
     return getattr(p, "tensor_model_parallel", False) or parallel.get_tensor_model_parallel_rank() == 0

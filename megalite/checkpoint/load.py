@@ -6,12 +6,11 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.fileformat import RankFile
-from megalite.checkpoint.layout import (VOCAB_PARAMS, full_size, named_params, param_owners, piece_place,
-                                        placement, shard_of)
+from megalite.checkpoint.layout import (EXPERT_TENSOR, VOCAB_PARAMS, expert_biases, piece_parts, shard_of,
+                                        stored_by_param, stored_tensors)
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.models.config import TransformerConfig
-from megalite.parallel.layers import partition_blocks
 from megalite.runtime import UsageError
 
 
@@ -36,60 +35,67 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
     A stored slice that is exactly a parameter (the same layout) is read straight into it."""
     reader = reader or CheckpointReader(directory)
     plan = []
-    for chunk, local, p, name in named_params(model_chunks):
-        dim, start, _ = placement(chunk, local, p)
-        plan.append((chunk, local, p, name, dim, start, reader.direct_model(name, dim, start, p, partition_blocks(p))))
-    reader.verify(item[3] for item in plan if item[6] is None)
+    for st in stored_tensors(model_chunks):
+        plan.append((st, reader.direct_model(st.name, st.dim, st.start, st.view, st.blocks)))
+    reader.verify(st.name for st, direct in plan if direct is None)
     with torch.no_grad():
-        for chunk, local, p, name, dim, start, direct in plan:
+        for st, direct in plan:
             if direct is not None:
-                reader.read_direct(*direct, p, name)
+                reader.read_direct(*direct, st.view, st.name)
                 continue
-            full = reader.full_tensor(name)
-            expected = list(p.shape)
-            if dim is not None:
-                expected[dim] = full_size(chunk, local, p)
+            full = reader.full_tensor(st.name)
+            expected = list(st.view.shape)
+            if st.dim is not None:
+                expected[st.dim] = st.full
             if list(full.shape) != expected:
-                raise UsageError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, "
-                                 f"which does not fit this model's {local} ({tuple(p.shape)} per rank)")
-            _copy_local(p.view(-1), full, dim, start, p.shape, 0, p.numel(), partition_blocks(p))
+                raise UsageError(f"checkpoint tensor {st.name} has shape {tuple(full.shape)}, "
+                                 f"which does not fit this model's {st.local} ({tuple(st.view.shape)} per rank)")
+            _copy_local(st.view.view(-1), full, st.dim, st.start, st.view.shape, 0, st.view.numel(), st.blocks)
+        for name, bias in expert_biases(model_chunks):
+            if name not in reader.model_names():
+                raise UsageError(f"checkpoint {reader.path} has no {name}: it was saved without "
+                                 f"--moe-router-enable-expert-bias; resume without it")
+            bias.copy_(reader.full_tensor(name))
         reader.finish_direct()
     return reader
 
 
 def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> bool:
     """Masters and Adam moments, resharded to this rank's pieces. False if the checkpoint has none."""
-    owners = param_owners(model_chunks)
+    owners = stored_by_param(model_chunks)
     if not any(f.meta.get("optim") for f in reader.files):
         return False
     step = max((f.meta.get("step", 0) for f in reader.files), default=0)
     plan = []
     for piece in optimizer.pieces:
-        name, dim, start, lo, hi = piece_place(owners, piece)
-        direct = reader.direct_optim(name, dim, start, piece.param.shape, lo, hi, partition_blocks(piece.param))
-        plan.append((piece, name, dim, start, lo, hi, direct))
-    reader.verify(item[1] for item in plan if item[6] is None)
+        for part in piece_parts(owners, piece):  # one, or one per expert the piece covers
+            stored = part.stored
+            direct = reader.direct_optim(stored.name, stored.dim, stored.start, stored.view.shape, part.lo, part.hi,
+                                         stored.blocks)
+            plan.append((piece, part, direct))
+    reader.verify(part.stored.name for _, part, direct in plan if direct is None)
     fused = bool(optimizer.inner.defaults.get("fused"))
     with torch.no_grad():
         # A parameter lies in one bucket, so this rank holds at most one piece of it: assemble its
         # full state, copy the piece, and let the full tensors go before the next parameter.
-        for piece, name, dim, start, lo, hi, direct in plan:
+        for piece, part, direct in plan:
+            stored, name = part.stored, part.stored.name
             # fp32 masters that are the parameters and were stored as the weights: already loaded.
             skip = ("master",) if master_is_the_param(piece) and reader.master_is_the_weight(name) else ()
-            shape, blocks = piece.param.shape, partition_blocks(piece.param)
             st = optimizer.inner.state[piece.master]
-            if direct is not None and _read_optim_direct(reader, piece, st, name, skip, *direct):
+            if direct is not None and _read_optim_direct(reader, piece, part, st, name, skip, *direct):
                 pass
             else:
                 full = reader.full_optimizer_state(name, skip)
                 if full is None:
                     raise UsageError(f"checkpoint {reader.path} has no optimizer state for {name}")
+                args = (stored.dim, stored.start, stored.view.shape, part.lo, part.hi, stored.blocks)
                 if "master" in full:
-                    _copy_local(piece.master.view(-1), full["master"], dim, start, shape, lo, hi, blocks)
+                    _copy_local(part.of(piece.master), full["master"], *args)
                 for k in ("exp_avg", "exp_avg_sq"):
                     if k in full:
                         st[k] = _state_tensor(st.get(k), piece.master)
-                        _copy_local(st[k].view(-1), full[k], dim, start, shape, lo, hi, blocks)
+                        _copy_local(part.of(st[k]), full[k], *args)
                 del full
             if "exp_avg" in st:
                 st["step"] = torch.tensor(float(step), device=piece.master.device if fused else "cpu")
@@ -103,20 +109,21 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
     return True
 
 
-def _read_optim_direct(reader, piece, st: dict, name: str, skip, f: RankFile, values: dict) -> bool:
-    """The same layout: read this piece's stored state straight into the optimizer's tensors.
-    False (nothing read) when a stored tensor does not fit its destination."""
-    dst = {k: _state_tensor(st.get(k), piece.master) for k in ("exp_avg", "exp_avg_sq") if k in values}
+def _read_optim_direct(reader, piece, part, st: dict, name: str, skip, f: RankFile, values: dict) -> bool:
+    """The same layout: read this part of the piece's stored state straight into the optimizer's
+    tensors. False (nothing read) when a stored tensor does not fit its destination."""
+    for k in ("exp_avg", "exp_avg_sq"):
+        if k in values:
+            st[k] = _state_tensor(st.get(k), piece.master)
+    dst = {k: part.of(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in values}
     if "master" not in skip:
         if values.get("master") in (None, "model"):
             return False
-        dst["master"] = piece.master.view(-1)
-    if not all(reader.fits(f, values[k], t.view(-1)) for k, t in dst.items()):
+        dst["master"] = part.of(piece.master)
+    if not all(reader.fits(f, values[k], t) for k, t in dst.items()):
         return False
     for k, t in dst.items():
-        reader.read_direct(f, values[k], t.view(-1), f"{name} ({k})")
-        if k != "master":
-            st[k] = t
+        reader.read_direct(f, values[k], t, f"{name} ({k})")
     return True
 
 
@@ -135,10 +142,19 @@ def load_full_state_dict(directory) -> tuple[TransformerConfig, str, dict[str, t
 
     reader = CheckpointReader(directory)
     padded = pad_vocab_size(reader.config.vocab_size, 1, reader.config.make_vocab_size_divisible_by)
-    sd = {}
+    sd, experts = {}, {}
     for name in reader.model_names():
         t = reader.full_tensor(name)
         if name in VOCAB_PARAMS and t.shape[0] < padded:
             t = torch.cat([t, torch.zeros((padded - t.shape[0], *t.shape[1:]), dtype=t.dtype)])
+        m = EXPERT_TENSOR.match(name)
+        if m:  # one tensor per expert on disk: the one-device model's [experts, ...] parameter
+            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+            continue
         sd[name] = t if t._base is None else t.clone()  # views of the memory map: callers get their own
+    for name, per_expert in experts.items():
+        if sorted(per_expert) != list(range(len(per_expert))):
+            raise UsageError(f"checkpoint {reader.path} holds experts {sorted(per_expert)} of {name}: rank files "
+                             f"are missing")
+        sd[name] = torch.stack([per_expert[e] for e in range(len(per_expert))])
     return reader.config, reader.model_kind, sd

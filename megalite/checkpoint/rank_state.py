@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
-from megalite.checkpoint.layout import full_size, is_writer, named_params, param_owners, piece_place, placement
+from megalite.checkpoint.layout import expert_biases, is_writer, piece_parts, stored_by_param, stored_tensors
 from megalite.parallel.layers import partition_blocks
 from megalite.parallel.random import get_rng_tracker
 
@@ -56,6 +56,13 @@ def _first_replica() -> bool:
     return parallel.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
+def _first_replica_of(p) -> bool:
+    """`_first_replica`, for `p`: an expert's copies are its expert-data-parallel group."""
+    if getattr(p, "expert_parallel", False):
+        return parallel.get_expert_data_parallel_rank() == 0
+    return _first_replica()
+
+
 def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True,
                        replica: dict | None = None):
     """This rank's slices: ([(key, tensor)], structure). The tensors are the live ones (no copies):
@@ -68,14 +75,16 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         return key
 
     model: dict = {}
+    for st in stored_tensors(model_chunks):
+        if not (is_writer(st.param) and _first_replica_of(st.param)):
+            continue
+        t = st.view.detach() if st.keep is None else st.view.detach().narrow(st.dim, 0, st.keep)
+        model.setdefault(st.name, []).append({"tensor": add(f"model/{st.name}", t), "dim": st.dim, "start": st.start,
+                                              "full": st.full, **_blocks(st.param)})
     if _first_replica():
-        for chunk, local, p, name in named_params(model_chunks):
-            if not is_writer(p):
-                continue
-            dim, start, keep = placement(chunk, local, p)
-            t = p.detach() if keep is None else p.detach().narrow(dim, 0, keep)
-            model.setdefault(name, []).append({"tensor": add(f"model/{name}", t), "dim": dim, "start": start,
-                                               "full": full_size(chunk, local, p), **_blocks(p)})
+        for name, b in expert_biases(model_chunks):  # replicated over the stage: one copy
+            if parallel.get_tensor_model_parallel_rank() == 0:
+                model[name] = [{"tensor": add(f"model/{name}", b), "dim": None, "start": 0, "full": None}]
     meta: dict = {"iteration": iteration, "model": model}
     if optimizer is not None:
         meta.update(_collect_optimizer(model_chunks, optimizer, add))
@@ -95,23 +104,23 @@ def _blocks(p) -> dict:
 
 
 def _collect_optimizer(model_chunks, optimizer, add) -> dict:
-    owners = param_owners(model_chunks)
+    owners = stored_by_param(model_chunks)
     optim: dict = {}
     for piece in optimizer.pieces:
         p = piece.param
-        if not is_writer(p) or (not optimizer.distributed and not _first_replica()):
+        if not is_writer(p) or (not optimizer.distributed and not _first_replica_of(p)):
             continue
-        name, dim, start, lo, hi = piece_place(owners, piece)
         st = optimizer.inner.state.get(piece.master, {})
-        values = {"master": "model" if master_is_the_param(piece)
-                  else add(f"optim/{name}/master", piece.master.reshape(-1))}
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k in st:
-                values[k] = add(f"optim/{name}/{k}", st[k].reshape(-1))
-        tp = parallel.get_tensor_model_parallel_world_size()
-        optim.setdefault(name, []).append({
-            "dim": dim, "start": start, "shard": list(p.shape), "full": None if dim is None else p.shape[dim] * tp,
-            "lo": lo, "hi": hi, "values": values, **_blocks(p)})
+        for part in piece_parts(owners, piece):  # one, or one per expert the piece covers
+            stored, name = part.stored, part.stored.name
+            values = {"master": "model" if master_is_the_param(piece)
+                      else add(f"optim/{name}/master", part.of(piece.master))}
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    values[k] = add(f"optim/{name}/{k}", part.of(st[k]))
+            optim.setdefault(name, []).append({
+                "dim": stored.dim, "start": stored.start, "shard": list(stored.view.shape), "full": stored.full,
+                "lo": part.lo, "hi": part.hi, "values": values, **_blocks(p)})
     # Fused AdamW keeps each step count on the device: one read for all of them, not one per tensor.
     steps = [torch.as_tensor(s["step"]).float().reshape(()) for s in optimizer.inner.state.values() if "step" in s]
     step = int(torch.stack(steps).max()) if steps else 0

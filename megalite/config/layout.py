@@ -96,13 +96,6 @@ def _check_experts(config: RunConfig, model: TransformerConfig, dp: int) -> None
     if model.moe_ffn_hidden_size % etp:
         raise UsageError(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by --etp {etp}: "
                          f"choose --etp among its divisors")
-    c = config.checkpoint
-    if ep * etp > 1 and (c.save or c.load):
-        raise UsageError(f"checkpoints of expert weights split over --ep {ep} x --etp {etp} are not written or read "
-                         f"yet in this version: train at --ep 1 --etp 1 to save, or drop --save/--load")
-    if model.moe_router_enable_expert_bias and (c.save or c.load):
-        raise UsageError("checkpoints do not hold the routers' expert bias yet in this version: drop "
-                         "--moe-router-enable-expert-bias or --save/--load")
     if p.tp > 1 and not p.sequence_parallel:
         raise UsageError(f"mixture-of-experts layers at --tp {p.tp} need --sequence-parallel (each TP rank routes "
                          f"its own part of the sequence): add --sequence-parallel")
