@@ -1,6 +1,6 @@
 """Megatron-LM's own example scripts, as their flags reach the entry point (read in the public
 repository: examples/gpt3/train_gpt3_175b_distributed.sh, examples/bert/train_bert_340m_distributed.sh,
-examples/llama/train_llama3_8b_h100_fp8.sh; paths replaced), checked with --print-config at their
+examples/llama/train_llama3_8b_h100_fp8.sh, examples/mixtral/train_mixtral_8x7b_distributed.sh; paths replaced), checked with --print-config at their
 layouts' world sizes. What megalite does not do is listed per script (FP8, which needs FP8 tensor
 cores and Transformer Engine), and each such flag must be refused in one line saying why; everything
 else must pass."""
@@ -53,6 +53,22 @@ LLAMA3_8B_FP8 = _words("""
 --log-throughput --profile --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist
 --distributed-timeout-minutes 60 --save CKPT --load CKPT --tensorboard-dir TB""")
 
+# examples/mixtral/train_mixtral_8x7b_distributed.sh (PP 4, EP 8 on 4 nodes of 8)
+MIXTRAL_8X7B = _words("""
+--use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768 --num-layers 32
+--hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01 --attention-dropout 0.0
+--hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 8 --no-masked-softmax-fusion
+--no-position-embedding --rotary-base 1000000 --num-experts 8 --moe-router-topk 2
+--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm
+--moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce --tokenizer-type Llama2Tokenizer
+--tokenizer-model DATA/tokenizer.model --data-path DATA/prefix_text_document --split 99990,8,2 --micro-batch-size 1
+--global-batch-size 256 --lr 1e-4 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
+--min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16 --tensor-model-parallel-size 1
+--pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --use-distributed-optimizer --sequence-parallel
+--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save CKPT --load CKPT
+--tensorboard-dir TB --no-load-optim --no-load-rng""")
+
 # script -> (entry point, world size of its layout, what megalite refuses today: flag -> values it takes)
 SCRIPTS = {
     "gpt3_175b": ("pretrain_gpt.py", 8 * 16, GPT3_175B, {}),
@@ -60,6 +76,7 @@ SCRIPTS = {
     "llama3_8b_fp8": ("pretrain_gpt.py", 8, LLAMA3_8B_FP8,
                       {"--fp8-format": 1,
                        "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0}),
+    "mixtral_8x7b": ("pretrain_gpt.py", 8 * 4, MIXTRAL_8X7B, {}),
 }
 
 
@@ -113,6 +130,17 @@ def test_the_llama_example_resolves_to_megatrons_numbers(tmp_path):
     assert model.layernorm_zero_centered_gamma and model.normalization == "layernorm"
     assert not cfg.parallel.sequence_parallel and "--sequence-parallel (with --tp 1)" in cfg.ignored_flags
     assert {"--use-mcore-models", "--manual-gc", "--profile", "--ckpt-format"} <= set(cfg.ignored_flags)
+
+
+def test_the_mixtral_example_resolves_to_its_experts_and_layout():
+    from megalite.config import build_parser, model_config
+
+    cfg = build_parser("x", "gpt-tiny").parse_args(SCRIPTS["mixtral_8x7b"][2])
+    model = model_config(cfg)
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_aux_loss_coeff) == (8, 2, 1e-2)
+    assert model.position_embedding_type == "rope" and model.gated_linear_unit and model.moe_ffn_hidden_size == 14336
+    assert (cfg.parallel.pp, cfg.parallel.expert_model_parallel_size) == (4, 8)
+    assert "--moe-grouped-gemm" in cfg.ignored_flags
 
 
 def _byte_level_chars() -> list[str]:

@@ -114,6 +114,10 @@ def _model_overrides(m) -> dict:
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon
+    if m.no_position_embedding:  # learned positions off; rotary ones (Megatron-LM's scripts pair the two) stay
+        chosen = m.position_embedding_type or PRESETS.get(m.model, {}).get("position_embedding_type")
+        if chosen in (None, "learned_absolute"):
+            out["position_embedding_type"] = "none"
     if m.use_rope_scaling and m.rope_scaling_factor is None:
         out["rope_scaling_factor"] = 8.0  # Llama 3.1's factor, as Megatron-LM's --use-rope-scaling
     switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),

@@ -110,7 +110,10 @@ class ModelConfig:
                                     "PyTorch ops", choices=("auto", "fused", "torch"))
     position_embedding_type: str | None = opt(
         None, "positions (default: the preset's)", choices=("learned_absolute", "rope", "none"),
-        sets={"--use-rotary-position-embeddings": "rope", "--no-position-embedding": "none"}, shape=True)
+        sets={"--use-rotary-position-embeddings": "rope"}, shape=True)
+    no_position_embedding: bool = opt(False, "no learned absolute position embedding (Megatron-LM's flag): positions "
+                                             "none, unless --position-embedding-type rope gives rotary ones",
+                                      shape=True)
     # Rope frequencies and the norms' epsilon may be retuned on resume (a longer context): a note says so.
     rotary_base: float | None = opt(None, "rope: the base of the rotation frequencies", check=POSITIVE)
     rotary_percent: float | None = opt(None, "rope: the fraction of each head's dims rotated", check=FRACTION,
