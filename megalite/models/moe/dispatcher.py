@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.models.moe.capacity import padded_slots
 from megalite.parallel import state, traffic
 from megalite.parallel.mappings import (
     all_gather_single,
@@ -30,11 +31,40 @@ from megalite.parallel.mappings import (
 
 
 def _sort_by_expert(indices: torch.Tensor, num_experts: int):
-    """(the assignments in expert order, their tokens, rows per expert): assignments are the
-    flattened [T, k] indices; the sort is stable, so an expert's rows keep token order."""
+    """(the assignments in expert order, rows per expert [E]): assignments are the flattened [T, k]
+    indices; the sort is stable, so an expert's rows keep token order; dropped assignments (index
+    num_experts, see capacity.py) sort last and are not counted."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, order // indices.shape[1], torch.bincount(flat, minlength=num_experts)
+    return order, torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+
+
+class _Rows:
+    """The assignments a rank sends, as rows: which assignment (of the flattened [T, k]) each row
+    holds, its token, and a 0/1 weight (0 for a padding row), with the rows per expert."""
+
+    def __init__(self, indices: torch.Tensor, num_experts: int, pad_to: int | None, counts_on_host=None):
+        k = indices.shape[1]
+        order, counts = _sort_by_expert(indices, num_experts)
+        if pad_to is None:
+            self.counts = counts_on_host(counts) if counts_on_host else counts.tolist()
+            self.assignment = order[:sum(self.counts)]
+            self.valid = None
+        else:  # every expert exactly pad_to rows: static sizes, no host copy
+            slots = padded_slots(indices.reshape(-1)[order], counts, num_experts, pad_to)
+            n = num_experts * pad_to
+            self.assignment = torch.zeros(n + 1, dtype=order.dtype, device=order.device).scatter_(0, slots, order)[:n]
+            self.valid = torch.zeros(n + 1, device=order.device).scatter_(0, slots, 1.0)[:n]
+            self.counts = [pad_to] * num_experts
+        self.token = self.assignment // k
+
+    def take(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.index_select(0, self.token)
+        return rows if self.valid is None else rows * self.valid.unsqueeze(-1).to(rows.dtype)
+
+    def weights(self, weights: torch.Tensor) -> torch.Tensor:
+        w = weights.reshape(-1).index_select(0, self.assignment)
+        return w if self.valid is None else w * self.valid
 
 
 def _combine(rows: torch.Tensor, weights: torch.Tensor, tokens_of_rows: torch.Tensor, num_tokens: int):
@@ -59,13 +89,24 @@ class AllToAllDispatcher:
         self.ep, self.etp = state.get_expert_model_parallel_world_size(), state.get_expert_tensor_parallel_world_size()
         self.local = num_experts // self.ep
 
-    def __call__(self, tokens, weights, indices, experts):
-        """tokens [T, hidden], weights [T, k], indices [T, k] -> [T, hidden]."""
-        order, token_of, counts = _sort_by_expert(indices, self.num_experts)
-        rows = tokens.index_select(0, token_of)
+    def __call__(self, tokens, weights, indices, experts, pad_to: int | None = None):
+        """tokens [T, hidden], weights [T, k], indices [T, k] -> [T, hidden]. `pad_to`: every
+        expert's rows padded to this many on every rank (static sizes)."""
+        group = state.get_expert_tensor_and_model_parallel_group()
+        size = 1 if group is None else dist.get_world_size(group)
+        me = 0 if group is None else dist.get_rank(group)
+        # counts[g][e] of every rank g of the ETP x EP group (g = ep_rank * etp + etp_rank): one host
+        # copy, or known to every rank when padded
+        gathered = {}
+
+        def counts_on_host(counts):
+            gathered["table"] = _gather_counts(counts, group).tolist()
+            return gathered["table"][me]
+
+        sent = _Rows(indices, self.num_experts, pad_to, counts_on_host)
+        table = gathered.get("table") or [[pad_to] * self.num_experts for _ in range(size)]
+        rows = sent.take(tokens)
         ep, etp, local = self.ep, self.etp, self.local
-        # counts[g, e] of every rank g of the ETP x EP group (g = ep_rank * etp + etp_rank): one host copy
-        table = _gather_counts(counts, state.get_expert_tensor_and_model_parallel_group()).tolist()
         me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
         mine = range(me_ep * local, (me_ep + 1) * local)
         # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
@@ -83,7 +124,7 @@ class AllToAllDispatcher:
         y = y.index_select(0, torch.argsort(perm))  # back to (peer, source, expert) order
         y = reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
         y = all_to_all_rows(y, state.get_expert_model_parallel_group(), send, recv)
-        return _combine(y, weights.reshape(-1).index_select(0, order), token_of, tokens.shape[0])
+        return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
 
     @staticmethod
     def _by_expert(block, device):
@@ -114,7 +155,7 @@ class AllGatherDispatcher:
         self.num_experts = num_experts
         self.local = num_experts // state.get_expert_model_parallel_world_size()
 
-    def __call__(self, tokens, weights, indices, experts):
+    def __call__(self, tokens, weights, indices, experts, pad_to: int | None = None):
         group = state.get_expert_tensor_and_model_parallel_group()
         size = 1 if group is None else dist.get_world_size(group)
         if size > 1:
@@ -125,12 +166,11 @@ class AllGatherDispatcher:
             all_gather_single(gathered, indices.contiguous().view(-1), group=group)
             indices = gathered.view(-1, *indices.shape[1:])
         first = state.get_expert_model_parallel_rank() * self.local
-        order, token_of, counts = _sort_by_expert(indices, self.num_experts)
-        counts = counts.tolist()  # the one host copy
-        lo, hi = sum(counts[:first]), sum(counts[:first + self.local])
-        order, token_of = order[lo:hi], token_of[lo:hi]  # the assignments to this rank's experts
-        y = experts(tokens.index_select(0, token_of), counts[first:first + self.local])
-        out = _combine(y, weights.reshape(-1).index_select(0, order), token_of, tokens.shape[0])
+        mine = indices - first  # this rank's experts as 0..local-1; the rest (and dropped ones): none
+        mine = torch.where((mine >= 0) & (mine < self.local), mine, self.local)
+        rows = _Rows(mine, self.local, None if pad_to is None else pad_to * size)
+        y = experts(rows.take(tokens), rows.counts)
+        out = _combine(y, rows.weights(weights), rows.token, tokens.shape[0])
         return reduce_scatter_to_sequence_parallel_region(out, group) if size > 1 else out
 
 

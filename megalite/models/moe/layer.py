@@ -10,6 +10,7 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import mlp_layer
 from megalite.models.moe import losses
+from megalite.models.moe.capacity import drop_over_capacity, expert_capacity
 from megalite.models.moe.dispatcher import make_dispatcher
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.moe.router import TopKRouter
@@ -43,7 +44,15 @@ class MoELayer(nn.Module):
         """x [s, b, hidden] (sequence-sharded under SP) -> the same shape."""
         tokens = x.reshape(-1, x.shape[-1])
         weights, indices, scores, logits = self.router(tokens)
-        out = self.dispatcher(tokens, weights, indices, self.experts).view_as(x)
+        routed, pad_to = indices, None
+        c = self.config
+        if c.moe_expert_capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], c.moe_router_topk, c.num_moe_experts,
+                                       c.moe_expert_capacity_factor)
+            routed = drop_over_capacity(weights, indices, c.num_moe_experts, capacity, c.moe_token_drop_policy)
+            pad_to = capacity if c.moe_pad_expert_input_to_capacity else None
+            self.last_dropped = (routed == c.num_moe_experts).sum().detach()  # of tokens x k assignments
+        out = self.dispatcher(tokens, weights, routed, self.experts, pad_to=pad_to).view_as(x)
         out = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
