@@ -41,15 +41,22 @@ def gpt_flops_per_iteration(global_batch: int, seq_length: int, num_layers: int,
     )
 
 
-def layer_forward_flops(config, s: int, b: int) -> tuple[float, float]:
+def layer_forward_flops(config, s: int, b: int, moe: bool = False) -> tuple[float, float]:
     """(dense, attention core) forward FLOPs of one transformer layer over b sequences of s tokens,
     all TP ranks together, 2 FLOPs per multiply-add: the query, key/value (grouped-query: G of the
     a heads), output projection and MLP (gated: gate and up) matmuls, and the two attention matmuls
-    q k^T and p v over every pair of positions (as Megatron-LM counts, causal or not)."""
+    q k^T and p v over every pair of positions (as Megatron-LM counts, causal or not). A MoE layer
+    (`moe`) counts what a token runs: the router, its top-k experts and the shared expert, not the
+    experts it skips (active parameters)."""
     h, f = config.hidden_size, config.ffn_hidden_size
     q = config.num_attention_heads * config.head_dim
     kv = 2 * config.query_groups * config.head_dim
-    mlp = h * f * (3 if config.gated_linear_unit else 2)
+    width = 3 if config.gated_linear_unit else 2
+    mlp = h * f * width
+    if moe:
+        shared = config.moe_shared_expert_intermediate_size or 0
+        mlp = h * config.num_moe_experts + config.moe_router_topk * h * config.moe_ffn_hidden_size * width + \
+            h * shared * width + (h if config.moe_shared_expert_gate else 0)
     dense = 2.0 * s * b * (h * q + h * kv + q * h + mlp)
     core = 4.0 * b * s * s * q
     return dense, core
@@ -61,9 +68,12 @@ def model_flops_per_iteration(config, global_batch: int, seq_length: int) -> flo
     For GPT-2's shape this is `gpt_flops_per_iteration`; grouped-query attention shrinks the
     key/value term, a gated MLP adds a third of its MLP; biases, norms and rotary positions are
     elementwise and not counted; an untied output layer costs what the tied one does."""
-    dense, core = layer_forward_flops(config, seq_length, global_batch)
     logits = 2.0 * global_batch * seq_length * config.hidden_size * config.vocab_size
-    return 3.0 * (config.num_layers * (dense + core) + logits)
+    layers = 0.0
+    for i in range(config.num_layers):
+        dense, core = layer_forward_flops(config, seq_length, global_batch, moe=config.is_moe_layer(i))
+        layers += dense + core
+    return 3.0 * (layers + logits)
 
 
 def peak_tflops_of(device_name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = True) -> float | None:
@@ -183,6 +193,8 @@ def format_log_line(r: dict) -> str:
     ]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "moe_load_imbalance" in r:  # tokens per expert, max over mean (worst layer); assignments dropped
+        parts.append(f"moe load {r['moe_load_imbalance']:.2f} dropped {100 * r['moe_dropped_fraction']:.1f}%")
     if r.get("bubble_theory"):
         measured = r.get("bubble_measured")
         parts.append(f"bubble {100 * measured:.1f}% (theory {100 * r['bubble_theory']:.1f}%)" if measured is not None
@@ -247,7 +259,7 @@ class Timeline:
 
 
 _TENSORBOARD_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
-                     "bubble_measured", "skipped")
+                     "bubble_measured", "skipped", "moe_load_imbalance", "moe_dropped_fraction")
 
 
 class TrainingLogger:

@@ -117,3 +117,16 @@ def test_moe_layer_freq_spellings():
     assert moe_layer_pattern("([0]*1+[1]*3)", 4) == [0, 1, 1, 1]
     assert moe_layer_pattern("[0,1,1,1]", 4) == [0, 1, 1, 1]
     assert _config(moe_layer_freq="([0]*1+[1]*3)").is_moe_layer(0) is False
+
+
+def test_flops_count_the_active_experts_only():
+    from megalite.metrics import model_flops_per_iteration
+
+    dense = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
+    moe = dense.replace(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1])
+    s, b = 32, 4
+    extra = 3 * 2.0 * s * b * (64 * 8 + 2 * 64 * 64 * 2 - 64 * 128 * 2)  # layer 1: router + 2 experts - dense MLP
+    assert model_flops_per_iteration(moe, b, s) == model_flops_per_iteration(dense, b, s) + extra
+    # experts the router skips cost nothing: 64 experts of the same width, the same FLOPs but the router's
+    many = moe.replace(num_moe_experts=64)
+    assert model_flops_per_iteration(many, b, s) - model_flops_per_iteration(moe, b, s) == 3 * 2.0 * s * b * 64 * 56

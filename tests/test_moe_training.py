@@ -91,6 +91,27 @@ def test_ep2_trains_to_the_one_device_losses(one_device):
     assert rel_err(torch.tensor(losses), torch.tensor(one_device)) <= 1e-5, (losses, one_device)
 
 
+MOE_FIGURES = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_fraction")
+
+
+def records(rank, world, argv):
+    return gpt_run(argv).records
+
+
+def test_the_logged_moe_figures_are_the_same_at_ep2_and_on_one_device():
+    argv = BASE + ["--train-iters", "4", "--log-interval", "2", "--moe-expert-capacity-factor", "1.0"]
+    one = run_ranks(records, 1, args=(argv,))[0]
+    ep2 = run_ranks(records, 2, args=(argv + ["--ep", "2"],))[0]
+    assert [r["iteration"] for r in one] == [2, 4]
+    for a, b in zip(one, ep2):
+        for key in MOE_FIGURES:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a[key], b[key])
+        assert len(a["moe_load_imbalance_per_layer"]) == 3  # the MoE layers
+    # 3 MoE layers, coefficients 0.01 and 0.001: the aux term is near 0.01 per layer when balanced
+    assert 0.02 < one[0]["moe_aux_loss"] < 0.06 and 0 < one[0]["moe_z_loss"] < 0.1
+    assert 0 < one[0]["moe_dropped_fraction"] < 0.5 and one[0]["moe_load_imbalance"] >= 1.0
+
+
 def test_gradient_accumulation_1_and_4_train_alike_at_one_global_batch():
     seq = BASE + ["--moe-router-load-balancing-type", "seq_aux_loss"]
     whole, accumulated = run_ranks(several, 1, args=(train_losses, [

@@ -43,7 +43,7 @@ class TransformerLayer(nn.Module):
         if config.is_moe_layer(layer_number):
             from megalite.models.moe import MoELayer
 
-            self.mlp = MoELayer(config, init, out_init, device)
+            self.mlp = MoELayer(config, init, out_init, device, layer_number=layer_number)
         else:
             self.mlp = mlp_layer(config, init, out_init, device)
         if self.post_norm:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megalite import parallel
 from megalite.config import to_toml
+from megalite.models.moe import stats as moe_stats
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
 from megalite.parallel import traffic
 from megalite.pipeline.schedules import theoretical_bubble
@@ -24,7 +25,8 @@ def _rank_label(rank: int, tp: int, dp: int, cp: int = 1) -> str:
 
 class Progress:
     def __init__(self, cfg, task, config, dtype: torch.dtype, device, micro_batches: int):
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.model_config = cfg, device, config
+        self.moe_layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         dp, pp = parallel.get_data_parallel_world_size(), cfg.parallel.pp
         self.dp = dp
@@ -107,6 +109,7 @@ class Progress:
         cfg = self.cfg
         elapsed, bubble_measured = figures.pop("seconds_per_iter"), figures.pop("bubble")
         samples_per_iter = self.window_samples / self.window_steps
+        steps = self.window_steps
         self.window_samples = self.window_steps = 0
         # FLOPs grow with the batch: a ramp-up's smaller steps count their own samples (else 1.0 exactly)
         flops = self.flops * (samples_per_iter / cfg.training.global_batch_size)
@@ -129,6 +132,9 @@ class Progress:
             "bubble_measured": bubble_measured,
             "comm_bytes": comm_bytes,  # this rank's (rank 0's in the metrics file), by kind
         }
+        if self.model_config.is_moe:
+            record.update(moe_stats.take(self.model_config.num_layers, self.moe_layers,
+                                         self.model_config.num_moe_experts, self.device, steps))
         self.records.append(record)
         self.logger.train(record)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import mlp_layer
-from megalite.models.moe import losses
+from megalite.models.moe import losses, stats
 from megalite.models.moe.capacity import drop_over_capacity, expert_capacity
 from megalite.models.moe.dispatcher import make_dispatcher
 from megalite.models.moe.experts import GroupedMLP
@@ -19,8 +19,10 @@ from megalite.parallel.layers import default_device, init_device, normal_init
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: TransformerConfig, init_method=None, output_init_method=None, device=None):
+    def __init__(self, config: TransformerConfig, init_method=None, output_init_method=None, device=None,
+                 layer_number: int = 0):
         super().__init__()
+        self.layer_number = layer_number  # global, 0-based: where its figures are reported
         tp = state.get_tensor_model_parallel_world_size()
         if tp > 1 and not config.sequence_parallel:
             raise ValueError(f"mixture-of-experts layers at --tp {tp} need --sequence-parallel (each TP rank "
@@ -51,9 +53,12 @@ class MoELayer(nn.Module):
                                        c.moe_expert_capacity_factor)
             routed = drop_over_capacity(weights, indices, c.num_moe_experts, capacity, c.moe_token_drop_policy)
             pad_to = capacity if c.moe_pad_expert_input_to_capacity else None
-            self.last_dropped = (routed == c.num_moe_experts).sum().detach()  # of tokens x k assignments
         out = self.dispatcher(tokens, weights, routed, self.experts, pad_to=pad_to).view_as(x)
-        out = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
+        out, aux, z = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
+        if self.training and torch.is_grad_enabled():
+            counts = torch.bincount(routed.reshape(-1), minlength=c.num_moe_experts + 1)
+            stats.record(self.layer_number, c.num_moe_experts, counts[:c.num_moe_experts], routed.numel(), aux, z,
+                         counts[c.num_moe_experts])
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -62,13 +67,16 @@ class MoELayer(nn.Module):
         return out
 
     def _add_losses(self, out, scores, indices, logits, sequences: int):
+        """`out` with the router's loss terms attached, and this rank's weighted shares of them."""
         c = self.config
+        aux = z = None
         if not (self.training and torch.is_grad_enabled()):
-            return out
+            return out, aux, z
         if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff:
-            out = losses.attach(out, losses.load_balancing_loss(
-                c.moe_router_load_balancing_type, scores, indices, c.num_moe_experts, c.moe_router_topk,
-                sequences, c.moe_aux_loss_coeff))
+            aux = losses.load_balancing_loss(c.moe_router_load_balancing_type, scores, indices, c.num_moe_experts,
+                                             c.moe_router_topk, sequences, c.moe_aux_loss_coeff)
+            out = losses.attach(out, aux)
         if c.moe_z_loss_coeff:
-            out = losses.attach(out, losses.z_loss(logits, sequences, c.moe_z_loss_coeff))
-        return out
+            z = losses.z_loss(logits, sequences, c.moe_z_loss_coeff)
+            out = losses.attach(out, z)
+        return out, aux, z

@@ -1,0 +1,50 @@
+"""What the MoE layers report at log lines: the load-balancing and z-loss terms as they enter the
+training loss, each layer's load (tokens per expert: max over mean) and the fraction of assignments
+dropped over capacity. Each layer adds its figures on the device in every first forward (not in
+recomputation), so nothing is read between log lines; `take()` sums them over every rank (each
+holds its own tokens, stages hold different layers) at a log line and starts anew."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.models.rng import is_recomputing
+from megalite.parallel import traffic
+
+_sums: dict[int, torch.Tensor] = {}  # layer number -> [aux, z, dropped, assignments, tokens per expert...]
+_FIXED = 4
+
+
+def record(layer_number: int, num_experts: int, counts: torch.Tensor, assignments: int,
+           aux: torch.Tensor | None = None, z: torch.Tensor | None = None, dropped: torch.Tensor | None = None) -> None:
+    """One forward of a MoE layer on this rank: its routed counts per expert, the assignments it
+    routed, its shares of the loss terms, the dropped assignments."""
+    if is_recomputing() or torch.compiler.is_compiling():
+        return
+    s = _sums.get(layer_number)
+    if s is None:
+        s = _sums[layer_number] = torch.zeros(_FIXED + num_experts, dtype=torch.float32, device=counts.device)
+    with torch.no_grad():
+        for i, v in enumerate((aux, z, dropped)):
+            if v is not None:
+                s[i] += v.detach().float()
+        s[3] += assignments
+        s[_FIXED:] += counts.float()
+
+
+def take(num_layers: int, moe_layers: list[int], num_experts: int, device, steps: int = 1) -> dict:
+    """The log line's MoE figures since the last take (`steps` optimizer steps: the loss terms are
+    per step), over every rank (a collective: every rank calls it at the same log line)."""
+    table = torch.zeros(num_layers, _FIXED + num_experts, dtype=torch.float32, device=device)
+    for layer, s in _sums.items():
+        table[layer] += s
+    _sums.clear()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        traffic.counted_all_reduce("metrics", table)
+    table = table[moe_layers].cpu()
+    loads = table[:, _FIXED:]
+    per_layer = (loads.max(1).values / loads.mean(1).clamp_min(1e-12)).tolist()
+    assigned = float(table[:, 3].sum())
+    return {"moe_aux_loss": float(table[:, 0].sum()) / steps, "moe_z_loss": float(table[:, 1].sum()) / steps,
+            "moe_load_imbalance": max(per_layer, default=0.0), "moe_load_imbalance_per_layer": per_layer,
+            "moe_dropped_fraction": float(table[:, 2].sum()) / assigned if assigned else 0.0}
