@@ -13,6 +13,8 @@ gradient buffers and optimizer built as `pretrain` builds them, one `TrainStep`)
   llama: transformers' LlamaForCausalLM (SDPA attention) from a local LlamaConfig,
   bert:  transformers' BertForPreTraining (SDPA attention) from a local BertConfig, masked-LM and
          next-sentence losses,
+  moe:   the llama shape with every MLP 8 experts (top-2, each half llama's width) against
+         transformers' MixtralForCausalLM with its eager experts (a loop over experts),
 each with torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW(fused=True), weight decay on the
 matrices alone as megalite groups it. Both sides hold the same number of parameters (asserted; the
 plain side's vocabulary is megalite's padded one) and train on the same batch.
@@ -51,7 +53,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FAMILIES = ("gpt", "llama", "bert")
+FAMILIES = ("gpt", "llama", "bert", "moe")
+# moe: the llama shape with every MLP 8 experts, top-2, each half the dense width (the active MLP
+# as wide as llama's), against transformers' MixtralForCausalLM with its eager experts (a loop).
+MOE_EXPERTS, MOE_TOPK = 8, 2
 LR = 1e-4
 
 
@@ -72,17 +77,21 @@ class Shape:
 def shape_of(family: str, size: str, quick: bool) -> Shape:
     """The shapes the issue fixes: tiny ~20-60 ms and 124m ~0.5-2 s a step on one thread."""
     if quick:  # the tests' smoke shapes
-        if family == "llama":  # a vocabulary megalite does not pad, as the larger llama shapes
+        if family in ("llama", "moe"):  # a vocabulary megalite does not pad, as the larger llama shapes
             return Shape(2, 64, 4, 2, 160, 1024, 64, 2, 32, 1)
         return Shape(2, 64, 4, None, 256, 1000, 64, 2, 32, 1)
     if size == "tiny":
         if family == "llama":
             return Shape(4, 256, 8, 2, 640, 8192, 128, 2, 32, 2)
+        if family == "moe":
+            return Shape(4, 256, 8, 2, 320, 8192, 128, 2, 32, 2)
         return Shape(4, 256, 4, None, 1024, 8192, 128, 2, 32, 2)
-    vocab = {"gpt": 50257, "llama": 32000, "bert": 30522}[family]
-    positions = {"gpt": 1024, "llama": 1024, "bert": 512}[family]
+    vocab = {"gpt": 50257, "llama": 32000, "bert": 30522, "moe": 32000}[family]
+    positions = {"gpt": 1024, "llama": 1024, "bert": 512, "moe": 1024}[family]
     if family == "llama":
         return Shape(12, 768, 12, 4, 2048, vocab, positions, 2, 64, 1)
+    if family == "moe":
+        return Shape(12, 768, 12, 4, 1024, vocab, positions, 2, 64, 1)
     return Shape(12, 768, 12, None, 3072, vocab, positions, 2, 64, 1)
 
 
@@ -98,7 +107,7 @@ class Side:
 
 
 def megalite_args(family: str, s: Shape, compile_layers: bool) -> list[str]:
-    model = {"gpt": "gpt-tiny", "llama": "llama-tiny", "bert": "bert-tiny"}[family]
+    model = {"gpt": "gpt-tiny", "llama": "llama-tiny", "bert": "bert-tiny", "moe": "llama-tiny"}[family]
     args = ["--model", model, "--num-layers", str(s.layers), "--hidden-size", str(s.hidden),
             "--num-attention-heads", str(s.heads), "--ffn-hidden-size", str(s.ffn), "--vocab-size", str(s.vocab),
             "--max-position-embeddings", str(s.positions), "--seq-length", str(s.seq),
@@ -107,6 +116,9 @@ def megalite_args(family: str, s: Shape, compile_layers: bool) -> list[str]:
             "--no-progress-bar", "--clip-grad", "1.0", "--lr", str(LR)]
     if s.groups is not None:
         args += ["--group-query-attention", "--num-query-groups", str(s.groups)]
+    if family == "moe":
+        args += ["--num-experts", str(MOE_EXPERTS), "--moe-router-topk", str(MOE_TOPK),
+                 "--moe-ffn-hidden-size", str(s.ffn)]
     return args + (["--torch-compile"] if compile_layers else [])
 
 
@@ -172,6 +184,19 @@ def hf_llama(s: Shape, vocab: int):
     return LlamaForCausalLM(config)
 
 
+def hf_mixtral(s: Shape, vocab: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    config = MixtralConfig(vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.ffn,
+                           num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                           num_key_value_heads=s.groups or s.heads, num_local_experts=MOE_EXPERTS,
+                           num_experts_per_tok=MOE_TOPK, max_position_embeddings=s.positions, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, rope_theta=10000.0, attention_dropout=0.0,
+                           router_jitter_noise=0.0, output_router_logits=False, sliding_window=None,
+                           bos_token_id=0, eos_token_id=1, pad_token_id=None, attn_implementation="sdpa",
+                           experts_implementation="eager")
+    return MixtralForCausalLM(config)
+
+
 def hf_bert(s: Shape, vocab: int):
     from transformers import BertConfig, BertForPreTraining
     config = BertConfig(vocab_size=vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
@@ -193,8 +218,8 @@ def build_plain(family: str, s: Shape, padded_vocab: int, batch: dict, compiled:
 
         def loss_fn():
             return forward(tokens, labels)
-    elif family == "llama":
-        model = model if model is not None else hf_llama(s, padded_vocab)
+    elif family in ("llama", "moe"):
+        model = model if model is not None else (hf_llama if family == "llama" else hf_mixtral)(s, padded_vocab)
         tokens, labels = batch["tokens"], batch["labels"]
 
         def forward_and_loss(ids, targets):

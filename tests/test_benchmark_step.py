@@ -62,7 +62,7 @@ def test_both_sides_train_the_same_number_of_parameters(runs, family):
     for row in result["per_round"]:
         assert row["megalite_ms"] > 0 and row["plain_ms"] > 0
     assert all(0 < loss < 20 for loss in result["first_loss"].values())
-    if family != "llama":  # megalite pads the vocabulary; the plain side is built over the padded size
+    if family not in ("llama", "moe"):  # megalite pads the vocabulary; the plain side is built over the padded size
         assert result["padded_vocab"] > result["shape"]["vocab"]
 
 
