@@ -258,3 +258,26 @@ def test_zero_stage_3_on_a_gpu_trains_like_stage_0(tmp_path):
     assert len(runs["3"]) == 10
     for a, b in zip(runs["3"], runs["0"]):
         assert abs(a - b) <= 1e-3 * abs(b), runs
+
+
+def test_grouped_linear_on_cuda_bf16_runs_pytorchs_grouped_gemm_and_matches_the_loop():
+    """The CUDA path of megalite.models.moe.experts.grouped_linear (torch.nn.functional.grouped_mm)
+    against the loop the CPU runs (tests/test_moe_dispatch.py checks the loop against one device),
+    including an expert with no rows; forward and both gradients."""
+    from megalite.models.moe import experts as moe_experts
+
+    torch.manual_seed(0)
+    counts = [64, 0, 128, 32]
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert moe_experts._grouped_mm_applies(x, w)
+    y = moe_experts.grouped_linear(x, w, counts)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = torch.cat([xe @ w32[e].t() for e, xe in enumerate(x32.split(counts))])
+    ref.backward(g.float())
+    for got, want in ((y, ref), (x.grad, x32.grad), (w.grad, w32.grad)):
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, err
+    assert torch.count_nonzero(w.grad[1]) == 0

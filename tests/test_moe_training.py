@@ -1,6 +1,6 @@
 """A tiny MoE GPT (8 experts, top-2, a dense first layer, a shared expert, aux and z-losses) trains
 10 iterations to the one-device losses (fp32, <= 1e-5 relative) at every expert layout: EP 2 and 4,
-TP 2 (SP) x EP 2, TP 2 with ETP 1 x EP 4, PP 2 x EP 2, CP 2 x EP 2, the distributed optimizer and
+TP 2 (SP) x EP 2, TP 2 with ETP 1 x EP 4, PP 2 x EP 2 (interleaved too), CP 2 x EP 2, the distributed optimizer and
 ZeRO-2, full recompute, the all-gather dispatcher; and gradient accumulation 1 vs 4 at one global
 batch. The MoE flags' bad values end in one line before anything starts."""
 import pytest
@@ -26,6 +26,7 @@ LAYOUTS = {
     "tp2-sp-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2"],
     "tp2-etp1-ep4": ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "4"],
     "pp2-ep2": ["--pp", "2", "--ep", "2"],
+    "pp2-interleaved-ep2": ["--pp", "2", "--vpp", "2", "--ep", "2"],
     "cp2-ep2": ["--cp", "2", "--ep", "2"],
     "ep2-distributed-optimizer": ["--ep", "2", "--use-distributed-optimizer"],
     "ep4-zero2": ["--ep", "4", "--zero-stage", "2"],
