@@ -168,3 +168,22 @@ def test_a_checkpoint_saved_at_ep4_resumes_exactly_at_ep1_ep2_and_with_etp_and_t
     for name, losses in zip(resumes, runs):
         assert len(losses) == 5, (name, losses)
         assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5, (name, losses, unbroken[5:])
+
+
+def _resume_with(rank, world, save_dir, resume_argv):
+    from training_ranks import gpt_run as run
+
+    run(BASE + ["--train-iters", "2", "--save", save_dir])
+    return [r["loss"] for r in run(resume_argv + ["--load", save_dir]).records]
+
+
+def test_a_moe_checkpoint_resumes_from_load_alone_and_refuses_another_router(tmp_path):
+    """--load with no model flags takes the checkpoint's experts and router; a flag that changes
+    what the router computes is refused in one line naming it."""
+    losses = run_ranks(_resume_with, 1, args=(str(tmp_path / "a"), ["--train-iters", "3", "--log-interval", "1",
+                                                                    "--seq-length", "32", "--global-batch-size", "8",
+                                                                    "--micro-batch-size", "2", "--eval-interval", "0"]))[0]
+    assert len(losses) == 1 and 0 < losses[0] < 20
+    with pytest.raises(Exception, match=r"moe_router_topk 2 \(checkpoint\) vs 3 \(now\)"):
+        run_ranks(_resume_with, 1, args=(str(tmp_path / "b"), BASE + ["--train-iters", "3",
+                                                                       "--moe-router-topk", "3"]))

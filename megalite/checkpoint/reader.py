@@ -378,11 +378,19 @@ RETUNABLE_FIELDS = ("rotary_base", "rope_scaling_factor", "rope_low_freq_factor"
                     "rope_original_max_position_embeddings", "layernorm_epsilon")
 
 
+# What a MoE model computes (a resume that changes one would train another function).
+MOE_SHAPE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+                    "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size",
+                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+
+
 def check_compatible(reader: CheckpointReader, config: TransformerConfig, model_kind: str) -> None:
     if reader.model_kind != model_kind:
         raise UsageError(f"checkpoint {reader.path} holds a {reader.model_kind} model, not a {model_kind} model")
     diffs = [f"{k} {getattr(reader.config, k)} (checkpoint) vs {getattr(config, k)} (now)"
-             for k in SHAPE_FIELDS + LLAMA_SHAPE_FIELDS if getattr(reader.config, k) != getattr(config, k)]
+             for k in SHAPE_FIELDS + LLAMA_SHAPE_FIELDS + MOE_SHAPE_FIELDS
+             if getattr(reader.config, k) != getattr(config, k)]
     if diffs:
         raise UsageError(f"checkpoint {reader.path} holds a model of another shape: {'; '.join(diffs)}; "
                          f"use the same model flags, or another --load")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 import torch
@@ -30,7 +31,10 @@ def _madvise():
 
 
 def huge_pages_apply(device: torch.device | str, nbytes: int) -> bool:
-    return torch.device(device).type == "cpu" and sys.platform.startswith("linux") and nbytes >= HUGE_PAGE
+    """A CPU buffer of at least one huge page, on Linux with 4 KiB base pages (where a transparent
+    huge page is 2 MiB; kernels with 64 KiB pages have other sizes and are left alone)."""
+    return (torch.device(device).type == "cpu" and sys.platform.startswith("linux") and nbytes >= HUGE_PAGE
+            and os.sysconf("SC_PAGE_SIZE") == 4096)
 
 
 def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -69,6 +69,11 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         seq = changes.get("seq_length", cfg.model.seq_length)
         changes["max_position_embeddings"] = max(reader.config.max_position_embeddings, seq)
     adopted = cfg.replace("model", **changes)
+    saved_moe = reader.metadata.get("run_config", {}).get("moe", {})
+    moe_fields = {f.name for f in section_fields(cfg.moe)}
+    if saved_moe.get("num_experts") and not any(cfg.given(k) for k in moe_fields):
+        # a MoE checkpoint's experts and router, as it was trained
+        adopted = adopted.replace("moe", **{k: v for k, v in saved_moe.items() if k in moe_fields})
     p = adopted.parallel
     if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
         adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))

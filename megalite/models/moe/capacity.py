@@ -11,6 +11,13 @@ import math
 import torch
 
 
+def count_per_expert(indices: torch.Tensor, bins: int) -> torch.Tensor:
+    """How many of `indices` (values in [0, bins)) fall in each bin: torch.bincount's counts, with a
+    size fixed in advance (bincount on CUDA reads the input's range on the host: a sync)."""
+    flat = indices.reshape(-1)
+    return torch.zeros(bins, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
     return math.ceil(factor * topk * tokens / num_experts)
 
@@ -24,7 +31,7 @@ def drop_over_capacity(weights: torch.Tensor, indices: torch.Tensor, num_experts
     else:  # token order
         by_score = torch.arange(flat.numel(), device=flat.device)
     order = by_score[torch.argsort(flat[by_score], stable=True)]  # by expert, then by priority
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_per_expert(flat, num_experts)
     starts = counts.cumsum(0) - counts
     rank_in_expert = torch.empty_like(flat)
     rank_in_expert[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]

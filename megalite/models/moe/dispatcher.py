@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.models.moe.capacity import padded_slots
+from megalite.models.moe.capacity import count_per_expert, padded_slots
 from megalite.parallel import state, traffic
 from megalite.parallel.mappings import (
     all_gather_single,
@@ -36,7 +36,7 @@ def _sort_by_expert(indices: torch.Tensor, num_experts: int):
     num_experts, see capacity.py) sort last and are not counted."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    return order, count_per_expert(flat, num_experts + 1)[:num_experts]
 
 
 class _Rows:

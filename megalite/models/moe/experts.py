@@ -24,8 +24,12 @@ from megalite.parallel.layers import default_device, init_device, normal_init, t
 
 
 def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """PyTorch's grouped GEMM runs here: CUDA, bf16, compute capability 8.0 or newer, rows of 16-byte
+    multiples, some rows at all (else the loop)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and hasattr(torch.nn.functional, "grouped_mm"))
+            and hasattr(torch.nn.functional, "grouped_mm") and x.shape[0] > 0
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)
+            and all(n % 8 == 0 for n in weight.shape[1:]))
 
 
 def _offsets(counts: list[int], device) -> torch.Tensor:

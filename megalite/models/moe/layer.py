@@ -10,7 +10,7 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import mlp_layer
 from megalite.models.moe import losses, stats
-from megalite.models.moe.capacity import drop_over_capacity, expert_capacity
+from megalite.models.moe.capacity import count_per_expert, drop_over_capacity, expert_capacity
 from megalite.models.moe.dispatcher import make_dispatcher
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.moe.router import TopKRouter
@@ -56,7 +56,7 @@ class MoELayer(nn.Module):
         out = self.dispatcher(tokens, weights, routed, self.experts, pad_to=pad_to).view_as(x)
         out, aux, z = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
         if self.training and torch.is_grad_enabled():
-            counts = torch.bincount(routed.reshape(-1), minlength=c.num_moe_experts + 1)
+            counts = count_per_expert(routed, c.num_moe_experts + 1)
             stats.record(self.layer_number, c.num_moe_experts, counts[:c.num_moe_experts], routed.numel(), aux, z,
                          counts[c.num_moe_experts])
         if self.shared_experts is not None:

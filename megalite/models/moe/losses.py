@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.models.moe.capacity import count_per_expert
 from megalite.parallel import state, traffic
 
 
@@ -55,11 +56,12 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, loss):
+        ctx.loss_scale = _BATCH.loss_scale  # this step's (read here: a compiled backward is traced ahead)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), _BATCH.loss_scale, dtype=torch.float32, device=grad.device)
+        return grad, torch.full((), ctx.loss_scale, dtype=torch.float32, device=grad.device)
 
 
 def attach(out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,7 @@ def load_balancing_loss(kind: str, scores: torch.Tensor, indices: torch.Tensor, 
         loss = (counts * per_seq.sum(0)).sum() * (num_experts / (topk * length * length))
         seq_weight = 1.0 / (_BATCH.global_sequences or sequences)
         return coeff * seq_weight * loss
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).float()
+    counts = count_per_expert(indices, num_experts).float()
     tokens = local_tokens * share
     if kind == "global_aux_loss":
         dp_group = state.get_data_parallel_group()

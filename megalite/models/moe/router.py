@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
+from megalite.models.moe.capacity import count_per_expert
 from megalite.models.rng import is_recomputing
 from megalite.parallel import state, traffic
 from megalite.parallel.layers import default_device, init_device, normal_init
@@ -90,7 +91,7 @@ class TopKRouter(nn.Module):
         logits = self.logits(tokens)
         weights, indices, scores = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training and torch.is_grad_enabled() and not is_recomputing():
-            self.tokens_per_expert += torch.bincount(indices.reshape(-1), minlength=self.config.num_moe_experts)
+            self.tokens_per_expert += count_per_expert(indices, self.config.num_moe_experts)
         return weights, indices, scores, logits
 
 

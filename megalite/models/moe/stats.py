@@ -15,11 +15,12 @@ _sums: dict[int, torch.Tensor] = {}  # layer number -> [aux, z, dropped, assignm
 _FIXED = 4
 
 
+@torch.compiler.disable  # runs eagerly from a compiled layer too, so --torch-compile reports the same
 def record(layer_number: int, num_experts: int, counts: torch.Tensor, assignments: int,
            aux: torch.Tensor | None = None, z: torch.Tensor | None = None, dropped: torch.Tensor | None = None) -> None:
     """One forward of a MoE layer on this rank: its routed counts per expert, the assignments it
     routed, its shares of the loss terms, the dropped assignments."""
-    if is_recomputing() or torch.compiler.is_compiling():
+    if is_recomputing():
         return
     s = _sums.get(layer_number)
     if s is None:
