@@ -31,6 +31,8 @@ LAYOUTS = {
     "ep2-distributed-optimizer": ["--ep", "2", "--use-distributed-optimizer"],
     "ep4-zero2": ["--ep", "4", "--zero-stage", "2"],
     "ep2-recompute": ["--ep", "2", "--recompute", "full"],
+    "pp2-ep2-zero3": ["--pp", "2", "--ep", "2", "--zero-stage", "3"],
+    "ep2-zero3-recompute": ["--ep", "2", "--zero-stage", "3", "--recompute", "full"],
     "ep4-allgather": ["--ep", "4", "--moe-token-dispatcher-type", "allgather"],
 }
 BIAS_LAYOUTS = {
@@ -92,6 +94,80 @@ def test_ep2_trains_to_the_one_device_losses(one_device):
     assert rel_err(torch.tensor(losses), torch.tensor(one_device)) <= 1e-5, (losses, one_device)
 
 
+def _zero3_save_then_resume(rank, world, save_dir):
+    """Train at EP 2 x ZeRO-3 (experts sharded over expert data parallelism: 2 ranks) to iteration 5
+    and save; resume at EP 1 without ZeRO. Both runs' losses."""
+    from training_ranks import gpt_run as run
+
+    first = run(RESUME + ["--ep", "2", "--zero-stage", "3", "--save", save_dir, "--save-interval", "5",
+                          "--exit-interval", "5"]).records
+    second = run(RESUME + ["--load", save_dir]).records
+    return [r["loss"] for r in first], [r["loss"] for r in second]
+
+
+def test_ep2_zero3_trains_to_the_one_device_losses_and_its_checkpoint_resumes_without_zero(tmp_path):
+    """ZeRO-3 shards the experts over their own data-parallel group; a save copies each expert while
+    its unit is gathered, and the checkpoint is the same layout-free one."""
+    unbroken = run_ranks(train_losses, 1, args=(RESUME,))[0]
+    trained, resumed = run_ranks(_zero3_save_then_resume, 4, args=(str(tmp_path / "ckpt"),))[0]
+    assert len(trained) == 5 and rel_err(torch.tensor(trained), torch.tensor(unbroken[:5])) <= 1e-5, trained
+    assert len(resumed) == 5 and rel_err(torch.tensor(resumed), torch.tensor(unbroken[5:])) <= 1e-5
+
+
+# Local SGD: plain SGD inside, a plain outer step every iteration: data parallelism's numbers
+# (tests/test_local_sgd.py), with the experts' gradients summed inside each replica only.
+LOCAL_SGD = ["--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.05", "--lr-warmup-iters", "0", "--lr-decay-style",
+             "constant", "--clip-grad", "0", "--train-iters", "6"]
+PLAIN_OUTER = ["--local-sgd-interval", "1", "--outer-lr", "1", "--outer-momentum", "0"]
+
+
+def test_local_sgd_h1_with_experts_equals_data_parallelism_with_experts_inside_each_replica():
+    """tp 2 x dp 2: the experts split over the replica's two ranks (ETP 1 x EP 2), and kept whole on
+    both (ETP 1 x EP 1: their gradients summed over the replica's expert data-parallel group)."""
+    layouts = [["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "2"],
+               ["--tp", "2", "--sequence-parallel", "--etp", "1"]]
+    argvs = [BASE + LOCAL_SGD + layout + outer for layout in layouts for outer in ([], PLAIN_OUTER)]
+    runs = run_ranks(several, 4, args=(train_losses, argvs))[0]
+    for k, layout in enumerate(layouts):
+        dp, local = runs[2 * k], runs[2 * k + 1]
+        assert len(local) == 6 and rel_err(torch.tensor(local), torch.tensor(dp)) <= 1e-5, (layout, local, dp)
+
+
+def _nan_router(rank, world, argv):
+    """Train with layer 2's router weights NaN (set before each of its forwards)."""
+    from megalite.models.moe.layer import MoELayer
+    from training_ranks import gpt_run as run
+
+    def poison(module, args):
+        if isinstance(module, MoELayer) and module.layer_number == 2:
+            module.router.weight.data.fill_(float("nan"))
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(poison)
+    try:
+        run(argv)
+    finally:
+        hook.remove()
+
+
+# fp32 steps skip on the device: the host reads the skips at log lines and the last iteration (5).
+@pytest.mark.parametrize("flags, iteration", [(["--log-interval", "1"], 1),
+                                              (["--log-interval", "50", "--max-skipped-iters", "3"], 5)],
+                         ids=["at-a-log-line", "when-skipped-steps-stop-training"])
+def test_nan_router_logits_stop_training_with_one_line_naming_the_layer(flags, iteration):
+    """Found on the device, read at the log line (or when skipped steps stop training): no host sync.
+    Layer 3 is named too: its input is layer 2's NaN output."""
+    import re
+
+    from megalite.testing import RankFailure
+
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_nan_router, 2, args=(BASE + ["--ep", "2", "--train-iters", "5", *flags],))
+    line = re.search(r"stopping at iteration (\d+): NaN/inf router logits in layer 2 \((\d+) tokens\), layer 3 "
+                     r"\((\d+) tokens\): [^\n]*The last checkpoint is intact\.", str(e.value))
+    assert line, str(e.value)
+    assert int(line[1]) == iteration and int(line[2]) == int(line[3]) == 8 * 32 * iteration  # every token
+
+
 MOE_FIGURES = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_fraction")
 
 
@@ -130,6 +206,12 @@ def test_gradient_accumulation_1_and_4_train_alike_at_one_global_batch():
     (2, MOE + ["--tp", "2"], r"mixture-of-experts layers at --tp 2 need --sequence-parallel"),
     (1, MOE + ["--moe-router-topk", "9"], r"--moe-router-topk \(9\) must be between 1 and the number of experts"),
     (1, MOE + ["--moe-layer-freq", "[0,1]"], r"--moe-layer-freq lists 2 entries .* for 4 layers"),
+    (4, MOE + ["--ep", "2", "--local-sgd-interval", "4"],
+     r"--local-sgd-interval keeps expert parallelism inside a replica: --etp 1 x --ep 2 must divide --tp x --cp \(1\)"),
+    (2, MOE + ["--local-sgd-interval", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
+     r"global_aux_loss counts tokens over every replica each step"),
+    (2, MOE + ["--local-sgd-interval", "4", "--moe-router-score-function", "sigmoid",
+               "--moe-router-enable-expert-bias"], r"--moe-router-enable-expert-bias moves the bias from the whole"),
 ])
 def test_bad_moe_layouts_end_in_one_line_before_anything_starts(world, argv, message):
     from megalite import config as C

@@ -93,8 +93,9 @@ def stored_tensors(model_chunks):
         etp, etp_rank = parallel.get_expert_tensor_parallel_world_size(), parallel.get_expert_tensor_parallel_rank()
         dim = p.partition_dim - 1  # of one expert's 2-D weight
         size = p.shape[p.partition_dim]
+        views = getattr(p, "expert_views", None)  # ZeRO-3's, taken while the unit's storage existed
         for e in range(local_experts):
-            view = p[e]
+            view = views[e] if views is not None else p[e]
             yield Stored(chunk, local, p, f"{prefix}.{first + e}.{leaf}", view, e * view.numel(), dim,
                          etp_rank * (size // partition_blocks(p)), size * etp, None)
 

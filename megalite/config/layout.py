@@ -99,6 +99,22 @@ def _check_experts(config: RunConfig, model: TransformerConfig, dp: int) -> None
     if p.tp > 1 and not p.sequence_parallel:
         raise UsageError(f"mixture-of-experts layers at --tp {p.tp} need --sequence-parallel (each TP rank routes "
                          f"its own part of the sequence): add --sequence-parallel")
+    if config.local_sgd.local_sgd_interval:
+        _check_experts_under_local_sgd(model, p.tp * p.cp, ep, etp)
+
+
+def _check_experts_under_local_sgd(model: TransformerConfig, replica_ranks: int, ep: int, etp: int) -> None:
+    """Local SGD's replicas share nothing between outer steps: the experts' all-to-all and every
+    statistic of the router stay inside a replica (its TP x CP ranks)."""
+    if replica_ranks % (ep * etp):
+        raise UsageError(f"--local-sgd-interval keeps expert parallelism inside a replica: --etp {etp} x --ep {ep} "
+                         f"must divide --tp x --cp ({replica_ranks}); choose --ep and --etp whose product divides it")
+    if model.moe_router_load_balancing_type == "global_aux_loss":
+        raise UsageError("--moe-router-load-balancing-type global_aux_loss counts tokens over every replica each "
+                         "step, which --local-sgd-interval does not synchronize: use aux_loss or seq_aux_loss")
+    if model.moe_router_enable_expert_bias:
+        raise UsageError("--moe-router-enable-expert-bias moves the bias from the whole global batch's counts each "
+                         "step, which --local-sgd-interval does not synchronize: drop one of them")
 
 
 def validate(config: RunConfig, world_size: int, model: TransformerConfig, machine: bool = True) -> int:

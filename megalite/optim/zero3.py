@@ -75,6 +75,11 @@ class ShardedParamBuffer(ShardedGradBuffer):
             for p in bucket.params:
                 lo = self.offset[id(p)] - bucket.start
                 p.data = whole[lo:lo + p.numel()].view(p.shape)
+                if getattr(p, "expert_parallel", False):
+                    # Torch refuses to slice a tensor whose storage is freed (it checks the bounds), and
+                    # a save names each expert apart: take the experts' views now, while the storage
+                    # exists. They stay aliases of the unit across gathers (resize_ keeps the storage).
+                    p.expert_views = p.data.unbind(0)
             whole.untyped_storage().resize_(0)  # free until first used
             self.units.append(_Unit(whole, state=FREE))
 

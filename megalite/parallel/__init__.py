@@ -28,6 +28,8 @@ from megalite.parallel.state import (
     get_data_parallel_world_size,
     get_embedding_group,
     get_expert_data_parallel_group,
+    get_expert_data_parallel_group_in_replica,
+    get_expert_data_parallel_group_in_replica_size,
     get_expert_data_parallel_rank,
     get_expert_data_parallel_world_size,
     get_expert_model_parallel_group,

@@ -58,6 +58,7 @@ class _ParallelState:
     embedding_ranks: list = field(default_factory=list)
     virtual_pp_rank: int | None = None
     expert_sizes: dict = field(default_factory=dict)  # the expert grid's dimension -> size
+    timeout: object = None  # of every group, those built on first use included
 
 
 _STATE: _ParallelState | None = None
@@ -152,7 +153,8 @@ def initialize_model_parallel(
     _check_sizes(world, tp, pp, vpp, cp)
     sizes = {"tensor": tp, "context": cp, "data": world // (tp * cp * pp), "pipeline": pp}  # fastest first
     expert_sizes = expert_grid(tp, cp, sizes["data"], pp, expert_model_parallel_size, expert_tensor_parallel_size)
-    state = _ParallelState(sizes=sizes, vpp=vpp if vpp and vpp > 1 else None, expert_sizes=expert_sizes)
+    state = _ParallelState(sizes=sizes, vpp=vpp if vpp and vpp > 1 else None, expert_sizes=expert_sizes,
+                           timeout=timeout)
     if state.vpp:
         state.virtual_pp_rank = 0
     rank = dist.get_rank()
@@ -253,6 +255,35 @@ def get_tensor_and_context_parallel_group():
     """TP x CP: the ranks that share one micro-batch's tokens (sequence-sharded over both)."""
     s = _state()
     return s.groups["tensor_context"] if s else None
+
+
+def get_expert_data_parallel_group_in_replica():
+    """Local SGD: the ranks of one data-parallel replica (its TP x CP ranks) that hold the same expert
+    shard, whose expert gradients are summed every step; replicas meet only in the outer step. Built
+    on first use, so collective: every rank calls it. A ValueError when EP x ETP does not divide
+    TP x CP (an expert group would cross replicas)."""
+    s = _state()
+    if s is None:
+        return None
+    if "expert_data_replica" not in s.groups:
+        e, model = s.expert_sizes, s.sizes["tensor"] * s.sizes["context"]
+        grid = e["expert_tensor"] * e["expert"]
+        if model % grid:
+            raise ValueError(f"local SGD keeps expert parallelism inside a replica: expert-tensor x expert parallel "
+                             f"sizes ({e['expert_tensor']} x {e['expert']}) must divide TP x CP ({model}); choose "
+                             f"--ep and --etp whose product divides {model}")
+        sizes = {"expert_tensor": e["expert_tensor"], "expert": e["expert"], "in_replica": model // grid,
+                 "replica": s.sizes["data"], "pipeline": s.sizes["pipeline"]}
+        for ranks in rank_groups(sizes, ("in_replica",)):
+            group = dist.new_group(ranks, timeout=s.timeout)
+            if dist.get_rank() in ranks:
+                s.groups["expert_data_replica"], s.ranks["expert_data_replica"] = group, ranks
+    return s.groups["expert_data_replica"]
+
+
+def get_expert_data_parallel_group_in_replica_size() -> int:
+    s = _state()
+    return len(s.ranks["expert_data_replica"]) if s and "expert_data_replica" in s.ranks else 1
 
 
 def get_expert_model_pipeline_group():

@@ -106,9 +106,12 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
         reduce_group = parallel.get_data_parallel_group(with_context_parallel=True)
         reduce_size = parallel.get_data_parallel_world_size(with_context_parallel=True)
     moe = config_is_moe(chunks)
-    if moe and (stage == 3 or cfg.local_sgd.local_sgd_interval):
-        raise UsageError("mixture-of-experts models train at --zero-stage 0-2 without local SGD in this version: "
-                         "drop --zero-stage 3 / --local-sgd-interval")
+    if cfg.local_sgd.local_sgd_interval:  # expert copies summed inside the replica only
+        expert_group = parallel.get_expert_data_parallel_group_in_replica() if moe else None
+        expert_size = parallel.get_expert_data_parallel_group_in_replica_size()
+    else:
+        expert_group = parallel.get_expert_data_parallel_group()
+        expert_size = parallel.get_expert_data_parallel_world_size()
     buffers = []
     for index, chunk in enumerate(chunks):
         params = [p for p in chunk.parameters() if p.requires_grad]
@@ -128,8 +131,7 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                                                                             dp_size=reduce_size)))
         if experts:
             buffers.append(_buffer(chunk, experts, stage, cfg, deferred, dict(
-                common, dp_group=parallel.get_expert_data_parallel_group(),
-                dp_size=parallel.get_expert_data_parallel_world_size(), experts=True)))
+                common, dp_group=expert_group, dp_size=expert_size, experts=True)))
         for buf in buffers[first:]:
             buf.chunk_index = index  # the chunk whose backward fills it
     prec, o = cfg.precision, cfg.optimizer

@@ -78,6 +78,7 @@ class Progress:
         if log_now or optimizer.last_skipped is not None:  # the host reads the skips only now
             window_skipped, in_a_row = self.skips.read(end_window=log_now)
             if in_a_row >= cfg.training.max_skipped_iters:
+                self._stop_on_nonfinite_router_logits(iteration)  # the likelier cause, named when it is
                 raise TrainingStopped(
                     f"stopping at iteration {iteration}: {in_a_row} iterations in a row had inf/NaN "
                     f"gradients (loss scale {optimizer.loss_scaler.scale:g}); lower --lr, check the data, or "
@@ -133,10 +134,23 @@ class Progress:
             "comm_bytes": comm_bytes,  # this rank's (rank 0's in the metrics file), by kind
         }
         if self.model_config.is_moe:
-            record.update(moe_stats.take(self.model_config.num_layers, self.moe_layers,
-                                         self.model_config.num_moe_experts, self.device, steps))
+            record.update(self._moe_figures(steps))
+            nonfinite = record.pop("moe_nonfinite_router_logits")
+            if nonfinite:
+                raise TrainingStopped(moe_stats.nonfinite_logits_line(iteration, nonfinite))
         self.records.append(record)
         self.logger.train(record)
+
+    def _moe_figures(self, steps: int) -> dict:
+        """The MoE layers' figures since the last take (collective: every rank at the same iteration)."""
+        c = self.model_config
+        return moe_stats.take(c.num_layers, self.moe_layers, c.num_moe_experts, self.device, steps)
+
+    def _stop_on_nonfinite_router_logits(self, iteration: int) -> None:
+        if self.model_config.is_moe:
+            nonfinite = self._moe_figures(1)["moe_nonfinite_router_logits"]
+            if nonfinite:
+                raise TrainingStopped(moe_stats.nonfinite_logits_line(iteration, nonfinite))
 
     def close(self) -> None:
         self.logger.close()

@@ -82,9 +82,11 @@ class TrainStep:
             for buf in self.buffers:
                 if hasattr(buf, "spans"):
                     buf.spans = []
-        # The routers' loss terms: a micro-batch's share of the global batch, and the loss scale.
-        moe_losses.set_batch(self.micro_batches * self.tensor_shape[1] * parallel.get_data_parallel_world_size(),
-                             self.tensor_shape[1], self.optimizer.loss_scaler.scale)
+        # The routers' loss terms: a micro-batch's share of the global batch (local SGD: of the
+        # replica's, whose gradients are a mean of its own tokens), and the loss scale.
+        replicas = 1 if self.local_sgd is not None else parallel.get_data_parallel_world_size()
+        moe_losses.set_batch(self.micro_batches * self.tensor_shape[1] * replicas, self.tensor_shape[1],
+                             self.optimizer.loss_scaler.scale)
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
                              self.tensor_shape, self.dtype, record_spans=record_spans,
                              loss_scale=self.optimizer.loss_scaler.scale,

@@ -58,7 +58,7 @@ class MoELayer(nn.Module):
         if self.training and torch.is_grad_enabled():
             counts = count_per_expert(routed, c.num_moe_experts + 1)
             stats.record(self.layer_number, c.num_moe_experts, counts[:c.num_moe_experts], routed.numel(), aux, z,
-                         counts[c.num_moe_experts])
+                         counts[c.num_moe_experts], (~torch.isfinite(logits.detach())).any(-1).sum())
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:

@@ -11,22 +11,25 @@ import torch.distributed as dist
 from megalite.models.rng import is_recomputing
 from megalite.parallel import traffic
 
-_sums: dict[int, torch.Tensor] = {}  # layer number -> [aux, z, dropped, assignments, tokens per expert...]
-_FIXED = 4
+# layer number -> [aux, z, dropped, assignments, tokens with non-finite logits, tokens per expert...]
+_sums: dict[int, torch.Tensor] = {}
+_FIXED = 5
 
 
 @torch.compiler.disable  # runs eagerly from a compiled layer too, so --torch-compile reports the same
 def record(layer_number: int, num_experts: int, counts: torch.Tensor, assignments: int,
-           aux: torch.Tensor | None = None, z: torch.Tensor | None = None, dropped: torch.Tensor | None = None) -> None:
+           aux: torch.Tensor | None = None, z: torch.Tensor | None = None, dropped: torch.Tensor | None = None,
+           nonfinite: torch.Tensor | None = None) -> None:
     """One forward of a MoE layer on this rank: its routed counts per expert, the assignments it
-    routed, its shares of the loss terms, the dropped assignments."""
+    routed, its shares of the loss terms, the dropped assignments, the tokens whose router logits
+    were not all finite."""
     if is_recomputing():
         return
     s = _sums.get(layer_number)
     if s is None:
         s = _sums[layer_number] = torch.zeros(_FIXED + num_experts, dtype=torch.float32, device=counts.device)
     with torch.no_grad():
-        for i, v in enumerate((aux, z, dropped)):
+        for i, v in enumerate((aux, z, dropped, None, nonfinite)):
             if v is not None:
                 s[i] += v.detach().float()
         s[3] += assignments
@@ -48,4 +51,14 @@ def take(num_layers: int, moe_layers: list[int], num_experts: int, device, steps
     assigned = float(table[:, 3].sum())
     return {"moe_aux_loss": float(table[:, 0].sum()) / steps, "moe_z_loss": float(table[:, 1].sum()) / steps,
             "moe_load_imbalance": max(per_layer, default=0.0), "moe_load_imbalance_per_layer": per_layer,
-            "moe_dropped_fraction": float(table[:, 2].sum()) / assigned if assigned else 0.0}
+            "moe_dropped_fraction": float(table[:, 2].sum()) / assigned if assigned else 0.0,
+            # layer number -> tokens whose router logits were NaN or inf (none: empty)
+            "moe_nonfinite_router_logits": {layer: int(n) for layer, n in zip(moe_layers, table[:, 4].tolist()) if n}}
+
+
+def nonfinite_logits_line(iteration: int, counts: dict[int, int]) -> str:
+    """The one line that stops training when routers saw NaN/inf logits (`take`'s figure)."""
+    where = ", ".join(f"layer {layer} ({n} tokens)" for layer, n in sorted(counts.items()))
+    return (f"stopping at iteration {iteration}: NaN/inf router logits in {where}: the layer's input or router "
+            f"weights are not finite (diverged, or a bad checkpoint or data); lower --lr, check the data, or resume "
+            f"from an earlier checkpoint. The last checkpoint is intact.")
