@@ -17,7 +17,7 @@ FLAGS go to pretrain_gpt.py after --common. Suites are the measurements of docs/
 their runs and derived ratios built in:
 
     sudo python scripts/slow_links.py --suite overlap --rate-mbit 300 --repeat 3
-    sudo python scripts/slow_links.py --suite bf16 | planner | diloco
+    sudo python scripts/slow_links.py --suite bf16 | planner | diloco | moe
 
 Step time is the median of `ms_per_iter` over the iterations after --warmup (logged every
 iteration; robust to a spell of other work on the machine), tokens/s the mean over them (all the
@@ -333,12 +333,42 @@ def suite_runs(a) -> tuple[list[str], list[str]]:
         return common, ["compute=solo=1 rate=off", "tp2-across=--tp 2", "pp2-across=--pp 2", "dp2-across=",
                         # the same on the bare veths: what the layouts cost without the slow link
                         "tp2-fast=rate=off --tp 2", "pp2-fast=rate=off --pp 2", "dp2-fast=rate=off"]
+    if a.suite == "moe":  # expert parallelism across the link against data parallelism of the experts
+        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--global-batch-size", str(4 * b),
+                  "--ddp-bucket-size", str(a.bucket), *MOE_FLAGS,
+                  # every byte exposed, as the formula counts it: the reduction after backward, not during
+                  "--overlap-grad-reduce", "false"]
+        return common, ["ep2-across=--ep 2", "ep2-fast=rate=off --ep 2", "ep1-across=", "ep1-fast=rate=off"]
     if a.suite == "diloco":  # the embedded corpus (no --mock-data), the same tokens for both
         common = [*model, *it, "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
                   "--eval-iters", "8", "--eval-interval", str(a.iters)]
         return common, ["dp=", f"diloco-h{a.interval}=--local-sgd-interval {a.interval} --outer-lr {a.outer_lr} "
                                f"--outer-momentum {a.outer_momentum}"]
     raise SystemExit(f"unknown suite {a.suite!r}")
+
+
+# The moe suite's model: 8 experts, top-2, every MLP a MoE layer.
+MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+
+
+def moe_comparison(results: dict[str, RunResult], links: dict) -> dict:
+    """What the slow link adds to each layout's step (across minus the same on bare veths), against
+    the formula's exposed time: the bytes megalite counted this rank sending in a step (the experts'
+    all-to-alls, kind "ep", and the gradients' all-reduce, kind "dp", both serial here), over the
+    link's one-stream rate. One rank a host: every exchange crosses the link."""
+    out: dict = {"link_mb_per_s": {str(k): v["tcp"] / 1e6 for k, v in links.items()}, "layouts": {}}
+    for name in ("ep2", "ep1"):
+        across, fast = results.get(f"{name}-across"), results.get(f"{name}-fast")
+        if not (across and fast and across.rounds and fast.rounds) or across.spec.rate_mbit not in links:
+            continue
+        kinds = across.rounds[-1].get("comm_bytes_by_kind") or {}  # the same every round
+        rate = links[across.spec.rate_mbit]["tcp"]
+        measured = across.figure("step_ms") - fast.figure("step_ms")
+        predicted = sum(kinds.values()) / rate * 1e3
+        out["layouts"][name] = {"bytes_per_step_by_kind": kinds, "measured_exposed_ms": measured,
+                                "formula_exposed_ms": predicted,
+                                "formula_over_measured": predicted / measured if measured > 0 else None}
+    return out
 
 
 def _ratio(x, y):
@@ -373,6 +403,8 @@ def derive(a, results: dict[str, RunResult], links: dict) -> dict:
                                             results["fp32-wire"].figure("comm_bytes"))}
     elif a.suite == "planner" and links:
         out = planner_comparison(a, results, links)
+    elif a.suite == "moe" and links:
+        out = moe_comparison(results, links)
     elif a.suite == "diloco":
         dp, lo = results.get("dp"), results.get(f"diloco-h{a.interval}")
         if dp and lo and dp.rounds and lo.rounds:
@@ -496,7 +528,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     ap.add_argument("--common", default="", help="pretrain_gpt.py flags of every run (before the run's own)")
     ap.add_argument("--run", action="append", default=[], metavar="NAME=[SETTINGS] FLAGS")
-    ap.add_argument("--suite", choices=["overlap", "bf16", "planner", "diloco"])
+    ap.add_argument("--suite", choices=["overlap", "bf16", "planner", "diloco", "moe"])
     ap.add_argument("--model", default="gpt-tiny", help="suites: the model preset")
     ap.add_argument("--hidden-size", type=int, default=None, help="suites: overrides the preset's")
     ap.add_argument("--seq-length", type=int, default=64, help="suites")

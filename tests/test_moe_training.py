@@ -133,6 +133,23 @@ def test_local_sgd_h1_with_experts_equals_data_parallelism_with_experts_inside_e
         assert len(local) == 6 and rel_err(torch.tensor(local), torch.tensor(dp)) <= 1e-5, (layout, local, dp)
 
 
+def _local_sgd_resume(rank, world, save_dir, argv):
+    """Unbroken; then to iteration 4 (mid-round of H 3) saving, and resumed from it: the losses."""
+    from training_ranks import gpt_run as run
+
+    whole = [r["loss"] for r in run(argv).records]
+    first = [r["loss"] for r in run(argv + ["--save", save_dir, "--save-interval", "4", "--exit-interval", "4"]).records]
+    return whole, first + [r["loss"] for r in run(argv + ["--load", save_dir]).records]
+
+
+@pytest.mark.slow
+def test_local_sgd_with_experts_resumes_mid_round_bitwise(tmp_path):
+    argv = BASE + ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "2", "--local-sgd-interval", "3",
+                   "--train-iters", "8"]
+    whole, resumed = run_ranks(_local_sgd_resume, 4, args=(str(tmp_path / "ckpt"), argv))[0]
+    assert len(whole) == 8 and resumed == whole, (resumed, whole)
+
+
 def _nan_router(rank, world, argv):
     """Train with layer 2's router weights NaN (set before each of its forwards)."""
     from megalite.models.moe.layer import MoELayer
