@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megalite.checkpoint.fileformat import write_rank_file
 from megalite.checkpoint.layout import (FORMAT_VERSION, ITER_NAME, VOCAB_PARAMS, config_dict, iter_dir,
-                                        rank_file_name, tmp_dir)
+                                        rank_file_name, split_experts, tmp_dir)
 from megalite.models.config import TransformerConfig
 
 
@@ -122,10 +122,11 @@ def build_metadata(config: TransformerConfig, model_kind: str, iteration: int, c
 def save_model_checkpoint(directory, config: TransformerConfig, model_kind: str, state_dict: dict,
                           iteration: int = 0) -> None:
     """A checkpoint from a single-device state dict (names as the tp=1 model's; vocabulary padded or
-    not) that `--load` accepts at any layout. Model weights only; no process group needed."""
+    not) that `--load` accepts at any layout. Model weights only; no process group needed. A MoE
+    layer's experts are stored one tensor each, as a training run stores them."""
     directory = Path(directory)
     entries, model = [], {}
-    for name, t in state_dict.items():
+    for name, t in split_experts(state_dict).items():
         t = t.detach().cpu().contiguous()
         if name in VOCAB_PARAMS:
             t = t.narrow(0, 0, config.vocab_size)

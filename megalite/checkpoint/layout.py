@@ -61,6 +61,19 @@ def named_params(model_chunks):
 EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(fc[12]_weight)$")
 
 
+def split_experts(state_dict: dict) -> dict:
+    """A single-device state dict with each MoE layer's [experts, rows, cols] weights split into the
+    2-D tensors checkpoints store (`layers.L.mlp.experts.E.fc1_weight`, see EXPERT_TENSOR)."""
+    out = {}
+    for name, t in state_dict.items():
+        module, _, leaf = name.rpartition(".")
+        if module.endswith(".mlp.experts") and leaf in ("fc1_weight", "fc2_weight"):
+            out.update({f"{module}.{e}.{leaf}": t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """One tensor as the checkpoint names and places it: a parameter, or one expert of a MoE layer's

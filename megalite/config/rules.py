@@ -123,6 +123,7 @@ def _model_overrides(m) -> dict:
     switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),
                 "disable_bias_linear": dict(add_bias_linear=False),
                 "add_qkv_bias": dict(add_qkv_bias=True), "qk_layernorm": dict(qk_layernorm=True),
+                "qk_layernorm_full_width": dict(qk_layernorm_full_width=True),
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True)}
     for name, fields in switches.items():
@@ -131,7 +132,7 @@ def _model_overrides(m) -> dict:
     return out
 
 
-_MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
+MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
                "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
                "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_token_dispatcher_type",
@@ -141,7 +142,7 @@ _MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_
 
 def _moe_fields(m) -> dict:
     """TransformerConfig's MoE fields from the moe section (`num_experts` is `num_moe_experts` there)."""
-    return {"num_moe_experts": m.num_experts, **{n: getattr(m, n) for n in _MOE_FIELDS}}
+    return {"num_moe_experts": m.num_experts, **{n: getattr(m, n) for n in MOE_FIELDS}}
 
 
 def model_config(config: RunConfig) -> TransformerConfig:
@@ -164,7 +165,7 @@ def model_config(config: RunConfig) -> TransformerConfig:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if config.moe.num_experts is None:
-        given = [f"--{n.replace('_', '-')}" for n in _MOE_FIELDS if config.given(n)]
+        given = [f"--{n.replace('_', '-')}" for n in MOE_FIELDS if config.given(n)]
         if given or config.parallel.expert_model_parallel_size > 1:
             raise UsageError(f"{', '.join(given) or '--ep'}: for mixture-of-experts models only: add --num-experts N, "
                              f"or drop them")

@@ -134,6 +134,8 @@ class ModelConfig:
     disable_bias_linear: bool = opt(False, "no biases in the layers' linear maps", shape=True)
     add_qkv_bias: bool = opt(False, "query/key/value biases even without other biases", shape=True)
     qk_layernorm: bool = opt(False, "normalize every query and key head", shape=True)
+    qk_layernorm_full_width: bool = opt(False, "with --qk-layernorm: one RMSNorm over all query heads and one over "
+                                               "all key heads (OLMoE), not one per head", shape=True)
     untie_embeddings_and_output_weights: bool = opt(False, "an output layer of its own instead of the word "
                                                            "embedding", shape=True)
     apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)

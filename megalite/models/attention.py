@@ -20,7 +20,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
-from megalite.parallel import state
+from megalite.parallel import state, traffic
 from megalite.parallel.context_parallel import a2a_attention, ring_attention
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -84,6 +84,39 @@ def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig):
     return ring_attention(q, k, v, group, ranks, causal=True)
 
 
+class _SumOverTensorParallel(torch.autograd.Function):
+    """All-reduce over the TP group, forward and backward: every rank's result feeds its own heads'
+    outputs, so each input's gradient is the sum of every rank's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        traffic.counted_all_reduce("tp", x, state.get_tensor_model_parallel_group())
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        traffic.counted_all_reduce("tp", grad, state.get_tensor_model_parallel_group())
+        return grad
+
+
+def _full_width_norm(x: torch.Tensor, norm: nn.Module, first_head: int, copies: int) -> torch.Tensor:
+    """`norm` (an RMSNorm as wide as all heads) over x [s, b, heads here, d]: this rank holds heads
+    [first_head, first_head + heads here), each also held by `copies` - 1 other TP ranks (replicated
+    key groups). Over TP the sum of squares is summed over the group, forward and backward."""
+    flat = x.flatten(2)
+    if state.get_tensor_model_parallel_world_size() == 1:
+        return norm(flat).view_as(x)
+    xf = flat.float()
+    squares = xf.pow(2).sum(-1, keepdim=True)
+    squares = _SumOverTensorParallel.apply(squares) / copies
+    rstd = torch.rsqrt(squares / norm.weight.numel() + norm.eps)
+    weight = norm.weight + 1 if norm.zero_centered else norm.weight
+    start = first_head * x.shape[-1]
+    return (xf * rstd * weight[start:start + flat.shape[-1]].float()).to(x.dtype).view_as(x)
+
+
 def _expand_groups(k: torch.Tensor, v: torch.Tensor, heads: int):
     """Grouped keys and values [b, groups, s, d] repeated to one per query head (heads in a group are adjacent)."""
     if k.shape[1] == heads:
@@ -99,7 +132,8 @@ class ParallelAttention(nn.Module):
     d]) and `kv` (rows [group, (k, v), d]), both column-parallel; when tp > groups each rank gathers
     the whole kv weight over TP and uses its own group's rows (the gather's backward sums the
     gradients of the ranks sharing a group). With qk_layernorm, `q_norm` / `k_norm` normalize every
-    head over head_dim; rope then rotates q and k.
+    head over head_dim (with qk_layernorm_full_width, all query heads together and all key groups
+    together, OLMoE's RMSNorm over the whole projection); rope then rotates q and k.
     """
 
     def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
@@ -118,22 +152,36 @@ class ParallelAttention(nn.Module):
             self.kv = ColumnParallelLinear(h, 2 * config.num_query_groups * d, **column)
             self.groups_replicated = tp > config.num_query_groups  # each rank one group, shared with others
         if config.qk_layernorm:
-            self.q_norm, self.k_norm = self._head_norm(device), self._head_norm(device)
+            q_width, k_width = ((config.num_attention_heads * d, config.query_groups * d)
+                                if config.qk_layernorm_full_width else (d, d))
+            self.q_norm, self.k_norm = self._qk_norm(q_width, device), self._qk_norm(k_width, device)
         self.rotary = rotary_embedding(config)
         self.proj = RowParallelLinear(
             config.num_attention_heads * d, h, init_method=output_init_method, bias=config.add_bias_linear,
             sequence_parallel=sp, params_dtype=dtype, device=device,
         )
 
-    def _head_norm(self, device) -> nn.Module:
-        """A norm over head_dim, whole on every rank; each rank sees its own heads only, so its
-        gradient is partial over TP and `finalize_grads` sums it there."""
+    def _qk_norm(self, size: int, device) -> nn.Module:
+        """A norm over `size` (head_dim, or all heads' width), whole on every rank; each rank sees its
+        own heads only, so its gradient is partial over TP and `finalize_grads` sums it there."""
         c = self.config
-        norm = NORMS[c.normalization](c.head_dim, c.layernorm_epsilon, False, c.params_dtype, device, c.norm_backend,
+        norm = NORMS[c.normalization](size, c.layernorm_epsilon, False, c.params_dtype, device, c.norm_backend,
                                       c.layernorm_zero_centered_gamma)
         for p in norm.parameters():
             p.partial_over_tp = True
         return norm
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor):
+        """q_norm(q), k_norm(k) per head, or over every head at once (qk_layernorm_full_width)."""
+        if not self.config.qk_layernorm_full_width:
+            return self.q_norm(q), self.k_norm(k)
+        tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        q_first = rank * q.shape[2]
+        if self.config.num_query_groups is not None and self.groups_replicated:
+            k_first, k_copies = rank // (tp // self.config.num_query_groups), tp // self.config.num_query_groups
+        else:
+            k_first, k_copies = rank * k.shape[2], 1
+        return _full_width_norm(q, self.q_norm, q_first, 1), _full_width_norm(k, self.k_norm, k_first, k_copies)
 
     def _core(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q [b, heads, s, d],
@@ -185,7 +233,7 @@ class ParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self._project(x)  # [s, b, heads (or groups), head_dim]; the whole sequence
         if self.config.qk_layernorm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm_qk(q, k)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         s, b = q.shape[:2]

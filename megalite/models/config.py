@@ -57,6 +57,9 @@ class TransformerConfig:
     add_bias_linear: bool = True  # biases of every linear layer in the transformer layers
     add_qkv_bias: bool = False  # query/key/value biases even without add_bias_linear (Qwen2)
     qk_layernorm: bool = False  # a norm over head_dim on every query and key head, before rope
+    # OLMoE: q_norm and k_norm span the whole projection (all heads, or all key groups) at once, not
+    # one head; rmsnorm only. Under TP the statistics are summed over the ranks' heads.
+    qk_layernorm_full_width: bool = False
     untie_embeddings_and_output_weights: bool = False  # an output layer of its own on the last stage
     # Mixture of experts (Megatron-Core's names; megalite.models.moe). None: every MLP is dense.
     num_moe_experts: int | None = None
@@ -173,6 +176,9 @@ class TransformerConfig:
                              f"({self.num_attention_heads})")
         if self.position_embedding_type == "rope":
             self._check_rope()
+        if self.qk_layernorm_full_width and not (self.qk_layernorm and self.normalization == "rmsnorm"):
+            raise ValueError("qk_layernorm_full_width needs qk_layernorm=True and normalization='rmsnorm' (it widens "
+                             "the RMSNorm of queries and keys to all heads): set both, or drop it")
 
     def _check_rope(self) -> None:
         if not 0.0 < self.rotary_percent <= 1.0:

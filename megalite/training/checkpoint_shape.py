@@ -5,10 +5,11 @@ gives the preset and the sequence length."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config
-from megalite.config.rules import virtual_stages
+from megalite.config.rules import MOE_FIELDS, virtual_stages
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import flag_name
 from megalite.errors import UsageError
@@ -30,12 +31,23 @@ def shape_fields(model: TransformerConfig) -> dict:
                group_query_attention=model.num_query_groups is not None, norm_epsilon=model.layernorm_epsilon,
                swiglu=model.gated_linear_unit, disable_bias_linear=not model.add_bias_linear,
                add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
+               qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma)
     if model.position_embedding_type == "rope":
         out.update({k: getattr(model, k) for k in _ROPE})
         if model.rope_scaling_factor is not None:
             out.update({k: getattr(model, k) for k in _ROPE_SCALING})
+    return out
+
+
+def moe_section(model: TransformerConfig) -> dict:
+    """The moe section's fields that build `model`'s experts and router (a checkpoint written without
+    a run configuration, e.g. by the Hugging Face import); empty for a dense model."""
+    if not model.is_moe:
+        return {}
+    out = {"num_experts": model.num_moe_experts, **{n: getattr(model, n) for n in MOE_FIELDS}}
+    out["moe_layer_freq"] = json.dumps(list(model.moe_layer_freq))  # the flag's text: one 0/1 per layer
     return out
 
 
@@ -69,7 +81,7 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         seq = changes.get("seq_length", cfg.model.seq_length)
         changes["max_position_embeddings"] = max(reader.config.max_position_embeddings, seq)
     adopted = cfg.replace("model", **changes)
-    saved_moe = reader.metadata.get("run_config", {}).get("moe", {})
+    saved_moe = reader.metadata.get("run_config", {}).get("moe", {}) or moe_section(reader.config)
     moe_fields = {f.name for f in section_fields(cfg.moe)}
     if saved_moe.get("num_experts") and not any(cfg.given(k) for k in moe_fields):
         # a MoE checkpoint's experts and router, as it was trained

@@ -16,8 +16,11 @@ def _cmd_import(args) -> str:
     kind = hf_model_kind(args.hf_dir)
     config, sd = from_hf(args.hf_dir)
     checkpoint.save_model_checkpoint(args.out, config, kind, sd, iteration=0)
+    experts = (f", {config.num_moe_experts} experts top-{config.moe_router_topk} in {sum(config.moe_layer_freq)} "
+               f"layers" if config.is_moe else "")
     return (f"imported {kind} ({config.num_layers} layers, hidden {config.hidden_size}, "
-            f"{config.num_attention_heads} heads, vocab {config.vocab_size}) from {args.hf_dir} into {args.out}")
+            f"{config.num_attention_heads} heads, vocab {config.vocab_size}{experts}) from {args.hf_dir} "
+            f"into {args.out}")
 
 
 def _cmd_export(args) -> str:

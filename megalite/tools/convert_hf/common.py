@@ -15,6 +15,7 @@ any tensor-parallel rank's contiguous block of rows holds whole sets.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -158,6 +159,24 @@ def load_hf_config(directory):
         return transformers().AutoConfig.from_pretrained(path, local_files_only=True)
     except (KeyError, OSError) as e:  # transformers' own checks of the file (e.g. rope parameters)
         raise ConversionError(f"{path / 'config.json'} cannot be read by transformers: {e}") from None
+
+
+def stored_tensor_names(directory) -> list[str]:
+    """The tensor names in a save_pretrained directory's weight files, from their index or headers (no
+    tensor is read); [] when it has none."""
+    path = Path(directory)
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (path / index).is_file():
+            return list(json.loads((path / index).read_text())["weight_map"])
+    from safetensors import safe_open  # installed with transformers
+
+    names = []
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names += list(f.keys())
+    if not names and (path / "pytorch_model.bin").is_file():
+        names = list(torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
+    return names
 
 
 def load_hf_weights(cls, directory, arch: str):

@@ -44,49 +44,73 @@ def shape_of(c) -> Shape:
                  getattr(c, "qk_layernorm", False), getattr(c, "untie_embeddings_and_output_weights", False))
 
 
+FINAL_NORM_ROW: Row = ("final_layernorm.weight", "model.norm.weight", "same")
+
+
 def table(s: Shape) -> list[Row]:
     """Rows in the order of GPTModel.state_dict(); HF names are the *ForCausalLM model's."""
-    attention_params = ("weight", "bias") if s.qkv_bias or s.linear_bias else ("weight",)
+    rows = embedding_rows(s)
+    for i in range(s.num_layers):
+        rows += attention_rows(s, i) + dense_mlp_rows(s, f"layers.{i}.mlp.", f"model.layers.{i}.mlp.")
+    return rows + [FINAL_NORM_ROW]
+
+
+def _params(s: Shape) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The parameters of (q, k, v) and of the other linear layers."""
     linear_params = ("weight", "bias") if s.linear_bias else ("weight",)
+    return ("weight", "bias") if s.qkv_bias or s.linear_bias else ("weight",), linear_params
+
+
+def embedding_rows(s: Shape) -> list[Row]:
     rows = [("word_embeddings.weight", "model.embed_tokens.weight", "vocab")]
     if s.untied:
         rows.append(("output_layer.weight", "lm_head.weight", "vocab"))
-    for i in range(s.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        attn = f"{theirs}self_attn."
-        rows.append((f"{ours}input_layernorm.weight", f"{theirs}input_layernorm.weight", "same"))
-        if s.grouped:
-            rows += [(f"{ours}attention.q.{p}", f"{attn}q_proj.{p}", "same") for p in attention_params]
-            rows += [(f"{ours}attention.kv.{p}", (f"{attn}k_proj.{p}", f"{attn}v_proj.{p}"), "kv")
-                     for p in attention_params]
-        else:
-            rows += [(f"{ours}attention.qkv.{p}", tuple(f"{attn}{n}_proj.{p}" for n in "qkv"), "qkv")
-                     for p in attention_params]
-        if s.qk_norm:
-            rows += pairs([(f"{ours}attention.q_norm", f"{attn}q_norm"),
-                           (f"{ours}attention.k_norm", f"{attn}k_norm")], ("weight",))
-        rows += pairs([(f"{ours}attention.proj", f"{attn}o_proj")], linear_params)
-        rows.append((f"{ours}post_attention_layernorm.weight", f"{theirs}post_attention_layernorm.weight", "same"))
-        rows += [(f"{ours}mlp.fc1.{p}", (f"{theirs}mlp.gate_proj.{p}", f"{theirs}mlp.up_proj.{p}"), "glu")
-                 for p in linear_params]
-        rows += pairs([(f"{ours}mlp.fc2", f"{theirs}mlp.down_proj")], linear_params)
-    rows.append(("final_layernorm.weight", "model.norm.weight", "same"))
     return rows
 
 
-def _groups(c) -> dict[str, int]:
+def attention_rows(s: Shape, i: int) -> list[Row]:
+    """Layer i's input norm, attention and post-attention norm."""
+    attention_params, linear_params = _params(s)
+    ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+    attn = f"{theirs}self_attn."
+    rows = [(f"{ours}input_layernorm.weight", f"{theirs}input_layernorm.weight", "same")]
+    if s.grouped:
+        rows += [(f"{ours}attention.q.{p}", f"{attn}q_proj.{p}", "same") for p in attention_params]
+        rows += [(f"{ours}attention.kv.{p}", (f"{attn}k_proj.{p}", f"{attn}v_proj.{p}"), "kv")
+                 for p in attention_params]
+    else:
+        rows += [(f"{ours}attention.qkv.{p}", tuple(f"{attn}{n}_proj.{p}" for n in "qkv"), "qkv")
+                 for p in attention_params]
+    if s.qk_norm:
+        rows += pairs([(f"{ours}attention.q_norm", f"{attn}q_norm"),
+                       (f"{ours}attention.k_norm", f"{attn}k_norm")], ("weight",))
+    rows += pairs([(f"{ours}attention.proj", f"{attn}o_proj")], linear_params)
+    rows.append((f"{ours}post_attention_layernorm.weight", f"{theirs}post_attention_layernorm.weight", "same"))
+    return rows
+
+
+def dense_mlp_rows(s: Shape, ours: str, theirs: str) -> list[Row]:
+    """A SwiGLU MLP (megalite module `ours`, Hugging Face module `theirs`, both ending in '.'): gate
+    and up stacked into fc1, down_proj as fc2."""
+    linear_params = _params(s)[1]
+    rows = [(f"{ours}fc1.{p}", (f"{theirs}gate_proj.{p}", f"{theirs}up_proj.{p}"), "glu") for p in linear_params]
+    return rows + pairs([(f"{ours}fc2", f"{theirs}down_proj")], linear_params)
+
+
+def groups_of(c) -> dict[str, int]:
+    """The interleaved sets of each `how` (common.import_tensors' `groups`)."""
     query_groups = getattr(c, "num_query_groups", None) or c.num_attention_heads
     return {"qkv": c.num_attention_heads, "kv": query_groups, "glu": 1}
 
 
 def tensors_from_hf(theirs: Mapping[str, torch.Tensor], c, padded_vocab: int) -> dict[str, torch.Tensor]:
     """megalite's tp = 1 tensors from a *ForCausalLM state dict; `c`: the config (or its fields)."""
-    return import_tensors(theirs, table(shape_of(c)), _groups(c), padded_vocab)
+    return import_tensors(theirs, table(shape_of(c)), groups_of(c), padded_vocab)
 
 
 def tensors_to_hf(ours: Mapping[str, torch.Tensor], c) -> dict[str, torch.Tensor]:
     """The inverse of tensors_from_hf (tied models get no lm_head.weight: it is embed_tokens)."""
-    return export_tensors(ours, table(shape_of(c)), _groups(c), c.vocab_size)
+    return export_tensors(ours, table(shape_of(c)), groups_of(c), c.vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,12 +140,15 @@ def rope_parameters(cfg) -> dict:
 def sliding_window(cfg, arch: str) -> int | None:
     """The window of the layers that use sliding-window attention (None: every layer attends to all)."""
     window = getattr(cfg, "sliding_window", None)
-    if arch == MISTRAL or window is None:
+    if not window:  # None, or Qwen2-MoE's 0 for "off"
+        return None
+    if arch == MISTRAL:
         return window
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return window if "sliding_attention" in layer_types else None
-    return window if getattr(cfg, "use_sliding_window", False) else None
+    # A config with no switch (Mixtral) windows every layer whenever it has a window.
+    return window if getattr(cfg, "use_sliding_window", True) else None
 
 
 def _biases(cfg, arch: str) -> tuple[bool, bool, list[str]]:
@@ -163,9 +190,10 @@ def _rope_fields(cfg, problems: list[str]) -> dict:
     return fields
 
 
-def config_fields(cfg, arch: str) -> tuple[dict, list[str]]:
-    """(TransformerConfig fields but params_dtype, problems) of a Hugging Face config."""
-    problems = []
+def shared_fields(cfg, arch: str, problems: list[str]) -> dict:
+    """The TransformerConfig fields every family of Llama-like layers maps alike (this module's and
+    `moe`'s): all but params_dtype, the MLP's width, the biases and the qk norms. Problems are
+    appended to `problems`."""
     heads, hidden = cfg.num_attention_heads, cfg.hidden_size
     groups = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
@@ -176,17 +204,14 @@ def config_fields(cfg, arch: str) -> tuple[dict, list[str]]:
         problems.append(f"num_key_value_heads={groups} does not divide num_attention_heads={heads}")
     if cfg.hidden_act != "silu":
         problems.append(f"hidden_act={cfg.hidden_act!r} (megalite's gated MLP is SwiGLU: silu)")
-    linear_bias, qkv_bias, bias_problems = _biases(cfg, arch)
-    problems += bias_problems
     fields = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
-        ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings, hidden_dropout=0.0,
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings, hidden_dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         layernorm_epsilon=cfg.rms_norm_eps, init_method_std=cfg.initializer_range, layernorm_position="pre",
         normalization="rmsnorm", activation="silu", gated_linear_unit=True, causal=True,
-        position_embedding_type="rope", add_bias_linear=linear_bias, add_qkv_bias=qkv_bias,
-        qk_layernorm=arch == QWEN3, untie_embeddings_and_output_weights=not getattr(cfg, "tie_word_embeddings", False),
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not getattr(cfg, "tie_word_embeddings", False),
         **_rope_fields(cfg, problems),
     )
     window = sliding_window(cfg, arch)
@@ -195,8 +220,19 @@ def config_fields(cfg, arch: str) -> tuple[dict, list[str]]:
         warnings.warn(f"{arch} attends within a sliding window of {window} tokens, megalite to every earlier "
                       f"token: the two agree on sequences up to {window} tokens, so max_position_embeddings is "
                       f"set to {window} (was {fields['max_position_embeddings']}); train with --seq-length <= "
-                      f"{window}", ConversionNote, stacklevel=3)
+                      f"{window}", ConversionNote, stacklevel=4)
         fields["max_position_embeddings"] = window
+    return fields
+
+
+def config_fields(cfg, arch: str) -> tuple[dict, list[str]]:
+    """(TransformerConfig fields but params_dtype, problems) of a Hugging Face config."""
+    problems = []
+    fields = shared_fields(cfg, arch, problems)
+    linear_bias, qkv_bias, bias_problems = _biases(cfg, arch)
+    problems += bias_problems
+    fields.update(ffn_hidden_size=cfg.intermediate_size, add_bias_linear=linear_bias, add_qkv_bias=qkv_bias,
+                  qk_layernorm=arch == QWEN3)
     return fields, problems
 
 
@@ -204,15 +240,21 @@ def config_problems(cfg) -> list[str]:
     return config_fields(cfg, hf_class(cfg).__name__)[1]
 
 
+def tied_head_problems(theirs: Mapping[str, torch.Tensor], fields: dict) -> list[str]:
+    """A tied model whose lm_head holds other weights than its embedding (megalite would drop them)."""
+    lm_head = theirs.get("lm_head.weight")
+    if fields["untie_embeddings_and_output_weights"] or lm_head is None:
+        return []
+    if torch.equal(lm_head, theirs["model.embed_tokens.weight"]):
+        return []
+    return ["lm_head.weight differs from model.embed_tokens.weight with tie_word_embeddings=True"]
+
+
 def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     arch = type(model).__name__
     fields, problems = config_fields(model.config, arch)
     theirs = dict(model.state_dict())
-    tied = not fields["untie_embeddings_and_output_weights"]
-    lm_head = theirs.get("lm_head.weight")
-    if tied and lm_head is not None and not torch.equal(lm_head, theirs["model.embed_tokens.weight"]):
-        problems.append("lm_head.weight differs from model.embed_tokens.weight with tie_word_embeddings=True")
-    refuse(arch, problems)
+    refuse(arch, problems + tied_head_problems(theirs, fields))
     config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
     padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
     return config, tensors_from_hf(theirs, config, padded)
@@ -262,6 +304,12 @@ def _accepts(cls, name: str) -> bool:
 
 def hf_config(c, arch: str):
     cls = getattr(transformers(), arch.replace("ForCausalLM", "Config"))
+    return cls(**hf_config_kwargs(c, cls))
+
+
+def hf_config_kwargs(c, cls) -> dict:
+    """The arguments of a Llama-like Hugging Face config class `cls` that every such family sets alike
+    (this module's and `moe`'s)."""
     rope = {"rope_type": "default", "rope_theta": c.rotary_base}
     if getattr(c, "rope_scaling_factor", None) is not None:
         rope.update(rope_type="llama3", factor=c.rope_scaling_factor, low_freq_factor=c.rope_low_freq_factor,
@@ -285,7 +333,7 @@ def hf_config(c, arch: str):
                         ("mlp_bias", c.add_bias_linear), ("sliding_window", None), ("use_sliding_window", False)):
         if _accepts(cls, name):
             kwargs[name] = value
-    return cls(**kwargs)
+    return kwargs
 
 
 def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], architecture: str | None = None):
