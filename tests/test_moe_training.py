@@ -286,3 +286,19 @@ def test_a_moe_checkpoint_resumes_from_load_alone_and_refuses_another_router(tmp
     with pytest.raises(Exception, match=r"moe_router_topk 2 \(checkpoint\) vs 3 \(now\)"):
         run_ranks(_resume_with, 1, args=(str(tmp_path / "b"), BASE + ["--train-iters", "3",
                                                                        "--moe-router-topk", "3"]))
+
+
+def test_a_moe_preset_changes_only_with_the_moe_flags_given_and_plans_at_its_ep():
+    """--model moe-tiny is a MoE model without --num-experts; a MoE flag changes that field alone
+    (the preset's dense first layer and shared expert stay); --plan's check predicts at the run's EP."""
+    from megalite import config as C
+    from megalite.training.plan_check import check_run
+
+    cfg = C.build_parser("test", "gpt-tiny").parse_args(["--mock-data", "--model", "moe-tiny", "--ep", "2",
+                                                         "--moe-router-topk", "3", "--seq-length", "32"])
+    model = C.model_config(cfg)
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_layer_freq) == (8, 3, [0, 1, 1, 1])
+    assert model.moe_shared_expert_intermediate_size == 32 and model.moe_ffn_hidden_size == 32
+    C.validate(cfg, 2, model)
+    _, prediction = check_run(cfg, 2, gpu_memory_bytes=80 * 2 ** 30)
+    assert (prediction.layout.ep, prediction.layout.edp) == (2, 1)

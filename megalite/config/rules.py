@@ -164,14 +164,17 @@ def model_config(config: RunConfig) -> TransformerConfig:
                        **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if config.moe.num_experts is None:
+    if config.moe.num_experts is None and not built.is_moe:
         given = [f"--{n.replace('_', '-')}" for n in MOE_FIELDS if config.given(n)]
         if given or config.parallel.expert_model_parallel_size > 1:
             raise UsageError(f"{', '.join(given) or '--ep'}: for mixture-of-experts models only: add --num-experts N, "
                              f"or drop them")
     else:
+        moe = _moe_fields(config.moe)
+        if built.is_moe:  # a MoE preset (moe-tiny, mixtral-8x7b, ...): only the flags given change it
+            moe = {k: v for k, v in moe.items() if config.given("num_experts" if k == "num_moe_experts" else k)}
         try:
-            built = built.replace(**_moe_fields(config.moe))
+            built = built.replace(**moe)
         except ValueError as e:
             raise UsageError(str(e)) from None
     rope_flags = [f"--{k.replace('_', '-')}" for k in _ROPE_FIELDS if k in overrides]

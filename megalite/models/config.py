@@ -300,6 +300,36 @@ PRESETS.update({
                         max_position_embeddings=8192),
 })
 
+# Mixtures of experts on the Llama family's layers. From each model's published Hugging Face
+# config.json (besides the fields above: num_local_experts / num_experts, num_experts_per_tok,
+# moe_intermediate_size, norm_topk_prob, router_aux_loss_coef, router_z_loss_coef):
+#   mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B, allenai/OLMoE-1B-7B-0924.
+# norm_topk_prob true (Mixtral, Qwen3) is a softmax over the top-k logits, megalite's default
+# router; false (OLMoE) is --moe-router-pre-softmax.
+PRESETS.update({
+    # For tests: the first layer dense, then 8 experts top-2 and a shared expert (every path of a MoE layer).
+    "moe-tiny": dict(_LLAMA, num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=128, max_position_embeddings=128, vocab_size=1024, num_moe_experts=8,
+                     moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1, 1],
+                     moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001),
+    "mixtral-8x7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                         ffn_hidden_size=14336, max_position_embeddings=32768, vocab_size=32000,
+                         rotary_base=1000000.0, num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02),
+    # Qwen3's heads are 128 wide (head_dim) at hidden 2048 with 32 heads; megalite's are hidden / heads
+    # = 64, so its query/key/value/output projections are half as wide: 0.45B parameters fewer (1.5% of
+    # the total, 14% of the active). The experts, router and embeddings are as published.
+    "qwen3-30b-a3b": dict(_LLAMA, num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                          ffn_hidden_size=6144, max_position_embeddings=40960, vocab_size=151936,
+                          rotary_base=1000000.0, layernorm_epsilon=1e-6, qk_layernorm=True, num_moe_experts=128,
+                          moe_router_topk=8, moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001),
+    # OLMoE normalizes queries and keys over the whole projection (2048 wide): qk_layernorm_full_width.
+    "olmoe-1b-7b": dict(_LLAMA, num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=1024,
+                        qk_layernorm=True, qk_layernorm_full_width=True,
+                        max_position_embeddings=4096, vocab_size=50304, num_moe_experts=64, moe_router_topk=8,
+                        moe_ffn_hidden_size=1024, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01,
+                        moe_z_loss_coeff=0.001),
+})
+
 
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:
     """--moe-layer-freq as a 0/1 per layer: an int k (every k-th layer, the first included: 1 is all),

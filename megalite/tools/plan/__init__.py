@@ -1,5 +1,6 @@
 """Parallel layout planner: which (tp, pp, dp, vpp, micro-batch, recompute, sequence parallel,
-ZeRO stage) to train a GPT with, on how many GPUs, and what it costs.
+ZeRO stage; and for a mixture-of-experts model ep, etp) to train a GPT with, on how many GPUs, and
+what it costs.
 
     python -m megalite.tools.plan --model gpt-175b --gpus 1024 --gpu-memory-gib 80 \\
         --global-batch-size 1536 --seq-length 2048 [--explain] [--json]
@@ -26,10 +27,13 @@ Every layout megalite accepts is enumerated and, for each, the planner predicts:
   recomputation runs again) over the cluster's sustained throughput, the pipeline bubble
   (`megalite.pipeline.schedules.theoretical_bubble`), tensor-parallel collectives, pipeline
   point-to-point messages, the data-parallel gradient reduction that cannot hide behind the last
-  backward pass, and the optimizer step.
+  backward pass, and the optimizer step;
+- for a MoE model (`experts.py`): expert weights split over ep x etp in buffers of their own,
+  reduced and sharded over the expert-data-parallel group; the router's, the dispatched rows' and
+  the experts' activations; the active experts' FLOPs; the token dispatch's bytes, all exposed.
 
-inputs.py: Cluster, Layout, Run, parameter counts; predict.py: one layout; search.py: every
-layout, check_layout; report.py: tables, --explain, commands, JSON; cli.py: the command
+inputs.py: Cluster, Layout, Run, parameter counts; experts.py: the MoE terms; predict.py: one
+layout; search.py: every layout, check_layout; report.py: tables, --explain, commands, JSON; cli.py: the command
 line. docs/planner.md states every formula and assumption.
 """
 from megalite.tools.plan.cli import build_parser, config_from_args, main
@@ -42,6 +46,7 @@ from megalite.tools.plan.inputs import (
     Cluster,
     Layout,
     Run,
+    active_parameters,
     layer_numels,
     positions,
     rank_parameters,
@@ -79,6 +84,7 @@ __all__ = [
     "StageResult",
     "StateBytes",
     "StepTime",
+    "active_parameters",
     "build_parser",
     "check_layout",
     "config_from_args",

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 
 from megalite.models.config import PRESETS, TransformerConfig
-from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, Cluster, Run, total_parameters
+from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, Cluster, Run, active_parameters, total_parameters
 from megalite.tools.plan.report import (
     config_json,
     explain,
@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: every stage")
     g.add_argument("--cp", type=lambda x: x if x == "all" else int(x),
                    help="context-parallel size, or 'all' (default: 1, and every size only when nothing fits at 1)")
+    g.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int,
+                   help="MoE models: expert-parallel size (default: every divisor of the experts)")
+    g.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int,
+                   help="MoE models: expert-tensor-parallel size (default: 1 and tp)")
     g.add_argument("--max-tp", type=int, help="largest tp (default: GPUs per node)")
     g = ap.add_argument_group("output")
     g.add_argument("--top", type=int, default=5)
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
     if args.local_sgd_interval and (args.zero_stage or args.distributed_optimizer == "on"):
         ap.error("--local-sgd-interval keeps each replica's optimizer whole: drop --zero-stage / "
                  "--distributed-optimizer on")
+    if (args.ep or args.etp) and not config.is_moe:
+        ap.error(f"--ep/--etp are for mixture-of-experts models: {args.model or 'this model'} has no experts")
     dtype = args.dtype or "bf16"
     seq = args.seq_length or config.max_position_embeddings
     cluster = cluster_from_args(args, ap, seq)
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
                   recompute=(args.recompute,) if args.recompute else RECOMPUTE,
                   sequence_parallel=_on_off(args.sequence_parallel),
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
-                  grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args))
+                  grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args), ep=args.ep,
+                  etp=args.etp)
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model)
     if result.best is None:
@@ -147,7 +154,9 @@ def main(argv=None) -> int:
     top = result.predictions[:max(args.top, 1)]
     command = result.best.command(flags)
     if args.json:
-        print(json.dumps({"model": name, "parameters": total_parameters(config, seq), "config": config_json(config),
+        active = {"active_parameters": active_parameters(config, seq)} if config.is_moe else {}
+        print(json.dumps({"model": name, "parameters": total_parameters(config, seq), **active,
+                          "config": config_json(config),
                           "cluster": asdict(cluster), "global_batch_size": args.global_batch_size, "seq_length": seq,
                           "dtype": dtype, "evaluated": result.evaluated, "feasible": len(result),
                           "best": [x.to_dict(flags) for x in top], "rejected": rejected_json(result),
@@ -179,7 +188,9 @@ def _on_off(choice: str | None) -> tuple:
 def _header(name: str, config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq: int,
             dtype: str) -> str:
     nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
-    return (f"{name}: {total_parameters(config, seq) / 1e9:.2f}B parameters ({config.num_layers} layers, hidden "
+    experts = (f", {active_parameters(config, seq) / 1e9:.2f}B active ({config.num_moe_experts} experts, top-"
+               f"{config.moe_router_topk}, in {sum(config.moe_layer_freq)} layers)" if config.is_moe else "")
+    return (f"{name}: {total_parameters(config, seq) / 1e9:.2f}B parameters{experts} ({config.num_layers} layers, hidden "
             f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}); "
             f"{cluster.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "
             f"{min(cluster.gpus_per_node, cluster.gpus)}, {cluster.gpu_memory_gib:g} GiB each); "

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from megalite.checkpoint.layout import VOCAB_PARAMS
 from megalite.models import PRESETS, GPTModel, TransformerConfig, TransformerLayer
 from megalite.parallel.layers import pad_vocab_size
-from megalite.pipeline.partition import stage_layer_counts
+from megalite.pipeline.partition import layers_of, stage_layer_counts
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -63,6 +63,9 @@ class Layout:
     distributed_optimizer: bool = False  # ZeRO stage >= 1 (kept for callers; zero_stage says which)
     zero_stage: int | None = None  # None: 1 with the distributed optimizer, else 0
     cp: int = 1  # context-parallel size: each sequence split over cp ranks (ranks: tp, cp, dp, pp)
+    # Expert layers (parallel folding): ETP x EP x EDP over the TP x CP x DP ranks, ETP fastest.
+    ep: int = 1  # expert-parallel size: whole experts per rank
+    etp: int | None = None  # expert-tensor-parallel size; None: tp (megalite's --etp default)
 
     def __post_init__(self):
         if self.vpp is not None and self.vpp <= 1:
@@ -74,9 +77,14 @@ class Layout:
         elif self.distributed_optimizer and self.zero_stage == 0:
             raise ValueError("distributed_optimizer is ZeRO stage 1: give zero_stage >= 1 or drop it")
         object.__setattr__(self, "distributed_optimizer", self.zero_stage >= 1)
-        for name in ("tp", "pp", "dp", "micro_batch_size", "cp"):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for name in ("tp", "pp", "dp", "micro_batch_size", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
+            raise ValueError(f"etp {self.etp} x ep {self.ep} must divide tp x cp x dp = {self.tp * self.cp * self.dp} "
+                             f"(the expert layers fold onto those ranks): choose ep x etp among its divisors")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
 
@@ -91,6 +99,12 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the copies of one expert shard, over which expert gradients
+        are reduced and (ZeRO-1/2) sharded."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    @property
     def v(self) -> int:
         return self.vpp or 1
 
@@ -98,6 +112,8 @@ class Layout:
         parts = [f"tp {self.tp}"] + ([f"cp {self.cp}"] if self.cp > 1 else []) + [f"pp {self.pp}", f"dp {self.dp}"]
         if self.vpp:
             parts.append(f"vpp {self.vpp}")
+        if self.ep > 1 or self.etp != self.tp:
+            parts.append(f"ep {self.ep} etp {self.etp}")
         parts += [f"mb {self.micro_batch_size}", f"recompute {self.recompute}"]
         if self.sequence_parallel:
             parts.append("sp")
@@ -169,8 +185,11 @@ class CountedParameter:
     tp_split: bool  # `tensor_model_parallel`: each TP rank holds numel // tp
     vocab_rows: bool  # word embedding or untied output layer: its rows are padded per tp (pad_vocab_size)
     tied: bool  # the tied word embedding: with pp > 1 its gradient bucket is deferred (summed over stages)
+    expert: bool = False  # `expert_parallel`: whole experts over EP, each expert split over ETP
 
-    def per_rank(self, config: TransformerConfig, tp: int) -> int:
+    def per_rank(self, config: TransformerConfig, tp: int, ep: int = 1, etp: int | None = None) -> int:
+        if self.expert:
+            return self.numel // (ep * (tp if etp is None else etp))
         if self.vocab_rows:
             divisible = config.make_vocab_size_divisible_by
             width = self.numel // pad_vocab_size(config.vocab_size, 1, divisible)
@@ -181,10 +200,16 @@ class CountedParameter:
 @dataclass(frozen=True)
 class StageParameters:
     """A GPT stage's parameters in definition order: those before its layers (embeddings), one
-    layer's, those after (final norm)."""
+    layer's, those after (final norm). A MoE model's layers are of two kinds: `layer` is a dense
+    one (a MoE one when every layer is), `moe_layer` a MoE one (None for a dense model)."""
     head: tuple[CountedParameter, ...]
     layer: tuple[CountedParameter, ...]
     tail: tuple[CountedParameter, ...]
+    moe_layer: tuple[CountedParameter, ...] | None = None
+
+    def layer_params(self, config: TransformerConfig, number: int) -> tuple[CountedParameter, ...]:
+        """The parameters of global layer `number`."""
+        return self.moe_layer if self.moe_layer is not None and config.is_moe_layer(number) else self.layer
 
 
 class _ShapesOnly(TorchFunctionMode):
@@ -212,21 +237,33 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
     """The parameters of a GPT stage with the embedding (pre) and/or the final norm and output layer
     (post), as `megalite.models.GPTModel` builds them: counted on a one-layer stage on meta."""
     # Built alone at tp = 1: the shape only (sequence parallelism would need tp > 1).
-    config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False)
-    key = (repr(config), pre, post)
+    key = (repr(config), positions(config, seq_length), pre, post)
     if key not in _STAGES:
+        config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False)
+        examples = example_layers(config)
         with torch.device("meta"), _ShapesOnly():
-            model = GPTModel(config, pre, post, layer_numbers=[0], seed=0, device="meta")
-        in_layer = {id(p) for m in model.modules() if isinstance(m, TransformerLayer) for p in m.parameters()}
-        counted = [(id(p) in in_layer, CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
-                                                        name in VOCAB_PARAMS, getattr(p, "tied_embedding", False)))
+            model = GPTModel(config, pre, post, layer_numbers=examples, seed=0, device="meta")
+        layer_of = {id(p): m.layer_number for m in model.modules() if isinstance(m, TransformerLayer)
+                    for p in m.parameters()}
+        counted = [(layer_of.get(id(p)), CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
+                                                          name in VOCAB_PARAMS, getattr(p, "tied_embedding", False),
+                                                          getattr(p, "expert_parallel", False)))
                    for name, p in model.named_parameters()]
-        first = next(i for i, (layer, _) in enumerate(counted) if layer)
-        last = max(i for i, (layer, _) in enumerate(counted) if layer)
+        first = next(i for i, (layer, _) in enumerate(counted) if layer is not None)
+        last = max(i for i, (layer, _) in enumerate(counted) if layer is not None)
         params = [c for _, c in counted]
-        _STAGES[key] = StageParameters(tuple(params[:first]), tuple(params[first:last + 1]),
-                                       tuple(params[last + 1:]))
+        kinds = [tuple(c for n, c in counted if n == number) for number in examples]
+        moe = kinds[-1] if config.is_moe else None
+        _STAGES[key] = StageParameters(tuple(params[:first]), kinds[0], tuple(params[last + 1:]), moe)
     return _STAGES[key]
+
+
+def example_layers(config: TransformerConfig) -> list[int]:
+    """Global numbers of one layer of each kind the model has: its first dense layer, then its
+    first MoE layer (a stage of these is what gets counted)."""
+    dense = next((i for i in range(config.num_layers) if not config.is_moe_layer(i)), None)
+    moe = next((i for i in range(config.num_layers) if config.is_moe_layer(i)), None)
+    return [i for i in (dense, moe) if i is not None]
 
 
 def layer_numels(config: TransformerConfig, tp: int) -> list[int]:
@@ -236,39 +273,66 @@ def layer_numels(config: TransformerConfig, tp: int) -> list[int]:
 
 
 def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
-                    seq_length: int, pipeline_layers=None) -> list[list[tuple[int, bool]]]:
+                    seq_length: int, pipeline_layers=None, *, ep: int = 1, etp: int | None = None,
+                    experts: bool | None = None) -> list[list[tuple[int, bool]]]:
     """(numel, deferred) of every parameter one rank holds, per model chunk, in definition order,
     as `megalite.models.GPTModel` builds them. deferred: the tied word embedding when pp > 1,
-    which the gradient buffer keeps in a bucket of its own."""
+    which the gradient buffer keeps in a bucket of its own. Expert weights are split over ep x etp
+    (etp None: tp); `experts` True keeps only them, False only the rest (megalite gives each its
+    own buffer), None all."""
     check_gpt(config)
     chunks = []
-    for stage, layers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
-        held = [*stage.head, *stage.layer * layers, *stage.tail]
-        chunks.append([(x.per_rank(config, tp), pp > 1 and x.tied) for x in held])
+    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
+        held = [*stage.head, *(x for n in numbers for x in stage.layer_params(config, n)), *stage.tail]
+        chunks.append([(x.per_rank(config, tp, ep, etp), pp > 1 and x.tied) for x in held
+                       if experts is None or x.expert == experts])
     return chunks
 
 
 def _rank_stages(config: TransformerConfig, pp: int, vpp: int | None, pp_rank: int, seq_length: int,
-                 pipeline_layers) -> list[tuple[StageParameters, int]]:
-    """(the stage's parameters, its layer count) for each model chunk of pipeline rank `pp_rank`."""
+                 pipeline_layers) -> list[tuple[StageParameters, range]]:
+    """(the stage's parameters, its global layer numbers) for each model chunk of pipeline rank `pp_rank`."""
     v = vpp or 1
     counts = stage_layer_counts(config.num_layers, pp, vpp,
                                 list(pipeline_layers) if pipeline_layers is not None else None)
-    return [(stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1), counts[vs])
+    return [(stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1), layers_of(counts, vs))
             for vs in (c * pp + pp_rank for c in range(v))]
 
 
+def rank_layer_numbers(config: TransformerConfig, pp: int, vpp: int | None, pp_rank: int,
+                       pipeline_layers=None) -> list[range]:
+    """The global layer numbers of each model chunk of pipeline rank `pp_rank`."""
+    counts = stage_layer_counts(config.num_layers, pp, vpp,
+                                list(pipeline_layers) if pipeline_layers is not None else None)
+    return [layers_of(counts, c * pp + pp_rank) for c in range(vpp or 1)]
+
+
 def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
-                          seq_length: int, pipeline_layers=None) -> list[list[int | None]]:
+                          seq_length: int, pipeline_layers=None, *,
+                          experts: bool | None = None) -> list[list[int | None]]:
     """Aligned with `rank_parameters`: for every parameter the transformer layer (of its chunk, from
     0) that holds it, None for the embeddings, final norm and output layer (ZeRO-3's units)."""
+    def kept(params):
+        return [x for x in params if experts is None or x.expert == experts]
+
     chunks = []
-    for stage, count in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
-        layers = [i for i in range(count) for _ in stage.layer]
-        chunks.append([None] * len(stage.head) + layers + [None] * len(stage.tail))
+    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
+        layers = [i for i, n in enumerate(numbers) for _ in kept(stage.layer_params(config, n))]
+        chunks.append([None] * len(kept(stage.head)) + layers + [None] * len(kept(stage.tail)))
     return chunks
 
 
 def total_parameters(config: TransformerConfig, seq_length: int) -> int:
     """Parameters of the whole model (one copy of the tied embedding, padded vocabulary at tp = 1)."""
     return sum(n for n, _ in rank_parameters(config, 1, 1, None, 0, seq_length)[0])
+
+
+def active_parameters(config: TransformerConfig, seq_length: int) -> int:
+    """The parameters one token runs through: all but, in each MoE layer, the experts its router
+    does not choose (num_moe_experts - moe_router_topk of them)."""
+    total = total_parameters(config, seq_length)
+    if not config.is_moe:
+        return total
+    experts = sum(x.numel for x in stage_parameters(config, seq_length, False, False).moe_layer if x.expert)
+    idle = experts // config.num_moe_experts * (config.num_moe_experts - config.moe_router_topk)
+    return total - idle * sum(config.moe_layer_freq)

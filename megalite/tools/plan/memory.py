@@ -2,15 +2,17 @@
 them, activations held by the schedule, the output layer, and the transient peak of the build."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megalite.models.config import TransformerConfig
 from megalite.models.memory import layer_activation_bytes
 from megalite.optim.buffers import BucketLayout, plan_layout
 from megalite.optim.zero import MAX_IN_FLIGHT, layer_units
 from megalite.pipeline.schedules import build_program, peak_in_flight
+from megalite.tools.plan.experts import moe_layer_extra_bytes
 from megalite.tools.plan.inputs import (
     DTYPE_BYTES,
     GIB,
@@ -34,6 +36,7 @@ class Memory:
     overhead: float
     total: float
     zero_transient: float = 0.0  # ZeRO stages 2-3: whole-bucket gradients and gathered units (StateBytes.transient)
+    experts: float = 0.0  # of parameters + gradients + optimizer: the expert weights' (sharded over EDP)
 
     @property
     def states(self) -> float:
@@ -63,28 +66,103 @@ class StateBytes:
     layer_buckets: list[set] = field(default_factory=list)  # per chunk, stage 3: the units that are layers
     grad_bytes: int = 4  # bytes of a stored (and transient) gradient element
     comm_bytes: int = 4  # bytes of a reduced gradient element (--grad-reduce-dtype)
+    # MoE: the expert weights' own buffers (reduced and sharded over EDP), included in the totals above
+    experts: "StateBytes | None" = None
+    edp: int = 1  # expert-data-parallel size
 
     @property
     def steady(self) -> int:
         return self.param_buffer + self.grads + self.optimizer
+
+    @property
+    def expert_buckets(self) -> list[list[BucketLayout]]:
+        """Per chunk, the expert buffer's buckets (empty without experts)."""
+        return self.experts.buckets if self.experts is not None else [[] for _ in self.buckets]
 
 
 def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
                      pp_rank: int = 0, dp_rank: int = 0, dtype: str = "bf16", distributed_optimizer: bool = False,
                      zero_stage: int | None = None, grad_dtype: str = "fp32", seq_length: int | None = None,
                      ddp_bucket_size: int = 40_000_000, pipeline_layers=None, reshard_after_forward: bool = True,
-                     keep_params_for_step: bool = False) -> StateBytes:
+                     keep_params_for_step: bool = False, ep: int = 1, etp: int | None = None,
+                     edp_rank: int = 0) -> StateBytes:
     """Bytes of parameters, gradients and optimizer states on rank (pp_rank, dp_rank, any tp rank),
     exactly as megalite allocates them at ZeRO stage `zero_stage` (None: 1 with
     `distributed_optimizer`, else 0), plus stages 2-3's transient peak of one step.
 
     grad_dtype is --grad-reduce-dtype: the reduction's dtype, and at stages 2-3 the stored one
     (below stage 2 gradients accumulate in fp32 whatever it is), as `training.build_optimizer` does.
+    dp is the ranks dense gradients are reduced over (DP x CP). A MoE model's expert weights (split
+    over ep x etp, etp None: tp) have buffers of their own, reduced and sharded over the expert-data-
+    parallel group, EDP = tp x dp / (ep x etp), where this rank is `edp_rank`; the totals add both.
     See megalite.optim.buffers / zero / optimizer."""
     stage = _stage(zero_stage, distributed_optimizer)
     seq_length = seq_length or config.max_position_embeddings
     explicit = tuple(pipeline_layers) if pipeline_layers is not None else None
-    buckets = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp, stage == 3)
+    key = (repr(config), positions(config, seq_length), tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dtype,
+           ddp_bucket_size, explicit, reshard_after_forward, keep_params_for_step, ep, etp, edp_rank)
+    if key not in _STATE_CACHE:  # the search asks for the same rank at many micro-batch sizes
+        if len(_STATE_CACHE) > 4096:
+            _STATE_CACHE.clear()
+        _STATE_CACHE[key] = _rank_state(config, tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dtype,
+                                        seq_length, ddp_bucket_size, explicit, reshard_after_forward,
+                                        keep_params_for_step, ep, etp, edp_rank)
+    return copy.copy(_STATE_CACHE[key])
+
+
+_STATE_CACHE: dict = {}
+
+
+def _rank_state(config, tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dtype, seq_length, ddp_bucket_size,
+                explicit, reshard_after_forward, keep_params_for_step, ep, etp, edp_rank) -> StateBytes:
+    if not config.is_moe:
+        return _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_dtype, seq_length,
+                            ddp_bucket_size, explicit, reshard_after_forward, keep_params_for_step)
+    etp = tp if etp is None else etp
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"etp {etp} x ep {ep} must divide tp x dp x cp = {tp * dp}: choose ep x etp among its divisors")
+    edp = tp * dp // (ep * etp)
+    common = (config, tp, pp, vpp, pp_rank)
+    rest = (dtype, stage, grad_dtype, seq_length, ddp_bucket_size, explicit, reshard_after_forward,
+            keep_params_for_step)
+    dense = _state_bytes(*common, dp, dp_rank, *rest, ep=ep, etp=etp, experts=False)
+    experts = _state_bytes(*common, edp, edp_rank, *rest, ep=ep, etp=etp, experts=True)
+    return _with_experts(dense, experts, edp, dtype)
+
+
+def _with_experts(dense: StateBytes, experts: StateBytes, edp: int, dtype: str) -> StateBytes:
+    """One rank's totals from its dense and expert buffers (megalite builds both per chunk)."""
+    total = {k: getattr(dense, k) + getattr(experts, k)
+             for k in ("numel", "padded_numel", "owned_numel", "params", "param_buffer", "grads", "grad_padding",
+                       "optimizer", "transient", "transient_grads", "transient_gathered")}
+    return replace(dense, **total, build_peak=_build_peak_of_both(dense, experts, dtype), experts=experts, edp=edp)
+
+
+def _build_peak_of_both(dense: StateBytes, experts: StateBytes, dtype: str) -> int:
+    """`_build_peak` when each chunk lays out a dense and an expert buffer before its fp32
+    parameters are released (stages 0-2: the stored bytes per element are the buffers' own)."""
+    init = 0 if dtype == "fp32" else 4
+
+    def per_chunk(st: StateBytes) -> tuple[list[float], list[int]]:
+        per_elem = st.param_buffer / max(st.padded_numel, 1) + init + st.grads / max(st.padded_numel, 1)
+        return ([per_elem * sum(b.end - b.start for b in chunk) for chunk in st.buckets],
+                [sum(b.real_numel for b in chunk) for chunk in st.buckets])
+
+    (alloc_d, real_d), (alloc_e, real_e) = per_chunk(dense), per_chunk(experts)
+    alloc = [a + b for a, b in zip(alloc_d, alloc_e)]
+    reals = [a + b for a, b in zip(real_d, real_e)]
+    build = max(sum(alloc[:c + 1]) + 4 * sum(reals[c:]) for c in range(len(alloc)))
+    if dtype != "fp32":
+        build = max(build, sum(alloc) + 4 * (dense.owned_numel + experts.owned_numel))
+    return int(build)
+
+
+def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_dtype, seq_length, ddp_bucket_size,
+                 explicit, reshard_after_forward, keep_params_for_step, ep=1, etp=None, experts=None) -> StateBytes:
+    """rank_state_bytes of one buffer per chunk: every parameter (experts None), or the dense ones
+    or the expert ones alone, reduced and sharded over `dp` ranks."""
+    buckets = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp, stage == 3,
+                            ep, etp, experts)
     pb = DTYPE_BYTES[dtype]
     gb = DTYPE_BYTES[grad_dtype] if stage >= 2 else 4
     reals = [sum(b.real_numel for b in chunk) for chunk in buckets]
@@ -100,8 +178,14 @@ def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp:
     param_numel = padded // dp if stage == 3 else padded
     grad_numel = padded // dp if stage >= 2 else padded
     build = _build_peak(stage, dtype, pb, gb, dp, reals, pads, owned, buckets)
-    replay = _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb, buckets,
-                        reshard_after_forward, keep_params_for_step)
+    key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, ddp_bucket_size, dp, stage,
+           pb, gb, reshard_after_forward, keep_params_for_step, ep, etp, experts)
+    if key not in _TRANSIENT_CACHE:  # the search asks for the same rank's replay often
+        if len(_TRANSIENT_CACHE) > 4096:
+            _TRANSIENT_CACHE.clear()
+        _TRANSIENT_CACHE[key] = _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb, buckets,
+                                           reshard_after_forward, keep_params_for_step, ep, etp, experts)
+    replay = _TRANSIENT_CACHE[key]
     return StateBytes(numel=real, padded_numel=padded, owned_numel=owned, params=real * pb,
                       param_buffer=param_numel * pb, grads=grad_numel * gb,
                       grad_padding=(grad_numel - (real if stage < 2 else owned)) * gb,
@@ -142,18 +226,21 @@ def _build_peak(stage, dtype, pb, gb, dp, reals, pads, owned, buckets) -> int:
 
 
 _BUCKET_CACHE: dict = {}
+_TRANSIENT_CACHE: dict = {}
 
 
-def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_numel, dp, units=False) -> list:
+def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_numel, dp, units=False, ep=1,
+                  etp=None, experts=None) -> list:
     """plan_layout of every chunk of one rank (ZeRO-3: its units), cached (the planner asks for the
-    same ones often)."""
-    key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, bucket_numel, dp, units)
+    same ones often); `experts`: of the expert buffer (True), the dense one (False), or all (None)."""
+    key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, bucket_numel, dp, units,
+           ep, etp, experts)
     if key not in _BUCKET_CACHE:
         if len(_BUCKET_CACHE) > 4096:
             _BUCKET_CACHE.clear()
-        chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit)
+        chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts)
         if units:
-            layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit)
+            layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts)
             _BUCKET_CACHE[key] = [plan_layout(c, bucket_numel, dp, units=chunk_units(c, ls))
                                   for c, ls in zip(chunks, layers)]
         else:
@@ -265,18 +352,22 @@ class _Peaks:
 
 
 def _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb, buckets, reshard,
-               keep) -> _Peaks:
+               keep, ep=1, etp=None, experts=None) -> _Peaks:
     """Stages 2-3: the largest transient of one step on this rank. Chunks run one at a time and
     each forward and backward ends with nothing in flight (and, resharding, nothing gathered), so
     the rank's peak is its fullest chunk's; kept gathered (no resharding) they add up."""
     out = _Peaks()
     if stage < 2:
         return out
-    chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit)
-    layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit)
+    chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts)
+    layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts)
     v = vpp or 1
     peaks = []
     for c, (params, layer_of, chunk_buckets) in enumerate(zip(chunks, layers, buckets)):
+        if not params:  # a chunk without expert weights: no expert buffer
+            peaks.append(_Replay(chunk_buckets, stage, pb, gb, False))
+            out.layer_buckets.append(set())
+            continue
         post = c * pp + pp_rank == pp * v - 1
         replay = _Replay(chunk_buckets, stage, pb, gb, keep and stage == 3)
         layer_bucket = _replay_step(replay, params, layer_of, post, reshard or stage < 3)
@@ -296,8 +387,9 @@ def _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb
 def _replay_step(replay: _Replay, params, layer_of, post: bool, reshard: bool) -> list[int]:
     """One micro-batch's forward and backward of a chunk, in the order megalite's hooks see them
     (zero._UnitHooks; stage 2 only has the backward's gradients). Returns the bucket of each layer."""
-    n_layers = max((i for i in layer_of if i is not None), default=-1) + 1
-    layer_bucket = [replay.bucket_of[layer_of.index(i)] for i in range(n_layers)]
+    layer_ids = sorted({i for i in layer_of if i is not None})  # an expert buffer skips the dense layers
+    n_layers = len(layer_ids)
+    layer_bucket = [replay.bucket_of[layer_of.index(i)] for i in layer_ids]
     others = sorted({replay.bucket_of[k] for k, i in enumerate(layer_of) if i is None})
     if replay.stage == 3:  # forward: the chunk's other units, then each layer with the next prefetched
         for i in others:
@@ -330,7 +422,7 @@ def _replay_step(replay: _Replay, params, layer_of, post: bool, reshard: bool) -
             replay.gather(layer_bucket[i])
             if i > 0:
                 replay.gather(layer_bucket[i - 1])
-        for k in reversed([k for k, j in enumerate(layer_of) if j == i]):
+        for k in reversed([k for k, j in enumerate(layer_of) if j == layer_ids[i]]):
             replay.grad(k)
     for k in head:
         replay.grad(k)
@@ -346,9 +438,10 @@ def in_flight_chunks(p: int, r: int, m: int, vpp: int | None) -> int:
 
 
 def stored_activations(config: TransformerConfig, layout: Layout, run: Run, layers: int,
-                       act_scale: float) -> tuple[float, float]:
-    """(bytes stored for backward by `layers` layers of one micro-batch, transient working set during
-    the backward of recomputed layers), from Korthikanti et al.'s per-layer formula."""
+                       act_scale: float, moe_layers: float = 0.0) -> tuple[float, float]:
+    """(bytes stored for backward by `layers` layers of one micro-batch, of which `moe_layers` are
+    MoE layers, transient working set during the backward of recomputed layers), from Korthikanti
+    et al.'s per-layer formula, a MoE layer's experts in place of the MLP (experts.activation_terms)."""
     s, b = run.seq_length, layout.micro_batch_size
 
     def per_layer(recompute: str) -> float:
@@ -356,14 +449,16 @@ def stored_activations(config: TransformerConfig, layout: Layout, run: Run, laye
                                       run.attention_backend, cp=layout.cp, cp_comm_type="p2p") * act_scale
 
     full_layer = per_layer(kept_activations(layout, run))
+    moe_layer = full_layer + moe_layer_extra_bytes(config, layout, run, "none") if moe_layers else full_layer
     if layout.recompute != "full":
-        return layers * full_layer, 0.0
+        return (layers - moe_layers) * full_layer + moe_layers * moe_layer, 0.0
     inp = per_layer("full")
+    widest = max(full_layer, moe_layer)  # what a recomputed layer holds during its backward
     if run.recompute_method == "block":
         k = layers if run.recompute_num_layers is None else min(run.recompute_num_layers, layers)
-        return k * inp + (layers - k) * full_layer, (full_layer if k else 0.0)
+        return k * inp + (layers - k) * widest, (widest if k else 0.0)
     k = run.recompute_num_layers or 1
-    return math.ceil(layers / k) * inp, min(k, layers) * full_layer
+    return math.ceil(layers / k) * inp, min(k, layers) * widest
 
 
 def kept_activations(layout: Layout, run: Run) -> str:

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field, replace
 
 from megalite.metrics import model_flops_per_iteration
 from megalite.models.config import TransformerConfig
+from megalite.pipeline.partition import layers_of
 from megalite.pipeline.schedules import theoretical_bubble
+from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.memory import (
     Memory,
@@ -38,6 +40,8 @@ class StageResult:
     total: float  # bytes held at the peak of the step
     build: float  # bytes while the model is built, plus overhead
     ring_mb: float = 0.0  # seconds of context-parallel ring traffic per micro-batch, overlapped with compute_mb
+    moe_layers: int = 0  # of n_layers, the MoE ones
+    ep_mb: float = 0.0  # seconds of MoE token dispatch per micro-batch (in t_mb)
 
 
 @dataclass
@@ -105,10 +109,27 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
         raise ValueError(f"local SGD keeps each replica's optimizer whole: ZeRO stage {layout.zero_stage} is refused")
     if layout.sequence_parallel and (t == 1 or s % t):
         raise ValueError(f"sequence parallelism needs tp > 1 and seq length {s} divisible by tp {t}")
-    reason = context_parallel_refusal(layout.cp, t, s, layout.sequence_parallel)
+    reason = context_parallel_refusal(layout.cp, t, s, layout.sequence_parallel) or expert_refusal(config, layout, run)
     if reason:
         raise ValueError(reason)
     return m
+
+
+def expert_refusal(config: TransformerConfig, layout: Layout, run: Run) -> str | None:
+    """Why megalite refuses this expert layout (config.layout._check_experts, training.build), or None."""
+    ep, etp = layout.ep, layout.etp
+    if not config.is_moe:
+        return None if ep == 1 else f"ep {ep} is for mixture-of-experts models only: this model has no experts"
+    if config.num_moe_experts % ep:
+        return f"the number of experts ({config.num_moe_experts}) is not divisible by ep {ep}"
+    if config.moe_ffn_hidden_size % etp:
+        return f"the expert width ({config.moe_ffn_hidden_size}) is not divisible by etp {etp}"
+    if layout.tp > 1 and not layout.sequence_parallel:
+        return f"mixture-of-experts layers at tp {layout.tp} need sequence parallelism"
+    if run.local_sgd_interval and (layout.tp * layout.cp) % (ep * etp):
+        return (f"local SGD keeps expert parallelism inside a replica: etp {etp} x ep {ep} must divide tp x cp = "
+                f"{layout.tp * layout.cp}")
+    return None
 
 
 def context_parallel_refusal(cp: int, t: int, s: int, sequence_parallel: bool) -> str | None:
@@ -128,24 +149,28 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     t, p, v = layout.tp, layout.pp, layout.v
     chunk_layers = [costs.layer_counts[c * p + r] for c in range(v)]
     n_layers = sum(chunk_layers)
+    n_moe = _rank_moe_layers(costs, r)
     first, last = r == 0, r == p - 1
     # CP ranks share each sequence's work evenly (causal load balancing)
-    flops_mb = (n_layers * (costs.fwd + costs.bwd) / t + (3 * costs.logits_fwd / t if last else 0.0)) / layout.cp
-    tp_mb = (n_layers * costs.ar_per_layer + first + last) * costs.ar_time if t > 1 else 0.0
+    flops_mb = (costs.layers_flops(n_layers, n_moe) / t + (3 * costs.logits_fwd / t if last else 0.0)) / layout.cp
+    tp_mb = ((n_layers - n_moe) * costs.ar_per_layer + n_moe * costs.moe_ar_per_layer + first + last) * costs.ar_time \
+        if t > 1 else 0.0
+    ep_mb = n_moe * costs.ep_time  # the token dispatch, not overlapped with compute
     local_sgd = run.local_sgd_interval > 0  # gradients reduced inside a replica only (over CP)
     st = rank_state_bytes(config, tp=t, pp=p, dp=layout.cp if local_sgd else layout.dp_cp, vpp=layout.vpp,
                           pp_rank=r, dp_rank=0, dtype=run.dtype,
                           zero_stage=layout.zero_stage, grad_dtype=run.grad_reduce_dtype, seq_length=run.seq_length,
                           ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers,
                           reshard_after_forward=run.zero_reshard_after_forward,
-                          keep_params_for_step=run.zero_keep_params_for_step)
+                          keep_params_for_step=run.zero_keep_params_for_step, ep=layout.ep, etp=layout.etp)
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
     chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp)
     per_chunk = n_layers / v
-    stored_chunk, transient = stored_activations(config, layout, run, round(per_chunk) or 1,
-                                                 costs.act_bytes / 2.0)  # the formula counts 16-bit activations
+    layers = round(per_chunk) or 1
+    stored_chunk, transient = stored_activations(config, layout, run, layers, costs.act_bytes / 2.0,  # 16-bit formula
+                                                 layers * n_moe / n_layers if n_moe else 0.0)
     if run.pipeline_layers is None:
         activations = chunks_in_flight * stored_chunk + transient
     else:
@@ -156,18 +181,31 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     ring_mb = n_layers * costs.ring_bytes / costs.bw_cp if layout.cp > 1 else 0.0
     return StageResult(
         state=st, n_layers=n_layers, chunk_layers=chunk_layers, flops_mb=flops_mb, tp_mb=tp_mb,
-        compute_mb=compute_mb, t_mb=max(compute_mb, ring_mb) + tp_mb + costs.pp_mb, ring_mb=ring_mb, chunks_in_flight=chunks_in_flight,
+        compute_mb=compute_mb, t_mb=max(compute_mb, ring_mb) + tp_mb + costs.pp_mb + ep_mb, ring_mb=ring_mb,
+        chunks_in_flight=chunks_in_flight,
         stored_chunk=stored_chunk, transient=transient, activations=activations, output=output,
         total=st.param_buffer + st.grads + st.optimizer + st.transient + activations + output + overhead,
-        build=st.build_peak + overhead)
+        build=st.build_peak + overhead, moe_layers=n_moe, ep_mb=ep_mb)
 
 
-def _extreme_ranks(layout: Layout, run: Run) -> list[int]:
+def _rank_moe_layers(costs: LayoutCosts, r: int) -> int:
+    """MoE layers held by pipeline rank r (all its chunks)."""
+    if not costs.moe_count:
+        return 0
+    p = costs.layout.pp
+    return sum(moe_layers(costs.config, layers_of(costs.layer_counts, c * p + r)) for c in range(costs.layout.v))
+
+
+def _extreme_ranks(costs: LayoutCosts) -> list[int]:
     """The pipeline ranks that can be the fullest or the slowest: with an even split the first, the
-    second (the most in flight after the first) and the last; every rank otherwise."""
-    p = layout.pp
+    second (the most in flight after the first), the last and, for a MoE model, the first with the
+    most MoE layers; every rank otherwise."""
+    p, run = costs.layout.pp, costs.run
     if run.pipeline_layers is None:
-        return sorted({0, p - 1} | ({1} if p > 2 else set()))
+        ranks = {0, p - 1} | ({1} if p > 2 else set())
+        if costs.moe_count:
+            ranks.add(max(range(p), key=lambda r: _rank_moe_layers(costs, r)))
+        return sorted(ranks)
     return list(range(p))
 
 
@@ -181,7 +219,7 @@ def predict(config: TransformerConfig, layout: Layout, cluster: Cluster, global_
     check_gpt(config)
     m = _check_layout_fits_model(config, layout, run)
     costs = layout_costs(config, layout, cluster, run, m)
-    stages = {r: stage_result(costs, r) for r in _extreme_ranks(layout, run)}
+    stages = {r: stage_result(costs, r) for r in _extreme_ranks(costs)}
     dp_parts = {r: dp_exposed(costs, S.state, r) for r, S in stages.items()}
     time, slow, dp_stage = _step_time(costs, stages, dp_parts)
     peak_r = max(stages, key=lambda r: stages[r].total)
@@ -212,16 +250,18 @@ def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTi
                  / (costs.cluster.hbm_gbps * 1e9))
     tp_comm, pp_comm, dp_comm = m * T.tp_mb, m * costs.pp_mb, dp_parts[dp_stage].total
     cp_comm = m * max(0.0, T.ring_mb - T.compute_mb)  # the ring hides behind the blocks' compute
-    total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer + cp_comm
-    return (StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total, cp_comm), slow,
+    ep_comm = m * T.ep_mb  # exposed: megalite's dispatcher waits for its exchanges
+    total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer + cp_comm + ep_comm
+    return (StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total, cp_comm, ep_comm), slow,
             dp_stage)
 
 
 def _memory(stage: StageResult, cluster: Cluster) -> Memory:
     st = stage.state
+    experts = st.experts.param_buffer + st.experts.grads + st.experts.optimizer if st.experts else 0.0
     return Memory(parameters=st.param_buffer, gradients=st.grads, optimizer=st.optimizer,
                   activations=stage.activations, output_layer=stage.output, overhead=cluster.overhead_gib * GIB,
-                  total=stage.total, zero_transient=st.transient)
+                  total=stage.total, zero_transient=st.transient, experts=experts)
 
 
 def _why_not(memory: Memory, build_peak: float, cluster: Cluster, peak_r: int) -> str:

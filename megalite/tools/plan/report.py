@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import asdict
 
 from megalite.models.config import PRESETS, TransformerConfig
 from megalite.models.memory import layer_activation_bytes
 from megalite.optim.zero import MAX_IN_FLIGHT
-from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, GPT_PRESETS, layer_numels, positions
+from megalite.tools.plan.experts import activation_terms, routed_rows, routed_tokens
+from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, GPT_PRESETS, layer_numels, positions, stage_parameters
 from megalite.tools.plan.memory import kept_activations
 from megalite.tools.plan.predict import Prediction, predict
 from megalite.tools.plan.search import PlanResult, stage_that_makes_it_fit, with_zero_stage
@@ -32,13 +34,36 @@ ARCH_FLAGS = {
     "add_bias_linear": lambda v: [] if v else ["--disable-bias-linear"],
     "add_qkv_bias": lambda v: ["--add-qkv-bias"] if v else [],
     "qk_layernorm": lambda v: ["--qk-layernorm"] if v else [],
+    "qk_layernorm_full_width": lambda v: ["--qk-layernorm-full-width"] if v else [],
     "untie_embeddings_and_output_weights": lambda v: ["--untie-embeddings-and-output-weights"] if v else [],
     "layernorm_epsilon": lambda v: ["--norm-epsilon", f"{v:g}"],
 }
 
 
+# A MoE model's fields -> the flags of pretrain_gpt.py's moe section. Given with --num-experts, that
+# section sets every MoE field (its defaults for the flags not given), so all that differ from its
+# defaults are spelled out, a preset's included.
+MOE_FLAGS = {
+    "num_moe_experts": lambda v: ["--num-experts", str(v)],
+    "moe_router_topk": lambda v: ["--moe-router-topk", str(v)],
+    "moe_ffn_hidden_size": lambda v: ["--moe-ffn-hidden-size", str(v)],
+    "moe_layer_freq": lambda v: [] if all(v) else ["--moe-layer-freq", "[" + ",".join(map(str, v)) + "]"],
+    "moe_shared_expert_intermediate_size": lambda v: ["--moe-shared-expert-intermediate-size", str(v)] if v else [],
+    "moe_shared_expert_gate": lambda v: ["--moe-shared-expert-gate"] if v else [],
+    "moe_router_score_function": lambda v: ["--moe-router-score-function", v] if v != "softmax" else [],
+    "moe_router_pre_softmax": lambda v: ["--moe-router-pre-softmax"] if v else [],
+    "moe_router_topk_scaling_factor": lambda v: ["--moe-router-topk-scaling-factor", f"{v:g}"] if v else [],
+    "moe_aux_loss_coeff": lambda v: ["--moe-aux-loss-coeff", f"{v:g}"] if v else [],
+    "moe_z_loss_coeff": lambda v: ["--moe-z-loss-coeff", f"{v:g}"] if v is not None else [],
+    "moe_token_dispatcher_type": lambda v: ["--moe-token-dispatcher-type", v] if v != "alltoall" else [],
+    "moe_expert_capacity_factor": lambda v: ["--moe-expert-capacity-factor", f"{v:g}"] if v is not None else [],
+    "moe_pad_expert_input_to_capacity": lambda v: ["--moe-pad-expert-input-to-capacity"] if v else [],
+}
+
+
 def model_flags(config: TransformerConfig, preset_name: str | None = None) -> list[str]:
-    """pretrain_gpt.py flags that build this model: the preset, plus flags for what differs from it."""
+    """pretrain_gpt.py flags that build this model: the preset, plus flags for what differs from it
+    (and a MoE model's expert flags, all of them)."""
     name = preset_name if preset_name in PRESETS else "gpt-tiny"
     ref = TransformerConfig(**PRESETS[name])
     flags = ["--model", name]
@@ -47,6 +72,9 @@ def model_flags(config: TransformerConfig, preset_name: str | None = None) -> li
             flags += [f"--{k.replace('_', '-')}", str(getattr(config, k))]
     for k, flag in ARCH_FLAGS.items():
         if getattr(ref, k) != getattr(config, k):
+            flags += flag(getattr(config, k))
+    if config.is_moe:
+        for k, flag in MOE_FLAGS.items():
             flags += flag(getattr(config, k))
     return flags
 
@@ -60,6 +88,10 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
     parts = [launcher, "pretrain_gpt.py", *flags, "--tp", str(lay.tp), "--pp", str(lay.pp)]
     if lay.cp > 1:
         parts += ["--cp", str(lay.cp)]
+    if lay.ep > 1:
+        parts += ["--ep", str(lay.ep)]
+    if lay.etp != lay.tp:
+        parts += ["--etp", str(lay.etp)]
     if lay.vpp:
         parts += ["--vpp", str(lay.vpp)]
     parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),
@@ -90,13 +122,13 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
         parts += ["--attention-backend", run.attention_backend]
     if run.ddp_bucket_size != 40_000_000:
         parts += ["--ddp-bucket-size", str(run.ddp_bucket_size)]
-    return " ".join(parts)
+    return " ".join([parts[0], *(shlex.quote(p) for p in parts[1:])])  # [0,1,1,1] is a shell pattern
 
 
 def _preset_of(config: TransformerConfig) -> str | None:
     for name in GPT_PRESETS:
         ref = TransformerConfig(**PRESETS[name])
-        if all(getattr(ref, k) == getattr(config, k) for k in (*SHAPE_FIELDS, *ARCH_FLAGS)):
+        if all(getattr(ref, k) == getattr(config, k) for k in (*SHAPE_FIELDS, *ARCH_FLAGS, *MOE_FLAGS)):
             return name
     return None
 
@@ -108,6 +140,8 @@ def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> d
     memory, time, layout = asdict(pred.memory), asdict(pred.time), asdict(pred.layout)
     if pred.layout.cp == 1:  # without context parallelism the JSON stays as it was
         del layout["cp"], time["cp_comm"]
+    if not pred.config.is_moe:  # nor for a dense model
+        del layout["ep"], layout["etp"], time["ep_comm"], memory["experts"]
     return {
         "layout": layout, "fits": pred.fits, "reason": pred.reason,
         "micro_batches": pred.micro_batches, "peak_stage": pred.peak_stage,
@@ -144,22 +178,28 @@ def _gib(x: float) -> str:
 
 def format_table(preds: list[Prediction]) -> str:
     with_cp = any(x.layout.cp > 1 for x in preds)  # the cp columns only where context parallelism is used
-    head = (f"{'#':>2} {'tp':>3} " + (f"{'cp':>3} " if with_cp else "") + f"{'pp':>3} {'dp':>4} {'vpp':>3} {'mb':>3} "
+    moe = any(x.config.is_moe for x in preds)  # ep, etp, expert states and the dispatch time for MoE models
+    head = (f"{'#':>2} {'tp':>3} " + (f"{'cp':>3} " if with_cp else "") + f"{'pp':>3} {'dp':>4} "
+            + (f"{'ep':>3} {'etp':>3} " if moe else "") + f"{'vpp':>3} {'mb':>3} "
             f"{'recompute':>9} {'sp':>3} {'zero':>4} | "
-            f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} {'act':>5} {'out':>4} | "
-            f"{'step s':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5} " + (f"{'cp':>5} " if with_cp else "") +
-            f"| {'MFU':>5}")
+            f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} " + (f"{'exprt':>5} " if moe else "")
+            + f"{'act':>5} {'out':>4} | "
+            f"{'step s':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5} " + (f"{'cp':>5} " if with_cp else "")
+            + (f"{'a2a':>5} " if moe else "") + f"| {'MFU':>5}")
     lines = [head, "-" * len(head)]
     for i, x in enumerate(preds, 1):
         L, M, T = x.layout, x.memory, x.time
         lines.append(
-            f"{i:>2} {L.tp:>3} " + (f"{L.cp:>3} " if with_cp else "") + f"{L.pp:>3} {L.dp:>4} {L.vpp or '-':>3} "
+            f"{i:>2} {L.tp:>3} " + (f"{L.cp:>3} " if with_cp else "") + f"{L.pp:>3} {L.dp:>4} "
+            + (f"{L.ep:>3} {L.etp:>3} " if moe else "") + f"{L.vpp or '-':>3} "
             f"{L.micro_batch_size:>3} {L.recompute:>9} "
             f"{'on' if L.sequence_parallel else '-':>3} {L.zero_stage or '-':>4} | "
             f"{_gib(x.peak_bytes):>5} {_gib(M.parameters):>5} {_gib(M.gradients):>5} "
-            f"{_gib(M.optimizer):>5} {_gib(M.activations):>5} {_gib(M.output_layer):>4} | "
+            f"{_gib(M.optimizer):>5} " + (f"{_gib(M.experts):>5} " if moe else "")
+            + f"{_gib(M.activations):>5} {_gib(M.output_layer):>4} | "
             f"{T.total:>7.3f} {_pct(T.bubble, T):>6} {_pct(T.tp_comm, T):>5} {_pct(T.pp_comm, T):>5} "
-            f"{_pct(T.dp_comm, T):>5} " + (f"{_pct(T.cp_comm, T):>5} " if with_cp else "") + "| "
+            f"{_pct(T.dp_comm, T):>5} " + (f"{_pct(T.cp_comm, T):>5} " if with_cp else "")
+            + (f"{_pct(T.ep_comm, T):>5} " if moe else "") + "| "
             f"{100 * x.mfu:4.1f}%")
     return "\n".join(lines)
 
@@ -219,8 +259,14 @@ def _explain_memory(pred: Prediction) -> list[str]:
     out = []
     layer = sum(layer_numels(c, t))
     pieces = [f"{S.n_layers} layers x {layer:,} (= (4h^2 + 2h*ffn + 3h + ffn)/tp + 6h)"]
+    if c.is_moe:
+        moe_layer = sum(x.per_rank(c, t, lay.ep, lay.etp) for x in stage_parameters(c, s, False, False).moe_layer)
+        pieces = [f"{S.n_layers - S.moe_layers} dense layers x {layer:,}" if S.n_layers > S.moe_layers else "",
+                  f"{S.moe_layers} MoE layers x {moe_layer:,} (attention / tp, router, experts / (ep x etp))"]
+        pieces = [x for x in pieces if x]
     if r == 0:
-        pieces.insert(0, f"word embedding {V}/{t} x {h} = {V // t * h:,}, positions {positions(c, s)} x {h}")
+        learned = f", positions {positions(c, s)} x {h}" if c.position_embedding_type == "learned_absolute" else ""
+        pieces.insert(0, f"word embedding {V}/{t} x {h} = {V // t * h:,}{learned}")
     if r == p - 1:
         tied = f"tied word embedding copy {V // t * h:,}, " if p > 1 else ""
         pieces.append(f"{tied}final norm {2 * h}")
@@ -241,6 +287,8 @@ def _explain_memory(pred: Prediction) -> list[str]:
            else f"{st.owned_numel:,} (every parameter)")
     out.append(f"  optimizer    ({master} B fp32 master{' (none: fp32 parameters are their own)' if not master else ''}"
                f" + 8 B Adam exp_avg, exp_avg_sq) x {who} = {_gib(st.optimizer)} GiB")
+    if st.experts is not None:
+        out.append(_explain_expert_states(pred, st))
     if lay.zero_stage >= 2:
         out.append(_explain_transient(lay, run, st))
     keep = kept_activations(lay, run)
@@ -258,6 +306,8 @@ def _explain_memory(pred: Prediction) -> list[str]:
              f"min(v*m, 2(p-1-r) + (v-1)p + 1) = {S.chunks_in_flight} chunks of {S.n_layers // v} layers")
     out.append(f"  activations  {formula} = {per_layer / 2 ** 20:.1f} MiB per layer and micro-batch "
                f"(s={s} b={b} h={h} a={a} t={t}{sdpa_note})")
+    if c.is_moe and lay.recompute != "full":
+        out.append(_explain_moe_activations(pred))
     out.append(f"               x {S.n_layers // v} layers per chunk x in flight {sched}"
                + (f" + one layer recomputed in backward {S.transient / GIB:.2f} GiB" if S.transient else "")
                + f" = {_gib(S.activations)} GiB")
@@ -272,6 +322,32 @@ def _explain_memory(pred: Prediction) -> list[str]:
     return out
 
 
+def _explain_expert_states(pred: Prediction, st) -> str:
+    """The expert weights' share of the states: their own buffers, reduced and sharded over EDP."""
+    c, lay, run = pred.config, pred.layout, pred.run
+    ex = st.experts
+    per_expert = 3 if c.gated_linear_unit else 2
+    sharded = f", optimizer sharded over edp={st.edp}" if lay.zero_stage >= 1 else ""
+    grads = f" / edp={st.edp}" if lay.zero_stage >= 2 else ""
+    return (f"  experts      of the above: {ex.numel:,} elements = {pred.stages[pred.peak_stage].moe_layers} MoE layers x "
+            f"{c.num_moe_experts}/ep={lay.ep} experts x {per_expert}*h*ffn/etp ({c.hidden_size}*{c.moe_ffn_hidden_size}"
+            f"/{lay.etp}), a buffer of their own per chunk{sharded}: params x {DTYPE_BYTES[run.dtype]} B + grads"
+            f"{grads} x {ex.grad_bytes} B + optimizer {_gib(ex.optimizer)} GiB = "
+            f"{_gib(ex.param_buffer + ex.grads + ex.optimizer)} GiB")
+
+
+def _explain_moe_activations(pred: Prediction) -> str:
+    """A MoE layer's activations against a dense layer's (experts.activation_terms)."""
+    terms = activation_terms(pred.config, pred.layout, pred.run)
+    k, T, R = pred.config.moe_router_topk, routed_tokens(pred.layout, pred.run), routed_rows(pred.config, pred.layout,
+                                                                                             pred.run)
+    parts = ", ".join(f"{name} {v / 2 ** 20:.1f}" for name, v in terms.items() if name != "dense_mlp" and v)
+    extra = sum(v for name, v in terms.items() if name != "dense_mlp") - terms["dense_mlp"]
+    return (f"               MoE layers: in place of the MLP's {terms['dense_mlp'] / 2 ** 20:.1f} MiB, {parts} MiB "
+            f"(T={T} tokens routed per rank, R={R:g} rows = k={k} x T{' at the capacity factor' if R != k * T else ''}):"
+            f" {extra / 2 ** 20:+.1f} MiB per MoE layer")
+
+
 def _explain_transient(lay, run, st) -> str:
     gathered = ""
     if lay.zero_stage == 3:
@@ -280,6 +356,25 @@ def _explain_transient(lay, run, st) -> str:
                     f"{'every layer' if kept else 'two layers'})")
     return (f"  transient    whole-bucket gradients while they reduce-scatter (<= {MAX_IN_FLIGHT} in flight + the "
             f"one filling) {st.transient_grads / GIB:.2f} GiB{gathered}: peak together {_gib(st.transient)} GiB")
+
+
+def _explain_dispatch(pred: Prediction) -> str:
+    """The token dispatch's bytes and seconds (experts.dispatch_bytes)."""
+    c, lay, K, T = pred.config, pred.layout, pred.costs, pred.time
+    S = pred.stages[pred.slow_stage]
+    passes = 6 if lay.recompute == "full" else 4
+    if c.moe_token_dispatcher_type == "allgather":
+        how = (f"all-gather of T tokens + reduce-scatter over etp x ep = {lay.etp * lay.ep}: {passes} x (n-1) x T x h"
+               f" x {K.act_bytes} B = {K.ep_bytes / 2 ** 20:.1f} MiB at {K.bw_ep / 1e9:g} GB/s")
+    else:
+        how = (f"all-to-all over ep={lay.ep}: {passes} x R x h x {K.act_bytes} B x (ep-1)/ep = "
+               f"{K.ep_bytes / 2 ** 20:.1f} MiB at {K.bw_ep / 1e9:g} GB/s"
+               + (f"; rows gathered over etp={lay.etp}: {passes} x (etp-1) x R x h x {K.act_bytes} B = "
+                  f"{K.etp_bytes / 2 ** 20:.1f} MiB at {K.bw_etp / 1e9:g} GB/s" if lay.etp > 1 else ""))
+    return (f"  ep comm      per MoE layer and micro-batch, dispatch and combine, forward and backward"
+            f"{' and recomputed forward' if passes == 6 else ''}: {how} = {K.ep_time * 1e3:.3f} ms; x "
+            f"{S.moe_layers} MoE layers on stage {pred.slow_stage} x {pred.micro_batches} micro-batches, "
+            f"not overlapped = {T.ep_comm:.3f} s")
 
 
 def _explain_time(pred: Prediction) -> list[str]:
@@ -291,12 +386,20 @@ def _explain_time(pred: Prediction) -> list[str]:
           "full": " + 24*B*s*L*h^2*(1 + s/6h) (full: the forward again)"}[lay.recompute]
     out.append(f"  compute      [72*B*s*L*h^2*(1 + s/6h) + 6*B*s*h*V]{rc} = {pred.hardware_flops:.3e} FLOPs / "
                f"({lay.gpus} GPUs x {cl.peak_tflops:g} TFLOP/s x {cl.efficiency:g}) = {T.compute:.3f} s")
+    if pred.config.is_moe:
+        out.append("               (MoE layers: attention, router, top-k experts and shared expert only; with "
+                   "balanced routing each rank runs 1/(tp x cp) of a micro-batch's expert work, whatever ep and etp)")
     out.append(f"  imbalance    slowest stage {pred.slow_stage} (the last also runs the output layer) over the mean: "
                f"{T.imbalance:.3f} s")
     if t > 1:
         Ss = pred.stages[pred.slow_stage]
-        extra = (Ss.tp_mb / K.ar_time) - Ss.n_layers * K.ar_per_layer
-        out.append(f"  tp comm      ({Ss.n_layers} layers x {K.ar_per_layer} + {extra:.0f} embedding/output) "
+        n_dense = Ss.n_layers - Ss.moe_layers
+        extra = (Ss.tp_mb / K.ar_time) - n_dense * K.ar_per_layer - Ss.moe_layers * K.moe_ar_per_layer
+        layers = f"{Ss.n_layers} layers x {K.ar_per_layer}"
+        if Ss.moe_layers:
+            dense_part = f"{n_dense} dense layers x {K.ar_per_layer} + " if n_dense else ""
+            layers = f"{dense_part}{Ss.moe_layers} MoE layers x {K.moe_ar_per_layer}"
+        out.append(f"  tp comm      ({layers} + {extra:.0f} embedding/output) "
                    f"all-reduces of s*b*h*{ab} B = {K.ar_bytes / 2 ** 20:.1f} MiB per micro-batch on stage "
                    f"{pred.slow_stage}, 2(t-1)/t x bytes / {K.bw_tp / 1e9:g} GB/s = {K.ar_time * 1e3:.3f} ms "
                    f"each, x {m} micro-batches = {T.tp_comm:.3f} s")
@@ -330,12 +433,17 @@ def _explain_time(pred: Prediction) -> list[str]:
         out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, minus what hides behind the last "
                    f"backward: {part.overlapped:.3f} s; tied embedding (after the schedule) {part.embedding:.3f} s; "
                    f"parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) = {T.dp_comm:.3f} s")
+    if pred.config.is_moe:
+        out.append(_explain_dispatch(pred))
     if lay.cp > 1:
         Sc = pred.stages[pred.slow_stage]
         out.append(f"  cp comm      ring of cp={lay.cp}: {K.ring_bytes / 2 ** 20:.1f} MiB sent per layer and micro-batch "
                    f"(K/V blocks forward and backward, dK/dV in fp32) x {Sc.n_layers} layers / {K.bw_cp / 1e9:g} GB/s "
                    f"= {Sc.ring_mb * 1e3:.3f} ms per micro-batch, overlapped with its {Sc.compute_mb * 1e3:.3f} ms of "
                    f"compute: max(0, ring - compute) x {m} = {T.cp_comm:.3f} s")
+    if pred.dp_parts[pred.dp_stage].traffic and pred.config.is_moe and pred.stages[pred.dp_stage].state.edp > 1:
+        out.append(f"               (expert weights' buffers over edp={lay.edp} at {K.bw_edp / 1e9:g} GB/s, "
+                   f"on the same stream)")
     out.append(f"  optimizer    {max(S.state.owned_numel for S in pred.stages.values()):,} elements x "
                f"{K.traffic} B / {cl.hbm_gbps:g} GB/s = {T.optimizer:.3f} s")
     out.append(f"  total        {T.total:.3f} s per step; {pred.tokens_per_s:,.0f} tokens/s; MFU "

@@ -73,6 +73,8 @@ class SearchSpace:
     sequence_parallel: tuple = (False, True)
     zero_stage: tuple = ZERO_STAGES
     cp: int | None = None  # context-parallel size; None: every valid one
+    ep: int | None = None  # MoE models: expert-parallel size; None: every divisor of the experts that fits
+    etp: int | None = None  # MoE models: expert-tensor-parallel size; None: 1 and tp
 
 
 def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
@@ -80,7 +82,8 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          max_tp: int | None = None, tp: int | None = None, pp: int | None = None, vpp: int | None = None,
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
-         cp: int | str | None = None, local_sgd: dict | None = None) -> PlanResult:
+         cp: int | str | None = None, local_sgd: dict | None = None, ep: int | None = None,
+         etp: int | None = None) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
@@ -89,26 +92,30 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     and every cp only when no cp = 1 layout fits (so that plans without context parallelism stay
     as they were, and long sequences get cp where it is what makes the model fit). local_sgd: Run's
     local-SGD fields (local_sgd_interval, local_sgd_fragments, outer_grad_dtype, local_sgd_async);
-    with an interval, only ZeRO stage 0 (megalite refuses sharding with local SGD)."""
+    with an interval, only ZeRO stage 0 (megalite refuses sharding with local SGD). ep, etp: a MoE
+    model's expert-parallel and expert-tensor-parallel sizes; None: every ep dividing the experts
+    and etp in (1, tp), with etp x ep dividing tp x cp x dp (a dense model: ep 1)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
-                      grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd)
+                      grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
     if cp != "all" and (not isinstance(cp, int) or cp < 1):
         raise ValueError(f"cp must be a context-parallel size >= 1, \"all\" or None, got {cp!r}")
     check_gpt(config)
+    if not config.is_moe and (ep or 1) > 1:
+        raise ValueError(f"ep {ep} is for mixture-of-experts models only: this model has no experts (drop ep)")
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend, grad_reduce_dtype=grad_reduce_dtype, **(local_sgd or {}))
     if run.local_sgd_interval:
         zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
                         tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
-                        _stages(zero_stage, _values(distributed_optimizer, bool)), None if cp == "all" else cp)
+                        _stages(zero_stage, _values(distributed_optimizer, bool)), None if cp == "all" else cp, ep, etp)
     result = PlanResult([])
     for layout in _layouts(config, cluster.gpus, run, space, result.reject):
         result.add(predict(config, layout, cluster, run=run))
@@ -237,10 +244,39 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
                         reject("seq / cp % tp", f"sequence parallelism with cp {c} needs each rank's {s // c} "
                                                 f"tokens divisible by tp {t}")
                         continue
+                    if config.is_moe and t > 1 and not sp:
+                        reject("moe: tp needs sp", f"mixture-of-experts layers at tp {t} need sequence parallelism")
+                        continue
                     for stage in space.zero_stage:
-                        if stage and d * c == 1 and 0 in space.zero_stage:
-                            continue  # nothing to shard at dp x cp = 1: stage 0 at best
-                        yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage, c)
+                        for e, et in expert_sizes(config, t, c, d, space, reject):
+                            if stage and d * c == 1 and t // (e * et) == 1 and 0 in space.zero_stage:
+                                continue  # nothing to shard at dp x cp = 1 (and edp = 1): stage 0 at best
+                            yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage, c, e, et)
+
+
+def expert_sizes(config: TransformerConfig, t: int, c: int, d: int, space: SearchSpace,
+                 reject: Reject) -> list[tuple[int, int]]:
+    """The (ep, etp) to try on a (tp, cp, dp) grid: for a dense model (1, tp); for a MoE model every
+    ep dividing the experts and etp in (1, tp) (or those asked for) that megalite accepts: etp x ep
+    dividing tp x cp x dp, etp dividing the expert width."""
+    if not config.is_moe:
+        return [(1, t)]
+    ranks = t * c * d
+    eps = [space.ep] if space.ep is not None else divisors(config.num_moe_experts)
+    etps = [space.etp] if space.etp is not None else sorted({1, t})
+    out = []
+    for e in eps:
+        for et in etps:
+            if config.num_moe_experts % e:
+                reject("experts % ep", f"experts {config.num_moe_experts} not divisible by ep {e}")
+            elif config.moe_ffn_hidden_size % et:
+                reject("expert width % etp", f"expert width {config.moe_ffn_hidden_size} not divisible by etp {et}")
+            elif ranks % (e * et):
+                if space.ep is not None or space.etp is not None:
+                    reject("etp x ep vs tp x cp x dp", f"etp {et} x ep {e} does not divide tp {t} x cp {c} x dp {d}")
+            else:
+                out.append((e, et))
+    return out
 
 
 def with_zero_stage(layout: Layout, stage: int) -> Layout:
@@ -268,17 +304,18 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  attention_backend: str | None = None, pipeline_layers=None, zero_stage: int | None = None,
                  grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
                  zero_keep_params_for_step: bool = False, cp: int = 1,
-                 local_sgd: dict | None = None) -> tuple[bool, Prediction]:
+                 local_sgd: dict | None = None, ep: int = 1, etp: int | None = None) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
-    use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer."""
+    use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer. ep, etp:
+    the expert layout of a MoE model (etp None: tp)."""
     gpus = tp * cp * pp * dp
     base = cluster or Cluster(gpus=gpus)
     cluster = replace(base, gpus=gpus, gpu_memory_gib=gpu_memory_bytes / GIB)
     layout = Layout(tp, pp, dp, vpp if vpp and vpp > 1 else None, micro_batch_size,
                     recompute or config.recompute,
                     config.sequence_parallel if sequence_parallel is None else sequence_parallel,
-                    use_distributed_optimizer and zero_stage != 0, zero_stage, cp)
+                    use_distributed_optimizer and zero_stage != 0, zero_stage, cp, ep, etp)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,

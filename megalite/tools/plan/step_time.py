@@ -11,8 +11,9 @@ from megalite.metrics import layer_forward_flops
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout
 from megalite.parallel.layers import pad_vocab_size
-from megalite.pipeline.partition import stage_layer_counts
+from megalite.pipeline.partition import layers_of, stage_layer_counts
 from megalite.pipeline.schedules import build_program
+from megalite.tools.plan.experts import dispatch_bytes, expert_group_crosses_nodes, moe_layers
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout, Run
 from megalite.tools.plan.memory import StateBytes
 
@@ -36,6 +37,7 @@ class StepTime:
     optimizer: float
     total: float
     cp_comm: float = 0.0  # context parallelism's ring traffic not hidden behind the compute (in total)
+    ep_comm: float = 0.0  # MoE token dispatch (all-to-all over EP, gathers over ETP), all exposed (in total)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,18 @@ class LayoutCosts:
     pp_mb: float  # pipeline exchanges per micro-batch (all chunks)
     bw_cp: float = 0.0  # context parallelism (cp > 1): the CP group's slowest link
     ring_bytes: float = 0.0  # bytes one rank sends around the ring per layer and micro-batch (see ring_layer_bytes)
+    # Mixture of experts (0 for a dense model): a MoE layer's FLOPs (active experts only), its TP
+    # collectives, and per micro-batch the bytes one rank's dispatcher sends and their seconds
+    moe_count: int = 0  # MoE layers in the model
+    moe_fwd: float = 0.0
+    moe_bwd: float = 0.0
+    moe_ar_per_layer: int = 0
+    ep_bytes: float = 0.0  # over EP (alltoall) or ETP x EP (allgather)
+    etp_bytes: float = 0.0  # over ETP (alltoall)
+    ep_time: float = 0.0
+    bw_ep: float = 0.0
+    bw_etp: float = 0.0
+    bw_edp: float = 0.0  # the expert-data-parallel group's slowest link (expert gradients)
 
     @property
     def traffic(self) -> int:
@@ -73,8 +87,13 @@ class LayoutCosts:
     @property
     def hardware_flops(self) -> float:
         """FLOPs of one step, the whole model, recomputation included."""
-        m, d, L = self.micro_batches, self.layout.dp, self.config.num_layers
-        return m * d * (L * (self.fwd + self.bwd) + 3 * self.logits_fwd)
+        m, d, L, n = self.micro_batches, self.layout.dp, self.config.num_layers, self.moe_count
+        return m * d * ((L - n) * (self.fwd + self.bwd) + n * (self.moe_fwd + self.moe_bwd) + 3 * self.logits_fwd)
+
+    def layers_flops(self, layers: int, moe_layers: int) -> float:
+        """Forward and backward FLOPs of `layers` layers (`moe_layers` of them MoE) of one
+        micro-batch, all TP ranks together."""
+        return (layers - moe_layers) * (self.fwd + self.bwd) + moe_layers * (self.moe_fwd + self.moe_bwd)
 
 
 def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: Run, m: int) -> LayoutCosts:
@@ -87,6 +106,7 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     fwd, bwd, core = layer_flops(config, s, b, layout.recompute)
     ar_bytes = local * b * h * ab
     msg = (local // t if layout.sequence_parallel else local) * b * h * ab
+    moe = moe_costs(config, layout, cluster, run) if config.is_moe else {}
     return LayoutCosts(
         config=config, layout=layout, cluster=cluster, run=run, micro_batches=m,
         layer_counts=stage_layer_counts(config.num_layers, p, layout.vpp,
@@ -98,8 +118,26 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
         ar_per_layer=6 if layout.recompute == "full" else 4,  # the recomputed forward repeats its 2
         msg=msg, pp_mb=2.0 * v * msg / bw_pp if p > 1 else 0.0,  # per micro-batch and chunk: 1 forward + 1 backward
         bw_cp=bandwidth(cluster, "cp", layout) if layout.cp > 1 else 0.0,
-        ring_bytes=ring_layer_bytes(config, layout, s, ab) if layout.cp > 1 else 0.0,
+        ring_bytes=ring_layer_bytes(config, layout, s, ab) if layout.cp > 1 else 0.0, **moe,
     )
+
+
+def moe_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: Run) -> dict:
+    """LayoutCosts' MoE fields. A MoE layer's FLOPs count the router, the top-k experts and the
+    shared expert (`layer_forward_flops(moe=True)`); with balanced routing a stage's expert work
+    spreads evenly over its TP x CP x DP = ETP x EP x EDP ranks, so per micro-batch one rank does
+    1/(tp x cp) of it whatever ep and etp, like the rest of the layer. Its TP collectives are the
+    attention's, and the shared expert's; the dispatcher's bytes cross the EP and ETP groups."""
+    fwd, bwd, _ = layer_flops(config, run.seq_length, layout.micro_batch_size, layout.recompute, moe=True)
+    sent = dispatch_bytes(config, layout, run)
+    over = "etp_ep" if config.moe_token_dispatcher_type == "allgather" else "ep"
+    bw_ep, bw_etp = bandwidth(cluster, over, layout), bandwidth(cluster, "etp", layout)
+    blocks = 2 if config.moe_shared_expert_intermediate_size else 1  # blocks with TP collectives
+    return dict(moe_count=sum(config.moe_layer_freq), moe_fwd=fwd, moe_bwd=bwd,
+                moe_ar_per_layer=blocks * (3 if layout.recompute == "full" else 2),
+                ep_bytes=sent["ep"], etp_bytes=sent["etp"],
+                ep_time=sent["ep"] / bw_ep + sent["etp"] / bw_etp, bw_ep=bw_ep, bw_etp=bw_etp,
+                bw_edp=bandwidth(cluster, "edp", layout))
 
 
 def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_bytes: int) -> float:
@@ -114,11 +152,12 @@ def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_byte
     return ring["total"] + (ring["forward"] if layout.recompute == "full" else 0)
 
 
-def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str) -> tuple[float, float, float]:
+def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str,
+                moe: bool = False) -> tuple[float, float, float]:
     """(forward, backward incl. recomputation, attention-core forward) FLOPs of one layer and one
     micro-batch, all TP ranks together (`megalite.metrics.layer_forward_flops`: 24*s*b*h^2 dense plus
-    the attention core 4*b*s^2*h for GPT-2's shape); backward twice the forward."""
-    dense, core = layer_forward_flops(config, s, b)
+    the attention core 4*b*s^2*h for GPT-2's shape; a MoE layer's active experts); backward twice the forward."""
+    dense, core = layer_forward_flops(config, s, b, moe=moe)
     fwd = dense + core
     bwd = 2.0 * fwd
     if recompute == "full":
@@ -150,8 +189,12 @@ def crosses_nodes(kind: str, tp: int, pp: int, dp: int, gpus_per_node: int, cp: 
 
 
 def bandwidth(cluster: Cluster, kind: str, layout: Layout) -> float:
-    """Bytes/s of the slowest link a group of this kind uses."""
-    inter = crosses_nodes(kind, layout.tp, layout.pp, layout.dp, cluster.gpus_per_node, layout.cp)
+    """Bytes/s of the slowest link a group of this kind uses (expert groups: "ep", "etp", "etp_ep", "edp")."""
+    if kind in ("ep", "etp", "etp_ep", "edp"):
+        inter = expert_group_crosses_nodes(kind, layout.tp * layout.cp * layout.dp, layout.pp, layout.ep, layout.etp,
+                                           cluster.gpus_per_node)
+    else:
+        inter = crosses_nodes(kind, layout.tp, layout.pp, layout.dp, cluster.gpus_per_node, layout.cp)
     return (cluster.inter_node_gbps if inter else cluster.intra_node_gbps) * 1e9
 
 
@@ -217,15 +260,21 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     per_chunk = [dp_traffic(stage, sum(b.end - b.start for b in chunk), d, costs.micro_batches, pb, state.comm_bytes,
                             run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c])
                  for c, chunk in enumerate(state.buckets)]
+    edp = state.edp  # expert weights: their own buffers, over the expert-data-parallel group
+    per_chunk += [dp_traffic(stage, sum(b.end - b.start for b in chunk), edp, costs.micro_batches, pb,
+                             state.comm_bytes) for chunk in state.expert_buckets if chunk and edp > 1]
     out.traffic = {k: sum(x[k] for x in per_chunk) for k in per_chunk[0]}
-    if d == 1 and not (p > 1 and r in (0, p - 1)):
+    if d == 1 and edp == 1 and not (p > 1 and r in (0, p - 1)):
         return out
     if stage >= 2:
         _sharded_grads_exposed(costs, state, r, out)
     else:
-        _bucket_reduction_exposed(costs, state.buckets, r, out)
+        _bucket_reduction_exposed(costs, state.buckets, r, out, state.expert_buckets, edp)
+    expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
     if 1 <= stage <= 2 and d > 1:
-        out.all_gather = (d - 1) / d * state.padded_numel * pb / costs.bw_dp
+        out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp
+    if 1 <= stage <= 2 and edp > 1:
+        out.all_gather += (edp - 1) / edp * expert_padded * pb / costs.bw_edp
     out.total = out.overlapped + out.embedding + out.all_gather + out.gathers
     return out
 
@@ -260,26 +309,34 @@ def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
     """One micro-batch's backward of rank r's chunk c (with the output layer's on the last stage)."""
     p, v, t = costs.layout.pp, costs.layout.v, costs.layout.tp
     layers = costs.layer_counts[c * p + r]
-    return (layers * costs.bwd + (2 * costs.logits_fwd if c * p + r == p * v - 1 else 0.0)) / t / costs.rate
+    n_moe = moe_layers(costs.config, layers_of(costs.layer_counts, c * p + r)) if costs.moe_count else 0
+    backward = (layers - n_moe) * costs.bwd + n_moe * costs.moe_bwd
+    return (backward + (2 * costs.logits_fwd if c * p + r == p * v - 1 else 0.0)) / t / costs.rate
 
 
 def _bucket_reduction_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], r: int,
-                              out: DataParallelTime) -> None:
-    """Stages 0-1: the step's one reduction, during each chunk's last backward."""
+                              out: DataParallelTime, expert_buckets=None, edp: int = 1) -> None:
+    """Stages 0-1: the step's one reduction, during each chunk's last backward (a MoE chunk's
+    expert buffer over EDP on the same stream, before the dense buffer's last bucket)."""
     layout = costs.layout
     p, v, d = layout.pp, layout.v, layout.dp
     ring = (d - 1) / d
     reduce_factor = ring if layout.distributed_optimizer else 2 * ring  # reduce-scatter vs all-reduce
+    expert_factor = (1 if layout.distributed_optimizer else 2) * (edp - 1) / edp
     cb = DTYPE_BYTES[costs.run.grad_reduce_dtype]
     free = -math.inf
     for c in reversed(range(v)):  # chunk v-1's last backward comes first
         tb = _chunk_backward_seconds(costs, c, r)
         end = -c * p * tb
         normal = [b.end - b.start for b in buckets[c] if not b.deferred]
-        if not normal or d == 1:
+        experts = [b.end - b.start for b in expert_buckets[c]] if expert_buckets and edp > 1 else []
+        if (not normal or d == 1) and not experts:
             continue
-        total_c = sum(normal) * cb * reduce_factor / costs.bw_dp
-        last_bucket = normal[-1] * cb * reduce_factor / costs.bw_dp
+        dense = bool(normal) and d > 1
+        total_c = sum(normal) * cb * reduce_factor / costs.bw_dp if dense else 0.0
+        total_c += sum(experts) * cb * expert_factor / costs.bw_edp if experts else 0.0
+        last_bucket = (normal[-1] * cb * reduce_factor / costs.bw_dp if dense
+                       else experts[-1] * cb * expert_factor / costs.bw_edp)
         start = max(free, end - tb)
         free = max(start + total_c, end + last_bucket)
         out.windows.append((c, end - tb, end, total_c, last_bucket))
@@ -298,18 +355,23 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
     layout = costs.layout
     p, v, d, m = layout.pp, layout.v, layout.dp, costs.micro_batches
     rs = (d - 1) / d * state.comm_bytes / costs.bw_dp  # seconds per element reduce-scattered
+    edp = state.edp
+    rs_experts = (edp - 1) / edp * state.comm_bytes / costs.bw_edp if edp > 1 else 0.0
     for c in range(v):
         tb = _chunk_backward_seconds(costs, c, r)
         sizes = [b.end - b.start for b in state.buckets[c]]
-        if d > 1 and sizes:
+        experts = sum(b.end - b.start for b in state.expert_buckets[c]) * rs_experts  # MoE: over EDP too
+        if (d > 1 and sizes) or experts:
+            dense = sum(sizes) * rs if d > 1 else 0.0
+            last = sizes[-1] * rs if d > 1 and sizes else (state.expert_buckets[c][-1].end - state.expert_buckets[c][-1].start) * rs_experts
             if layout.zero_stage == 3:  # units' reductions overlap the layers' backward (zero3_exposed):
                 forward, backward = zero3_exposed(costs, state, c, r)  # the last two stay in flight at its end
                 out.gathers += _gathering_forwards(costs, r, c) * forward + m * backward
                 layer = max((sizes[i] for i in state.layer_buckets[c]), default=0)
                 wait = (sizes[-1] + layer) * rs
             else:
-                wait = max(sum(sizes) * rs - tb, sizes[-1] * rs)
-            out.windows.append((c, -tb, 0.0, sum(sizes) * rs, sizes[-1] * rs))
+                wait = max(dense + experts - tb, last)
+            out.windows.append((c, -tb, 0.0, dense + experts, last))
             out.overlapped += m * wait
     deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
     if deferred and p > 1:
