@@ -353,9 +353,10 @@ MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coe
 
 def moe_comparison(results: dict[str, RunResult], links: dict) -> dict:
     """What the slow link adds to each layout's step (across minus the same on bare veths), against
-    the formula's exposed time: the bytes megalite counted this rank sending in a step (the experts'
-    all-to-alls, kind "ep", and the gradients' all-reduce, kind "dp", both serial here), over the
-    link's one-stream rate. One rank a host: every exchange crosses the link."""
+    the formula's exposed time: every byte megalite counted this rank sending in a step (the experts'
+    all-to-alls, kind "ep", the gradients' all-reduce, kind "dp", both serial here, and the log
+    line's few "metrics" bytes), over the link's one-stream rate. One rank a host: every exchange
+    crosses the link."""
     out: dict = {"link_mb_per_s": {str(k): v["tcp"] / 1e6 for k, v in links.items()}, "layouts": {}}
     for name in ("ep2", "ep1"):
         across, fast = results.get(f"{name}-across"), results.get(f"{name}-fast")

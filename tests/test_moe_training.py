@@ -302,3 +302,22 @@ def test_a_moe_preset_changes_only_with_the_moe_flags_given_and_plans_at_its_ep(
     C.validate(cfg, 2, model)
     _, prediction = check_run(cfg, 2, gpu_memory_bytes=80 * 2 ** 30)
     assert (prediction.layout.ep, prediction.layout.edp) == (2, 1)
+
+
+def test_a_moe_preset_takes_a_new_depth_with_its_layer_pattern_and_resumes_with_its_flags(tmp_path):
+    """--num-layers 8 needs a --moe-layer-freq for 8 layers (the preset's lists 4), given before the
+    preset is built; a run of the preset with --moe-router-topk 3 resumes from --load alone at top-3."""
+    from megalite import config as C
+
+    cfg = C.build_parser("test", "gpt-tiny").parse_args(["--mock-data", "--model", "moe-tiny", "--num-layers", "8",
+                                                         "--moe-layer-freq", "([0]*2+[1]*6)"])
+    assert C.model_config(cfg).moe_layer_freq == [0, 0, 1, 1, 1, 1, 1, 1]
+    base = ["--model", "moe-tiny", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "--log-interval", "1", "--eval-interval", "0"]
+    run_ranks(train_losses, 1, args=(base + ["--moe-router-topk", "3", "--train-iters", "2", "--save",
+                                             str(tmp_path)],))
+    resumed = C.build_parser("test", "gpt-tiny").parse_args(["--mock-data", "--load", str(tmp_path)])
+    from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+
+    model = C.model_config(adopt_checkpoint_shape(resumed))
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_layer_freq) == (8, 3, [0, 1, 1, 1])

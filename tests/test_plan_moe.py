@@ -311,3 +311,13 @@ def test_cli_plans_a_moe_preset_and_its_command_builds_that_model(capsys):
     built = arguments.model_config(args)
     assert args.parallel.expert_model_parallel_size == 2
     assert built.replace(sequence_parallel=False) == TINY.replace(max_position_embeddings=built.max_position_embeddings)
+
+
+def test_local_sgd_plans_keep_the_experts_inside_a_replica():
+    """Under local SGD etp x ep must divide tp x cp (megalite's rule): the search skips the other
+    pairs with a reason, and an expert's copies inside a replica add their every-step all-reduce."""
+    result = P.plan(TINY, P.Cluster(gpus=4), 8, 32, local_sgd={"local_sgd_interval": 4})
+    assert len(result) > 0 and "local sgd: experts cross replicas" in result.rejected
+    assert all((x.layout.tp * x.layout.cp) % (x.layout.ep * x.layout.etp) == 0 for x in result)
+    inside = [x for x in result if x.layout.tp == 2 and x.layout.ep * x.layout.etp == 1]
+    assert inside and all(x.dp_parts[0].traffic.get("all_reduce", 0) > 0 for x in inside)

@@ -101,16 +101,25 @@ def stored_tensors(model_chunks):
             dim, start, keep = placement(chunk, local, p)
             yield Stored(chunk, local, p, name, p, 0, dim, start, full_size(chunk, local, p), keep)
             continue
-        local_experts, (prefix, leaf) = p.shape[0], name.rsplit(".", 1)
+        views = _expert_views(p)
+        local_experts, (prefix, leaf) = len(views), name.rsplit(".", 1)
         first = parallel.get_expert_model_parallel_rank() * local_experts
         etp, etp_rank = parallel.get_expert_tensor_parallel_world_size(), parallel.get_expert_tensor_parallel_rank()
         dim = p.partition_dim - 1  # of one expert's 2-D weight
-        size = p.shape[p.partition_dim]
-        views = getattr(p, "expert_views", None)  # ZeRO-3's, taken while the unit's storage existed
-        for e in range(local_experts):
-            view = views[e] if views is not None else p[e]
+        size = views[0].shape[dim]
+        for e, view in enumerate(views):
             yield Stored(chunk, local, p, f"{prefix}.{first + e}.{leaf}", view, e * view.numel(), dim,
                          etp_rank * (size // partition_blocks(p)), size * etp, None)
+
+
+def _expert_views(p) -> tuple:
+    """p[e] for each local expert e. Under ZeRO-3 the views taken while the unit's storage existed
+    (`ShardedParamBuffer`: torch refuses to slice a freed or parked parameter), unless the parameter
+    has moved to another storage since."""
+    views = getattr(p, "expert_views", None)
+    if views is not None and (p.numel() == 0 or p.untyped_storage()._cdata == views[0].untyped_storage()._cdata):
+        return views
+    return p.unbind(0)
 
 
 def stored_by_param(model_chunks) -> dict:

@@ -150,6 +150,10 @@ def model_config(config: RunConfig) -> TransformerConfig:
     check_sections(config)
     m = config.model
     overrides = _model_overrides(m)
+    moe_given = {k: v for k, v in _moe_fields(config.moe).items()
+                 if config.given("num_experts" if k == "num_moe_experts" else k)}
+    if PRESETS.get(m.model, {}).get("num_moe_experts") is not None:
+        overrides.update(moe_given)  # a MoE preset's own --moe-layer-freq list must not meet the new depth
     if m.swiglu and m.ffn_hidden_size is None and not PRESETS[m.model].get("gated_linear_unit"):
         # As Megatron-LM sizes it: the gated MLP's three matrices hold about the parameters of a 4h
         # GeLU MLP's two (8h/3 each), rounded down to a multiple of 64.
@@ -170,9 +174,8 @@ def model_config(config: RunConfig) -> TransformerConfig:
             raise UsageError(f"{', '.join(given) or '--ep'}: for mixture-of-experts models only: add --num-experts N, "
                              f"or drop them")
     else:
-        moe = _moe_fields(config.moe)
-        if built.is_moe:  # a MoE preset (moe-tiny, mixtral-8x7b, ...): only the flags given change it
-            moe = {k: v for k, v in moe.items() if config.given("num_experts" if k == "num_moe_experts" else k)}
+        # a MoE preset (moe-tiny, mixtral-8x7b, ...) changes only with the flags given (applied above)
+        moe = {} if built.is_moe else _moe_fields(config.moe)
         try:
             built = built.replace(**moe)
         except ValueError as e:

@@ -20,11 +20,12 @@ from megalite.models.config import TransformerConfig
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
-from megalite.parallel import state, traffic
+from megalite.parallel import state
 from megalite.parallel.context_parallel import a2a_attention, ring_attention
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+from megalite.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                                        sum_over_tensor_model_parallel_region)
 from megalite.parallel.random import get_rng_tracker
 
 # Every core backend: (q, k, v [b, heads, s, d], allowed mask or None, dropout_p, causal) -> [b, heads, s, d].
@@ -84,23 +85,6 @@ def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig):
     return ring_attention(q, k, v, group, ranks, causal=True)
 
 
-class _SumOverTensorParallel(torch.autograd.Function):
-    """All-reduce over the TP group, forward and backward: every rank's result feeds its own heads'
-    outputs, so each input's gradient is the sum of every rank's."""
-
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clone()
-        traffic.counted_all_reduce("tp", x, state.get_tensor_model_parallel_group())
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        traffic.counted_all_reduce("tp", grad, state.get_tensor_model_parallel_group())
-        return grad
-
-
 def _full_width_norm(x: torch.Tensor, norm: nn.Module, first_head: int, copies: int) -> torch.Tensor:
     """`norm` (an RMSNorm as wide as all heads) over x [s, b, heads here, d]: this rank holds heads
     [first_head, first_head + heads here), each also held by `copies` - 1 other TP ranks (replicated
@@ -110,7 +94,7 @@ def _full_width_norm(x: torch.Tensor, norm: nn.Module, first_head: int, copies: 
         return norm(flat).view_as(x)
     xf = flat.float()
     squares = xf.pow(2).sum(-1, keepdim=True)
-    squares = _SumOverTensorParallel.apply(squares) / copies
+    squares = sum_over_tensor_model_parallel_region(squares) / copies
     rstd = torch.rsqrt(squares / norm.weight.numel() + norm.eps)
     weight = norm.weight + 1 if norm.zero_centered else norm.weight
     start = first_head * x.shape[-1]

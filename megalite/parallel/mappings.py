@@ -151,6 +151,10 @@ _ReduceScatterToSequenceRegion = _region("_ReduceScatterToSequenceRegion", _redu
 _GatherFromSequenceRegion = _region("_GatherFromSequenceRegion", _gather_first_dim, _reduce_scatter_first_dim)
 _GatherFromSequenceRegionFullGrad = _region("_GatherFromSequenceRegionFullGrad", _gather_first_dim,
                                             _split_first_dim)
+# A statistic every rank's output depends on (a norm over all heads): summed both ways, on a copy
+# (the input, or the gradient, may be read elsewhere).
+_SumRegion = _region("_SumRegion", lambda x, group: _reduce(x.clone(), group),
+                     lambda g, group: _reduce(g.clone(), group))
 
 
 def _apply(region: type[torch.autograd.Function], x: torch.Tensor, group) -> torch.Tensor:
@@ -175,6 +179,10 @@ copy_to_tensor_model_parallel_region = _collective(
 reduce_from_tensor_model_parallel_region = _collective(
     "reduce_from_tensor_model_parallel_region", _ReduceFromRegion,
     "All-reduce over the group forward; identity backward.")
+sum_over_tensor_model_parallel_region = _collective(
+    "sum_over_tensor_model_parallel_region", _SumRegion,
+    "All-reduce over the group forward, and of the gradient backward (every rank's result feeds "
+    "every rank's output).")
 scatter_to_tensor_model_parallel_region = _collective(
     "scatter_to_tensor_model_parallel_region", _ScatterToRegion,
     "Keep this rank's slice of the last dim forward; all-gather the gradient backward.")

@@ -81,11 +81,17 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         seq = changes.get("seq_length", cfg.model.seq_length)
         changes["max_position_embeddings"] = max(reader.config.max_position_embeddings, seq)
     adopted = cfg.replace("model", **changes)
-    saved_moe = reader.metadata.get("run_config", {}).get("moe", {}) or moe_section(reader.config)
+    saved_moe = reader.metadata.get("run_config", {}).get("moe", {})
+    if not saved_moe.get("num_experts") and reader.config.is_moe:  # an import, or a MoE preset's run
+        saved_moe = {**saved_moe, **moe_section(reader.config)}
     moe_fields = {f.name for f in section_fields(cfg.moe)}
+    explicit = cfg.explicit
     if saved_moe.get("num_experts") and not any(cfg.given(k) for k in moe_fields):
-        # a MoE checkpoint's experts and router, as it was trained
-        adopted = adopted.replace("moe", **{k: v for k, v in saved_moe.items() if k in moe_fields})
+        # a MoE checkpoint's experts and router, as it was trained: as if given (a MoE preset yields
+        # to the moe flags given only)
+        taken = {k: v for k, v in saved_moe.items() if k in moe_fields}
+        adopted = adopted.replace("moe", **taken)
+        explicit = explicit | {f"moe.{k}" for k in taken}
     p = adopted.parallel
     if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
         adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))
@@ -99,4 +105,4 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     say(f"megalite: model from {reader.path}: {built.num_layers} layers, hidden {built.hidden_size}, "
         f"{built.num_attention_heads} heads, vocabulary {built.vocab_size}, {built.max_position_embeddings} positions "
         f"({why})")
-    return dataclasses.replace(adopted, explicit=cfg.explicit)
+    return dataclasses.replace(adopted, explicit=explicit)

@@ -248,17 +248,18 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
                         reject("moe: tp needs sp", f"mixture-of-experts layers at tp {t} need sequence parallelism")
                         continue
                     for stage in space.zero_stage:
-                        for e, et in expert_sizes(config, t, c, d, space, reject):
+                        for e, et in expert_sizes(config, t, c, d, space, reject, bool(run.local_sgd_interval)):
                             if stage and d * c == 1 and t // (e * et) == 1 and 0 in space.zero_stage:
                                 continue  # nothing to shard at dp x cp = 1 (and edp = 1): stage 0 at best
                             yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage, c, e, et)
 
 
 def expert_sizes(config: TransformerConfig, t: int, c: int, d: int, space: SearchSpace,
-                 reject: Reject) -> list[tuple[int, int]]:
+                 reject: Reject, local_sgd: bool = False) -> list[tuple[int, int]]:
     """The (ep, etp) to try on a (tp, cp, dp) grid: for a dense model (1, tp); for a MoE model every
     ep dividing the experts and etp in (1, tp) (or those asked for) that megalite accepts: etp x ep
-    dividing tp x cp x dp, etp dividing the expert width."""
+    dividing tp x cp x dp (under local SGD, tp x cp: the experts inside a replica), etp dividing the
+    expert width."""
     if not config.is_moe:
         return [(1, t)]
     ranks = t * c * d
@@ -274,6 +275,9 @@ def expert_sizes(config: TransformerConfig, t: int, c: int, d: int, space: Searc
             elif ranks % (e * et):
                 if space.ep is not None or space.etp is not None:
                     reject("etp x ep vs tp x cp x dp", f"etp {et} x ep {e} does not divide tp {t} x cp {c} x dp {d}")
+            elif local_sgd and (t * c) % (e * et):
+                reject("local sgd: experts cross replicas", f"local SGD keeps etp {et} x ep {e} inside a replica "
+                                                            f"(tp {t} x cp {c})")
             else:
                 out.append((e, et))
     return out

@@ -290,18 +290,26 @@ def local_sgd_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataPara
     ranks, inside a replica, are not modelled); the outer all-reduce of the pseudo-gradients, once
     per H steps (1/F of it every H/F steps with F fragments: the same bytes per step), is exposed
     when synchronous and hidden behind the next inner steps when async (assumed to fit in them).
-    The tied embedding (pp > 1) is still summed over its two stages every step."""
+    The tied embedding (pp > 1) is still summed over its two stages every step, and an expert's
+    copies inside a replica (etp x ep below tp x cp) all-reduce their gradients every step, exposed,
+    on the tensor-parallel link."""
     layout, run = costs.layout, costs.run
     h, d = run.local_sgd_interval, layout.dp
     out = DataParallelTime()
     per_sync = outer_sync_bytes(state.numel, d, DTYPE_BYTES[run.outer_grad_dtype])
     out.traffic = {"outer_all_reduce": per_sync / h}
+    copies = layout.tp * layout.cp // (layout.ep * layout.etp)  # an expert's copies inside a replica
+    expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
+    if copies > 1 and expert_padded:
+        expert_bytes = 2 * (copies - 1) / copies * expert_padded * state.comm_bytes  # a ring all-reduce
+        out.traffic["all_reduce"] = expert_bytes
+        out.overlapped = expert_bytes / costs.bw_tp
     if d > 1 and not run.local_sgd_async:
         out.outer = per_sync / costs.bw_dp / h
     deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
     if deferred and layout.pp > 1 and r in (0, layout.pp - 1):
         out.embedding = sum(deferred) * 4 / costs.bw_emb
-    out.total = out.outer + out.embedding
+    out.total = out.outer + out.embedding + out.overlapped
     return out
 
 
