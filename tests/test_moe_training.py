@@ -31,6 +31,7 @@ LAYOUTS = {
     "ep2-distributed-optimizer": ["--ep", "2", "--use-distributed-optimizer"],
     "ep4-zero2": ["--ep", "4", "--zero-stage", "2"],
     "ep2-recompute": ["--ep", "2", "--recompute", "full"],
+    "ep2-selective-recompute": ["--ep", "2", "--recompute", "selective"],
     "pp2-ep2-zero3": ["--pp", "2", "--ep", "2", "--zero-stage", "3"],
     "ep2-zero3-recompute": ["--ep", "2", "--zero-stage", "3", "--recompute", "full"],
     "ep4-allgather": ["--ep", "4", "--moe-token-dispatcher-type", "allgather"],
