@@ -57,9 +57,28 @@ def layer_forward_flops(config, s: int, b: int, moe: bool = False) -> tuple[floa
         shared = config.moe_shared_expert_intermediate_size or 0
         mlp = h * config.num_moe_experts + config.moe_router_topk * h * config.moe_ffn_hidden_size * width + \
             h * shared * width + (h if config.moe_shared_expert_gate else 0)
+    if config.multi_latent_attention:
+        return 2.0 * s * b * (mla_projection_macs(config) + mlp), _mla_core_flops(config, s, b)
     dense = 2.0 * s * b * (h * q + h * kv + q * h + mlp)
     core = 4.0 * b * s * s * q
     return dense, core
+
+
+def mla_projection_macs(config) -> int:
+    """Multiply-adds per token of multi-head latent attention's projections (megalite.models.mla):
+    the query down and up projections (or the one plain query projection), the keys' and values'
+    down projection to the latent and the shared rotary key, their up projection, the output."""
+    h, a = config.hidden_size, config.num_attention_heads
+    qk, v, r, c = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim, config.q_lora_rank, \
+        config.kv_lora_rank
+    query = h * a * qk if r is None else h * r + r * a * qk
+    return query + h * (c + config.qk_pos_emb_head_dim) + c * a * (config.qk_head_dim + v) + a * v * h
+
+
+def _mla_core_flops(config, s: int, b: int) -> float:
+    """q k^T over (d_n + d_r) dims and p v over d_v, every pair of positions."""
+    a = config.num_attention_heads
+    return 2.0 * b * s * s * a * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim)
 
 
 def model_flops_per_iteration(config, global_batch: int, seq_length: int) -> float:

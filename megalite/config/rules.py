@@ -129,7 +129,17 @@ def _model_overrides(m) -> dict:
     for name, fields in switches.items():
         if getattr(m, name):
             out.update(fields)
-    return out
+    mla_sizes = {k: getattr(m, k) for k in MLA_SIZES if getattr(m, k) is not None}
+    if mla_sizes and not (m.multi_latent_attention or PRESETS.get(m.model, {}).get("multi_latent_attention")):
+        raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in mla_sizes)}: for multi-head latent "
+                         f"attention only: add --multi-latent-attention, or drop them")
+    if m.multi_latent_attention:  # its latent keys replace a preset's grouped ones
+        out["multi_latent_attention"] = True
+        out.setdefault("num_query_groups", None)
+    return {**out, **mla_sizes}
+
+
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",

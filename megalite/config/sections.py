@@ -138,6 +138,17 @@ class ModelConfig:
                                                "all key heads (OLMoE), not one per head", shape=True)
     untie_embeddings_and_output_weights: bool = opt(False, "an output layer of its own instead of the word "
                                                            "embedding", shape=True)
+    multi_latent_attention: bool = opt(False, "multi-head latent attention (DeepSeek-V2/V3; docs/deepseek.md)",
+                                       shape=True)
+    q_lora_rank: int | None = opt(None, "MLA: the queries' latent width (unset: a plain query projection)",
+                                  check=POSITIVE_INT, shape=True)
+    kv_lora_rank: int | None = opt(None, "MLA: the keys' and values' latent width (default 512)", check=POSITIVE_INT,
+                                   shape=True)
+    qk_head_dim: int | None = opt(None, "MLA: a query/key head's dims without positions (default 128)",
+                                  check=POSITIVE_INT, shape=True)
+    qk_pos_emb_head_dim: int | None = opt(None, "MLA: a query/key head's rotary dims, one rotary key shared by the "
+                                                "heads (default 64)", check=POSITIVE_INT, shape=True)
+    v_head_dim: int | None = opt(None, "MLA: a value head's dims (default 128)", check=POSITIVE_INT, shape=True)
     apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)
     norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
                                      flags=("--norm-epsilon", "--layernorm-epsilon"), check=POSITIVE)

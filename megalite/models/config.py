@@ -61,6 +61,13 @@ class TransformerConfig:
     # one head; rmsnorm only. Under TP the statistics are summed over the ranks' heads.
     qk_layernorm_full_width: bool = False
     untie_embeddings_and_output_weights: bool = False  # an output layer of its own on the last stage
+    # Multi-head latent attention (DeepSeek-V2/V3; megalite.models.mla), Megatron-Core's names.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # the queries' latent width (None: one plain query projection)
+    kv_lora_rank: int = 512  # the keys' and values' latent width
+    qk_head_dim: int = 128  # a query/key head's dims without positions
+    qk_pos_emb_head_dim: int = 64  # its rotary dims (one rotary key per token, shared by the heads)
+    v_head_dim: int = 128
     # Mixture of experts (Megatron-Core's names; megalite.models.moe). None: every MLP is dense.
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
@@ -113,6 +120,8 @@ class TransformerConfig:
             raise ValueError(f"activation must be gelu_tanh or gelu or silu, got {self.activation!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        if self.multi_latent_attention:  # first: rope's checks read its rotary dims
+            self._check_mla_fields()
         self._check_llama_fields()
         if self.num_moe_experts is not None:
             self._check_moe_fields()
@@ -180,6 +189,21 @@ class TransformerConfig:
             raise ValueError("qk_layernorm_full_width needs qk_layernorm=True and normalization='rmsnorm' (it widens "
                              "the RMSNorm of queries and keys to all heads): set both, or drop it")
 
+    def _check_mla_fields(self) -> None:
+        if self.position_embedding_type != "rope":
+            raise ValueError("--multi-latent-attention rotates a decoupled key: it needs --position-embedding-type rope")
+        if self.qk_pos_emb_head_dim < 2 or self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"--qk-pos-emb-head-dim must be even and >= 2 (rope rotates pairs of dims), got "
+                             f"{self.qk_pos_emb_head_dim}")
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"--q-lora-rank must be >= 1 (or unset: a plain query projection), got {self.q_lora_rank}")
+        if self.num_query_groups is not None or self.qk_layernorm:
+            raise ValueError("--multi-latent-attention has its own keys and norms: drop --num-query-groups / "
+                             "--qk-layernorm")
+
     def _check_rope(self) -> None:
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
@@ -209,7 +233,9 @@ class TransformerConfig:
 
     @property
     def rotary_dims(self) -> int:
-        """How many leading dims of each query and key head rope rotates."""
+        """How many leading dims of each query and key head rope rotates (MLA: its rotary part)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
 
     @property

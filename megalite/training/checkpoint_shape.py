@@ -9,7 +9,7 @@ import json
 
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config
-from megalite.config.rules import MOE_FIELDS, virtual_stages
+from megalite.config.rules import MLA_SIZES, MOE_FIELDS, virtual_stages
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import flag_name
 from megalite.errors import UsageError
@@ -34,6 +34,8 @@ def shape_fields(model: TransformerConfig) -> dict:
                qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma)
+    if model.multi_latent_attention:
+        out.update(multi_latent_attention=True, **{k: getattr(model, k) for k in MLA_SIZES})
     if model.position_embedding_type == "rope":
         out.update({k: getattr(model, k) for k in _ROPE})
         if model.rope_scaling_factor is not None:

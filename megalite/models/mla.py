@@ -1,0 +1,139 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 arXiv 2405.04434 and DeepSeek-V3 arXiv 2412.19437)
+over this TP rank's heads.
+
+With d_n = qk_head_dim (the part of a query/key head without positions), d_r = qk_pos_emb_head_dim
+(the rotary part) and d_v = v_head_dim:
+- queries: x -> q_down (h -> q_lora_rank) -> RMSNorm -> q_up (-> heads x (d_n + d_r)); without a
+  q_lora_rank one projection `q` (h -> heads x (d_n + d_r));
+- keys and values: x -> kv_down (h -> kv_lora_rank + d_r), whose first kv_lora_rank dims are the
+  latent c_kv -> RMSNorm -> kv_up (-> heads x (d_n + d_v)): each head's key part and value; the
+  last d_r dims are one rotary key shared by every head ("decoupled RoPE");
+- rope rotates the queries' d_r dims and the shared key; a head's key is [its d_n dims; the shared
+  d_r], its query [d_n; d_r]; attention scales by 1 / sqrt(d_n + d_r); `proj` (heads x d_v -> h).
+
+Tensor parallelism splits the up projections' rows (and `q`) by heads, column-parallel, and `proj`
+row-parallel. The down projections and the latent norms are small and replicated: every rank
+computes them on the whole (gathered, under sequence parallelism) input, and each rank's gradient of
+them is partial (through its own heads only), summed over TP by `finalize_grads` (`partial_over_tp`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.models.attention import ATTENTION_BACKENDS, _context_parallel_core
+from megalite.models.config import TransformerConfig
+from megalite.models.norms import NORMS
+from megalite.models.rng import checkpoint_with_tp_rng
+from megalite.models.rope import rotary_embedding
+from megalite.parallel import state
+from megalite.parallel.grad_accumulation import linear
+from megalite.parallel.layers import (ColumnParallelLinear, RowParallelLinear, default_device, init_device,
+                                      normal_init)
+from megalite.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+from megalite.parallel.random import get_rng_tracker
+
+
+class ReplicatedLinear(nn.Module):
+    """A bias-free linear map held whole on every TP rank, whose gradient each rank sees only in part."""
+
+    def __init__(self, input_size: int, output_size: int, config: TransformerConfig, init_method=None, device=None):
+        super().__init__()
+        device = default_device(device)
+        full = torch.zeros(output_size, input_size, dtype=torch.float32, device=init_device(device))
+        (init_method or normal_init(config.init_method_std))(full)
+        self.weight = nn.Parameter(full.to(device=device, dtype=config.params_dtype))
+        self.weight.partial_over_tp = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, into_main_grad=True)
+
+
+class MultiLatentAttention(nn.Module):
+    """Self-attention with low-rank (latent) queries, keys and values; see the module docstring."""
+
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
+        super().__init__()
+        tp = state.get_tensor_model_parallel_world_size()
+        config.check_tensor_parallel(tp)
+        self.config = config
+        heads, h = config.num_attention_heads, config.hidden_size
+        self.heads_per_rank = heads // tp
+        self.nope, self.rope, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        column = dict(init_method=init_method, bias=False, sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        q_width = heads * (self.nope + self.rope)
+        if config.q_lora_rank is None:
+            self.q = ColumnParallelLinear(h, q_width, **column)
+        else:
+            self.q_down = ReplicatedLinear(h, config.q_lora_rank, config, init_method, device)
+            self.q_norm = self._latent_norm(config.q_lora_rank, device)
+            self.q_up = ColumnParallelLinear(config.q_lora_rank, q_width, **column)
+        self.kv_down = ReplicatedLinear(h, config.kv_lora_rank + self.rope, config, init_method, device)
+        self.kv_norm = self._latent_norm(config.kv_lora_rank, device)
+        self.kv_up = ColumnParallelLinear(config.kv_lora_rank, heads * (self.nope + self.v_dim), **column)
+        self.rotary = rotary_embedding(config)
+        self.proj = RowParallelLinear(heads * self.v_dim, h, init_method=output_init_method,
+                                      bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+                                      params_dtype=config.params_dtype, device=device)
+
+    def _latent_norm(self, size: int, device) -> nn.Module:
+        c = self.config
+        norm = NORMS["rmsnorm"](size, c.layernorm_epsilon, False, c.params_dtype, device, c.norm_backend,
+                                c.layernorm_zero_centered_gamma)
+        for p in norm.parameters():
+            p.partial_over_tp = True
+        return norm
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole input every projection reads: gathered along the sequence under SP (backward
+        reduce-scatters the ranks' partial gradients), else copied into the TP region (all-reduced)."""
+        if self.config.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
+        return copy_to_tensor_model_parallel_region(x)
+
+    def _project(self, x: torch.Tensor):
+        """q and k [s, b, heads_per_rank, d_n + d_r] (rope applied), v [s, b, heads_per_rank, d_v]."""
+        s, b = x.shape[:2]
+        if self.config.q_lora_rank is None:
+            q = linear(x, self.q.weight, None, into_main_grad=True)
+        else:
+            q = linear(self.q_norm(self.q_down(x)), self.q_up.weight, None, into_main_grad=True)
+        q_nope, q_pe = q.view(s, b, self.heads_per_rank, self.nope + self.rope).split([self.nope, self.rope], -1)
+        latent, k_pe = self.kv_down(x).split([self.config.kv_lora_rank, self.rope], -1)
+        kv = linear(self.kv_norm(latent), self.kv_up.weight, None, into_main_grad=True)
+        k_nope, v = kv.view(s, b, self.heads_per_rank, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        q_pe, k_pe = self.rotary(q_pe), self.rotary(k_pe.unsqueeze(2))
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads_per_rank, -1)], dim=-1)
+        return q, k, v
+
+    def _core(self, q, k, v, attention_mask):
+        """softmax(q k^T / sqrt(d_n + d_r) + mask) v, q and k [b, heads, s, d_n + d_r], v [b, heads, s, d_v].
+        With context parallelism s is this rank's share and the ring carries k and v (the latent is
+        expanded per head first: what attention needs, as for any attention)."""
+        if state.get_context_parallel_world_size() > 1:
+            # The ring's kernels take values as wide as keys: zero dims pad them, cut off after.
+            pad = q.shape[-1] - v.shape[-1]
+            if pad < 0:
+                raise ValueError(f"context parallelism with MLA needs --v-head-dim ({v.shape[-1]}) at most "
+                                 f"--qk-head-dim + --qk-pos-emb-head-dim ({q.shape[-1]})")
+            out = _context_parallel_core(q, k, F.pad(v, (0, pad)), attention_mask, self.config)
+            return out[..., :v.shape[-1]]
+        p = self.config.attention_dropout if self.training else 0.0
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            return ATTENTION_BACKENDS[self.config.attention_backend](q, k, v, attention_mask, p, self.config.causal)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self._project(self._input(x))
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.config.recompute == "selective" and self.training:
+            ctx = checkpoint_with_tp_rng(self._core, q, k, v, attention_mask)
+        else:
+            ctx = self._core(q, k, v, attention_mask)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.v_dim)
+        return self.proj(ctx)
