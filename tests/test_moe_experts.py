@@ -72,6 +72,7 @@ def test_a_compiled_moe_layer_equals_the_eager_one_with_its_loss_terms_and_figur
                                moe_router_topk=2, moe_ffn_hidden_size=8, gated_linear_unit=True, activation="silu",
                                normalization="rmsnorm", add_bias_linear=False, moe_aux_loss_coeff=0.01,
                                moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=8)
+    stats.reset()  # figures other tests' layers left in this process
     torch.manual_seed(0)
     layer = MoELayer(config, layer_number=0).train()
     g = torch.Generator().manual_seed(2)

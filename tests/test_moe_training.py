@@ -1,8 +1,10 @@
 """A tiny MoE GPT (8 experts, top-2, a dense first layer, a shared expert, aux and z-losses) trains
 10 iterations to the one-device losses (fp32, <= 1e-5 relative) at every expert layout: EP 2 and 4,
-TP 2 (SP) x EP 2, TP 2 with ETP 1 x EP 4, PP 2 x EP 2 (interleaved too), CP 2 x EP 2, the distributed optimizer and
-ZeRO-2, full recompute, the all-gather dispatcher; and gradient accumulation 1 vs 4 at one global
-batch. The MoE flags' bad values end in one line before anything starts."""
+TP 2 (SP) x EP 2, TP 2 with ETP 1 x EP 4, PP 2 x EP 2 (interleaved too), CP 2 x EP 2, the distributed
+optimizer, ZeRO-2 and ZeRO-3 (with PP 2, with recompute), full and selective recompute, the
+all-gather dispatcher; and gradient accumulation 1 vs 4 at one global batch. Local SGD with experts
+inside each replica equals data parallelism at H 1. The MoE flags' bad values end in one line
+before anything starts."""
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ LAYOUTS = {
     "ep4-zero2": ["--ep", "4", "--zero-stage", "2"],
     "ep2-recompute": ["--ep", "2", "--recompute", "full"],
     "ep2-selective-recompute": ["--ep", "2", "--recompute", "selective"],
+    "ep2-zero3": ["--ep", "2", "--zero-stage", "3"],
     "pp2-ep2-zero3": ["--pp", "2", "--ep", "2", "--zero-stage", "3"],
     "ep2-zero3-recompute": ["--ep", "2", "--zero-stage", "3", "--recompute", "full"],
     "ep4-allgather": ["--ep", "4", "--moe-token-dispatcher-type", "allgather"],

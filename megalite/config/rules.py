@@ -102,8 +102,10 @@ def lr_schedule_lengths(config: RunConfig) -> tuple[float, float, float | None]:
     return warmup, decay, wsd
 
 
+YARN_FIELDS = ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+               "yarn_mscale", "yarn_mscale_all_dim")
 _ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_original_max_position_embeddings")
+                "rope_high_freq_factor", "rope_original_max_position_embeddings", *YARN_FIELDS)
 
 
 def _model_overrides(m) -> dict:
@@ -194,6 +196,9 @@ def model_config(config: RunConfig) -> TransformerConfig:
     if rope_flags and built.position_embedding_type != "rope":
         raise UsageError(f"{', '.join(rope_flags)}: for rotary positions only, but this model's position embedding "
                          f"is {built.position_embedding_type}: add --position-embedding-type rope, or drop them")
+    yarn_details = [f"--{k.replace('_', '-')}" for k in YARN_FIELDS[1:] if k in overrides]
+    if yarn_details and built.yarn_factor is None:
+        raise UsageError(f"{', '.join(yarn_details)}: YaRN settings, but YaRN is off: add --yarn-factor, or drop them")
     if m.kv_channels is not None and m.kv_channels != built.head_dim:
         raise UsageError(f"--kv-channels {m.kv_channels}: megalite's heads are hidden / heads = {built.head_dim} "
                          f"wide; drop --kv-channels or change --hidden-size/--num-attention-heads")

@@ -52,6 +52,16 @@ class TransformerConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # YaRN (arXiv 2309.00071, as DeepSeek-V3 uses it; None: off): frequencies turning fewer than
+    # beta_slow times over the original context are divided by the factor, more than beta_fast times
+    # kept, a linear blend between; cos/sin times m(mscale) / m(mscale_all_dim), and MLA's softmax
+    # scale times m(mscale_all_dim)^2, where m(k) = 1 + 0.1 k ln(factor).
+    yarn_factor: float | None = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     gated_linear_unit: bool = False  # MLP: fc2(act(gate) * up), gate and up each ffn_hidden_size wide
     num_query_groups: int | None = None  # grouped-query attention (None: one key/value head per query head)
     add_bias_linear: bool = True  # biases of every linear layer in the transformer layers
@@ -221,6 +231,24 @@ class TransformerConfig:
             if self.rope_original_max_position_embeddings < 1:
                 raise ValueError(f"rope_original_max_position_embeddings must be >= 1, "
                                  f"got {self.rope_original_max_position_embeddings}")
+        if self.yarn_factor is not None:
+            self._check_yarn()
+
+    def _check_yarn(self) -> None:
+        if self.rope_scaling_factor is not None:
+            raise ValueError("rope scaling is either Llama 3.1's (--rope-scaling-factor) or YaRN's (--yarn-factor): "
+                             "drop one")
+        if self.yarn_factor < 1.0:
+            raise ValueError(f"--yarn-factor must be >= 1, got {self.yarn_factor}")
+        if self.yarn_original_max_position_embeddings < 1:
+            raise ValueError(f"--yarn-original-max-position-embeddings must be >= 1, "
+                             f"got {self.yarn_original_max_position_embeddings}")
+        if not 0 < self.yarn_beta_slow <= self.yarn_beta_fast:
+            raise ValueError(f"--yarn-beta-slow ({self.yarn_beta_slow}) must be > 0 and at most --yarn-beta-fast "
+                             f"({self.yarn_beta_fast}): they count rotations over the original context")
+        if self.yarn_mscale < 0 or self.yarn_mscale_all_dim < 0:
+            raise ValueError(f"--yarn-mscale ({self.yarn_mscale}) and --yarn-mscale-all-dim "
+                             f"({self.yarn_mscale_all_dim}) must be >= 0")
 
     @property
     def head_dim(self) -> int:

@@ -28,7 +28,7 @@ from megalite.models.attention import ATTENTION_BACKENDS, _context_parallel_core
 from megalite.models.config import TransformerConfig
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
-from megalite.models.rope import rotary_embedding
+from megalite.models.rope import rotary_embedding, yarn_softmax_scale
 from megalite.parallel import state
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import (ColumnParallelLinear, RowParallelLinear, default_device, init_device,
@@ -114,7 +114,14 @@ class MultiLatentAttention(nn.Module):
     def _core(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d_n + d_r) + mask) v, q and k [b, heads, s, d_n + d_r], v [b, heads, s, d_v].
         With context parallelism s is this rank's share and the ring carries k and v (the latent is
-        expanded per head first: what attention needs, as for any attention)."""
+        expanded per head first: what attention needs, as for any attention). Under YaRN the scale is
+        m(mscale_all_dim)^2 / sqrt(d_n + d_r): q is multiplied by that ratio here, since every backend
+        scales by 1 / sqrt(q's width): the same scores but for one extra rounding of q in its dtype
+        (fp32: 6e-8 relative; bf16: the size of the rounding q had already), and autograd carries the
+        ratio into q's gradient as the scaled scores require."""
+        ratio = yarn_softmax_scale(self.config)  # 1 without YaRN
+        if ratio != 1.0:
+            q = q * ratio
         if state.get_context_parallel_world_size() > 1:
             # The ring's kernels take values as wide as keys: zero dims pad them, cut off after.
             pad = q.shape[-1] - v.shape[-1]

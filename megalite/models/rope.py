@@ -4,6 +4,11 @@ Hugging Face's "rotate half" convention: within the rotated dims of a head, dim 
 i + rotated / 2, so q/k weights of Hugging Face Llama-family checkpoints apply unchanged. The
 angles are computed in fp32; dims past `config.rotary_dims` pass through. No parameters: every
 stage builds the same table from the config, whatever it holds.
+
+Frequency scaling for contexts longer than the model was first trained at: Llama 3.1's
+(`rope_scaling_factor`) or YaRN's (`yarn_factor`, arXiv 2309.00071, in the form DeepSeek-V3 and
+Hugging Face use): each frequency is kept, divided by the factor, or blended by where its wavelength
+falls against the original context, and YaRN scales cos and sin by an attention factor.
 """
 from __future__ import annotations
 
@@ -18,12 +23,14 @@ from megalite.parallel.context_parallel import context_parallel_positions
 
 
 def inverse_frequencies(config: TransformerConfig) -> torch.Tensor:
-    """base^(-2i / rotated) for i < rotated / 2 (fp32, CPU), with Llama 3.1 scaling when configured."""
+    """base^(-2i / rotated) for i < rotated / 2 (fp32, CPU), with Llama 3.1 or YaRN scaling when configured."""
     dims = config.rotary_dims
     # fp32 throughout, as Hugging Face computes it, so long positions rotate by the same angles.
     inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
     if config.rope_scaling_factor is not None:
         inv_freq = _llama3_scaled(inv_freq, config)
+    if config.yarn_factor is not None:
+        inv_freq = _yarn_scaled(inv_freq, config)
     return inv_freq
 
 
@@ -34,6 +41,52 @@ def _llama3_scaled(inv_freq: torch.Tensor, config: TransformerConfig) -> torch.T
     wavelength = 2 * math.pi / inv_freq
     blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed, 1: kept
     return (1.0 - blend) * inv_freq / factor + blend * inv_freq
+
+
+def _yarn_correction_dim(rotations: float, config: TransformerConfig) -> float:
+    """The (fractional) dim index whose frequency turns `rotations` times over the original context:
+    base^(-d / dims) * original = 2 pi * rotations, solved for d."""
+    dims, original = config.rotary_dims, config.yarn_original_max_position_embeddings
+    return dims * math.log(original / (2 * math.pi * rotations)) / (2 * math.log(config.rotary_base))
+
+
+def yarn_ramp(config: TransformerConfig) -> torch.Tensor:
+    """Per frequency i < rotary_dims / 2: 0 where it is kept (more than beta_fast turns over the
+    original context), 1 where it is divided by the factor (fewer than beta_slow), linear between.
+    The bounds are rounded outwards to whole dims, as YaRN's reference and Hugging Face do."""
+    low = max(math.floor(_yarn_correction_dim(config.yarn_beta_fast, config)), 0)
+    high = min(math.ceil(_yarn_correction_dim(config.yarn_beta_slow, config)), config.rotary_dims - 1)
+    width = high - low if high != low else 0.001  # one step at `low` when the two meet
+    i = torch.arange(config.rotary_dims // 2, dtype=torch.float32)
+    return ((i - low) / width).clamp(0.0, 1.0)
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    ramp = yarn_ramp(config)
+    return (1.0 - ramp) * inv_freq + ramp * inv_freq / config.yarn_factor
+
+
+def yarn_mscale(factor: float, scale: float) -> float:
+    """YaRN's magnitude correction 1 + 0.1 scale ln(factor) (1 when the context is not stretched)."""
+    return 1.0 if factor <= 1.0 else 1.0 + 0.1 * scale * math.log(factor)
+
+
+def yarn_attention_factor(config: TransformerConfig) -> float:
+    """What YaRN multiplies cos and sin by (so the rotated dims' part of every score by its square):
+    m(mscale) / m(mscale_all_dim); 1 without YaRN."""
+    if config.yarn_factor is None:
+        return 1.0
+    f = config.yarn_factor
+    return yarn_mscale(f, config.yarn_mscale) / yarn_mscale(f, config.yarn_mscale_all_dim)
+
+
+def yarn_softmax_scale(config: TransformerConfig) -> float:
+    """The factor DeepSeek's MLA multiplies its softmax scale 1/sqrt(d_n + d_r) by under YaRN:
+    m(mscale_all_dim)^2, on every dim of the scores (DeepSeek-V3's mscale = mscale_all_dim leaves cos
+    and sin unscaled and puts the whole correction here); 1 without YaRN."""
+    if config.yarn_factor is None:
+        return 1.0
+    return yarn_mscale(config.yarn_factor, config.yarn_mscale_all_dim) ** 2
 
 
 # cos/sin tables by (inverse frequencies, length, device): one copy for all the layers of a process
@@ -50,13 +103,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dims = config.rotary_dims
         self.inv_freq = inverse_frequencies(config)  # a plain attribute: not in the state dict
+        self.attention_factor = yarn_attention_factor(config)
         self._key = (config.rotary_dims, config.rotary_base, config.rope_scaling_factor, config.rope_low_freq_factor,
-                     config.rope_high_freq_factor, config.rope_original_max_position_embeddings)
+                     config.rope_high_freq_factor, config.rope_original_max_position_embeddings, config.yarn_factor,
+                     config.yarn_original_max_position_embeddings, config.yarn_beta_fast, config.yarn_beta_slow,
+                     self.attention_factor)
 
     def cos_sin(self, s: int, device, cp_rank: int = 0, cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads: positions 0..s-1, or
         with context parallelism the global positions of CP rank `cp_rank`'s s tokens. The sine's
-        first half is negated: rotate_half(x) * sin is then x.roll(half) * sin, with no cat."""
+        first half is negated: rotate_half(x) * sin is then x.roll(half) * sin, with no cat. Under
+        YaRN both are times its attention factor."""
         key = (self._key, s, str(device), cp_rank, cp)
         if key not in _TABLES:
             if len(_TABLES) >= _MAX_TABLES:
@@ -64,9 +121,11 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(s) if cp == 1 else context_parallel_positions(s * cp, cp_rank, cp)
             angles = torch.outer(positions.to(torch.float32), self.inv_freq)
             angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
-            sin = angles.sin()
+            cos, sin = angles.cos(), angles.sin()
             sin[..., :self.rotary_dims // 2].neg_()
-            _TABLES[key] = (angles.cos(), sin)
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            _TABLES[key] = (cos, sin)
         return _TABLES[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

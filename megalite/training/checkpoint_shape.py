@@ -9,7 +9,7 @@ import json
 
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config
-from megalite.config.rules import MLA_SIZES, MOE_FIELDS, virtual_stages
+from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS, virtual_stages
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import flag_name
 from megalite.errors import UsageError
@@ -40,6 +40,8 @@ def shape_fields(model: TransformerConfig) -> dict:
         out.update({k: getattr(model, k) for k in _ROPE})
         if model.rope_scaling_factor is not None:
             out.update({k: getattr(model, k) for k in _ROPE_SCALING})
+        if model.yarn_factor is not None:
+            out.update({k: getattr(model, k) for k in YARN_FIELDS})
     return out
 
 

@@ -36,6 +36,11 @@ def record(layer_number: int, num_experts: int, counts: torch.Tensor, assignment
         s[_FIXED:] += counts.float()
 
 
+def reset() -> None:
+    """Drop the figures not taken yet (a layer used outside training, a test)."""
+    _sums.clear()
+
+
 def take(num_layers: int, moe_layers: list[int], num_experts: int, device, steps: int = 1) -> dict:
     """The log line's MoE figures since the last take (`steps` optimizer steps: the loss terms are
     per step), over every rank (a collective: every rank calls it at the same log line)."""

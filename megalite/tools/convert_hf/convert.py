@@ -7,15 +7,15 @@ from typing import Mapping
 import torch
 
 from megalite.models.config import TransformerConfig
-from megalite.tools.convert_hf import bert, gpt2, llama, moe
+from megalite.tools.convert_hf import bert, deepseek, gpt2, llama, moe
 from megalite.tools.convert_hf.common import ConversionError, load_hf_config, load_hf_weights, refuse
 
 # family module -> the megalite model kind it becomes
-FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"))
+FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"), (deepseek, "gpt"))
 SUPPORTED = ", ".join(a for family, _ in FAMILIES for a in family.ARCHITECTURES)
 # What to_hf writes: kind -> Hugging Face class -> family.
 EXPORTS = {"gpt": {"GPT2LMHeadModel": gpt2, **{a: llama for a in llama.ARCHITECTURES},
-                   **{a: moe for a in moe.ARCHITECTURES}},
+                   **{a: moe for a in moe.ARCHITECTURES}, deepseek.DEEPSEEK_V3: deepseek},
            "bert": {"BertForPreTraining": bert}}
 
 
@@ -71,8 +71,8 @@ def from_hf(model_or_dir) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     """(config, state_dict) of the megalite model equal to a Hugging Face one.
 
     `model_or_dir`: a model of one of the SUPPORTED architectures, or a directory written by its
-    save_pretrained (read with local_files_only). GPT-2, the Llama and MoE families become a GPTModel,
-    BERT a BERTModel (`model_kind(state_dict)` or `hf_model_kind(model_or_dir)` tells which). The
+    save_pretrained (read with local_files_only). GPT-2, the Llama, MoE and DeepSeek-V3 families become a
+    GPTModel, BERT a BERTModel (`model_kind(state_dict)` or `hf_model_kind(model_or_dir)` tells which). The
     state dict has exactly the names and shapes of that model's state_dict() on one device (tp = 1):
     vocabulary padded to `pad_vocab_size(vocab, 1, config.make_vocab_size_divisible_by)` with zero
     rows. Tensors are copies, in the Hugging Face model's dtype (= config.params_dtype).
@@ -93,7 +93,8 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     GPT2LMHeadModel for a GPT with learned positions, and for a RoPE / GQA / SwiGLU GPT
     Qwen3ForCausalLM with qk norms, Qwen2ForCausalLM with q/k/v biases alone, else
     LlamaForCausalLM; for a GPT with experts the first of MixtralForCausalLM, Qwen3MoeForCausalLM,
-    OlmoeForCausalLM and Qwen2MoeForCausalLM that holds it. Tensors are copied in their dtype."""
+    OlmoeForCausalLM and Qwen2MoeForCausalLM that holds it; with multi-head latent attention
+    DeepseekV3ForCausalLM. Tensors are copied in their dtype."""
     kind = kind or model_kind(state_dict)
     if config.layernorm_zero_centered_gamma:
         raise ConversionError("the model keeps its norm weights zero-centred (--apply-layernorm-1p); Hugging Face "
@@ -102,18 +103,21 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
         raise ConversionError(f"model kind must be 'gpt' or 'bert', got {kind!r}")
     exports = EXPORTS[kind]
     if architecture is None:
-        family = (bert if kind == "bert" else moe if config.is_moe else llama if llama.is_llama_like(config)
-                  else gpt2)
+        family = (bert if kind == "bert" else deepseek if config.multi_latent_attention else moe if config.is_moe
+                  else llama if llama.is_llama_like(config) else gpt2)
     elif architecture in exports:
         family = exports[architecture]
     else:
         raise ConversionError(f"a megalite {kind.upper()} exports as {', '.join(exports)}, not {architecture}")
-    if config.is_moe and family is not moe:
+    if config.multi_latent_attention and family is not deepseek:
+        raise ConversionError(f"this model has multi-head latent attention, {architecture} none: choose "
+                              f"{deepseek.DEEPSEEK_V3}")
+    if config.is_moe and family not in (moe, deepseek):
         raise ConversionError(f"this model has experts, {architecture} none: choose one of "
                               f"{', '.join(moe.ARCHITECTURES)}")
     if family is moe and not config.is_moe:
         raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
                               f"{llama.LLAMA}")
-    if family in (llama, moe):
+    if family in (llama, moe, deepseek):
         return family.to_hf(config, state_dict, architecture)
     return family.to_hf(config, state_dict)

@@ -107,10 +107,17 @@ def stored_problems(directory, cfg) -> list[str]:
     arch = hf_class(cfg).__name__
     fields, _ = config_fields(cfg, arch)
     config = TransformerConfig(**fields)
+    return file_problems(stored, table(shape_of(config)), arch, config)
+
+
+def file_problems(stored: set[str], rows: list[Row], arch: str, config: TransformerConfig) -> list[str]:
+    """What the weight files' tensor names `stored` lack of a table's `rows`, and hold beyond them,
+    for any MoE family whose files store each expert as `stored_names` says (an in-memory name
+    stored as it is counts too)."""
     expected = []
-    for _, theirs, _ in table(shape_of(config)):
+    for _, theirs, _ in rows:
         for name in theirs if isinstance(theirs, tuple) else (theirs,):
-            expected += [name] if name in stored else stored_names(name, arch, config.num_moe_experts)
+            expected += [name] if name in stored else stored_names(name, arch, config.num_moe_experts or 0)
     problems = []
     missing = [n for n in expected if n not in stored]
     if missing:

@@ -1,0 +1,115 @@
+"""YaRN rope scaling (megalite.models.rope): the frequencies, the cos/sin attention factor and MLA's
+softmax factor against values worked out by hand, and against transformers' own YaRN for
+DeepSeek-V3's published settings; the config's checks and the command line's flags."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megalite import config as C
+from megalite.errors import UsageError
+from megalite.models import TransformerConfig
+from megalite.models.rope import (RotaryEmbedding, inverse_frequencies, yarn_attention_factor, yarn_ramp,
+                                  yarn_softmax_scale)
+
+
+def _mla(**fields) -> TransformerConfig:
+    """8 rotary dims per head (MLA's d_r) unless `fields` say otherwise, base 10000."""
+    return TransformerConfig(**{**dict(num_layers=1, hidden_size=32, num_attention_heads=4, kv_lora_rank=12,
+                                       position_embedding_type="rope", multi_latent_attention=True, qk_head_dim=6,
+                                       qk_pos_emb_head_dim=8, v_head_dim=10), **fields})
+
+
+@pytest.mark.parametrize("original, ramp, inv_freq", [
+    # The blend's bounds: the dim turning beta times over the original context is
+    # d(beta) = 8 ln(original / (2 pi beta)) / (2 ln 10000). original 64: d(32) = -0.50 -> 0,
+    # d(1) = 1.008 -> 2: ramp i / 2.
+    (64, [0.0, 0.5, 1.0, 1.0], [1.0, 0.5 * 0.1 + 0.5 * 0.1 / 4, 0.01 / 4, 0.001 / 4]),
+    # original 4096: d(32) = 1.31 -> 1, d(1) = 2.81 -> 3: ramp (i - 1) / 2.
+    (4096, [0.0, 0.0, 0.5, 1.0], [1.0, 0.1, 0.5 * 0.01 + 0.5 * 0.01 / 4, 0.001 / 4]),
+])
+def test_yarn_frequencies_are_kept_divided_or_blended_as_worked_out_by_hand(original, ramp, inv_freq):
+    c = _mla(yarn_factor=4.0, yarn_original_max_position_embeddings=original)
+    assert yarn_ramp(c).tolist() == ramp
+    assert torch.allclose(inverse_frequencies(c), torch.tensor(inv_freq), rtol=1e-6, atol=0)
+    assert torch.allclose(inverse_frequencies(c.replace(yarn_factor=None)), torch.tensor([1.0, 0.1, 0.01, 0.001]))
+
+
+def test_attention_and_softmax_factors_as_worked_out_by_hand():
+    m1 = 1 + 0.1 * math.log(4.0)  # 1.1386294...
+    assert m1 == pytest.approx(1.1386294361, abs=1e-10)
+    defaults = _mla(yarn_factor=4.0)  # mscale 1, mscale_all_dim 0: cos/sin carry it all, the softmax nothing
+    assert (yarn_attention_factor(defaults), yarn_softmax_scale(defaults)) == (pytest.approx(m1), 1.0)
+    deepseek = _mla(yarn_factor=4.0, yarn_mscale=1.0, yarn_mscale_all_dim=1.0)  # all in the softmax
+    assert (yarn_attention_factor(deepseek), yarn_softmax_scale(deepseek)) == (1.0, pytest.approx(1.2964769877))
+    half = _mla(yarn_factor=4.0, yarn_mscale=1.0, yarn_mscale_all_dim=0.5)
+    m_half = 1 + 0.05 * math.log(4.0)
+    assert yarn_attention_factor(half) == pytest.approx(m1 / m_half)  # 1.0648...
+    assert yarn_softmax_scale(half) == pytest.approx(m_half ** 2)
+    unstretched = _mla(yarn_factor=1.0, yarn_mscale_all_dim=1.0)
+    assert (yarn_attention_factor(unstretched), yarn_softmax_scale(unstretched)) == (1.0, 1.0)
+    assert (yarn_attention_factor(_mla()), yarn_softmax_scale(_mla())) == (1.0, 1.0)
+
+
+def test_the_cos_sin_tables_carry_the_attention_factor():
+    c = _mla(yarn_factor=4.0, yarn_original_max_position_embeddings=64)
+    factor = 1 + 0.1 * math.log(4.0)
+    cos, sin = RotaryEmbedding(c).cos_sin(5, "cpu")
+    angles = torch.outer(torch.arange(5.0), inverse_frequencies(c))
+    cos, sin = cos[:, 0, 0], sin[:, 0, 0]  # [positions, 8]: the 4 angles twice, the sine's first half negated
+    assert torch.allclose(cos[:, :4], angles.cos() * factor) and torch.equal(cos[:, 4:], cos[:, :4])
+    assert torch.allclose(sin[:, 4:], angles.sin() * factor) and torch.equal(sin[:, :4], -sin[:, 4:])
+    plain_cos, _ = RotaryEmbedding(c.replace(yarn_factor=None)).cos_sin(5, "cpu")  # another table, not the cached one
+    assert torch.allclose(plain_cos[:, 0, 0, :4], torch.outer(torch.arange(5.0), inverse_frequencies(
+        c.replace(yarn_factor=None))).cos())
+
+
+def test_deepseek_v3s_yarn_equals_transformers():
+    """DeepSeek-V3's published rope: d_r 64, base 10000, factor 40 over 4096 positions, betas 32 and
+    1, mscale = mscale_all_dim = 1: transformers' frequencies and factors (its softmax factor
+    through DeepseekV3Attention's own function)."""
+    tf = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    hf = tf.DeepseekV3Config(rope_parameters=dict(rope), max_position_embeddings=163840)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = _mla(qk_pos_emb_head_dim=64, yarn_factor=40.0, yarn_original_max_position_embeddings=4096,
+                yarn_mscale=1.0, yarn_mscale_all_dim=1.0)
+    assert ((inverse_frequencies(ours) - inv_freq).abs() / inv_freq).max() < 1e-6
+    assert 0.0 < yarn_ramp(ours).sum() < 32  # some frequencies kept, some divided
+    assert yarn_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-12)
+    scale = 1 / math.sqrt(128 + 64)
+    assert scale * yarn_softmax_scale(ours) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, scale), rel=1e-12)
+    assert yarn_softmax_scale(ours) == pytest.approx((1 + 0.1 * math.log(40.0)) ** 2)  # 1.87...
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(yarn_factor=4.0, rope_scaling_factor=8.0), "either Llama 3.1's .* or YaRN's"),
+    (dict(yarn_factor=0.5), "--yarn-factor must be >= 1"),
+    (dict(yarn_factor=4.0, yarn_beta_fast=1.0, yarn_beta_slow=32.0), "--yarn-beta-slow .* at most --yarn-beta-fast"),
+    (dict(yarn_factor=4.0, yarn_mscale=-1.0), "must be >= 0"),
+])
+def test_the_config_refuses_bad_yarn_settings(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _mla(**fields)
+
+
+def _parse(argv):
+    return C.model_config(C.build_parser("test", "llama-tiny").parse_args(argv))
+
+
+def test_yarn_flags():
+    built = _parse(["--yarn-factor", "40", "--yarn-original-max-position-embeddings", "4096", "--yarn-mscale", "1",
+                    "--yarn-mscale-all-dim", "1", "--yarn-beta-fast", "16"])
+    assert (built.yarn_factor, built.yarn_original_max_position_embeddings, built.yarn_mscale,
+            built.yarn_mscale_all_dim, built.yarn_beta_fast, built.yarn_beta_slow) == (40.0, 4096, 1.0, 1.0, 16.0, 1.0)
+    assert _parse([]).yarn_factor is None
+    with pytest.raises(UsageError, match="--yarn-beta-fast: YaRN settings, but YaRN is off: add --yarn-factor"):
+        _parse(["--yarn-beta-fast", "16"])
+    with pytest.raises(UsageError, match="--yarn-factor: for rotary positions only"):
+        C.model_config(C.build_parser("test", "gpt-tiny").parse_args(["--yarn-factor", "4"]))
