@@ -328,10 +328,7 @@ def stored_problems(directory, cfg) -> list[str]:
 def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     fields, problems = config_fields(model.config)
     theirs = dict(model.state_dict())
-    if any(".mlp.experts.0." in k for k in theirs):
-        problems.append("its experts are modules of their own (transformers < 5): convert MoE models with "
-                        "transformers >= 5, which holds them fused")
-    refuse(DEEPSEEK_V3, problems + llama.tied_head_problems(theirs, fields))
+    refuse(DEEPSEEK_V3, problems + moe.unfused_expert_problems(theirs) + llama.tied_head_problems(theirs, fields))
     config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
     padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
     return config, tensors_from_hf(theirs, config, padded, bool(getattr(model.config, "rope_interleave", True)))

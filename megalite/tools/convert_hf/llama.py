@@ -343,8 +343,13 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], arc
     rows = table(shape_of(config))
     refuse("this megalite GPT", export_problems(config, arch) + table_problems(state_dict, rows, config.vocab_size),
            to=f"Hugging Face {arch}")
-    theirs = tensors_to_hf(state_dict, config)
+    return load_exported(config, state_dict, tensors_to_hf(state_dict, config),
+                         getattr(transformers(), arch)(hf_config(config, arch)))
+
+
+def load_exported(config, state_dict: Mapping[str, torch.Tensor], theirs: dict, model):
+    """`model` (a new Hugging Face *ForCausalLM) in megalite's dtype and eval mode, holding `theirs`
+    (the exported tensors), with the tied head pointing at the embedding."""
     if not config.untie_embeddings_and_output_weights:
         theirs["lm_head.weight"] = theirs["model.embed_tokens.weight"]
-    model = getattr(transformers(), arch)(hf_config(config, arch))
     return load_into(model.to(state_dict["word_embeddings.weight"].dtype), theirs)

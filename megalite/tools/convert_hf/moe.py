@@ -25,7 +25,7 @@ import torch
 from megalite.models.config import TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
-from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, listed, load_into,
+from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, listed,
                                               refuse, stored_tensor_names, table_problems, transformers)
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -208,14 +208,19 @@ def config_problems(cfg) -> list[str]:
     return config_fields(cfg, hf_class(cfg).__name__)[1]
 
 
+def unfused_expert_problems(theirs: Mapping[str, torch.Tensor]) -> list[str]:
+    """A model object whose experts are modules of their own (transformers < 5) cannot be read."""
+    if any(".mlp.experts.0." in k for k in theirs):
+        return ["its experts are modules of their own (transformers < 5): convert MoE models with "
+                "transformers >= 5, which holds them fused"]
+    return []
+
+
 def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     arch = type(model).__name__
     fields, problems = config_fields(model.config, arch)
     theirs = dict(model.state_dict())
-    if any(".mlp.experts.0." in k for k in theirs):
-        problems.append("its experts are modules of their own (transformers < 5): convert MoE models with "
-                        "transformers >= 5, which holds them fused")
-    refuse(arch, problems + llama.tied_head_problems(theirs, fields))
+    refuse(arch, problems + unfused_expert_problems(theirs) + llama.tied_head_problems(theirs, fields))
     config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
     padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
     return config, tensors_from_hf(theirs, config, padded)
@@ -303,8 +308,5 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], arc
     rows = table(shape_of(config))
     refuse("this megalite GPT", export_problems(config, arch) + table_problems(state_dict, rows, config.vocab_size),
            to=f"Hugging Face {arch}")
-    theirs = tensors_to_hf(state_dict, config)
-    if not config.untie_embeddings_and_output_weights:
-        theirs["lm_head.weight"] = theirs["model.embed_tokens.weight"]
-    model = getattr(transformers(), arch)(hf_config(config, arch))
-    return load_into(model.to(state_dict["word_embeddings.weight"].dtype), theirs)
+    return llama.load_exported(config, state_dict, tensors_to_hf(state_dict, config),
+                               getattr(transformers(), arch)(hf_config(config, arch)))
