@@ -10,6 +10,7 @@ import sys
 from megalite.data import build_gpt_datasets
 from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
+from megalite.models.mtp import WithMTPTargets
 from megalite.training import Task, entry, gpt_forward_step, prepare_data, train_valid_datasets
 
 
@@ -26,7 +27,10 @@ def build_data(config, cfg):
         return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, samples, cfg.training.seed,
                                   vocab_size=config.vocab_size, lock_timeout=lock_timeout)
 
-    return train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
+    train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
+    if config.mtp_num_layers:  # multi-token prediction reads tokens further on, cut before CP splits sequences
+        train, valid = (None if d is None else WithMTPTargets(d, config.mtp_num_layers) for d in (train, valid))
+    return train, valid
 
 
 def task() -> Task:

@@ -58,7 +58,7 @@ def named_params(model_chunks):
 
 # A MoE layer's experts are stored one tensor per expert, named by its global index (whatever the EP
 # size): the model's [local experts, rows, cols] parameter is that many 2-D tensors in the file.
-EXPERT_TENSOR = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(fc[12]_weight)$")
+EXPERT_TENSOR = re.compile(r"^((?:layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\.(fc[12]_weight)$")
 
 
 def split_experts(state_dict: dict) -> dict:

@@ -117,6 +117,15 @@ def _check_experts_under_local_sgd(model: TransformerConfig, replica_ranks: int,
                          "step, which --local-sgd-interval does not synchronize: drop one of them")
 
 
+def _check_multi_token_prediction(config: RunConfig, model: TransformerConfig) -> None:
+    depth, s = model.mtp_num_layers, config.model.seq_length
+    if depth >= s:
+        raise UsageError(f"--mtp-num-layers {depth} predicts past the --seq-length {s} tokens: use fewer MTP layers")
+    if model.position_embedding_type == "learned_absolute" and config.parallel.pp > 1:
+        raise UsageError("--mtp-num-layers with learned absolute positions needs --pp 1 (the last stage would need "
+                         "the position table too): use rotary positions (--position-embedding-type rope) or --pp 1")
+
+
 def validate(config: RunConfig, world_size: int, model: TransformerConfig, machine: bool = True) -> int:
     """Check the layout against the world and the model; return the data-parallel size. `machine`:
     also what this machine must have installed or be able to run (not for --print-config, which
@@ -151,6 +160,8 @@ def validate(config: RunConfig, world_size: int, model: TransformerConfig, machi
     if p.sequence_parallel and config.model.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({config.model.seq_length}) divisible by "
                          f"--tp ({tp})")
+    if model.mtp_num_layers:
+        _check_multi_token_prediction(config, model)
     if config.local_sgd.local_sgd_interval and d.zero_stage:
         raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
                          "data parallelism): drop --use-distributed-optimizer / --zero-stage")

@@ -112,7 +112,7 @@ def _model_overrides(m) -> dict:
     """TransformerConfig fields the model section sets; fields left unset set nothing."""
     same = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "normalization",
             "position_embedding_type", "num_query_groups", "max_position_embeddings", "init_method_std",
-            "make_vocab_size_divisible_by", *_ROPE_FIELDS)
+            "make_vocab_size_divisible_by", "mtp_num_layers", "mtp_loss_scaling_factor", *_ROPE_FIELDS)
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon

@@ -161,6 +161,11 @@ class ModelConfig:
     qk_pos_emb_head_dim: int | None = opt(None, "MLA: a query/key head's rotary dims, one rotary key shared by the "
                                                 "heads (default 64)", check=POSITIVE_INT, shape=True)
     v_head_dim: int | None = opt(None, "MLA: a value head's dims (default 128)", check=POSITIVE_INT, shape=True)
+    mtp_num_layers: int | None = opt(None, "multi-token prediction: this many sequential modules predicting one "
+                                           "more token each (DeepSeek-V3; docs/deepseek.md)",
+                                     check=NON_NEGATIVE, shape=True)
+    mtp_loss_scaling_factor: float | None = opt(None, "multi-token prediction: the depths' mean loss times this "
+                                                      "joins the training loss (default 0.1)", check=NON_NEGATIVE)
     apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)
     norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
                                      flags=("--norm-epsilon", "--layernorm-epsilon"), check=POSITIVE)

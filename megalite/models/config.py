@@ -99,6 +99,10 @@ class TransformerConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: int | None = None  # a dense MLP every token also takes
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w)
+    # Multi-token prediction (DeepSeek-V3; megalite.models.mtp): this many sequential modules on the
+    # last stage, their losses weighted by mtp_loss_scaling_factor / mtp_num_layers.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -130,6 +134,9 @@ class TransformerConfig:
             raise ValueError(f"activation must be gelu_tanh or gelu or silu, got {self.activation!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"--mtp-num-layers ({self.mtp_num_layers}) and --mtp-loss-scaling-factor "
+                             f"({self.mtp_loss_scaling_factor}) must be >= 0")
         if self.multi_latent_attention:  # first: rope's checks read its rotary dims
             self._check_mla_fields()
         self._check_llama_fields()
@@ -182,8 +189,9 @@ class TransformerConfig:
         return self.num_moe_experts is not None
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Whether layer `layer_number` (0-based, of the whole model) has experts for its MLP."""
-        return self.is_moe and bool(self.moe_layer_freq[layer_number])
+        """Whether layer `layer_number` (0-based, of the whole model) has experts for its MLP. The layers
+        of multi-token prediction (numbered on from num_layers) are MoE when the last layer is."""
+        return self.is_moe and bool(self.moe_layer_freq[min(layer_number, self.num_layers - 1)])
 
     def _check_llama_fields(self) -> None:
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
@@ -384,6 +392,31 @@ PRESETS.update({
                         moe_z_loss_coeff=0.001),
 })
 
+
+# DeepSeek-V3 (arXiv 2412.19437; deepseek-ai/DeepSeek-V3's config.json): multi-head latent attention,
+# 256 routed experts (top-8 of 8 groups, 4 groups per token) under a sigmoid router with aux-loss-free
+# bias, one shared expert, the first 3 layers dense, one multi-token prediction module, YaRN to 160K.
+# Its balance terms as the paper trains them: sequence-wise aux loss alpha 0.0001, bias rate 0.001.
+_DEEPSEEK = dict(_LLAMA, multi_latent_attention=True, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                 kv_lora_rank=512, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                 moe_router_load_balancing_type="seq_aux_loss", moe_router_bias_update_rate=1e-3, mtp_num_layers=1,
+                 mtp_loss_scaling_factor=0.1)
+PRESETS.update({
+    "deepseek-v3": dict(_DEEPSEEK, num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
+                        q_lora_rank=1536, vocab_size=129280, max_position_embeddings=163840, layernorm_epsilon=1e-6,
+                        yarn_factor=40.0, yarn_original_max_position_embeddings=4096, yarn_mscale=1.0,
+                        yarn_mscale_all_dim=1.0, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                        moe_layer_freq=[0] * 3 + [1] * 58, moe_router_num_groups=8, moe_router_group_topk=4,
+                        moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=2048,
+                        moe_aux_loss_coeff=1e-4),
+    # For tests: DeepSeek-V3's every path at CPU size (no query low rank: add --q-lora-rank for it).
+    "deepseek-tiny": dict(_DEEPSEEK, num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                          kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                          max_position_embeddings=128, vocab_size=1024, num_moe_experts=16, moe_router_topk=4,
+                          moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1], moe_router_num_groups=4,
+                          moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                          moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=0.01),
+})
 
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:
     """--moe-layer-freq as a 0/1 per layer: an int k (every k-th layer, the first included: 1 is all),

@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
+from megalite.models.mtp import MTPModule
 from megalite.parallel import state
 from megalite.parallel.context_parallel import context_parallel_positions
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -31,6 +33,11 @@ class GPTModel(LanguageModelStage):
     columns -inf). A stage without pre_process reads its input from `set_input_tensor`; one
     without post_process returns hidden states [s, b, h].
     attention_mask: optional bool [b, 1, s, s], True = masked out, applied on top of causality.
+
+    With `loss_mask` [b, s] too, it returns the summed losses [1 + D] (fp32): the main model's
+    sum of per-token loss x loss_mask, then each multi-token prediction depth's (`mtp`, D =
+    config.mtp_num_layers modules on the last stage; megalite.models.mtp), which read `mtp_labels`
+    and `mtp_loss_mask` [b, s, D] (`with_mtp_targets`).
     """
 
     def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
@@ -39,6 +46,9 @@ class GPTModel(LanguageModelStage):
         self.layers = self.build_layers()
         if post_process:
             self.final_layernorm = self.norm()
+            if config.mtp_num_layers:
+                self.mtp = nn.ModuleList(MTPModule(config, k, self._seed, self._device)
+                                         for k in range(1, config.mtp_num_layers + 1))
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         s = input_ids.shape[1]  # this rank's tokens: with context parallelism, its share of each sequence
@@ -56,7 +66,15 @@ class GPTModel(LanguageModelStage):
             position_ids = positions.to(input_ids.device).unsqueeze(0).expand_as(input_ids)
         return self.embedding_dropout(self.add_replicated(x, self.position_embeddings(position_ids.t())))
 
-    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None):
+    def embed_shifted(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Multi-token prediction's input: tokens further on, embedded as the first stage embeds (a last
+        stage that is not also the first holds a copy of the word embedding; positions are rotary)."""
+        if self.pre_process:
+            return self.embed(input_ids, position_ids)
+        return self.embedding_dropout(self.word_embeddings(input_ids.t()))
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None, loss_mask=None,
+                mtp_labels=None, mtp_loss_mask=None):
         x = self.embed(input_ids, position_ids) if self.pre_process else self.received_input()
         if attention_mask is not None:
             s = attention_mask.shape[-1]
@@ -65,7 +83,21 @@ class GPTModel(LanguageModelStage):
         x = self.run_layers(x, attention_mask)
         if not self.post_process:
             return x
-        logits = self.output_logits(self.final_layernorm(x))
+        hidden = self.final_layernorm(x)
+        logits = self.output_logits(hidden)
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t()).t()
+        per_token = vocab_parallel_cross_entropy(logits, labels.t()).t()
+        if loss_mask is None:
+            return per_token
+        sums = [(per_token * loss_mask).sum()]
+        if self.config.mtp_num_layers:
+            if mtp_labels is None or mtp_loss_mask is None:
+                raise ValueError("a model with multi-token prediction needs mtp_labels and mtp_loss_mask with its "
+                                 "loss_mask (megalite.models.mtp.with_mtp_targets makes them from the batch)")
+            for k, module in enumerate(self.mtp, 1):  # depth k reads t_{i+k} and predicts t_{i+k+1}
+                shifted = labels if k == 1 else mtp_labels[..., k - 2]
+                hidden = module(hidden, self.embed_shifted(shifted, position_ids), attention_mask)
+                per_token = vocab_parallel_cross_entropy(self.output_logits(hidden), mtp_labels[..., k - 1].t()).t()
+                sums.append((per_token * mtp_loss_mask[..., k - 1]).sum())
+        return torch.stack(sums)

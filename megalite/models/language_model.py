@@ -36,7 +36,8 @@ class LanguageModelStage(nn.Module):
 
     With `untie_embeddings_and_output_weights` the first stage alone holds `word_embeddings` and
     the last stage an `output_layer` [padded_vocab, h] of its own (vocab-parallel, drawn from its
-    own component generator), nothing shared between them.
+    own component generator), nothing shared between them; with multi-token prediction the last
+    stage also keeps a copy of `word_embeddings`, shared as a tied one is.
 
     A subclass adds its own modules after this constructor, in the order its parameters were
     always created, calling `build_layers()` where the layers go.
@@ -54,9 +55,14 @@ class LanguageModelStage(nn.Module):
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
         self.layer_numbers = list(range(config.num_layers) if layer_numbers is None else layer_numbers)
         if config.untie_embeddings_and_output_weights:
-            if pre_process:
+            # Multi-token prediction looks tokens up on the last stage: one that is not also the
+            # first keeps a copy of the word embedding, summed with the first stage's as a tied one is.
+            lookup_copy = config.mtp_num_layers > 0 and pre_process != post_process
+            if pre_process or (post_process and lookup_copy):
                 self.word_embeddings = self._vocab_parallel(WORD_EMBEDDING_COMPONENT)
                 self.word_embeddings.fuse_weight_grad = True  # untied: looked up, never multiplied
+                self.word_embeddings.weight.tied_embedding = lookup_copy
+                self.word_embeddings.weight.shared_embedding = lookup_copy and not pre_process
             if post_process:
                 self.output_layer = self._vocab_parallel(OUTPUT_LAYER_COMPONENT)
         elif pre_process or post_process:

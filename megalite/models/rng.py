@@ -3,7 +3,8 @@ dropout on activations replicated across TP, and recomputation that replays the 
 
 Component ids (the `component` of `init_generator`): 0 the word embedding, 1 the position
 embedding, 1000 + n transformer layer n; BERT's heads take 2-5 (megalite/models/bert.py); 6 the
-untied output layer.
+untied output layer; 100 + k - 1 the projection of multi-token prediction's depth k (its layer is
+layer num_layers + k - 1).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megalite.parallel.random import get_rng_tracker
 
 WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT, OUTPUT_LAYER_COMPONENT = 0, 1, 6
 FIRST_LAYER_COMPONENT = 1000
+MTP_FIRST_COMPONENT = 100
 
 
 def init_generator(seed: int, component: int, device=None) -> torch.Generator:

@@ -83,7 +83,8 @@ def build_model_chunks(task: Task, config, cfg, device) -> list[torch.nn.Module]
 def tied_embedding_group(cfg):
     """The group over which the tied word embedding's gradient is summed: the first and last
     pipeline stage; None when one stage holds both copies (no pipeline). An untied model marks no
-    parameter tied, so nothing is summed over it."""
+    parameter tied (but for multi-token prediction's copy of the word embedding), so nothing is
+    summed over it."""
     return parallel.get_embedding_group() if cfg.parallel.pp > 1 else None
 
 

@@ -36,6 +36,8 @@ def shape_fields(model: TransformerConfig) -> dict:
                apply_layernorm_1p=model.layernorm_zero_centered_gamma)
     if model.multi_latent_attention:
         out.update(multi_latent_attention=True, **{k: getattr(model, k) for k in MLA_SIZES})
+    if model.mtp_num_layers:  # its weight in the loss too, unless a flag retunes it
+        out.update(mtp_num_layers=model.mtp_num_layers, mtp_loss_scaling_factor=model.mtp_loss_scaling_factor)
     if model.position_embedding_type == "rope":
         out.update({k: getattr(model, k) for k in _ROPE})
         if model.rope_scaling_factor is not None:

@@ -11,7 +11,7 @@ from megalite.errors import UsageError
 from megalite.runtime import env_world, run_main, say
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.loop import pretrain
-from megalite.training.task import Task
+from megalite.training.task import Task, check_task_flags
 
 
 def print_config(cfg: RunConfig, task: Task) -> None:
@@ -23,6 +23,7 @@ def print_config(cfg: RunConfig, task: Task) -> None:
         raise UsageError(f"WORLD_SIZE={world}: --print-config checks the configuration for that many ranks; give "
                          f"a whole number >= 1")
     world = int(world)
+    check_task_flags(cfg, task)
     with contextlib.redirect_stdout(sys.stderr):
         cfg = adopt_checkpoint_shape(cfg)  # what the run would train: --load without shape flags
         dp = validate(cfg, world, model_config(cfg), machine=False)

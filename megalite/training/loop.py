@@ -21,7 +21,7 @@ from megalite.training.progress import Progress
 from megalite.training.resume import load_checkpoint, resume, resume_local_sgd
 from megalite.training.saving import CheckpointAndExit
 from megalite.training.step import TrainStep
-from megalite.training.task import Task
+from megalite.training.task import Task, check_task_flags, with_config_terms
 
 
 @dataclass
@@ -63,10 +63,12 @@ def _due(every: int, iteration: int, last: int) -> bool:
 def pretrain(cfg, task: Task) -> TrainingRun:
     """Train as `cfg` say."""
     _, world_size, _ = env_world()
+    check_task_flags(cfg, task)
     cfg = adopt_checkpoint_shape(cfg)  # --load without shape flags: the checkpoint's model
     if task.prepare is not None:
         cfg = task.prepare(cfg)
     config, dp, device = setup(cfg, world_size)
+    task = with_config_terms(task, config)
     chunks = build_model_chunks(task, config, cfg, device)
     set_phase("loading the checkpoint")
     reader, cfg = load_checkpoint(cfg, task, config, chunks)

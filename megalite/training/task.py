@@ -1,13 +1,16 @@
 """What an entry point plugs into the loop: a `Task` (model, data, forward step, loss terms)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from megalite.config import RunConfig
+from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
+from megalite.models.mtp import mtp_term_names, with_mtp_gradient
 
 
 class BuildModel(Protocol):
@@ -41,6 +44,28 @@ class Task:
     perplexity_of: str | None = None
 
 
+def check_task_flags(cfg: RunConfig, task: Task) -> None:
+    """Flags that only some tasks train, refused in one line before anything starts."""
+    if task.model_kind != "gpt" and cfg.model.mtp_num_layers:
+        raise UsageError(f"--mtp-num-layers: multi-token prediction is for GPT models (pretrain_gpt.py); a "
+                         f"{task.model_kind} model does not predict the next tokens: drop it")
+
+
+def with_config_terms(task: Task, config: TransformerConfig) -> Task:
+    """The task with the loss terms `config` adds: each multi-token prediction depth's loss."""
+    if not config.mtp_num_layers:
+        return task
+    return dataclasses.replace(task, loss_terms=task.loss_terms + mtp_term_names(config.mtp_num_layers))
+
+
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    out = model(batch["tokens"], labels=batch["labels"])
-    return (out * batch["loss_mask"]).sum() if model.post_process else out
+    depth = model.config.mtp_num_layers if model.post_process else 0
+    if not depth:
+        out = model(batch["tokens"], labels=batch["labels"])
+        return (out * batch["loss_mask"]).sum() if model.post_process else out
+    # Multi-token prediction: the main loss is what is returned (and logged as `loss`); the depths'
+    # sums are logged as loss terms and trained, weighted, through the same backward.
+    sums = model(batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+                 mtp_labels=batch.get("mtp_labels"), mtp_loss_mask=batch.get("mtp_loss_mask"))
+    batch["loss_terms"] = dict(zip(mtp_term_names(depth), sums[1:].detach()))
+    return with_mtp_gradient(sums[0], sums[1:], model.config.mtp_loss_scaling_factor)
