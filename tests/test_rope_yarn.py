@@ -113,3 +113,30 @@ def test_yarn_flags():
         _parse(["--yarn-beta-fast", "16"])
     with pytest.raises(UsageError, match="--yarn-factor: for rotary positions only"):
         C.model_config(C.build_parser("test", "gpt-tiny").parse_args(["--yarn-factor", "4"]))
+
+
+MEGATRON_MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+                "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+
+
+def test_megatron_lms_deepseek_flags_as_its_scripts_pass_them():
+    """Megatron-LM's names: --rotary-scaling-factor is YaRN's factor under MLA (whose --rope-type defaults
+    to yarn) and Llama 3.1's with --use-rope-scaling; --mscale / --mscale-all-dim are YaRN's; its MLA
+    scripts add --qk-layernorm (the latent norms megalite's MLA always has) and a --kv-channels MLA never
+    reads; a sigmoid router ignores --moe-router-pre-softmax."""
+    built = _parse(MEGATRON_MLA + ["--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "0.707",
+                                   "--qk-layernorm", "--kv-channels", "128", "--num-experts", "8",
+                                   "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"])
+    assert (built.yarn_factor, built.yarn_mscale, built.yarn_mscale_all_dim) == (40.0, 1.0, 0.707)
+    assert built.multi_latent_attention and not built.qk_layernorm and built.rope_scaling_factor is None
+    assert built.moe_router_score_function == "sigmoid" and not built.moe_router_pre_softmax
+    llama = _parse(["--use-rope-scaling", "--rotary-scaling-factor", "32"])
+    assert (llama.rope_scaling_factor, llama.yarn_factor) == (32.0, None)
+    assert _parse(["--rope-type", "yarn", "--rotary-scaling-factor", "4"]).yarn_factor == 4.0
+    assert _parse(["--rotary-scaling-factor", "1"]).yarn_factor is None  # plain rope, factor 1: nothing scales
+    with pytest.raises(UsageError, match=r"--rotary-scaling-factor 4 scales rope only with --use-rope-scaling"):
+        _parse(["--rotary-scaling-factor", "4"])
+    with pytest.raises(UsageError, match=r"--rotary-scaling-factor 40 and --yarn-factor 8 disagree"):
+        _parse(MEGATRON_MLA + ["--rotary-scaling-factor", "40", "--yarn-factor", "8"])
+    with pytest.raises(UsageError, match=r"--use-rope-scaling .* and --rope-type yarn are two rope scalings"):
+        _parse(["--use-rope-scaling", "--rope-type", "yarn"])

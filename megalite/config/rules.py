@@ -120,7 +120,9 @@ def _model_overrides(m) -> dict:
         chosen = m.position_embedding_type or PRESETS.get(m.model, {}).get("position_embedding_type")
         if chosen in (None, "learned_absolute"):
             out["position_embedding_type"] = "none"
-    if m.use_rope_scaling and m.rope_scaling_factor is None:
+    mla = bool(m.multi_latent_attention or PRESETS.get(m.model, {}).get("multi_latent_attention"))
+    out.update(_megatron_rope_scaling(m, mla))
+    if m.use_rope_scaling and "rope_scaling_factor" not in out:
         out["rope_scaling_factor"] = 8.0  # Llama 3.1's factor, as Megatron-LM's --use-rope-scaling
     switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),
                 "disable_bias_linear": dict(add_bias_linear=False),
@@ -128,6 +130,8 @@ def _model_overrides(m) -> dict:
                 "qk_layernorm_full_width": dict(qk_layernorm_full_width=True),
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True)}
+    if mla:  # Megatron-LM's MLA norms its query and key/value latents only with --qk-layernorm; megalite's always
+        switches.pop("qk_layernorm")
     for name, fields in switches.items():
         if getattr(m, name):
             out.update(fields)
@@ -139,6 +143,27 @@ def _model_overrides(m) -> dict:
         out["multi_latent_attention"] = True
         out.setdefault("num_query_groups", None)
     return {**out, **mla_sizes}
+
+
+def _megatron_rope_scaling(m, mla: bool) -> dict:
+    """Megatron-LM's --rotary-scaling-factor: Llama 3.1's factor with --use-rope-scaling, else YaRN's when
+    --rope-type is yarn (its default with --multi-latent-attention); plain rope takes no factor."""
+    factor, kind = m.rotary_scaling_factor, m.rope_type or ("yarn" if mla else "rope")
+    if m.use_rope_scaling and m.rope_type == "yarn":
+        raise UsageError("--use-rope-scaling (Llama 3.1's) and --rope-type yarn are two rope scalings: choose one")
+    if factor is None:
+        return {}
+    if m.use_rope_scaling:
+        return {"rope_scaling_factor": m.rope_scaling_factor if m.rope_scaling_factor is not None else factor}
+    if kind == "yarn":
+        if m.yarn_factor is not None and m.yarn_factor != factor:
+            raise UsageError(f"--rotary-scaling-factor {factor:g} and --yarn-factor {m.yarn_factor:g} disagree: give "
+                             f"one")
+        return {"yarn_factor": factor}
+    if factor != 1.0:
+        raise UsageError(f"--rotary-scaling-factor {factor:g} scales rope only with --use-rope-scaling (Llama 3.1) or "
+                         f"--rope-type yarn: add one, or drop it")
+    return {}
 
 
 MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -154,7 +179,10 @@ MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_r
 
 def _moe_fields(m) -> dict:
     """TransformerConfig's MoE fields from the moe section (`num_experts` is `num_moe_experts` there)."""
-    return {"num_moe_experts": m.num_experts, **{n: getattr(m, n) for n in MOE_FIELDS}}
+    fields = {"num_moe_experts": m.num_experts, **{n: getattr(m, n) for n in MOE_FIELDS}}
+    if m.moe_router_score_function == "sigmoid":  # as Megatron-LM's router: softmax's switch, no sigmoid meaning
+        fields["moe_router_pre_softmax"] = False
+    return fields
 
 
 def model_config(config: RunConfig) -> TransformerConfig:
@@ -199,7 +227,8 @@ def model_config(config: RunConfig) -> TransformerConfig:
     yarn_details = [f"--{k.replace('_', '-')}" for k in YARN_FIELDS[1:] if k in overrides]
     if yarn_details and built.yarn_factor is None:
         raise UsageError(f"{', '.join(yarn_details)}: YaRN settings, but YaRN is off: add --yarn-factor, or drop them")
-    if m.kv_channels is not None and m.kv_channels != built.head_dim:
+    # (MLA's head widths are its own: Megatron-LM's DeepSeek scripts pass a --kv-channels MLA never reads)
+    if m.kv_channels is not None and m.kv_channels != built.head_dim and not built.multi_latent_attention:
         raise UsageError(f"--kv-channels {m.kv_channels}: megalite's heads are hidden / heads = {built.head_dim} "
                          f"wide; drop --kv-channels or change --hidden-size/--num-attention-heads")
     if m.seq_length > built.max_position_embeddings:

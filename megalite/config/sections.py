@@ -126,6 +126,12 @@ class ModelConfig:
         None, "rope scaling: the context length the model was first trained at", check=POSITIVE_INT)
     use_rope_scaling: bool = opt(False, "rope: Llama 3.1 frequency scaling (factor 8 unless "
                                         "--rope-scaling-factor)")
+    rotary_scaling_factor: float | None = opt(None, "Megatron-LM's rope scaling factor: Llama 3.1's with "
+                                                    "--use-rope-scaling, else YaRN's with --rope-type yarn (the "
+                                                    "default of --multi-latent-attention)",
+                                              check=(lambda v: v >= 1, ">= 1"))
+    rope_type: str | None = opt(None, "Megatron-LM's rope kind for --rotary-scaling-factor: rope, or yarn (the "
+                                      "default with --multi-latent-attention)", choices=("rope", "yarn"))
     yarn_factor: float | None = opt(None, "rope: YaRN frequency scaling by this factor (DeepSeek-V3: 40; "
                                           "docs/deepseek.md)", check=(lambda v: v >= 1, ">= 1"))
     yarn_original_max_position_embeddings: int | None = opt(
@@ -135,9 +141,11 @@ class ModelConfig:
     yarn_beta_slow: float | None = opt(None, "YaRN: frequencies turning less often than this are divided by the "
                                              "factor (default 1)", check=POSITIVE)
     yarn_mscale: float | None = opt(None, "YaRN: cos and sin times (1 + 0.1 mscale ln factor) / (1 + 0.1 "
-                                          "mscale-all-dim ln factor) (default 1)", check=NON_NEGATIVE)
+                                          "mscale-all-dim ln factor) (default 1)",
+                                    flags=("--yarn-mscale", "--mscale"), check=NON_NEGATIVE)
     yarn_mscale_all_dim: float | None = opt(None, "YaRN, multi-latent attention only: the softmax scale times "
-                                                  "(1 + 0.1 this ln factor)^2 (default 0)", check=NON_NEGATIVE)
+                                                  "(1 + 0.1 this ln factor)^2 (default 0)",
+                                            flags=("--yarn-mscale-all-dim", "--mscale-all-dim"), check=NON_NEGATIVE)
     swiglu: bool = opt(False, "gated MLP with silu (ffn size: each of gate and up; default 8h/3 rounded down "
                               "to 64)", shape=True)
     group_query_attention: bool = opt(False, "grouped-query attention (with --num-query-groups)", shape=True)
