@@ -215,3 +215,17 @@ def test_mla_flops_count_its_projections_and_both_attention_matmuls():
         dense, core = layer_forward_flops(c, SEQ, BATCH)
         assert dense == 2.0 * SEQ * BATCH * (macs + 2 * HIDDEN * 20)
         assert core == 2.0 * BATCH * SEQ * SEQ * HEADS * (NOPE + ROPE + V)
+
+
+def test_the_mla_ring_sends_keys_and_values_of_the_key_width_as_the_formula_says():
+    """CP 2, one step of 4 micro-batches: per layer the ring sends every head's key (d_n + d_r) and
+    value, zero-padded to the key's width (d_v 16 -> 24 here) for the ring's kernels: exactly
+    ring_bytes_per_layer at head width d_n + d_r."""
+    from megalite.parallel.context_parallel import ring_bytes_per_layer
+    from test_context_parallel import ring_traffic
+
+    argv = MLA_FLAGS + ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2",
+                        "--train-iters", "1", "--eval-interval", "0", "--cp", "2"]
+    per_layer = ring_bytes_per_layer(2, 8, 16, 16 + 8, 2)["total"]  # llama-tiny: 8 heads, 4 layers
+    for sent in run_ranks(ring_traffic, 2, args=(argv,)):
+        assert sent == 4 * 4 * per_layer
