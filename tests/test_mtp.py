@@ -182,6 +182,8 @@ def test_an_mtp_checkpoint_saved_at_pp2_tp2_resumes_exactly_on_one_device(tmp_pa
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "gpt-tiny", "--mtp-num-layers", "1", "--pp", "2"], r"learned absolute positions needs --pp 1"),
+    (["--model", "deepseek-tiny", "--tp", "3"], r"num_attention_heads \(4\) is not divisible by the tensor-parallel "
+                                                r"size \(3\)"),
     (["--model", "llama-tiny", "--mtp-num-layers", "8", "--seq-length", "8"], r"predicts past the --seq-length 8"),
 ])
 def test_bad_mtp_settings_end_in_one_line(argv, message):
@@ -190,7 +192,7 @@ def test_bad_mtp_settings_end_in_one_line(argv, message):
 
     cfg = C.build_parser("test", "gpt-tiny").parse_args(["--mock-data", *argv])
     with pytest.raises(UsageError, match=message) as e:
-        C.validate(cfg, 2 if "--pp" in argv else 1, C.model_config(cfg), machine=False)
+        C.validate(cfg, 2 if "--pp" in argv else 3 if "--tp" in argv else 1, C.model_config(cfg), machine=False)
     assert "\n" not in str(e.value)
 
 
