@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 from megalite.checkpoint.fileformat import write_rank_file
@@ -134,6 +135,8 @@ def save_model_checkpoint(directory, config: TransformerConfig, model_kind: str,
         model[name] = [{"tensor": f"model/{name}", "dim": None, "start": 0, "full": None}]
     directory.mkdir(parents=True, exist_ok=True)
     tmp = fresh_tmp_dir(directory, iteration)
-    size = write_rank_file(tmp / rank_file_name(0), entries, {"iteration": iteration, "model": model})
+    token = uuid.uuid4().hex
+    size = write_rank_file(tmp / rank_file_name(0), entries,
+                           {"iteration": iteration, "writer": {"rank": 0, "coords": {}, "save": token}, "model": model})
     meta = build_metadata(config, model_kind, iteration, 0, {"tp": 1, "pp": 1, "dp": 1, "vpp": None, "world": 1})
-    commit(directory, iteration, {**meta, "files": {rank_file_name(0): {"bytes": size}}})
+    commit(directory, iteration, {**meta, "save": token, "files": {rank_file_name(0): {"bytes": size}}})

@@ -63,6 +63,24 @@ def _first_replica_of(p) -> bool:
     return _first_replica()
 
 
+def writer_identity() -> dict:
+    """Who writes this rank's file: its global rank and coordinates in the layout (the save's token
+    is added by the saver). The reader checks them against the file's place (files swapped or copied
+    over one another are refused, not loaded as another rank's state)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"rank": 0, "coords": {}}
+    coords = {"tp": parallel.get_tensor_model_parallel_rank(), "pp": parallel.get_pipeline_model_parallel_rank(),
+              "dp": parallel.get_data_parallel_rank(), "cp": parallel.get_context_parallel_rank(),
+              "ep": parallel.get_expert_model_parallel_rank()}
+    return {"rank": dist.get_rank(), "coords": coords}
+
+
+def describe_writer(writer: dict) -> str:
+    """'rank 2 (tp 0, pp 1, dp 0, cp 0, ep 0)'."""
+    coords = ", ".join(f"{k} {v}" for k, v in writer.get("coords", {}).items())
+    return f"rank {writer.get('rank')}" + (f" ({coords})" if coords else "")
+
+
 def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True,
                        replica: dict | None = None):
     """This rank's slices: ([(key, tensor)], structure). The tensors are the live ones (no copies):
@@ -85,7 +103,7 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         for name, b in expert_biases(model_chunks):  # replicated over the stage: one copy
             if parallel.get_tensor_model_parallel_rank() == 0:
                 model[name] = [{"tensor": add(f"model/{name}", b), "dim": None, "start": 0, "full": None}]
-    meta: dict = {"iteration": iteration, "model": model}
+    meta: dict = {"iteration": iteration, "writer": writer_identity(), "model": model}
     if optimizer is not None:
         meta.update(_collect_optimizer(model_chunks, optimizer, add))
     if with_rng:

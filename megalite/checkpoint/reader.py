@@ -14,7 +14,7 @@ import torch
 from megalite.checkpoint.fileformat import RankFile, RankFileError, all_finite
 from megalite.checkpoint.layout import (GLU_FC1, ITER_NAME, RANK_FILE_NAME, READABLE_VERSIONS,
                                         SHAPE_FIELDS, VOCAB_PARAMS, config_from_dict, rank_file_name, shard_of)
-from megalite.checkpoint.rank_state import decode_plain
+from megalite.checkpoint.rank_state import decode_plain, describe_writer
 from megalite.models.config import TransformerConfig
 from megalite.runtime import UsageError, say
 
@@ -86,6 +86,24 @@ def _check_files(path: Path, metadata: dict) -> list[str]:
     return expected
 
 
+def _check_writer(f: RankFile, index: int, metadata: dict) -> None:
+    """Refuse a rank file that another rank, save or iteration wrote (files swapped, copied over one
+    another, or mixed from two checkpoints: equal sizes hide it). Files written before they recorded
+    their writer pass."""
+    writer = f.meta.get("writer")
+    if writer is None:
+        return
+    fix = "restore the checkpoint's own files, or --load an earlier checkpoint"
+    if writer.get("save") != metadata.get("save") or f.meta.get("iteration") != metadata.get("iteration"):
+        raise UsageError(f"checkpoint file {f.path} was written by another save (iteration {f.meta.get('iteration')}, "
+                         f"save {str(writer.get('save'))[:8]}) than this checkpoint's (iteration "
+                         f"{metadata.get('iteration')}, save {str(metadata.get('save'))[:8]}): files were mixed "
+                         f"from two checkpoints; {fix}")
+    if writer.get("rank") != index:
+        raise UsageError(f"checkpoint file {f.path} holds the state {describe_writer(writer)} wrote, not rank "
+                         f"{index}'s: files were swapped or copied over one another; {fix}")
+
+
 def _corrupt(path: Path, problem) -> UsageError:
     return UsageError(f"checkpoint file {path} is corrupt: {problem}")
 
@@ -119,11 +137,13 @@ class CheckpointReader:
     def files(self) -> list[RankFile]:
         if self._files is None:
             self._files = []
-            for fname in self._file_names:
+            for index, fname in enumerate(self._file_names):
                 try:
-                    self._files.append(RankFile(self.path / fname))
+                    f = RankFile(self.path / fname)
                 except RankFileError as e:
                     raise _corrupt(self.path / fname, e) from None
+                _check_writer(f, index, self.metadata)
+                self._files.append(f)
         return self._files
 
     def rank_file(self, rank: int) -> RankFile:

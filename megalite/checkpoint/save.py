@@ -18,6 +18,7 @@ import mmap
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,10 +206,18 @@ class Checkpointer:
         see `collect_rank_state`."""
         self.finalize()
         tmp = tmp_dir(self.directory, iteration)
+        # One token per save, in every rank file and the metadata: a file from another save (or run)
+        # put in this one's place is refused when read.
+        token_key = f"megalite/checkpoint/{self.directory}/{iteration}/{self._saves + 1}/token"
         if self._rank == 0:
             fresh_tmp_dir(self.directory, iteration)  # leftovers of a save that crashed go
+            token = uuid.uuid4().hex
+            if self._world > 1:
+                self._store.set(token_key, token)
         if self._world > 1:
             dist.barrier()
+            if self._rank != 0:
+                token = self._store.get(token_key).decode()
         # ZeRO-3 parameters are whole only while their unit is gathered: the snapshot copies each one
         # then, one unit at a time (never the whole model at once).
         stage = _zero_stage(optimizer)
@@ -221,8 +230,9 @@ class Checkpointer:
             entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica)
             if self.async_save or any(t.device.type != "cpu" for _, t in entries):
                 entries = self._snapshot.take(entries)
+        structure["writer"] = {**structure["writer"], "save": token}
         # Recorded for people and tools only: any stage loads a checkpoint of any other.
-        metadata = {**metadata, "layout": {**metadata.get("layout", {}), "zero_stage": stage}}
+        metadata = {**metadata, "layout": {**metadata.get("layout", {}), "zero_stage": stage}, "save": token}
         self._saves += 1
         # The directory as given: every rank got the same string, whatever its node mounts.
         job = _Save(iteration, metadata, f"megalite/checkpoint/{self.directory}/{iteration}/{self._saves}/")
