@@ -18,8 +18,9 @@ def _cmd_import(args) -> str:
     checkpoint.save_model_checkpoint(args.out, config, kind, sd, iteration=0)
     experts = (f", {config.num_moe_experts} experts top-{config.moe_router_topk} in {sum(config.moe_layer_freq)} "
                f"layers" if config.is_moe else "")
+    mtp = f", {config.mtp_num_layers} multi-token prediction layers" if config.mtp_num_layers else ""
     return (f"imported {kind} ({config.num_layers} layers, hidden {config.hidden_size}, "
-            f"{config.num_attention_heads} heads, vocab {config.vocab_size}{experts}) from {args.hf_dir} "
+            f"{config.num_attention_heads} heads, vocab {config.vocab_size}{experts}{mtp}) from {args.hf_dir} "
             f"into {args.out}")
 
 

@@ -15,23 +15,35 @@ MoE layers (after `first_k_dense_replace` dense ones): the router `mlp.gate` (si
 `e_score_correction_bias`, on selection only, is megalite's `router.expert_bias`), the experts
 fused in memory as for the other MoE families (moe.py; one tensor per expert in the files), and
 `n_shared_experts` ungated shared experts, which are one MLP n times `moe_intermediate_size` wide.
+
+Multi-token prediction: DeepSeek's files hold depth k's module as decoder layer num_hidden_layers + k - 1
+(num_nextn_predict_layers of them) with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` (megalite's
+`mtp.{k-1}.final_layernorm`) and copies of the head and embedding (`shared_head.head`, `embed_tokens`),
+which megalite shares and import checks. transformers' DeepseekV3ForCausalLM does not load them, so
+import reads them from the directory the model came from (its layer through the main layers' rows, the
+rotary rows reordered alike); export appends them to DeepseekV3Model.layers, which runs only the first
+num_hidden_layers, so that save_pretrained writes them as DeepSeek's files hold them.
 """
 from __future__ import annotations
 
+import copy
+import json
 import math
 import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 import torch
+from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.rope import yarn_attention_factor, yarn_mscale
 from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama, moe
-from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into, pairs,
-                                              refuse, stored_tensor_names, table_problems, transformers)
+from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into, own,
+                                              pairs, refuse, stored_tensor_names, table_problems, transformers)
 
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 ARCHITECTURES = (DEEPSEEK_V3,)
@@ -49,12 +61,14 @@ class Shape:
     expert_bias: bool
     shared_expert: bool
     untied: bool
+    mtp_layers: int = 0  # multi-token prediction's depths: Hugging Face's layers num_layers, num_layers + 1, ...
 
 
 def shape_of(c) -> Shape:
     moe_layers = tuple(c.moe_layer_freq) if c.is_moe else (0,) * c.num_layers
     return Shape(c.num_layers, c.q_lora_rank is not None, moe_layers, c.is_moe and c.moe_router_enable_expert_bias,
-                 bool(c.moe_shared_expert_intermediate_size), c.untie_embeddings_and_output_weights)
+                 bool(c.moe_shared_expert_intermediate_size), c.untie_embeddings_and_output_weights,
+                 c.mtp_num_layers)
 
 
 def _llama_shape(s: Shape) -> llama.Shape:
@@ -87,15 +101,33 @@ def moe_mlp_rows(s: Shape, i: int) -> list[Row]:
     return rows
 
 
+def layer_rows(s: Shape, i: int, has_experts: bool) -> list[Row]:
+    """Decoder layer i: its attention and its MoE or dense MLP."""
+    mlp = (moe_mlp_rows(s, i) if has_experts
+           else llama.dense_mlp_rows(_llama_shape(s), f"layers.{i}.mlp.", f"model.layers.{i}.mlp."))
+    return attention_rows(s, i) + mlp
+
+
+def mtp_rows(s: Shape, j: int) -> list[Row]:
+    """Multi-token prediction's depth j + 1: megalite's `mtp.{j}`, DeepSeek's decoder layer num_layers + j
+    with enorm, hnorm, eh_proj and shared_head.norm beside it (the layer MoE when the last main one is)."""
+    i = s.num_layers + j
+    ours, theirs, main = f"mtp.{j}.", f"model.layers.{i}.", f"layers.{i}."
+    rows = pairs([(f"{ours}{name}", f"{theirs}{name}") for name in ("enorm", "hnorm", "eh_proj")], ("weight",))
+    rows += [(f"{ours}layer.{a[len(main):]}", b, how) for a, b, how in layer_rows(s, i, bool(s.moe_layers[-1]))]
+    return rows + [(f"{ours}final_layernorm.weight", f"{theirs}shared_head.norm.weight", "same")]
+
+
 def table(s: Shape) -> list[Row]:
-    """Rows in the order of GPTModel.state_dict(); HF names are the in-memory DeepseekV3ForCausalLM's."""
-    base = _llama_shape(s)
-    rows = llama.embedding_rows(base)
+    """Rows in the order of GPTModel.state_dict(); HF names are the in-memory DeepseekV3ForCausalLM's
+    (the MTP layers' are those of DeepSeek's files, experts fused: `mtp_tensors` reads them)."""
+    rows = llama.embedding_rows(_llama_shape(s))
     for i, has_experts in enumerate(s.moe_layers):
-        mlp = (moe_mlp_rows(s, i) if has_experts
-               else llama.dense_mlp_rows(base, f"layers.{i}.mlp.", f"model.layers.{i}.mlp."))
-        rows += attention_rows(s, i) + mlp
-    return rows + [llama.FINAL_NORM_ROW]
+        rows += layer_rows(s, i, bool(has_experts))
+    rows.append(llama.FINAL_NORM_ROW)
+    for j in range(s.mtp_layers):
+        rows += mtp_rows(s, j)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,8 +150,9 @@ def reorder_rotary_rows(tensors: Mapping[str, torch.Tensor], c, order: torch.Ten
     `order` (rotate_half_order on import, its inverse on export)."""
     d_r, out = c.qk_pos_emb_head_dim, dict(tensors)
     query = "q_up" if c.q_lora_rank is not None else "q"
-    for i in range(c.num_layers):
-        attn = f"layers.{i}.attention."
+    layers = [f"layers.{i}." for i in range(c.num_layers)] + [f"mtp.{j}.layer." for j in range(c.mtp_num_layers)]
+    for layer in layers:
+        attn = f"{layer}attention."
         out[f"{attn}{query}.weight"] = _reorder_tail(tensors[f"{attn}{query}.weight"], c.qk_head_dim + d_r, d_r, order)
         out[f"{attn}kv_down.weight"] = _reorder_tail(tensors[f"{attn}kv_down.weight"], c.kv_lora_rank + d_r, d_r, order)
     return out
@@ -303,35 +336,163 @@ def _layer_of(name: str) -> int | None:
 
 
 def stored_problems(directory, cfg) -> list[str]:
-    """moe.file_problems of a save_pretrained directory ([] without weight files). Multi-token
-    prediction layers (`model.layers.{num_hidden_layers}...`, which transformers' DeepseekV3ForCausalLM
-    does not load either) are left out, with a note."""
+    """moe.file_problems of a save_pretrained directory ([] without weight files), its multi-token
+    prediction layers included (`model.layers.{num_hidden_layers + j}`, which transformers'
+    DeepseekV3ForCausalLM does not load): none, or as many as num_nextn_predict_layers, each whole (their
+    copies of lm_head and embed_tokens may be left out)."""
     stored = set(stored_tensor_names(directory))
     if not stored:
         return []
     fields, _ = config_fields(cfg)
-    config = TransformerConfig(**fields)
-    mtp = {n for n in stored if (_layer_of(n) or 0) >= config.num_layers}
-    if mtp:
-        layers = sorted({_layer_of(n) for n in mtp})
-        warnings.warn(f"the weight files hold {len(layers)} multi-token prediction layer(s) (model.layers."
-                      f"{', '.join(map(str, layers))}; num_nextn_predict_layers="
-                      f"{getattr(cfg, 'num_nextn_predict_layers', '?')}): they are not imported yet (transformers' "
-                      f"{DEEPSEEK_V3} drops them too); the model predicts the next token only",
-                      ConversionNote, stacklevel=3)
+    layers = mtp_layers_in(stored, cfg.num_hidden_layers)
+    problems = mtp_count_problems(layers, cfg)
+    if problems:  # said once: the main layers are still checked
+        stored = {n for n in stored if (_layer_of(n) or 0) < cfg.num_hidden_layers}
+    config = TransformerConfig(**fields, mtp_num_layers=0 if problems else len(layers))
+    stored -= {f"model.layers.{i}.{leaf}" for i in layers for leaf in MTP_COPIES}
     rows = table(shape_of(config))
     if not config.moe_shared_expert_intermediate_size:  # n_shared_experts=0: zero-width tensors, nothing to read
         stored = {n for n in stored if ".mlp.shared_experts." not in n}
-    return moe.file_problems(stored - mtp, rows, DEEPSEEK_V3, config)
+    problems += moe.file_problems(stored, rows, DEEPSEEK_V3, config)
+    if problems or not layers:
+        return problems
+    return differing_copies(layers, lambda name: _read_stored(directory, [name]).get(name))  # before loading the rest
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-token prediction: DeepSeek's layers num_hidden_layers, num_hidden_layers + 1, ...
+
+# Beside each MTP layer DeepSeek's files hold copies of the output head and the embedding, which
+# megalite's MTP modules share with the main model.
+MTP_COPIES = {"shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "model.embed_tokens.weight"}
+
+
+def nextn(cfg) -> int:
+    """num_nextn_predict_layers (transformers' num_mtp_layers)."""
+    return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+
+
+def mtp_layers_in(names, num_layers: int) -> list[int]:
+    """The layer numbers from num_layers on (multi-token prediction's) of tensor `names`."""
+    return sorted({i for i in map(_layer_of, names) if i is not None and i >= num_layers})
+
+
+def mtp_count_problems(layers: list[int], cfg) -> list[str]:
+    """The MTP layers weights hold against num_nextn_predict_layers' (holding none is a note, not a problem)."""
+    n, depth = cfg.num_hidden_layers, nextn(cfg)
+    if not layers or layers == list(range(n, n + depth)):
+        return []
+    held = ", ".join(f"model.layers.{i}" for i in layers)
+    wanted = ", ".join(f"model.layers.{i}" for i in range(n, n + depth)) or "none"
+    return [f"the weights hold multi-token prediction layer(s) {held} but num_hidden_layers={n} and "
+            f"num_nextn_predict_layers={depth} call for {wanted} (use the config saved with these weights)"]
+
+
+def differing_copies(layers: list[int], get) -> list[str]:
+    """The MTP layers' copies of the output head and embedding that are not the main model's (`get(name)`:
+    a tensor, or None when absent; a tied model's lm_head is its embedding)."""
+    problems = []
+    for i in layers:
+        for leaf, main in MTP_COPIES.items():
+            held = get(f"model.layers.{i}.{leaf}")
+            if held is None:
+                continue
+            shared = get(main)
+            shared = get("model.embed_tokens.weight") if shared is None else shared
+            if not torch.equal(held.to(shared.dtype), shared):
+                problems.append(f"model.layers.{i}.{leaf} differs from {main} (megalite's multi-token prediction "
+                                f"shares the output head and the embedding with the main model)")
+    return problems
+
+
+def _read_stored(directory, names) -> dict[str, torch.Tensor]:
+    """Tensors `names` of a save_pretrained directory's weight files (safetensors or pytorch_model.bin,
+    sharded or not; the order stored_tensor_names reads them in)."""
+    path, wanted = Path(directory), set(names)
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (path / index).is_file():
+            weight_map = json.loads((path / index).read_text())["weight_map"]
+            files = [path / f for f in sorted({weight_map[n] for n in wanted})]
+            break
+    out = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open  # installed with transformers
+
+            with safe_open(str(file), framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in wanted & set(f.keys())})
+        else:
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            out.update({n: tensors[n] for n in wanted & set(tensors)})
+    return out
+
+
+def _mtp_from_files(directory, cfg, depth: int) -> dict[str, torch.Tensor]:
+    """The MTP layers' tensors in a directory's files, as the table names them (experts fused as
+    transformers holds them: [E, 2I, H] gate_up_proj, [E, H, I] down_proj)."""
+    config = TransformerConfig(**config_fields(cfg)[0], mtp_num_layers=depth)
+    s, stored = shape_of(config), set(stored_tensor_names(directory))
+    names = [n for j in range(depth) for _, theirs, _ in mtp_rows(s, j)
+             for n in (theirs if isinstance(theirs, tuple) else (theirs,))]
+    parts = {n: [n] if n in stored else moe.stored_names(n, DEEPSEEK_V3, config.num_moe_experts or 0) for n in names}
+    read, out = _read_stored(directory, [p for ps in parts.values() for p in ps]), {}
+    for name, ps in parts.items():
+        if ps == [name]:
+            out[name] = read[name]
+        else:  # one tensor per expert: each expert's parts (gate, up / down) joined, the experts stacked
+            k = len(ps) // config.num_moe_experts
+            out[name] = torch.stack([torch.cat([read[p] for p in ps[e * k:(e + 1) * k]])
+                                     for e in range(config.num_moe_experts)])
+    return out
+
+
+def _main_dtype(name: str, theirs: Mapping[str, torch.Tensor], n: int) -> torch.dtype:
+    """The dtype of the last main layer's tensor of the same name (the routers' fp32 biases), else the
+    embedding's."""
+    twin = re.sub(r"^model\.layers\.\d+\.", f"model.layers.{n - 1}.", name)
+    return theirs[twin].dtype if twin in theirs else theirs["model.embed_tokens.weight"].dtype
+
+
+def mtp_tensors(model, theirs: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """({name: tensor} of the multi-token prediction layers, problems). From `theirs` (model's state
+    dict) when the model holds them (as megalite's export does), else from the files of the directory
+    it was loaded from (transformers does not load them), in the dtype the model gives the main layers'
+    tensors. None held: {} and, when num_nextn_predict_layers calls for some, a note."""
+    cfg, n = model.config, model.config.num_hidden_layers
+    mtp = {k: v for k, v in theirs.items() if (_layer_of(k) or 0) >= n}
+    directory = str(getattr(model, "name_or_path", "") or "")
+    from_files = not mtp and bool(directory) and Path(directory).is_dir()
+    if from_files:
+        problems = stored_problems(directory, cfg)  # the copies of the head and embedding too
+        if problems:
+            return {}, problems
+        depth = len(mtp_layers_in(stored_tensor_names(directory), n))
+        mtp = {k: v.to(_main_dtype(k, theirs, n)) for k, v in _mtp_from_files(directory, cfg, depth).items()}
+    layers = mtp_layers_in(mtp, n)
+    if not layers:
+        if nextn(cfg):
+            where = "the weight files hold" if from_files else "the model holds"
+            warnings.warn(f"num_nextn_predict_layers={nextn(cfg)} but {where} no multi-token prediction layer "
+                          f"(model.layers.{n}...): imported without them (mtp_num_layers 0)",
+                          ConversionNote, stacklevel=3)
+        return {}, []
+    if from_files:
+        return mtp, []
+    return mtp, mtp_count_problems(layers, cfg) + differing_copies(layers, {**theirs, **mtp}.get)
 
 
 def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     fields, problems = config_fields(model.config)
     theirs = dict(model.state_dict())
-    refuse(DEEPSEEK_V3, problems + moe.unfused_expert_problems(theirs) + llama.tied_head_problems(theirs, fields))
-    config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
+    mtp, mtp_problems = mtp_tensors(model, theirs)
+    refuse(DEEPSEEK_V3, problems + mtp_problems + moe.unfused_expert_problems(theirs)
+           + llama.tied_head_problems(theirs, fields))
+    config = TransformerConfig(**fields, mtp_num_layers=len(mtp_layers_in(mtp, model.config.num_hidden_layers)),
+                               params_dtype=theirs["model.embed_tokens.weight"].dtype)
     padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
-    return config, tensors_from_hf(theirs, config, padded, bool(getattr(model.config, "rope_interleave", True)))
+    return config, tensors_from_hf({**theirs, **mtp}, config, padded,
+                                   bool(getattr(model.config, "rope_interleave", True)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +539,7 @@ def hf_config(c):
         tie_word_embeddings=not c.untie_embeddings_and_output_weights, q_lora_rank=c.q_lora_rank,
         kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_head_dim, qk_rope_head_dim=c.qk_pos_emb_head_dim,
         v_head_dim=c.v_head_dim, rope_parameters=hf_rope_parameters(c), rope_interleave=True,
-        first_k_dense_replace=_dense_first(c), num_mtp_layers=0,  # megalite's export holds no MTP layers
+        first_k_dense_replace=_dense_first(c), num_nextn_predict_layers=c.mtp_num_layers,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,  # megalite's config holds no token ids
     )
     if c.is_moe:
@@ -393,22 +554,48 @@ def hf_config(c):
 def _fill_what_megalite_lacks(theirs: dict[str, torch.Tensor], c, model) -> None:
     """Zero correction biases for a router without expert biases (selection by the scores alone),
     and the zero-width shared experts of n_shared_experts=0, which have no elements to copy."""
-    for i, has_experts in enumerate(shape_of(c).moe_layers):
+    moe_layers = shape_of(c).moe_layers
+    for i, has_experts in enumerate(moe_layers + moe_layers[-1:] * c.mtp_num_layers):
         name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
         if has_experts and name not in theirs:
             theirs[name] = torch.zeros(c.num_moe_experts, dtype=torch.float32)
     theirs.update({n: t for n, t in model.state_dict().items() if n not in theirs and t.numel() == 0})
 
 
+def mtp_module(cfg, i: int, has_experts: bool) -> nn.Module:
+    """DeepSeek's MTP layer i (num_hidden_layers + j) as its files hold it: a DeepseekV3DecoderLayer
+    with enorm, hnorm, eh_proj, shared_head (norm, head) and embed_tokens beside it. Appended to
+    DeepseekV3Model.layers, which runs its first num_hidden_layers only, save_pretrained writes it and
+    the logits stay the main model's."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    cfg = copy.deepcopy(cfg)
+    cfg.first_k_dense_replace = 0 if has_experts else i + 1  # the MLP's kind: the last main layer's
+    layer = hf.DeepseekV3DecoderLayer(cfg, layer_idx=i)
+    h, eps = cfg.hidden_size, cfg.rms_norm_eps
+    layer.enorm, layer.hnorm = hf.DeepseekV3RMSNorm(h, eps), hf.DeepseekV3RMSNorm(h, eps)
+    layer.eh_proj = nn.Linear(2 * h, h, bias=False)
+    layer.shared_head = nn.Module()
+    layer.shared_head.norm = hf.DeepseekV3RMSNorm(h, eps)
+    layer.shared_head.head = nn.Linear(h, cfg.vocab_size, bias=False)
+    layer.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+    return layer
+
+
 def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], architecture: str | None = None):
     """DeepseekV3ForCausalLM in eval mode holding a megalite MLA GPT's weights (routers in fp32, as
-    transformers keeps them)."""
+    transformers keeps them); the multi-token prediction layers appended to model.layers (mtp_module)."""
     refuse("this megalite GPT", export_problems(config)
            + table_problems(state_dict, table(shape_of(config)), config.vocab_size), to=f"Hugging Face {DEEPSEEK_V3}")
     theirs = tensors_to_hf(state_dict, config)
     if not config.untie_embeddings_and_output_weights:
         theirs["lm_head.weight"] = theirs["model.embed_tokens.weight"]
-    model = transformers().DeepseekV3ForCausalLM(hf_config(config)).to(state_dict["word_embeddings.weight"].dtype)
+    model = transformers().DeepseekV3ForCausalLM(hf_config(config))
+    for j in range(config.mtp_num_layers):
+        i = config.num_layers + j
+        model.model.layers.append(mtp_module(model.config, i, bool(shape_of(config).moe_layers[-1])))
+        theirs.update({f"model.layers.{i}.{leaf}": own(theirs[main]) for leaf, main in MTP_COPIES.items()})
+    model = model.to(state_dict["word_embeddings.weight"].dtype)
     for module in model.modules():
         if hasattr(module, "e_score_correction_bias"):
             module.float()
