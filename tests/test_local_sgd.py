@@ -292,3 +292,41 @@ def test_warmup_steps_are_data_parallel_then_rounds_of_h_follow():
         together = step <= 3 or (step - 3) % 4 == 0
         assert due == ([0] if step > 3 and together else []), step
         assert torch.equal(pa, pb) == together, f"step {step}"
+
+
+def _resume_notes(rank, world, argvs):
+    """The resume's notes (megalite.training.resume's say) for each argv, run in turn."""
+    from megalite.training import resume as R
+
+    out = []
+    for argv in argvs:
+        lines, original = [], R.say
+        R.say = lines.append
+        try:
+            gpt_run(argv)
+        finally:
+            R.say = original
+        out.append([line for line in lines if "note:" in line])
+    return out
+
+
+def test_resuming_local_sgd_state_under_other_settings_says_what_it_drops(tmp_path):
+    """Issue #34: without local SGD, without --local-sgd-async, or with another interval, a resume of an
+    async local-SGD checkpoint (a round's average pending) says in one line what it drops or changes."""
+    argv = BASE + ["--train-iters", "7", "--local-sgd-interval", "2", "--local-sgd-async"]
+    resume = BASE + ["--train-iters", "7", "--load", str(tmp_path)]
+    notes = run_ranks(_resume_notes, 2, args=([argv + ["--save", str(tmp_path), "--exit-interval", "5"],
+                                               resume, resume + ["--local-sgd-interval", "2"],
+                                               resume + ["--local-sgd-interval", "4", "--local-sgd-async"],
+                                               argv + ["--load", str(tmp_path)]],))[0]
+    saved, plain, sync, longer, same = notes
+    assert saved == [] and same == []
+    assert len(plain) == 1 and plain[0].endswith(
+        "is a local-SGD checkpoint and this run has no --local-sgd-interval: it goes on from replica 0's weights "
+        "and optimizer state, dropping the outer parameters and momentum, the pending averaged pseudo-gradient and "
+        "the other replicas' own weights and optimizer states"), plain
+    assert len(sync) == 1 and "was saved with --local-sgd-async: its pending averaged pseudo-gradient of " \
+                               "fragment(s) [0] is dropped" in sync[0], sync
+    assert len(longer) == 1 and "ran outer rounds of 2 inner steps, this run 4: the outer state carries over" \
+                                in longer[0], longer
+    assert all("\n" not in line for line in plain + sync + longer)

@@ -99,11 +99,18 @@ def resume_local_sgd(cfg, reader, local_sgd, optimizer, layout: dict) -> None:
     the step within the round, an async round's averaged pseudo-gradient) from its rank file. It
     resumes at the same layout only; a checkpoint without it (a plain run's) starts the outer loop
     from the loaded weights."""
-    if local_sgd is None or reader is None or cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim:
+    if reader is None or cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim:
+        return
+    saved_run = reader.metadata.get("local_sgd")
+    if local_sgd is None:
+        if saved_run is not None:
+            say(f"megalite: note: {reader.path} is a local-SGD checkpoint and this run has no --local-sgd-interval: "
+                f"it goes on from replica 0's weights and optimizer state, dropping the outer parameters and "
+                f"momentum{', the pending averaged pseudo-gradient' if saved_run.get('async') else ''} and the "
+                f"other replicas' own weights and optimizer states")
         return
     saved = reader.metadata.get("layout", {})
-    has_state = reader.metadata.get("local_sgd") is not None
-    if not has_state:
+    if saved_run is None:
         say(f"megalite: {reader.path} holds no local-SGD state: the outer loop starts from its weights")
         return
     changed = [k for k in _LAYOUT_KEYS if saved.get(k, 1 if k == "cp" else None) != layout.get(k)]
@@ -118,5 +125,15 @@ def resume_local_sgd(cfg, reader, local_sgd, optimizer, layout: dict) -> None:
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{reader.path}: its local-SGD state does not fit this run ({e}); keep "
                          f"--local-sgd-fragments as saved, or add --no-load-optim") from None
+    pending = [f.index for f in local_sgd.fragments if f.ready is not None]
+    if pending and not local_sgd.asynchronous:  # a synchronous run never applies a late average
+        for f in local_sgd.fragments:
+            f.ready = None
+        say(f"megalite: note: {reader.path} was saved with --local-sgd-async: its pending averaged pseudo-gradient "
+            f"of fragment(s) {pending} is dropped (this run averages each round at once)")
+    if saved_run.get("interval") != local_sgd.interval:
+        say(f"megalite: note: {reader.path} ran outer rounds of {saved_run.get('interval')} inner steps, this run "
+            f"{local_sgd.interval}: the outer state carries over and rounds end every {local_sgd.interval} inner "
+            f"steps from here")
     say(f"megalite: local SGD resumed at inner step {local_sgd.steps} (outer state, replicas' own weights and "
         f"optimizer state restored)")
