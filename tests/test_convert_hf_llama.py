@@ -343,3 +343,53 @@ def test_a_directory_without_weights_or_with_a_broken_rope_config_is_one_line(tm
     assert main(["import", "--hf-dir", str(tmp_path / "rope"), "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "low_freq_factor" in err, err
+
+
+class _NotATensor:  # a pickled object a weights-only load refuses
+    pass
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("fewer-layers", r"the weight files hold tensors LlamaForCausalLM with this config.json does not have: "
+                     r"model\.layers\.2\."),
+    ("extra", r"does not have: model\.extra\.weight \(a config of another model"),
+    ("shape", r"the weight files' shapes contradict config.json: model\.layers\.0\.mlp\.up_proj\.weight "
+              r"\(97, 64\) \(the config makes \(96, 64\)\)"),
+    ("nan", r"the weights hold NaN or inf in model\.layers\.1\.mlp\.down_proj\.weight \(damaged files"),
+    ("pickle", r"cannot read the LlamaForCausalLM weights in .*: \w+Error: .* \(megalite reads safetensors, or "
+               r"pytorch_model\.bin files that hold tensors only\)"),
+])
+def test_an_import_whose_files_contradict_their_config_is_one_line(hf_dirs, tmp_path, capsys, damage, message):
+    """Issue #34: a config with fewer layers than the weights, unknown extra tensors, a size mismatch,
+    NaN weights and a pickle holding more than tensors each end in one line (exit 2), nothing written."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megalite.tools.convert_hf.cli import main
+
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dirs["llama"], d)
+    weights = load_file(d / "model.safetensors")
+    if damage == "fewer-layers":
+        raw = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 2}))
+    elif damage == "extra":
+        weights["model.extra.weight"] = torch.zeros(3)
+    elif damage == "shape":
+        weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(FFN + 1, HIDDEN)
+    elif damage == "nan":
+        weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    if damage == "pickle":
+        (d / "model.safetensors").unlink()
+        torch.save({**weights, "note": _NotATensor()}, d / "pytorch_model.bin")
+    else:
+        save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["import", "--hf-dir", str(d), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megalite: error:")]
+    assert len(lines) == 1 and re.search(message, lines[0]), err
+    assert not (tmp_path / "out").exists()

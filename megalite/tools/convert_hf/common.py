@@ -175,22 +175,55 @@ def stored_tensor_names(directory) -> list[str]:
         with safe_open(file, framework="pt") as f:
             names += list(f.keys())
     if not names and (path / "pytorch_model.bin").is_file():
-        names = list(torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
+        try:
+            names = list(torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
+        except Exception as e:  # noqa: BLE001 - a pickle holding more than tensors: one line, not a traceback
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ConversionError(f"cannot read {path / 'pytorch_model.bin'}: {type(e).__name__}: {first} (megalite "
+                                  f"reads safetensors, or pytorch_model.bin files that hold tensors only)") from None
     return names
 
 
-def load_hf_weights(cls, directory, arch: str):
-    """cls.from_pretrained(directory), refusing a checkpoint that lacks some of the weights (e.g.
-    one saved from the base model without its head); tied weights may be absent."""
+# Buffers older transformers saved with the weights and today's rebuild from the config.
+_REBUILT_BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def load_hf_weights(cls, directory, arch: str, names_checked: bool = False):
+    """cls.from_pretrained(directory), refusing in one line a checkpoint that does not fit its config:
+    weights it lacks (e.g. one saved from the base model without its head; tied weights may be
+    absent), tensors the config does not make (more layers than num_hidden_layers, unknown names;
+    unless the family checked the names itself, `names_checked`), shapes the config contradicts, files
+    that cannot be read as weights (a pickle holding more than tensors), and NaN/inf values."""
+    where = f"{directory} ({arch})"
     try:
-        model, info = cls.from_pretrained(directory, local_files_only=True, output_loading_info=True)
-    except OSError as e:  # e.g. a config.json without weight files beside it
-        raise ConversionError(f"cannot read the {arch} weights in {directory}: {str(e).splitlines()[0]}") from None
+        model, info = cls.from_pretrained(directory, local_files_only=True, output_loading_info=True,
+                                          ignore_mismatched_sizes=True)
+    except Exception as e:  # noqa: BLE001 - an unreadable file (OSError, a pickle's error): one line, not a traceback
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConversionError(f"cannot read the {arch} weights in {directory}: {type(e).__name__}: {first} (megalite "
+                              f"reads safetensors, or pytorch_model.bin files that hold tensors only)") from None
     tied = set(getattr(cls, "_tied_weights_keys", None) or ())
     if getattr(model.config, "tie_word_embeddings", False):
         tied.add("lm_head.weight")
-    missing = [k for k in info.get("missing_keys", ()) if k not in tied]
+    problems = []
+    mismatched = list(info.get("mismatched_keys", ()))
+    if mismatched:
+        shapes = ", ".join(f"{k} {tuple(stored)} (the config makes {tuple(made)})" for k, stored, made in mismatched[:5])
+        problems.append(f"the weight files' shapes contradict config.json: {shapes}"
+                        f"{f' and {len(mismatched) - 5} more' if len(mismatched) > 5 else ''} (use the config "
+                        f"saved with these weights)")
+    shaped = {k for k, _, _ in mismatched}
+    missing = [k for k in info.get("missing_keys", ()) if k not in tied and k not in shaped]
     if missing:
-        raise ConversionError(f"cannot convert {directory} ({arch}) to megalite: the checkpoint lacks "
-                              f"{listed(sorted(missing))}")
+        problems.append(f"the checkpoint lacks {listed(sorted(missing))}")
+    unexpected = [k for k in info.get("unexpected_keys", ()) if not k.endswith(_REBUILT_BUFFERS)]
+    if unexpected and not names_checked:
+        problems.append(f"the weight files hold tensors {arch} with this config.json does not have: "
+                        f"{listed(sorted(unexpected))} (a config of another model, e.g. fewer layers: use the config "
+                        f"saved with these weights)")
+    refuse(where, problems)
+    bad = [k for k, t in model.state_dict().items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ConversionError(f"cannot convert {where} to megalite: the weights hold NaN or inf in {listed(bad)} "
+                              f"(damaged files, or a model that diverged before it was saved)")
     return model.eval()

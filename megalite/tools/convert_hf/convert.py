@@ -64,7 +64,7 @@ def load_hf_model(directory):
     stored_problems = getattr(family, "stored_problems", None)  # the MoE families name each expert tensor
     if stored_problems is not None:
         refuse(f"{directory} ({cls.__name__})", stored_problems(directory, cfg))
-    return load_hf_weights(cls, directory, cls.__name__)
+    return load_hf_weights(cls, directory, cls.__name__, names_checked=stored_problems is not None)
 
 
 def from_hf(model_or_dir) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
