@@ -81,9 +81,24 @@ def _mla_core_flops(config, s: int, b: int) -> float:
     return 2.0 * b * s * s * a * (config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim)
 
 
+def mtp_forward_flops(config, s: int, b: int, vocab: int | None = None) -> tuple[float, float]:
+    """(dense, attention core) forward FLOPs of the multi-token prediction modules
+    (megalite.models.mtp) over b sequences of s tokens, all TP ranks together: per depth one more
+    layer of the kind the model's last layer is, eh_proj (2h -> h: 2h x h multiply-adds a token) and
+    one more pass through the output head (h x vocab; `vocab` defaults to the config's). 0 without MTP."""
+    dense = core = 0.0
+    h, vocab = config.hidden_size, config.vocab_size if vocab is None else vocab
+    for k in range(config.mtp_num_layers):
+        layer, layer_core = layer_forward_flops(config, s, b, moe=config.is_moe_layer(config.num_layers + k))
+        dense += layer + 2.0 * s * b * (2 * h * h + h * vocab)
+        core += layer_core
+    return dense, core
+
+
 def model_flops_per_iteration(config, global_batch: int, seq_length: int) -> float:
     """Model FLOPs of one training iteration (forward, and backward as twice the forward; no
-    recomputation counted): every layer's matmuls plus the output logits, 2*s*h*vocab a sequence.
+    recomputation counted): every layer's matmuls plus the output logits, 2*s*h*vocab a sequence,
+    plus the multi-token prediction modules (`mtp_forward_flops`).
     For GPT-2's shape this is `gpt_flops_per_iteration`; grouped-query attention shrinks the
     key/value term, a gated MLP adds a third of its MLP; biases, norms and rotary positions are
     elementwise and not counted; an untied output layer costs what the tied one does."""
@@ -92,7 +107,7 @@ def model_flops_per_iteration(config, global_batch: int, seq_length: int) -> flo
     for i in range(config.num_layers):
         dense, core = layer_forward_flops(config, seq_length, global_batch, moe=config.is_moe_layer(i))
         layers += dense + core
-    return 3.0 * (layers + logits)
+    return 3.0 * (layers + logits + sum(mtp_forward_flops(config, seq_length, global_batch)))
 
 
 def peak_tflops_of(device_name: str, dtype: torch.dtype = torch.bfloat16, tf32: bool = True) -> float | None:

@@ -125,3 +125,114 @@ def test_context_parallel_formula_terms():
     assert context_parallel_attention_bytes(s, b, h, a, t, cp=1) == 0
     assert context_parallel_attention_bytes(s, b, h, a, t, cp=4) == (s / 4) * b * h * (4 * a / h) / t
     assert context_parallel_attention_bytes(s, b, h, a, t, cp=4, comm_type="a2a") == (s / 4) * b * h * (2 + 4 * a / h) / t + 16 * s
+
+
+class _KernelShapedRMSNorm(torch.autograd.Function):
+    """What megalite's fused RMSNorm keeps for backward (megalite.ops.functions._norm_save: its
+    contiguous input, the weight, fp32 mean and rstd per row), computed by the PyTorch formula: on a
+    CPU `ops.rms_norm` falls back to that formula, which keeps fp32 copies instead (several times
+    more); the planner counts the kernel's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from megalite.ops import reference
+
+        x = x.contiguous()
+        rows = x.shape[:-1]
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight, torch.zeros(rows), torch.zeros(rows))
+        return reference.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megalite.ops import reference
+
+        x, weight, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(reference.rms_norm(x, weight, ctx.eps), (x, weight), dy)
+        return dx, dw, None
+
+
+MLA = dict(multi_latent_attention=True, position_embedding_type="rope", kv_lora_rank=64, qk_head_dim=32,
+           qk_pos_emb_head_dim=16, v_head_dim=32, add_bias_linear=False, attention_backend="sdpa",
+           attention_dropout=0.0)
+
+
+def _mla_layer_bytes(rank, world, s, b, h, a, recompute, arch):
+    """Bytes one TP rank's layer keeps for backward (saved-tensor hooks), latent norms as the kernel keeps them."""
+    from unittest import mock
+
+    from megalite import ops, parallel
+    from megalite.models.memory import layer_activation_bytes
+
+    if world > 1:
+        parallel.initialize_model_parallel(world)
+    script, cpu = _script(), torch.device("cpu")
+    local = s // world if arch.get("sequence_parallel") else s
+    with mock.patch.object(ops, "rms_norm", _KernelShapedRMSNorm.apply):
+        measured = script.measure(local, b, h, a, recompute, cpu, **arch, max_position_embeddings=s)
+    config = script.build_layer(s, h, a, recompute, cpu, torch.bfloat16, **arch)[1]
+    return measured, layer_activation_bytes(config, s, b, t=world)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 48], ids=["plain-q", "q-lora"])
+def test_measured_mla_layer_activations_follow_the_mla_formula_on_cpu(q_lora_rank):
+    """Multi-head latent attention under selective recomputation (CPU SDPA takes its math path, which
+    stores the s^2 core, when the values are narrower than the keys; recomputation leaves it out as
+    fused attention does): what autograd keeps against `layer_activation_bytes`, as a whole and as
+    the difference from a GPT-2 layer of the same size (the terms MLA changes)."""
+    s, b, h, a = 256, 2, 256, 8
+    arch = dict(MLA, q_lora_rank=q_lora_rank)
+    measured, formula = _mla_layer_bytes(0, 1, s, b, h, a, "selective", arch)
+    script, cpu, sbh = _script(), torch.device("cpu"), s * b * h
+    gpt_measured = script.measure(s, b, h, a, "selective", cpu)
+    gpt = script.build_layer(s, h, a, "selective", cpu, torch.bfloat16)[1]
+    from megalite.models.memory import layer_activation_bytes
+
+    assert 0.9 <= measured / formula <= 1.25, (measured / sbh, formula / sbh)
+    change_measured = (measured - gpt_measured) / sbh
+    change_formula = (formula - layer_activation_bytes(gpt, s, b)) / sbh
+    assert change_measured == pytest.approx(change_formula, abs=0.2), (change_measured, change_formula)
+
+
+def test_measured_mla_layer_activations_at_tp_2_with_sequence_parallelism():
+    """At TP 2 with sequence parallelism each rank keeps half the heads' tensors and half the norms'
+    and MLP's, but the gathered attention and MLP inputs and the latents whole. Without dropout (the
+    formula's two 1-byte masks left out: a CPU keeps them in the activation dtype, and megalite's
+    sequence-parallel dropout a whole-sequence mask) the formula holds to 0.1 of s*b*h bytes."""
+    s, b, h, a = 256, 2, 256, 8
+    arch = dict(MLA, q_lora_rank=48, sequence_parallel=True, hidden_dropout=0.0)
+    ranks = run_ranks(_mla_layer_bytes, 2, args=(s, b, h, a, "selective", arch))
+    (measured, formula), sbh = ranks[0], s * b * h
+    assert ranks[1][0] == measured
+    assert (measured - (formula - 2 * sbh / 2)) / sbh == pytest.approx(0, abs=0.1), (measured / sbh, formula / sbh)
+    one, one_formula = _mla_layer_bytes(0, 1, s, b, h, a, "selective", dict(arch, sequence_parallel=False))
+    assert (one - (one_formula - 2 * sbh)) / sbh == pytest.approx(0, abs=0.1), (one / sbh, one_formula / sbh)
+
+
+def _mla_context_parallel_bytes(rank, world, s, b, h, a, comm_type):
+    from unittest import mock
+
+    from megalite import ops, parallel
+    from megalite.models.memory import layer_activation_bytes
+
+    parallel.initialize_model_parallel(1, context_parallel_size=world)
+    script, cpu = _script(), torch.device("cpu")
+    arch = dict(MLA, q_lora_rank=48, hidden_dropout=0.0, cp_comm_type=comm_type)
+    with mock.patch.object(ops, "rms_norm", _KernelShapedRMSNorm.apply):
+        measured = script.measure(s // world, b, h, a, "none", cpu, **arch, max_position_embeddings=s)
+    config = script.build_layer(s, h, a, "none", cpu, torch.bfloat16, **arch)[1]
+    return measured, layer_activation_bytes(config, s, b, cp=world)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_measured_mla_layer_activations_at_cp_2_pad_the_values(comm_type):
+    """With context parallelism MLA pads the values to the key width: the padded copy replaces
+    kv_up's output and the core's padded output is kept besides the copy proj reads. Without dropout
+    (the formula's two 1-byte masks left out) the formula holds to 0.1 of (s/cp)*b*h bytes."""
+    s, b, h, a = 256, 2, 256, 8
+    ranks = run_ranks(_mla_context_parallel_bytes, 2, args=(s, b, h, a, comm_type))
+    (measured, formula), local = ranks[0], s // 2 * b * h
+    assert ranks[1][0] == measured
+    assert (measured - (formula - 2 * local)) / local == pytest.approx(0, abs=0.1), (measured / local, formula / local)

@@ -41,6 +41,31 @@ keeps keys and values at G groups. What they keep besides, in units of (s/cp)*b*
   which goes back through the second all-to-all as a new tensor for the output projection.
 Both are split over TP with the heads; a2a adds the two int64 index vectors of its reordering to
 global token order, 16*s bytes whatever b, h and TP.
+
+Multi-head latent attention (`megalite.models.mla`; r = q_lora_rank, c = kv_lora_rank, d_n, d_r,
+d_v its head widths) keeps, in bytes per token (16-bit activations; s*b tokens):
+- the attention input, 2h, whole on every TP rank even under sequence parallelism: the projections
+  read the input gathered along the sequence, and the down projections' weight gradients need it;
+- the latents, replicated on every TP rank: the queries' q_down output (q_norm's input, 2r) and
+  q_norm's output (q_up's input, 2r); the keys' and values' latent c_kv (kv_norm's input, 2c: a
+  slice of kv_down's output that the fused norm copies to a contiguous tensor, so kv_down's output
+  itself is not kept, the shared rotary key going on to rope, which keeps only its cos/sin) and
+  kv_norm's output (kv_up's input, 2c); each norm's fp32 mean and rstd, 8;
+- split over TP by heads (a/t heads a rank): the queries and keys, each a new tensor of
+  a*(d_n + d_r) (the shared rotary key expanded into every head), 2a(d_n + d_r) each; the values,
+  a view of kv_up's output, which keeps that whole output alive, 2a(d_n + d_v); the attention's
+  output (proj's input), 2a*d_v;
+- the fp32 cos/sin tables of d_r dims, 8*d_r*s bytes per layer (as above).
+The rest of the layer is the general formula's: the two norms' inputs, the MLP's input and the two
+dropout masks (8h, split over TP under sequence parallelism), the MLP's ffn-wide tensors, and the
+attention core 5*a*s bytes a token (/t) where it is stored (explicit backends, no recomputation);
+but for the MLP's input under sequence parallelism, 2h whole rather than 2h/t: megalite's
+column-parallel layers keep the input they gather along the sequence (Korthikanti et al. gather it
+again in backward, as the general formula above assumes).
+With context parallelism the values are padded to d_n + d_r for the ring or the all-to-all
+(`MultiLatentAttention._core`): the padded copy, 2a(d_n + d_r), replaces kv_up's output, and the
+core's own padded output, 2a(d_n + d_r), is kept besides the sliced copy proj reads (the p2p and
+a2a terms above then count the log-sum-exp alone).
 """
 from __future__ import annotations
 
@@ -71,6 +96,33 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     if sequence_parallel:
         return sbh * (10.0 + sharded + core) / t + sbh * per_rank_kv
     return sbh * (10.0 + sharded / t + core / t) + sbh * per_rank_kv
+
+
+def mla_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                                   recompute: str = "none", *, q_lora_rank: int | None, kv_lora_rank: int,
+                                   qk_head_dim: int, qk_pos_emb_head_dim: int, v_head_dim: int,
+                                   ffn: int | None = None, gated: bool = False, cp: int = 1) -> float:
+    """Bytes one TP rank keeps for the backward of a layer with multi-head latent attention (see
+    the module docstring), s the tokens of each sequence on this rank (s/cp of them with context
+    parallelism, `cp` > 1 padding the values)."""
+    tokens = float(s) * b
+    if recompute == "full":
+        return 2.0 * tokens * h / (t if sequence_parallel else 1)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    ffn = 4 * h if ffn is None else ffn
+    qk = qk_head_dim + qk_pos_emb_head_dim
+    values = qk if cp > 1 else qk_head_dim + v_head_dim  # the padded copy, or kv_up's output
+    heads = 2.0 * a * (2 * qk + values + v_head_dim) + (2.0 * a * qk if cp > 1 else 0.0)
+    mlp = (8.0 if gated else 4.0) * ffn
+    core = 5.0 * a * s if recompute == "none" else 0.0
+    latent = 4.0 * kv_lora_rank + 8.0 + (4.0 * q_lora_rank + 8.0 if q_lora_rank is not None else 0.0)
+    # on every rank, whole: the (gathered) attention input and the latents, and under SP the MLP's
+    # gathered input too (megalite's column-parallel layers keep the input they gather)
+    whole = 2.0 * h + latent + (2.0 * h if sequence_parallel else 0.0)
+    rope = 8.0 * qk_pos_emb_head_dim / b  # fp32 cos and sin, per token of one sequence
+    rest = 6.0 * h if sequence_parallel else 8.0 * h  # norms' inputs, dropout masks (and the MLP input)
+    return tokens * ((rest / t if sequence_parallel else rest) + (heads + mlp + core) / t + whole + rope)
 
 
 def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1, cp: int = 1,
@@ -104,6 +156,18 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
     if sdpa and recompute == "none":
         recompute = "selective"
     local = s // cp
+    if config.multi_latent_attention:
+        kept = mla_activation_bytes_per_layer(
+            local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
+            q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
+            qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
+            ffn=config.ffn_hidden_size, gated=config.gated_linear_unit, cp=cp)
+        if recompute == "full" or cp == 1:
+            return kept
+        comm_type = getattr(config, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
+        # the log-sum-exp (and a2a's index vectors); the padded output is in the MLA count
+        return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t,
+                                                       cp, "p2p") + (16.0 * s if comm_type == "a2a" else 0.0)
     kept = activation_bytes_per_layer(
         local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,

@@ -30,7 +30,14 @@ Every layout megalite accepts is enumerated and, for each, the planner predicts:
   backward pass, and the optimizer step;
 - for a MoE model (`experts.py`): expert weights split over ep x etp in buffers of their own,
   reduced and sharded over the expert-data-parallel group; the router's, the dispatched rows' and
-  the experts' activations; the active experts' FLOPs; the token dispatch's bytes, all exposed.
+  the experts' activations; the active experts' FLOPs; the token dispatch's bytes, all exposed;
+- for DeepSeek-V3's parts: multi-head latent attention's activations
+  (`megalite.models.memory.mla_activation_bytes_per_layer`; its parameters come with the meta
+  build), and the multi-token prediction modules on the last stage: parameters, activations
+  (`memory.mtp_bytes`) and FLOPs (`megalite.metrics.mtp_forward_flops`).
+
+`--compare LAYOUT` predicts a layout of the user's (an explicit --pipeline-layers split included)
+next to the plan's best.
 
 inputs.py: Cluster, Layout, Run, parameter counts; experts.py: the MoE terms; predict.py: one
 layout; search.py: every layout, check_layout; report.py: tables, --explain, commands, JSON; cli.py: the command

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--ffn-hidden-size", type=int, help="default 4 x hidden")
     g.add_argument("--vocab-size", type=int, help="default: the preset's, else 50257")
+    g.add_argument("--q-lora-rank", type=int, help="MLA models: the queries' latent width (default: the preset's)")
+    g.add_argument("--kv-lora-rank", type=int, help="MLA models: the keys' and values' latent width")
+    g.add_argument("--mtp-num-layers", type=int, help="multi-token prediction modules (default: the preset's)")
     g = ap.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=True)
     g.add_argument("--gpu-memory-gib", type=float, default=80.0)
@@ -79,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int,
                    help="MoE models: expert-tensor-parallel size (default: 1 and tp)")
     g.add_argument("--max-tp", type=int, help="largest tp (default: GPUs per node)")
+    g.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
+                   help="also predict this layout, printed after the plan: comma-separated key=value of tp, pp, dp, "
+                        "cp, vpp, ep, etp, mb, recompute, sp (on/off), zero, layers (--pipeline-layers as a sum of "
+                        "counts: 3+4*14+2 is 3, fourteen 4s, 2); keys left out are searched (the fastest that fits, "
+                        "else the one needing the least memory), cp 1 unless given; may be repeated")
     g = ap.add_argument_group("output")
     g.add_argument("--top", type=int, default=5)
     g.add_argument("--explain", action="store_true", help="the formulas with numbers for the best layout")
@@ -89,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args, ap: argparse.ArgumentParser) -> TransformerConfig:
     given = vars(args)
     shape = {k: given[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                                   "vocab_size") if given[k] is not None}
+                                   "vocab_size", "q_lora_rank", "kv_lora_rank", "mtp_num_layers")
+             if given[k] is not None}
     if args.model:
         base = dict(PRESETS[args.model])
     else:
@@ -143,24 +152,36 @@ def main(argv=None) -> int:
                   etp=args.etp)
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model)
+    compared = []
+    for spec in args.compare:
+        try:
+            compared.append((spec, compare(config, cluster, args, seq, spec)))
+        except ValueError as e:
+            ap.error(f"--compare {spec}: {e}")
     if result.best is None:
         msg = _nothing_fits(result, name, cluster)
         if args.json:
             print(json.dumps({"error": msg, "evaluated": result.evaluated, "feasible": 0,
                               "rejected": rejected_json(result),
-                              "closest": result.closest.to_dict(flags) if result.closest else None}, indent=1))
+                              "closest": result.closest.to_dict(flags) if result.closest else None,
+                              **_compared_json(compared, flags)}, indent=1))
+        else:
+            _print_compared(compared, result.best, flags)
         print(msg, file=sys.stderr)
         return 1
     top = result.predictions[:max(args.top, 1)]
     command = result.best.command(flags)
     if args.json:
         active = {"active_parameters": active_parameters(config, seq)} if config.is_moe else {}
+        if config.mtp_num_layers:  # the main model alone too, as DeepSeek-V3's figures count it
+            active.update(parameters_without_mtp=total_parameters(config, seq, mtp=False),
+                          active_parameters_without_mtp=active_parameters(config, seq, mtp=False))
         print(json.dumps({"model": name, "parameters": total_parameters(config, seq), **active,
                           "config": config_json(config),
                           "cluster": asdict(cluster), "global_batch_size": args.global_batch_size, "seq_length": seq,
                           "dtype": dtype, "evaluated": result.evaluated, "feasible": len(result),
                           "best": [x.to_dict(flags) for x in top], "rejected": rejected_json(result),
-                          "command": command}, indent=1))
+                          "command": command, **_compared_json(compared, flags)}, indent=1))
         return 0
     nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
     print(_header(name, config, cluster, args.global_batch_size, seq, dtype))
@@ -177,7 +198,102 @@ def main(argv=None) -> int:
     if args.explain:
         print()
         print(explain(result.best))
+    _print_compared(compared, result.best, flags)
     return 0
+
+
+COMPARE_KEYS = ("tp", "pp", "dp", "cp", "vpp", "ep", "etp", "mb", "recompute", "sp", "zero", "layers")
+
+
+def parse_layout(spec: str) -> dict:
+    """--compare's LAYOUT, "tp=1,pp=16,ep=64,zero=1": the sizes it fixes, by key (COMPARE_KEYS);
+    layers=3+4*14+2 is the explicit split [3, 4 (14 times), 2]."""
+    out: dict = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in COMPARE_KEYS:
+            raise ValueError(f"{item!r} is not key=value with a key among {', '.join(COMPARE_KEYS)}")
+        try:
+            if key == "recompute":
+                if value not in RECOMPUTE:
+                    raise ValueError
+                out[key] = value
+            elif key == "sp":
+                out[key] = {"on": True, "off": False}[value]
+            elif key == "layers":
+                out[key] = [int(n) for term in value.split("+")
+                            for n, _, times in [term.partition("*")] for _ in range(int(times or 1))]
+            else:
+                out[key] = int(value)
+        except (ValueError, KeyError):
+            hint = {"sp": "on or off", "recompute": "one of " + ", ".join(RECOMPUTE),
+                    "layers": "layer counts like 3+4*14+2"}.get(key, "an integer")
+            raise ValueError(f"{item!r}: give {hint}") from None
+    return out
+
+
+def compare(config: TransformerConfig, cluster: Cluster, args, seq: int, spec: str) -> PlanResult:
+    """The layouts of `cluster` that --compare's LAYOUT leaves open, planned as the main search is
+    (the fastest that fits first; `closest` when none fits), cp 1 unless given. A dp given with one
+    of tp and pp missing fixes that one (tp x cp x pp x dp = the GPUs)."""
+    fixed = parse_layout(spec)
+    cp = fixed.get("cp", 1)
+    layers = fixed.get("layers")
+    if layers is not None and "pp" not in fixed:
+        fixed["pp"] = len(layers) // fixed.get("vpp", 1)
+    if "dp" in fixed:
+        missing = [k for k in ("tp", "pp") if k not in fixed]
+        if len(missing) == 2:
+            raise ValueError("with dp give tp or pp too")
+        if missing:
+            other = fixed["pp" if missing[0] == "tp" else "tp"]
+            fixed[missing[0]] = cluster.gpus // (other * cp * fixed["dp"])
+        if fixed["tp"] * cp * fixed["pp"] * fixed["dp"] != cluster.gpus:
+            raise ValueError(f"tp {fixed['tp']} x cp {cp} x pp {fixed['pp']} x dp {fixed['dp']} is not the "
+                             f"{cluster.gpus} GPUs of --gpus")
+    return plan(config, cluster, args.global_batch_size, seq, dtype=args.dtype or "bf16",
+                ddp_bucket_size=args.ddp_bucket_size, attention_backend=args.attention_backend,
+                max_tp=max(fixed.get("tp", 0), args.max_tp or cluster.gpus_per_node), tp=fixed.get("tp"),
+                pp=fixed.get("pp"), vpp=fixed.get("vpp"), micro_batch_size=fixed.get("mb"),
+                recompute=(fixed["recompute"],) if "recompute" in fixed else RECOMPUTE,
+                sequence_parallel=(fixed["sp"],) if "sp" in fixed else (False, True),
+                zero_stage=fixed.get("zero"), grad_reduce_dtype=args.grad_reduce_dtype, cp=cp,
+                local_sgd=local_sgd_of(args), ep=fixed.get("ep"), etp=fixed.get("etp"), pipeline_layers=layers)
+
+
+def summary(pred) -> str:
+    """One layout's memory per GPU, step time and bubble, in a line."""
+    t, m = pred.time, pred.memory
+    built = "the build's peak; " if pred.build_peak > m.total else ""
+    return (f"{pred.layout.short()}: {pred.peak_bytes / GIB:.1f} GiB per GPU ({built}training {m.total / GIB:.1f} on "
+            f"stage {pred.peak_stage}: states {m.states / GIB:.1f}, activations {m.activations / GIB:.1f}, output "
+            f"layer{' and MTP' if m.mtp else ''} {m.output_layer / GIB:.1f}), step "
+            f"{t.total:.2f} s, bubble {t.bubble:.2f} s ({pred.bubble_fraction:.1%} of the schedule), "
+            f"MFU {100 * pred.mfu:.1f}%{'' if pred.fits else ' -- ' + (pred.reason or 'does not fit')}")
+
+
+def _print_compared(compared: list, best, flags: list[str]) -> None:
+    if not compared:
+        return
+    print()
+    if best is not None:
+        print(f"plan's best: {summary(best)}")
+    for spec, result in compared:
+        pred = result.best or result.closest
+        if pred is None:
+            first = next(iter(result.rejected.values()), None)
+            print(f"compared {spec}: no valid layout ({first.example if first else 'no candidates'})")
+            continue
+        print(f"compared {spec}{'' if result.best else ' (nothing fits; the closest)'}: {summary(pred)}")
+        print(f"  {pred.command(flags)}")
+
+
+def _compared_json(compared: list, flags: list[str]) -> dict:
+    if not compared:
+        return {}
+    return {"compared": [{"layout": spec, "fits": result.best is not None,
+                          "prediction": (result.best or result.closest).to_dict(flags)
+                          if (result.best or result.closest) else None} for spec, result in compared]}
 
 
 def _on_off(choice: str | None) -> tuple:
@@ -190,6 +306,11 @@ def _header(name: str, config: TransformerConfig, cluster: Cluster, global_batch
     nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
     experts = (f", {active_parameters(config, seq) / 1e9:.2f}B active ({config.num_moe_experts} experts, top-"
                f"{config.moe_router_topk}, in {sum(config.moe_layer_freq)} layers)" if config.is_moe else "")
+    if config.mtp_num_layers:  # and the main model alone, as DeepSeek-V3's 671B / 37B count it
+        depth = config.mtp_num_layers
+        active = f", {active_parameters(config, seq, mtp=False) / 1e9:.2f}B active" if config.is_moe else ""
+        experts += (f"; without the {depth} MTP module{'s' if depth > 1 else ''} "
+                    f"{total_parameters(config, seq, mtp=False) / 1e9:.2f}B{active}")
     return (f"{name}: {total_parameters(config, seq) / 1e9:.2f}B parameters{experts} ({config.num_layers} layers, hidden "
             f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}); "
             f"{cluster.gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''} of "

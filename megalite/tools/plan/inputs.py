@@ -8,7 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megalite.checkpoint.layout import VOCAB_PARAMS
-from megalite.models import PRESETS, GPTModel, TransformerConfig, TransformerLayer
+from megalite.models import PRESETS, GPTModel, TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import layers_of, stage_layer_counts
 
@@ -243,8 +243,8 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
         examples = example_layers(config)
         with torch.device("meta"), _ShapesOnly():
             model = GPTModel(config, pre, post, layer_numbers=examples, seed=0, device="meta")
-        layer_of = {id(p): m.layer_number for m in model.modules() if isinstance(m, TransformerLayer)
-                    for p in m.parameters()}
+        # The stage's own layers; multi-token prediction's layers (after the final norm) are the tail's
+        layer_of = {id(p): m.layer_number for m in model.layers for p in m.parameters()}
         counted = [(layer_of.get(id(p)), CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
                                                           name in VOCAB_PARAMS, getattr(p, "tied_embedding", False),
                                                           getattr(p, "expert_parallel", False)))
@@ -322,17 +322,23 @@ def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int 
     return chunks
 
 
-def total_parameters(config: TransformerConfig, seq_length: int) -> int:
-    """Parameters of the whole model (one copy of the tied embedding, padded vocabulary at tp = 1)."""
+def total_parameters(config: TransformerConfig, seq_length: int, mtp: bool = True) -> int:
+    """Parameters of the whole model (one copy of the tied embedding, padded vocabulary at tp = 1);
+    with its multi-token prediction modules unless `mtp` is False (the main model alone, as
+    DeepSeek-V3's 671B counts it)."""
+    if not mtp and config.mtp_num_layers:
+        config = config.replace(mtp_num_layers=0)
     return sum(n for n, _ in rank_parameters(config, 1, 1, None, 0, seq_length)[0])
 
 
-def active_parameters(config: TransformerConfig, seq_length: int) -> int:
-    """The parameters one token runs through: all but, in each MoE layer, the experts its router
-    does not choose (num_moe_experts - moe_router_topk of them)."""
-    total = total_parameters(config, seq_length)
+def active_parameters(config: TransformerConfig, seq_length: int, mtp: bool = True) -> int:
+    """The parameters one token runs through: all but, in each MoE layer (multi-token prediction's
+    included unless `mtp` is False), the experts its router does not choose
+    (num_moe_experts - moe_router_topk of them)."""
+    total = total_parameters(config, seq_length, mtp)
     if not config.is_moe:
         return total
     experts = sum(x.numel for x in stage_parameters(config, seq_length, False, False).moe_layer if x.expert)
     idle = experts // config.num_moe_experts * (config.num_moe_experts - config.moe_router_topk)
-    return total - idle * sum(config.moe_layer_freq)
+    moe_layers = sum(config.is_moe_layer(n) for n in range(config.num_layers + (config.mtp_num_layers if mtp else 0)))
+    return total - idle * moe_layers

@@ -37,6 +37,7 @@ class Memory:
     total: float
     zero_transient: float = 0.0  # ZeRO stages 2-3: whole-bucket gradients and gathered units (StateBytes.transient)
     experts: float = 0.0  # of parameters + gradients + optimizer: the expert weights' (sharded over EDP)
+    mtp: float = 0.0  # of output_layer: the multi-token prediction modules' activations (mtp_bytes)
 
     @property
     def states(self) -> float:
@@ -479,6 +480,25 @@ def output_layer_bytes(config: TransformerConfig, layout: Layout, run: Run, voca
     output = (sbh / t if layout.sequence_parallel else sbh) + sbh
     output += s * b * (vocab // t) * (ab + 4 + (4 if ab != 4 else 0))
     return output
+
+
+def mtp_bytes(config: TransformerConfig, layout: Layout, run: Run, vocab: int) -> float:
+    """What the multi-token prediction modules (megalite.models.mtp) keep on the last stage for one
+    micro-batch, besides the main head's `output_layer_bytes`. Per depth: its transformer layer (of
+    the last layer's kind, under the layout's recomputation), the inputs of enorm and hnorm and of
+    its final norm (2h each, /t under SP), eh_proj's input ([embedding; hidden], 4h, kept gathered
+    under SP) and the output layer's (2h, gathered), and the fp32 softmax its cross-entropy keeps for
+    backward (4 B x vocab/t); the logits' transient peak is the main head's, counted once."""
+    depth = config.mtp_num_layers
+    if not depth:
+        return 0.0
+    s, b, h, t = run.seq_length // layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
+    ab = DTYPE_BYTES[run.dtype]
+    moe = 1.0 if config.is_moe_layer(config.num_layers) else 0.0
+    layer, _ = stored_activations(config, layout, run, 1, ab / 2.0, moe)
+    sharded = 3 * s * b * h * ab / (t if layout.sequence_parallel else 1)  # enorm, hnorm, final norm inputs
+    whole = s * b * (2 * h + h) * ab  # eh_proj's and the output layer's inputs
+    return depth * (layer + sharded + whole + s * b * (vocab // t) * 4.0)
 
 
 def over(need: float, capacity: float) -> str:

@@ -14,6 +14,7 @@ from megalite.tools.plan.memory import (
     Memory,
     StateBytes,
     in_flight_chunks,
+    mtp_bytes,
     output_layer_bytes,
     over,
     rank_state_bytes,
@@ -42,6 +43,7 @@ class StageResult:
     ring_mb: float = 0.0  # seconds of context-parallel ring traffic per micro-batch, overlapped with compute_mb
     moe_layers: int = 0  # of n_layers, the MoE ones
     ep_mb: float = 0.0  # seconds of MoE token dispatch per micro-batch (in t_mb)
+    mtp: float = 0.0  # of output: the multi-token prediction modules' activations (last stage)
 
 
 @dataclass
@@ -152,10 +154,11 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     n_moe = _rank_moe_layers(costs, r)
     first, last = r == 0, r == p - 1
     # CP ranks share each sequence's work evenly (causal load balancing)
-    flops_mb = (costs.layers_flops(n_layers, n_moe) / t + (3 * costs.logits_fwd / t if last else 0.0)) / layout.cp
-    tp_mb = ((n_layers - n_moe) * costs.ar_per_layer + n_moe * costs.moe_ar_per_layer + first + last) * costs.ar_time \
-        if t > 1 else 0.0
-    ep_mb = n_moe * costs.ep_time  # the token dispatch, not overlapped with compute
+    head = 3 * costs.logits_fwd + costs.mtp_fwd + costs.mtp_bwd if last else 0.0  # output layer and MTP
+    flops_mb = (costs.layers_flops(n_layers, n_moe) + head) / t / layout.cp
+    tp_mb = ((n_layers - n_moe) * costs.ar_per_layer + n_moe * costs.moe_ar_per_layer + first + last
+             + (costs.mtp_ar if last else 0)) * costs.ar_time if t > 1 else 0.0
+    ep_mb = (n_moe + (costs.mtp_moe if last else 0)) * costs.ep_time  # the token dispatch, not overlapped
     local_sgd = run.local_sgd_interval > 0  # gradients reduced inside a replica only (over CP)
     st = rank_state_bytes(config, tp=t, pp=p, dp=layout.cp if local_sgd else layout.dp_cp, vpp=layout.vpp,
                           pp_rank=r, dp_rank=0, dtype=run.dtype,
@@ -175,7 +178,8 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
         activations = chunks_in_flight * stored_chunk + transient
     else:
         activations = chunks_in_flight * stored_chunk * per_chunk / (round(per_chunk) or 1) + transient
-    output = output_layer_bytes(config, layout, run, costs.vocab) if last else 0.0
+    mtp = mtp_bytes(config, layout, run, costs.vocab) if last else 0.0
+    output = output_layer_bytes(config, layout, run, costs.vocab) + mtp if last else 0.0
     overhead = costs.cluster.overhead_gib * GIB
     compute_mb = flops_mb / costs.rate
     ring_mb = n_layers * costs.ring_bytes / costs.bw_cp if layout.cp > 1 else 0.0
@@ -185,7 +189,7 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
         chunks_in_flight=chunks_in_flight,
         stored_chunk=stored_chunk, transient=transient, activations=activations, output=output,
         total=st.param_buffer + st.grads + st.optimizer + st.transient + activations + output + overhead,
-        build=st.build_peak + overhead, moe_layers=n_moe, ep_mb=ep_mb)
+        build=st.build_peak + overhead, moe_layers=n_moe, ep_mb=ep_mb, mtp=mtp)
 
 
 def _rank_moe_layers(costs: LayoutCosts, r: int) -> int:
@@ -261,7 +265,7 @@ def _memory(stage: StageResult, cluster: Cluster) -> Memory:
     experts = st.experts.param_buffer + st.experts.grads + st.experts.optimizer if st.experts else 0.0
     return Memory(parameters=st.param_buffer, gradients=st.grads, optimizer=st.optimizer,
                   activations=stage.activations, output_layer=stage.output, overhead=cluster.overhead_gib * GIB,
-                  total=stage.total, zero_transient=st.transient, experts=experts)
+                  total=stage.total, zero_transient=st.transient, experts=experts, mtp=stage.mtp)
 
 
 def _why_not(memory: Memory, build_peak: float, cluster: Cluster, peak_r: int) -> str:

@@ -37,6 +37,13 @@ ARCH_FLAGS = {
     "qk_layernorm_full_width": lambda v: ["--qk-layernorm-full-width"] if v else [],
     "untie_embeddings_and_output_weights": lambda v: ["--untie-embeddings-and-output-weights"] if v else [],
     "layernorm_epsilon": lambda v: ["--norm-epsilon", f"{v:g}"],
+    "multi_latent_attention": lambda v: ["--multi-latent-attention"] if v else [],
+    "q_lora_rank": lambda v: ["--q-lora-rank", str(v)] if v is not None else [],
+    "kv_lora_rank": lambda v: ["--kv-lora-rank", str(v)],
+    "qk_head_dim": lambda v: ["--qk-head-dim", str(v)],
+    "qk_pos_emb_head_dim": lambda v: ["--qk-pos-emb-head-dim", str(v)],
+    "v_head_dim": lambda v: ["--v-head-dim", str(v)],
+    "mtp_num_layers": lambda v: ["--mtp-num-layers", str(v)],
 }
 
 
@@ -47,7 +54,7 @@ MOE_FLAGS = {
     "num_moe_experts": lambda v: ["--num-experts", str(v)],
     "moe_router_topk": lambda v: ["--moe-router-topk", str(v)],
     "moe_ffn_hidden_size": lambda v: ["--moe-ffn-hidden-size", str(v)],
-    "moe_layer_freq": lambda v: [] if all(v) else ["--moe-layer-freq", "[" + ",".join(map(str, v)) + "]"],
+    "moe_layer_freq": lambda v: [] if all(v) else ["--moe-layer-freq", _layer_freq(v)],
     "moe_shared_expert_intermediate_size": lambda v: ["--moe-shared-expert-intermediate-size", str(v)] if v else [],
     "moe_shared_expert_gate": lambda v: ["--moe-shared-expert-gate"] if v else [],
     "moe_router_score_function": lambda v: ["--moe-router-score-function", v] if v != "softmax" else [],
@@ -59,6 +66,20 @@ MOE_FLAGS = {
     "moe_expert_capacity_factor": lambda v: ["--moe-expert-capacity-factor", f"{v:g}"] if v is not None else [],
     "moe_pad_expert_input_to_capacity": lambda v: ["--moe-pad-expert-input-to-capacity"] if v else [],
 }
+
+
+def _layer_freq(pattern: list[int]) -> str:
+    """--moe-layer-freq's spelling of a 0/1 pattern: the list, or Megatron-LM's runs
+    "([0]*3+[1]*58)" where those are shorter."""
+    listed = "[" + ",".join(map(str, pattern)) + "]"
+    runs: list[list[int]] = []
+    for v in pattern:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    spelled = "(" + "+".join(f"[{v}]*{n}" for v, n in runs) + ")"
+    return spelled if len(spelled) < len(listed) else listed
 
 
 def model_flags(config: TransformerConfig, preset_name: str | None = None) -> list[str]:
@@ -94,6 +115,8 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
         parts += ["--etp", str(lay.etp)]
     if lay.vpp:
         parts += ["--vpp", str(lay.vpp)]
+    if run.pipeline_layers:
+        parts += ["--pipeline-layers", ",".join(map(str, run.pipeline_layers))]
     parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),
               "--seq-length", str(run.seq_length), "--recompute", lay.recompute]
     if lay.sequence_parallel:
@@ -142,6 +165,8 @@ def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> d
         del layout["cp"], time["cp_comm"]
     if not pred.config.is_moe:  # nor for a dense model
         del layout["ep"], layout["etp"], time["ep_comm"], memory["experts"]
+    if not pred.config.mtp_num_layers:  # nor without multi-token prediction
+        del memory["mtp"]
     return {
         "layout": layout, "fits": pred.fits, "reason": pred.reason,
         "micro_batches": pred.micro_batches, "peak_stage": pred.peak_stage,
@@ -258,7 +283,9 @@ def _explain_memory(pred: Prediction) -> list[str]:
     st = S.state
     out = []
     layer = sum(layer_numels(c, t))
-    pieces = [f"{S.n_layers} layers x {layer:,} (= (4h^2 + 2h*ffn + 3h + ffn)/tp + 6h)"]
+    shape = ("MLA's q_down, q_up (or q), kv_down and norms whole, kv_up and proj / tp, MLP / tp, norms"
+             if c.multi_latent_attention else "= (4h^2 + 2h*ffn + 3h + ffn)/tp + 6h")
+    pieces = [f"{S.n_layers} layers x {layer:,} ({shape})"]
     if c.is_moe:
         moe_layer = sum(x.per_rank(c, t, lay.ep, lay.etp) for x in stage_parameters(c, s, False, False).moe_layer)
         pieces = [f"{S.n_layers - S.moe_layers} dense layers x {layer:,}" if S.n_layers > S.moe_layers else "",
@@ -268,8 +295,12 @@ def _explain_memory(pred: Prediction) -> list[str]:
         learned = f", positions {positions(c, s)} x {h}" if c.position_embedding_type == "learned_absolute" else ""
         pieces.insert(0, f"word embedding {V}/{t} x {h} = {V // t * h:,}{learned}")
     if r == p - 1:
-        tied = f"tied word embedding copy {V // t * h:,}, " if p > 1 else ""
-        pieces.append(f"{tied}final norm {2 * h}")
+        copy = p > 1 and (not c.untie_embeddings_and_output_weights or c.mtp_num_layers)
+        tied = f"{'tied ' if not c.untie_embeddings_and_output_weights else ''}word embedding copy {V // t * h:,}, " \
+            if copy else ""
+        mtp = (f"; {c.mtp_num_layers} MTP module{'s' if c.mtp_num_layers > 1 else ''} (enorm, hnorm, eh_proj 2h x h/tp, "
+               f"one {'MoE ' if c.is_moe_layer(c.num_layers) else ''}layer, a final norm)" if c.mtp_num_layers else "")
+        pieces.append(f"{tied}final norm{mtp}")
     out.append(f"  parameters   {st.numel:,} elements = {'; '.join(pieces)}")
     shard = f" / {_dp_label(lay)} (ZeRO-3: this rank's shard of every unit)" if lay.zero_stage == 3 else ""
     out.append(f"               x {ab} B (+ {st.padded_numel - st.numel:,} padding elements){shard} = "
@@ -300,7 +331,9 @@ def _explain_memory(pred: Prediction) -> list[str]:
     if lay.recompute == "full":
         formula = "2*s*b*h" + ("/t" if lay.sequence_parallel else "") + " (layer inputs only)"
     sdpa_note = ", sdpa keeps no s^2 matrices" if keep != "none" and lay.recompute == "none" else ""
-    if c.num_query_groups or c.gated_linear_unit or c.qk_layernorm or c.position_embedding_type == "rope":
+    if c.multi_latent_attention and lay.recompute != "full":
+        formula = "MLA's terms (megalite.models.memory.mla_activation_bytes_per_layer)"
+    elif c.num_query_groups or c.gated_linear_unit or c.qk_layernorm or c.position_embedding_type == "rope":
         formula += " with the Llama family's terms (megalite.models.memory)"
     sched = ("1 (no pipeline)" if p == 1 else f"min(p - r, m) = {S.chunks_in_flight}" if v == 1 else
              f"min(v*m, 2(p-1-r) + (v-1)p + 1) = {S.chunks_in_flight} chunks of {S.n_layers // v} layers")
@@ -314,7 +347,11 @@ def _explain_memory(pred: Prediction) -> list[str]:
     if r == p - 1:
         out.append(f"  output layer final-norm and output-layer inputs 2*s*b*h*{ab} B + logits s*b*V/t x "
                    f"({ab} + 4{' + 4' if ab != 4 else ''}) B = {s}*{b}*{V // t} x {ab + 4 + (4 if ab != 4 else 0)} B "
-                   f"... = {_gib(S.output)} GiB")
+                   f"... = {_gib(S.output - S.mtp)} GiB")
+        if S.mtp:
+            out.append(f"               + {c.mtp_num_layers} MTP module{'s' if c.mtp_num_layers > 1 else ''}: a layer, "
+                       f"its norms', eh_proj's and the output layer's inputs, the fp32 softmax s*b*V/t x 4 B "
+                       f"(tools.plan.memory.mtp_bytes) = {_gib(S.mtp)} GiB")
     out.append(f"  overhead     {cl.overhead_gib:g} GiB (CUDA context, workspaces, NCCL buffers)")
     out.append(f"  total        {_gib(pred.memory.total)} GiB of {cl.gpu_memory_gib:g} GiB; while building the "
                f"model: {_gib(pred.build_peak)} GiB (the fp32 model, each chunk's flat buffers allocated before "
@@ -329,7 +366,10 @@ def _explain_expert_states(pred: Prediction, st) -> str:
     per_expert = 3 if c.gated_linear_unit else 2
     sharded = f", optimizer sharded over edp={st.edp}" if lay.zero_stage >= 1 else ""
     grads = f" / edp={st.edp}" if lay.zero_stage >= 2 else ""
-    return (f"  experts      of the above: {ex.numel:,} elements = {pred.stages[pred.peak_stage].moe_layers} MoE layers x "
+    layers = f"{pred.stages[pred.peak_stage].moe_layers} MoE layers"
+    if pred.peak_stage == lay.pp - 1 and pred.costs.mtp_moe:
+        layers += f" + {pred.costs.mtp_moe} of MTP"
+    return (f"  experts      of the above: {ex.numel:,} elements = {layers} x "
             f"{c.num_moe_experts}/ep={lay.ep} experts x {per_expert}*h*ffn/etp ({c.hidden_size}*{c.moe_ffn_hidden_size}"
             f"/{lay.etp}), a buffer of their own per chunk{sharded}: params x {DTYPE_BYTES[run.dtype]} B + grads"
             f"{grads} x {ex.grad_bytes} B + optimizer {_gib(ex.optimizer)} GiB = "
@@ -373,7 +413,8 @@ def _explain_dispatch(pred: Prediction) -> str:
                   f"{K.etp_bytes / 2 ** 20:.1f} MiB at {K.bw_etp / 1e9:g} GB/s" if lay.etp > 1 else ""))
     return (f"  ep comm      per MoE layer and micro-batch, dispatch and combine, forward and backward"
             f"{' and recomputed forward' if passes == 6 else ''}: {how} = {K.ep_time * 1e3:.3f} ms; x "
-            f"{S.moe_layers} MoE layers on stage {pred.slow_stage} x {pred.micro_batches} micro-batches, "
+            f"{S.moe_layers + (K.mtp_moe if pred.slow_stage == lay.pp - 1 else 0)} MoE layers on stage "
+            f"{pred.slow_stage} x {pred.micro_batches} micro-batches, "
             f"not overlapped = {T.ep_comm:.3f} s")
 
 
@@ -384,7 +425,8 @@ def _explain_time(pred: Prediction) -> list[str]:
     out = []
     rc = {"none": "", "selective": " + 4*B*s^2*h*L (selective: attention core again)",
           "full": " + 24*B*s*L*h^2*(1 + s/6h) (full: the forward again)"}[lay.recompute]
-    out.append(f"  compute      [72*B*s*L*h^2*(1 + s/6h) + 6*B*s*h*V]{rc} = {pred.hardware_flops:.3e} FLOPs / "
+    mtp = " + MTP's layer, eh_proj and head" if pred.config.mtp_num_layers else ""
+    out.append(f"  compute      [72*B*s*L*h^2*(1 + s/6h) + 6*B*s*h*V{mtp}]{rc} = {pred.hardware_flops:.3e} FLOPs / "
                f"({lay.gpus} GPUs x {cl.peak_tflops:g} TFLOP/s x {cl.efficiency:g}) = {T.compute:.3f} s")
     if pred.config.is_moe:
         out.append("               (MoE layers: attention, router, top-k experts and shared expert only; with "
@@ -399,7 +441,8 @@ def _explain_time(pred: Prediction) -> list[str]:
         if Ss.moe_layers:
             dense_part = f"{n_dense} dense layers x {K.ar_per_layer} + " if n_dense else ""
             layers = f"{dense_part}{Ss.moe_layers} MoE layers x {K.moe_ar_per_layer}"
-        out.append(f"  tp comm      ({layers} + {extra:.0f} embedding/output) "
+        heads = "embedding/output/MTP" if pred.config.mtp_num_layers else "embedding/output"
+        out.append(f"  tp comm      ({layers} + {extra:.0f} {heads}) "
                    f"all-reduces of s*b*h*{ab} B = {K.ar_bytes / 2 ** 20:.1f} MiB per micro-batch on stage "
                    f"{pred.slow_stage}, 2(t-1)/t x bytes / {K.bw_tp / 1e9:g} GB/s = {K.ar_time * 1e3:.3f} ms "
                    f"each, x {m} micro-batches = {T.tp_comm:.3f} s")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from megalite.models.config import TransformerConfig
+from megalite.pipeline.partition import stage_layer_counts
 from megalite.tools.plan.inputs import GIB, RECOMPUTE, ZERO_STAGES, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.predict import Prediction, predict
 
@@ -83,7 +84,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
          cp: int | str | None = None, local_sgd: dict | None = None, ep: int | None = None,
-         etp: int | None = None) -> PlanResult:
+         etp: int | None = None, pipeline_layers=None) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
@@ -94,13 +95,16 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     local-SGD fields (local_sgd_interval, local_sgd_fragments, outer_grad_dtype, local_sgd_async);
     with an interval, only ZeRO stage 0 (megalite refuses sharding with local SGD). ep, etp: a MoE
     model's expert-parallel and expert-tensor-parallel sizes; None: every ep dividing the experts
-    and etp in (1, tp), with etp x ep dividing tp x cp x dp (a dense model: ep 1)."""
+    and etp in (1, tp), with etp x ep dividing tp x cp x dp (a dense model: ep 1). pipeline_layers:
+    megalite's --pipeline-layers, one layer count per virtual stage (pp x vpp of them; the layers
+    need not divide evenly then), which fixes the pipeline depth."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
-                      grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp)
+                      grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp,
+                      pipeline_layers=pipeline_layers)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
@@ -109,8 +113,12 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     check_gpt(config)
     if not config.is_moe and (ep or 1) > 1:
         raise ValueError(f"ep {ep} is for mixture-of-experts models only: this model has no experts (drop ep)")
+    explicit = tuple(pipeline_layers) if pipeline_layers is not None else None
+    if explicit is not None:  # the split fixes the pipeline depth; megalite's own checks
+        pp = pp or max(1, len(explicit) // (vpp or 1))
+        stage_layer_counts(config.num_layers, pp, vpp, list(explicit))
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
-              attention_backend, grad_reduce_dtype=grad_reduce_dtype, **(local_sgd or {}))
+              attention_backend, explicit, grad_reduce_dtype=grad_reduce_dtype, **(local_sgd or {}))
     if run.local_sgd_interval:
         zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
@@ -184,10 +192,11 @@ def _layouts_of_tp_cp(config: TransformerConfig, t: int, c: int, N: int, run: Ru
     for p in divisors(rest):
         if space.pp is not None and p != space.pp:
             continue
-        if p > L:
+        even = run.pipeline_layers is None  # an explicit split (of pp stages) takes any layer counts
+        if even and p > L:
             reject("pp > layers", f"pp {p} exceeds the {L} layers")
             continue
-        if L % p:
+        if even and L % p:
             reject("layers % pp", f"layers {L} not divisible by pp {p}")
             continue
         d = rest // p
@@ -222,7 +231,9 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
     parallelism and the ZeRO stage."""
     B, s = run.global_batch_size, run.seq_length
     vpps = [None] + ([x for x in divisors(config.num_layers // p) if x > 1] if p > 1 else [])
-    if space.vpp is not None:
+    if run.pipeline_layers is not None:
+        vpps = [space.vpp if space.vpp and space.vpp > 1 else None]
+    elif space.vpp is not None:
         vpps = [x for x in vpps if (x or 1) == space.vpp]
     for b in divisors(B // d):
         if space.micro_batch_size is not None and b != space.micro_batch_size:

@@ -7,7 +7,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from megalite.metrics import layer_forward_flops
+from megalite.metrics import layer_forward_flops, mtp_forward_flops
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout
 from megalite.parallel.layers import pad_vocab_size
@@ -79,6 +79,12 @@ class LayoutCosts:
     bw_ep: float = 0.0
     bw_etp: float = 0.0
     bw_edp: float = 0.0  # the expert-data-parallel group's slowest link (expert gradients)
+    # Multi-token prediction (0 without): its modules' FLOPs per micro-batch on the last stage, all TP
+    # ranks together (mtp_flops), its TP collectives, and how many of its layers are MoE layers
+    mtp_fwd: float = 0.0
+    mtp_bwd: float = 0.0
+    mtp_ar: int = 0
+    mtp_moe: int = 0
 
     @property
     def traffic(self) -> int:
@@ -88,7 +94,8 @@ class LayoutCosts:
     def hardware_flops(self) -> float:
         """FLOPs of one step, the whole model, recomputation included."""
         m, d, L, n = self.micro_batches, self.layout.dp, self.config.num_layers, self.moe_count
-        return m * d * ((L - n) * (self.fwd + self.bwd) + n * (self.moe_fwd + self.moe_bwd) + 3 * self.logits_fwd)
+        return m * d * ((L - n) * (self.fwd + self.bwd) + n * (self.moe_fwd + self.moe_bwd) + 3 * self.logits_fwd
+                        + self.mtp_fwd + self.mtp_bwd)
 
     def layers_flops(self, layers: int, moe_layers: int) -> float:
         """Forward and backward FLOPs of `layers` layers (`moe_layers` of them MoE) of one
@@ -107,6 +114,11 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     ar_bytes = local * b * h * ab
     msg = (local // t if layout.sequence_parallel else local) * b * h * ab
     moe = moe_costs(config, layout, cluster, run) if config.is_moe else {}
+    mtp_fwd, mtp_bwd = mtp_flops(config, s, b, layout.recompute, vocab)
+    depth = config.mtp_num_layers
+    mtp_moe = sum(config.is_moe_layer(config.num_layers + k) for k in range(depth))
+    per_layer = {"none": 4, "selective": 4, "full": 6}[layout.recompute]
+    moe_per_layer = moe.get("moe_ar_per_layer", per_layer)
     return LayoutCosts(
         config=config, layout=layout, cluster=cluster, run=run, micro_batches=m,
         layer_counts=stage_layer_counts(config.num_layers, p, layout.vpp,
@@ -119,7 +131,26 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
         msg=msg, pp_mb=2.0 * v * msg / bw_pp if p > 1 else 0.0,  # per micro-batch and chunk: 1 forward + 1 backward
         bw_cp=bandwidth(cluster, "cp", layout) if layout.cp > 1 else 0.0,
         ring_bytes=ring_layer_bytes(config, layout, s, ab) if layout.cp > 1 else 0.0, **moe,
+        mtp_fwd=mtp_fwd, mtp_bwd=mtp_bwd, mtp_moe=mtp_moe,
+        # per depth: its layer's collectives, and the embedding lookup, eh_proj and output layer's
+        mtp_ar=(depth - mtp_moe) * per_layer + mtp_moe * moe_per_layer + 3 * depth,
     )
+
+
+def mtp_flops(config: TransformerConfig, s: int, b: int, recompute: str, vocab: int) -> tuple[float, float]:
+    """(forward, backward incl. recomputation) FLOPs of the multi-token prediction modules for one
+    micro-batch, all TP ranks together (`megalite.metrics.mtp_forward_flops` with the padded
+    vocabulary); recomputation repeats their layers' forward (full) or attention core (selective),
+    not eh_proj or the output layer."""
+    dense, core = mtp_forward_flops(config, s, b, vocab)
+    fwd = dense + core
+    bwd = 2.0 * fwd
+    if recompute == "full":
+        bwd += sum(sum(layer_forward_flops(config, s, b, moe=config.is_moe_layer(config.num_layers + k)))
+                   for k in range(config.mtp_num_layers))
+    elif recompute == "selective":
+        bwd += core
+    return fwd, bwd
 
 
 def moe_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: Run) -> dict:
@@ -147,7 +178,9 @@ def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_byte
     from megalite.parallel.context_parallel import ring_bytes_per_layer
 
     groups = max(1, (config.num_query_groups or config.num_attention_heads) // layout.tp)
-    ring = ring_bytes_per_layer(layout.micro_batch_size, groups, s // layout.cp, config.head_dim, layout.cp,
+    # MLA: every head's key and (padded to its width) value go around, d_n + d_r wide
+    width = config.qk_head_dim + config.qk_pos_emb_head_dim if config.multi_latent_attention else config.head_dim
+    ring = ring_bytes_per_layer(layout.micro_batch_size, groups, s // layout.cp, width, layout.cp,
                                 act_bytes, 4)
     return ring["total"] + (ring["forward"] if layout.recompute == "full" else 0)
 
@@ -319,7 +352,8 @@ def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
     layers = costs.layer_counts[c * p + r]
     n_moe = moe_layers(costs.config, layers_of(costs.layer_counts, c * p + r)) if costs.moe_count else 0
     backward = (layers - n_moe) * costs.bwd + n_moe * costs.moe_bwd
-    return (backward + (2 * costs.logits_fwd if c * p + r == p * v - 1 else 0.0)) / t / costs.rate
+    post = c * p + r == p * v - 1
+    return (backward + (2 * costs.logits_fwd + costs.mtp_bwd if post else 0.0)) / t / costs.rate
 
 
 def _bucket_reduction_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], r: int,
