@@ -208,33 +208,91 @@ def _fail(message: str, code: int, show: bool) -> int:
     return code
 
 
+_FIRST_ERROR_KEY = "megalite/first_error"
+
+
+def _store():
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    return store
+
+
+def _claim_first_error(line: str) -> dict | None:
+    """Record `line` in the rendezvous store as the job's first error unless a rank did so before;
+    return the record that stands ({"line", "rank", "host"}), None without a process group or store."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    import socket
+
+    mine = json.dumps({"line": line, "rank": dist.get_rank(), "host": socket.gethostname()})
+    try:
+        return json.loads(_store().compare_set(_FIRST_ERROR_KEY, "", mine).decode())
+    except Exception:  # noqa: BLE001 - no store (or it is gone): each rank decides alone
+        return None
+
+
+def _recorded_first_error() -> dict | None:
+    """The job's first error if a rank recorded one (see `_claim_first_error`)."""
+    try:
+        store = _store()
+        return json.loads(store.get(_FIRST_ERROR_KEY).decode()) if store.check([_FIRST_ERROR_KEY]) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _shows(record: dict | None, line: str, fallback: bool) -> bool:
+    """Whether this rank prints `line`: the rank that recorded the first error does (whichever rank
+    it is); the same line from another rank is printed once on each other node (each node's log
+    gets it); another rank's different error is not (the first one is the cause). Without a record,
+    `fallback`."""
+    if record is None:
+        return fallback
+    import socket
+
+    if record["rank"] == dist.get_rank():
+        return True
+    return record["line"] == line and record["host"] != socket.gethostname() and env_world()[2] == 0
+
+
+def _lost_line(e: BaseException, what: str) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if _PHASE[0] == "start-up":  # no heartbeats yet: most often the wrong network interface
+        hint = ("check that every node reaches MASTER_ADDR and that GLOO_SOCKET_IFNAME / "
+                "NCCL_SOCKET_IFNAME name the interface between nodes")
+    else:
+        hint = f"lost: {lost_ranks()}"
+    return (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} ({hint}); "
+            f"limit: --distributed-timeout-minutes. {first[:300]}")
+
+
 def run_main(fn, *args) -> int:
-    """Run fn(*args) as a rank's whole life: usage errors become one line on stderr (printed once
-    per node) and exit code 2; the process group is always torn down."""
+    """Run fn(*args) as a rank's whole life: usage errors become one line on stderr and exit code 2,
+    whichever rank raised them: the first recorded is printed once (on each node when every rank
+    raised it); a rank that stops because another failed prints nothing more. The process group is
+    always torn down."""
     code = 0
     try:
         fn(*args)
-    except UsageError as e:  # the same on every rank: once per node
-        first_on_node = env_world()[2] == 0
-        code = _fail(f"megalite: error: {e}", 2, first_on_node)
-        if not first_on_node:
+    except UsageError as e:  # raised by any rank, perhaps by all: its first line, once (per node)
+        line = f"megalite: error: {e}"
+        show = _shows(_claim_first_error(line), line, env_world()[2] == 0)
+        code = _fail(line, 2, show)
+        if not show:
             # torchrun stops a node's workers as soon as one exits: the others wait, so that the one
-            # that prints (local rank 0, perhaps slower to get here) is not stopped before it does.
+            # that prints (perhaps slower to get here) is not stopped before it does.
             time.sleep(_USAGE_ERROR_GRACE_S)
     except TrainingStopped as e:  # agreed by every rank: once per job
-        code = _fail(f"megalite: error: {e}", 3, env_world()[0] == 0)
+        line = f"megalite: error: {e}"
+        code = _fail(line, 3, _shows(_claim_first_error(line), line, env_world()[0] == 0))
     except Exception as e:
         what = _lost_peer(e)
         if what is None:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if _PHASE[0] == "start-up":  # no heartbeats yet: most often the wrong network interface
-            hint = ("check that every node reaches MASTER_ADDR and that GLOO_SOCKET_IFNAME / "
-                    "NCCL_SOCKET_IFNAME name the interface between nodes")
+        first_error = _recorded_first_error()
+        if first_error is not None:  # another rank's error stopped it: that line is the cause, said there
+            code = _fail(first_error["line"], 4, _shows(first_error, first_error["line"], False))
         else:
-            hint = f"lost: {lost_ranks()}"
-        code = _fail(f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} ({hint}); "
-                     f"limit: --distributed-timeout-minutes. {first[:300]}", 4, True)
+            code = _fail(_lost_line(e, what), 4, True)
     finally:
         from megalite.parallel import destroy_model_parallel
 

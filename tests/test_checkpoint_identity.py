@@ -93,3 +93,23 @@ def test_swapped_equal_size_files_of_a_local_sgd_replica_stop_the_resume(saved, 
     with pytest.raises(RankFailure, match=r"rank_00002\.safetensors holds the state rank 3 \(tp 1, pp 0, dp 1, cp 0, "
                                           r"ep \d\) wrote, not rank 2.s"):
         run_ranks(_resume, 4, args=(str(directory),))
+
+
+def test_an_error_on_rank_1_alone_is_the_first_line_once_and_nothing_is_said_resumed(saved, tmp_path):
+    """Issue #34: a CRC failure in rank 1's file (rank 0's is intact) reaches the user as the first
+    megalite line, printed once, whichever rank raised it; rank 0 never says "resumed" first, and
+    its lost contact with rank 1 adds no line of its own."""
+    from cli import torchrun
+
+    directory = tmp_path / "zero1"
+    shutil.copytree(saved / "zero1", directory)
+    f = iter_dir(directory, 2) / rank_file_name(1)
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # a bit of rank 1's last float
+    f.write_bytes(bytes(data))
+    out = torchrun("pretrain_gpt.py", 4, "--mock-data", *BASE, "--zero-stage", "1", "--train-iters", "4",
+                   "--load", str(directory), timeout=240)
+    assert out.returncode != 0
+    ours = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("megalite: error:")]
+    assert len(ours) == 1 and "rank_00001.safetensors" in ours[0] and "CRC-32" in ours[0], out.stderr
+    assert "resumed from" not in out.stdout, out.stdout

@@ -82,6 +82,8 @@ def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:
     same_rng = not cfg.checkpoint.no_load_rng and checkpoint.restore_rng(reader, layout)
     rng = ("restored" if same_rng else "from the seed (--no-load-rng)" if cfg.checkpoint.no_load_rng
            else "from the seed (layout changed)")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank loaded its files: "resumed" is never said before another rank's error
     say(f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
         f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams "
         f"{rng})")
