@@ -261,7 +261,11 @@ def _lost_line(e: BaseException, what: str) -> str:
                 "NCCL_SOCKET_IFNAME name the interface between nodes")
     else:
         hint = f"lost: {lost_ranks()}"
-    return (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]} ({hint}); "
+    from megalite.parallel import traffic
+
+    last = traffic.last_collective()
+    during = f", the last collective launched {last}" if last else ""
+    return (f"megalite: error: rank {env_world()[0]} {what} in {_PHASE[0]}{during} ({hint}); "
             f"limit: --distributed-timeout-minutes. {first[:300]}")
 
 

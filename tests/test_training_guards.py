@@ -215,3 +215,27 @@ def fails_with(rank, world, seed):
 def test_a_multi_rank_failure_names_the_arguments_and_so_the_seed():
     with pytest.raises(RankFailure, match=r"failed running fails_with\(987654321,\)"):
         run_ranks(fails_with, 1, args=(987654321,))
+
+
+def test_a_lost_peer_line_names_the_last_collective_launched():
+    """Issue #34: a rank lost during a ZeRO-3 gather at PP 1 was reported as a pipeline send/recv; the
+    line now names the last collective megalite launched (its kind and group size)."""
+    from megalite.parallel import traffic
+    from megalite.runtime import set_phase
+
+    def gather_then_lose():
+        set_phase("iteration 3: the forward/backward schedule")
+        traffic.gather_or_scatter("dp", 1024, 4)  # ZeRO-3's parameter all-gather, as zero3.py counts it
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    import io
+    from contextlib import redirect_stderr
+
+    err = io.StringIO()
+    with redirect_stderr(err):
+        assert run_main(gather_then_lose) == 4
+    line = err.getvalue().strip()
+    assert line.startswith("megalite: error: rank 0 lost contact with another rank in iteration 3: the "
+                           "forward/backward schedule, the last collective launched a data-parallel collective "
+                           "(gradient reduction, or the optimizer's or ZeRO's parameter gather) over 4 ranks"), line
+    assert "pipeline" not in line

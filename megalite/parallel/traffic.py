@@ -28,7 +28,26 @@ _sums: dict[tuple[str, int], int] = {}
 _excluded = 0  # > 0 inside `excluded()`: nothing is counted
 
 
+# (kind, group size) of the last collective megalite launched, counted or not: a failure message
+# names it (a lost rank inside a ZeRO-3 gather is not a pipeline send).
+_last: list = [None]
+_NAMES = {"tp": "a tensor-parallel all-reduce", "sp": "a sequence-parallel all-gather or reduce-scatter",
+          "cp": "a context-parallel exchange", "ep": "an expert-parallel all-to-all", "pp": "a pipeline send/recv",
+          "dp": "a data-parallel collective (gradient reduction, or the optimizer's or ZeRO's parameter gather)",
+          "embedding": "the tied embedding's gradient sum over the first and last stage",
+          "metrics": "an all-reduce of metrics (token counts, loss, grad norm, exit flags)"}
+
+
+def last_collective() -> str | None:
+    """The last collective megalite launched on this rank, in words ('... over 4 ranks'); None yet."""
+    if _last[0] is None:
+        return None
+    kind, size = _last[0]
+    return _NAMES.get(kind, kind) + (f" over {size} ranks" if size else "")
+
+
 def _add(kind: str, group_size: int, nbytes: int) -> None:
+    _last[0] = (kind, group_size)
     if _excluded:
         return
     key = (kind, group_size)

@@ -102,7 +102,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     consumed, stop_reason = start.consumed_samples, None
     for iteration in range(start.iteration + 1, cfg.training.train_iters + 1):  # 1-based: the iteration being run
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
-        set_phase(f"iteration {iteration}: the forward/backward schedule (pipeline send/recv)")
+        set_phase(f"iteration {iteration}: the forward/backward schedule")
         global_batch = global_batch_at(consumed, cfg.training.global_batch_size, cfg.training.rampup_batch_size)
         if cfg.training.rampup_batch_size is not None:
             step.use_micro_batches(global_batch // (cfg.training.micro_batch_size * dp))
