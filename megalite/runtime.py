@@ -79,12 +79,23 @@ def init_distributed(timeout_minutes: float = 10.0) -> torch.device:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_minutes)
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_restart_store(world, timeout))
         if world > 1:
             start_heartbeat()
     return device
+
+
+def _restart_store(world: int, timeout: datetime.timedelta):
+    """After torchrun restarts the workers (--max-restarts), its agent's store still holds the keys
+    of the attempt before (the dead ranks' addresses, megalite's own records): each later attempt
+    uses a prefix of its own. None (the usual env:// store) for a first attempt or outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                         timeout=timeout)
+    return dist.PrefixStore(f"megalite/attempt_{attempt}/", base)
 
 
 _HEARTBEAT_PERIOD_S = 1.0

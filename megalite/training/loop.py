@@ -18,6 +18,7 @@ from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
 from megalite.training.evaluate import evaluate
 from megalite.training.progress import Progress
+from megalite.training.restarts import ProgressRecord, kill_for_test, restart_line
 from megalite.training.resume import load_checkpoint, resume, resume_local_sgd
 from megalite.training.saving import CheckpointAndExit
 from megalite.training.step import TrainStep
@@ -95,6 +96,10 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     # Local SGD: each replica (its CP ranks) trains on the mean loss of its own share of the batch.
     replica_group = parallel.get_context_parallel_group() if cfg.parallel.cp > 1 else None
 
+    line = restart_line(cfg, start.iteration)
+    if line:
+        say(line)
+    record = ProgressRecord(cfg, start.iteration)
     dist.barrier()
     progress.start(start.consumed_samples)
     for c in chunks:
@@ -130,6 +135,8 @@ def pretrain(cfg, task: Task) -> TrainingRun:
             progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, valid_data, device),
                                        task.perplexity_of)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
+        record.after_iteration(iteration)
+        kill_for_test(iteration)
         if stop_reason:
             break
     if local_sgd is not None:
