@@ -28,8 +28,9 @@ def build_data(config, cfg):
                                   vocab_size=config.vocab_size, lock_timeout=lock_timeout)
 
     train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
-    if config.mtp_num_layers:  # multi-token prediction reads tokens further on, cut before CP splits sequences
-        train, valid = (None if d is None else WithMTPTargets(d, config.mtp_num_layers) for d in (train, valid))
+    depth = getattr(config, "mtp_num_layers", 0)  # (a config of another type may not know of it)
+    if depth:  # multi-token prediction reads tokens further on, cut before CP splits sequences
+        train, valid = (None if d is None else WithMTPTargets(d, depth) for d in (train, valid))
     return train, valid
 
 
