@@ -228,14 +228,23 @@ def _store():
     return store
 
 
-def _claim_first_error(line: str) -> dict | None:
-    """Record `line` in the rendezvous store as the job's first error unless a rank did so before;
-    return the record that stands ({"line", "rank", "host"}), None without a process group or store."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
+def _node() -> str:
+    """This rank's node: torchrun's GROUP_RANK, else Slurm's SLURM_NODEID, else the host name
+    (containers may share one)."""
     import socket
 
-    mine = json.dumps({"line": line, "rank": dist.get_rank(), "host": socket.gethostname()})
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        if os.environ.get(name) is not None:
+            return f"{name}={os.environ[name]}"
+    return socket.gethostname()
+
+
+def _claim_first_error(line: str) -> dict | None:
+    """Record `line` in the rendezvous store as the job's first error unless a rank did so before;
+    return the record that stands ({"line", "rank", "host": its node}), None without a process group or store."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mine = json.dumps({"line": line, "rank": dist.get_rank(), "host": _node()})
     try:
         return json.loads(_store().compare_set(_FIRST_ERROR_KEY, "", mine).decode())
     except Exception:  # noqa: BLE001 - no store (or it is gone): each rank decides alone
@@ -258,11 +267,9 @@ def _shows(record: dict | None, line: str, fallback: bool) -> bool:
     `fallback`."""
     if record is None:
         return fallback
-    import socket
-
     if record["rank"] == dist.get_rank():
         return True
-    return record["line"] == line and record["host"] != socket.gethostname() and env_world()[2] == 0
+    return record["line"] == line and record["host"] != _node() and env_world()[2] == 0
 
 
 def _lost_line(e: BaseException, what: str) -> str:
@@ -296,9 +303,10 @@ def run_main(fn, *args) -> int:
             # torchrun stops a node's workers as soon as one exits: the others wait, so that the one
             # that prints (perhaps slower to get here) is not stopped before it does.
             time.sleep(_USAGE_ERROR_GRACE_S)
-    except TrainingStopped as e:  # agreed by every rank: once per job
+    except TrainingStopped as e:  # agreed by every rank: once per job, by the rank that recorded it
         line = f"megalite: error: {e}"
-        code = _fail(line, 3, _shows(_claim_first_error(line), line, env_world()[0] == 0))
+        record = _claim_first_error(line)
+        code = _fail(line, 3, env_world()[0] == 0 if record is None else record["rank"] == dist.get_rank())
     except Exception as e:
         what = _lost_peer(e)
         if what is None:

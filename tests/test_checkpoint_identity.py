@@ -113,3 +113,24 @@ def test_an_error_on_rank_1_alone_is_the_first_line_once_and_nothing_is_said_res
     ours = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("megalite: error:")]
     assert len(ours) == 1 and "rank_00001.safetensors" in ours[0] and "CRC-32" in ours[0], out.stderr
     assert "resumed from" not in out.stdout, out.stdout
+
+
+def test_a_file_without_a_writer_record_in_a_checkpoint_whose_files_have_one_is_refused(saved, tmp_path):
+    """An older-format file (no writer record) put into a new checkpoint."""
+    from megalite.checkpoint.fileformat import RankFile, write_rank_file
+
+    directory = tmp_path / "plain"
+    shutil.copytree(saved / "plain", directory)
+    path = iter_dir(directory, 2) / rank_file_name(1)
+    f = RankFile(path)
+    entries = [(k, f.tensor(k).clone()) for k in f.keys()]
+    meta = {k: v for k, v in f.meta.items() if k != "writer"}
+    del f
+    write_rank_file(path, entries, meta)
+    meta_path = iter_dir(directory, 2) / "metadata.json"
+    metadata = json.loads(meta_path.read_text())
+    metadata["files"][rank_file_name(1)]["bytes"] = path.stat().st_size  # the recorded size made to agree
+    meta_path.write_text(json.dumps(metadata))
+    with pytest.raises(UsageError, match=r"rank_00001\.safetensors records no writer, but every file of this "
+                                         r"checkpoint does: it comes from an older checkpoint"):
+        CheckpointReader(directory).files

@@ -91,7 +91,11 @@ def _check_writer(f: RankFile, index: int, metadata: dict) -> None:
     another, or mixed from two checkpoints: equal sizes hide it). Files written before they recorded
     their writer pass."""
     writer = f.meta.get("writer")
+    fix = "restore the checkpoint's own files, or --load an earlier checkpoint"
     if writer is None:
+        if metadata.get("save") is not None:  # this save's files all record their writer
+            raise UsageError(f"checkpoint file {f.path} records no writer, but every file of this checkpoint does: "
+                             f"it comes from an older checkpoint; {fix}")
         return
     fix = "restore the checkpoint's own files, or --load an earlier checkpoint"
     if writer.get("save") != metadata.get("save") or f.meta.get("iteration") != metadata.get("iteration"):

@@ -59,7 +59,7 @@ class MTPModule(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         if self.config.sequence_parallel:  # [s, b, h / tp] -> the whole features, this rank's tokens
             x = scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(x))
-        x = run_layers(nn.ModuleList([self.layer]), x, attention_mask, self.config, self.training)
+        x = run_layers([self.layer], x, attention_mask, self.config, self.training)
         return self.final_layernorm(x)
 
 

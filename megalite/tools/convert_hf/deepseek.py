@@ -413,7 +413,7 @@ def _read_stored(directory, names) -> dict[str, torch.Tensor]:
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (path / index).is_file():
             weight_map = json.loads((path / index).read_text())["weight_map"]
-            files = [path / f for f in sorted({weight_map[n] for n in wanted})]
+            files = [path / f for f in sorted({weight_map[n] for n in wanted if n in weight_map})]
             break
     out = {}
     for file in files:
