@@ -13,6 +13,8 @@ from megalite.checkpoint.layout import iter_dir, rank_file_name
 from megalite.errors import UsageError
 from megalite.testing import RankFailure, run_ranks
 
+pytestmark = pytest.mark.slow  # one 4-rank spawn saves six checkpoints; one torchrun of 4 ranks
+
 BASE = ["--train-iters", "2", "--log-interval", "1", "--seq-length", "16", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--eval-interval", "0"]
 KINDS = {"plain": ["--tp", "2"], "zero1": ["--zero-stage", "1"], "zero2": ["--zero-stage", "2"],

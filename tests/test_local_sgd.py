@@ -310,6 +310,7 @@ def _resume_notes(rank, world, argvs):
     return out
 
 
+@pytest.mark.slow
 def test_resuming_local_sgd_state_under_other_settings_says_what_it_drops(tmp_path):
     """Issue #34: without local SGD, without --local-sgd-async, or with another interval, a resume of an
     async local-SGD checkpoint (a round's average pending) says in one line what it drops or changes."""
