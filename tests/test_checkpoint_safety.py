@@ -138,11 +138,12 @@ def test_one_flipped_bit_in_a_float_is_caught_by_the_checksum(saved):
 
 def test_a_tensor_with_a_missing_tp_half_is_refused(saved):
     """A slice claiming rows [0, 8) of a 16-row tensor whose other half no rank file holds."""
-    from megalite.checkpoint.fileformat import write_rank_file
+    from megalite.checkpoint.fileformat import RankFile, write_rank_file
 
     path = _rank_file(saved)
+    writer = RankFile(path).meta["writer"]  # the same writer, so only the missing half is wrong
     half = torch.ones(8, 8)
-    meta = {"iteration": 4, "model": {"word_embeddings.weight": [
+    meta = {"iteration": 4, "writer": writer, "model": {"word_embeddings.weight": [
         {"tensor": "model/word_embeddings.weight", "dim": 0, "start": 0, "full": 16}]}}
     size = write_rank_file(path, [("model/word_embeddings.weight", half)], meta)
     _replace_rank_file(saved, path.read_bytes()[:size])

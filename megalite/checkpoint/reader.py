@@ -97,7 +97,6 @@ def _check_writer(f: RankFile, index: int, metadata: dict) -> None:
             raise UsageError(f"checkpoint file {f.path} records no writer, but every file of this checkpoint does: "
                              f"it comes from an older checkpoint; {fix}")
         return
-    fix = "restore the checkpoint's own files, or --load an earlier checkpoint"
     if writer.get("save") != metadata.get("save") or f.meta.get("iteration") != metadata.get("iteration"):
         raise UsageError(f"checkpoint file {f.path} was written by another save (iteration {f.meta.get('iteration')}, "
                          f"save {str(writer.get('save'))[:8]}) than this checkpoint's (iteration "
