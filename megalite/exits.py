@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import traffic
-from megalite.runtime import TrainingStopped
+from megalite.runtime import TrainingStopped, note_stop_signal
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: Slurm's `--signal=B:USR1@120` preemption warning
 
@@ -41,6 +41,7 @@ class ExitWatch:
 
     def _on_signal(self, signum, frame):
         self.signal_name = signal.Signals(signum).name
+        note_stop_signal()
 
     def _local_flags(self) -> torch.Tensor:
         a = self.cfg

@@ -100,6 +100,18 @@ def _restart_store(world: int, timeout: datetime.timedelta):
 
 _HEARTBEAT_PERIOD_S = 1.0
 _heartbeat_stop = threading.Event()
+_stop_signal = threading.Event()  # SIGTERM/SIGUSR1 arrived (megalite.exits): waits on peers turn short
+
+
+def note_stop_signal() -> None:
+    _stop_signal.set()
+
+
+def stop_signal_received() -> bool:
+    """A stop signal reached this rank: a preemption (every rank got it and lives on) or torchrun
+    tearing the job down because a rank died (waits for a dead rank must end before its grace
+    period does)."""
+    return _stop_signal.is_set()
 
 
 def heartbeat_timeout_s() -> float:

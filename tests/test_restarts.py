@@ -34,7 +34,7 @@ def _run(tmp_path, name, extra_env=None, restarts=0):
 def test_a_killed_rank_restarts_the_job_from_the_latest_checkpoint_and_ends_as_the_unbroken_run(tmp_path):
     unbroken, want = _run(tmp_path, "unbroken")
     assert unbroken.returncode == 0, unbroken.stderr[-3000:]
-    out, got = _run(tmp_path, "killed", {"MEGALITE_TEST_KILL_AT": "1@5"}, restarts=1)
+    out, got = _run(tmp_path, "killed", {"MEGALITE_FAULTS": "0:1@5:step"}, restarts=1)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("megalite: restart:")]
     assert len(lines) == 1 and ("the previous attempt reached iteration 5; resuming from the checkpoint of iteration "

@@ -13,6 +13,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from megalite import faults
 from megalite.checkpoint.fileformat import write_rank_file
 from megalite.checkpoint.layout import (FORMAT_VERSION, ITER_NAME, VOCAB_PARAMS, config_dict, iter_dir,
                                         rank_file_name, split_experts, tmp_dir)
@@ -45,11 +46,19 @@ def _crash_hook(rank: int, iteration: int) -> None:
         os._exit(17)
 
 
-def write_rank(path: Path, entries, structure: dict, rank: int, iteration: int) -> dict:
+def write_rank(path: Path, entries, structure: dict, rank: int, iteration: int, fault_point: str = "save") -> dict:
     """Write this rank's file of a save: {"bytes": its size}, or {"error": what failed} with the
-    partial file removed. Never raises: the outcome is the rank's report to the committer."""
+    partial file removed. Never raises: the outcome is the rank's report to the committer.
+    `fault_point`: the name under which megalite.faults may strike mid-file."""
+    test_hook = _fault_hook(rank, iteration)
+
+    def after_bytes(written: int) -> None:
+        faults.point(fault_point, iteration)
+        faults.point("enospc", iteration)
+        if test_hook is not None:
+            test_hook(written)
     try:
-        size = write_rank_file(path, entries, structure, after_bytes=_fault_hook(rank, iteration))
+        size = write_rank_file(path, entries, structure, after_bytes=after_bytes)
         _crash_hook(rank, iteration)
         return {"bytes": size}
     except OSError as e:

@@ -147,6 +147,11 @@ class RankFile:
     def keys(self):
         return self._entries.keys()
 
+    def byte_range(self, key: str) -> tuple[int, int]:
+        """Where tensor `key`'s bytes lie in the file (tools that inspect or damage files on purpose)."""
+        lo, hi = self._entries[key]["data_offsets"]
+        return self._start + lo, self._start + hi
+
     def tensor(self, key: str) -> torch.Tensor:
         try:
             e = self._entries[key]

@@ -29,9 +29,10 @@ from megalite.checkpoint import lock
 from megalite.checkpoint.atomic import commit, failure_line, fresh_tmp_dir, write_rank
 from megalite.checkpoint.layout import rank_file_name, tmp_dir
 from megalite.checkpoint.rank_state import collect_rank_state
-from megalite.runtime import TrainingStopped, UsageError
+from megalite.runtime import TrainingStopped, UsageError, heartbeat_timeout_s, stop_signal_received
 
 _POLL_S = 0.02
+_HEARTBEAT_LOOK_S = 0.5
 _ALIGN = 64
 _PAGE = mmap.PAGESIZE
 
@@ -147,12 +148,50 @@ def _default_store():
     return _LocalStore()
 
 
-def _wait_for(store, keys, timeout_s: float) -> bool:
-    """Poll (store.wait would hold the store client's lock and stall the heartbeat thread)."""
+_STALE_AFTER_SIGNAL_S = 5.0  # missed heartbeats that mean "dead" once torchrun is tearing the job down
+
+
+class _Beats:
+    """Watches the heartbeats (megalite.runtime) of the ranks a save waits for, so that a rank that
+    died mid-save ends the wait in seconds, not at the store's time-out: a beat unchanged for the
+    heartbeat time-out, or for 5 s once a stop signal came (torchrun signals the survivors when a
+    rank dies, and kills them after its grace period; in a preemption every rank beats on)."""
+
+    def __init__(self, store, ranks):
+        self.store, self.seen = store, {r: (None, time.monotonic()) for r in ranks}
+
+    def dead(self, ranks) -> list[int]:
+        limit = _STALE_AFTER_SIGNAL_S if stop_signal_received() else heartbeat_timeout_s()
+        out = []
+        for r in ranks:
+            try:
+                beat = self.store.get(f"megalite/alive/{r}") if self.store.check([f"megalite/alive/{r}"]) else None
+            except Exception:  # noqa: BLE001 - the store's host is gone: the time-out reports it
+                return []
+            last, since = self.seen.get(r, (None, time.monotonic()))
+            if beat != last or beat is None:
+                self.seen[r] = (beat, time.monotonic())
+            elif time.monotonic() - since > limit:
+                out.append(r)
+        return out
+
+
+def _wait_for(store, keys, timeout_s: float, ranks=None) -> bool | list[int]:
+    """Poll (store.wait would hold the store client's lock and stall the heartbeat thread) until
+    every key is set (True), the time-out (False), or a rank that `ranks[i]` names as the writer of
+    the missing `keys[i]` stopped beating (the dead ranks)."""
     deadline = time.monotonic() + timeout_s
+    beats = _Beats(store, ranks) if ranks else None
+    next_look = time.monotonic() + _HEARTBEAT_LOOK_S
     while not store.check(keys):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return False
+        if beats is not None and now >= next_look:
+            next_look = now + _HEARTBEAT_LOOK_S
+            dead = beats.dead([r for r, k in zip(ranks, keys) if not store.check([k])])
+            if dead:
+                return dead
         time.sleep(_POLL_S)
     return True
 
@@ -302,11 +341,15 @@ class Checkpointer:
                 thread.join()
         if job.outcome is None:
             key = job.prefix + "outcome"
-            if not _wait_for(self._store, [key], self._timeout_s + 5):
+            waited = _wait_for(self._store, [key], self._timeout_s + 5, [0] if self._world > 1 else None)
+            if waited is True:
+                job.outcome = json.loads(self._store.get(key))
+            elif waited:
+                job.outcome = {"error": failure_line(self.directory, job.iteration, "rank 0 stopped during the save "
+                                                     "(its heartbeat ended)"), "lost": True}
+            else:
                 job.outcome = {"error": failure_line(self.directory, job.iteration,
                                                      "rank 0 did not record the outcome (it stopped or hangs)")}
-            else:
-                job.outcome = json.loads(self._store.get(key))
         if job.outcome.get("lost"):  # a rank is gone: the lost-rank report (exit 4), not a save error
             raise CheckpointRankLost(job.outcome["error"])
         if "error" in job.outcome:
@@ -324,14 +367,18 @@ class Checkpointer:
     # -- the threads' work
 
     def _write(self, job: _Save, path: Path, entries, structure) -> None:
-        job.local = write_rank(path, entries, structure, self._rank, job.iteration)
+        job.local = write_rank(path, entries, structure, self._rank, job.iteration,
+                               "async-save" if self.async_save else "save")
         self._store.set(job.prefix + f"rank/{self._rank}", json.dumps(job.local))
 
     def _commit_when_written(self, job: _Save) -> None:
         tmp = tmp_dir(self.directory, job.iteration)
         keys = [job.prefix + f"rank/{r}" for r in range(self._world)]
         try:
-            if not _wait_for(self._store, keys, self._timeout_s):
+            waited = _wait_for(self._store, keys, self._timeout_s, list(range(self._world)) if self._world > 1 else None)
+            if waited is not True and waited:
+                raise _Lost(f"rank(s) {waited} stopped during the save (their heartbeat ended)")
+            if not waited:
                 missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
                 raise _Lost(f"rank(s) {missing} did not report their file within {self._timeout_s:.0f} s "
                             f"(stopped or hang)")

@@ -490,6 +490,9 @@ class LoggingConfig:
     """What a run reports, and where."""
     log_interval: int = opt(10, "a log line (and a metrics record) every N iterations", check=POSITIVE_INT)
     metrics_file: str | None = opt(None, "JSON lines, one record per logged iteration", metavar="PATH")
+    sample_log: str | None = opt(None, "log every sample index consumed, per iteration and DP rank, and each "
+                                       "resume, as JSON lines in this directory (audits, scripts/soak.py)",
+                                 metavar="DIR")
     tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here (needs megalite[tb])", metavar="DIR")
     timeline: str | None = opt(None, "write a Chrome-trace timeline of all ranks (one row each)", metavar="PATH")
     timeline_iters: int = opt(3, "iterations recorded in the timeline", check=POSITIVE_INT)

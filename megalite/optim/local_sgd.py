@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite import faults
 from megalite.parallel import traffic
 
 
@@ -146,6 +147,7 @@ class LocalSGD:
         f.comm, f.work = comm, None
         if self.replicas > 1 and comm.numel():
             self.sent_bytes += comm.nbytes
+            faults.point("outer")
             traffic.all_reduce("dp", comm.nbytes, self.replicas)
             # dist.all_reduce looked up at call time: megalite.testing.counting_collectives wraps it.
             f.work = dist.all_reduce(comm, group=self.group, async_op=True)

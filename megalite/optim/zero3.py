@@ -21,6 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from megalite import faults
 from megalite.optim import buffers as _buffers
 from megalite.optim.buffers import Bucket
 from megalite.optim.zero2 import ShardedGradBuffer
@@ -313,6 +314,7 @@ class _UnitHooks:
             layer.register_forward_hook(partial(self._layer_post, i))
 
     def _gather(self, units, wait=True, why="forward"):
+        faults.point("gather")
         for b in units:
             self.buffer.gather(b, wait=wait, why=why)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite import faults
 from megalite.parallel import state, traffic
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
@@ -38,6 +39,7 @@ def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device) -> dict
     """Post every send and receive together, wait for all; return the received tensors by key."""
     if not sends and not recvs:
         return {}
+    faults.point("p2p")
     group = state.get_pipeline_model_parallel_group()
     buffers = {r.key: torch.empty(shape, dtype=dtype, device=device) for r in recvs}
     ops = [dist.P2POp(dist.isend, s.tensor.contiguous(), s.peer, group, s.tag) for s in sends]

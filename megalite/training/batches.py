@@ -18,6 +18,14 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def sample_indices(consumed: int, global_batch: int, dp: int, dp_rank: int) -> range:
+    """The positions in the sample stream that DP rank `dp_rank` reads for the global batch that
+    starts at sample `consumed`."""
+    per_rank = global_batch // dp
+    first = consumed + dp_rank * per_rank
+    return range(first, first + per_rank)
+
+
 def micro_batches(data, step: int, cfg, dp: int, dp_rank: int, device, consumed: int | None = None,
                   global_batch: int | None = None) -> list[dict]:
     """This DP rank's contiguous slice of global batch `step` (the one starting at sample
@@ -25,11 +33,10 @@ def micro_batches(data, step: int, cfg, dp: int, dp_rank: int, device, consumed:
     during a ramp-up), cut into micro-batches; with context parallelism, this CP rank's share of every
     sequence."""
     global_batch = global_batch or cfg.training.global_batch_size
-    per_rank = global_batch // dp
-    first = (step * global_batch if consumed is None else consumed) + dp_rank * per_rank
+    samples = sample_indices(step * global_batch if consumed is None else consumed, global_batch, dp, dp_rank)
     cp = cfg.parallel.cp
     out = []
-    for start in range(first, first + per_rank, cfg.training.micro_batch_size):
+    for start in range(samples.start, samples.stop, cfg.training.micro_batch_size):
         batch = data.batch(range(start, start + cfg.training.micro_batch_size))
         if cp > 1:
             batch = context_parallel_share(batch, cfg.model.seq_length, parallel.get_context_parallel_rank(), cp)

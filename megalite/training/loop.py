@@ -8,19 +8,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import ops, parallel
+from megalite import faults, ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.config.sections import global_batch_at
 from megalite.pipeline.schedules import build_program
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
-from megalite.training.batches import global_normalizer, loss_terms, micro_batches
+from megalite.training.batches import global_normalizer, loss_terms, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
 from megalite.training.evaluate import evaluate
 from megalite.training.progress import Progress
-from megalite.training.restarts import ProgressRecord, kill_for_test, restart_line
+from megalite.training.restarts import ProgressRecord, restart_line
 from megalite.training.resume import load_checkpoint, resume, resume_local_sgd
 from megalite.training.saving import CheckpointAndExit
+from megalite.training.sample_log import SampleLog, agreed_run_id
 from megalite.training.step import TrainStep
 from megalite.training.task import Task, check_task_flags, with_config_terms
 
@@ -49,7 +50,8 @@ def _announce(cfg, config, world_size: int, dp: int, m: int, device) -> None:
     outputs = [(what, path) for what, path in (
         ("checkpoints", cfg.checkpoint.save), ("metrics", cfg.logging.metrics_file),
         ("configuration", cfg.logging.metrics_file and cfg.logging.metrics_file + ".config.toml"),
-        ("TensorBoard", cfg.logging.tensorboard_dir), ("timeline", cfg.logging.timeline)) if path]
+        ("TensorBoard", cfg.logging.tensorboard_dir), ("timeline", cfg.logging.timeline),
+        ("the samples consumed", cfg.logging.sample_log)) if path]
     if outputs:
         say("megalite: writing " + ", ".join(f"{what} to {path}" for what, path in outputs))
     if device.type == "cuda" and config.norm_backend != "torch":
@@ -79,7 +81,10 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     start = resume(cfg, reader, chunks, optimizer, layout)
     local_sgd = build_local_sgd(cfg, optimizer)  # after resume: it starts from the loaded masters
     resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
-    checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd)
+    run = agreed_run_id() if cfg.checkpoint.save or cfg.logging.sample_log else None
+    checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd, run)
+    samples_log = SampleLog(cfg.logging.sample_log, run)
+    samples_log.resumed(start.iteration, start.run)
     checkpoints.prepare(chunks, optimizer)  # --save-async: the host buffer, while training starts
     schedule, embedding_schedule = lr_schedules(cfg)
     data, valid_data = task.build_data(config, cfg)
@@ -106,12 +111,14 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         c.train()
     consumed, stop_reason = start.consumed_samples, None
     for iteration in range(start.iteration + 1, cfg.training.train_iters + 1):  # 1-based: the iteration being run
+        faults.set_iteration(iteration, start.iteration)
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
         set_phase(f"iteration {iteration}: the forward/backward schedule")
         global_batch = global_batch_at(consumed, cfg.training.global_batch_size, cfg.training.rampup_batch_size)
         if cfg.training.rampup_batch_size is not None:
             step.use_micro_batches(global_batch // (cfg.training.micro_batch_size * dp))
         batches = micro_batches(data, iteration - 1, cfg, dp, dp_rank, device, consumed, global_batch)
+        samples_log.consumed(iteration, dp_rank, sample_indices(consumed, global_batch, dp, dp_rank))
         if local_sgd is None:
             num_tokens = logged_tokens = global_normalizer(batches, global_batch, dp_group)
         else:  # the log line's loss: the mean over replicas of each replica's mean
@@ -123,6 +130,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         embedding_lr = embedding_schedule(at) if embedding_schedule is not None else None
         result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}", embedding_lr)
         consumed += global_batch
+        samples_log.completed(iteration)
         try:
             progress.after_step(iteration, result, optimizer, loss_scale, lr, consumed,
                                 loss_terms(task, batches, device), logged_tokens, record_spans)
@@ -136,12 +144,14 @@ def pretrain(cfg, task: Task) -> TrainingRun:
                                        task.perplexity_of)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
         record.after_iteration(iteration)
-        kill_for_test(iteration)
+        faults.point("term")
+        faults.point("step")
         if stop_reason:
             break
     if local_sgd is not None:
         local_sgd.settle()  # async: no all-reduce left in flight when the process group goes
     checkpoints.close()
+    samples_log.close()
     progress.close()
     for buf in buffers:  # ZeRO-3: read the returned parameters inside run.optimizer.whole_parameters()
         buf.park()

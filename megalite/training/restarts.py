@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -68,12 +67,3 @@ def restart_line(cfg, resumed_iteration: int, now: float | None = None) -> str |
             f"iteration {resumed_iteration} recomputes {lost} iteration(s) (about {lost * per_iteration:.1f} s of "
             f"training), and {max(now - last, 0.0):.1f} s passed from its last progress to this start")
 
-
-def kill_for_test(iteration: int) -> None:
-    """Tests kill a rank mid-run in the first attempt only: MEGALITE_TEST_KILL_AT=<rank>@<iteration>."""
-    spec = os.environ.get("MEGALITE_TEST_KILL_AT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if spec == f"{rank}@{iteration}":
-        os.kill(os.getpid(), signal.SIGKILL)

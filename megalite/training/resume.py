@@ -17,6 +17,7 @@ from megalite.runtime import UsageError, say
 class StartPoint:
     iteration: int = 0
     consumed_samples: int = 0
+    run: str | None = None  # the run that saved the checkpoint resumed from
 
 
 def _same_directory(a: str, b: str | None) -> bool:
@@ -65,7 +66,7 @@ def resume_point(cfg, reader) -> StartPoint:
         raise UsageError(f"the checkpoint {reader.path} is at iteration {iteration}, past --train-iters "
                          f"{cfg.training.train_iters}: raise --train-iters to continue it, or add --finetune to train "
                          f"{cfg.training.train_iters} new iterations from its weights")
-    return StartPoint(iteration, consumed)
+    return StartPoint(iteration, consumed, reader.metadata.get("run"))
 
 
 def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:

@@ -13,8 +13,9 @@ from megalite.runtime import say, set_phase
 
 
 class CheckpointAndExit:
-    def __init__(self, cfg, config, model_kind: str, layout: dict, local_sgd=None):
+    def __init__(self, cfg, config, model_kind: str, layout: dict, local_sgd=None, run: str | None = None):
         self.cfg, self.config, self.model_kind, self.layout = cfg, config, model_kind, layout
+        self.run = run  # recorded in each checkpoint: which start of the job saved it
         self.local_sgd = local_sgd  # its replicas differ: every rank also saves its own state
         c = cfg.checkpoint
         self.saver = checkpoint.Checkpointer(c.save, c.save_async) if c.save else None
@@ -46,6 +47,8 @@ class CheckpointAndExit:
         set_phase(f"saving the checkpoint of iteration {iteration}")
         meta = checkpoint.build_metadata(self.config, self.model_kind, iteration, consumed, self.layout)
         meta["run_config"] = self.cfg.to_dict()  # the whole configuration travels with the weights
+        if self.run is not None:
+            meta["run"] = self.run
         replica = None
         if self.local_sgd is not None:
             s = self.cfg.local_sgd
