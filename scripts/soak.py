@@ -201,7 +201,8 @@ def damage(track: Track, kind: str, rng: random.Random) -> tuple[str, list[str],
     path = rng.choice(files)
     if kind == "corrupt":
         f = RankFile(path)
-        key = rng.choice(sorted(k for k in f.keys() if k.startswith("model/")))
+        # weights or optimizer state (a ZeRO-3 rank file may hold only the latter): what every load reads
+        key = rng.choice(sorted(k for k in f.keys() if k.startswith(("model/", "optim/"))))
         lo, hi = f.byte_range(key)
         data = bytearray(path.read_bytes())
         at = rng.randrange(lo, hi)
@@ -496,7 +497,7 @@ def main(argv=None) -> int:
         for proc in CURRENT:
             os.killpg(proc.pid, signal.SIGKILL)
         for m in mounts:
-            subprocess.run(["umount", str(m)], capture_output=True)
+            subprocess.run(["umount", "--lazy", str(m)], capture_output=True)  # a traceback may hold a map
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -113,6 +113,34 @@ def test_lost_and_repeated_samples_and_missing_iterations_are_counted(tmp_path):
     assert line.counts(range(20)) == (4 + 2, 2)  # 8-11 (iteration 3) and 18-19 lost; 16-17 twice
 
 
+def _save_then_resume(rank, world, save, samples):
+    """Train 3 iterations and save; resume and train to 5; (the run ids the checkpoints record)."""
+    from megalite import checkpoint
+    from training_ranks import gpt_run
+
+    common = ["--seq-length", "16", "--global-batch-size", "4", "--micro-batch-size", "1", "--eval-interval", "0",
+              "--save", save, "--load", save, "--sample-log", samples, "--save-interval", "3"]
+    gpt_run(common + ["--train-iters", "5", "--exit-interval", "3"])
+    first = checkpoint.CheckpointReader(save).metadata["run"]
+    gpt_run(common + ["--train-iters", "5"])
+    return first, checkpoint.CheckpointReader(save).metadata["run"]
+
+
+def test_the_loop_logs_samples_steps_and_resumes_and_checkpoints_name_their_run(tmp_path):
+    from megalite.testing import run_ranks
+
+    samples = tmp_path / "samples"
+    first, second = run_ranks(_save_then_resume, 2, args=(str(tmp_path / "ckpt"), str(samples)))[0]
+    assert first != second and len(first) == 16
+    records = [json.loads(x) for f in sorted(samples.glob("*.jsonl")) for x in f.read_text().splitlines()]
+    assert {"run": second, "resumed": 3, "from_run": first} in records
+    consumed = {(r["run"], r["iteration"], r["dp"]): r["samples"] for r in records if "samples" in r}
+    assert consumed[(first, 1, 1)] == [2, 3] and consumed[(second, 4, 0)] == [12, 13]
+    assert sorted(r["done"] for r in records if "done" in r) == [1, 2, 3, 4, 5]
+    held = lineage(samples, second, 5)
+    assert held.runs == [(first, 1, 3), (second, 4, 5)] and held.counts(range(20)) == (0, 0)
+
+
 @pytest.mark.slow
 def test_a_short_soak_survives_every_fault_with_nothing_lost(tmp_path):
     """A few faults of the seeded schedule (a full disk as injected ENOSPC: the CI machine need not
