@@ -96,14 +96,15 @@ class SlurmTestCluster:
         return "\n".join(f"----- {p} -----\n{p.read_text(errors='replace')[-3000:]}"
                          for p in sorted((self.state / "log").glob("*.log")))
 
-    def sbatch_wait(self, workdir: Path, *sbatch_args: str, timeout: float) -> str:
+    def sbatch_wait(self, workdir: Path, *sbatch_args: str, timeout: float, env: dict | None = None) -> str:
         """Submits from workdir (job logs in workdir/logs, metrics under workdir/run), waits for the
-        job, fails the test unless it ended with exit code 0; returns sbatch's output and the job log."""
+        job, fails the test unless it ended with exit code 0; returns sbatch's output and the job log.
+        `env`: more variables for the job."""
         # Slurm does not create the --output dir; a missing one fails the job silently.
         (workdir / "logs").mkdir()
         try:
             job = self.run("sbatch", "--wait", *sbatch_args, timeout=timeout, cwd=workdir,
-                           env={"RUN_DIR": str(workdir / "run")})
+                           env={"RUN_DIR": str(workdir / "run"), **(env or {})})
         except subprocess.TimeoutExpired:
             pytest.fail(f"sbatch --wait ran past {timeout:.0f} s\n{job_log(workdir)}\n{self.daemon_logs()}")
         detail = f"{job.stdout}\n{job.stderr}\n{job_log(workdir)}"

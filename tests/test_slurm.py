@@ -71,6 +71,23 @@ def test_sbatch_trains_with_tensor_parallelism(cluster, tmp_path):
     assert "training step ended with exit code 0" in log, log
 
 
+@pytest.mark.slow
+def test_a_killed_rank_restarts_in_place_and_says_what_it_cost(cluster, tmp_path):
+    # MEGALITE_MAX_RESTARTS=1: torchrun --max-restarts 1; rank 1 is killed after iteration 4 (the
+    # fault soak's MEGALITE_FAULTS); the ranks start again from the checkpoint of iteration 3.
+    metrics = tmp_path / "m.jsonl"
+    detail = cluster.sbatch_wait(tmp_path, "-N", "1", "--ntasks-per-node", "1", "--cpus-per-task", str(CPUS),
+                                 str(SLURM / "pretrain_gpt.sbatch"), *TRAIN, "--train-iters", "6",
+                                 "--save-interval", "3", "--metrics-file", str(metrics), timeout=300,
+                                 env={"MEGALITE_MAX_RESTARTS": "1", "MEGALITE_FAULTS": "0:1@4:step",
+                                      "MEGALITE_CKPT_DIR": str(tmp_path / "ckpt")})
+    log = job_log(tmp_path)
+    assert "megalite: fault injected: step on rank 1 in iteration 4 (attempt 0)" in log, detail + log
+    assert ("megalite: restart: the previous attempt reached iteration 4; resuming from the checkpoint of "
+            "iteration 3 recomputes 1 iteration(s)") in log, log
+    assert "training step ended with exit code 0" in log, log
+
+
 def test_usr1_stops_the_ranks_and_requeues_the_job(cluster, tmp_path):
     # What --signal=B:USR1@120 does before the time limit, sent now: the batch shell must pass
     # USR1 through srun and torchrun to the ranks, wait for them, and requeue the job.
