@@ -250,13 +250,14 @@ def strike_full_disk(track: Track, rng: random.Random) -> None:
     """The save directory's tmpfs filled up to less than half a checkpoint: the job's first save
     fails, one line says so, the checkpoint before stays `latest`; then room is made again."""
     disk = track.root / "disk"
+    for leftover in track.save.glob("iter_*.tmp"):  # a crashed save's: the next save would free them
+        shutil.rmtree(leftover)
     stat = os.statvfs(disk)
-    leftovers = sum(f.stat().st_size for d in track.save.glob("iter_*.tmp") for f in d.iterdir())
     last = latest_iteration(track)
     size = sum(p.stat().st_size for p in (track.save / f"iter_{last:07d}").iterdir())
     ballast = disk / "ballast"
     with open(ballast, "wb") as f:
-        f.write(b"\0" * max(stat.f_bavail * stat.f_frsize + leftovers - size // 2, 0))
+        f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - size // 2, 0))
     fault = Fault("disk", "the save directory's tmpfs full", injected=True)
     track.faults.append(fault)
     track.since_last_run.append("disk")
