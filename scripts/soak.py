@@ -201,8 +201,10 @@ def damage(track: Track, kind: str, rng: random.Random) -> tuple[str, list[str],
     path = rng.choice(files)
     if kind == "corrupt":
         f = RankFile(path)
-        # weights or optimizer state (a ZeRO-3 rank file may hold only the latter): what every load reads
-        key = rng.choice(sorted(k for k in f.keys() if k.startswith(("model/", "optim/"))))
+        # weights or optimizer state, what every load reads (a ZeRO-3 rank file may hold only the
+        # latter, a local SGD replica's file only its own state, which its resume reads)
+        keys = sorted(k for k in f.keys() if k.startswith(("model/", "optim/")))
+        key = rng.choice(keys or sorted(k for k in f.keys() if not k.startswith("rng")))
         lo, hi = f.byte_range(key)
         data = bytearray(path.read_bytes())
         at = rng.randrange(lo, hi)
