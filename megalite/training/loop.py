@@ -19,7 +19,7 @@ from megalite.training.build import build_local_sgd, lr_schedules, build_model_c
 from megalite.training.evaluate import evaluate
 from megalite.training.progress import Progress
 from megalite.training.restarts import ProgressRecord, restart_line
-from megalite.training.resume import load_checkpoint, resume, resume_local_sgd
+from megalite.training.resume import load_checkpoint, resume, resume_local_sgd, say_resumed
 from megalite.training.saving import CheckpointAndExit
 from megalite.training.sample_log import SampleLog, agreed_run_id
 from megalite.training.step import TrainStep
@@ -81,6 +81,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     start = resume(cfg, reader, chunks, optimizer, layout)
     local_sgd = build_local_sgd(cfg, optimizer)  # after resume: it starts from the loaded masters
     resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
+    say_resumed(start)
     run = agreed_run_id() if cfg.checkpoint.save or cfg.logging.sample_log else None
     checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd, run)
     samples_log = SampleLog(cfg.logging.sample_log, run)

@@ -3,7 +3,7 @@ then the iteration, data position, optimizer state and RNG streams of a resumed 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -18,6 +18,7 @@ class StartPoint:
     iteration: int = 0
     consumed_samples: int = 0
     run: str | None = None  # the run that saved the checkpoint resumed from
+    announcement: list[str] = field(default_factory=list)  # said by say_resumed, once all is loaded
 
 
 def _same_directory(a: str, b: str | None) -> bool:
@@ -71,7 +72,8 @@ def resume_point(cfg, reader) -> StartPoint:
 
 def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:
     """After the optimizer exists: the start point, with the optimizer state and RNG streams of a
-    resumed run restored, and one line saying what was restored."""
+    resumed run restored, and the line saying what was restored (for `say_resumed`, after the rest
+    of the state, local SGD's, is loaded too)."""
     start = resume_point(cfg, reader)
     if reader is None:
         return start
@@ -83,15 +85,25 @@ def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:
     same_rng = not cfg.checkpoint.no_load_rng and checkpoint.restore_rng(reader, layout)
     rng = ("restored" if same_rng else "from the seed (--no-load-rng)" if cfg.checkpoint.no_load_rng
            else "from the seed (layout changed)")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # every rank loaded its files: "resumed" is never said before another rank's error
-    say(f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
-        f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams "
-        f"{rng})")
+    start.announcement.append(
+        f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
+        f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams {rng})")
     if start.iteration == cfg.training.train_iters:
-        say(f"megalite: the checkpoint is already at --train-iters {cfg.training.train_iters}: nothing to train "
+        start.announcement.append(
+            f"megalite: the checkpoint is already at --train-iters {cfg.training.train_iters}: nothing to train "
             f"(raise --train-iters to continue, or add --finetune to start a new run from these weights)")
     return start
+
+
+def say_resumed(start: StartPoint) -> None:
+    """Once every rank loaded all it resumes (its files' checks passed): "resumed" is never said
+    before another rank's error (a damaged local SGD replica file is read last)."""
+    if not start.announcement:
+        return
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    for line in start.announcement:
+        say(line)
 
 
 _LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "vpp", "world")
