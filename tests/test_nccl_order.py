@@ -16,7 +16,7 @@ def _cases():
         for v in (None, 2, 3, 4):
             # Below, at and above p; the interleaved schedule needs multiples of p.
             ms = (p, 2 * p, 3 * p) if v else (1, p - 1, p, p + 1, 2 * p + 1)
-            kinds = ("1f1b", "forward-only") if v else ("1f1b", "gpipe", "forward-only")
+            kinds = ("1f1b", "forward-only") if v else ("1f1b", "gpipe", "forward-only", "zb-h1")
             for m in sorted(set(ms)):
                 for kind in kinds:
                     yield p, m, v, kind
@@ -74,27 +74,28 @@ def _step(model, batch):
     return y.sum() if model.post_process else y
 
 
-def posted_exchanges(rank, world, m, v):
+def posted_exchanges(rank, world, m, v, kind="1f1b"):
     """What run_schedule hands to p2p.exchange, next to the plan the replay checks."""
     parallel.initialize_model_parallel(1, world)
     posted = []
     real_exchange = p2p.exchange
 
-    def recording(sends, recvs, *rest):
+    def recording(sends, recvs, *rest, **kwargs):
         posted.append(([s.peer for s in sends], [(r.key, r.peer) for r in recvs]))
-        return real_exchange(sends, recvs, *rest)
+        return real_exchange(sends, recvs, *rest, **kwargs)
 
     p2p.exchange = recording
     chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
     batches = [{"x": torch.full((2, 3, 4), float(i))} for i in range(m)]
-    program = build_program(world, rank, m, v if v > 1 else None)
+    program = build_program(world, rank, m, v if v > 1 else None, kind)
     run_schedule(program, chunks, batches, _step, torch.tensor(1.0), (2, 3, 4), torch.float32)
     planned = [([s.dst % world for s in x.sends], [(r, r.src % world) for r in x.recvs])
                for x in exchange_plan(program, world, rank, v) if x.sends or x.recvs]
     return posted, planned
 
 
-@pytest.mark.parametrize("world,m,v", [(2, 4, 2), (3, 2, 1)], ids=["interleaved-pp2", "1f1b-pp3-m-below-p"])
-def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v):
-    for posted, planned in run_ranks(posted_exchanges, world, args=(m, v)):
+@pytest.mark.parametrize("world,m,v,kind", [(2, 4, 2, "1f1b"), (3, 2, 1, "1f1b"), (3, 5, 1, "zb-h1")],
+                         ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "zb-h1-pp3"])
+def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v, kind):
+    for posted, planned in run_ranks(posted_exchanges, world, args=(m, v, kind)):
         assert posted == planned

@@ -104,13 +104,17 @@ def test_programs_run_every_forward_and_backward_once():
     (["--pp", "3"], 3, "the number of layers (4) is not divisible by --pp (3)"),
     (["--pp", "2", "--pipeline-layers", "1,2"], 2, "must be counts >= 1 summing to the number of layers (4)"),
     (["--vpp", "2"], 1, "--vpp 2 needs pipeline parallelism"),
+    (["--pp", "2", "--pipeline-schedule", "interleaved"], 2, "interleaved needs model chunks per rank: give --vpp"),
+    (["--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"], 2, "zb-h1 runs one model chunk per rank"),
+    (["--pp", "2", "--pipeline-schedule", "zb-h1", "--torch-compile"], 2,
+     "--torch-compile keeps the weight gradients inside them: drop one"),
 ])
 def test_bad_pipeline_layouts_are_refused_with_one_clear_message(argv, world, message):
     from megalite.arguments import model_config, validate
     from megalite.runtime import UsageError
 
-    args = parse(argv)
     with pytest.raises(UsageError) as err:
+        args = parse(argv)
         validate(args, world, model_config(args))
     assert message in str(err.value)
 
@@ -136,8 +140,35 @@ def test_timeline_has_a_row_per_rank_with_every_kind_of_span(tmp_path):
 def test_programs_reach_the_theoretical_bubble(p, m, v):
     from megalite.pipeline.schedules import simulate, theoretical_bubble
 
-    _, idle = simulate(p, m, v)
+    idle = simulate(p, m, v).idle
     assert idle == pytest.approx(theoretical_bubble(p, m, v), abs=1e-9)
+
+
+# (F, B, W): the papers' equal costs, others with W <= min(F, B) (the paper's formula), and W above F or B
+COSTS = [(1, 1, 1), (2, 2, 1), (1, 2, 1), (2, 3, 2), (3, 3, 2), (1, 1, 2), (1, 3, 2), (3, 1, 2), (1, 1, 3)]
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_every_stage_idles_exactly_the_papers_bubble(kind, p):
+    """1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W) of idle time on every stage (ZB-H1: while W <=
+    min(F, B); (p-1) max(F+B-W, F, B) in general), for m in {p, 2p, 4p}."""
+    from megalite.pipeline.schedules import bubble_fraction, bubble_time, simulate
+
+    for m in (p, 2 * p, 4 * p):
+        for f, b, w in COSTS:
+            t = simulate(p, m, None, kind, f, b, w)
+            assert t.idle_time == [bubble_time(kind, p, m, f, b, w)] * p, (m, f, b, w, t.rows)
+            if kind == "zb-h1" and w <= min(f, b):
+                assert t.idle_time[0] == (p - 1) * (f + b - w)  # the paper's formula
+            assert t.idle == pytest.approx(bubble_fraction(kind, p, m, f, b, w), abs=1e-12)
+
+
+def test_zb_h1_idles_a_third_of_1f1b_at_equal_costs():
+    from megalite.pipeline.schedules import simulate
+
+    assert simulate(4, 8, None, "zb-h1").idle_time == [3] * 4  # (p-1)(F+B-W)
+    assert simulate(4, 8, None, "1f1b").idle_time == [9] * 4  # (p-1)(F+B+W)
 
 
 def _residual_step(model, batch):
@@ -147,7 +178,7 @@ def _residual_step(model, batch):
     return y.sum() if model.post_process else y
 
 
-def live_activations(rank, world, m, v, free):
+def live_activations(rank, world, m, v, free, kind="1f1b"):
     """Train one step of toy stages; before each forward, count the bytes of this rank's earlier
     outputs whose storage is still alive (held by anyone: the executor, autograd, a send)."""
     import weakref
@@ -166,7 +197,7 @@ def live_activations(rank, world, m, v, free):
         return out
 
     batches = [{"x": torch.full((2, 3, 4), float(i))} for i in range(m)]
-    stats = run_schedule(build_program(world, rank, m, v), chunks, batches, step, torch.tensor(1.0), (2, 3, 4),
+    stats = run_schedule(build_program(world, rank, m, v, kind), chunks, batches, step, torch.tensor(1.0), (2, 3, 4),
                          torch.float32, free_sent_outputs=free)
     return peak, stats.peak_stash_bytes, [c.lin.weight.grad.clone() for c in chunks], stats.loss_sum
 
@@ -187,3 +218,15 @@ def test_sent_activations_are_freed_and_gradients_stay_bitwise_equal(p, m, v):
         assert all(torch.equal(a, b) for a, b in zip(grads_kept, grads_freed)), "freeing must not change gradients"
         assert torch.equal(loss_kept, loss_freed)
     assert freed[0][1] < kept[0][1], "the executor's own count of held bytes must fall too"
+
+
+def test_zb_h1_holds_a_sent_activation_one_exchange_interval_at_most():
+    """ZB-H1 waits for a batch only where a pass reads it: a sent output lives until the next
+    exchange point, so at most one per stage survives into the next forward; the numbers equal 1F1B's."""
+    p, m = 4, 8
+    freed = run_ranks(live_activations, p, args=(m, None, True, "zb-h1"))
+    one_f_one_b = run_ranks(live_activations, p, args=(m, None, True))
+    activation = 2 * 3 * 4 * 4
+    assert all(peak <= activation for peak, *_ in freed)
+    for (_, _, grads, loss), (_, _, grads_1f1b, loss_1f1b) in zip(freed, one_f_one_b):
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_1f1b)) and torch.equal(loss, loss_1f1b)

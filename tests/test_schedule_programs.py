@@ -48,3 +48,12 @@ def test_peak_in_flight_counts_forwards_not_yet_backwarded():
     assert peak_in_flight([X, F(0), X, F(1), B(0), F(2), X, B(1), B(2)]) == 2
     assert peak_in_flight([Op("F", c, i) for i in range(3) for c in range(2)]) == 6  # forward-only: all held
     assert peak_in_flight([]) == 0
+
+
+def test_zb_h1_holds_1f1bs_first_stage_peak_on_every_stage():
+    """ZB-H1 keeps up to p micro-batches forwarded and not yet through W on every stage (W runs
+    late on later stages): 1F1B's first-stage peak, the memory the paper allows it."""
+    for p in range(1, 9):
+        for m in range(1, 4 * p + 1):
+            for r in range(p):
+                assert peak_in_flight(build_program(p, r, m, None, "zb-h1")) == min(p, m), (p, r, m)

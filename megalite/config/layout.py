@@ -49,6 +49,9 @@ def _check_batches(config: RunConfig, dp: int) -> None:
                              f"ramp must hold a multiple of --pp ({p.pp}) micro-batches")
         if config.local_sgd.local_sgd_interval:
             raise UsageError("--rampup-batch-size with --local-sgd-interval is not supported: drop one")
+    if p.pipeline_schedule == "zb-h1" and config.model.torch_compile:
+        raise UsageError("--pipeline-schedule zb-h1 splits each backward into input- and weight-gradient passes outside "
+                         "compiled graphs, and --torch-compile keeps the weight gradients inside them: drop one")
     micro_batches = t.global_batch_size // per_step
     if p.vpp and p.vpp > 1 and micro_batches % p.pp:
         raise UsageError(

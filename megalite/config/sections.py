@@ -38,6 +38,10 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None, "layers per virtual stage (Megatron-LM's other way to give --vpp: layers / (pp x this))",
         check=POSITIVE_INT)
+    pipeline_schedule: str = opt(
+        "1f1b", "the pipeline's order of passes: 1f1b (interleaved when --vpp > 1), interleaved, or zb-h1 (each "
+                "backward split into input- and weight-gradient passes, the latter filling the bubble; "
+                "docs/pipeline.md)", choices=("1f1b", "interleaved", "zb-h1"))
     pipeline_layers: list[int] | None = opt(
         None, "explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)", metavar="N,N,...")
     sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
@@ -61,6 +65,11 @@ class ParallelConfig:
                 raise ValueError(f"--pipeline-layers: stage {i} gets {n} layers; every stage needs at least 1")
         if self.vpp and self.vpp > 1 and self.pp == 1:
             raise ValueError(f"--vpp {self.vpp} needs pipeline parallelism (--pp > 1)")
+        if self.pipeline_schedule == "interleaved" and not (self.vpp and self.vpp > 1):
+            raise ValueError("--pipeline-schedule interleaved needs model chunks per rank: give --vpp 2 or more")
+        if self.pipeline_schedule == "zb-h1" and self.vpp and self.vpp > 1:
+            raise ValueError(f"--pipeline-schedule zb-h1 runs one model chunk per rank, but --vpp is {self.vpp}: "
+                             "drop --vpp, or use --pipeline-schedule interleaved")
 
 
 _RECOMPUTE = ("none", "selective", "full")

@@ -20,7 +20,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
-from megalite.parallel import state
+from megalite.parallel import state, weight_grad
 from megalite.parallel.context_parallel import a2a_attention, ring_attention
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -96,7 +96,8 @@ def _full_width_norm(x: torch.Tensor, norm: nn.Module, first_head: int, copies: 
     squares = xf.pow(2).sum(-1, keepdim=True)
     squares = sum_over_tensor_model_parallel_region(squares) / copies
     rstd = torch.rsqrt(squares / norm.weight.numel() + norm.eps)
-    weight = norm.weight + 1 if norm.zero_centered else norm.weight
+    weight = weight_grad.defer_delivery(norm.weight)
+    weight = weight + 1 if norm.zero_centered else weight
     start = first_head * x.shape[-1]
     return (xf * rstd * weight[start:start + flat.shape[-1]].float()).to(x.dtype).view_as(x)
 

@@ -29,8 +29,9 @@ from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
 from megalite.models.mlp import activation_function
 from megalite.models.rng import init_generator, init_replicated
-from megalite.parallel import state
+from megalite.parallel import state, weight_grad
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.grad_accumulation import embedding, linear
 from megalite.parallel.mappings import gather_from_sequence_parallel_region
 from megalite.errors import UsageError
 
@@ -128,9 +129,9 @@ class BERTModel(LanguageModelStage):
         if token_type_ids is not None:
             if not self.num_tokentypes:
                 raise ValueError("token_type_ids given to a BERTModel built with num_tokentypes=0")
-            extra = extra + self.tokentype_embeddings(token_type_ids.t())
+            extra = extra + embedding(token_type_ids.t(), self.tokentype_embeddings.weight)
         elif self.num_tokentypes:  # absent types are type 0, as in BERT
-            extra = extra + self.tokentype_embeddings.weight[0]
+            extra = extra + weight_grad.defer_delivery(self.tokentype_embeddings.weight)[0]
         x = self.add_replicated(x, extra)  # [s, 1 or b, h]
         if self.config.layernorm_position == "post":
             x = self.embedding_layernorm(x)
@@ -138,7 +139,8 @@ class BERTModel(LanguageModelStage):
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp], padding at -inf."""
-        x = self.lm_layernorm(activation_function(self.config)(self.lm_dense(x)))
+        dense = linear(x, self.lm_dense.weight, self.lm_dense.bias)  # (W deferrable, like every weight)
+        x = self.lm_layernorm(activation_function(self.config)(dense))
         return self.output_logits(x, self.lm_bias)
 
     def binary_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +149,8 @@ class BERTModel(LanguageModelStage):
             # Each rank's first row; TP rank 0's is the sequence's first token. Every rank then
             # computes the same pooler, so the gradient is whole: split it, do not sum it.
             x = gather_from_sequence_parallel_region(x[:1], output_grad_is_parallel=False)
-        return self.binary_head(torch.tanh(self.pooler(x[0])))
+        pooled = torch.tanh(linear(x[0], self.pooler.weight, self.pooler.bias))
+        return linear(pooled, self.binary_head.weight, self.binary_head.bias)
 
     def forward(self, input_ids=None, token_type_ids=None, padding_mask=None, lm_labels=None, sop_labels=None):
         if self.post_process and sop_labels is not None:

@@ -6,10 +6,12 @@ megalite/models/rope.py) and "none" gives no position information at all.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.rng import POSITION_EMBEDDING_COMPONENT, init_generator, init_replicated
+from megalite.parallel.grad_accumulation import embedding
 
 
 class LearnedPositionEmbedding(nn.Embedding):
@@ -20,6 +22,9 @@ class LearnedPositionEmbedding(nn.Embedding):
         super().__init__(config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype, device=device)
         init_replicated(self, config.init_method_std, init_generator(seed, POSITION_EMBEDDING_COMPONENT, device),
                         device)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return embedding(positions, self.weight)  # F.embedding, or its split form under a zero-bubble schedule
 
 
 # kind -> the module a first stage adds to its input, or None (rope acts in attention).

@@ -11,6 +11,7 @@ from torch import nn
 
 from megalite import ops
 from megalite.models.config import TransformerConfig
+from megalite.parallel import weight_grad
 
 
 class LayerNorm(nn.LayerNorm):
@@ -27,10 +28,11 @@ class LayerNorm(nn.LayerNorm):
             p.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
+        weight, bias = weight_grad.defer_delivery(self.weight), weight_grad.defer_delivery(self.bias)
+        weight = weight + 1 if self.zero_centered else weight
         if self.backend == "torch":
-            return nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
-        return ops.layer_norm(x, weight, self.bias, self.eps)
+            return nn.functional.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return ops.layer_norm(x, weight, bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +47,8 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.zero_centered else self.weight
+        weight = weight_grad.defer_delivery(self.weight)
+        weight = weight + 1 if self.zero_centered else weight
         if self.backend == "torch":
             return ops.reference.rms_norm(x, weight, self.eps)
         return ops.rms_norm(x, weight, self.eps)

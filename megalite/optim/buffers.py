@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.optim.host_pages import zeros_flat
-from megalite.parallel import traffic
+from megalite.parallel import traffic, weight_grad
 from megalite.parallel.grad_accumulation import add_row_sums
 # Module attributes, so that tests can count the bytes sent by wrapping them (megalite counts them
 # itself too, in megalite.parallel.traffic).
@@ -250,6 +250,8 @@ class ParamAndGradBuffer:
         self.sync_enabled = True
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if weight_grad.is_deferred(p):  # a zero-bubble B: the gradient comes when W runs
+            return
         grad = p.grad
         if grad is not p.main_grad:  # the step's first gradient, or a low-precision parameter's
             if grad is None:  # every use wrote main_grad itself (grad_accumulation), or none had a gradient

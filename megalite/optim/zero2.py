@@ -17,7 +17,7 @@ import torch
 
 from megalite.optim import buffers as _buffers
 from megalite.optim.buffers import Bucket, ParamAndGradBuffer
-from megalite.parallel import traffic
+from megalite.parallel import traffic, weight_grad
 
 MAX_IN_FLIGHT = 2  # whole-bucket gradients held while their reduce-scatters run
 
@@ -95,6 +95,9 @@ class ShardedGradBuffer(ParamAndGradBuffer):
 
     # -- backward side: every backward reduce-scatters each bucket as it completes
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        if weight_grad.is_deferred(p):  # a zero-bubble B: the gradient comes when W runs
+            self._deferred_in_b(p)
+            return
         self._hooks_seen += 1
         if not self._end_queued:  # land what is in flight when this backward ends
             self._end_queued = True
@@ -160,6 +163,10 @@ class ShardedGradBuffer(ParamAndGradBuffer):
 
     def _after_backward(self, bucket: Bucket) -> None:
         """A bucket's gradients are all in (stage 3 frees its parameters here)."""
+
+    def _deferred_in_b(self, p: torch.nn.Parameter) -> None:
+        """A zero-bubble B is done with `p`, whose gradient its W will bring (stage 3 frees a unit
+        whose parameters B is done with: W needs no weights)."""
 
     def finish_grad_sync(self) -> None:
         """Each backward reduced its buckets already: land any stragglers, reset for the next step."""

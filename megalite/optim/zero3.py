@@ -53,6 +53,10 @@ class ShardedParamBuffer(ShardedGradBuffer):
         # its launch to its completion, and each wait for one (what prefetching did not hide).
         self.spans: list | None = None
         self.layer_unit_indices: set[int] = set()  # filled by attach_unit_hooks
+        # Zero-bubble schedules: parameters of a unit a B is done with (their W brings the
+        # gradients), and units a B released whose W is still to come, by unit.
+        self._seen_in_b: dict[int, set[int]] = {}
+        self._released_in_b: dict[int, int] = {}
         super().__init__(params, **kwargs)
 
     def _allocate_params(self) -> None:
@@ -166,7 +170,22 @@ class ShardedParamBuffer(ShardedGradBuffer):
             # first); a layer called twice in one forward is held until finish_grad_sync frees it
             unit.holds += 1
 
+    def _deferred_in_b(self, p: torch.nn.Parameter) -> None:
+        bucket = self.bucket_of[id(p)]
+        seen = self._seen_in_b.setdefault(bucket.index, set())
+        seen.add(id(p))
+        if len(seen) == len(bucket.params):  # B is done with the whole unit: release it now
+            del self._seen_in_b[bucket.index]
+            self._release_after_backward(bucket)
+            self._released_in_b[bucket.index] = self._released_in_b.get(bucket.index, 0) + 1
+
     def _after_backward(self, bucket: Bucket) -> None:
+        if self._released_in_b.get(bucket.index):  # its B released it already (a zero-bubble W)
+            self._released_in_b[bucket.index] -= 1
+            return
+        self._release_after_backward(bucket)
+
+    def _release_after_backward(self, bucket: Bucket) -> None:
         unit = self.units[bucket.index]
         unit.holds = max(0, unit.holds - 1)
         if unit.holds == 0 and not self.keep_params_for_step:
@@ -174,6 +193,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
 
     def finish_grad_sync(self) -> None:
         super().finish_grad_sync()
+        self._seen_in_b.clear()
+        self._released_in_b.clear()
         for bucket in self.buckets:  # the step is over: nothing stays gathered unless pinned
             self._free(bucket)
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megalite.parallel import weight_grad
+
 # Below this many elements a weight keeps autograd's path: the fused backward's Python costs about
 # 0.1 ms a call on a CPU, more than the pass it saves (scripts/benchmark_step.py: a 4-layer h256
 # model ran 2-3% slower fused, a 124M one 3.4% faster; docs/BENCHMARKS.md).
@@ -70,6 +72,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if into_main_grad and _may_fuse(weight):  # leaves the graph; the buffer decides at run time
             return _linear_outside_the_graph(x, weight, bias, tied)
         return F.linear(x, weight, bias)
+    if weight_grad.splitting():  # a zero-bubble schedule: W later (into main_grad the usual way then)
+        return weight_grad.linear(x, weight, bias)
     buffer = _buffer_of(weight) if into_main_grad else None
     # F.linear adds a bias to a 3-D input in the GEMM (addmm) only when the input is contiguous.
     if buffer is None or bias is not None and x.dim() > 2 and not (x.dim() == 3 and x.is_contiguous()):
@@ -90,6 +94,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = Fa
         if into_main_grad and _may_fuse(weight):  # leaves the graph; the buffer decides at run time
             return _embedding_outside_the_graph(ids, weight, tied)
         return F.embedding(ids, weight)
+    if weight_grad.splitting():
+        return weight_grad.embedding(ids, weight)
     buffer = _buffer_of(weight) if into_main_grad else None
     if buffer is None:
         return F.embedding(ids, weight)

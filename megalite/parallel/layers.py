@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megalite.parallel import state
+from megalite.parallel import state, weight_grad
 from megalite.parallel.grad_accumulation import embedding, linear
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -209,7 +209,7 @@ class RowParallelLinear(_ParallelLinear):
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:
             y = reduce_from_tensor_model_parallel_region(y)
-        return y + self.bias if self.bias is not None else y
+        return y + weight_grad.defer_delivery(self.bias) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, in_per_rank={self.input_size_per_partition}, out={self.output_size}"

@@ -111,10 +111,12 @@ def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
 
     def run_forward(ctx, x, group):
         ctx.group = group
+        # No gradient (every TP rank alike: a zero-bubble B leaving a weight's to W): no collective.
+        ctx.set_materialize_grads(False)
         return forward(x, group)
 
     def run_backward(ctx, grad):
-        return backward(grad, ctx.group), None
+        return (None if grad is None else backward(grad, ctx.group)), None
 
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})

@@ -35,17 +35,36 @@ class Recv:
     tag: int
 
 
-def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device) -> dict[tuple, torch.Tensor]:
-    """Post every send and receive together, wait for all; return the received tensors by key."""
+class Posted:
+    """One exchange point's batch, in flight: its received tensors (by key) are valid after `wait`,
+    and its sent tensors are kept alive until then."""
+
+    def __init__(self, works, buffers: dict[tuple, torch.Tensor], sent: list[torch.Tensor]):
+        self.works, self.buffers, self.sent = works, buffers, sent
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], []
+
+
+def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device, wait: bool = True):
+    """Post every send and receive together as one batch. With `wait`, wait for all and return the
+    received tensors by key; else return the batch in flight (`Posted`): the caller waits for it
+    before reading what it received, and may compute meanwhile (the W passes of a zero-bubble
+    schedule run while the gradient they follow is on its way)."""
     if not sends and not recvs:
-        return {}
+        return {} if wait else Posted([], {}, [])
     faults.point("p2p")
     group = state.get_pipeline_model_parallel_group()
     buffers = {r.key: torch.empty(shape, dtype=dtype, device=device) for r in recvs}
-    ops = [dist.P2POp(dist.isend, s.tensor.contiguous(), s.peer, group, s.tag) for s in sends]
+    sent = [s.tensor.contiguous() for s in sends]
+    ops = [dist.P2POp(dist.isend, t, s.peer, group, s.tag) for t, s in zip(sent, sends)]
     for s in sends:
         traffic.send("pp", s.tensor.nbytes)
     ops += [dist.P2POp(dist.irecv, buffers[r.key], r.peer, group, r.tag) for r in recvs]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    posted = Posted(dist.batch_isend_irecv(ops), buffers, sent)
+    if not wait:
+        return posted
+    posted.wait()
     return buffers

@@ -42,6 +42,7 @@ def _announce(cfg, config, world_size: int, dp: int, m: int, device) -> None:
     say(f"megalite: {config.num_layers} layers, hidden {config.hidden_size}, {world_size} ranks as "
         f"tp={p.tp}" + (f" cp={p.cp}" if p.cp > 1 else "") + f" pp={p.pp} dp={dp}" +
         (f" vpp={p.vpp}" if p.vpp else "") +
+        (f" ({p.pipeline_schedule} schedule)" if p.pipeline_schedule not in ("1f1b", "interleaved") else "") +
         (f" (ZeRO stage {cfg.data_parallel.zero_stage})" if cfg.data_parallel.zero_stage else "") +
         (f" (local SGD: outer step every {s.local_sgd_interval}" +
          (f", {s.local_sgd_fragments} fragments" if s.local_sgd_fragments > 1 else "") +

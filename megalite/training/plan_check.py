@@ -34,4 +34,4 @@ def check_run(cfg: RunConfig, world_size: int, gpu_memory_bytes: float | None = 
                         zero_reshard_after_forward=d.zero_reshard_after_forward is not False,
                         zero_keep_params_for_step=d.zero_keep_params_for_step,
                         local_sgd=local_sgd_of(cfg.local_sgd), ep=p.expert_model_parallel_size,
-                        etp=p.expert_tensor_parallel_size)
+                        etp=p.expert_tensor_parallel_size, schedule=p.pipeline_schedule)

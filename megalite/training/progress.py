@@ -13,7 +13,7 @@ from megalite.config import to_toml
 from megalite.models.moe import stats as moe_stats
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
 from megalite.parallel import traffic
-from megalite.pipeline.schedules import theoretical_bubble
+from megalite.pipeline.schedules import bubble_fraction
 from megalite.runtime import TrainingStopped
 from megalite.training.step import SkippedSteps, StepResult
 
@@ -46,7 +46,9 @@ class Progress:
         self.skips = SkippedSteps(device)
         self.flops = model_flops_per_iteration(config, cfg.training.global_batch_size, cfg.model.seq_length)
         self.peak = cfg.logging.peak_tflops or default_peak_tflops(dtype, tf32=not cfg.precision.no_tf32)
-        self.bubble_theory = theoretical_bubble(pp, micro_batches, cfg.parallel.vpp)
+        # F, B and W of equal cost: 1F1B's (p-1)/(m+p-1), as the papers draw them
+        self.bubble_theory = bubble_fraction(cfg.parallel.pipeline_schedule, pp, micro_batches, 1, 1, 1,
+                                             cfg.parallel.vpp)
         self.records: list[dict] = []
         self.window_samples = self.window_steps = 0  # a ramp-up's steps are smaller: throughput from samples
         self.last_consumed = 0

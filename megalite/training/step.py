@@ -41,6 +41,7 @@ class TrainStep:
     embedding_group: object = None  # see build.tied_embedding_group
     overlap_grad_reduce: bool = True  # False: every bucket reduced after the last backward
     local_sgd: LocalSGD | None = None  # --local-sgd-interval: the outer loop, after each inner step
+    schedule: str = "1f1b"  # --pipeline-schedule (build_program's kind)
     params: list[torch.nn.Parameter] = field(init=False)
     programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
 
@@ -54,7 +55,7 @@ class TrainStep:
         if m not in self.programs:
             vpp = len(self.chunks) if len(self.chunks) > 1 else None
             self.programs[m] = build_program(parallel.get_pipeline_model_parallel_world_size(),
-                                             parallel.get_pipeline_model_parallel_rank(), m, vpp)
+                                             parallel.get_pipeline_model_parallel_rank(), m, vpp, self.schedule)
         self.program = self.programs[m]
 
     @classmethod
@@ -65,11 +66,13 @@ class TrainStep:
         m = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
         seq = cfg.model.seq_length // cfg.parallel.cp  # this rank's share of each sequence
         seq = seq // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq
-        program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp)
+        schedule = cfg.parallel.pipeline_schedule
+        program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
+                                schedule)
         return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
                    buffers,
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
-                   cfg.data_parallel.overlap_grad_reduce, local_sgd)
+                   cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule)
 
     @property
     def micro_batches(self) -> int:

@@ -19,7 +19,7 @@ from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import activation_function
-from megalite.parallel import state
+from megalite.parallel import state, weight_grad
 from megalite.parallel.layers import default_device, init_device, normal_init, tp_shard
 
 
@@ -46,7 +46,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts):
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
+        ctx.counts, ctx.used = counts, weight
         if _grouped_mm_applies(x, weight):
             return torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
         out = x.new_empty((x.shape[0], weight.shape[1]))
@@ -64,22 +64,24 @@ class _GroupedLinear(torch.autograd.Function):
             offs = _offsets(counts, x.device)
             if ctx.needs_input_grad[0]:
                 grad_x = torch.nn.functional.grouped_mm(grad, weight, offs=offs)
-            if ctx.needs_input_grad[1]:
-                grad_w = torch.nn.functional.grouped_mm(grad.t(), x, offs=offs)
+            grad_w = weight_grad.give(ctx.used, ctx.needs_input_grad[1],
+                                      lambda: torch.nn.functional.grouped_mm(grad.t(), x, offs=offs), (grad,))
             return grad_x, grad_w, None
         if ctx.needs_input_grad[0]:
             grad_x = grad.new_empty(x.shape)
             for e, (ge, gxe) in enumerate(zip(grad.split(counts), grad_x.split(counts))):
                 if ge.shape[0]:
                     torch.mm(ge, weight[e], out=gxe)
-        if ctx.needs_input_grad[1]:
+
+        def weight_gradient():
             grad_w = torch.empty_like(weight)
             for e, (ge, xe) in enumerate(zip(grad.split(counts), x.split(counts))):
                 if ge.shape[0]:
                     torch.mm(ge.t(), xe, out=grad_w[e])
                 else:  # an expert no token reached: a zero gradient
                     grad_w[e].zero_()
-        return grad_x, grad_w, None
+            return grad_w
+        return grad_x, weight_grad.give(ctx.used, ctx.needs_input_grad[1], weight_gradient, (grad,)), None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:

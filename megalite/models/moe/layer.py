@@ -4,7 +4,6 @@ sigmoid(x . w))."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
@@ -15,6 +14,7 @@ from megalite.models.moe.dispatcher import make_dispatcher
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.moe.router import TopKRouter
 from megalite.parallel import state
+from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import default_device, init_device, normal_init
 
 
@@ -62,7 +62,7 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+                shared = shared * torch.sigmoid(linear(x, self.shared_expert_gate))
             out = out + shared
         return out
 

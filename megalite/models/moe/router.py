@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.moe.capacity import count_per_expert
 from megalite.models.rng import is_recomputing
 from megalite.parallel import state, traffic
+from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import default_device, init_device, normal_init
 
 
@@ -84,7 +84,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(tokens.float(), self.weight.float())
+        return linear(tokens.float(), self.weight.float())
 
     def forward(self, tokens: torch.Tensor):
         """tokens [T, hidden] -> (weights [T, k] fp32, indices [T, k], scores [T, E], logits [T, E])."""

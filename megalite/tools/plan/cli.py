@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 
 from megalite.models.config import PRESETS, TransformerConfig
-from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, Cluster, Run, active_parameters, total_parameters
+from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, SCHEDULES, Cluster, Run, active_parameters, total_parameters
 from megalite.tools.plan.report import (
     config_json,
     explain,
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
     g.add_argument("--vpp", type=int, help="1 = no interleaving")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES,
+                   help="default: both (zb-h1 where pp > 1 and vpp 1: a third of 1F1B's bubble, p micro-batches "
+                        "in flight on every stage)")
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--recompute", choices=RECOMPUTE)
     g.add_argument("--sequence-parallel", choices=["on", "off"])
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tp", type=int, help="largest tp (default: GPUs per node)")
     g.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
                    help="also predict this layout, printed after the plan: comma-separated key=value of tp, pp, dp, "
-                        "cp, vpp, ep, etp, mb, recompute, sp (on/off), zero, layers (--pipeline-layers as a sum of "
+                        "cp, vpp, ep, etp, mb, recompute, sp (on/off), zero, schedule, layers (--pipeline-layers as a sum of "
                         "counts: 3+4*14+2 is 3, fourteen 4s, 2); keys left out are searched (the fastest that fits, "
                         "else the one needing the least memory), cp 1 unless given; may be repeated")
     g = ap.add_argument_group("output")
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
                   sequence_parallel=_on_off(args.sequence_parallel),
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
                   grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args), ep=args.ep,
-                  etp=args.etp)
+                  etp=args.etp, schedule=_schedules_of(args))
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model)
     compared = []
@@ -202,7 +205,11 @@ def main(argv=None) -> int:
     return 0
 
 
-COMPARE_KEYS = ("tp", "pp", "dp", "cp", "vpp", "ep", "etp", "mb", "recompute", "sp", "zero", "layers")
+COMPARE_KEYS = ("tp", "pp", "dp", "cp", "vpp", "ep", "etp", "mb", "recompute", "sp", "zero", "layers", "schedule")
+
+
+def _schedules_of(args) -> tuple:
+    return (args.pipeline_schedule,) if args.pipeline_schedule else SCHEDULES
 
 
 def parse_layout(spec: str) -> dict:
@@ -214,8 +221,8 @@ def parse_layout(spec: str) -> dict:
         if not sep or key not in COMPARE_KEYS:
             raise ValueError(f"{item!r} is not key=value with a key among {', '.join(COMPARE_KEYS)}")
         try:
-            if key == "recompute":
-                if value not in RECOMPUTE:
+            if key in ("recompute", "schedule"):
+                if value not in {"recompute": RECOMPUTE, "schedule": SCHEDULES}[key]:
                     raise ValueError
                 out[key] = value
             elif key == "sp":
@@ -227,6 +234,7 @@ def parse_layout(spec: str) -> dict:
                 out[key] = int(value)
         except (ValueError, KeyError):
             hint = {"sp": "on or off", "recompute": "one of " + ", ".join(RECOMPUTE),
+                    "schedule": "one of " + ", ".join(SCHEDULES),
                     "layers": "layer counts like 3+4*14+2"}.get(key, "an integer")
             raise ValueError(f"{item!r}: give {hint}") from None
     return out
@@ -258,7 +266,8 @@ def compare(config: TransformerConfig, cluster: Cluster, args, seq: int, spec: s
                 recompute=(fixed["recompute"],) if "recompute" in fixed else RECOMPUTE,
                 sequence_parallel=(fixed["sp"],) if "sp" in fixed else (False, True),
                 zero_stage=fixed.get("zero"), grad_reduce_dtype=args.grad_reduce_dtype, cp=cp,
-                local_sgd=local_sgd_of(args), ep=fixed.get("ep"), etp=fixed.get("etp"), pipeline_layers=layers)
+                local_sgd=local_sgd_of(args), ep=fixed.get("ep"), etp=fixed.get("etp"), pipeline_layers=layers,
+                schedule=(fixed["schedule"],) if "schedule" in fixed else _schedules_of(args))
 
 
 def summary(pred) -> str:

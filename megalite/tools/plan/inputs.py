@@ -51,6 +51,9 @@ class Cluster:
         return self.gpu_memory_gib * GIB
 
 
+SCHEDULES = ("1f1b", "zb-h1")  # the planner's pipeline schedules (interleaving: 1f1b with vpp)
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -66,6 +69,7 @@ class Layout:
     # Expert layers (parallel folding): ETP x EP x EDP over the TP x CP x DP ranks, ETP fastest.
     ep: int = 1  # expert-parallel size: whole experts per rank
     etp: int | None = None  # expert-tensor-parallel size; None: tp (megalite's --etp default)
+    schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved with vpp) or zb-h1
 
     def __post_init__(self):
         if self.vpp is not None and self.vpp <= 1:
@@ -85,6 +89,10 @@ class Layout:
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
             raise ValueError(f"etp {self.etp} x ep {self.ep} must divide tp x cp x dp = {self.tp * self.cp * self.dp} "
                              f"(the expert layers fold onto those ranks): choose ep x etp among its divisors")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "zb-h1" and self.vpp:
+            raise ValueError(f"the zb-h1 schedule runs one model chunk per rank: vpp {self.vpp} is for 1f1b")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
 
@@ -121,6 +129,8 @@ class Layout:
             parts.append("dist-opt")
         elif self.zero_stage:
             parts.append(f"zero {self.zero_stage}")
+        if self.schedule != "1f1b":
+            parts.append(self.schedule)
         return " ".join(parts)
 
 

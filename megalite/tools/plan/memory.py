@@ -432,10 +432,10 @@ def _replay_step(replay: _Replay, params, layer_of, post: bool, reshard: bool) -
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight_chunks(p: int, r: int, m: int, vpp: int | None) -> int:
+def in_flight_chunks(p: int, r: int, m: int, vpp: int | None, schedule: str = "1f1b") -> int:
     """Micro-batches (of one model chunk each) whose activations pipeline rank r holds at its peak,
-    read off the schedule program megalite runs."""
-    return peak_in_flight(build_program(p, r, m, vpp))
+    read off the schedule program megalite runs (zb-h1: forwarded and not yet through W)."""
+    return peak_in_flight(build_program(p, r, m, vpp, schedule))
 
 
 def stored_activations(config: TransformerConfig, layout: Layout, run: Run, layers: int,

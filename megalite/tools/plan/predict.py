@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from megalite.metrics import model_flops_per_iteration
 from megalite.models.config import TransformerConfig
 from megalite.pipeline.partition import layers_of
-from megalite.pipeline.schedules import theoretical_bubble
+from megalite.pipeline.schedules import bubble_fraction
 from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.memory import (
@@ -169,7 +169,7 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
-    chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp)
+    chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp, layout.schedule)
     per_chunk = n_layers / v
     layers = round(per_chunk) or 1
     stored_chunk, transient = stored_activations(config, layout, run, layers, costs.act_bytes / 2.0,  # 16-bit formula
@@ -234,10 +234,17 @@ def predict(config: TransformerConfig, layout: Layout, cluster: Cluster, global_
     return Prediction(
         layout=layout, config=config, cluster=cluster, run=run, fits=fits, memory=memory, peak_stage=peak_r,
         build_peak=build_peak, time=time, micro_batches=m,
-        bubble_fraction=theoretical_bubble(layout.pp, m, layout.vpp),
+        bubble_fraction=schedule_bubble(layout, m),
         model_flops=model_flops_per_iteration(config, B, s),
         hardware_flops=costs.hardware_flops, reason=None if fits else _why_not(memory, build_peak, cluster, peak_r),
         costs=costs, stages=stages, dp_parts=dp_parts, slow_stage=slow, dp_stage=dp_stage)
+
+
+def schedule_bubble(layout: Layout, m: int) -> float:
+    """The idle fraction of the layout's schedule by the papers' formulas, with a forward, an
+    input-gradient and a weight-gradient pass of equal cost (the backward twice the forward):
+    1F1B's (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1), ZB-H1 a third of 1F1B's idle time."""
+    return bubble_fraction(layout.schedule, layout.pp, m, 1.0, 1.0, 1.0, layout.vpp)
 
 
 def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTime, int, int]:
@@ -246,7 +253,7 @@ def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTi
     compute = costs.hardware_flops / layout.gpus / costs.rate
     slow = max(stages, key=lambda r: stages[r].t_mb)
     T = stages[slow]
-    bubble_frac = theoretical_bubble(layout.pp, m, layout.vpp)
+    bubble_frac = schedule_bubble(layout, m)
     bubble = bubble_frac / (1.0 - bubble_frac) * m * T.t_mb
     imbalance = max(0.0, m * T.compute_mb - compute)
     dp_stage = max(dp_parts, key=lambda r: dp_parts[r].total)

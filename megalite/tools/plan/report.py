@@ -115,6 +115,8 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
         parts += ["--etp", str(lay.etp)]
     if lay.vpp:
         parts += ["--vpp", str(lay.vpp)]
+    if lay.schedule != "1f1b":
+        parts += ["--pipeline-schedule", lay.schedule]
     if run.pipeline_layers:
         parts += ["--pipeline-layers", ",".join(map(str, run.pipeline_layers))]
     parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),
@@ -167,6 +169,8 @@ def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> d
         del layout["ep"], layout["etp"], time["ep_comm"], memory["experts"]
     if not pred.config.mtp_num_layers:  # nor without multi-token prediction
         del memory["mtp"]
+    if pred.layout.schedule == "1f1b":  # nor with the default schedule
+        del layout["schedule"]
     return {
         "layout": layout, "fits": pred.fits, "reason": pred.reason,
         "micro_batches": pred.micro_batches, "peak_stage": pred.peak_stage,
@@ -204,8 +208,10 @@ def _gib(x: float) -> str:
 def format_table(preds: list[Prediction]) -> str:
     with_cp = any(x.layout.cp > 1 for x in preds)  # the cp columns only where context parallelism is used
     moe = any(x.config.is_moe for x in preds)  # ep, etp, expert states and the dispatch time for MoE models
+    zb = any(x.layout.schedule != "1f1b" for x in preds)  # the schedule column where one is not 1f1b
     head = (f"{'#':>2} {'tp':>3} " + (f"{'cp':>3} " if with_cp else "") + f"{'pp':>3} {'dp':>4} "
-            + (f"{'ep':>3} {'etp':>3} " if moe else "") + f"{'vpp':>3} {'mb':>3} "
+            + (f"{'ep':>3} {'etp':>3} " if moe else "") + f"{'vpp':>3} " + (f"{'sched':>5} " if zb else "")
+            + f"{'mb':>3} "
             f"{'recompute':>9} {'sp':>3} {'zero':>4} | "
             f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} " + (f"{'exprt':>5} " if moe else "")
             + f"{'act':>5} {'out':>4} | "
@@ -217,7 +223,8 @@ def format_table(preds: list[Prediction]) -> str:
         lines.append(
             f"{i:>2} {L.tp:>3} " + (f"{L.cp:>3} " if with_cp else "") + f"{L.pp:>3} {L.dp:>4} "
             + (f"{L.ep:>3} {L.etp:>3} " if moe else "") + f"{L.vpp or '-':>3} "
-            f"{L.micro_batch_size:>3} {L.recompute:>9} "
+            + (f"{L.schedule:>5} " if zb else "")
+            + f"{L.micro_batch_size:>3} {L.recompute:>9} "
             f"{'on' if L.sequence_parallel else '-':>3} {L.zero_stage or '-':>4} | "
             f"{_gib(x.peak_bytes):>5} {_gib(M.parameters):>5} {_gib(M.gradients):>5} "
             f"{_gib(M.optimizer):>5} " + (f"{_gib(M.experts):>5} " if moe else "")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from megalite.models.config import TransformerConfig
 from megalite.pipeline.partition import stage_layer_counts
-from megalite.tools.plan.inputs import GIB, RECOMPUTE, ZERO_STAGES, Cluster, Layout, Run, check_gpt
+from megalite.tools.plan.inputs import GIB, RECOMPUTE, SCHEDULES, ZERO_STAGES, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.predict import Prediction, predict
 
 
@@ -76,6 +76,7 @@ class SearchSpace:
     cp: int | None = None  # context-parallel size; None: every valid one
     ep: int | None = None  # MoE models: expert-parallel size; None: every divisor of the experts that fits
     etp: int | None = None  # MoE models: expert-tensor-parallel size; None: 1 and tp
+    schedule: tuple = SCHEDULES  # pipeline schedules (zb-h1 where pp > 1 without vpp)
 
 
 def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
@@ -84,7 +85,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
          cp: int | str | None = None, local_sgd: dict | None = None, ep: int | None = None,
-         etp: int | None = None, pipeline_layers=None) -> PlanResult:
+         etp: int | None = None, pipeline_layers=None, schedule=SCHEDULES) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
@@ -97,14 +98,15 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     model's expert-parallel and expert-tensor-parallel sizes; None: every ep dividing the experts
     and etp in (1, tp), with etp x ep dividing tp x cp x dp (a dense model: ep 1). pipeline_layers:
     megalite's --pipeline-layers, one layer count per virtual stage (pp x vpp of them; the layers
-    need not divide evenly then), which fixes the pipeline depth."""
+    need not divide evenly then), which fixes the pipeline depth. schedule: a pipeline schedule or
+    schedules to try (zb-h1 only where pp > 1 and vpp 1)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
                       grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp,
-                      pipeline_layers=pipeline_layers)
+                      pipeline_layers=pipeline_layers, schedule=schedule)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
@@ -123,7 +125,8 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
         zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
                         tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
-                        _stages(zero_stage, _values(distributed_optimizer, bool)), None if cp == "all" else cp, ep, etp)
+                        _stages(zero_stage, _values(distributed_optimizer, bool)), None if cp == "all" else cp, ep, etp,
+                        _schedules(schedule))
     result = PlanResult([])
     for layout in _layouts(config, cluster.gpus, run, space, result.reject):
         result.add(predict(config, layout, cluster, run=run))
@@ -135,6 +138,14 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
 
 def _values(choice, kind: type) -> tuple:
     return (choice,) if isinstance(choice, kind) else tuple(choice)
+
+
+def _schedules(schedule) -> tuple:
+    schedules = _values(schedule, str)
+    bad = [x for x in schedules if x not in SCHEDULES]
+    if bad or not schedules:
+        raise ValueError(f"schedule must be among {', '.join(SCHEDULES)}, got {bad[0] if bad else 'none'!r}")
+    return schedules
 
 
 def _stages(zero_stage, distributed_optimizer: tuple) -> tuple:
@@ -240,6 +251,10 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
             continue
         m = B // (d * b)
         for v in vpps:
+            schedules = [x for x in space.schedule if x == "1f1b" or (p > 1 and not v)]
+            if not schedules:
+                reject("zb-h1: pp 1 or vpp", f"zb-h1 needs pp > 1 and one chunk per rank (pp {p}, vpp {v or 1})")
+                continue
             if v and m % p:
                 reject("interleaved: m % pp", f"vpp {v} needs the micro-batches per step ({m}, mb {b} "
                                               f"tp {t} pp {p} dp {d}) to be a multiple of pp {p}")
@@ -262,7 +277,8 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
                         for e, et in expert_sizes(config, t, c, d, space, reject, bool(run.local_sgd_interval)):
                             if stage and d * c == 1 and t // (e * et) == 1 and 0 in space.zero_stage:
                                 continue  # nothing to shard at dp x cp = 1 (and edp = 1): stage 0 at best
-                            yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage, c, e, et)
+                            for sched in schedules:
+                                yield Layout(t, p, d, v, b, rc, sp, stage >= 1, stage, c, e, et, sched)
 
 
 def expert_sizes(config: TransformerConfig, t: int, c: int, d: int, space: SearchSpace,
@@ -319,7 +335,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  attention_backend: str | None = None, pipeline_layers=None, zero_stage: int | None = None,
                  grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
                  zero_keep_params_for_step: bool = False, cp: int = 1,
-                 local_sgd: dict | None = None, ep: int = 1, etp: int | None = None) -> tuple[bool, Prediction]:
+                 local_sgd: dict | None = None, ep: int = 1, etp: int | None = None,
+                 schedule: str = "1f1b") -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer. ep, etp:
@@ -330,7 +347,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
     layout = Layout(tp, pp, dp, vpp if vpp and vpp > 1 else None, micro_batch_size,
                     recompute or config.recompute,
                     config.sequence_parallel if sequence_parallel is None else sequence_parallel,
-                    use_distributed_optimizer and zero_stage != 0, zero_stage, cp, ep, etp)
+                    use_distributed_optimizer and zero_stage != 0, zero_stage, cp, ep, etp,
+                    "1f1b" if schedule == "interleaved" else schedule)
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,

@@ -421,16 +421,18 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
 
 
 @functools.lru_cache(maxsize=4096)
-def forward_gathers(p: int, r: int, m: int, vpp: int | None) -> tuple[int, ...]:
+def forward_gathers(p: int, r: int, m: int, vpp: int | None, schedule: str = "1f1b") -> tuple[int, ...]:
     """Per model chunk of pipeline rank r: the forwards of a step that find none of the chunk's
     earlier forwards awaiting its backward (read off the schedule program): what gathers a ZeRO-3
     unit kept from forward to backward (`--zero-reshard-after-forward false`)."""
     live, count = [0] * (vpp or 1), [0] * (vpp or 1)
-    for op in build_program(p, r, m, vpp):
+    program = build_program(p, r, m, vpp, schedule)
+    done = "W" if any(op.kind == "W" for op in program) else "B"  # a unit is held until its gradients are in
+    for op in program:
         if op.kind == "F":
             count[op.chunk] += live[op.chunk] == 0
             live[op.chunk] += 1
-        elif op.kind == "B":
+        elif op.kind == done:
             live[op.chunk] -= 1
     return tuple(count)
 
@@ -468,4 +470,4 @@ def _gathering_forwards(costs: LayoutCosts, r: int, c: int) -> int:
         return 1
     if run.zero_reshard_after_forward:
         return m
-    return forward_gathers(layout.pp, r, m, layout.vpp)[c]
+    return forward_gathers(layout.pp, r, m, layout.vpp, layout.schedule)[c]

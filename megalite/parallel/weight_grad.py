@@ -1,0 +1,240 @@
+"""The split backward of zero-bubble pipeline schedules: B computes input gradients now, W computes
+the weight gradients later, from what B kept (Qi et al. 2023, arXiv 2401.10241).
+
+A pipeline stage's backward has two parts of about the same cost: the gradients with respect to its
+input (B), which the previous stage waits for, and those with respect to its weights (W), which
+nobody waits for until the optimizer step. A schedule that runs W later fills its bubbles with it.
+
+How: while `split_ops()` is on, every use of a weight in megalite's layers builds an op whose
+backward can leave its weight-gradient work behind. Inside `deferred()`, a backward runs each such
+op's input-gradient part and records its weight-gradient part (a thunk over the tensors it needs:
+a linear layer's input and output gradient, an embedding's ids and rows) in a `WeightGrads`, and
+returns no weight gradient; `WeightGrads.run()` does the recorded work later and hands each
+gradient to autograd, which accumulates it and runs the parameters' hooks (the data-parallel
+buckets, ZeRO's reduce-scatters) as if the backward had produced it then.
+
+- GEMMs (`linear`, the experts' grouped GEMM) and the word embedding's scatter are split: W's
+  work is not done in B.
+- Cheap uses (norm weights and biases, a bias added alone) keep their native backward: the
+  gradient is computed in B and only handed over in W (`defer_delivery`), so their numbers are
+  the native kernels' own.
+
+Outside `deferred()` the split ops return their weight gradients at once, computed as autograd's
+native backward computes them (the same GEMMs on the same operands): bitwise today's numbers.
+Each parameter's gradients accumulate over micro-batches in the order their W runs; a schedule
+that runs W in micro-batch order gives 1F1B's sums bit for bit.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_split = False  # forwards build ops whose weight gradients can be deferred
+_pending: "WeightGrads | None" = None  # the backward running now defers weight gradients here
+_waiting: "weakref.WeakSet[WeightGrads]" = weakref.WeakSet()  # recorded and not yet run (for memory figures)
+
+
+def splitting() -> bool:
+    """Forwards now build split ops (a zero-bubble schedule is running)."""
+    return _split and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def deferring() -> bool:
+    """A backward that leaves its weight gradients for later is running now."""
+    return _pending is not None
+
+
+@contextmanager
+def split_ops(enabled: bool = True):
+    """Forwards inside build ops whose backward can defer weight gradients (and recomputations
+    inside a backward rebuild the same ops)."""
+    global _split
+    before, _split = _split, enabled
+    try:
+        yield
+    finally:
+        _split = before
+
+
+@contextmanager
+def deferred():
+    """Backwards inside record their split ops' weight-gradient work in the yielded `WeightGrads`
+    instead of doing it."""
+    global _pending
+    if _pending is not None:
+        raise RuntimeError("deferred() does not nest: a backward is already deferring its weight gradients")
+    grads = WeightGrads()
+    _pending = grads
+    try:
+        yield grads
+    finally:
+        _pending = None
+
+
+def is_deferred(param: torch.Tensor) -> bool:
+    """`param` (a leaf) had weight-gradient work deferred by the backward running now: its gradient
+    hook, which autograd runs with no new gradient, must wait for `WeightGrads.run`."""
+    return _pending is not None and id(param) in _pending.leaves
+
+
+def _leaf_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The parameter behind a weight as an op used it (itself, or through a cast, `+ 1`, a slice)."""
+    node = t.grad_fn
+    while node is not None:
+        if hasattr(node, "variable"):  # AccumulateGrad
+            return node.variable
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1:
+            return None
+        node = nexts[0]
+    return t if t.is_leaf else None
+
+
+class WeightGrads:
+    """The weight-gradient work of one deferred backward: (the tensor an op used, the thunk that
+    computes its gradient), in the order the backward met them."""
+
+    def __init__(self):
+        self.items: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self.leaves: set[int] = set()
+        self.held: list[torch.Tensor] = []  # output gradients the thunks keep (inputs are saved tensors)
+        _waiting.add(self)
+
+    def add(self, used: torch.Tensor, thunk: Callable[[], torch.Tensor], held: tuple = ()) -> None:
+        self.items.append((used, thunk))
+        self.held += held
+        leaf = _leaf_of(used)
+        if leaf is not None:
+            self.leaves.add(id(leaf))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def run(self) -> None:
+        """Compute every recorded gradient and hand it to autograd, in one backward: parameters
+        accumulate and their hooks run as in a plain backward (ZeRO's end-of-backward callback once).
+        Autograd runs a leaf's accumulation as soon as its gradient is ready, so one weight
+        gradient is alive at a time; the thunks run in the order recorded."""
+        items, self.items, self.held = self.items, [], []
+        if not items:
+            return
+        with torch.enable_grad():
+            # Autograd runs the most recently built node first: build them last-recorded first.
+            roots = [_Deliver.apply(used, thunk) for used, thunk in reversed(items)]
+        torch.autograd.backward(roots)
+
+
+class _Deliver(torch.autograd.Function):
+    """A root whose backward hands `thunk()` to `used` as its gradient."""
+
+    @staticmethod
+    def forward(ctx, used, thunk):
+        ctx.thunk = thunk
+        return used.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        thunk, ctx.thunk = ctx.thunk, None
+        return thunk(), None
+
+
+def give(used: torch.Tensor | None, needed: bool, thunk: Callable[[], torch.Tensor],
+         held: tuple = ()) -> torch.Tensor | None:
+    """A weight's gradient: recorded for later when deferring, else computed now. `held`: the
+    gradients the thunk keeps alive (counted by `held_bytes`)."""
+    if used is None or not needed:
+        return None
+    if _pending is not None:
+        _pending.add(used, thunk, held)
+        return None
+    return thunk()
+
+
+def held_bytes() -> int:
+    """Bytes of the distinct storages of the output gradients that recorded, not yet run, W work
+    keeps (the inputs it keeps are saved tensors, which saved-tensor hooks see)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for work in list(_waiting) for t in work.held}
+    return sum(storages.values())
+
+
+class _SplitLinear(torch.autograd.Function):
+    """y = x W^T + b for 2-D x; backward: dx = dy W now, dW = dy^T x and db = sum dy when W runs
+    (the GEMMs autograd's linear backward runs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.used = (weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        used_w, used_b = ctx.used
+        ctx.used = None
+        dx = dy.mm(weight) if ctx.needs_input_grad[0] else None
+        dw = give(used_w, ctx.needs_input_grad[1], lambda: dy.t().mm(x), (dy,))
+        db = give(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
+        return dx, dw, db
+
+
+class _SplitEmbedding(torch.autograd.Function):
+    """F.embedding(ids, weight); W scatters the rows' gradients into a table (autograd's own
+    embedding backward, the same kernel)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.used, ctx.rows = weight, weight.shape[0]
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        used, rows = ctx.used, ctx.rows
+        ctx.used = None
+        return None, give(used, ctx.needs_input_grad[1],
+                          lambda: torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False), (grad,))
+
+
+class _DeferDelivery(torch.autograd.Function):
+    """The weight itself; its gradient, whatever computed it, is handed over when W runs."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.used = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        used, ctx.used = ctx.used, None
+        return give(used, True, lambda: grad, (grad,))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose weight gradients W can defer (under `split_ops`)."""
+    if bias is not None and not (x.dim() == 2 or x.dim() == 3 and x.is_contiguous()):
+        # F.linear multiplies such an input, then adds the bias (no fused GEMM): so here too.
+        return linear(x, weight) + defer_delivery(bias)
+    # Two dimensions inside, the view outside: callers may write into the output in place (the
+    # padding logits), which autograd forbids on a view made inside a custom Function.
+    y = _SplitLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding whose table gradient W can defer (under `split_ops`)."""
+    return _SplitEmbedding.apply(ids, weight)
+
+
+def defer_delivery(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """`weight` for an op with a native backward: under `split_ops` its gradient reaches the
+    parameter when W runs (computed in B: for cheap uses, norms and lone biases)."""
+    if weight is None or not splitting() or not weight.requires_grad:
+        return weight
+    return _DeferDelivery.apply(weight)

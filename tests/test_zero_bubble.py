@@ -1,0 +1,93 @@
+"""Zero-bubble schedules train exactly like 1F1B: `--pipeline-schedule zb-h1` against `1f1b` on the
+same layout gives the same losses and parameters bit for bit (W runs in micro-batch order, so every
+gradient is summed in 1F1B's order), with every parameter's gradient deferred to W in every model
+family, at pp 2 and 4, with TP 2 + SP, DP 2, ZeRO-1/2/3, recompute, tied and untied embeddings,
+BERT, SwiGLU/RMSNorm/rope, KV groups gathered over TP with a full-width qk norm, experts (EP 2)
+and DeepSeek-V3's MLA and MTP."""
+import pytest
+import torch
+
+from megalite.testing import run_ranks
+from training_ranks import parse, whole_params
+
+BASE = ["--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "1",
+        "--seq-length", "32", "--lr-warmup-iters", "0"]
+
+
+def train_recording_split(rank, world, case):
+    """Train `case` = (entry, argv); return losses, parameters, how many weight-gradient thunks W ran,
+    and the parameters whose gradient hook saw a gradient during a B (none may)."""
+    import pretrain_bert
+    import pretrain_gpt
+    from megalite.optim import buffers, zero2
+    from megalite.parallel import weight_grad
+    from megalite.training import pretrain
+
+    entry, argv = case
+    in_b, w_items = set(), [0]
+    for cls in (buffers.ParamAndGradBuffer, zero2.ShardedGradBuffer):
+        def patched(self, p, original=cls.__dict__["_grad_ready"]):
+            if weight_grad.deferring() and not weight_grad.is_deferred(p):
+                in_b.add(id(p))
+            return original(self, p)
+        cls._grad_ready = patched
+    run_original = weight_grad.WeightGrads.run
+
+    def counting_run(self):
+        w_items[0] += len(self.items)
+        return run_original(self)
+    weight_grad.WeightGrads.run = counting_run
+    if entry == "bert":
+        run = pretrain(parse(BASE + argv + ["--model", "bert-tiny"]), pretrain_bert.task())
+    else:
+        run = pretrain(parse(BASE + argv), pretrain_gpt.task())
+    names = {id(p): n for c in run.model_chunks for n, p in c.named_parameters()}
+    return {"losses": [r["loss"] for r in run.records], "params": whole_params(run), "w_items": w_items[0],
+            "in_b": sorted(names.get(i, "?") for i in in_b)}
+
+
+def _both(rank, world, cases):
+    out = []
+    for entry, argv in cases:
+        out.append([train_recording_split(rank, world, (entry, argv + ["--pipeline-schedule", kind]))
+                    for kind in ("1f1b", "zb-h1")])
+    return out
+
+
+CASES = {  # world size -> (name, entry, argv)
+    2: [("gpt pp2", "gpt", ["--pp", "2"]),
+        ("gpt pp2 untied", "gpt", ["--pp", "2", "--untie-embeddings-and-output-weights"]),
+        ("gpt pp1 dp2 zero2 (no pipeline: B and W back to back)", "gpt", ["--zero-stage", "2"]),
+        ("bert pp2", "bert", ["--pp", "2"]),
+        ("llama pp2", "gpt", ["--pp", "2", "--model", "llama-tiny"]),
+        ("deepseek pp2 (MLA, MTP on the last stage)", "gpt", ["--pp", "2", "--model", "deepseek-tiny",
+                                                                   "--pipeline-layers", "1,2"])],
+    4: [("gpt pp4", "gpt", ["--pp", "4"]),
+        ("gpt pp2 tp2 sp", "gpt", ["--pp", "2", "--tp", "2", "--sequence-parallel"]),
+        ("gpt pp2 dp2 zero1 recompute", "gpt", ["--pp", "2", "--zero-stage", "1", "--recompute", "full"]),
+        ("gpt pp2 dp2 zero3", "gpt", ["--pp", "2", "--zero-stage", "3"]),
+        ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2"]),
+        ("moe pp2 ep2", "gpt", ["--pp", "2", "--model", "moe-tiny", "--ep", "2"]),
+        ("llama tp4: KV groups gathered over TP, full-width qk norm", "gpt",
+         ["--tp", "4", "--model", "llama-tiny", "--qk-layernorm", "--qk-layernorm-full-width"])],
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {world: run_ranks(_both, world, args=([(e, a) for _, e, a in cases],), timeout=600)
+            for world, cases in CASES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,index", [(w, i) for w, cases in CASES.items() for i in range(len(cases))],
+                         ids=[name for cases in CASES.values() for name, _, _ in cases])
+def test_zb_h1_trains_bitwise_like_1f1b_with_every_weight_gradient_in_w(results, world, index):
+    for rank, per_case in enumerate(results[world]):
+        one_f_one_b, zb = per_case[index]
+        assert zb["losses"] == one_f_one_b["losses"], (rank, zb["losses"], one_f_one_b["losses"])
+        assert zb["params"].keys() == one_f_one_b["params"].keys()
+        for name, p in one_f_one_b["params"].items():
+            assert torch.equal(zb["params"][name], p), (rank, name, (zb["params"][name] - p).abs().max())
+        assert zb["in_b"] == [], f"rank {rank}: these parameters got their gradient in B, not W: {zb['in_b']}"
+        assert zb["w_items"] > 0 and one_f_one_b["w_items"] == 0
