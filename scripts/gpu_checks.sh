@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the repository, in parts that each fit one 10-minute call on
 # the H100 (the device tool's limit); results go to $OUT (or ./gpu-results).
-#   bash scripts/gpu_checks.sh kernels   # build the kernels, pytest -m gpu (MoE grouped GEMM too), bench_kernels.py, activation memory
+#   bash scripts/gpu_checks.sh kernels   # build the kernels, pytest -m gpu (MoE grouped GEMM, the zero-bubble split backward too), bench_kernels.py, activation memory
 #   bash scripts/gpu_checks.sh training [--presets gpt2-350m]  # benchmark_gpt.py (plain eager/compile,
 #                                        # megalite eager/compile, log MFU); one preset a call if the two overrun
 #   bash scripts/gpu_checks.sh planner   # validate_planner.py: predicted vs measured memory and step time

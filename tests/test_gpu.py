@@ -281,3 +281,48 @@ def test_grouped_linear_on_cuda_bf16_runs_pytorchs_grouped_gemm_and_matches_the_
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, err
     assert torch.count_nonzero(w.grad[1]) == 0
+
+
+def test_split_backward_on_cuda_bf16_gives_the_native_numbers_bitwise_and_defers_every_weight():
+    """CPU counterpart: tests/test_split_backward.py. On the GPU: bf16 GEMMs, megalite's fused norm
+    kernel (its weight handed over late), the word embedding's scatter and PyTorch's grouped GEMM:
+    B leaves every weight gradient to W, and W gives what one backward gives, bit for bit."""
+    from megalite import ops
+    from megalite.models.moe.experts import grouped_linear
+    from megalite.parallel import weight_grad
+    from megalite.parallel.grad_accumulation import embedding, linear
+
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    table = torch.randn(512, 256, device=dev, dtype=bf, requires_grad=True)
+    w1 = torch.randn(1024, 256, device=dev, dtype=bf, requires_grad=True)
+    b1 = torch.randn(1024, device=dev, dtype=bf, requires_grad=True)
+    norm_w = torch.randn(1024, device=dev, dtype=bf, requires_grad=True)
+    experts = torch.randn(4, 256, 1024, device=dev, dtype=bf, requires_grad=True)
+    ids = torch.randint(0, 512, (128, 4), device=dev)
+    params = [table, w1, b1, norm_w, experts]
+
+    def model():
+        x = embedding(ids, table)  # [128, 4, 256]
+        h = ops.layer_norm(linear(x, w1, b1), weight_grad.defer_delivery(norm_w), None, 1e-5)
+        rows = h.reshape(-1, 1024)
+        return grouped_linear(rows, experts, [128, 0, 256, 128]).float().pow(2).mean()
+
+    def run(split: bool, defer: bool):
+        for p in params:
+            p.grad = None
+        with weight_grad.split_ops(split):
+            loss = model()
+        if defer:
+            with weight_grad.deferred() as work:
+                loss.backward()
+            assert all(p.grad is None for p in params) and len(work) >= 5
+            work.run()
+        else:
+            loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in params]
+
+    native = run(split=False, defer=False)
+    for defer in (False, True):
+        for a, b in zip(run(split=True, defer=defer), native):
+            assert torch.equal(a, b), (defer, (a.float() - b.float()).abs().max())

@@ -81,3 +81,18 @@ def test_deferred_does_not_nest():
         with pytest.raises(RuntimeError, match="does not nest"):
             with weight_grad.deferred():
                 pass
+
+
+def test_w_computes_each_gradient_in_recorded_order_and_accumulates_it_before_the_next():
+    """One weight gradient alive at a time: autograd accumulates each (and runs its hooks) as soon
+    as its thunk returns it."""
+    log = []
+    params = [torch.nn.Parameter(torch.randn(3, 3)) for _ in range(4)]
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: log.append(("accumulated", i)))
+    work = weight_grad.WeightGrads()
+    for i, p in enumerate(params):
+        work.add(p, lambda i=i: (log.append(("computed", i)), torch.full((3, 3), float(i)))[1])
+    work.run()
+    assert log == [(kind, i) for i in range(4) for kind in ("computed", "accumulated")]
+    assert [float(p.grad[0, 0]) for p in params] == [0.0, 1.0, 2.0, 3.0] and len(work) == 0

@@ -25,7 +25,7 @@ Every layout megalite accepts is enumerated and, for each, the planner predicts:
   plus the transient peak while the model is built;
 - step time (`step_time.py`): model FLOPs (`megalite.metrics.model_flops_per_iteration`, plus what
   recomputation runs again) over the cluster's sustained throughput, the pipeline bubble
-  (`megalite.pipeline.schedules.theoretical_bubble`), tensor-parallel collectives, pipeline
+  of the schedule (`megalite.pipeline.schedules.bubble_fraction`), tensor-parallel collectives, pipeline
   point-to-point messages, the data-parallel gradient reduction that cannot hide behind the last
   backward pass, and the optimizer step;
 - for a MoE model (`experts.py`): expert weights split over ep x etp in buffers of their own,

@@ -456,8 +456,9 @@ def _explain_time(pred: Prediction) -> list[str]:
     if p > 1:
         out.append(f"  pp comm      2 x v={v} exchanges of {K.msg / 2 ** 20:.1f} MiB per micro-batch at "
                    f"{K.bw_pp / 1e9:g} GB/s x {m} = {T.pp_comm:.3f} s")
-        out.append(f"  bubble       (p-1)/(v*m) = {p - 1}/({v}*{m}) of the per-micro-batch time "
-                   f"(theoretical_bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")
+        rate = f"(p-1)/(3m) = {p - 1}/(3*{m})" if lay.schedule == "zb-h1" else f"(p-1)/(v*m) = {p - 1}/({v}*{m})"
+        out.append(f"  bubble       {rate} of the per-micro-batch time "
+                   f"({lay.schedule} bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")
     part = pred.dp_parts[pred.dp_stage]
     if pred.run.local_sgd_interval:
         run = pred.run
