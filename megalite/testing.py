@@ -236,6 +236,7 @@ def gradient_traffic(cfg, world: int) -> tuple[Fraction, Fraction, bool]:
     from megalite import parallel, training
     from megalite.models import GPTModel
     from megalite.optim import finalize_grads
+    from megalite.optim.grads import SAME_RANK
 
     def build_gpt(config, cfg, device, pre_process=True, post_process=True, layer_numbers=None):
         return GPTModel(config, pre_process, post_process, layer_numbers, seed=cfg.training.seed, device=device)
@@ -259,7 +260,7 @@ def gradient_traffic(cfg, world: int) -> tuple[Fraction, Fraction, bool]:
             minimum += ring_bytes("all_gather", buf.param_data.nbytes, dp)
         else:
             minimum += ring_bytes("all_reduce", buf.grad_data.nbytes, dp)
-        if embedding_group is not None:
+        if embedding_group not in (None, SAME_RANK):
             emb = sum(b.numel for b in buf.buckets if b.deferred) * buf.grad_data.element_size()
             minimum += ring_bytes("all_reduce", emb, dist.get_world_size(embedding_group))
     return sum(sent, Fraction(0)), minimum, any(b.deferred for buf in buffers for b in buf.buckets)

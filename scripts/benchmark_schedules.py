@@ -10,8 +10,11 @@ rank is 1 - (time in F, B and W passes) / (the schedule's wall time): waiting fo
 the sends themselves count as idle, as in the training log's `bubble_measured`. Reported: the
 median idle fraction (the two ranks' mean per step), the median and range of its per-round ratio
 to 1F1B's, the same for the schedule's wall time per step, and the simulator's prediction beside
-them: the bubble formula (megalite.pipeline.schedules.bubble_fraction) at the F, B and W costs
-measured in the run (1F1B's backward is B + W as one pass).
+them: the simulator's idle fraction (megalite.pipeline.schedules.predicted_idle: the bubble
+formula for 1F1B and ZB-H1) at the F, B and W costs measured in the run (1F1B's backward is B + W
+as one pass; ZB-V's passes are of one of its two chunks per rank). ZB-V runs twice: `zb-v` ordered
+for equal costs (the default --pipeline-pass-costs), `zb-v*` for the F, B and W a calibration run
+of zb-v measured first (each rank runs the same program: the costs are agreed before the spawn).
 
 Memory: one step of each schedule with saved-tensor hooks on every forward. A stage's activation
 memory at a moment is the bytes of the distinct storages autograd holds for backward (parameters
@@ -19,8 +22,8 @@ excluded) plus the output gradients that deferred W passes keep (`weight_grad.he
 peak is read after every forward and every B. The formula: the program's peak micro-batches in flight
 (`peak_in_flight`: forwarded, not yet through their last backward pass) times one micro-batch's
 activations (the most one forward saved): 1F1B (p - r) M on stage r, ZB-H1 p M on every stage,
-1F1B's first-stage peak (Qi et al. 2023: ZB-H1 keeps 1F1B's peak memory). A B frees what only
-it needed, so ZB-H1's later stages stay below p M.
+1F1B's first-stage peak (Qi et al. 2023: ZB-H1 keeps 1F1B's peak memory), and ZB-V 2p chunks of
+half a stage's on every stage: p M again. A B frees what only it needed, so later stages stay below.
 """
 from __future__ import annotations
 
@@ -42,18 +45,24 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchmark_step import device_string, git_state  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "zb-h1", "zb-v", "zb-v*")  # zb-v*: ordered for the pass costs measured first
+MEMORY_SCHEDULES = ("1f1b", "zb-h1", "zb-v")
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "256",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1024"]
-QUICK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+QUICK = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--vocab-size", "128"]
 
 
-def _args(model: list[str], iters: int, schedule: str):
+def _args(model: list[str], iters: int, schedule: str, costs: str = "1,1,1"):
     from megalite import arguments
 
+    if schedule == "zb-v*":
+        schedule = "zb-v"
+    else:
+        costs = "1,1,1"
     argv = ["--mock-data", "--pp", "2", "--train-iters", str(iters), "--log-interval", str(iters),
-            "--lr-warmup-iters", "0", "--no-progress-bar", *model, "--pipeline-schedule", schedule]
+            "--lr-warmup-iters", "0", "--no-progress-bar", *model, "--pipeline-schedule", schedule,
+            "--pipeline-pass-costs", costs]
     return arguments.build_parser("benchmark", default_model="gpt-tiny").parse_args(argv)
 
 
@@ -66,9 +75,10 @@ def _pass_costs(spans) -> dict[str, float]:
     return out
 
 
-def idle_rank(rank, world, model, iters, schedules, rounds):
+def idle_rank(rank, world, model, iters, schedules, rounds, costs="1,1,1"):
     """Each schedule's steps on this rank, per round (ABBA order: 1f1b first in even rounds, last in
-    odd ones): (idle fraction, pass costs, the schedule's wall seconds), each run's first dropped."""
+    odd ones): (idle fraction, pass costs, the schedule's wall seconds), each run's first dropped.
+    `costs`: the --pipeline-pass-costs of zb-v*."""
     import pretrain_gpt
     from megalite.training import pretrain, step as step_module
 
@@ -86,9 +96,16 @@ def idle_rank(rank, world, model, iters, schedules, rounds):
     for k in range(rounds):
         for schedule in (schedules if k % 2 == 0 else reversed(schedules)):
             steps.clear()
-            pretrain(_args(model, iters, schedule), pretrain_gpt.task())
+            pretrain(_args(model, iters, schedule, costs), pretrain_gpt.task())
             out[schedule].append(steps[1:])
     return out
+
+
+def measured_costs(idle) -> str:
+    """--pipeline-pass-costs for zb-v*: the F, B and W of a calibration run of zb-v, relative to F."""
+    passes = [c for r in range(2) for run in idle[r]["zb-v"] for _, c, _ in run]
+    f, b, w = (statistics.fmean(c[kind] for c in passes) for kind in "FBW")
+    return f"1,{b / f:.2f},{w / f:.2f}"
 
 
 class SavedBytes:
@@ -168,7 +185,7 @@ def memory_rank(rank, world, model, schedules):
 
 
 def main() -> None:
-    from megalite.pipeline.schedules import bubble_fraction
+    from megalite.pipeline.schedules import predicted_idle
     from megalite.testing import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -179,14 +196,19 @@ def main() -> None:
     a = ap.parse_args()
     model, iters, rounds = (QUICK, 3, 1) if a.quick else (MODEL, a.iters, a.rounds)
     m = int(model[model.index("--global-batch-size") + 1]) // int(model[model.index("--micro-batch-size") + 1])
-    idle = run_ranks(idle_rank, 2, args=(model, iters, SCHEDULES, rounds), timeout=3600)
-    memory = run_ranks(memory_rank, 2, args=(model, SCHEDULES), timeout=600)
+    calibration = run_ranks(idle_rank, 2, args=(model, iters, ("zb-v",), 1), timeout=600)
+    v_costs = measured_costs(calibration)
+    idle = run_ranks(idle_rank, 2, args=(model, iters, SCHEDULES, rounds, v_costs), timeout=3600)
+    memory = run_ranks(memory_rank, 2, args=(model, MEMORY_SCHEDULES), timeout=600)
 
     def per_round(schedule, k):
         """(median idle fraction, median wall seconds) of a schedule's steps in round k (both ranks)."""
         steps = list(zip(idle[0][schedule][k], idle[1][schedule][k]))
         return (statistics.median(statistics.fmean(s[0] for s in step) for step in steps),
                 statistics.median(max(s[2] for s in step) for step in steps))
+
+    def ordered_for(schedule):
+        return tuple(float(x) for x in v_costs.split(",")) if schedule == "zb-v*" else (1, 1, 1)
 
     rows = {}
     for schedule in SCHEDULES:
@@ -201,10 +223,12 @@ def main() -> None:
                           "schedule_ms": 1e3 * statistics.median(x[1] for x in rounds_of),
                           "wall_ratio": statistics.median(wall_ratio), "wall_ratio_range": [min(wall_ratio), max(wall_ratio)],
                           "costs_ms": {k: 1e3 * v for k, v in costs.items()},
-                          "predicted": bubble_fraction(schedule, 2, m, costs["F"], costs["B"], costs["W"]),
-                          "memory": [memory[r][schedule] for r in range(2)]}
+                          "predicted": predicted_idle(2, m, schedule.rstrip("*"), costs["F"], costs["B"], costs["W"],
+                                                      ordered_for=ordered_for(schedule)),
+                          "memory": [memory[r][schedule] for r in range(2)] if schedule in memory[0] else None}
     print(f"device: {device_string()}; 2 ranks (one core each), pp 2, {m} micro-batches; {rounds} ABBA rounds of "
-          f"{iters - 1} steps per schedule; {datetime.date.today()}")
+          f"{iters - 1} steps per schedule; zb-v ordered for equal costs, zb-v* for those a calibration run "
+          f"measured (--pipeline-pass-costs {v_costs}); {datetime.date.today()}")
     print(f"{'schedule':>8} | {'idle':>6} {'vs 1f1b (range)':>20} | {'predicted':>9} | {'step ms':>7} "
           f"{'vs 1f1b (range)':>20} | F, B, W ms")
     for schedule, row in rows.items():
@@ -214,13 +238,14 @@ def main() -> None:
               f"{c['F']:.1f}, {c['B']:.1f}, {c['W']:.1f}")
     print(f"\n{'schedule':>8} {'stage':>5} | {'peak MiB':>8} {'formula':>8} {'ratio':>5} | in flight x one micro-batch")
     for schedule, row in rows.items():
-        for r, mem in enumerate(row["memory"]):
+        for r, mem in enumerate(row["memory"] or []):
             formula = mem["in_flight"] * mem["micro_batch"]
             print(f"{schedule:>8} {r:>5} | {mem['peak'] / 2**20:8.2f} {formula / 2**20:8.2f} "
                   f"{mem['peak'] / formula:5.2f} | {mem['in_flight']} x {mem['micro_batch'] / 2**20:.2f} MiB")
     if a.json:
         Path(a.json).write_text(json.dumps({"date": str(datetime.date.today()), "device": device_string(),
                                             "git": git_state(), "micro_batches": m, "steps": iters - 1, "rounds": rounds,
+                                            "zb_v_star_pass_costs": v_costs,
                                             "schedules": rows}, indent=2))
 
 

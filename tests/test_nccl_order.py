@@ -7,7 +7,8 @@ import torch
 from megalite import parallel
 from megalite.pipeline import p2p
 from megalite.pipeline.replay import Exchange, Message, ScheduleError, check_nccl_order, check_schedule, exchange_plan
-from megalite.pipeline.schedules import build_program, run_schedule
+from megalite.pipeline.partition import stage_rank, virtual_stage
+from megalite.pipeline.schedules import build_program, exchange_plans, is_v_shaped, run_schedule
 from megalite.testing import run_ranks
 
 
@@ -16,7 +17,8 @@ def _cases():
         for v in (None, 2, 3, 4):
             # Below, at and above p; the interleaved schedule needs multiples of p.
             ms = (p, 2 * p, 3 * p) if v else (1, p - 1, p, p + 1, 2 * p + 1)
-            kinds = ("1f1b", "forward-only") if v else ("1f1b", "gpipe", "forward-only", "zb-h1")
+            kinds = ("1f1b", "forward-only") if v else ("1f1b", "gpipe", "forward-only", "zb-h1", "zb-v",
+                                                         "forward-only-v")
             for m in sorted(set(ms)):
                 for kind in kinds:
                     yield p, m, v, kind
@@ -27,11 +29,11 @@ def test_every_schedule_matches_each_receive_to_its_send_under_nccl_order():
     for p, m, v, kind in _cases():
         messages = check_schedule(p, m, v, kind)
         # Each micro-batch crosses every boundary between consecutive virtual stages once per
-        # direction (forward-only: activations only).
-        boundaries = p * (v or 1) - 1
-        assert messages == m * boundaries * (1 if kind == "forward-only" else 2), (p, m, v, kind)
+        # direction (forward-only: activations only); in a V one boundary is inside rank p-1.
+        boundaries = 2 * p - 2 if kind.endswith("-v") else p * (v or 1) - 1
+        assert messages == m * boundaries * (1 if kind.startswith("forward-only") else 2), (p, m, v, kind)
         checked += 1
-    assert checked > 200
+    assert checked > 300
     assert check_schedule(1, 4) == 0  # no pipelining: nothing to exchange
 
 
@@ -85,17 +87,25 @@ def posted_exchanges(rank, world, m, v, kind="1f1b"):
         return real_exchange(sends, recvs, *rest, **kwargs)
 
     p2p.exchange = recording
-    chunks = [_Stage(last=c * world + rank == world * v - 1) for c in range(v)]
+    v_shape = is_v_shaped(kind)
+    chunks = [_Stage(last=virtual_stage(world, rank, c, v_shape) == world * v - 1) for c in range(v)]
     batches = [{"x": torch.full((2, 3, 4), float(i))} for i in range(m)]
     program = build_program(world, rank, m, v if v > 1 else None, kind)
-    run_schedule(program, chunks, batches, _step, torch.tensor(1.0), (2, 3, 4), torch.float32)
-    planned = [([s.dst % world for s in x.sends], [(r, r.src % world) for r in x.recvs])
-               for x in exchange_plan(program, world, rank, v) if x.sends or x.recvs]
+    plan = exchange_plans(world, m, v if v > 1 else None, kind)[rank]
+    with torch.set_grad_enabled(not kind.startswith("forward-only")):  # evaluation keeps nothing for backward
+        run_schedule(program, chunks, batches, _step, torch.tensor(1.0), (2, 3, 4), torch.float32, v_shape=v_shape,
+                     plan=plan if v_shape else None)
+    planned = [([stage_rank(world, s.dst, v_shape) for s in x.sends], [(r, stage_rank(world, r.src, v_shape))
+                                                                      for r in x.recvs])
+               for x in plan if x.sends or x.recvs]
+    if not v_shape:  # what the executor derives from the program alone
+        assert list(plan) == exchange_plan(program, world, rank, v)
     return posted, planned
 
 
-@pytest.mark.parametrize("world,m,v,kind", [(2, 4, 2, "1f1b"), (3, 2, 1, "1f1b"), (3, 5, 1, "zb-h1")],
-                         ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "zb-h1-pp3"])
+@pytest.mark.parametrize("world,m,v,kind", [(2, 4, 2, "1f1b"), (3, 2, 1, "1f1b"), (3, 5, 1, "zb-h1"),
+                                            (3, 7, 2, "zb-v"), (2, 3, 2, "forward-only-v")],
+                         ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "zb-h1-pp3", "zb-v-pp3", "forward-only-v-pp2"])
 def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v, kind):
     for posted, planned in run_ranks(posted_exchanges, world, args=(m, v, kind)):
         assert posted == planned

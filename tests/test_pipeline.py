@@ -108,6 +108,15 @@ def test_programs_run_every_forward_and_backward_once():
     (["--pp", "2", "--vpp", "2", "--pipeline-schedule", "zb-h1"], 2, "zb-h1 runs one model chunk per rank"),
     (["--pp", "2", "--pipeline-schedule", "zb-h1", "--torch-compile"], 2,
      "--torch-compile keeps the weight gradients inside them: drop one"),
+    (["--pipeline-schedule", "zb-v"], 1, "zb-v places two model chunks per rank in a V over the pipeline"),
+    (["--pp", "2", "--vpp", "4", "--num-layers", "8", "--pipeline-schedule", "zb-v"], 2,
+     "zb-v runs two model chunks per rank, but --vpp is 4"),
+    (["--pp", "2", "--pipeline-schedule", "zb-v", "--pipeline-layers", "2,2"], 2,
+     "--pipeline-layers lists 2 stages but the layout has 4"),
+    (["--pp", "2", "--pipeline-schedule", "zb-v", "--pipeline-pass-costs", "1,1"], 2,
+     "--pipeline-pass-costs '1,1' must be three positive numbers"),
+    (["--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     "zb-v places two model chunks per rank itself: drop --num-layers-per-virtual-pipeline-stage"),
 ])
 def test_bad_pipeline_layouts_are_refused_with_one_clear_message(argv, world, message):
     from megalite.arguments import model_config, validate
@@ -162,6 +171,55 @@ def test_every_stage_idles_exactly_the_papers_bubble(kind, p):
             if kind == "zb-h1" and w <= min(f, b):
                 assert t.idle_time[0] == (p - 1) * (f + b - w)  # the paper's formula
             assert t.idle == pytest.approx(bubble_fraction(kind, p, m, f, b, w), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_v_idles_only_the_start_of_the_v(p):
+    """ZB-V at F = B = W (the papers' case; also at W = 2F, 3F): each stage idles (p-1) chunk forwards,
+    (p-1) F/2 of a whole stage's F, the floor (the last rank's first forward waits for the p-1 before
+    it, and every rank has the same work), for m in {p, 2p, 4p}: a sixth of 1F1B's, half of ZB-H1's.
+    At other costs (the program ordered for them) it stays below 1F1B's."""
+    from megalite.pipeline.schedules import bubble_fraction, bubble_time, simulate
+
+    for m in (p, 2 * p, 4 * p):
+        for f, b, w in [(1, 1, 1), (2, 2, 2), (3, 3, 3), (1, 1, 2), (1, 1, 3)]:
+            t = simulate(p, m, None, "zb-v", f, b, w)  # a chunk's costs; a stage's are twice
+            assert t.idle_time == [bubble_time("zb-v", p, m, 2 * f, 2 * b, 2 * w)] * p == [(p - 1) * f] * p, \
+                (m, f, b, w, t.rows)
+            assert t.idle == pytest.approx(bubble_fraction("zb-v", p, m, 2 * f, 2 * b, 2 * w), abs=1e-12)
+        assert simulate(p, m, None, "zb-v").idle_time[0] * 6 == simulate(p, m, None, "1f1b", 2, 2, 2).idle_time[0]
+        for f, b, w in COSTS:
+            assert max(simulate(p, m, None, "zb-v", f, b, w).idle_time) < \
+                simulate(p, m, None, "1f1b", 2 * f, 2 * b, 2 * w).idle_time[0], (m, f, b, w)
+
+
+def test_zb_v_orders_exist_for_any_pass_costs_and_keep_nccl_order():
+    """Where the 2p cap would stop every rank (at pp 2, B well above F and a small W), a forward of
+    the second chunk goes past it: every cost set gets an order, which the replay accepts."""
+    from megalite.pipeline.replay import check_schedule
+    from megalite.pipeline.schedules import build_program, exchange_plans, peak_in_flight
+
+    costs = [(1, b, w) for b in (0.25, 0.5, 1, 1.25, 1.5, 2, 3) for w in (0.2, 0.25, 0.5, 1, 2)]
+    for p in (2, 3, 4):
+        for m in range(1, 4 * p + 1):
+            for c in costs:
+                exchange_plans(p, m, None, "zb-v", c)  # raises on a wrong match or a deadlock
+                peaks = [peak_in_flight(build_program(p, r, m, None, "zb-v", c)) for r in range(p)]
+                assert max(peaks) <= 2 * p + 1, (p, m, c, peaks)
+    assert exchange_plans(2, 8, None, "zb-v", (1, 2, 0.25))  # the case that stopped every rank
+    assert check_schedule(8, 32, None, "zb-v") == 32 * (2 * 8 - 2) * 2
+
+
+def test_zb_v_keeps_1f1bs_activations_on_every_rank():
+    """At most 2p chunks (p micro-batches of a whole stage) forwarded and not yet through W, on
+    every rank: 1F1B's first-stage peak, which 1F1B's other stages stay below."""
+    from megalite.pipeline.schedules import build_program, peak_in_flight
+
+    for p in (2, 3, 4, 8):
+        for m in (1, p - 1, p, 2 * p + 1, 4 * p):
+            if m:
+                assert [peak_in_flight(build_program(p, r, m, None, "zb-v")) for r in range(p)] == \
+                    [2 * min(p, m)] * p, (p, m)
 
 
 def test_zb_h1_idles_a_third_of_1f1b_at_equal_costs():

@@ -57,6 +57,7 @@ CASES = [  # (tp, pp, dp, extra flags, variants: each built and stepped on the s
     (2, 1, 1, [], [PLAIN, DIST]),
     (1, 2, 1, [], [PLAIN, DIST]),
     (2, 2, 1, ["--vpp", "2"], [PLAIN, DIST]),  # interleaved: two model chunks per rank
+    (1, 2, 1, ["--pipeline-schedule", "zb-v"], [PLAIN, DIST]),  # two chunks in a V: rank 0 first and last
     (1, 2, 2, [], [PLAIN, DIST, ["--bf16"], ["--bf16", *DIST]]),  # bf16: fp32 master copies
     (2, 2, 2, [], [PLAIN, DIST]),
     # dp = 3: buckets padded to a multiple of 3, shards cut through parameters, ranks own different amounts
@@ -64,7 +65,8 @@ CASES = [  # (tp, pp, dp, extra flags, variants: each built and stepped on the s
 ]
 
 
-@pytest.mark.parametrize("tp,pp,dp,extra,variants", CASES, ids=[f"tp{c[0]}-pp{c[1]}-dp{c[2]}" for c in CASES])
+@pytest.mark.parametrize("tp,pp,dp,extra,variants", CASES,
+                         ids=[f"tp{c[0]}-pp{c[1]}-dp{c[2]}" + ("-zb-v" if "zb-v" in c[3] else "") for c in CASES])
 def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, variants):
     argv = TINY + ["--tp", str(tp), "--pp", str(pp)] + extra
     results = run_ranks(held_bytes, tp * pp * dp, args=(argv, variants), timeout=120)
@@ -77,7 +79,8 @@ def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, 
         for got in per_rank:
             want = P.rank_state_bytes(config, tp=tp, pp=pp, dp=dp, vpp=args.parallel.vpp, pp_rank=got["pp_rank"],
                                       dp_rank=got["dp_rank"], dtype=dtype, distributed_optimizer=dist_opt,
-                                      seq_length=args.model.seq_length, ddp_bucket_size=args.data_parallel.ddp_bucket_size)
+                                      seq_length=args.model.seq_length, ddp_bucket_size=args.data_parallel.ddp_bucket_size,
+                                      v_shape=args.parallel.pipeline_schedule == "zb-v")
             label = f"tp{tp} pp{pp} dp{dp} {flags} rank (pp {got['pp_rank']}, dp {got['dp_rank']})"
             assert got["params"] == want.params, label
             assert got["param_buffer"] == want.param_buffer, label
@@ -90,7 +93,8 @@ def test_predicted_state_bytes_equal_what_megalite_allocates(tp, pp, dp, extra, 
             if dist_opt:
                 assert len({r["optimizer"] for r in per_rank}) > 1, "shards should differ in size"
         # The planner's per-GPU figures are those of the fullest rank.
-        pred = P.predict(config, P.Layout(tp, pp, dp, args.parallel.vpp, args.training.micro_batch_size, "none", False, dist_opt),
+        pred = P.predict(config, P.Layout(tp, pp, dp, args.parallel.vpp, args.training.micro_batch_size, "none", False, dist_opt,
+                                          schedule=args.parallel.pipeline_schedule),
                          P.Cluster(gpus=tp * pp * dp), args.training.global_batch_size, args.model.seq_length, dtype=dtype,
                          ddp_bucket_size=args.data_parallel.ddp_bucket_size)
         peak = max(per_rank, key=lambda r: r["param_buffer"] + r["grads"] + r["optimizer"])

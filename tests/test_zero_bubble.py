@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from megalite.testing import run_ranks
-from training_ranks import parse, whole_params
+from training_ranks import parse, placed_params, whole_params
 
 BASE = ["--train-iters", "3", "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "1",
         "--seq-length", "32", "--lr-warmup-iters", "0"]
 
 
-def train_recording_split(rank, world, case):
+def train_recording_split(rank, world, case, placed=False):
     """Train `case` = (entry, argv); return losses, parameters, how many weight-gradient thunks W ran,
     and the parameters whose gradient hook saw a gradient during a B (none may)."""
     import pretrain_bert
@@ -31,6 +31,15 @@ def train_recording_split(rank, world, case):
                 in_b.add(id(p))
             return original(self, p)
         cls._grad_ready = patched
+    from megalite import metrics
+
+    evals = []
+    evaluation = metrics.TrainingLogger.evaluation
+
+    def recording_evaluation(self, iteration, values, *rest):
+        evals.append(values["loss"])
+        return evaluation(self, iteration, values, *rest)
+    metrics.TrainingLogger.evaluation = recording_evaluation
     run_original = weight_grad.WeightGrads.run
 
     def counting_run(self):
@@ -42,7 +51,9 @@ def train_recording_split(rank, world, case):
     else:
         run = pretrain(parse(BASE + argv), pretrain_gpt.task())
     names = {id(p): n for c in run.model_chunks for n, p in c.named_parameters()}
-    return {"losses": [r["loss"] for r in run.records], "params": whole_params(run), "w_items": w_items[0],
+    params = placed_params(run) if placed else whole_params(run)
+    metrics.TrainingLogger.evaluation = evaluation
+    return {"losses": [r["loss"] for r in run.records], "params": params, "w_items": w_items[0], "evals": evals,
             "in_b": sorted(names.get(i, "?") for i in in_b)}
 
 
@@ -91,3 +102,69 @@ def test_zb_h1_trains_bitwise_like_1f1b_with_every_weight_gradient_in_w(results,
             assert torch.equal(zb["params"][name], p), (rank, name, (zb["params"][name] - p).abs().max())
         assert zb["in_b"] == [], f"rank {rank}: these parameters got their gradient in B, not W: {zb['in_b']}"
         assert zb["w_items"] > 0 and one_f_one_b["w_items"] == 0
+
+
+def _v_against_1f1b(rank, world, cases):
+    return [[train_recording_split(rank, world, (entry, argv + ["--pipeline-schedule", kind]), placed=True)
+             for kind in ("1f1b", "zb-v")] for entry, argv in cases]
+
+
+NO_CLIP = ["--clip-grad", "0"]  # the global norm would sum the stages' squares in another grouping
+V_CASES = {  # world size -> (name, entry, argv, bitwise): zb-v places chunk 1 of rank r at stage 2p-1-r
+    2: [("gpt pp2: bitwise", "gpt", ["--pp", "2"] + NO_CLIP, True),
+        ("gpt pp2 clipped (rank 0 holds the first and last stage's squares)", "gpt", ["--pp", "2"], False),
+        ("gpt pp2 untied, evaluated (forward-only in a V)", "gpt",
+         ["--pp", "2", "--untie-embeddings-and-output-weights", "--eval-interval", "2", "--eval-iters", "1"] + NO_CLIP,
+         True),
+        ("bert pp2 clipped", "bert", ["--pp", "2", "--num-layers", "4"], False),
+        ("llama pp2", "gpt", ["--pp", "2", "--model", "llama-tiny"] + NO_CLIP, True),
+        ("deepseek pp2 (MLA, MTP in rank 0's second chunk)", "gpt",
+         ["--pp", "2", "--model", "deepseek-tiny", "--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]"] + NO_CLIP,
+         True)],
+    4: [("gpt pp4", "gpt", ["--pp", "4", "--num-layers", "8"] + NO_CLIP, True),
+        ("gpt pp2 tp2 sp", "gpt", ["--pp", "2", "--tp", "2", "--sequence-parallel"] + NO_CLIP, True),
+        ("gpt pp2 dp2 zero1 recompute", "gpt", ["--pp", "2", "--zero-stage", "1", "--recompute", "full"] + NO_CLIP,
+         True),
+        ("gpt pp2 dp2 zero3", "gpt", ["--pp", "2", "--zero-stage", "3"] + NO_CLIP, True),
+        ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2", "--num-layers", "4"] + NO_CLIP, True),
+        ("moe pp2 ep2", "gpt", ["--pp", "2", "--model", "moe-tiny", "--ep", "2"] + NO_CLIP, True)],
+}
+
+
+@pytest.fixture(scope="module")
+def v_results():
+    return {world: run_ranks(_v_against_1f1b, world, args=([(e, a) for _, e, a, _ in cases],), timeout=900)
+            for world, cases in V_CASES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,index", [(w, i) for w, cases in V_CASES.items() for i in range(len(cases))],
+                         ids=[name for cases in V_CASES.values() for name, _, _, _ in cases])
+def test_zb_v_trains_like_1f1b_with_the_chunks_in_a_v(v_results, world, index):
+    """Losses and every parameter (by layout-free name, whichever rank and chunk holds it) as 1F1B's:
+    bitwise without gradient clipping; with it the global norm sums the stages' squares in another
+    grouping (rank 0 holds the first and the last), so within 1e-5 (Adam turns the last bits of a
+    near-zero gradient into a step of up to the learning rate's size)."""
+    bitwise = V_CASES[world][index][3]
+    merged: list[dict] = [{}, {}]
+    for rank, per_case in enumerate(v_results[world]):
+        one_f_one_b, zb = per_case[index]
+        if bitwise:
+            assert zb["losses"] == one_f_one_b["losses"], (rank, zb["losses"], one_f_one_b["losses"])
+            assert zb["evals"] == one_f_one_b["evals"], (rank, zb["evals"], one_f_one_b["evals"])
+        else:
+            assert zb["losses"] == pytest.approx(one_f_one_b["losses"], rel=1e-5, abs=0)
+        assert zb["in_b"] == [], f"rank {rank}: these parameters got their gradient in B, not W: {zb['in_b']}"
+        assert zb["w_items"] > 0
+        assert zb["evals"], "validation (the V's forward-only program) never ran"
+        for i, run in enumerate((one_f_one_b, zb)):
+            for key, copies in run["params"].items():
+                merged[i].setdefault(key, []).extend(copies)
+    assert merged[0].keys() == merged[1].keys()
+    for key, copies in merged[0].items():
+        want = copies[0]
+        for got in copies + merged[1][key]:  # DP replicas, tied copies, and zb-v's
+            if bitwise:
+                assert torch.equal(got, want), (key, (got - want).abs().max())
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

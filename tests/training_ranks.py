@@ -27,6 +27,21 @@ def whole_params(run) -> dict:
                 for n, p in c.named_parameters()}
 
 
+def placed_params(run) -> dict:
+    """fp32 copies of every parameter of a finished run by layout-free name and the TP and expert-
+    parallel rank that holds the piece: the same keys whichever pipeline rank or chunk holds a
+    layer, so runs whose schedules place chunks differently compare (merge the ranks' dicts)."""
+    from megalite.checkpoint.layout import global_name
+
+    key = (parallel.get_tensor_model_parallel_rank(), parallel.get_expert_model_parallel_rank())
+    out = {}
+    with run.optimizer.whole_parameters():
+        for c in run.model_chunks:
+            for n, p in c.named_parameters():
+                out.setdefault((global_name(c, n), *key), []).append(p.detach().float().clone())
+    return out
+
+
 def train_losses(rank, world, argv):
     return [r["loss"] for r in gpt_run(argv).records]
 

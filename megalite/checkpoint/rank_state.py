@@ -149,7 +149,7 @@ def restore_rng(reader: CheckpointReader, layout: dict) -> bool:
     """Each rank's RNG streams, when the layout is unchanged (else the seed's streams stand)."""
     saved = reader.metadata["layout"]
     if any(saved.get(k, 1 if k == "cp" else None) != layout.get(k, 1 if k == "cp" else None)
-           for k in ("tp", "cp", "pp", "dp", "vpp", "world")):
+           for k in ("tp", "cp", "pp", "dp", "vpp", "placement", "world")):
         return False
     rng = reader.rng(dist.get_rank())
     if rng is None:

@@ -6,7 +6,7 @@ from megalite.config.rules import check_sections
 from megalite.config.run import RunConfig
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
-from megalite.pipeline.partition import stage_layer_counts
+from megalite.pipeline.partition import V_SCHEDULES, stage_layer_counts
 
 
 def _check_context_parallel(config: RunConfig, world_size: int, model: TransformerConfig) -> None:
@@ -36,6 +36,7 @@ def _check_context_parallel(config: RunConfig, world_size: int, model: Transform
 def _check_batches(config: RunConfig, dp: int) -> None:
     t, p = config.training, config.parallel
     per_step = t.micro_batch_size * dp
+    interleaved = p.vpp and p.vpp > 1 and p.pipeline_schedule not in V_SCHEDULES
     if t.global_batch_size % per_step:
         raise UsageError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                          f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}: use a multiple of {per_step}")
@@ -44,16 +45,17 @@ def _check_batches(config: RunConfig, dp: int) -> None:
         if start % per_step or increment % per_step:
             raise UsageError(f"--rampup-batch-size {start} {increment}: every batch of the ramp must be a multiple of "
                              f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = {per_step}")
-        if p.vpp and p.vpp > 1 and (start // per_step % p.pp or increment // per_step % p.pp):
+        if interleaved and (start // per_step % p.pp or increment // per_step % p.pp):
             raise UsageError(f"--rampup-batch-size with the interleaved schedule (--vpp {p.vpp}): every batch of the "
                              f"ramp must hold a multiple of --pp ({p.pp}) micro-batches")
         if config.local_sgd.local_sgd_interval:
             raise UsageError("--rampup-batch-size with --local-sgd-interval is not supported: drop one")
-    if p.pipeline_schedule == "zb-h1" and config.model.torch_compile:
-        raise UsageError("--pipeline-schedule zb-h1 splits each backward into input- and weight-gradient passes outside "
-                         "compiled graphs, and --torch-compile keeps the weight gradients inside them: drop one")
+    if p.pipeline_schedule in ("zb-h1", "zb-v") and config.model.torch_compile:
+        raise UsageError(f"--pipeline-schedule {p.pipeline_schedule} splits each backward into input- and weight-gradient "
+                         "passes outside compiled graphs, and --torch-compile keeps the weight gradients inside them: "
+                         "drop one")
     micro_batches = t.global_batch_size // per_step
-    if p.vpp and p.vpp > 1 and micro_batches % p.pp:
+    if interleaved and micro_batches % p.pp:
         raise UsageError(
             f"the interleaved schedule (--vpp {p.vpp}) needs the micro-batches per step ({micro_batches} = "
             f"--global-batch-size {t.global_batch_size} / (--micro-batch-size {t.micro_batch_size} x "

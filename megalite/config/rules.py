@@ -12,6 +12,7 @@ from megalite.config.run import ConfigError, RunConfig
 from megalite.config.sections import steps_for_samples
 from megalite.errors import UsageError
 from megalite.models.config import PRESETS, TransformerConfig, preset
+from megalite.pipeline.partition import V_SCHEDULES
 
 DEFAULT_TRAIN_ITERS, DEFAULT_WARMUP_ITERS = 100, 10
 
@@ -50,6 +51,8 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None or not no_warmup_given else DEFAULT_WARMUP_ITERS
     vpp = p.vpp if "parallel.vpp" in given or p.num_layers_per_virtual_pipeline_stage is None else None
     vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp)
+    if p.pipeline_schedule in V_SCHEDULES and p.pp > 1 and vpp is None:  # two chunks per rank, in a V
+        vpp = 2
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")

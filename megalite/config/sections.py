@@ -13,6 +13,18 @@ from megalite.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_IN
 _SEED = (lambda v: 0 <= v < 2 ** 63, "in [0, 2**63)")
 
 
+def pass_costs(costs: str) -> tuple[float, float, float]:
+    """--pipeline-pass-costs '1,1.2,0.9' -> (1.0, 1.2, 0.9): a chunk's F, B and W, relative."""
+    try:
+        values = tuple(float(x) for x in costs.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or not all(v > 0 and math.isfinite(v) for v in values):
+        raise ValueError(f"--pipeline-pass-costs {costs!r} must be three positive numbers F,B,W "
+                         "(a forward's, an input-gradient pass's and a weight-gradient pass's cost), e.g. 1,1.2,0.9")
+    return values
+
+
 def split_weights(split: str) -> list[float]:
     """--split '949,50,1' -> [949, 50, 1] (missing parts 0). Quotes a shell script passed through
     (`'99,1,0'`, as Megatron-LM's Llama example does) and slashes as separators are accepted."""
@@ -39,9 +51,13 @@ class ParallelConfig:
         None, "layers per virtual stage (Megatron-LM's other way to give --vpp: layers / (pp x this))",
         check=POSITIVE_INT)
     pipeline_schedule: str = opt(
-        "1f1b", "the pipeline's order of passes: 1f1b (interleaved when --vpp > 1), interleaved, or zb-h1 (each "
-                "backward split into input- and weight-gradient passes, the latter filling the bubble; "
-                "docs/pipeline.md)", choices=("1f1b", "interleaved", "zb-h1"))
+        "1f1b", "the pipeline's order of passes: 1f1b (interleaved when --vpp > 1), interleaved, zb-h1 (each "
+                "backward split into input- and weight-gradient passes, the latter filling the bubble), or zb-v "
+                "(split too, two chunks per rank in a V: first and last layers on rank 0; sets --vpp 2; "
+                "docs/pipeline.md)", choices=("1f1b", "interleaved", "zb-h1", "zb-v"))
+    pipeline_pass_costs: str = opt(
+        "1,1,1", "F,B,W: the relative costs of a forward, an input-gradient and a weight-gradient pass that "
+                 "zb-v orders its passes for (docs/pipeline.md: read them off --timeline)", metavar="F,B,W")
     pipeline_layers: list[int] | None = opt(
         None, "explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)", metavar="N,N,...")
     sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
@@ -70,6 +86,18 @@ class ParallelConfig:
         if self.pipeline_schedule == "zb-h1" and self.vpp and self.vpp > 1:
             raise ValueError(f"--pipeline-schedule zb-h1 runs one model chunk per rank, but --vpp is {self.vpp}: "
                              "drop --vpp, or use --pipeline-schedule interleaved")
+        pass_costs(self.pipeline_pass_costs)
+        if self.pipeline_schedule == "zb-v":
+            if self.pp == 1:
+                raise ValueError("--pipeline-schedule zb-v places two model chunks per rank in a V over the pipeline: "
+                                 "it needs --pp 2 or more")
+            if self.vpp not in (None, 2):
+                raise ValueError(f"--pipeline-schedule zb-v runs two model chunks per rank, but --vpp is {self.vpp}: "
+                                 "drop --vpp (zb-v sets it to 2)")
+            if self.num_layers_per_virtual_pipeline_stage is not None:
+                raise ValueError("--pipeline-schedule zb-v places two model chunks per rank itself: drop "
+                                 "--num-layers-per-virtual-pipeline-stage (or give --pipeline-layers, one count per "
+                                 "chunk in stage order)")
 
 
 _RECOMPUTE = ("none", "selective", "full")

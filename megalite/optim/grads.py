@@ -9,15 +9,22 @@ import torch.distributed as dist
 from megalite.parallel import state, traffic
 
 
+# `finalize_grads`'s embedding group where the first and last stage are two chunks of one rank (a V).
+SAME_RANK = "same-rank"
+
+
 def finalize_grads(buffers, embedding_group=None) -> None:
     """After a step's last backward: the tied word embedding's gradient summed over the first and
-    last pipeline stage (`embedding_group`, None when one stage holds both), every buffer's
+    last pipeline stage (`embedding_group`; `SAME_RANK` when they are chunks 0 and 1 of this rank;
+    None when one stage holds both), every buffer's
     data-parallel reduction finished, then the sequence-parallel gradients summed over TP. At ZeRO
     stages 0-1 the stages are summed before data parallelism, so that each DP rank reduces the whole
     gradient; at stages 2-3 each backward already reduce-scattered it, and the sums are of this
     rank's shards (the same elements on every stage and TP rank: the layouts are the same)."""
+    if embedding_group == SAME_RANK:
+        _sum_chunk_copies(buffers)
     for buf in buffers:
-        if embedding_group is not None:
+        if embedding_group not in (None, SAME_RANK):
             for grad in buf.deferred_grads():
                 traffic.counted_all_reduce("embedding", grad, embedding_group)
         buf.finish_grad_sync()
@@ -29,6 +36,21 @@ def finalize_grads(buffers, embedding_group=None) -> None:
             kinds.append(_tp_sum_kind(p))
         return partial
     _sum_over_tp([g for buf in buffers for g in buf.grads_of(keep)], kinds)
+
+
+def _sum_chunk_copies(buffers) -> None:
+    """The V's tied copies: chunk 0's deferred gradients (the word embedding) and chunk 1's (the
+    output layer's, multi-token prediction's), pair by pair in the order the all-reduce over two
+    stages would meet them, each set to the sum (a + b: the same bits as that all-reduce)."""
+    first = [g for buf in buffers if buf.chunk_index == 0 for g in buf.deferred_grads()]
+    last = [g for buf in buffers if buf.chunk_index == 1 for g in buf.deferred_grads()]
+    if len(first) != len(last) or any(a.shape != b.shape for a, b in zip(first, last)):
+        raise RuntimeError(f"the tied embedding's copies differ between the V's chunks: "
+                           f"{[tuple(g.shape) for g in first]} and {[tuple(g.shape) for g in last]}")
+    for a, b in zip(first, last):
+        total = a + b
+        a.copy_(total)
+        b.copy_(total)
 
 
 def allreduce_sequence_parallel_grads(params) -> None:

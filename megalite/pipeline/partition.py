@@ -1,5 +1,25 @@
-"""Which layers each pipeline stage (and virtual stage) holds."""
+"""Which layers each pipeline stage (and virtual stage) holds, and which rank holds each virtual stage."""
 from __future__ import annotations
+
+# Schedules that place two model chunks per rank in a V: chunk 0 of rank r is virtual stage r, chunk 1
+# is stage 2p-1-r, so rank 0 holds the first and the last layers and rank p-1 hands its chunk 0's
+# output to its own chunk 1 (Qi et al. 2023, section 6).
+V_SCHEDULES = ("zb-v",)
+
+
+def virtual_stage(p: int, rank: int, chunk: int, v_shape: bool = False) -> int:
+    """The virtual stage that `chunk` of pipeline rank `rank` runs: chunk*p + rank (1F1B and the
+    interleaved schedule), or in a V, rank for chunk 0 and 2p-1-rank for chunk 1."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def stage_rank(p: int, stage: int, v_shape: bool = False) -> int:
+    """The pipeline rank that holds virtual stage `stage` (see `virtual_stage`)."""
+    if v_shape:
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
 
 
 def stage_layer_counts(num_layers: int, pp: int, vpp: int | None = None,

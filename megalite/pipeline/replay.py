@@ -10,7 +10,10 @@ and raises `ScheduleError` on the first wrongly matched message or on a deadlock
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+from megalite.pipeline.partition import stage_rank, virtual_stage
 
 
 class ScheduleError(RuntimeError):
@@ -35,9 +38,11 @@ class Exchange:
     recvs: list[Message]
 
 
-def incoming(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks: int) -> Message | None:
-    """The message a pass of (chunk, micro-batch) on rank r must receive first, if any."""
-    vs = chunk * p + r
+def incoming(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks: int,
+             v_shape: bool = False) -> Message | None:
+    """The message a pass of (chunk, micro-batch) on rank r must receive first, if any (from
+    another rank, or from this rank's other chunk at the tip of a V: see `is_local`)."""
+    vs = virtual_stage(p, r, chunk, v_shape)
     if kind == "F" and vs != 0:
         return Message("F", vs - 1, vs, micro_batch)
     if kind == "B" and vs != p * num_chunks - 1:
@@ -45,9 +50,10 @@ def incoming(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks
     return None
 
 
-def outgoing(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks: int) -> Message | None:
+def outgoing(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks: int,
+             v_shape: bool = False) -> Message | None:
     """The message a pass of (chunk, micro-batch) on rank r produces for another stage, if any."""
-    vs = chunk * p + r
+    vs = virtual_stage(p, r, chunk, v_shape)
     if kind == "F" and vs != p * num_chunks - 1:
         return Message("F", vs, vs + 1, micro_batch)
     if kind == "B" and vs != 0:
@@ -55,10 +61,16 @@ def outgoing(kind: str, chunk: int, micro_batch: int, p: int, r: int, num_chunks
     return None
 
 
-def exchange_plan(program, p: int, r: int, num_chunks: int) -> list[Exchange]:
+def is_local(message: Message, p: int, v_shape: bool = False) -> bool:
+    """Whether both ends of a message are on one rank (the tip of a V): handed over, never sent."""
+    return stage_rank(p, message.src, v_shape) == stage_rank(p, message.dst, v_shape)
+
+
+def exchange_plan(program, p: int, r: int, num_chunks: int, v_shape: bool = False) -> list[Exchange]:
     """Every exchange point of rank r's program: it sends what the passes since the previous one
     produced (in the order produced) and receives what the passes up to the next one need (in the
-    order needed). Sends left after the last exchange point get one of their own."""
+    order needed). Sends left after the last exchange point get one of their own. Messages between
+    two chunks of this rank are not in the plan."""
     plan: list[Exchange] = []
     pending: list[Message] = []
     for i, op in enumerate(program):
@@ -66,20 +78,56 @@ def exchange_plan(program, p: int, r: int, num_chunks: int) -> list[Exchange]:
             plan.append(Exchange(i, pending, []))
             pending = []
             continue
-        need = incoming(op.kind, op.chunk, op.micro_batch, p, r, num_chunks)
-        if need is not None:
+        need = incoming(op.kind, op.chunk, op.micro_batch, p, r, num_chunks, v_shape)
+        if need is not None and not is_local(need, p, v_shape):
             if not plan:
                 raise ScheduleError(f"schedule program receives before any exchange point: {op}")
             plan[-1].recvs.append(need)
-        made = outgoing(op.kind, op.chunk, op.micro_batch, p, r, num_chunks)
-        if made is not None:
+        made = outgoing(op.kind, op.chunk, op.micro_batch, p, r, num_chunks, v_shape)
+        if made is not None and not is_local(made, p, v_shape):
             pending.append(made)
     if pending:
         plan.append(Exchange(len(program), pending, []))
     return plan
 
 
-def check_nccl_order(plans: list[list[Exchange]], p: int) -> int:
+def early_exchange_plans(programs, times, p: int, num_chunks: int, v_shape: bool = False) -> list[list[Exchange]]:
+    """Every rank's exchange plan (`exchange_plan`'s sends), with each receive posted at the first
+    exchange point of the receiver that comes after the sender posts it on an ideal machine
+    (`times[r][i]`: when rank r reaches position i of its program), and no later than the pass
+    that reads it. A program whose passes of two kinds share a pair of ranks in another order on
+    each side (the V's activations and gradients) stays right under NCCL's in-order matching: on
+    each pair the receives are posted in the order of the sends, a receive moving earlier where
+    one sent after it is needed first. Posting early also keeps a sender from waiting on a
+    receive posted only when its pass comes."""
+    plans = [exchange_plan(prog, p, r, num_chunks, v_shape) for r, prog in enumerate(programs)]
+    sent_at = {m: times[r][x.index] for r, plan in enumerate(plans) for x in plan for m in x.sends}
+    order: dict[tuple[int, int], list[Message]] = {}  # (from rank, to rank) -> sends, in posting order
+    for r, plan in enumerate(plans):
+        for x in plan:
+            for m in x.sends:
+                order.setdefault((r, stage_rank(p, m.dst, v_shape)), []).append(m)
+    position = {m: k for msgs in order.values() for k, m in enumerate(msgs)}
+    for r, plan in enumerate(plans):
+        reached = [times[r][x.index] for x in plan]  # non-decreasing: the program runs in order
+        at = {}
+        for last, x in enumerate(plan):  # the point before the pass that reads it, or the first after its send
+            for m in x.recvs:
+                at[m] = min(bisect.bisect_left(reached, sent_at[m]), last)
+        for (src, dst), msgs in order.items():  # sends' order: a message is received no later than one after it
+            if dst != r:
+                continue
+            earliest = len(plan)
+            for m in reversed(msgs):
+                at[m] = earliest = min(at[m], earliest)
+        for x in plan:
+            x.recvs = []
+        for m in sorted(at, key=lambda m: (at[m], stage_rank(p, m.src, v_shape), position[m])):
+            plan[at[m]].recvs.append(m)
+    return plans
+
+
+def check_nccl_order(plans: list[list[Exchange]], p: int, v_shape: bool = False) -> int:
     """Replay every rank's exchange plan (plans[r] for pipeline rank r) with untagged, per-pair FIFO
     matching and blocking batches. Returns the number of messages; raises ScheduleError if a
     receive would get a message meant for another, or if the ranks would wait on each other."""
@@ -96,11 +144,11 @@ def check_nccl_order(plans: list[list[Exchange]], p: int) -> int:
             if waiting[r] is None:  # post the batch, in order: sends, then receives
                 batch, waiting[r] = batches[r][pos[r]], []
                 for msg in batch.sends:
-                    pair = (r, msg.dst % p)
+                    pair = (r, stage_rank(p, msg.dst, v_shape))
                     sent.setdefault(pair, []).append(msg)
                     waiting[r].append(("send", pair, len(sent[pair]) - 1))
                 for msg in batch.recvs:
-                    pair = (msg.src % p, r)
+                    pair = (stage_rank(p, msg.src, v_shape), r)
                     received.setdefault(pair, []).append(msg)
                     waiting[r].append(("recv", pair, len(received[pair]) - 1))
                 progressed = True
@@ -128,9 +176,7 @@ def _matched(waiter, sent, received, rank) -> bool:
 
 
 def check_schedule(p: int, m: int, v: int | None = None, kind: str = "1f1b") -> int:
-    """check_nccl_order for the programs `build_program` gives every rank; returns the messages."""
-    from megalite.pipeline.schedules import build_program
+    """check_nccl_order for the plans `exchange_plans` gives every rank; returns the messages."""
+    from megalite.pipeline.schedules import exchange_plans, is_v_shaped
 
-    num_chunks = v if v and v > 1 else 1
-    plans = [exchange_plan(build_program(p, r, m, v, kind), p, r, num_chunks) for r in range(p)]
-    return check_nccl_order(plans, p)
+    return check_nccl_order(exchange_plans(p, m, v, kind), p, is_v_shaped(kind))

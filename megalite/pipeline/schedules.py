@@ -16,6 +16,7 @@ up to the next one need, in one batch. One executor runs every program:
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -24,7 +25,9 @@ import torch
 
 from megalite.parallel import state, weight_grad
 from megalite.pipeline import p2p
-from megalite.pipeline.replay import Message, exchange_plan, incoming, outgoing
+from megalite.pipeline.partition import V_SCHEDULES, stage_rank, virtual_stage
+from megalite.pipeline.replay import (Message, check_nccl_order, early_exchange_plans, exchange_plan, incoming,
+                                      is_local, outgoing)
 
 ForwardStep = Callable[[torch.nn.Module, dict], torch.Tensor]
 
@@ -118,6 +121,84 @@ def program_zb_h1(p: int, r: int, m: int) -> list[Op]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _v_orders(p: int, m: int, costs: tuple = (1, 1, 1)) -> tuple[tuple[Op, ...], ...]:
+    """Every rank's order of passes for ZB-V, by list scheduling on an ideal machine where a chunk's
+    F, B and W cost `costs`: at each step the pass that can start earliest on any rank runs (ties:
+    F before B before W, the V's second chunk first, the lower rank first), a W runs in the order
+    of its B's, and a rank starts no forward while 2p chunks' activations are held (p micro-batches
+    of a whole stage: 1F1B's first-stage peak; where that would stop every rank, a forward of the
+    second chunk goes past it). At equal costs each rank then idles only p-1 chunk
+    forwards, at the V's start (the last rank's first forward waits for the p-1 before it); every
+    rank has the same work, so no schedule idles less. The order is fixed before the step runs, so
+    costs far from those it was made for leave more idle (docs/pipeline.md)."""
+    placed = [[] for _ in range(p)]
+    clock = [0] * p
+    done: dict[tuple, int] = {}  # (kind, virtual stage, micro-batch) -> finish time
+    forwarded = [[0, 0] for _ in range(p)]  # per rank and chunk: micro-batches forwarded
+    backwarded = [[0, 0] for _ in range(p)]
+    weights_due: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (chunk, mb) B'd, W not yet run
+    live = [0] * p
+    last = 2 * p - 1
+    cost = dict(zip("FBW", costs))
+
+    def earliest(over_cap: bool):
+        """The pass that can start first: (start, kind order, rank), rank, kind, chunk, mb."""
+        best = None
+        for r in range(p):
+            ready = []  # (kind, chunk, mb, time its input is ready)
+            for c in (1, 0):
+                vs, k = virtual_stage(p, r, c, True), backwarded[r][c]
+                if k < forwarded[r][c]:
+                    ready.append(("B", c, k, done.get(("B", vs + 1, k) if vs < last else ("F", vs, k))))
+            for c in (1, 0):
+                vs, k = virtual_stage(p, r, c, True), forwarded[r][c]
+                if k < m and (live[r] < 2 * p or over_cap and c == 1):
+                    ready.append(("F", c, k, done.get(("F", vs - 1, k)) if vs else 0))
+            if weights_due[r]:
+                c, k = weights_due[r][0]
+                ready.append(("W", c, k, done[("B", virtual_stage(p, r, c, True), k)]))
+            for kind, c, k, at in ready:
+                if at is not None:
+                    key = (max(clock[r], at), "FBW".index(kind), r)
+                    if best is None or key < best[0]:
+                        best = (key, r, kind, c, k)
+        return best
+
+    for _ in range(6 * m * p):
+        # At some costs every rank holds 2p chunks while the pass that would free one waits for a
+        # second-chunk forward that the cap holds back: that forward then goes past it.
+        best = earliest(False) or earliest(True)
+        if best is None:
+            raise ValueError(f"no ZB-V order for pp {p}, {m} micro-batches and pass costs {costs}: "
+                             f"try --pipeline-pass-costs 1,1,1")
+        (start, _, _), r, kind, c, k = best
+        clock[r] = start + cost[kind]
+        done[(kind, virtual_stage(p, r, c, True), k)] = clock[r]
+        placed[r].append(Op(kind, c, k))
+        if kind == "F":
+            forwarded[r][c] += 1
+            live[r] += 1
+        elif kind == "B":
+            backwarded[r][c] += 1
+            weights_due[r].append((c, k))
+        else:
+            weights_due[r].pop(0)
+            live[r] -= 1
+    return tuple(tuple(order) for order in placed)
+
+
+def program_zb_v(p: int, r: int, m: int, costs: tuple = (1, 1, 1)) -> list[Op]:
+    """ZB-V (Qi et al. 2023, section 6): two model chunks per rank placed in a V (`V_SCHEDULES`),
+    each backward split into B and W, the passes in the order `_v_orders` gives for a chunk's F, B
+    and W `costs`. An exchange point follows every F and B; the plan of what each receives is
+    `exchange_plans`'."""
+    out = [_x()]
+    for op in _v_orders(p, m, tuple(costs))[r]:
+        out += [op, _x()] if op.kind != "W" else [op]
+    return out
+
+
 def program_forward_only(p: int, r: int, m: int, v: int | None = None) -> list[Op]:
     """Evaluation: every forward in the training order, no backward."""
     v = v or 1
@@ -128,12 +209,32 @@ def program_forward_only(p: int, r: int, m: int, v: int | None = None) -> list[O
     return out
 
 
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # --pipeline-schedule's choices
+def program_forward_only_v(p: int, r: int, m: int) -> list[Op]:
+    """Evaluation in a V: the forwards of ZB-V's program, in its order (so rank p-1 hands each
+    chunk-0 output on to its chunk 1 soon, holding few)."""
+    out = [_x()]
+    for op in _v_orders(p, m)[r]:
+        if op.kind == "F":
+            out += [op, _x()]
+    return out
 
 
-def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b") -> list[Op]:
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # --pipeline-schedule's choices
+
+
+def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b",
+                  costs: tuple = (1, 1, 1)) -> list[Op]:
     """Rank r's program for `kind` ("1f1b"; "interleaved" needs v > 1, which also picks it from
-    "1f1b"; "zb-h1"; "gpipe"; "forward-only") at p stages and m micro-batches."""
+    "1f1b"; "zb-h1"; "zb-v", two chunks per rank in a V, v None or 2, ordered for a chunk's F, B
+    and W `costs`; "gpipe"; "forward-only") at p stages and m micro-batches. A V schedule's
+    forward-only program is `forward_only_kind`'s."""
+    if kind in V_SCHEDULES or kind == "forward-only-v":
+        if p < 2:
+            raise ValueError(f"the {kind} schedule places its two chunks per rank in a V over the pipeline: "
+                             "it needs --pp 2 or more")
+        if v not in (None, 2):
+            raise ValueError(f"the {kind} schedule runs two model chunks per rank, but --vpp is {v}: drop --vpp")
+        return program_zb_v(p, r, m, costs) if kind != "forward-only-v" else program_forward_only_v(p, r, m)
     if kind == "forward-only":
         return program_forward_only(p, r, m, v)
     if p == 1 and kind != "zb-h1":
@@ -148,6 +249,31 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
             raise ValueError("the interleaved schedule needs virtual stages: give --vpp 2 or more")
         return program_interleaved(p, r, m, v)
     return {"1f1b": program_1f1b, "gpipe": program_gpipe}[kind](p, r, m)
+
+
+def forward_only_kind(kind: str) -> str:
+    """The kind of program evaluation runs for a training schedule: the same placement of chunks."""
+    return "forward-only-v" if kind in V_SCHEDULES else "forward-only"
+
+
+def is_v_shaped(kind: str) -> bool:
+    return kind in V_SCHEDULES or kind == "forward-only-v"
+
+
+@functools.lru_cache(maxsize=16)
+def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", costs: tuple = (1, 1, 1)) -> list:
+    """Every rank's exchange plan for `kind` (what `run_schedule` posts at each exchange point and
+    `megalite.pipeline.replay.check_nccl_order` checks): V programs post each receive early, in the
+    order of the sends on its pair of ranks (`early_exchange_plans`), others where it is read."""
+    v_shape = is_v_shaped(kind)
+    chunks = 2 if v_shape else (v if v and v > 1 else 1)
+    programs = [build_program(p, r, m, v, kind, costs) for r in range(p)]
+    if not v_shape:
+        return tuple(tuple(exchange_plan(prog, p, r, chunks)) for r, prog in enumerate(programs))
+    reach = _play(programs, p, v_shape, *costs)[1]
+    plans = early_exchange_plans(programs, reach, p, chunks, v_shape)
+    check_nccl_order(plans, p, v_shape)  # every rank builds the same plans: each checks them once
+    return tuple(tuple(plan) for plan in plans)
 
 
 def peak_in_flight(program: Sequence[Op]) -> int:
@@ -238,13 +364,17 @@ def run_schedule(
     loss_scale: float = 1.0,
     on_last_backward: Callable[[int], None] | None = None,
     free_sent_outputs: bool = True,
+    v_shape: bool = False,
+    plan: Sequence | None = None,
 ) -> ScheduleStats:
     """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
     virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
     global batch's) and multiplied by `loss_scale` before backward, so gradients accumulate to
     those of the (scaled) global mean. `on_last_backward(chunk)` is called just before a chunk's
     last backward of the step (data-parallel reduction may overlap it). Once an activation is
-    sent, its data is freed (`free_sent_outputs`): backward needs only the autograd graph behind it."""
+    sent, its data is freed (`free_sent_outputs`): backward needs only the autograd graph behind it.
+    `v_shape`: the two chunks sit in a V (`V_SCHEDULES`); `plan`: this rank's exchange plan where
+    it is not `exchange_plan`'s (`exchange_plans` gives every rank's)."""
     device = num_tokens.device
     p = state.get_pipeline_model_parallel_world_size()
     r = state.get_pipeline_model_parallel_rank()
@@ -252,12 +382,18 @@ def run_schedule(
     stats = ScheduleStats(loss_sum=torch.zeros((), dtype=torch.float32, device=device))
     rec = _Recorder(stats, record_spans, sync_cuda=record_spans and device.type == "cuda")
 
-    def virtual_stage(chunk):
-        return chunk * p + r
+    def stage_of(chunk):
+        return virtual_stage(p, r, chunk, v_shape)
+
+    def rank_of(stage):
+        return state.get_pipeline_model_parallel_ranks()[stage_rank(p, stage, v_shape)]
 
     # Which messages go out and come in at each exchange point, in posting order: the same plan
     # megalite.pipeline.replay checks against NCCL's untagged, in-order matching.
-    plan = {x.index: x for x in exchange_plan(program, p, r, len(model_chunks))}
+    if plan is None:
+        plan = exchange_plan(program, p, r, len(model_chunks), v_shape)
+    plan = {x.index: x for x in plan}
+    handed: dict[Message, torch.Tensor] = {}  # between this rank's two chunks at the tip of a V
     # A zero-bubble program splits each backward: B (input gradients) and, later, W (weights').
     split = any(op.kind == "W" for op in program)
     # Where each chunk's last gradient work of the step starts: its buckets may reduce from there.
@@ -273,9 +409,8 @@ def run_schedule(
         x = plan.get(i)
         if x is None or not (x.sends or x.recvs):
             return
-        ranks = state.get_pipeline_model_parallel_ranks()
-        sends = [p2p.Send(outbox.pop(m), ranks[m.dst % p], _TAGS[m.kind]) for m in x.sends]
-        recvs = [p2p.Recv(m, ranks[m.src % p], _TAGS[m.kind]) for m in x.recvs]
+        sends = [p2p.Send(outbox.pop(m), rank_of(m.dst), _TAGS[m.kind]) for m in x.sends]
+        recvs = [p2p.Recv(m, rank_of(m.src), _TAGS[m.kind]) for m in x.recvs]
         with rec.span("send/recv", "p2p"):
             # Post this point's batch. A split program waits for it only where a pass reads what it
             # received, so passes that read nothing (W) run while it is on its way; the batch before
@@ -298,7 +433,9 @@ def run_schedule(
             in_flight.pop().wait()
 
     def take(message: Message) -> torch.Tensor:
-        """What a pass receives, once its batch is in."""
+        """What a pass receives, once its batch is in (or from this rank's other chunk)."""
+        if message in handed:
+            return handed.pop(message)
         posted = received.pop(message)
         if posted in in_flight:
             with rec.span("wait for a receive", "p2p"):
@@ -306,15 +443,21 @@ def run_schedule(
             in_flight.remove(posted)
         return posted.buffers[message]
 
+    def produce(message: Message, tensor: torch.Tensor) -> None:
+        if is_local(message, p, v_shape):
+            handed[message] = tensor
+        else:
+            outbox[message] = tensor
+
     with weight_grad.split_ops(split):  # recomputations inside B rebuild the same split ops
         for i, op in enumerate(program):
             if op.kind == "X":
                 exchange_at(i)
                 continue
             key = (op.chunk, op.micro_batch)
-            vs = virtual_stage(op.chunk)
+            vs = stage_of(op.chunk)
             state.set_virtual_pipeline_model_parallel_rank(op.chunk)
-            need = incoming(op.kind, op.chunk, op.micro_batch, p, r, len(model_chunks))
+            need = incoming(op.kind, op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape)
             got = take(need) if need is not None else None
             if op.kind == "F":
                 with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward"):
@@ -332,7 +475,7 @@ def run_schedule(
                         if loss_scale != 1.0:
                             out = out * loss_scale
                     else:
-                        outbox[outgoing("F", op.chunk, op.micro_batch, p, r, len(model_chunks))] = out.detach()
+                        produce(outgoing("F", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), out.detach())
                     if torch.is_grad_enabled():  # forward-only (evaluation) keeps nothing for backward
                         stash[key] = (x, out)
                     stats.peak_in_flight = max(stats.peak_in_flight, len(stash.keys() | weight_work.keys()))
@@ -350,7 +493,7 @@ def run_schedule(
                     else:
                         out.backward(grad)
                     if vs != 0:
-                        outbox[outgoing("B", op.chunk, op.micro_batch, p, r, len(model_chunks))] = x.grad
+                        produce(outgoing("B", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), x.grad)
                     del x, out, grad, got  # spent: free this micro-batch's activations now, not at the next pass
             else:  # "W": the weight gradients this (chunk, micro-batch)'s B left
                 with rec.span(f"W c{op.chunk} mb{op.micro_batch}", "weight-grad"):
@@ -359,9 +502,9 @@ def run_schedule(
                     weight_work.pop(key).run()
     exchange_at(len(program))  # sends after the last exchange point (hand-written programs)
     wait_all()
-    if stash or received or outbox or weight_work:
+    if stash or received or outbox or weight_work or handed:
         raise RuntimeError(f"schedule left work behind: {sorted(stash)} {list(received)} {list(outbox)} "
-                           f"{sorted(weight_work)}")
+                           f"{sorted(weight_work)} {list(handed)}")
     state.set_virtual_pipeline_model_parallel_rank(0 if len(model_chunks) > 1 else None)
     stats.wall_s = time.perf_counter() - start
     return stats
@@ -378,9 +521,15 @@ def bubble_time(kind: str, p: int, m: int, f: float, b: float, w: float, v: int 
     (p-1)(F+B+W) (Narayanan et al. 2021); interleaved (p-1)(F+B+W)/v; ZB-H1 (p-1)(F+B-W) (Qi et
     al. 2023, section 2.1), which holds while W <= min(F, B): a larger W cannot all go into the
     drain, and the stage waits (p-1) max(F, B) for the passes it depends on, so in general
-    (p-1) max(F+B-W, F, B), as the simulator plays it."""
+    (p-1) max(F+B-W, F, B), as the simulator plays it. ZB-V (section 6): (p-1) F/2, the V's start:
+    the last rank's first forward waits for p-1 chunks' forwards (half a stage's each), and as
+    every rank has the same work no schedule idles less; its program reaches this when F, B and W
+    cost the same (the paper's "zero bubble" at T_F = T_B = T_W, where this start is all there is;
+    the simulator plays other costs)."""
     if p == 1:
         return 0.0
+    if kind == "zb-v":
+        return (p - 1) * f / 2
     if kind == "zb-h1":
         return (p - 1) * max(f + b - w, f, b)
     if kind in ("1f1b", "interleaved"):
@@ -409,44 +558,75 @@ def simulate(p: int, m: int, v: int | None = None, kind: str = "1f1b", forward_t
     its backwards runs B + W as one) and return its timeline: one row of cells per rank (digit:
     forward of micro-batch N, lower-case letter: its backward or B, upper-case: its W, '.': idle),
     for documentation and to check the programs against the bubble formulas."""
-    v = v or 1
-    programs = [[op for op in build_program(p, r, m, v if v > 1 else None, kind) if op.kind != "X"]
-                for r in range(p)]
+    costs = (forward_time, backward_time, weight_time)  # a V program is ordered for them
+    programs = [build_program(p, r, m, v if v and v > 1 else None, kind, costs) for r in range(p)]
+    rows, _ = _play(programs, p, is_v_shaped(kind), *costs)
+    end = max(len(row) for row in rows)
+    for row in rows:
+        row += ["."] * (end - len(row))
+    idle_time = [row.count(".") for row in rows]
+    return Timeline(rows, sum(idle_time) / (p * end), end, idle_time)
+
+
+def predicted_idle(p: int, m: int, kind: str, f: float, b: float, w: float, v: int | None = None,
+                   ordered_for: tuple = (1, 1, 1)) -> float:
+    """The idle fraction of a step on the ideal machine at pass costs F, B, W (any positive numbers:
+    measured seconds), a V program ordered for `ordered_for` (as `--pipeline-pass-costs` orders
+    it): the simulator's prediction for a measured run."""
+    programs = [build_program(p, r, m, v, kind, ordered_for) for r in range(p)]
+    _, reach = _play(programs, p, is_v_shaped(kind), f, b, w)
+    end = max(times[-1] for times in reach)
     split = any(op.kind == "W" for prog in programs for op in prog)
-    cost = {"F": forward_time, "B": backward_time if split else backward_time + weight_time, "W": weight_time}
+    cost = {"F": f, "B": b if split else b + w, "W": w, "X": 0}
+    busy = [sum(cost[op.kind] for op in prog) for prog in programs]
+    return sum(end - x for x in busy) / (p * end)
+
+
+def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
+    """Run the programs on the ideal machine: each rank's row of cells (see `simulate`; whole time
+    units only) and the time it reaches each position of its program (and its end)."""
+    chunks = max(op.chunk for prog in programs for op in prog) + 1
+    last = p * chunks - 1
+    split = any(op.kind == "W" for prog in programs for op in prog)
+    cost = {"F": f, "B": b if split else b + w, "W": w}
+    cells = all(isinstance(c, int) for c in (f, b, w))  # rows of cells for whole time units only
     done: dict[tuple, int] = {}  # (kind, virtual stage, micro-batch) -> finish time
     clock, pos = [0] * p, [0] * p
     rows = [[] for _ in range(p)]
+    reach = [[] for _ in range(p)]
     while any(pos[r] < len(programs[r]) for r in range(p)):
         progressed = False
         for r in range(p):
+            while pos[r] < len(programs[r]) and programs[r][pos[r]].kind == "X":
+                reach[r].append(clock[r])
+                pos[r] += 1
             if pos[r] == len(programs[r]):
                 continue
             op = programs[r][pos[r]]
-            vs = op.chunk * p + r
+            vs = virtual_stage(p, r, op.chunk, v_shape)
             if op.kind == "F":
                 dep = ("F", vs - 1, op.micro_batch) if vs > 0 else None
             elif op.kind == "B":
-                dep = ("B", vs + 1, op.micro_batch) if vs < p * v - 1 else ("F", vs, op.micro_batch)
+                dep = ("B", vs + 1, op.micro_batch) if vs < last else ("F", vs, op.micro_batch)
             else:
                 dep = ("B", vs, op.micro_batch)
             if dep is not None and dep not in done:
                 continue
-            start = max(clock[r], done[dep] if dep else 0)
+            begin = max(clock[r], done[dep] if dep else 0)
             letter = "abcdefghij"[op.micro_batch % 10]
             mark = {"F": str(op.micro_batch % 10), "B": letter, "W": letter.upper()}[op.kind]
-            rows[r] += ["."] * (start - clock[r]) + [mark] * cost[op.kind]
-            clock[r] = start + cost[op.kind]
+            if cells:
+                rows[r] += ["."] * (begin - clock[r]) + [mark] * cost[op.kind]
+            reach[r].append(clock[r])
+            clock[r] = begin + cost[op.kind]
             done[(op.kind, vs, op.micro_batch)] = clock[r]
             pos[r] += 1
             progressed = True
-        if not progressed:
+        if not progressed and any(pos[r] < len(programs[r]) for r in range(p)):
             raise RuntimeError("schedule programs deadlock")
-    end = max(clock)
     for r in range(p):
-        rows[r] += ["."] * (end - clock[r])
-    idle_time = [row.count(".") for row in rows]
-    return Timeline(rows, sum(idle_time) / (p * end), end, idle_time)
+        reach[r].append(clock[r])
+    return rows, reach
 
 
 def main() -> None:
@@ -461,7 +641,7 @@ def main() -> None:
     ap.add_argument("--kind", choices=list(SCHEDULES) + ["gpipe"], default="1f1b")
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved)")
+    ap.add_argument("--vpp", type=int, default=None, help="model chunks per rank (interleaved; zb-v has 2)")
     ap.add_argument("--f", type=int, default=1, help="cost of a forward pass (time units)")
     ap.add_argument("--b", type=int, default=1, help="cost of an input-gradient pass B")
     ap.add_argument("--w", type=int, default=1, help="cost of a weight-gradient pass W")
@@ -474,7 +654,7 @@ def main() -> None:
         print(f"stage {r}: {''.join(row)}")
     line = f"bubble {100 * t.idle:.1f}% ({t.idle_time[0]} idle units per stage of {t.step_time})"
     if a.kind != "gpipe":
-        v = a.vpp or 1  # the formulas take a whole stage's passes: v chunks' each
+        v = 2 if a.kind in V_SCHEDULES else a.vpp or 1  # the formulas take a whole stage's passes: v chunks' each
         costs = (a.f * v, a.b * v, a.w * v)
         frac = bubble_fraction(a.kind, a.pp, a.micro_batches, *costs, a.vpp)
         line += f"; formula {100 * frac:.1f}% ({bubble_time(a.kind, a.pp, a.micro_batches, *costs, a.vpp):g})"

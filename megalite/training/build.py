@@ -10,10 +10,10 @@ from megalite import parallel
 from megalite.models import compile_layers
 from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate
 from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
-from megalite.optim.grads import is_expert
+from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
-from megalite.pipeline.partition import layers_of, stage_layer_counts
+from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
 from megalite.training.task import Task
 
@@ -66,12 +66,14 @@ def setup(cfg, world_size: int):
 
 
 def build_model_chunks(task: Task, config, cfg, device) -> list[torch.nn.Module]:
-    """This rank's model chunks: one per virtual stage it runs (chunk c is virtual stage c*pp + r)."""
+    """This rank's model chunks: one per virtual stage it runs (chunk c is virtual stage c*pp + r, or
+    in a V, r then 2pp-1-r: `megalite.pipeline.partition.virtual_stage`)."""
     p, r, v = cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), cfg.parallel.vpp or 1
     counts = stage_layer_counts(config.num_layers, p, cfg.parallel.vpp, cfg.parallel.pipeline_layers)
+    v_shape = cfg.parallel.pipeline_schedule in V_SCHEDULES
     chunks = []
     for c in range(v):
-        vs = c * p + r
+        vs = virtual_stage(p, r, c, v_shape)
         chunks.append(task.build_model(config, cfg, device, pre_process=vs == 0,
                                        post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
         if cfg.model.torch_compile:
@@ -82,10 +84,20 @@ def build_model_chunks(task: Task, config, cfg, device) -> list[torch.nn.Module]
 
 def tied_embedding_group(cfg):
     """The group over which the tied word embedding's gradient is summed: the first and last
-    pipeline stage; None when one stage holds both copies (no pipeline). An untied model marks no
+    pipeline stage; `SAME_RANK` when they are two chunks of each pipeline rank 0 (a V: summed
+    there); None when one stage holds both copies (no pipeline). An untied model marks no
     parameter tied (but for multi-token prediction's copy of the word embedding), so nothing is
     summed over it."""
-    return parallel.get_embedding_group() if cfg.parallel.pp > 1 else None
+    if cfg.parallel.pp == 1:
+        return None
+    return SAME_RANK if cfg.parallel.pipeline_schedule in V_SCHEDULES else parallel.get_embedding_group()
+
+
+def loss_stage_rank(cfg) -> int:
+    """The pipeline rank that holds the last virtual stage, and so the loss: the last rank, or in a V
+    the first."""
+    return stage_rank(cfg.parallel.pp, cfg.parallel.pp * (cfg.parallel.vpp or 1) - 1,
+                      cfg.parallel.pipeline_schedule in V_SCHEDULES)
 
 
 def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOptimizer]:

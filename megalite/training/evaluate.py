@@ -6,8 +6,9 @@ import torch.distributed as dist
 
 from megalite import parallel
 from megalite.parallel import traffic
-from megalite.pipeline.schedules import Op, run_schedule
+from megalite.pipeline.schedules import Op, forward_only_kind, run_schedule
 from megalite.training.batches import global_normalizer, loss_terms, micro_batches
+from megalite.training.build import loss_stage_rank
 from megalite.training.step import TrainStep
 from megalite.training.task import Task
 
@@ -32,7 +33,9 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
         for j in range(cfg.training.eval_iters):
             batches = micro_batches(data, j, cfg, dp, parallel.get_data_parallel_rank(), device)
             n = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
-            stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype)
+            stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype,
+                                 v_shape=step.v_shape,
+                                 plan=step.exchange_plan(forward_only_kind(step.schedule), len(batches)))
             sums[0] += stats.loss_sum
             if task.loss_terms:
                 sums[1:] += loss_terms(task, batches, device)
@@ -40,7 +43,7 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
     if dist.get_world_size(dp_group) > 1:
         dist.all_reduce(sums, group=dp_group)
     if cfg.parallel.pp > 1:
-        dist.broadcast(sums, src=parallel.get_pipeline_model_parallel_ranks()[-1],
+        dist.broadcast(sums, src=parallel.get_pipeline_model_parallel_ranks()[loss_stage_rank(cfg)],
                        group=parallel.get_pipeline_model_parallel_group())
     for c in chunks:
         c.train()

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from megalite import faults, ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.config.sections import global_batch_at
-from megalite.pipeline.schedules import build_program
+from megalite.pipeline.partition import V_SCHEDULES
+from megalite.pipeline.schedules import build_program, forward_only_kind
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
 from megalite.training.batches import global_normalizer, loss_terms, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
@@ -79,6 +80,8 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     buffers, optimizer = build_optimizer(cfg, chunks)
     layout = {"tp": cfg.parallel.tp, "cp": cfg.parallel.cp, "pp": cfg.parallel.pp, "dp": dp, "vpp": cfg.parallel.vpp,
               "world": world_size}
+    if cfg.parallel.pipeline_schedule in V_SCHEDULES:  # which rank holds which chunk: rank files differ
+        layout["placement"] = "v"
     start = resume(cfg, reader, chunks, optimizer, layout)
     local_sgd = build_local_sgd(cfg, optimizer)  # after resume: it starts from the loaded masters
     resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
@@ -94,7 +97,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     step = TrainStep.for_run(cfg, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
     m = step.micro_batches
     eval_program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
-                                 kind="forward-only")
+                                 kind=forward_only_kind(cfg.parallel.pipeline_schedule))
     progress = Progress(cfg, task, config, step.dtype, device, m)
     _announce(cfg, config, world_size, dp, m, device)
     # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds

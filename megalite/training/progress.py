@@ -15,6 +15,7 @@ from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_t
 from megalite.parallel import traffic
 from megalite.pipeline.schedules import bubble_fraction
 from megalite.runtime import TrainingStopped
+from megalite.training.build import loss_stage_rank
 from megalite.training.step import SkippedSteps, StepResult
 
 
@@ -42,7 +43,7 @@ class Progress:
         self.window = LogWindow(device, task.loss_terms, task.perplexity_of,
                                 parallel.get_data_parallel_group(with_context_parallel=True) if sums_over > 1 else None,
                                 parallel.get_pipeline_model_parallel_group() if pp > 1 else None,
-                                parallel.get_pipeline_model_parallel_ranks()[-1])
+                                parallel.get_pipeline_model_parallel_ranks()[loss_stage_rank(cfg)])
         self.skips = SkippedSteps(device)
         self.flops = model_flops_per_iteration(config, cfg.training.global_batch_size, cfg.model.seq_length)
         self.peak = cfg.logging.peak_tflops or default_peak_tflops(dtype, tf32=not cfg.precision.no_tf32)

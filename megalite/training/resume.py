@@ -106,7 +106,7 @@ def say_resumed(start: StartPoint) -> None:
         say(line)
 
 
-_LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "vpp", "world")
+_LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "vpp", "placement", "world")
 
 
 def resume_local_sgd(cfg, reader, local_sgd, optimizer, layout: dict) -> None:
@@ -128,7 +128,7 @@ def resume_local_sgd(cfg, reader, local_sgd, optimizer, layout: dict) -> None:
     if saved_run is None:
         say(f"megalite: {reader.path} holds no local-SGD state: the outer loop starts from its weights")
         return
-    changed = [k for k in _LAYOUT_KEYS if saved.get(k, 1 if k == "cp" else None) != layout.get(k)]
+    changed = [k for k in _LAYOUT_KEYS if saved.get(k, 1 if k == "cp" else None) != layout.get(k, 1 if k == "cp" else None)]
     if changed:
         raise UsageError(f"{reader.path} is a local-SGD checkpoint of layout "
                          f"{ {k: saved.get(k) for k in _LAYOUT_KEYS} }: its replicas' own states resume at that "

@@ -10,10 +10,11 @@ import torch
 
 from megalite import parallel
 from megalite.config import model_dtype
+from megalite.config.sections import pass_costs
 from megalite.models.moe import losses as moe_losses
 from megalite.models.moe.router import update_expert_biases
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
-from megalite.pipeline.schedules import Op, ScheduleStats, build_program, run_schedule
+from megalite.pipeline.schedules import Op, ScheduleStats, build_program, exchange_plans, is_v_shaped, run_schedule
 from megalite.runtime import set_phase
 from megalite.training.build import tied_embedding_group
 
@@ -42,6 +43,7 @@ class TrainStep:
     overlap_grad_reduce: bool = True  # False: every bucket reduced after the last backward
     local_sgd: LocalSGD | None = None  # --local-sgd-interval: the outer loop, after each inner step
     schedule: str = "1f1b"  # --pipeline-schedule (build_program's kind)
+    pass_costs: tuple = (1, 1, 1)  # --pipeline-pass-costs: a chunk's F, B, W, that a V program is ordered for
     params: list[torch.nn.Parameter] = field(init=False)
     programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
 
@@ -55,7 +57,8 @@ class TrainStep:
         if m not in self.programs:
             vpp = len(self.chunks) if len(self.chunks) > 1 else None
             self.programs[m] = build_program(parallel.get_pipeline_model_parallel_world_size(),
-                                             parallel.get_pipeline_model_parallel_rank(), m, vpp, self.schedule)
+                                             parallel.get_pipeline_model_parallel_rank(), m, vpp, self.schedule,
+                                             self.pass_costs)
         self.program = self.programs[m]
 
     @classmethod
@@ -66,13 +69,26 @@ class TrainStep:
         m = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
         seq = cfg.model.seq_length // cfg.parallel.cp  # this rank's share of each sequence
         seq = seq // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq
-        schedule = cfg.parallel.pipeline_schedule
+        schedule, costs = cfg.parallel.pipeline_schedule, pass_costs(cfg.parallel.pipeline_pass_costs)
         program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
-                                schedule)
+                                schedule, costs)
         return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
                    buffers,
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
-                   cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule)
+                   cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs)
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the chunks sit in a V (zb-v): chunk 1 of pipeline rank r is virtual stage 2p-1-r."""
+        return is_v_shaped(self.schedule)
+
+    def exchange_plan(self, kind: str, m: int):
+        """This rank's exchange plan for a `kind` program at m micro-batches where it is not the
+        program's own (V programs post receives early: `exchange_plans`), else None."""
+        if not is_v_shaped(kind):
+            return None
+        return exchange_plans(parallel.get_pipeline_model_parallel_world_size(), m, len(self.chunks),
+                              kind, self.pass_costs)[parallel.get_pipeline_model_parallel_rank()]
 
     @property
     def micro_batches(self) -> int:
@@ -91,7 +107,8 @@ class TrainStep:
         moe_losses.set_batch(self.micro_batches * self.tensor_shape[1] * replicas, self.tensor_shape[1],
                              self.optimizer.loss_scaler.scale)
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
-                             self.tensor_shape, self.dtype, record_spans=record_spans,
+                             self.tensor_shape, self.dtype, record_spans=record_spans, v_shape=self.v_shape,
+                             plan=self.exchange_plan(self.schedule, self.micro_batches),
                              loss_scale=self.optimizer.loss_scaler.scale,
                              on_last_backward=self._enable_sync if self.overlap_grad_reduce else None)
         t = time.perf_counter()

@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from megalite.checkpoint.layout import VOCAB_PARAMS
 from megalite.models import PRESETS, GPTModel, TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
-from megalite.pipeline.partition import layers_of, stage_layer_counts
+from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, virtual_stage
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -51,7 +51,7 @@ class Cluster:
         return self.gpu_memory_gib * GIB
 
 
-SCHEDULES = ("1f1b", "zb-h1")  # the planner's pipeline schedules (interleaving: 1f1b with vpp)
+SCHEDULES = ("1f1b", "zb-h1", "zb-v")  # the planner's pipeline schedules (interleaving: 1f1b with vpp)
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,11 @@ class Layout:
     # Expert layers (parallel folding): ETP x EP x EDP over the TP x CP x DP ranks, ETP fastest.
     ep: int = 1  # expert-parallel size: whole experts per rank
     etp: int | None = None  # expert-tensor-parallel size; None: tp (megalite's --etp default)
-    schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved with vpp) or zb-h1
+    schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved with vpp), zb-h1, or zb-v (vpp 2, in a V)
 
     def __post_init__(self):
+        if self.schedule in V_SCHEDULES and self.vpp is None and self.pp > 1:
+            object.__setattr__(self, "vpp", 2)  # two chunks per rank, placed in a V
         if self.vpp is not None and self.vpp <= 1:
             object.__setattr__(self, "vpp", None)  # one chunk per rank: the plain 1F1B schedule
         if self.zero_stage is None:
@@ -90,11 +92,19 @@ class Layout:
             raise ValueError(f"etp {self.etp} x ep {self.ep} must divide tp x cp x dp = {self.tp * self.cp * self.dp} "
                              f"(the expert layers fold onto those ranks): choose ep x etp among its divisors")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise ValueError(f"the planner models the schedules {', '.join(SCHEDULES)} (not yet {self.schedule!r})")
         if self.schedule == "zb-h1" and self.vpp:
             raise ValueError(f"the zb-h1 schedule runs one model chunk per rank: vpp {self.vpp} is for 1f1b")
+        if self.schedule in V_SCHEDULES and (self.pp == 1 or self.vpp != 2):
+            raise ValueError(f"the {self.schedule} schedule places two chunks per rank in a V: it needs pp > 1 and "
+                             f"vpp 2 (pp {self.pp}, vpp {self.vpp or 1})")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the chunks sit in a V (zb-v): chunk 1 of pipeline rank r is virtual stage 2p-1-r."""
+        return self.schedule in V_SCHEDULES
 
     @property
     def gpus(self) -> int:
@@ -284,15 +294,15 @@ def layer_numels(config: TransformerConfig, tp: int) -> list[int]:
 
 def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
                     seq_length: int, pipeline_layers=None, *, ep: int = 1, etp: int | None = None,
-                    experts: bool | None = None) -> list[list[tuple[int, bool]]]:
+                    experts: bool | None = None, v_shape: bool = False) -> list[list[tuple[int, bool]]]:
     """(numel, deferred) of every parameter one rank holds, per model chunk, in definition order,
     as `megalite.models.GPTModel` builds them. deferred: the tied word embedding when pp > 1,
     which the gradient buffer keeps in a bucket of its own. Expert weights are split over ep x etp
     (etp None: tp); `experts` True keeps only them, False only the rest (megalite gives each its
-    own buffer), None all."""
+    own buffer), None all. v_shape: the chunks sit in a V (zb-v), rank 0 holding the first and last."""
     check_gpt(config)
     chunks = []
-    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
+    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers, v_shape):
         held = [*stage.head, *(x for n in numbers for x in stage.layer_params(config, n)), *stage.tail]
         chunks.append([(x.per_rank(config, tp, ep, etp), pp > 1 and x.tied) for x in held
                        if experts is None or x.expert == experts])
@@ -300,33 +310,33 @@ def rank_parameters(config: TransformerConfig, tp: int, pp: int, vpp: int | None
 
 
 def _rank_stages(config: TransformerConfig, pp: int, vpp: int | None, pp_rank: int, seq_length: int,
-                 pipeline_layers) -> list[tuple[StageParameters, range]]:
+                 pipeline_layers, v_shape: bool = False) -> list[tuple[StageParameters, range]]:
     """(the stage's parameters, its global layer numbers) for each model chunk of pipeline rank `pp_rank`."""
     v = vpp or 1
     counts = stage_layer_counts(config.num_layers, pp, vpp,
                                 list(pipeline_layers) if pipeline_layers is not None else None)
     return [(stage_parameters(config, seq_length, vs == 0, vs == pp * v - 1), layers_of(counts, vs))
-            for vs in (c * pp + pp_rank for c in range(v))]
+            for vs in (virtual_stage(pp, pp_rank, c, v_shape) for c in range(v))]
 
 
 def rank_layer_numbers(config: TransformerConfig, pp: int, vpp: int | None, pp_rank: int,
-                       pipeline_layers=None) -> list[range]:
+                       pipeline_layers=None, v_shape: bool = False) -> list[range]:
     """The global layer numbers of each model chunk of pipeline rank `pp_rank`."""
     counts = stage_layer_counts(config.num_layers, pp, vpp,
                                 list(pipeline_layers) if pipeline_layers is not None else None)
-    return [layers_of(counts, c * pp + pp_rank) for c in range(vpp or 1)]
+    return [layers_of(counts, virtual_stage(pp, pp_rank, c, v_shape)) for c in range(vpp or 1)]
 
 
 def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
                           seq_length: int, pipeline_layers=None, *,
-                          experts: bool | None = None) -> list[list[int | None]]:
+                          experts: bool | None = None, v_shape: bool = False) -> list[list[int | None]]:
     """Aligned with `rank_parameters`: for every parameter the transformer layer (of its chunk, from
     0) that holds it, None for the embeddings, final norm and output layer (ZeRO-3's units)."""
     def kept(params):
         return [x for x in params if experts is None or x.expert == experts]
 
     chunks = []
-    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers):
+    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers, v_shape):
         layers = [i for i, n in enumerate(numbers) for _ in kept(stage.layer_params(config, n))]
         chunks.append([None] * len(kept(stage.head)) + layers + [None] * len(kept(stage.tail)))
     return chunks

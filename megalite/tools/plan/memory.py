@@ -11,6 +11,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.memory import layer_activation_bytes
 from megalite.optim.buffers import BucketLayout, plan_layout
 from megalite.optim.zero import MAX_IN_FLIGHT, layer_units
+from megalite.pipeline.partition import virtual_stage
 from megalite.pipeline.schedules import build_program, peak_in_flight
 from megalite.tools.plan.experts import moe_layer_extra_bytes
 from megalite.tools.plan.inputs import (
@@ -86,7 +87,7 @@ def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp:
                      zero_stage: int | None = None, grad_dtype: str = "fp32", seq_length: int | None = None,
                      ddp_bucket_size: int = 40_000_000, pipeline_layers=None, reshard_after_forward: bool = True,
                      keep_params_for_step: bool = False, ep: int = 1, etp: int | None = None,
-                     edp_rank: int = 0) -> StateBytes:
+                     edp_rank: int = 0, v_shape: bool = False) -> StateBytes:
     """Bytes of parameters, gradients and optimizer states on rank (pp_rank, dp_rank, any tp rank),
     exactly as megalite allocates them at ZeRO stage `zero_stage` (None: 1 with
     `distributed_optimizer`, else 0), plus stages 2-3's transient peak of one step.
@@ -96,18 +97,18 @@ def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp:
     dp is the ranks dense gradients are reduced over (DP x CP). A MoE model's expert weights (split
     over ep x etp, etp None: tp) have buffers of their own, reduced and sharded over the expert-data-
     parallel group, EDP = tp x dp / (ep x etp), where this rank is `edp_rank`; the totals add both.
-    See megalite.optim.buffers / zero / optimizer."""
+    v_shape: the two chunks sit in a V (zb-v). See megalite.optim.buffers / zero / optimizer."""
     stage = _stage(zero_stage, distributed_optimizer)
     seq_length = seq_length or config.max_position_embeddings
     explicit = tuple(pipeline_layers) if pipeline_layers is not None else None
     key = (repr(config), positions(config, seq_length), tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dtype,
-           ddp_bucket_size, explicit, reshard_after_forward, keep_params_for_step, ep, etp, edp_rank)
+           ddp_bucket_size, explicit, reshard_after_forward, keep_params_for_step, ep, etp, edp_rank, v_shape)
     if key not in _STATE_CACHE:  # the search asks for the same rank at many micro-batch sizes
         if len(_STATE_CACHE) > 4096:
             _STATE_CACHE.clear()
         _STATE_CACHE[key] = _rank_state(config, tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dtype,
                                         seq_length, ddp_bucket_size, explicit, reshard_after_forward,
-                                        keep_params_for_step, ep, etp, edp_rank)
+                                        keep_params_for_step, ep, etp, edp_rank, v_shape)
     return copy.copy(_STATE_CACHE[key])
 
 
@@ -115,10 +116,10 @@ _STATE_CACHE: dict = {}
 
 
 def _rank_state(config, tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dtype, seq_length, ddp_bucket_size,
-                explicit, reshard_after_forward, keep_params_for_step, ep, etp, edp_rank) -> StateBytes:
+                explicit, reshard_after_forward, keep_params_for_step, ep, etp, edp_rank, v_shape) -> StateBytes:
     if not config.is_moe:
         return _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_dtype, seq_length,
-                            ddp_bucket_size, explicit, reshard_after_forward, keep_params_for_step)
+                            ddp_bucket_size, explicit, reshard_after_forward, keep_params_for_step, v_shape=v_shape)
     etp = tp if etp is None else etp
     if (tp * dp) % (ep * etp):
         raise ValueError(f"etp {etp} x ep {ep} must divide tp x dp x cp = {tp * dp}: choose ep x etp among its divisors")
@@ -126,8 +127,8 @@ def _rank_state(config, tp, pp, dp, vpp, pp_rank, dp_rank, dtype, stage, grad_dt
     common = (config, tp, pp, vpp, pp_rank)
     rest = (dtype, stage, grad_dtype, seq_length, ddp_bucket_size, explicit, reshard_after_forward,
             keep_params_for_step)
-    dense = _state_bytes(*common, dp, dp_rank, *rest, ep=ep, etp=etp, experts=False)
-    experts = _state_bytes(*common, edp, edp_rank, *rest, ep=ep, etp=etp, experts=True)
+    dense = _state_bytes(*common, dp, dp_rank, *rest, ep=ep, etp=etp, experts=False, v_shape=v_shape)
+    experts = _state_bytes(*common, edp, edp_rank, *rest, ep=ep, etp=etp, experts=True, v_shape=v_shape)
     return _with_experts(dense, experts, edp, dtype)
 
 
@@ -159,11 +160,12 @@ def _build_peak_of_both(dense: StateBytes, experts: StateBytes, dtype: str) -> i
 
 
 def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_dtype, seq_length, ddp_bucket_size,
-                 explicit, reshard_after_forward, keep_params_for_step, ep=1, etp=None, experts=None) -> StateBytes:
+                 explicit, reshard_after_forward, keep_params_for_step, ep=1, etp=None, experts=None,
+                 v_shape=False) -> StateBytes:
     """rank_state_bytes of one buffer per chunk: every parameter (experts None), or the dense ones
     or the expert ones alone, reduced and sharded over `dp` ranks."""
     buckets = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp, stage == 3,
-                            ep, etp, experts)
+                            ep, etp, experts, v_shape)
     pb = DTYPE_BYTES[dtype]
     gb = DTYPE_BYTES[grad_dtype] if stage >= 2 else 4
     reals = [sum(b.real_numel for b in chunk) for chunk in buckets]
@@ -180,12 +182,12 @@ def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_d
     grad_numel = padded // dp if stage >= 2 else padded
     build = _build_peak(stage, dtype, pb, gb, dp, reals, pads, owned, buckets)
     key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, ddp_bucket_size, dp, stage,
-           pb, gb, reshard_after_forward, keep_params_for_step, ep, etp, experts)
+           pb, gb, reshard_after_forward, keep_params_for_step, ep, etp, experts, v_shape)
     if key not in _TRANSIENT_CACHE:  # the search asks for the same rank's replay often
         if len(_TRANSIENT_CACHE) > 4096:
             _TRANSIENT_CACHE.clear()
         _TRANSIENT_CACHE[key] = _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb, buckets,
-                                           reshard_after_forward, keep_params_for_step, ep, etp, experts)
+                                           reshard_after_forward, keep_params_for_step, ep, etp, experts, v_shape)
     replay = _TRANSIENT_CACHE[key]
     return StateBytes(numel=real, padded_numel=padded, owned_numel=owned, params=real * pb,
                       param_buffer=param_numel * pb, grads=grad_numel * gb,
@@ -231,17 +233,19 @@ _TRANSIENT_CACHE: dict = {}
 
 
 def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_numel, dp, units=False, ep=1,
-                  etp=None, experts=None) -> list:
+                  etp=None, experts=None, v_shape=False) -> list:
     """plan_layout of every chunk of one rank (ZeRO-3: its units), cached (the planner asks for the
     same ones often); `experts`: of the expert buffer (True), the dense one (False), or all (None)."""
     key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, bucket_numel, dp, units,
-           ep, etp, experts)
+           ep, etp, experts, v_shape)
     if key not in _BUCKET_CACHE:
         if len(_BUCKET_CACHE) > 4096:
             _BUCKET_CACHE.clear()
-        chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts)
+        chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts,
+                                 v_shape=v_shape)
         if units:
-            layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts)
+            layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts,
+                                           v_shape=v_shape)
             _BUCKET_CACHE[key] = [plan_layout(c, bucket_numel, dp, units=chunk_units(c, ls))
                                   for c, ls in zip(chunks, layers)]
         else:
@@ -353,15 +357,17 @@ class _Peaks:
 
 
 def _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb, buckets, reshard,
-               keep, ep=1, etp=None, experts=None) -> _Peaks:
+               keep, ep=1, etp=None, experts=None, v_shape=False) -> _Peaks:
     """Stages 2-3: the largest transient of one step on this rank. Chunks run one at a time and
     each forward and backward ends with nothing in flight (and, resharding, nothing gathered), so
     the rank's peak is its fullest chunk's; kept gathered (no resharding) they add up."""
     out = _Peaks()
     if stage < 2:
         return out
-    chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts)
-    layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts)
+    chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts,
+                             v_shape=v_shape)
+    layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts,
+                                   v_shape=v_shape)
     v = vpp or 1
     peaks = []
     for c, (params, layer_of, chunk_buckets) in enumerate(zip(chunks, layers, buckets)):
@@ -369,7 +375,7 @@ def _transient(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb, gb
             peaks.append(_Replay(chunk_buckets, stage, pb, gb, False))
             out.layer_buckets.append(set())
             continue
-        post = c * pp + pp_rank == pp * v - 1
+        post = virtual_stage(pp, pp_rank, c, v_shape) == pp * v - 1
         replay = _Replay(chunk_buckets, stage, pb, gb, keep and stage == 3)
         layer_bucket = _replay_step(replay, params, layer_of, post, reshard or stage < 3)
         out.layer_buckets.append(set(layer_bucket))

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from megalite.metrics import model_flops_per_iteration
 from megalite.models.config import TransformerConfig
-from megalite.pipeline.partition import layers_of
+from megalite.pipeline.partition import layers_of, virtual_stage
 from megalite.pipeline.schedules import bubble_fraction
 from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
@@ -105,7 +105,7 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
     for what, n in (("heads", config.num_attention_heads), ("ffn hidden size", config.ffn_hidden_size)):
         if n % t:
             raise ValueError(f"{what} {n} not divisible by tp {t}")
-    if layout.vpp and (p == 1 or m % p):
+    if layout.vpp and (p == 1 or m % p and not layout.v_shape):  # a V takes any m
         raise ValueError(f"vpp {layout.vpp} needs pp > 1 and the micro-batches per step ({m}) a multiple of pp {p}")
     if run.local_sgd_interval and layout.zero_stage:
         raise ValueError(f"local SGD keeps each replica's optimizer whole: ZeRO stage {layout.zero_stage} is refused")
@@ -149,10 +149,11 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     """Memory and per-micro-batch time of pipeline rank r."""
     config, layout, run = costs.config, costs.layout, costs.run
     t, p, v = layout.tp, layout.pp, layout.v
-    chunk_layers = [costs.layer_counts[c * p + r] for c in range(v)]
+    stages = [virtual_stage(p, r, c, layout.v_shape) for c in range(v)]
+    chunk_layers = [costs.layer_counts[vs] for vs in stages]
     n_layers = sum(chunk_layers)
     n_moe = _rank_moe_layers(costs, r)
-    first, last = r == 0, r == p - 1
+    first, last = 0 in stages, p * v - 1 in stages  # in a V rank 0 holds both
     # CP ranks share each sequence's work evenly (causal load balancing)
     head = 3 * costs.logits_fwd + costs.mtp_fwd + costs.mtp_bwd if last else 0.0  # output layer and MTP
     flops_mb = (costs.layers_flops(n_layers, n_moe) + head) / t / layout.cp
@@ -165,7 +166,8 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
                           zero_stage=layout.zero_stage, grad_dtype=run.grad_reduce_dtype, seq_length=run.seq_length,
                           ddp_bucket_size=run.ddp_bucket_size, pipeline_layers=run.pipeline_layers,
                           reshard_after_forward=run.zero_reshard_after_forward,
-                          keep_params_for_step=run.zero_keep_params_for_step, ep=layout.ep, etp=layout.etp)
+                          keep_params_for_step=run.zero_keep_params_for_step, ep=layout.ep, etp=layout.etp,
+                          v_shape=layout.v_shape)
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
@@ -196,8 +198,9 @@ def _rank_moe_layers(costs: LayoutCosts, r: int) -> int:
     """MoE layers held by pipeline rank r (all its chunks)."""
     if not costs.moe_count:
         return 0
-    p = costs.layout.pp
-    return sum(moe_layers(costs.config, layers_of(costs.layer_counts, c * p + r)) for c in range(costs.layout.v))
+    p, v_shape = costs.layout.pp, costs.layout.v_shape
+    return sum(moe_layers(costs.config, layers_of(costs.layer_counts, virtual_stage(p, r, c, v_shape)))
+               for c in range(costs.layout.v))
 
 
 def _extreme_ranks(costs: LayoutCosts) -> list[int]:

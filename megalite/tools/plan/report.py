@@ -113,7 +113,7 @@ def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
         parts += ["--ep", str(lay.ep)]
     if lay.etp != lay.tp:
         parts += ["--etp", str(lay.etp)]
-    if lay.vpp:
+    if lay.vpp and not lay.v_shape:  # zb-v sets its two chunks itself
         parts += ["--vpp", str(lay.vpp)]
     if lay.schedule != "1f1b":
         parts += ["--pipeline-schedule", lay.schedule]
@@ -456,7 +456,8 @@ def _explain_time(pred: Prediction) -> list[str]:
     if p > 1:
         out.append(f"  pp comm      2 x v={v} exchanges of {K.msg / 2 ** 20:.1f} MiB per micro-batch at "
                    f"{K.bw_pp / 1e9:g} GB/s x {m} = {T.pp_comm:.3f} s")
-        rate = f"(p-1)/(3m) = {p - 1}/(3*{m})" if lay.schedule == "zb-h1" else f"(p-1)/(v*m) = {p - 1}/({v}*{m})"
+        rate = {"zb-h1": f"(p-1)/(3m) = {p - 1}/(3*{m})",
+                "zb-v": f"(p-1)/(6m) = {p - 1}/(6*{m})"}.get(lay.schedule, f"(p-1)/(v*m) = {p - 1}/({v}*{m})")
         out.append(f"  bubble       {rate} of the per-micro-batch time "
                    f"({lay.schedule} bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")
     part = pred.dp_parts[pred.dp_stage]

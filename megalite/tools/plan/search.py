@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from megalite.models.config import TransformerConfig
-from megalite.pipeline.partition import stage_layer_counts
+from megalite.pipeline.partition import V_SCHEDULES, stage_layer_counts
 from megalite.tools.plan.inputs import GIB, RECOMPUTE, SCHEDULES, ZERO_STAGES, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.predict import Prediction, predict
 
@@ -76,7 +76,7 @@ class SearchSpace:
     cp: int | None = None  # context-parallel size; None: every valid one
     ep: int | None = None  # MoE models: expert-parallel size; None: every divisor of the experts that fits
     etp: int | None = None  # MoE models: expert-tensor-parallel size; None: 1 and tp
-    schedule: tuple = SCHEDULES  # pipeline schedules (zb-h1 where pp > 1 without vpp)
+    schedule: tuple = SCHEDULES  # pipeline schedules (zb-h1 where pp > 1 without vpp, zb-v with vpp 2)
 
 
 def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
@@ -99,7 +99,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     and etp in (1, tp), with etp x ep dividing tp x cp x dp (a dense model: ep 1). pipeline_layers:
     megalite's --pipeline-layers, one layer count per virtual stage (pp x vpp of them; the layers
     need not divide evenly then), which fixes the pipeline depth. schedule: a pipeline schedule or
-    schedules to try (zb-h1 only where pp > 1 and vpp 1)."""
+    schedules to try (zb-h1 only where pp > 1 and vpp 1, zb-v where pp > 1 and vpp 2: two chunks in a V)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
@@ -251,14 +251,19 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
             continue
         m = B // (d * b)
         for v in vpps:
-            schedules = [x for x in space.schedule if x == "1f1b" or (p > 1 and not v)]
+            # 1f1b (interleaved with vpp), zb-h1 at one chunk per rank, zb-v at two in a V
+            schedules = [x for x in space.schedule if x == "1f1b" or (p > 1 and (v == 2 if x in V_SCHEDULES
+                                                                                  else not v))]
             if not schedules:
-                reject("zb-h1: pp 1 or vpp", f"zb-h1 needs pp > 1 and one chunk per rank (pp {p}, vpp {v or 1})")
+                reject("zb: pp 1 or vpp", f"zb-h1 needs pp > 1 and one chunk per rank, zb-v pp > 1 and two "
+                                          f"(pp {p}, vpp {v or 1})")
                 continue
-            if v and m % p:
+            if v and m % p and "1f1b" in schedules:  # the interleaved schedule's rule; a V has none
                 reject("interleaved: m % pp", f"vpp {v} needs the micro-batches per step ({m}, mb {b} "
                                               f"tp {t} pp {p} dp {d}) to be a multiple of pp {p}")
-                continue
+                schedules.remove("1f1b")
+                if not schedules:
+                    continue
             for rc in space.recompute:
                 for sp in space.sequence_parallel:
                     if sp and t == 1:

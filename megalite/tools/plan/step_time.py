@@ -11,7 +11,7 @@ from megalite.metrics import layer_forward_flops, mtp_forward_flops
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout
 from megalite.parallel.layers import pad_vocab_size
-from megalite.pipeline.partition import layers_of, stage_layer_counts
+from megalite.pipeline.partition import layers_of, stage_layer_counts, virtual_stage
 from megalite.pipeline.schedules import build_program
 from megalite.tools.plan.experts import dispatch_bytes, expert_group_crosses_nodes, moe_layers
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout, Run
@@ -289,7 +289,7 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     p, d, stage = layout.pp, layout.dp_cp, layout.zero_stage
     pb = DTYPE_BYTES[run.dtype]
     out = DataParallelTime()
-    gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp)
+    gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp, layout.schedule)
     per_chunk = [dp_traffic(stage, sum(b.end - b.start for b in chunk), d, costs.micro_batches, pb, state.comm_bytes,
                             run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c])
                  for c, chunk in enumerate(state.buckets)]
@@ -340,7 +340,7 @@ def local_sgd_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataPara
     if d > 1 and not run.local_sgd_async:
         out.outer = per_sync / costs.bw_dp / h
     deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
-    if deferred and layout.pp > 1 and r in (0, layout.pp - 1):
+    if deferred and layout.pp > 1 and r in (0, layout.pp - 1) and not layout.v_shape:
         out.embedding = sum(deferred) * 4 / costs.bw_emb
     out.total = out.outer + out.embedding + out.overlapped
     return out
@@ -349,10 +349,11 @@ def local_sgd_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataPara
 def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
     """One micro-batch's backward of rank r's chunk c (with the output layer's on the last stage)."""
     p, v, t = costs.layout.pp, costs.layout.v, costs.layout.tp
-    layers = costs.layer_counts[c * p + r]
-    n_moe = moe_layers(costs.config, layers_of(costs.layer_counts, c * p + r)) if costs.moe_count else 0
+    vs = virtual_stage(p, r, c, costs.layout.v_shape)
+    layers = costs.layer_counts[vs]
+    n_moe = moe_layers(costs.config, layers_of(costs.layer_counts, vs)) if costs.moe_count else 0
     backward = (layers - n_moe) * costs.bwd + n_moe * costs.moe_bwd
-    post = c * p + r == p * v - 1
+    post = vs == p * v - 1
     return (backward + (2 * costs.logits_fwd + costs.mtp_bwd if post else 0.0)) / t / costs.rate
 
 
@@ -384,9 +385,10 @@ def _bucket_reduction_exposed(costs: LayoutCosts, buckets: list[list[BucketLayou
         out.windows.append((c, end - tb, end, total_c, last_bucket))
     out.overlapped = max(0.0, free) if out.windows else 0.0
     deferred = [b.end - b.start for chunk in buckets for b in chunk if b.deferred]
-    if deferred:
+    if deferred:  # in a V both copies are on rank 0: summed there, no embedding-group traffic
         n = sum(deferred)
-        out.embedding = n * 4 / costs.bw_emb + (n * cb * reduce_factor / costs.bw_dp if d > 1 else 0.0)
+        across = 0.0 if layout.v_shape else n * 4 / costs.bw_emb
+        out.embedding = across + (n * cb * reduce_factor / costs.bw_dp if d > 1 else 0.0)
 
 
 def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: DataParallelTime) -> None:
@@ -416,7 +418,7 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
             out.windows.append((c, -tb, 0.0, dense + experts, last))
             out.overlapped += m * wait
     deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
-    if deferred and p > 1:
+    if deferred and p > 1 and not layout.v_shape:  # a V sums its two copies on rank 0
         out.embedding = sum(deferred) // d * state.grad_bytes / costs.bw_emb
 
 
