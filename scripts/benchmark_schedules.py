@@ -45,8 +45,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchmark_step import device_string, git_state  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-v", "zb-v*")  # zb-v*: ordered for the pass costs measured first
-MEMORY_SCHEDULES = ("1f1b", "zb-h1", "zb-v")
+SCHEDULES = ("1f1b", "zb-h1", "zb-v", "zb-v*", "dualpipev")  # zb-v*: ordered for the pass costs measured first
+MEMORY_SCHEDULES = ("1f1b", "zb-h1", "zb-v", "dualpipev")
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "256",
          "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1024"]
 QUICK = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -18,10 +18,11 @@ def _cases():
             # Below, at and above p; the interleaved schedule needs multiples of p.
             ms = (p, 2 * p, 3 * p) if v else (1, p - 1, p, p + 1, 2 * p + 1)
             kinds = ("1f1b", "forward-only") if v else ("1f1b", "gpipe", "forward-only", "zb-h1", "zb-v",
-                                                         "forward-only-v")
-            for m in sorted(set(ms)):
+                                                         "forward-only-v", "dualpipev")
+            for m in sorted(set(ms) | ({4 * p} if not v else set())):
                 for kind in kinds:
-                    yield p, m, v, kind
+                    if kind != "dualpipev" or m >= 2 * p:  # it needs 2p micro-batches
+                        yield p, m, v, kind
 
 
 def test_every_schedule_matches_each_receive_to_its_send_under_nccl_order():
@@ -30,7 +31,7 @@ def test_every_schedule_matches_each_receive_to_its_send_under_nccl_order():
         messages = check_schedule(p, m, v, kind)
         # Each micro-batch crosses every boundary between consecutive virtual stages once per
         # direction (forward-only: activations only); in a V one boundary is inside rank p-1.
-        boundaries = 2 * p - 2 if kind.endswith("-v") else p * (v or 1) - 1
+        boundaries = 2 * p - 2 if kind.endswith("-v") or kind == "dualpipev" else p * (v or 1) - 1
         assert messages == m * boundaries * (1 if kind.startswith("forward-only") else 2), (p, m, v, kind)
         checked += 1
     assert checked > 300
@@ -104,8 +105,9 @@ def posted_exchanges(rank, world, m, v, kind="1f1b"):
 
 
 @pytest.mark.parametrize("world,m,v,kind", [(2, 4, 2, "1f1b"), (3, 2, 1, "1f1b"), (3, 5, 1, "zb-h1"),
-                                            (3, 7, 2, "zb-v"), (2, 3, 2, "forward-only-v")],
-                         ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "zb-h1-pp3", "zb-v-pp3", "forward-only-v-pp2"])
+                                            (3, 7, 2, "zb-v"), (2, 3, 2, "forward-only-v"), (3, 7, 2, "dualpipev")],
+                         ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "zb-h1-pp3", "zb-v-pp3", "forward-only-v-pp2",
+                              "dualpipev-pp3"])
 def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v, kind):
     for posted, planned in run_ranks(posted_exchanges, world, args=(m, v, kind)):
         assert posted == planned

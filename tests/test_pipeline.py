@@ -117,6 +117,10 @@ def test_programs_run_every_forward_and_backward_once():
      "--pipeline-pass-costs '1,1' must be three positive numbers"),
     (["--pp", "2", "--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
      "zb-v places two model chunks per rank itself: drop --num-layers-per-virtual-pipeline-stage"),
+    (["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
+     "dualpipev needs at least 2 x --pp = 4 micro-batches per step (3 = --global-batch-size 6"),
+    (["--pp", "2", "--pipeline-schedule", "dualpipev", "--torch-compile"], 2,
+     "--pipeline-schedule dualpipev splits each backward"),
 ])
 def test_bad_pipeline_layouts_are_refused_with_one_clear_message(argv, world, message):
     from megalite.arguments import model_config, validate
@@ -208,6 +212,28 @@ def test_zb_v_orders_exist_for_any_pass_costs_and_keep_nccl_order():
                 assert max(peaks) <= 2 * p + 1, (p, m, c, peaks)
     assert exchange_plans(2, 8, None, "zb-v", (1, 2, 0.25))  # the case that stopped every rank
     assert check_schedule(8, 32, None, "zb-v") == 32 * (2 * 8 - 2) * 2
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_dualpipev_idles_the_published_bubble(p):
+    """DualPipeV (DualPipe's README: (PP/2-1)(F&B+B-3W), here with p ranks of two chunks, B a whole
+    backward and the pair F&B run one pass after the other) on every stage at equal costs, for m in
+    {2p, 4p} (it needs m >= 2p; m = p is refused); no more while W <= min(F, B); 2p+1 chunks in flight
+    on every rank (the README's PP+1)."""
+    from megalite.pipeline.schedules import bubble_time, build_program, peak_in_flight, simulate
+
+    for m in (2 * p, 4 * p):
+        for c in (1, 2, 3):
+            t = simulate(p, m, None, "dualpipev", c, c, c)
+            want = (p - 1) * ((c + c + c) + (c + c) - 3 * c)  # a chunk's F&B + B + W - 3W
+            assert t.idle_time == [bubble_time("dualpipev", p, m, 2 * c, 2 * c, 2 * c)] * p == [want] * p, t.rows
+        for f, b, w in COSTS:
+            if w <= min(f, b):
+                assert max(simulate(p, m, None, "dualpipev", f, b, w).idle_time) <= \
+                    bubble_time("dualpipev", p, m, 2 * f, 2 * b, 2 * w), (m, f, b, w)
+        assert [peak_in_flight(build_program(p, r, m, None, "dualpipev")) for r in range(p)] == [2 * p + 1] * p
+    with pytest.raises(ValueError, match="dualpipev schedule needs at least 2 x pp"):
+        build_program(p, 0, 2 * p - 1, None, "dualpipev")
 
 
 def test_zb_v_keeps_1f1bs_activations_on_every_rank():

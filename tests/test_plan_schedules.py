@@ -54,6 +54,17 @@ def test_zb_v_bubble_is_a_sixth_of_1f1bs_and_rank_0_holds_both_ends():
     assert held[0] == [range(0, 3), range(21, 24)] and held[3] == [range(9, 12), range(12, 15)]
 
 
+def test_dualpipev_has_zb_h1s_bubble_with_2p_plus_1_chunks_and_needs_2p_micro_batches():
+    zb_h1, dpv = _predict("zb-h1"), _predict("dualpipev")
+    m = dpv.micro_batches
+    assert dpv.bubble_fraction == pytest.approx(bubble_fraction("dualpipev", 4, m, 1, 1, 1))
+    assert dpv.bubble_fraction == pytest.approx(zb_h1.bubble_fraction)  # (p-1)/(3m+p-1) at equal costs
+    assert [dpv.stages[r].chunks_in_flight for r in (0, 3)] == [9, 9]  # 2p + 1 (the README's PP + 1)
+    few = P.plan(CONFIG, CLUSTER, 4, 2048, pp=4, tp=1, micro_batch_size=1, recompute="none", zero_stage=1,
+                 schedule="dualpipev")  # at most 4 micro-batches, under 2 x pp
+    assert not few.predictions and "dualpipev: m < 2 pp" in few.rejected
+
+
 def test_layouts_refuse_zb_h1_with_interleaving():
     with pytest.raises(ValueError, match="one model chunk per rank"):
         P.Layout(pp=4, vpp=2, schedule="zb-h1")
@@ -65,9 +76,9 @@ def test_layouts_refuse_zb_h1_with_interleaving():
 
 def test_search_tries_both_schedules_and_only_asked_ones():
     every = P.plan(CONFIG, CLUSTER, 64, 2048, pp=4, tp=1, micro_batch_size=1, recompute="none", zero_stage=1)
-    assert {x.layout.schedule for x in every.predictions} == {"1f1b", "zb-h1", "zb-v"}
-    assert all(x.layout.schedule in ("1f1b", "zb-v") for x in every.predictions if x.layout.vpp)
-    assert all(x.layout.vpp == 2 for x in every.predictions if x.layout.schedule == "zb-v")
+    assert {x.layout.schedule for x in every.predictions} == {"1f1b", "zb-h1", "zb-v", "dualpipev"}
+    assert all(x.layout.schedule in ("1f1b", "zb-v", "dualpipev") for x in every.predictions if x.layout.vpp)
+    assert all(x.layout.vpp == 2 for x in every.predictions if x.layout.schedule in ("zb-v", "dualpipev"))
     assert every.best.layout.schedule == "zb-v"
     only = P.plan(CONFIG, CLUSTER, 64, 2048, pp=4, tp=1, micro_batch_size=1, recompute="none", zero_stage=1,
                   schedule="1f1b")

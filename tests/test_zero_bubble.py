@@ -1,4 +1,5 @@
-"""Zero-bubble schedules train exactly like 1F1B: `--pipeline-schedule zb-h1` against `1f1b` on the
+"""Zero-bubble schedules train exactly like 1F1B: `--pipeline-schedule zb-h1` (and zb-v, dualpipev:
+the V placement, at the end of this file) against `1f1b` on the
 same layout gives the same losses and parameters bit for bit (W runs in micro-batch order, so every
 gradient is summed in 1F1B's order), with every parameter's gradient deferred to W in every model
 family, at pp 2 and 4, with TP 2 + SP, DP 2, ZeRO-1/2/3, recompute, tied and untied embeddings,
@@ -104,9 +105,12 @@ def test_zb_h1_trains_bitwise_like_1f1b_with_every_weight_gradient_in_w(results,
         assert zb["w_items"] > 0 and one_f_one_b["w_items"] == 0
 
 
+V_KINDS = ("zb-v", "dualpipev")
+
+
 def _v_against_1f1b(rank, world, cases):
     return [[train_recording_split(rank, world, (entry, argv + ["--pipeline-schedule", kind]), placed=True)
-             for kind in ("1f1b", "zb-v")] for entry, argv in cases]
+             for kind in ("1f1b", *V_KINDS)] for entry, argv in cases]
 
 
 NO_CLIP = ["--clip-grad", "0"]  # the global norm would sum the stages' squares in another grouping
@@ -140,31 +144,33 @@ def v_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("world,index", [(w, i) for w, cases in V_CASES.items() for i in range(len(cases))],
                          ids=[name for cases in V_CASES.values() for name, _, _, _ in cases])
-def test_zb_v_trains_like_1f1b_with_the_chunks_in_a_v(v_results, world, index):
-    """Losses and every parameter (by layout-free name, whichever rank and chunk holds it) as 1F1B's:
-    bitwise without gradient clipping; with it the global norm sums the stages' squares in another
-    grouping (rank 0 holds the first and the last), so within 1e-5 (Adam turns the last bits of a
-    near-zero gradient into a step of up to the learning rate's size)."""
+def test_zb_v_and_dualpipev_train_like_1f1b_with_the_chunks_in_a_v(v_results, world, index):
+    """Losses and every parameter (by layout-free name, whichever rank and chunk holds it) as 1F1B's,
+    for zb-v and dualpipev: bitwise without gradient clipping; with it the global norm sums the
+    stages' squares in another grouping (rank 0 holds the first and the last), so within 1e-5 (Adam
+    turns the last bits of a near-zero gradient into a step of up to the learning rate's size)."""
     bitwise = V_CASES[world][index][3]
-    merged: list[dict] = [{}, {}]
+    merged: list[dict] = [{} for _ in range(1 + len(V_KINDS))]
     for rank, per_case in enumerate(v_results[world]):
-        one_f_one_b, zb = per_case[index]
-        if bitwise:
-            assert zb["losses"] == one_f_one_b["losses"], (rank, zb["losses"], one_f_one_b["losses"])
-            assert zb["evals"] == one_f_one_b["evals"], (rank, zb["evals"], one_f_one_b["evals"])
-        else:
-            assert zb["losses"] == pytest.approx(one_f_one_b["losses"], rel=1e-5, abs=0)
-        assert zb["in_b"] == [], f"rank {rank}: these parameters got their gradient in B, not W: {zb['in_b']}"
-        assert zb["w_items"] > 0
-        assert zb["evals"], "validation (the V's forward-only program) never ran"
-        for i, run in enumerate((one_f_one_b, zb)):
+        one_f_one_b, *v_runs = per_case[index]
+        for kind, zb in zip(V_KINDS, v_runs):
+            if bitwise:
+                assert zb["losses"] == one_f_one_b["losses"], (kind, rank, zb["losses"], one_f_one_b["losses"])
+                assert zb["evals"] == one_f_one_b["evals"], (kind, rank, zb["evals"], one_f_one_b["evals"])
+            else:
+                assert zb["losses"] == pytest.approx(one_f_one_b["losses"], rel=1e-5, abs=0), kind
+            assert zb["in_b"] == [], f"{kind} rank {rank}: these parameters got their gradient in B, not W: {zb['in_b']}"
+            assert zb["w_items"] > 0, kind
+            assert zb["evals"], f"{kind}: validation (the V's forward-only program) never ran"
+        for i, run in enumerate(per_case[index]):
             for key, copies in run["params"].items():
                 merged[i].setdefault(key, []).extend(copies)
-    assert merged[0].keys() == merged[1].keys()
-    for key, copies in merged[0].items():
-        want = copies[0]
-        for got in copies + merged[1][key]:  # DP replicas, tied copies, and zb-v's
-            if bitwise:
-                assert torch.equal(got, want), (key, (got - want).abs().max())
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    for kind, got_run in zip(V_KINDS, merged[1:]):
+        assert merged[0].keys() == got_run.keys(), kind
+        for key, copies in merged[0].items():
+            want = copies[0]
+            for got in copies + got_run[key]:  # DP replicas, tied copies, and the V schedule's
+                if bitwise:
+                    assert torch.equal(got, want), (kind, key, (got - want).abs().max())
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{kind} {key}: {m}")

@@ -50,11 +50,18 @@ def _check_batches(config: RunConfig, dp: int) -> None:
                              f"ramp must hold a multiple of --pp ({p.pp}) micro-batches")
         if config.local_sgd.local_sgd_interval:
             raise UsageError("--rampup-batch-size with --local-sgd-interval is not supported: drop one")
-    if p.pipeline_schedule in ("zb-h1", "zb-v") and config.model.torch_compile:
+        if p.pipeline_schedule == "dualpipev" and start // per_step < 2 * p.pp:
+            raise UsageError(f"--rampup-batch-size {start} with --pipeline-schedule dualpipev: every batch of the ramp "
+                             f"needs at least 2 x --pp = {2 * p.pp} micro-batches (of {per_step} samples)")
+    if p.pipeline_schedule in ("zb-h1", *V_SCHEDULES) and config.model.torch_compile:
         raise UsageError(f"--pipeline-schedule {p.pipeline_schedule} splits each backward into input- and weight-gradient "
                          "passes outside compiled graphs, and --torch-compile keeps the weight gradients inside them: "
                          "drop one")
     micro_batches = t.global_batch_size // per_step
+    if p.pipeline_schedule == "dualpipev" and micro_batches < 2 * p.pp:
+        raise UsageError(f"--pipeline-schedule dualpipev needs at least 2 x --pp = {2 * p.pp} micro-batches per step "
+                         f"({micro_batches} = --global-batch-size {t.global_batch_size} / (--micro-batch-size "
+                         f"{t.micro_batch_size} x data-parallel size {dp})): raise --global-batch-size")
     if interleaved and micro_batches % p.pp:
         raise UsageError(
             f"the interleaved schedule (--vpp {p.vpp}) needs the micro-batches per step ({micro_batches} = "

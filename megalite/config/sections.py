@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from megalite.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, check_numbers, opt
+from megalite.pipeline.partition import V_SCHEDULES
 
 _SEED = (lambda v: 0 <= v < 2 ** 63, "in [0, 2**63)")
 
@@ -53,8 +54,9 @@ class ParallelConfig:
     pipeline_schedule: str = opt(
         "1f1b", "the pipeline's order of passes: 1f1b (interleaved when --vpp > 1), interleaved, zb-h1 (each "
                 "backward split into input- and weight-gradient passes, the latter filling the bubble), or zb-v "
-                "(split too, two chunks per rank in a V: first and last layers on rank 0; sets --vpp 2; "
-                "docs/pipeline.md)", choices=("1f1b", "interleaved", "zb-h1", "zb-v"))
+                "(split too, two chunks per rank in a V: first and last layers on rank 0; sets --vpp 2), or "
+                "dualpipev (that V in DualPipeV's order: forwards paired with backwards; docs/pipeline.md)",
+        choices=("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"))
     pipeline_pass_costs: str = opt(
         "1,1,1", "F,B,W: the relative costs of a forward, an input-gradient and a weight-gradient pass that "
                  "zb-v orders its passes for (docs/pipeline.md: read them off --timeline)", metavar="F,B,W")
@@ -87,15 +89,16 @@ class ParallelConfig:
             raise ValueError(f"--pipeline-schedule zb-h1 runs one model chunk per rank, but --vpp is {self.vpp}: "
                              "drop --vpp, or use --pipeline-schedule interleaved")
         pass_costs(self.pipeline_pass_costs)
-        if self.pipeline_schedule == "zb-v":
+        kind = self.pipeline_schedule
+        if kind in V_SCHEDULES:
             if self.pp == 1:
-                raise ValueError("--pipeline-schedule zb-v places two model chunks per rank in a V over the pipeline: "
-                                 "it needs --pp 2 or more")
+                raise ValueError(f"--pipeline-schedule {kind} places two model chunks per rank in a V over the "
+                                 "pipeline: it needs --pp 2 or more")
             if self.vpp not in (None, 2):
-                raise ValueError(f"--pipeline-schedule zb-v runs two model chunks per rank, but --vpp is {self.vpp}: "
-                                 "drop --vpp (zb-v sets it to 2)")
+                raise ValueError(f"--pipeline-schedule {kind} runs two model chunks per rank, but --vpp is {self.vpp}: "
+                                 f"drop --vpp ({kind} sets it to 2)")
             if self.num_layers_per_virtual_pipeline_stage is not None:
-                raise ValueError("--pipeline-schedule zb-v places two model chunks per rank itself: drop "
+                raise ValueError(f"--pipeline-schedule {kind} places two model chunks per rank itself: drop "
                                  "--num-layers-per-virtual-pipeline-stage (or give --pipeline-layers, one count per "
                                  "chunk in stage order)")
 

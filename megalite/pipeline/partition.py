@@ -4,7 +4,7 @@ from __future__ import annotations
 # Schedules that place two model chunks per rank in a V: chunk 0 of rank r is virtual stage r, chunk 1
 # is stage 2p-1-r, so rank 0 holds the first and the last layers and rank p-1 hands its chunk 0's
 # output to its own chunk 1 (Qi et al. 2023, section 6).
-V_SCHEDULES = ("zb-v",)
+V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 def virtual_stage(p: int, rank: int, chunk: int, v_shape: bool = False) -> int:

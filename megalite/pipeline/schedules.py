@@ -34,7 +34,7 @@ ForwardStep = Callable[[torch.nn.Module, dict], torch.Tensor]
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F", "B" or "X"
+    kind: str  # "F", "B", "W", "X"; "O": the F and the B (with its W) that follow run overlapped
     chunk: int = 0
     micro_batch: int = 0
 
@@ -209,6 +209,78 @@ def program_forward_only(p: int, r: int, m: int, v: int | None = None) -> list[O
     return out
 
 
+def program_dualpipev(p: int, r: int, m: int) -> list[Op]:
+    """DualPipeV (DeepSeek-AI's DualPipe repository, its "cut-in-half" V of DualPipe, DeepSeek-V3
+    report section 3.2.1): the V placement of ZB-V, in DualPipeV's phases. Rank r forwards
+    2(p-r-1) micro-batches through chunk 0, then r+1 through both chunks; runs p-r-1 rounds of
+    chunk 1's B, W and next forward; then the steady state, where each forward is paired with a
+    backward of the other chunk, the pair marked to run overlapped ("O": on a GPU its all-to-alls
+    hide behind the other's compute; this executor runs the pair one after the other); then the
+    drain, whose later B's leave their W's to fill the end. Needs m >= 2p."""
+    if m < 2 * p:
+        raise ValueError(f"the dualpipev schedule needs at least 2 x pp = {2 * p} micro-batches per step (got {m}): "
+                         "raise --global-batch-size")
+    out = [_x()]
+    forwarded, backwarded = [0, 0], [0, 0]
+    deferred: list[tuple[int, int]] = []  # (chunk, mb) whose W waits
+
+    def forward(c, then_exchange=True):
+        out.append(Op("F", c, forwarded[c]))
+        forwarded[c] += 1
+        if then_exchange:
+            out.append(_x())
+
+    def backward(c, defer):
+        k = backwarded[c]
+        backwarded[c] += 1
+        out.append(Op("B", c, k))
+        if defer:
+            deferred.append((c, k))
+        else:
+            out.append(Op("W", c, k))
+        out.append(_x())
+
+    def weight():
+        out.append(Op("W", *deferred.pop(0)))
+
+    def pair(forward_chunk, backward_chunk):
+        out.append(Op("O"))
+        forward(forward_chunk, then_exchange=False)
+        backward(backward_chunk, defer=False)
+
+    for _ in range(2 * (p - r - 1)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0)
+        forward(1)
+    for _ in range(p - r - 1):
+        backward(1, defer=True)
+        weight()
+        forward(1)
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the tip: chunk 1's backward needs the forward just handed over
+            forward(0)
+            backward(1, defer=False)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(p - r - 1):
+        backward(1, defer=False)
+        pair(1, 0)
+    defer, half = False, (r + 1) // 2
+    for i in range(r + 1):  # from the middle on, W's wait for the end (odd ranks one B earlier)
+        defer = defer or (i == half and r % 2 == 1)
+        backward(1, defer)
+        defer = defer or (i == half and r % 2 == 0)
+        backward(0, defer)
+    for _ in range(p - r - 1):
+        weight()
+        backward(0, defer=True)
+    while deferred:
+        weight()
+    return out
+
+
 def program_forward_only_v(p: int, r: int, m: int) -> list[Op]:
     """Evaluation in a V: the forwards of ZB-V's program, in its order (so rank p-1 hands each
     chunk-0 output on to its chunk 1 soon, holding few)."""
@@ -219,7 +291,7 @@ def program_forward_only_v(p: int, r: int, m: int) -> list[Op]:
     return out
 
 
-SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # --pipeline-schedule's choices
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")  # --pipeline-schedule's choices
 
 
 def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b",
@@ -234,6 +306,8 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
                              "it needs --pp 2 or more")
         if v not in (None, 2):
             raise ValueError(f"the {kind} schedule runs two model chunks per rank, but --vpp is {v}: drop --vpp")
+        if kind == "dualpipev":
+            return program_dualpipev(p, r, m)
         return program_zb_v(p, r, m, costs) if kind != "forward-only-v" else program_forward_only_v(p, r, m)
     if kind == "forward-only":
         return program_forward_only(p, r, m, v)
@@ -454,6 +528,8 @@ def run_schedule(
             if op.kind == "X":
                 exchange_at(i)
                 continue
+            if op.kind == "O":  # an overlapped pair: run here one pass after the other
+                continue
             key = (op.chunk, op.micro_batch)
             vs = stage_of(op.chunk)
             state.set_virtual_pipeline_model_parallel_rank(op.chunk)
@@ -525,11 +601,18 @@ def bubble_time(kind: str, p: int, m: int, f: float, b: float, w: float, v: int 
     the last rank's first forward waits for p-1 chunks' forwards (half a stage's each), and as
     every rank has the same work no schedule idles less; its program reaches this when F, B and W
     cost the same (the paper's "zero bubble" at T_F = T_B = T_W, where this start is all there is;
-    the simulator plays other costs)."""
+    the simulator plays other costs). DualPipeV (DualPipe's README): (p-1)(F&B + B' - 3W') in a
+    chunk's costs, B' a whole backward (B + W), W' its weight part, F&B an overlapped forward and
+    backward pair, here one after the other (F + B + W of a chunk): (p-1)(F/2 + B - W/2) of a
+    stage's; the simulator plays it exactly at equal costs (the published case) and idles less
+    while W <= min(F, B)."""
     if p == 1:
         return 0.0
     if kind == "zb-v":
         return (p - 1) * f / 2
+    if kind == "dualpipev":
+        cf, cb, cw = f / 2, b / 2, w / 2  # a chunk's: half a stage's
+        return (p - 1) * ((cf + cb + cw) + (cb + cw) - 3 * cw)
     if kind == "zb-h1":
         return (p - 1) * max(f + b - w, f, b)
     if kind in ("1f1b", "interleaved"):
@@ -577,14 +660,16 @@ def predicted_idle(p: int, m: int, kind: str, f: float, b: float, w: float, v: i
     _, reach = _play(programs, p, is_v_shaped(kind), f, b, w)
     end = max(times[-1] for times in reach)
     split = any(op.kind == "W" for prog in programs for op in prog)
-    cost = {"F": f, "B": b if split else b + w, "W": w, "X": 0}
+    cost = {"F": f, "B": b if split else b + w, "W": w, "X": 0, "O": 0}
     busy = [sum(cost[op.kind] for op in prog) for prog in programs]
     return sum(end - x for x in busy) / (p * end)
 
 
 def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
     """Run the programs on the ideal machine: each rank's row of cells (see `simulate`; whole time
-    units only) and the time it reaches each position of its program (and its end)."""
+    units only) and the time it reaches each position of its program (and its end). An overlapped
+    pair ("O", then an F and a B with its W) starts once both passes' inputs are in and ends
+    together, after F + B + W (DualPipe's F&B, here not overlapped)."""
     chunks = max(op.chunk for prog in programs for op in prog) + 1
     last = p * chunks - 1
     split = any(op.kind == "W" for prog in programs for op in prog)
@@ -594,6 +679,15 @@ def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
     clock, pos = [0] * p, [0] * p
     rows = [[] for _ in range(p)]
     reach = [[] for _ in range(p)]
+
+    def needs(r, op):
+        vs = virtual_stage(p, r, op.chunk, v_shape)
+        if op.kind == "F":
+            return ("F", vs - 1, op.micro_batch) if vs > 0 else None
+        if op.kind == "B":
+            return ("B", vs + 1, op.micro_batch) if vs < last else ("F", vs, op.micro_batch)
+        return ("B", vs, op.micro_batch)
+
     while any(pos[r] < len(programs[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -602,25 +696,30 @@ def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
                 pos[r] += 1
             if pos[r] == len(programs[r]):
                 continue
-            op = programs[r][pos[r]]
-            vs = virtual_stage(p, r, op.chunk, v_shape)
-            if op.kind == "F":
-                dep = ("F", vs - 1, op.micro_batch) if vs > 0 else None
-            elif op.kind == "B":
-                dep = ("B", vs + 1, op.micro_batch) if vs < last else ("F", vs, op.micro_batch)
+            prog = programs[r]
+            if prog[pos[r]].kind == "O":  # the pair: F, B, and the B's W where it follows at once
+                group = prog[pos[r] + 1:pos[r] + 4 if pos[r] + 3 < len(prog) and prog[pos[r] + 3].kind == "W"
+                             else pos[r] + 3]
+                lead = 1
             else:
-                dep = ("B", vs, op.micro_batch)
-            if dep is not None and dep not in done:
+                group, lead = [prog[pos[r]]], 0
+            deps = [needs(r, op) for op in group if op.kind != "W"]
+            if any(d is not None and d not in done for d in deps):
                 continue
-            begin = max(clock[r], done[dep] if dep else 0)
-            letter = "abcdefghij"[op.micro_batch % 10]
-            mark = {"F": str(op.micro_batch % 10), "B": letter, "W": letter.upper()}[op.kind]
+            begin = max([clock[r]] + [done[d] for d in deps if d is not None])
             if cells:
-                rows[r] += ["."] * (begin - clock[r]) + [mark] * cost[op.kind]
-            reach[r].append(clock[r])
-            clock[r] = begin + cost[op.kind]
-            done[(op.kind, vs, op.micro_batch)] = clock[r]
-            pos[r] += 1
+                rows[r] += ["."] * (begin - clock[r])
+            reach[r] += [clock[r]] * lead
+            for op in group:
+                letter = "abcdefghij"[op.micro_batch % 10]
+                mark = {"F": str(op.micro_batch % 10), "B": letter, "W": letter.upper()}[op.kind]
+                if cells:
+                    rows[r] += [mark] * cost[op.kind]
+                reach[r].append(clock[r])
+            clock[r] = begin + sum(cost[op.kind] for op in group)
+            for op in group:
+                done[(op.kind, virtual_stage(p, r, op.chunk, v_shape), op.micro_batch)] = clock[r]
+            pos[r] += lead + len(group)
             progressed = True
         if not progressed and any(pos[r] < len(programs[r]) for r in range(p)):
             raise RuntimeError("schedule programs deadlock")

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", choices=SCHEDULES,
                    help="default: all (zb-h1 where pp > 1 and vpp 1: a third of 1F1B's bubble, p micro-batches "
                         "in flight on every stage; zb-v where pp > 1 and the layers per stage are even: two chunks "
-                        "per rank in a V, a sixth of the bubble)")
+                        "per rank in a V, a sixth of the bubble; dualpipev there too, with at least 2 x pp "
+                        "micro-batches: ZB-H1's bubble, forwards paired with backwards)")
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--recompute", choices=RECOMPUTE)
     g.add_argument("--sequence-parallel", choices=["on", "off"])

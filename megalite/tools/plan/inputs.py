@@ -51,7 +51,7 @@ class Cluster:
         return self.gpu_memory_gib * GIB
 
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-v")  # the planner's pipeline schedules (interleaving: 1f1b with vpp)
+SCHEDULES = ("1f1b", "zb-h1", "zb-v", "dualpipev")  # the planner's pipeline schedules (interleaving: 1f1b with vpp)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Layout:
     # Expert layers (parallel folding): ETP x EP x EDP over the TP x CP x DP ranks, ETP fastest.
     ep: int = 1  # expert-parallel size: whole experts per rank
     etp: int | None = None  # expert-tensor-parallel size; None: tp (megalite's --etp default)
-    schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved with vpp), zb-h1, or zb-v (vpp 2, in a V)
+    schedule: str = "1f1b"  # --pipeline-schedule: 1f1b (interleaved with vpp), zb-h1, zb-v or dualpipev (vpp 2, a V)
 
     def __post_init__(self):
         if self.schedule in V_SCHEDULES and self.vpp is None and self.pp > 1:

@@ -105,6 +105,8 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
     for what, n in (("heads", config.num_attention_heads), ("ffn hidden size", config.ffn_hidden_size)):
         if n % t:
             raise ValueError(f"{what} {n} not divisible by tp {t}")
+    if layout.schedule == "dualpipev" and m < 2 * p:
+        raise ValueError(f"dualpipev needs at least 2 x pp = {2 * p} micro-batches per step, got {m}")
     if layout.vpp and (p == 1 or m % p and not layout.v_shape):  # a V takes any m
         raise ValueError(f"vpp {layout.vpp} needs pp > 1 and the micro-batches per step ({m}) a multiple of pp {p}")
     if run.local_sgd_interval and layout.zero_stage:

@@ -209,8 +209,9 @@ def format_table(preds: list[Prediction]) -> str:
     with_cp = any(x.layout.cp > 1 for x in preds)  # the cp columns only where context parallelism is used
     moe = any(x.config.is_moe for x in preds)  # ep, etp, expert states and the dispatch time for MoE models
     zb = any(x.layout.schedule != "1f1b" for x in preds)  # the schedule column where one is not 1f1b
+    sw = max([5] + [len(x.layout.schedule) for x in preds])
     head = (f"{'#':>2} {'tp':>3} " + (f"{'cp':>3} " if with_cp else "") + f"{'pp':>3} {'dp':>4} "
-            + (f"{'ep':>3} {'etp':>3} " if moe else "") + f"{'vpp':>3} " + (f"{'sched':>5} " if zb else "")
+            + (f"{'ep':>3} {'etp':>3} " if moe else "") + f"{'vpp':>3} " + (f"{'sched':>{sw}} " if zb else "")
             + f"{'mb':>3} "
             f"{'recompute':>9} {'sp':>3} {'zero':>4} | "
             f"{'GiB':>5} {'param':>5} {'grad':>5} {'optim':>5} " + (f"{'exprt':>5} " if moe else "")
@@ -223,7 +224,7 @@ def format_table(preds: list[Prediction]) -> str:
         lines.append(
             f"{i:>2} {L.tp:>3} " + (f"{L.cp:>3} " if with_cp else "") + f"{L.pp:>3} {L.dp:>4} "
             + (f"{L.ep:>3} {L.etp:>3} " if moe else "") + f"{L.vpp or '-':>3} "
-            + (f"{L.schedule:>5} " if zb else "")
+            + (f"{L.schedule:>{sw}} " if zb else "")
             + f"{L.micro_batch_size:>3} {L.recompute:>9} "
             f"{'on' if L.sequence_parallel else '-':>3} {L.zero_stage or '-':>4} | "
             f"{_gib(x.peak_bytes):>5} {_gib(M.parameters):>5} {_gib(M.gradients):>5} "
@@ -342,8 +343,13 @@ def _explain_memory(pred: Prediction) -> list[str]:
         formula = "MLA's terms (megalite.models.memory.mla_activation_bytes_per_layer)"
     elif c.num_query_groups or c.gated_linear_unit or c.qk_layernorm or c.position_embedding_type == "rope":
         formula += " with the Llama family's terms (megalite.models.memory)"
-    sched = ("1 (no pipeline)" if p == 1 else f"min(p - r, m) = {S.chunks_in_flight}" if v == 1 else
-             f"min(v*m, 2(p-1-r) + (v-1)p + 1) = {S.chunks_in_flight} chunks of {S.n_layers // v} layers")
+    chunks = f"{S.chunks_in_flight} chunks of {S.n_layers // v} layers"
+    sched = ("1 (no pipeline)" if p == 1 else
+             f"min(p, m) = {S.chunks_in_flight} (zb-h1)" if lay.schedule == "zb-h1" else
+             f"2 min(p, m) = {chunks} (zb-v)" if lay.schedule == "zb-v" else
+             f"2p + 1 = {chunks} (dualpipev)" if lay.schedule == "dualpipev" else
+             f"min(p - r, m) = {S.chunks_in_flight}" if v == 1 else
+             f"min(v*m, 2(p-1-r) + (v-1)p + 1) = {chunks}")
     out.append(f"  activations  {formula} = {per_layer / 2 ** 20:.1f} MiB per layer and micro-batch "
                f"(s={s} b={b} h={h} a={a} t={t}{sdpa_note})")
     if c.is_moe and lay.recompute != "full":
@@ -456,7 +462,7 @@ def _explain_time(pred: Prediction) -> list[str]:
     if p > 1:
         out.append(f"  pp comm      2 x v={v} exchanges of {K.msg / 2 ** 20:.1f} MiB per micro-batch at "
                    f"{K.bw_pp / 1e9:g} GB/s x {m} = {T.pp_comm:.3f} s")
-        rate = {"zb-h1": f"(p-1)/(3m) = {p - 1}/(3*{m})",
+        rate = {"zb-h1": f"(p-1)/(3m) = {p - 1}/(3*{m})", "dualpipev": f"(p-1)/(3m) = {p - 1}/(3*{m})",
                 "zb-v": f"(p-1)/(6m) = {p - 1}/(6*{m})"}.get(lay.schedule, f"(p-1)/(v*m) = {p - 1}/({v}*{m})")
         out.append(f"  bubble       {rate} of the per-micro-batch time "
                    f"({lay.schedule} bubble {pred.bubble_fraction:.4f}) = {T.bubble:.3f} s")

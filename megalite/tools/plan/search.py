@@ -76,7 +76,7 @@ class SearchSpace:
     cp: int | None = None  # context-parallel size; None: every valid one
     ep: int | None = None  # MoE models: expert-parallel size; None: every divisor of the experts that fits
     etp: int | None = None  # MoE models: expert-tensor-parallel size; None: 1 and tp
-    schedule: tuple = SCHEDULES  # pipeline schedules (zb-h1 where pp > 1 without vpp, zb-v with vpp 2)
+    schedule: tuple = SCHEDULES  # pipeline schedules (zb-h1 where pp > 1 without vpp, zb-v/dualpipev with vpp 2)
 
 
 def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, seq_length: int | None = None, *,
@@ -99,7 +99,8 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     and etp in (1, tp), with etp x ep dividing tp x cp x dp (a dense model: ep 1). pipeline_layers:
     megalite's --pipeline-layers, one layer count per virtual stage (pp x vpp of them; the layers
     need not divide evenly then), which fixes the pipeline depth. schedule: a pipeline schedule or
-    schedules to try (zb-h1 only where pp > 1 and vpp 1, zb-v where pp > 1 and vpp 2: two chunks in a V)."""
+    schedules to try (zb-h1 only where pp > 1 and vpp 1, zb-v and dualpipev where pp > 1 and vpp 2: two
+    chunks in a V; dualpipev with at least 2 x pp micro-batches)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
@@ -262,8 +263,12 @@ def _layouts_of_grid(config: TransformerConfig, t: int, p: int, d: int, run: Run
                 reject("interleaved: m % pp", f"vpp {v} needs the micro-batches per step ({m}, mb {b} "
                                               f"tp {t} pp {p} dp {d}) to be a multiple of pp {p}")
                 schedules.remove("1f1b")
-                if not schedules:
-                    continue
+            if "dualpipev" in schedules and m < 2 * p:
+                reject("dualpipev: m < 2 pp", f"dualpipev needs at least 2 x pp = {2 * p} micro-batches per step "
+                                              f"({m}, mb {b} tp {t} pp {p} dp {d})")
+                schedules.remove("dualpipev")
+            if not schedules:
+                continue
             for rc in space.recompute:
                 for sp in space.sequence_parallel:
                     if sp and t == 1:
