@@ -53,7 +53,7 @@ class ParallelConfig:
         check=POSITIVE_INT)
     pipeline_schedule: str = opt(
         "1f1b", "the pipeline's order of passes: 1f1b (interleaved when --vpp > 1), interleaved, zb-h1 (each "
-                "backward split into input- and weight-gradient passes, the latter filling the bubble), or zb-v "
+                "backward split into input- and weight-gradient passes, the latter filling the bubble), zb-v "
                 "(split too, two chunks per rank in a V: first and last layers on rank 0; sets --vpp 2), or "
                 "dualpipev (that V in DualPipeV's order: forwards paired with backwards; docs/pipeline.md)",
         choices=("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"))
