@@ -58,7 +58,7 @@ class _Counting:
 
 
 def _loss(model, ids):
-    if isinstance(model, BERTModel):  # its masked-LM logits: a tied output layer with a bias, padding masked
+    if isinstance(getattr(model, "_orig_mod", model), BERTModel):  # (compiled or not) its masked-LM logits: a tied output layer with a bias, padding masked
         return model(ids, lm_labels=ids)[0].sum()
     return model(ids, labels=ids).sum()
 
@@ -259,3 +259,42 @@ def test_compiled_code_runs_the_fused_uses_outside_its_graph(name):
     assert worst <= 1e-6
     linears_per_layer = 5 if name == "llama" else 4
     assert calls == 2 * (2 * linears_per_layer + 1) and embedding_calls == 2
+
+
+def _compiled_graphs(rank, world, name):
+    """The model compiled whole, only the word embedding and output layer large enough to fuse: the
+    graphs dynamo makes of one forward, and the gradients against the eager model's."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    parallel.initialize_model_parallel(1)
+    cfg = dict(MODELS[name], ffn_hidden_size=48)  # every layer weight under the embedding's 128 x 32
+    model = (BERTModel if name == "bert" else GPTModel)(_config(**cfg), seed=3, device="cpu").train()
+    grad_accumulation.MIN_FUSED_NUMEL = model.word_embeddings.weight.numel()
+    reference = copy.deepcopy(model)
+    buffer = _buffer(list(model.parameters()))
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(model, backend=counting_backend)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with _Counting() as counting:
+        _loss(compiled, ids).backward()
+        _loss(reference, ids).backward()
+    buffer.finish_grad_sync()
+    worst = max(((p.main_grad - (0 if q.grad is None else q.grad)).abs().max()
+                 / (1e-30 if q.grad is None else q.grad.abs().max().clamp_min(1e-30))).item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+    return len(graphs), counting.calls, counting.embedding_calls, worst
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+def test_a_compiled_model_leaves_its_graph_once_per_fused_use(name):
+    """The lookup and the output layer (BERT: its masked-LM head) run outside the graph from
+    forward's own frame: two graphs (the layers and final norm; the heads and loss), where breaking inside them made dynamo compile every
+    frame between (embed, the embedding module, the fused call) apart."""
+    graphs, calls, embedding_calls, worst = run_ranks(_compiled_graphs, 1, args=(name,))[0]
+    assert graphs == 2
+    assert embedding_calls == 1 and calls == 1  # tied GPT, BERT: the output GEMM; llama: the untied output layer
+    assert worst <= 1e-6

@@ -31,7 +31,7 @@ from megalite.models.mlp import activation_function
 from megalite.models.rng import init_generator, init_replicated
 from megalite.parallel import state, weight_grad
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.grad_accumulation import embedding, linear
+from megalite.parallel.grad_accumulation import embedding, linear, run_eagerly
 from megalite.parallel.mappings import gather_from_sequence_parallel_region
 from megalite.errors import UsageError
 
@@ -158,7 +158,12 @@ class BERTModel(LanguageModelStage):
                 raise ValueError("sop_labels need lm_labels too: losses are returned together")
             if not self.add_binary_head:
                 raise ValueError("sop_labels given to a BERTModel built with add_binary_head=False")
-        x = self.embed(input_ids, token_type_ids) if self.pre_process else self.received_input()
+        if not self.pre_process:
+            x = self.received_input()
+        elif self.embedding_leaves_graph():  # compiled: one graph break, here (see run_eagerly)
+            x = run_eagerly(self.embed, input_ids, token_type_ids)
+        else:
+            x = self.embed(input_ids, token_type_ids)
         # Keys that are padding are masked for every query: [b, 1 (heads), 1 (queries), s (keys)].
         mask = None if padding_mask is None else padding_mask.to(torch.bool)[:, None, None, :]
         x = self.run_layers(x, mask)
@@ -166,7 +171,7 @@ class BERTModel(LanguageModelStage):
             return x
         if self.config.layernorm_position == "pre":
             x = self.final_layernorm(x)
-        logits = self.lm_logits(x)
+        logits = run_eagerly(self.lm_logits, x) if self.output_leaves_graph() else self.lm_logits(x)
         binary = self.binary_logits(x) if self.add_binary_head else None
         if lm_labels is None:
             return logits.transpose(0, 1), binary

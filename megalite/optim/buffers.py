@@ -192,6 +192,7 @@ class ParamAndGradBuffer:
             if p.dtype == self.grad_dtype:
                 p.grad = p.main_grad  # autograd accumulates in place: no copy
                 p.grad_buffer = self  # and linear layers' GEMMs write their weight gradients here
+                p.has_grad_buffer = True
 
     def _allocate_params(self) -> None:
         """The whole parameter buffer (parameters become views of it) and, for a cast-down model,

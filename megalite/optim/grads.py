@@ -28,6 +28,8 @@ def finalize_grads(buffers, embedding_group=None) -> None:
             for grad in buf.deferred_grads():
                 traffic.counted_all_reduce("embedding", grad, embedding_group)
         buf.finish_grad_sync()
+    if state.get_tensor_model_parallel_world_size() == 1:  # nothing is partial over TP
+        return
     kinds: list[str] = []  # grads_of calls keep(p) once for each gradient it returns, in order
 
     def keep(p) -> bool:

@@ -57,6 +57,11 @@ class MegaliteOptimizer:
                         self.pieces.append(_Piece(p, buf, lo, hi, self._master(p, buf, lo, hi, p_lo, p_hi)))
         for buf in buffers:
             buf.drop_fp32_init()  # the masters hold these values now
+        # What each step reads, fixed once the masters exist (a step walks these lists, and asks
+        # nothing of each piece: on a small model the per-piece Python was a visible share of it).
+        self._dense_norm_pieces = [p for p in self.pieces if counts_once(p.param) and not is_expert(p.param)]
+        self._expert_pieces = [p for p in self.pieces if is_expert(p.param)]
+        self._copied_pieces = [p for p in self.pieces if not self._in_place(p)]  # published by a copy
         # Groups by weight decay (none on biases and norms) and, with separate_embedding_lr, the word
         # embedding and output layer apart (their lr is step()'s embedding_lr: --decoupled-lr).
         groups: dict[tuple[float, bool], list] = {}
@@ -127,14 +132,14 @@ class MegaliteOptimizer:
         """Global L2 norm of the (unscaled) gradient: each element counted once over TP, PP, DP, and
         for experts once over the expert grid (ETP x EP x PP) and expert data parallelism."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        sq = self._sum_of_squares([p for p in self.pieces if counts_once(p.param) and not is_expert(p.param)], device)
+        sq = self._sum_of_squares(self._dense_norm_pieces, device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dense = next((b for b in self.buffers if not b.experts), None)
             if self.distributed and dense is not None and dense.dp_size > 1:  # shards over DP (x CP)
                 traffic.counted_all_reduce("metrics", sq, dense.dp_group)
             traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
         if self.moe:  # every rank takes part: a stage of dense layers adds zero
-            expert_sq = self._sum_of_squares([p for p in self.pieces if is_expert(p.param)], device)
+            expert_sq = self._sum_of_squares(self._expert_pieces, device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 experts = next((b for b in self.buffers if b.experts), None)
                 if self.distributed and experts is not None and experts.dp_size > 1:
@@ -161,9 +166,10 @@ class MegaliteOptimizer:
         flag on the host, to adjust the scale: one sync a step, there alone; apex's FusedAdam, which
         has no such input, reads it too."""
         self._attach_grads()
+        grads = [p.master.grad for p in self.pieces]
         scale = self.loss_scaler.scale
         if scale != 1.0:
-            torch._foreach_mul_([p.master.grad for p in self.pieces], 1.0 / scale)
+            torch._foreach_mul_(grads, 1.0 / scale)
         norm = self.grad_norm()
         found_inf = (~torch.isfinite(norm)).float()
         self.last_skipped = None  # known on the host only where it was read
@@ -174,7 +180,7 @@ class MegaliteOptimizer:
             return norm, found_inf
         if clip_grad > 0:
             coeff = (clip_grad / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([p.master.grad for p in self.pieces], coeff)
+            torch._foreach_mul_(grads, coeff)
         for group in self.inner.param_groups:
             group["lr"] = embedding_lr if group.get("embedding_or_output") and embedding_lr is not None else lr
         if self._device_skip:
@@ -192,16 +198,15 @@ class MegaliteOptimizer:
 
     def publish(self) -> None:
         """Write the masters into the parameters (cast) and all-gather the shards."""
-        for piece in self.pieces:
-            if not self._in_place(piece):
-                piece.buffer.param_slice(piece.lo, piece.hi).copy_(piece.master.detach().reshape(-1))
+        for piece in self._copied_pieces:
+            piece.buffer.param_slice(piece.lo, piece.hi).copy_(piece.master.detach().reshape(-1))
         if self.distributed:
             for buf in self.buffers:
                 buf.all_gather_params()
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: fp32 masters that are copies, plus Adam states."""
-        total = sum(p.master.numel() * 4 for p in self.pieces if not self._in_place(p))
+        total = sum(p.master.numel() * 4 for p in self._copied_pieces)
         for st in self.inner.state.values():
             total += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
         return total

@@ -40,7 +40,9 @@ MIN_FUSED_NUMEL = 1 << 20
 def _may_fuse(weight: torch.Tensor) -> bool:
     """What can be known when a graph is traced: the weight has a buffer that takes its gradient,
     needs one now, and is large enough to pay for the fused backward's Python."""
-    return (getattr(weight, "grad_buffer", None) is not None and torch.is_grad_enabled() and weight.requires_grad
+    # A bool, not the buffer: a traced graph guards on its value alone (the buffer object would add
+    # identity and aliasing guards, checked in Python on every call of the compiled code).
+    return (getattr(weight, "has_grad_buffer", False) and torch.is_grad_enabled() and weight.requires_grad
             and weight.numel() >= MIN_FUSED_NUMEL)
 
 
@@ -61,6 +63,22 @@ def _linear_outside_the_graph(x, weight, bias, tied):
 @torch.compiler.disable
 def _embedding_outside_the_graph(ids, weight, tied):
     return embedding(ids, weight, True, tied)
+
+
+def leaves_the_graph(weight: torch.Tensor) -> bool:
+    """Under torch.compile: whether the uses of `weight` that fuse its gradient (`linear`,
+    `embedding` with `into_main_grad`) run outside the graph being traced."""
+    return torch.compiler.is_compiling() and _may_fuse(weight)
+
+
+@torch.compiler.disable
+def run_eagerly(fn, *args, **kwargs):
+    """fn(*args, **kwargs) outside the graph being compiled. A model's forward calls its embedding
+    or output layer through this where `leaves_the_graph`: the fused use inside would leave the graph
+    anyway, and leaving it here breaks forward's own frame once, instead of each frame between
+    (every one of which dynamo would compile and guard apart: nine entries a step, not three,
+    for a compiled GPT whose word embedding fuses)."""
+    return fn(*args, **kwargs)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

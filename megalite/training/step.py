@@ -12,7 +12,7 @@ from megalite import parallel
 from megalite.config import model_dtype
 from megalite.config.sections import pass_costs
 from megalite.models.moe import losses as moe_losses
-from megalite.models.moe.router import update_expert_biases
+from megalite.models.moe.router import expert_bias_routers, update_expert_biases
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
 from megalite.pipeline.schedules import Op, ScheduleStats, build_program, exchange_plans, is_v_shaped, run_schedule
 from megalite.runtime import set_phase
@@ -46,9 +46,11 @@ class TrainStep:
     pass_costs: tuple = (1, 1, 1)  # --pipeline-pass-costs: a chunk's F, B, W, that a V program is ordered for
     params: list[torch.nn.Parameter] = field(init=False)
     programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
+    routers: list = field(init=False)  # the routers balanced by an expert bias after each step
 
     def __post_init__(self):
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
+        self.routers = expert_bias_routers(self.chunks)
         self.programs = {self.micro_batches: self.program}
 
     def use_micro_batches(self, m: int) -> None:
@@ -127,7 +129,7 @@ class TrainStep:
         set_phase(f"{label}: the optimizer step")
         grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad, embedding_lr)
         self.optimizer.zero_grad()
-        update_expert_biases(self.chunks, found_inf)
+        update_expert_biases(self.routers, found_inf)
         if self.local_sgd is not None:
             set_phase(f"{label}: the local-SGD outer step")
             self.local_sgd.after_inner_step()

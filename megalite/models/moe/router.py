@@ -95,13 +95,18 @@ class TopKRouter(nn.Module):
         return weights, indices, scores, logits
 
 
-def update_expert_biases(chunks, skipped: torch.Tensor | None = None) -> None:
+def expert_bias_routers(chunks) -> list[TopKRouter]:
+    """The routers of these model chunks that balance by an expert bias (found once: a step does not
+    walk every module)."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
+
+
+def update_expert_biases(routers: list[TopKRouter], skipped: torch.Tensor | None = None) -> None:
     """Aux-loss-free balancing, once per optimizer step: each router's expert bias moves by the update
     rate towards balance, bias_e += rate * sign(mean load - load_e), from the whole global batch's
     counts (summed over the stage's TP x CP x DP ranks, every micro-batch). A step skipped for
-    inf/NaN gradients (`skipped` 1.0) moves nothing. A stage without such routers does nothing."""
-    routers = [m for chunk in chunks for m in chunk.modules()
-               if isinstance(m, TopKRouter) and m.expert_bias is not None]
+    inf/NaN gradients (`skipped` 1.0) moves nothing. `routers`: `expert_bias_routers(chunks)`; a
+    stage without such routers does nothing."""
     if not routers:
         return
     counts = torch.stack([r.tokens_per_expert for r in routers])
