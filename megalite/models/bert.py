@@ -137,11 +137,10 @@ class BERTModel(LanguageModelStage):
             x = self.embedding_layernorm(x)
         return self.embedding_dropout(x)
 
-    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp], padding at -inf."""
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [s, b, h] -> the masked-LM head's hidden states (dense, activation, norm)."""
         dense = linear(x, self.lm_dense.weight, self.lm_dense.bias)  # (W deferrable, like every weight)
-        x = self.lm_layernorm(activation_function(self.config)(dense))
-        return self.output_logits(x, self.lm_bias)
+        return self.lm_layernorm(activation_function(self.config)(dense))
 
     def binary_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [s, b, h] -> [b, 2] from the first token, pooled by dense + tanh."""
@@ -171,7 +170,9 @@ class BERTModel(LanguageModelStage):
             return x
         if self.config.layernorm_position == "pre":
             x = self.final_layernorm(x)
-        logits = run_eagerly(self.lm_logits, x) if self.output_leaves_graph() else self.lm_logits(x)
+        head = self.lm_head(x)  # compiled with the layers; only the output GEMM may leave the graph
+        logits = (run_eagerly(self.output_logits, head, self.lm_bias) if self.output_leaves_graph()
+                  else self.output_logits(head, self.lm_bias))
         binary = self.binary_logits(x) if self.add_binary_head else None
         if lm_labels is None:
             return logits.transpose(0, 1), binary
