@@ -58,7 +58,8 @@ class _Counting:
 
 
 def _loss(model, ids):
-    if isinstance(getattr(model, "_orig_mod", model), BERTModel):  # (compiled or not) its masked-LM logits: a tied output layer with a bias, padding masked
+    # BERT (compiled or not): its masked-LM logits, a tied output layer with a bias, padding masked.
+    if isinstance(getattr(model, "_orig_mod", model), BERTModel):
         return model(ids, lm_labels=ids)[0].sum()
     return model(ids, labels=ids).sum()
 
@@ -291,9 +292,9 @@ def _compiled_graphs(rank, world, name):
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
 def test_a_compiled_model_leaves_its_graph_once_per_fused_use(name):
-    """The lookup and the output layer (BERT: its masked-LM head) run outside the graph from
-    forward's own frame: two graphs (the layers and final norm; the heads and loss), where breaking inside them made dynamo compile every
-    frame between (embed, the embedding module, the fused call) apart."""
+    """The lookup and the output GEMM run outside the graph from forward's own frame: two graphs
+    (the layers, final norm and BERT's head; the loss), where breaking inside them made dynamo
+    compile every frame between (embed, the embedding module, the fused call) apart: 5 for GPT."""
     graphs, calls, embedding_calls, worst = run_ranks(_compiled_graphs, 1, args=(name,))[0]
     assert graphs == 2
     assert embedding_calls == 1 and calls == 1  # tied GPT, BERT: the output GEMM; llama: the untied output layer

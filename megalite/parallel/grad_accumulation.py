@@ -76,8 +76,8 @@ def run_eagerly(fn, *args, **kwargs):
     """fn(*args, **kwargs) outside the graph being compiled. A model's forward calls its embedding
     or output layer through this where `leaves_the_graph`: the fused use inside would leave the graph
     anyway, and leaving it here breaks forward's own frame once, instead of each frame between
-    (every one of which dynamo would compile and guard apart: nine entries a step, not three,
-    for a compiled GPT whose word embedding fuses)."""
+    (every one of which dynamo would compile and guard apart: nine guarded entries a forward, not
+    three, for a compiled GPT whose word embedding fuses)."""
     return fn(*args, **kwargs)
 
 
