@@ -31,7 +31,7 @@ from megalite.models.mlp import activation_function
 from megalite.models.rng import init_generator, init_replicated
 from megalite.parallel import state, weight_grad
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.grad_accumulation import embedding, linear, run_eagerly
+from megalite.parallel.grad_accumulation import embedding, linear
 from megalite.parallel.mappings import gather_from_sequence_parallel_region
 from megalite.errors import UsageError
 
@@ -137,10 +137,11 @@ class BERTModel(LanguageModelStage):
             x = self.embedding_layernorm(x)
         return self.embedding_dropout(x)
 
-    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [s, b, h] -> the masked-LM head's hidden states (dense, activation, norm)."""
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp], padding at -inf."""
         dense = linear(x, self.lm_dense.weight, self.lm_dense.bias)  # (W deferrable, like every weight)
-        return self.lm_layernorm(activation_function(self.config)(dense))
+        x = self.lm_layernorm(activation_function(self.config)(dense))
+        return self.output_logits(x, self.lm_bias)
 
     def binary_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [s, b, h] -> [b, 2] from the first token, pooled by dense + tanh."""
@@ -157,12 +158,7 @@ class BERTModel(LanguageModelStage):
                 raise ValueError("sop_labels need lm_labels too: losses are returned together")
             if not self.add_binary_head:
                 raise ValueError("sop_labels given to a BERTModel built with add_binary_head=False")
-        if not self.pre_process:
-            x = self.received_input()
-        elif self.embedding_leaves_graph():  # compiled: one graph break, here (see run_eagerly)
-            x = run_eagerly(self.embed, input_ids, token_type_ids)
-        else:
-            x = self.embed(input_ids, token_type_ids)
+        x = self.embed(input_ids, token_type_ids) if self.pre_process else self.received_input()
         # Keys that are padding are masked for every query: [b, 1 (heads), 1 (queries), s (keys)].
         mask = None if padding_mask is None else padding_mask.to(torch.bool)[:, None, None, :]
         x = self.run_layers(x, mask)
@@ -170,9 +166,7 @@ class BERTModel(LanguageModelStage):
             return x
         if self.config.layernorm_position == "pre":
             x = self.final_layernorm(x)
-        head = self.lm_head(x)  # compiled with the layers; only the output GEMM may leave the graph
-        logits = (run_eagerly(self.output_logits, head, self.lm_bias) if self.output_leaves_graph()
-                  else self.output_logits(head, self.lm_bias))
+        logits = self.lm_logits(x)
         binary = self.binary_logits(x) if self.add_binary_head else None
         if lm_labels is None:
             return logits.transpose(0, 1), binary

@@ -15,7 +15,6 @@ from megalite.models.mtp import MTPModule
 from megalite.parallel import state
 from megalite.parallel.context_parallel import context_parallel_positions
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.parallel.grad_accumulation import run_eagerly
 
 
 class GPTModel(LanguageModelStage):
@@ -76,12 +75,7 @@ class GPTModel(LanguageModelStage):
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None, loss_mask=None,
                 mtp_labels=None, mtp_loss_mask=None):
-        if not self.pre_process:
-            x = self.received_input()
-        elif self.embedding_leaves_graph():  # compiled: one graph break, here (see run_eagerly)
-            x = run_eagerly(self.embed, input_ids, position_ids)
-        else:
-            x = self.embed(input_ids, position_ids)
+        x = self.embed(input_ids, position_ids) if self.pre_process else self.received_input()
         if attention_mask is not None:
             s = attention_mask.shape[-1]
             causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
@@ -90,7 +84,7 @@ class GPTModel(LanguageModelStage):
         if not self.post_process:
             return x
         hidden = self.final_layernorm(x)
-        logits = run_eagerly(self.output_logits, hidden) if self.output_leaves_graph() else self.output_logits(hidden)
+        logits = self.output_logits(hidden)
         if labels is None:
             return logits.transpose(0, 1)
         per_token = vocab_parallel_cross_entropy(logits, labels.t()).t()
@@ -103,11 +97,7 @@ class GPTModel(LanguageModelStage):
                                  "loss_mask (megalite.models.mtp.with_mtp_targets makes them from the batch)")
             for k, module in enumerate(self.mtp, 1):  # depth k reads t_{i+k} and predicts t_{i+k+1}
                 shifted = labels if k == 1 else mtp_labels[..., k - 2]
-                embedded = (run_eagerly(self.embed_shifted, shifted, position_ids) if self.embedding_leaves_graph()
-                            else self.embed_shifted(shifted, position_ids))
-                hidden = module(hidden, embedded, attention_mask)
-                logits = (run_eagerly(self.output_logits, hidden) if self.output_leaves_graph()
-                          else self.output_logits(hidden))
-                per_token = vocab_parallel_cross_entropy(logits, mtp_labels[..., k - 1].t()).t()
+                hidden = module(hidden, self.embed_shifted(shifted, position_ids), attention_mask)
+                per_token = vocab_parallel_cross_entropy(self.output_logits(hidden), mtp_labels[..., k - 1].t()).t()
                 sums.append((per_token * mtp_loss_mask[..., k - 1]).sum())
         return torch.stack(sums)

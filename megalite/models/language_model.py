@@ -14,7 +14,7 @@ from megalite.models.norms import norm_layer
 from megalite.models.rng import OUTPUT_LAYER_COMPONENT, WORD_EMBEDDING_COMPONENT, hidden_dropout, init_generator
 from megalite.models.transformer import TransformerLayer, run_layers
 from megalite.parallel import state
-from megalite.parallel.grad_accumulation import leaves_the_graph, linear
+from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import VocabParallelEmbedding, default_device, normal_init, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -123,18 +123,6 @@ class LanguageModelStage(nn.Module):
 
     def run_layers(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return run_layers(self.layers, x, attention_mask, self.config, self.training)
-
-    def embedding_leaves_graph(self) -> bool:
-        """Under torch.compile: whether the word embedding's lookup runs outside the graph (its
-        gradient fuses); forward then embeds through `run_eagerly`."""
-        e = self.word_embeddings
-        return e.fuse_weight_grad and leaves_the_graph(e.weight)
-
-    def output_leaves_graph(self) -> bool:
-        """Under torch.compile: whether the output layer's GEMM runs outside the graph (its weight's
-        gradient fuses); forward then calls `output_logits` through `run_eagerly`."""
-        untied = self.config.untie_embeddings_and_output_weights
-        return leaves_the_graph((self.output_layer if untied else self.word_embeddings).weight)
 
     def output_logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """[s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp] through the output layer or the

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megalite.optim.host_pages import zeros_flat
 from megalite.parallel import traffic, weight_grad
-from megalite.parallel.grad_accumulation import add_row_sums
+from megalite.parallel.grad_accumulation import add_row_sums, key_parameter
 # Module attributes, so that tests can count the bytes sent by wrapping them (megalite counts them
 # itself too, in megalite.parallel.traffic).
 from megalite.parallel.mappings import all_gather_single as _all_gather_single
@@ -193,6 +193,7 @@ class ParamAndGradBuffer:
                 p.grad = p.main_grad  # autograd accumulates in place: no copy
                 p.grad_buffer = self  # and linear layers' GEMMs write their weight gradients here
                 p.has_grad_buffer = True
+                key_parameter(p)  # (compiled code reaches the buffer by this key)
 
     def _allocate_params(self) -> None:
         """The whole parameter buffer (parameters become views of it) and, for a cast-down model,

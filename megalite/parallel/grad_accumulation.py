@@ -10,12 +10,20 @@ It applies to a weight whose buffer opted in (`ParamAndGradBuffer`: same dtype a
 not ZeRO-2/3, which reduce separate gradients) where the caller asks (`linear(...,
 into_main_grad=True)`). The backward returns no weight gradient, and autograd still runs the
 weight's post-accumulate hook once every use of it is back, so the buffer's bucket readiness is
-what it was. Without a buffer `linear` is F.linear. Under torch.compile a use whose weight fuses
-leaves the graph (torch.compiler.disable) and runs fused, eagerly: the element-wise work between
-the GEMMs still compiles, and the weight's gradient is not copied into the buffer afterwards (on a
-CPU a compiled 124M Llama stepped about 5% faster so than with the GEMMs in the graph).
-`embedding` does the same for an untied word embedding: its rows' gradients are added into the
-buffer (index_add_, as autograd's embedding backward sums them) instead of into a zeroed table.
+what it was. Without a buffer `linear` is F.linear. `embedding` does the same for an untied word
+embedding: its rows' gradients are added into the buffer (index_add_, as autograd's embedding
+backward sums them) instead of into a zeroed table.
+
+Under torch.compile a use whose weight fuses stays in the graph: a traced autograd Function whose
+backward calls an opaque custom op (`megalite::add_weight_grad`, `megalite::add_embedding_grad`)
+that writes the buffer as the eager backward does. The op has no output and takes no gradient
+tensor: it reaches the parameter by `grad_key` (an int the graph holds as a constant) and is
+registered as having a side effect, so neither dynamo, AOTAutograd nor inductor drops it. (A mutated
+graph input, main_grad, would be saved for the backward, and autograd's version check on it failed
+under activation recomputation.) So the compiled model keeps one graph, and no weight gradient is
+copied into the buffer afterwards. A tied embedding's two parts are then written one after the
+other: the step's first micro-batch gives eager's bits, later ones G + output + lookup, within
+rounding of autograd's G + (output + lookup).
 
 A tied word embedding (`tied=True` on both calls: the output layer multiplies by the table the
 lookup read, in the same graph) is summed by autograd as output + lookup, where the lookup's part
@@ -25,6 +33,8 @@ single addition per element, with no vocabulary-sized temporary. Later micro-bat
 parts back to autograd, whose order of sums (G + (output + lookup)) a fused path could not keep.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,30 +65,84 @@ def _buffer_of(weight: torch.Tensor):
     return weight.grad_buffer
 
 
-@torch.compiler.disable
-def _linear_outside_the_graph(x, weight, bias, tied):
-    return linear(x, weight, bias, True, tied)
+# -- in a compiled graph (see the module's docstring) ------------------------------------------
+# The ops find the parameter, and so its buffer, by `grad_key`: an int, which a traced graph holds
+# as a constant. No gradient tensor enters the graph (see the module's docstring).
+_KEYED: dict[int, "weakref.ref"] = {}
 
 
-@torch.compiler.disable
-def _embedding_outside_the_graph(ids, weight, tied):
-    return embedding(ids, weight, True, tied)
+def key_parameter(p: torch.nn.Parameter) -> None:
+    """Let compiled code reach `p`'s buffer through `p.grad_key` (ParamAndGradBuffer calls this)."""
+    key = p.grad_key = id(p)
+    _KEYED[key] = weakref.ref(p, lambda _: _KEYED.pop(key, None))
 
 
-def leaves_the_graph(weight: torch.Tensor) -> bool:
-    """Under torch.compile: whether the uses of `weight` that fuse its gradient (`linear`,
-    `embedding` with `into_main_grad`) run outside the graph being traced."""
-    return torch.compiler.is_compiling() and _may_fuse(weight)
+def _keyed(key: int) -> torch.nn.Parameter:
+    ref = _KEYED.get(key)
+    p = None if ref is None else ref()
+    if p is None:
+        raise RuntimeError("a compiled graph's fused gradient names a parameter that no longer exists")
+    return p
 
 
-@torch.compiler.disable
-def run_eagerly(fn, *args, **kwargs):
-    """fn(*args, **kwargs) outside the graph being compiled. A model's forward calls its embedding
-    or output layer through this where `leaves_the_graph`: the fused use inside would leave the graph
-    anyway, and leaving it here breaks forward's own frame once, instead of each frame between
-    (every one of which dynamo would compile and guard apart: nine guarded entries a forward, not
-    three, for a compiled GPT whose word embedding fuses)."""
-    return fn(*args, **kwargs)
+def _still_in_the_buffer(p: torch.nn.Parameter) -> bool:
+    """At run time: `p`'s gradient is still the buffer's (not a tensor autograd gave it since)."""
+    return p.grad is None or p.grad is p.main_grad
+
+
+@torch.library.custom_op("megalite::add_weight_grad", mutates_args=())
+def _add_weight_grad_op(grad_out: torch.Tensor, inputs: torch.Tensor, key: int) -> None:
+    p = _keyed(key)
+    if _still_in_the_buffer(p):
+        p.grad_buffer.add_weight_grad(p, grad_out, inputs)
+    else:  # autograd's accumulation, as the uncompiled path would leave it
+        p.grad.add_(grad_out.t().mm(inputs))
+
+
+@torch.library.custom_op("megalite::add_embedding_grad", mutates_args=())
+def _add_embedding_grad_op(ids: torch.Tensor, rows: torch.Tensor, key: int) -> None:
+    p = _keyed(key)
+    if _still_in_the_buffer(p):
+        p.grad_buffer.add_embedding_grad(p, ids, rows)
+    else:
+        p.grad.index_add_(0, ids, rows)
+
+
+for _op in (_add_weight_grad_op, _add_embedding_grad_op):
+    _op.register_fake(lambda *args: None)
+# Their effect is on the buffer, outside the graph: no output, yet not dead code.
+torch.fx.node.has_side_effect(torch.ops.megalite.add_weight_grad.default)
+torch.fx.node.has_side_effect(torch.ops.megalite.add_embedding_grad.default)
+
+
+class _LinearIntoMainGradTraced(torch.autograd.Function):
+    """`_LinearIntoMainGrad` as a compiled graph holds it: the weight's gradient written by an op."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, key):
+        ctx.save_for_backward(x, weight)
+        ctx.key, ctx.has_bias = key, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        torch.ops.megalite.add_weight_grad(dy, x, ctx.key)
+        return dy.mm(weight), None, dy.sum(0) if ctx.has_bias else None, None
+
+
+class _EmbeddingIntoMainGradTraced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, key):
+        ctx.save_for_backward(ids)
+        ctx.key = key
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        torch.ops.megalite.add_embedding_grad(ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]), ctx.key)
+        return None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -87,8 +151,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gradient buffer when it has one. Every use of the weight must come through here, or through
     `embedding(..., tied=True)` with `tied=True` here (a tied word embedding)."""
     if torch.compiler.is_compiling():
-        if into_main_grad and _may_fuse(weight):  # leaves the graph; the buffer decides at run time
-            return _linear_outside_the_graph(x, weight, bias, tied)
+        if into_main_grad and _may_fuse(weight):
+            y = _LinearIntoMainGradTraced.apply(x.reshape(-1, x.shape[-1]), weight, bias, weight.grad_key)
+            return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     if weight_grad.splitting():  # a zero-bubble schedule: W later (into main_grad the usual way then)
         return weight_grad.linear(x, weight, bias)
@@ -109,8 +174,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = Fa
     forward), the rows' gradients are added straight into the weight's gradient buffer, with no
     vocabulary-sized zeroed tensor and no second pass over it."""
     if torch.compiler.is_compiling():
-        if into_main_grad and _may_fuse(weight):  # leaves the graph; the buffer decides at run time
-            return _embedding_outside_the_graph(ids, weight, tied)
+        if into_main_grad and _may_fuse(weight):
+            return _EmbeddingIntoMainGradTraced.apply(ids, weight, weight.grad_key)
         return F.embedding(ids, weight)
     if weight_grad.splitting():
         return weight_grad.embedding(ids, weight)
