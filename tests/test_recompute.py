@@ -25,3 +25,40 @@ def test_recomputation_replays_the_same_numbers(flags):
     plain = run_ranks(train_params, 2, args=(argv,))
     recomputed = run_ranks(train_params, 2, args=(argv + flags,))
     assert_same_runs(recomputed, plain, 0.0)  # the same operations on the same inputs and dropout masks: bitwise
+
+
+def _compiled_gradients(rank, world, recompute):
+    """A GPT with dropout compiled whole (aot_eager: what inductor is given): the gradients of one
+    seeded step, and the graphs dynamo made."""
+    import torch
+    import torch._dynamo
+    from megalite import parallel
+    from megalite.models import GPTModel, TransformerConfig
+    torch._dynamo.reset()
+    parallel.initialize_model_parallel(1)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                               max_position_embeddings=16, hidden_dropout=0.3, attention_dropout=0.3,
+                               recompute=recompute)
+    model = GPTModel(config, seed=3, device="cpu").train()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(123)
+    torch.compile(model, backend=backend)(ids, labels=ids).sum().backward()
+    return [p.grad for p in model.parameters()], len(graphs)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_compiled_recomputation_stays_in_the_graph_with_the_same_dropout_masks(recompute):
+    """Under torch.compile the checkpoint is traced into the graph (the compiled backward recomputes
+    the region; no Python replay), where its RNG bookkeeping and Llama-style cached tables used to
+    break the graph around every checkpointed region: one graph, gradients bitwise those without
+    recomputation, dropout masks and all."""
+    plain, _ = run_ranks(_compiled_gradients, 1, args=("none",))[0]
+    recomputed, graphs = run_ranks(_compiled_gradients, 1, args=(recompute,))[0]
+    assert graphs == 1
+    assert all(a.equal(b) for a, b in zip(recomputed, plain))

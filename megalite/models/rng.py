@@ -73,21 +73,31 @@ def is_recomputing() -> bool:
 def checkpoint_with_tp_rng(fn, *args):
     """Activation checkpoint whose recomputation replays the same dropout masks, in the default
     RNG (torch restores it) and in the TP-rank RNG stream (restored here)."""
-    tracker = get_rng_tracker()
-    states_at_forward = tracker.get_states()
-    calls = [0]
+    return _torch_checkpoint(_Replaying(fn), *args, use_reentrant=False, preserve_rng_state=True)
 
-    def run(*a):
-        calls[0] += 1
-        if calls[0] == 1:
-            return fn(*a)
+
+class _Replaying:
+    """A checkpointed function: its first call runs `fn` and notes the TP-rank RNG state; the
+    second (the recomputation) runs it again from that state. Traced by torch.compile it is `fn`
+    alone: the compiled backward recomputes the region and no Python runs again (and dynamo, which
+    breaks the graph on such bookkeeping, traces none). Where dynamo cannot trace the region (a
+    function in it runs eagerly), the checkpoint runs eagerly, and this with it."""
+
+    def __init__(self, fn):
+        self.fn, self.states_at_forward = fn, None
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.fn(*args)
+        tracker = get_rng_tracker()
+        if self.states_at_forward is None:
+            self.states_at_forward = tracker.get_states()
+            return self.fn(*args)
         now = tracker.get_states()
-        tracker.set_states(states_at_forward)
+        tracker.set_states(self.states_at_forward)
         _recomputing[0] += 1
         try:
-            return fn(*a)
+            return self.fn(*args)
         finally:
             _recomputing[0] -= 1
             tracker.set_states(now)
-
-    return _torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -114,19 +114,27 @@ class RotaryEmbedding(nn.Module):
         with context parallelism the global positions of CP rank `cp_rank`'s s tokens. The sine's
         first half is negated: rotate_half(x) * sin is then x.roll(half) * sin, with no cat. Under
         YaRN both are times its attention factor."""
+        if torch.compiler.is_compiling():
+            # Made in the graph (as transformers' rotary embedding makes them each forward): filling
+            # the cache would be a side effect, guarded on, recompiled for, and not allowed inside
+            # a checkpointed region.
+            return self._tables(s, device, cp_rank, cp)
         key = (self._key, s, str(device), cp_rank, cp)
         if key not in _TABLES:
             if len(_TABLES) >= _MAX_TABLES:
                 _TABLES.clear()
-            positions = torch.arange(s) if cp == 1 else context_parallel_positions(s * cp, cp_rank, cp)
-            angles = torch.outer(positions.to(torch.float32), self.inv_freq)
-            angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
-            cos, sin = angles.cos(), angles.sin()
-            sin[..., :self.rotary_dims // 2].neg_()
-            if self.attention_factor != 1.0:
-                cos, sin = cos * self.attention_factor, sin * self.attention_factor
-            _TABLES[key] = (cos, sin)
+            _TABLES[key] = self._tables(s, device, cp_rank, cp)
         return _TABLES[key]
+
+    def _tables(self, s: int, device, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(s) if cp == 1 else context_parallel_positions(s * cp, cp_rank, cp)
+        angles = torch.outer(positions.to(torch.float32), self.inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
+        cos, sin = angles.cos(), angles.sin()
+        sin[..., :self.rotary_dims // 2].neg_()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position."""

@@ -41,19 +41,21 @@ import torch.nn.functional as F
 
 from megalite.parallel import weight_grad
 
-# Below this many elements a weight keeps autograd's path: the fused backward's Python costs about
-# 0.1 ms a call on a CPU, more than the pass it saves (scripts/benchmark_step.py: a 4-layer h256
-# model ran 2-3% slower fused, a 124M one 3.4% faster; docs/BENCHMARKS.md).
+# Below this many elements a weight keeps autograd's path in eager code: the fused backward's
+# Python costs about 0.1 ms a call on a CPU, more than the pass it saves (scripts/benchmark_step.py:
+# a 4-layer h256 model ran 2-3% slower fused, a 124M one 3.4% faster; docs/BENCHMARKS.md). Compiled
+# code fuses every weight: its traced Function costs nothing at run time, and the op it calls a few
+# microseconds.
 MIN_FUSED_NUMEL = 1 << 20
 
 
 def _may_fuse(weight: torch.Tensor) -> bool:
     """What can be known when a graph is traced: the weight has a buffer that takes its gradient,
-    needs one now, and is large enough to pay for the fused backward's Python."""
+    needs one now, and (eagerly) is large enough to pay for the fused backward's Python."""
     # A bool, not the buffer: a traced graph guards on its value alone (the buffer object would add
     # identity and aliasing guards, checked in Python on every call of the compiled code).
     return (getattr(weight, "has_grad_buffer", False) and torch.is_grad_enabled() and weight.requires_grad
-            and weight.numel() >= MIN_FUSED_NUMEL)
+            and (torch.compiler.is_compiling() or weight.numel() >= MIN_FUSED_NUMEL))
 
 
 def _buffer_of(weight: torch.Tensor):
@@ -90,8 +92,7 @@ def _still_in_the_buffer(p: torch.nn.Parameter) -> bool:
     return p.grad is None or p.grad is p.main_grad
 
 
-@torch.library.custom_op("megalite::add_weight_grad", mutates_args=())
-def _add_weight_grad_op(grad_out: torch.Tensor, inputs: torch.Tensor, key: int) -> None:
+def _add_weight_grad_now(grad_out: torch.Tensor, inputs: torch.Tensor, key: int) -> None:
     p = _keyed(key)
     if _still_in_the_buffer(p):
         p.grad_buffer.add_weight_grad(p, grad_out, inputs)
@@ -99,8 +100,7 @@ def _add_weight_grad_op(grad_out: torch.Tensor, inputs: torch.Tensor, key: int) 
         p.grad.add_(grad_out.t().mm(inputs))
 
 
-@torch.library.custom_op("megalite::add_embedding_grad", mutates_args=())
-def _add_embedding_grad_op(ids: torch.Tensor, rows: torch.Tensor, key: int) -> None:
+def _add_embedding_grad_now(ids: torch.Tensor, rows: torch.Tensor, key: int) -> None:
     p = _keyed(key)
     if _still_in_the_buffer(p):
         p.grad_buffer.add_embedding_grad(p, ids, rows)
@@ -108,11 +108,17 @@ def _add_embedding_grad_op(ids: torch.Tensor, rows: torch.Tensor, key: int) -> N
         p.grad.index_add_(0, ids, rows)
 
 
-for _op in (_add_weight_grad_op, _add_embedding_grad_op):
-    _op.register_fake(lambda *args: None)
-# Their effect is on the buffer, outside the graph: no output, yet not dead code.
-torch.fx.node.has_side_effect(torch.ops.megalite.add_weight_grad.default)
-torch.fx.node.has_side_effect(torch.ops.megalite.add_embedding_grad.default)
+# Defined with the plain Library API, not torch.library.custom_op, whose Python wrappers cost more
+# a call than the op itself at small sizes (a compiled GPT of 4 layers calls 18 a step).
+_LIBRARY = torch.library.Library("megalite", "DEF")
+for _name, _schema, _kernel in (
+        ("add_weight_grad", "(Tensor grad_out, Tensor inputs, int key) -> ()", _add_weight_grad_now),
+        ("add_embedding_grad", "(Tensor ids, Tensor rows, int key) -> ()", _add_embedding_grad_now)):
+    _LIBRARY.define(_name + _schema)
+    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("megalite::" + _name, lambda *args: None, lib=_LIBRARY)
+    # Its effect is on the buffer, outside the graph: no output, yet not dead code.
+    torch.fx.node.has_side_effect(getattr(torch.ops.megalite, _name).default)
 
 
 class _LinearIntoMainGradTraced(torch.autograd.Function):
