@@ -210,7 +210,7 @@ def test_a_weight_used_twice_is_ready_once_after_both_backwards():
     assert len(seen_at_ready) == 1 and torch.allclose(seen_at_ready[0], want)  # after both, not the first
 
 
-def test_without_a_buffer_bf16_small_or_compiling_it_is_plain_linear(monkeypatch):
+def test_without_a_buffer_bf16_or_small_it_is_plain_linear(monkeypatch):
     monkeypatch.setattr(grad_accumulation, "MIN_FUSED_NUMEL", 0)
     layer = torch.nn.Linear(4, 3)
     x = torch.randn(2, 4)

@@ -27,15 +27,18 @@ def test_recomputation_replays_the_same_numbers(flags):
     assert_same_runs(recomputed, plain, 0.0)  # the same operations on the same inputs and dropout masks: bitwise
 
 
-def _compiled_gradients(rank, world, recompute):
+def _compiled_gradients(rank, world, recompute, tp_rng_seeded):
     """A GPT with dropout compiled whole (aot_eager: what inductor is given): the gradients of one
-    seeded step, and the graphs dynamo made."""
+    seeded step, and the graphs dynamo made. With the TP-rank RNG stream seeded (as training seeds
+    it), attention dropout forks it, which dynamo does not trace."""
     import torch
     import torch._dynamo
     from megalite import parallel
     from megalite.models import GPTModel, TransformerConfig
     torch._dynamo.reset()
     parallel.initialize_model_parallel(1)
+    if tp_rng_seeded:
+        parallel.model_parallel_manual_seed(7)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
                                max_position_embeddings=16, hidden_dropout=0.3, attention_dropout=0.3,
                                recompute=recompute)
@@ -58,7 +61,17 @@ def test_compiled_recomputation_stays_in_the_graph_with_the_same_dropout_masks(r
     the region; no Python replay), where its RNG bookkeeping and Llama-style cached tables used to
     break the graph around every checkpointed region: one graph, gradients bitwise those without
     recomputation, dropout masks and all."""
-    plain, _ = run_ranks(_compiled_gradients, 1, args=("none",))[0]
-    recomputed, graphs = run_ranks(_compiled_gradients, 1, args=(recompute,))[0]
+    plain, _ = run_ranks(_compiled_gradients, 1, args=("none", False))[0]
+    recomputed, graphs = run_ranks(_compiled_gradients, 1, args=(recompute, False))[0]
     assert graphs == 1
+    assert all(a.equal(b) for a, b in zip(recomputed, plain))
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_compiled_recomputation_that_cannot_be_traced_replays_eagerly(recompute):
+    """Attention dropout forking the seeded TP-rank stream: dynamo breaks the graph there, so the
+    checkpoint runs eagerly and replays both RNG streams: gradients bitwise those without."""
+    plain, _ = run_ranks(_compiled_gradients, 1, args=("none", True))[0]
+    recomputed, graphs = run_ranks(_compiled_gradients, 1, args=(recompute, True))[0]
+    assert graphs > 1
     assert all(a.equal(b) for a, b in zip(recomputed, plain))

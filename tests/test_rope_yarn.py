@@ -66,6 +66,27 @@ def test_the_cos_sin_tables_carry_the_attention_factor():
         c.replace(yarn_factor=None))).cos())
 
 
+@pytest.mark.parametrize("fields, cp_rank, cp", [
+    ({}, 0, 1), (dict(yarn_factor=4.0, yarn_original_max_position_embeddings=64), 0, 1),
+    (dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+          rope_original_max_position_embeddings=8), 0, 1), ({}, 1, 2)], ids=["plain", "yarn", "llama3", "cp2-rank1"])
+def test_compiled_code_makes_the_cached_tables_in_its_graph(fields, cp_rank, cp):
+    """Under torch.compile the tables are made in the graph, on the device (no cache to fill, no copy
+    from the host): the same numbers as the cached tables, every scaling, context-parallel positions too."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    rotary = RotaryEmbedding(_mla(**fields))
+    cached = rotary.cos_sin(8, "cpu", cp_rank, cp)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(lambda: rotary.cos_sin(8, "cpu", cp_rank, cp), backend=backend)()
+    assert len(graphs) == 1 and any(n.target is torch.outer for n in graphs[0].graph.nodes)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, cached))
+
+
 def test_deepseek_v3s_yarn_equals_transformers():
     """DeepSeek-V3's published rope: d_r 64, base 10000, factor 40 over 4096 positions, betas 32 and
     1, mscale = mscale_all_dim = 1: transformers' frequencies and factors (its softmax factor

@@ -60,10 +60,11 @@ class GPTModel(LanguageModelStage):
                 raise ValueError(f"position_ids need learned positions; this model's position_embedding_type is "
                                  f"{self.config.position_embedding_type} (positions are 0..s-1)")
             return self.embedding_dropout(x)
-        if position_ids is None:
-            positions = torch.arange(s) if cp == 1 else context_parallel_positions(
-                s * cp, state.get_context_parallel_rank(), cp)
-            position_ids = positions.to(input_ids.device).unsqueeze(0).expand_as(input_ids)
+        if position_ids is None:  # made on the device: a copy from pageable host memory would sync
+            device = input_ids.device
+            positions = torch.arange(s, device=device) if cp == 1 else context_parallel_positions(
+                s * cp, state.get_context_parallel_rank(), cp, device)
+            position_ids = positions.unsqueeze(0).expand_as(input_ids)
         return self.embedding_dropout(self.add_replicated(x, self.position_embeddings(position_ids.t())))
 
     def embed_shifted(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:

@@ -22,11 +22,12 @@ from megalite.parallel import state
 from megalite.parallel.context_parallel import context_parallel_positions
 
 
-def inverse_frequencies(config: TransformerConfig) -> torch.Tensor:
-    """base^(-2i / rotated) for i < rotated / 2 (fp32, CPU), with Llama 3.1 or YaRN scaling when configured."""
+def inverse_frequencies(config: TransformerConfig, device=None) -> torch.Tensor:
+    """base^(-2i / rotated) for i < rotated / 2 (fp32, on `device`, CPU by default), with Llama 3.1 or
+    YaRN scaling when configured."""
     dims = config.rotary_dims
     # fp32 throughout, as Hugging Face computes it, so long positions rotate by the same angles.
-    inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
+    inv_freq = 1.0 / config.rotary_base ** (torch.arange(0, dims, 2, dtype=torch.float32, device=device) / dims)
     if config.rope_scaling_factor is not None:
         inv_freq = _llama3_scaled(inv_freq, config)
     if config.yarn_factor is not None:
@@ -50,19 +51,19 @@ def _yarn_correction_dim(rotations: float, config: TransformerConfig) -> float:
     return dims * math.log(original / (2 * math.pi * rotations)) / (2 * math.log(config.rotary_base))
 
 
-def yarn_ramp(config: TransformerConfig) -> torch.Tensor:
+def yarn_ramp(config: TransformerConfig, device=None) -> torch.Tensor:
     """Per frequency i < rotary_dims / 2: 0 where it is kept (more than beta_fast turns over the
     original context), 1 where it is divided by the factor (fewer than beta_slow), linear between.
     The bounds are rounded outwards to whole dims, as YaRN's reference and Hugging Face do."""
     low = max(math.floor(_yarn_correction_dim(config.yarn_beta_fast, config)), 0)
     high = min(math.ceil(_yarn_correction_dim(config.yarn_beta_slow, config)), config.rotary_dims - 1)
     width = high - low if high != low else 0.001  # one step at `low` when the two meet
-    i = torch.arange(config.rotary_dims // 2, dtype=torch.float32)
+    i = torch.arange(config.rotary_dims // 2, dtype=torch.float32, device=device)
     return ((i - low) / width).clamp(0.0, 1.0)
 
 
 def _yarn_scaled(inv_freq: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
-    ramp = yarn_ramp(config)
+    ramp = yarn_ramp(config, inv_freq.device)
     return (1.0 - ramp) * inv_freq + ramp * inv_freq / config.yarn_factor
 
 
@@ -101,7 +102,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.rotary_dims = config.rotary_dims
+        self.config, self.rotary_dims = config, config.rotary_dims
         self.inv_freq = inverse_frequencies(config)  # a plain attribute: not in the state dict
         self.attention_factor = yarn_attention_factor(config)
         self._key = (config.rotary_dims, config.rotary_base, config.rope_scaling_factor, config.rope_low_freq_factor,
@@ -115,20 +116,23 @@ class RotaryEmbedding(nn.Module):
         first half is negated: rotate_half(x) * sin is then x.roll(half) * sin, with no cat. Under
         YaRN both are times its attention factor."""
         if torch.compiler.is_compiling():
-            # Made in the graph (as transformers' rotary embedding makes them each forward): filling
-            # the cache would be a side effect, guarded on, recompiled for, and not allowed inside
-            # a checkpointed region.
-            return self._tables(s, device, cp_rank, cp)
+            # Made in the graph, on the device (as transformers' rotary embedding makes them each
+            # forward): filling the cache would be a side effect, guarded on, recompiled for, and
+            # not allowed inside a checkpointed region; a copy from the host would sync.
+            return self._tables(s, inverse_frequencies(self.config, device), device, cp_rank, cp)
         key = (self._key, s, str(device), cp_rank, cp)
         if key not in _TABLES:
             if len(_TABLES) >= _MAX_TABLES:
                 _TABLES.clear()
-            _TABLES[key] = self._tables(s, device, cp_rank, cp)
+            _TABLES[key] = self._tables(s, self.inv_freq, device, cp_rank, cp)
         return _TABLES[key]
 
-    def _tables(self, s: int, device, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(s) if cp == 1 else context_parallel_positions(s * cp, cp_rank, cp)
-        angles = torch.outer(positions.to(torch.float32), self.inv_freq)
+    def _tables(self, s: int, inv_freq: torch.Tensor, device, cp_rank: int,
+                cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The angles made where inv_freq is, their cos and signed sin on `device`."""
+        positions = (torch.arange(s, device=inv_freq.device) if cp == 1
+                     else context_parallel_positions(s * cp, cp_rank, cp, inv_freq.device))
+        angles = torch.outer(positions.to(torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
         cos, sin = angles.cos(), angles.sin()
         sin[..., :self.rotary_dims // 2].neg_()

@@ -36,13 +36,15 @@ def _check_divisible(seq_len: int, cp_size: int) -> None:
                          f"that is a multiple of {2 * cp_size} or a smaller --cp")
 
 
-def context_parallel_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+def context_parallel_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
     """Global positions (int64, length seq_len / cp_size) of CP rank `cp_rank`'s tokens: chunks cp_rank
-    and 2 cp_size - 1 - cp_rank of a sequence of `seq_len` tokens, in the order the rank holds them."""
+    and 2 cp_size - 1 - cp_rank of a sequence of `seq_len` tokens, in the order the rank holds them
+    (made on `device`: no copy from the host)."""
     _check_divisible(seq_len, cp_size)
     chunk = seq_len // (2 * cp_size)
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
 
 
 def split_for_context_parallel(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:

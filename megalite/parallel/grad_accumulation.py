@@ -22,8 +22,10 @@ registered as having a side effect, so neither dynamo, AOTAutograd nor inductor 
 graph input, main_grad, would be saved for the backward, and autograd's version check on it failed
 under activation recomputation.) So the compiled model keeps one graph, and no weight gradient is
 copied into the buffer afterwards. A tied embedding's two parts are then written one after the
-other: the step's first micro-batch gives eager's bits, later ones G + output + lookup, within
-rounding of autograd's G + (output + lookup).
+other, in whichever order the compiled backward runs them (no data joins the two ops): the first
+write of the step overwrites and the second adds, so main_grad is output + lookup (bitwise eager's
+where the output's op runs first, as it does under aot_eager), and later micro-batches add both,
+within rounding of autograd's G + (output + lookup).
 
 A tied word embedding (`tied=True` on both calls: the output layer multiplies by the table the
 lookup read, in the same graph) is summed by autograd as output + lookup, where the lookup's part
@@ -61,8 +63,7 @@ def _may_fuse(weight: torch.Tensor) -> bool:
 def _buffer_of(weight: torch.Tensor):
     """The buffer that takes this weight's gradient straight from the GEMM, or None."""
     # grad None: a new step (ParamAndGradBuffer.zero_grad); another tensor: taken from the buffer.
-    if not _may_fuse(weight) or torch.compiler.is_compiling() or (
-            weight.grad is not None and weight.grad is not weight.main_grad):
+    if not _may_fuse(weight) or (weight.grad is not None and weight.grad is not weight.main_grad):
         return None
     return weight.grad_buffer
 
@@ -110,15 +111,19 @@ def _add_embedding_grad_now(ids: torch.Tensor, rows: torch.Tensor, key: int) -> 
 
 # Defined with the plain Library API, not torch.library.custom_op, whose Python wrappers cost more
 # a call than the op itself at small sizes (a compiled GPT of 4 layers calls 18 a step).
-_LIBRARY = torch.library.Library("megalite", "DEF")
-for _name, _schema, _kernel in (
-        ("add_weight_grad", "(Tensor grad_out, Tensor inputs, int key) -> ()", _add_weight_grad_now),
-        ("add_embedding_grad", "(Tensor ids, Tensor rows, int key) -> ()", _add_embedding_grad_now)):
-    _LIBRARY.define(_name + _schema)
-    _LIBRARY.impl(_name, _kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake("megalite::" + _name, lambda *args: None, lib=_LIBRARY)
+_LIBRARY = torch.library.Library("megalite", "FRAGMENT")  # (megalite.ops defines others in it)
+
+
+def _define_side_effect_op(name: str, schema: str, kernel) -> None:
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("megalite::" + name, lambda *args: None, lib=_LIBRARY)
     # Its effect is on the buffer, outside the graph: no output, yet not dead code.
-    torch.fx.node.has_side_effect(getattr(torch.ops.megalite, _name).default)
+    torch.fx.node.has_side_effect(getattr(torch.ops.megalite, name).default)
+
+
+_define_side_effect_op("add_weight_grad", "(Tensor grad_out, Tensor inputs, int key) -> ()", _add_weight_grad_now)
+_define_side_effect_op("add_embedding_grad", "(Tensor ids, Tensor rows, int key) -> ()", _add_embedding_grad_now)
 
 
 class _LinearIntoMainGradTraced(torch.autograd.Function):
