@@ -143,6 +143,8 @@ class _LinearIntoMainGradTraced(torch.autograd.Function):
 
 
 class _EmbeddingIntoMainGradTraced(torch.autograd.Function):
+    """`_EmbeddingIntoMainGrad` as a compiled graph holds it: the rows' gradients added by an op."""
+
     @staticmethod
     def forward(ctx, ids, weight, key):
         ctx.save_for_backward(ids)
