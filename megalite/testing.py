@@ -56,8 +56,9 @@ def _rank_main(fn, rank, world_size, store_path, backend, args, results, env):
 
 def _context():
     ctx = mp.get_context("forkserver")
-    # The fork server imports torch once; every rank of every later call forks from it.
-    ctx.set_forkserver_preload(["torch", "megalite"])
+    # The fork server imports torch once; every rank of every later call forks from it. Dynamo too
+    # (megalite.training imports it, about 1 s): else every rank that imports training pays for it.
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "megalite"])
     return ctx
 
 
