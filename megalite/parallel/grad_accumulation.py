@@ -62,10 +62,15 @@ def _may_fuse(weight: torch.Tensor) -> bool:
 
 def _buffer_of(weight: torch.Tensor):
     """The buffer that takes this weight's gradient straight from the GEMM, or None."""
-    # grad None: a new step (ParamAndGradBuffer.zero_grad); another tensor: taken from the buffer.
-    if not _may_fuse(weight) or (weight.grad is not None and weight.grad is not weight.main_grad):
+    if not _may_fuse(weight) or not _still_in_the_buffer(weight):
         return None
     return weight.grad_buffer
+
+
+def _still_in_the_buffer(p: torch.nn.Parameter) -> bool:
+    """At run time: `p`'s gradient is still the buffer's. None: a new step (ParamAndGradBuffer's
+    zero_grad); another tensor: autograd gave it one since, and its path takes over."""
+    return p.grad is None or p.grad is p.main_grad
 
 
 # -- in a compiled graph (see the module's docstring) ------------------------------------------
@@ -86,11 +91,6 @@ def _keyed(key: int) -> torch.nn.Parameter:
     if p is None:
         raise RuntimeError("a compiled graph's fused gradient names a parameter that no longer exists")
     return p
-
-
-def _still_in_the_buffer(p: torch.nn.Parameter) -> bool:
-    """At run time: `p`'s gradient is still the buffer's (not a tensor autograd gave it since)."""
-    return p.grad is None or p.grad is p.main_grad
 
 
 def _add_weight_grad_now(grad_out: torch.Tensor, inputs: torch.Tensor, key: int) -> None:
