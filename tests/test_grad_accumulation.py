@@ -12,6 +12,7 @@ import torch
 
 from megalite import parallel
 from megalite.models import BERTModel, GPTModel, TransformerConfig
+from megalite.optim import buffers
 from megalite.optim.buffers import ParamAndGradBuffer
 from megalite.parallel import grad_accumulation
 from megalite.parallel.layers import ColumnParallelLinear
@@ -67,6 +68,7 @@ def _loss(model, ids):
 
 def _fused_equals_autograd(rank, world, model_kw, micro_batches, kind="gpt"):
     grad_accumulation.MIN_FUSED_NUMEL = 0  # tiny weights fuse too, here
+    buffers.MEMSET_GEMM_MIN_NUMEL = 0  # and are written as large ones are (write_gemm)
     parallel.initialize_model_parallel(world)
     model = (BERTModel if kind == "bert" else GPTModel)(_config(**model_kw), seed=3, device="cpu").train()
     reference = copy.deepcopy(model)
@@ -113,6 +115,7 @@ def _second_step(rank, world, model_kw):
     model = GPTModel(_config(**model_kw), seed=3, device="cpu").train()
     extra = torch.nn.Parameter(torch.ones(3))  # used in the first step only
     reference = copy.deepcopy(model)
+    buffers.MEMSET_GEMM_MIN_NUMEL = 0  # (write_gemm: garbage under its memset, not zeros)
     buffer = _buffer(list(model.parameters()) + [extra])
     batches = [torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
     (model(batches[0], labels=batches[0]).sum() + extra.sum()).backward()
@@ -187,6 +190,42 @@ def test_row_sums_add_once_per_row_as_a_zeroed_table_would_bitwise():
     got = torch.zeros(4, 2)
     grad_accumulation.add_row_sums(got, ids, torch.ones(3, 2))
     assert got.tolist() == [[0, 0], [0, 0], [0, 0], [3, 3]]
+
+
+def _ops_run(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+    ops = []
+    with Log():
+        fn()
+    return ops
+
+
+def test_write_gemm_gives_mms_bits_over_whatever_the_buffer_held():
+    """A weight gradient's first write (write_gemm): on a CPU a memset and a GEMM that adds, which
+    skips MKL's slower zero pass of an overwriting GEMM (scripts/gemm_into.py); the same bits as
+    torch.mm for every summation length, fp32 and bf16, whatever NaNs the view held before."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, m, n in ((1, 128, 128), (64, 8192, 256), (300, 33, 517), (4096, 256, 128)):
+            a, b = torch.randn(k, m, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+            flat = torch.full((m * n + 64,), float("nan"), dtype=dtype)
+            out = flat[64:].view(m, n)  # a view into a buffer, as main_grad is
+            buffers.write_gemm(out, a.t(), b)
+            assert torch.equal(out, torch.mm(a.t(), b)), (dtype, k, m, n)
+            assert flat[:64].isnan().all()  # nothing outside the view written
+    big, small = torch.empty(128, 128), torch.empty(64, 64)
+    assert big.numel() >= buffers.MEMSET_GEMM_MIN_NUMEL > small.numel()
+    x, y = torch.randn(8, 128), torch.randn(8, 64)
+    assert _ops_run(lambda: buffers.write_gemm(big, x.t(), x)) == ["t", "zero_", "addmm_"]
+    assert _ops_run(lambda: buffers.write_gemm(small, y.t(), y)) == ["t", "mm"]  # below it the zero pass is cheaper
+    # Elsewhere (a GPU's GEMM writes beta 0 in its epilogue) one GEMM, no memset: shown on meta tensors.
+    meta, xm = torch.empty(128, 128, device="meta"), x.to("meta")
+    assert _ops_run(lambda: buffers.write_gemm(meta, xm.t(), xm)) == ["t", "mm"]
 
 
 def _used_twice(rank, world):
@@ -303,6 +342,7 @@ def _compiled(rank, world, name):
     parallel.initialize_model_parallel(1)
     # The eager size floor out of reach: compiled code fuses every weight regardless.
     grad_accumulation.MIN_FUSED_NUMEL = 1 << 40
+    buffers.MEMSET_GEMM_MIN_NUMEL = 0
     model = (BERTModel if name == "bert" else GPTModel)(_config(**MODELS[name]), seed=3, device="cpu").train()
     reference = copy.deepcopy(model)
     buffer = _buffer(list(model.parameters()))
