@@ -181,3 +181,51 @@ def test_decoupled_lr_moves_the_embedding_and_output_layer_at_their_own_rate():
         want = all_at_d[name] if name in apart else all_at_l[name]
         assert torch.equal(p, want), name
     assert not torch.equal(decoupled[apart[0]], all_at_l[apart[0]])
+
+
+def _clipped_steps(rank, world):
+    """Two steps clipped at 1.0, then one with clipping off, against torch's clip_grad_norm_ and
+    fused AdamW on copies; the operators each step runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model, _, opt = tiny_gpt_and_optimizer(num_layers=1, weight_decay=0.0)
+    params = list(model.parameters())
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reference = torch.optim.AdamW(copies, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    g = torch.Generator().manual_seed(0)
+    worst, ops, grads_after = 0.0, [], []
+    for clip in (1.0, 1.0, 0.0):
+        grads = [torch.randn(p.shape, generator=g) * 10 for p in params]  # a norm far above 1
+        for p, c, grad in zip(params, copies, grads):
+            p.main_grad.copy_(grad)
+            c.grad = grad.clone()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(copies, clip)
+        reference.step()
+        ran = []
+        with Ops():
+            opt.step(lr=0.1, clip_grad=clip)
+        ops.append(ran)
+        worst = max(worst, max(rel_err(p.detach(), c.detach()) for p, c in zip(params, copies)))
+        grads_after.append(max(rel_err(p.main_grad, c.grad) for p, c in zip(params, copies)))
+    return worst, ops, grads_after, getattr(opt.inner, "grad_scale", None)
+
+
+def test_clipping_rides_in_fused_adamws_grad_scale_with_no_pass_of_its_own():
+    """The clip coefficient is the divisor fused AdamW applies as it reads each gradient: no multiply
+    over the gradients before the update (a pass over all of them saved, on any device), the same
+    update as torch's clip_grad_norm_ then AdamW within rounding (a division by the reciprocal instead
+    of a multiplication), the stored gradients clipped; a step with clipping off carries no stale
+    scale."""
+    worst, ops, grads_after, scale_left = run_ranks(_clipped_steps, 1)[0]
+    assert worst < 1e-6, worst
+    assert max(grads_after) < 1e-6, grads_after  # the gradients are left clipped, as a multiply leaves them
+    for ran in ops:
+        assert "_fused_adamw_" in ran
+        assert not {"mul_", "_foreach_mul_", "div_", "_foreach_div_"} & set(ran), ran
+    assert scale_left is None

@@ -178,9 +178,13 @@ class MegaliteOptimizer:
             self.loss_scaler.update(self.last_skipped)
         if self.last_skipped:
             return norm, found_inf
-        if clip_grad > 0:
-            coeff = (clip_grad / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coeff)
+        # Fused AdamW divides each gradient by `grad_scale` as it reads it (and stores it so), so
+        # the clip rides in the update: one pass over the gradients fewer than a multiply first.
+        self.inner.grad_scale = None
+        if clip_grad > 0 and self._device_skip:
+            self.inner.grad_scale = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
+        elif clip_grad > 0:
+            torch._foreach_mul_(grads, (clip_grad / (norm + 1e-6)).clamp(max=1.0))
         for group in self.inner.param_groups:
             group["lr"] = embedding_lr if group.get("embedding_or_output") and embedding_lr is not None else lr
         if self._device_skip:
