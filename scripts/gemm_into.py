@@ -36,7 +36,7 @@ def zero_then_add(out, a, b):
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--quick", action="store_true", help="two small shapes, two rounds (the tests)")
+    p.add_argument("--quick", action="store_true", help="two small shapes, two rounds (tests/test_grad_accumulation.py)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     shapes = [("quick", 96, 64, 16), ("quick embedding", 512, 64, 16)] if args.quick else SHAPES

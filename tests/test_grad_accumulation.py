@@ -66,9 +66,10 @@ def _loss(model, ids):
     return model(ids, labels=ids).sum()
 
 
-def _fused_equals_autograd(rank, world, model_kw, micro_batches, kind="gpt"):
+def _fused_equals_autograd(rank, world, model_kw, micro_batches, kind="gpt", memset_gemm=True):
     grad_accumulation.MIN_FUSED_NUMEL = 0  # tiny weights fuse too, here
-    buffers.MEMSET_GEMM_MIN_NUMEL = 0  # and are written as large ones are (write_gemm)
+    # A first write on a CPU as large weights take it (memset + adding GEMM), or as a GPU's: mm(out=).
+    buffers.MEMSET_GEMM_MIN_NUMEL = 0 if memset_gemm else 1 << 40
     parallel.initialize_model_parallel(world)
     model = (BERTModel if kind == "bert" else GPTModel)(_config(**model_kw), seed=3, device="cpu").train()
     reference = copy.deepcopy(model)
@@ -94,7 +95,9 @@ def _fused_equals_autograd(rank, world, model_kw, micro_batches, kind="gpt"):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
     tp = 2 if name.endswith("tp2") else 1
-    out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3, name.split("-")[0]))[0]
+    # The TP 2 cases write the step's first gradient as a GPU does (one overwriting GEMM), the rest
+    # as a CPU does at size (write_gemm: a memset, then a GEMM that adds).
+    out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3, name.split("-")[0], tp == 1))[0]
     assert out["differ"] == [], f"gradients differ from autograd's: {out['differ']}"
     linears_per_layer = 5 if name.startswith("llama") else 4  # qkv|q,kv, proj, fc1, fc2
     # The output layer fuses, and the embedding's lookups: untied (llama) or tied (gpt, bert).
@@ -226,6 +229,22 @@ def test_write_gemm_gives_mms_bits_over_whatever_the_buffer_held():
     # Elsewhere (a GPU's GEMM writes beta 0 in its epilogue) one GEMM, no memset: shown on meta tensors.
     meta, xm = torch.empty(128, 128, device="meta"), x.to("meta")
     assert _ops_run(lambda: buffers.write_gemm(meta, xm.t(), xm)) == ["t", "mm"]
+
+
+def test_gemm_into_script_times_both_ways_and_checks_their_bits():
+    """scripts/gemm_into.py (the figures in docs/optimizer.md) on its smoke shapes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gemm_into.py"
+    spec = importlib.util.spec_from_file_location("gemm_into", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.main(["--quick"])
+    assert [r["shape"] for r in rows] == ["quick", "quick embedding"]
+    for r in rows:
+        assert r["bitwise"] and r["overwrite_us"] > 0 and r["zero_then_add_us"] > 0
+        assert r["ratio"] == r["zero_then_add_us"] / r["overwrite_us"]
 
 
 def _used_twice(rank, world):

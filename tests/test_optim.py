@@ -183,9 +183,9 @@ def test_decoupled_lr_moves_the_embedding_and_output_layer_at_their_own_rate():
     assert not torch.equal(decoupled[apart[0]], all_at_l[apart[0]])
 
 
-def _clipped_steps(rank, world):
+def _clipped_steps(rank, world, optimizer="adamw"):
     """Two steps clipped at 1.0, then one with clipping off, against torch's clip_grad_norm_ and
-    fused AdamW on copies; the operators each step runs."""
+    the fused AdamW (or SGD: --optimizer sgd) on copies; the operators each step runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -193,12 +193,18 @@ def _clipped_steps(rank, world):
             ran.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
+    from megalite.training.build import _use_plain_sgd
+
     model, _, opt = tiny_gpt_and_optimizer(num_layers=1, weight_decay=0.0)
     params = list(model.parameters())
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    reference = torch.optim.AdamW(copies, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    if optimizer == "sgd":
+        _use_plain_sgd(opt, 0.1)
+        reference = torch.optim.SGD(copies, lr=0.1, momentum=0.0, fused=True)
+    else:
+        reference = torch.optim.AdamW(copies, lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
     g = torch.Generator().manual_seed(0)
-    worst, ops, grads_after = 0.0, [], []
+    worst, ops, grads_after, scales_left = 0.0, [], [], []
     for clip in (1.0, 1.0, 0.0):
         grads = [torch.randn(p.shape, generator=g) * 10 for p in params]  # a norm far above 1
         for p, c, grad in zip(params, copies, grads):
@@ -213,19 +219,25 @@ def _clipped_steps(rank, world):
         ops.append(ran)
         worst = max(worst, max(rel_err(p.detach(), c.detach()) for p, c in zip(params, copies)))
         grads_after.append(max(rel_err(p.main_grad, c.grad) for p, c in zip(params, copies)))
-    return worst, ops, grads_after, getattr(opt.inner, "grad_scale", None)
+        scales_left.append(getattr(opt.inner, "grad_scale", None))
+    return worst, ops, grads_after, scales_left
 
 
-def test_clipping_rides_in_fused_adamws_grad_scale_with_no_pass_of_its_own():
-    """The clip coefficient is the divisor fused AdamW applies as it reads each gradient: no multiply
-    over the gradients before the update (a pass over all of them saved, on any device), the same
-    update as torch's clip_grad_norm_ then AdamW within rounding (a division by the reciprocal instead
-    of a multiplication), the stored gradients clipped; a step with clipping off carries no stale
-    scale."""
-    worst, ops, grads_after, scale_left = run_ranks(_clipped_steps, 1)[0]
+FUSED_KERNEL = {"adamw": "_fused_adamw_", "sgd": "_fused_sgd_"}
+
+
+@pytest.mark.parametrize("optimizer", list(FUSED_KERNEL))
+def test_clipping_rides_in_the_fused_updates_grad_scale_with_no_pass_of_its_own(optimizer):
+    """The clip's divisor is the `grad_scale` the fused update (AdamW; SGD under --optimizer sgd)
+    applies as it reads each gradient: no multiply over the gradients before the update, the same
+    update as torch's clip_grad_norm_ then the optimizer within rounding (a division by the
+    reciprocal instead of a multiplication), the stored gradients clipped; a step with clipping
+    off carries no stale scale, and none is left on the inner optimizer after a step."""
+    worst, ops, grads_after, scales_left = run_ranks(_clipped_steps, 1, args=(optimizer,))[0]
     assert worst < 1e-6, worst
     assert max(grads_after) < 1e-6, grads_after  # the gradients are left clipped, as a multiply leaves them
+    assert grads_after[2] == 0.0  # clipping off: the gradients untouched
     for ran in ops:
-        assert "_fused_adamw_" in ran
+        assert FUSED_KERNEL[optimizer] in ran
         assert not {"mul_", "_foreach_mul_", "div_", "_foreach_div_"} & set(ran), ran
-    assert scale_left is None
+    assert scales_left == [None, None, None]

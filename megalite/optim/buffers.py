@@ -41,16 +41,17 @@ _all_reduce = dist.all_reduce
 ALIGN_NUMEL = 64  # every parameter, bucket and DP shard starts at a multiple of this many elements
 
 
-# Below this many elements an overwriting GEMM's zero pass costs less than a memset call.
+# Below this many elements an overwriting GEMM's zero pass costs less than a separate zero_() call.
 MEMSET_GEMM_MIN_NUMEL = 1 << 14
 
 
 def write_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out = a @ b, overwriting `out`. On a CPU as a memset then a GEMM that adds (beta 1): MKL's
-    overwriting GEMM (beta 0) first scales `out` by zero in a pass of its own, slower than glibc's
-    memset (scripts/gemm_into.py: 0.86-0.95 of the time for the weights of benchmark_step.py's GPT
-    models; a GPT tiny compiled step 3% faster). 0 + x is exact, so the bits are the same. A GPU's
-    GEMM applies beta 0 in its epilogue: there it stays one kernel."""
+    """out = a @ b, overwriting `out`. On a CPU as `zero_()` then a GEMM that adds (beta 1): MKL's
+    overwriting GEMM (beta 0) first scales `out` by zero in a pass of its own, slower than torch's
+    fill (scripts/gemm_into.py: 0.86-0.95 of the time for the weights of benchmark_step.py's GPT
+    models; a GPT tiny compiled step 3% faster). 0 + x is x: the same bits on this CPU's MKL
+    (tests/test_grad_accumulation.py checks it wherever it runs). A GPU's GEMM applies beta 0 in its
+    epilogue: there it stays one kernel."""
     if out.is_cpu and out.numel() >= MEMSET_GEMM_MIN_NUMEL:
         out.zero_().addmm_(a, b)
     else:

@@ -178,8 +178,8 @@ class MegaliteOptimizer:
             self.loss_scaler.update(self.last_skipped)
         if self.last_skipped:
             return norm, found_inf
-        # Fused AdamW divides each gradient by `grad_scale` as it reads it (and stores it so), so
-        # the clip rides in the update: one pass over the gradients fewer than a multiply first.
+        # The fused update (AdamW; SGD under --optimizer sgd) divides each gradient by `grad_scale`
+        # as it reads it, and stores it so: the clip rides in the update, no multiply pass first.
         self.inner.grad_scale = None
         if clip_grad > 0 and self._device_skip:
             self.inner.grad_scale = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
@@ -189,7 +189,10 @@ class MegaliteOptimizer:
             group["lr"] = embedding_lr if group.get("embedding_or_output") and embedding_lr is not None else lr
         if self._device_skip:
             self.inner.found_inf = found_inf
-        self.inner.step()
+        try:
+            self.inner.step()
+        finally:
+            self.inner.grad_scale = None  # this step's clip, not the next caller's
         self.publish()
         return norm, found_inf
 

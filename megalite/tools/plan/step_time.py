@@ -19,10 +19,11 @@ from megalite.tools.plan.memory import StateBytes
 
 # Bytes of memory traffic per element the optimizer step updates (fused AdamW on the GPU): Adam
 # reads master, gradient, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the
-# global norm reads the gradient (4); clipping reads and writes it (8); publishing the new weights
-# reads the master and writes the model-dtype parameter (4 + 2 for bf16/fp16, nothing for fp32,
-# whose masters are the parameters). fp16 adds the unscaling pass (read + write, 8).
-OPTIMIZER_TRAFFIC = {"bf16": 16 + 12 + 4 + 8 + 6, "fp16": 16 + 12 + 4 + 8 + 6 + 8, "fp32": 16 + 12 + 4 + 8}
+# global norm reads the gradient (4); clipping rides in Adam's grad_scale, which writes the clipped
+# gradient back (4; MegaliteOptimizer.step); publishing the new weights reads the master and writes
+# the model-dtype parameter (4 + 2 for bf16/fp16, nothing for fp32, whose masters are the
+# parameters). fp16 adds the unscaling pass (read + write, 8).
+OPTIMIZER_TRAFFIC = {"bf16": 16 + 12 + 4 + 4 + 6, "fp16": 16 + 12 + 4 + 4 + 6 + 8, "fp32": 16 + 12 + 4 + 4}
 
 
 @dataclass(frozen=True)
