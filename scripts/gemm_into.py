@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""A weight gradient written into its buffer on a CPU: one overwriting GEMM (beta 0) against a
-memset and a GEMM that adds (beta 1), the way megalite.optim.buffers.write_gemm writes it.
+"""A weight gradient written into its buffer on a CPU: one overwriting GEMM (beta 0) against
+`zero_()` and a GEMM that adds (beta 1), the way megalite.optim.buffers.write_gemm writes it.
 
     python scripts/gemm_into.py                 # the shapes of benchmark_step.py's GPT models
     python scripts/gemm_into.py --rounds 40
@@ -9,7 +9,7 @@ For each weight-gradient shape (out x in, summed over `tokens` rows) both ways w
 a flat buffer, each timed cold (a 64 MB pass between calls evicts the caches, as a training step
 leaves them), in interleaved rounds on one thread; it prints the median time of each and their
 ratio, and checks that the two results are equal bit for bit. MKL's overwriting GEMM first scales
-its output by zero in a pass of its own, slower than glibc's memset.
+its output by zero in a pass of its own, slower than torch's fill.
 """
 from __future__ import annotations
 
