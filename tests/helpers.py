@@ -20,6 +20,20 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
+def ops_run(fn) -> list[str]:
+    """The aten operators `fn()` runs, by name (overload packet), in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    ops: list[str] = []
+    with Log():
+        fn()
+    return ops
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from helpers import ops_run
 from megalite import parallel
 from megalite.models import BERTModel, GPTModel, TransformerConfig
 from megalite.optim import buffers
@@ -195,19 +196,6 @@ def test_row_sums_add_once_per_row_as_a_zeroed_table_would_bitwise():
     assert got.tolist() == [[0, 0], [0, 0], [0, 0], [3, 3]]
 
 
-def _ops_run(fn):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func.overloadpacket.__name__))
-            return func(*args, **(kwargs or {}))
-    ops = []
-    with Log():
-        fn()
-    return ops
-
-
 def test_write_gemm_gives_mms_bits_over_whatever_the_buffer_held():
     """A weight gradient's first write (write_gemm): on a CPU a memset and a GEMM that adds, which
     skips MKL's slower zero pass of an overwriting GEMM (scripts/gemm_into.py); the same bits as
@@ -224,11 +212,11 @@ def test_write_gemm_gives_mms_bits_over_whatever_the_buffer_held():
     big, small = torch.empty(128, 128), torch.empty(64, 64)
     assert big.numel() >= buffers.MEMSET_GEMM_MIN_NUMEL > small.numel()
     x, y = torch.randn(8, 128), torch.randn(8, 64)
-    assert _ops_run(lambda: buffers.write_gemm(big, x.t(), x)) == ["t", "zero_", "addmm_"]
-    assert _ops_run(lambda: buffers.write_gemm(small, y.t(), y)) == ["t", "mm"]  # below it the zero pass is cheaper
+    assert ops_run(lambda: buffers.write_gemm(big, x.t(), x)) == ["t", "zero_", "addmm_"]
+    assert ops_run(lambda: buffers.write_gemm(small, y.t(), y)) == ["t", "mm"]  # below it the zero pass is cheaper
     # Elsewhere (a GPU's GEMM writes beta 0 in its epilogue) one GEMM, no memset: shown on meta tensors.
     meta, xm = torch.empty(128, 128, device="meta"), x.to("meta")
-    assert _ops_run(lambda: buffers.write_gemm(meta, xm.t(), xm)) == ["t", "mm"]
+    assert ops_run(lambda: buffers.write_gemm(meta, xm.t(), xm)) == ["t", "mm"]
 
 
 def test_gemm_into_script_times_both_ways_and_checks_their_bits():

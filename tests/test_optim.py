@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import fresh_seed, rel_err, tiny_gpt_and_optimizer
+from helpers import fresh_seed, ops_run, rel_err, tiny_gpt_and_optimizer
 from megalite import parallel
 from megalite.models import GPTModel, TransformerConfig
 from megalite.optim import DynamicLossScaler, LRSchedule, ParamAndGradBuffer
@@ -186,13 +186,6 @@ def test_decoupled_lr_moves_the_embedding_and_output_layer_at_their_own_rate():
 def _clipped_steps(rank, world, optimizer="adamw"):
     """Two steps clipped at 1.0, then one with clipping off, against torch's clip_grad_norm_ and
     the fused AdamW (or SGD: --optimizer sgd) on copies; the operators each step runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ran.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     from megalite.training.build import _use_plain_sgd
 
     model, _, opt = tiny_gpt_and_optimizer(num_layers=1, weight_decay=0.0)
@@ -213,10 +206,7 @@ def _clipped_steps(rank, world, optimizer="adamw"):
         if clip:
             torch.nn.utils.clip_grad_norm_(copies, clip)
         reference.step()
-        ran = []
-        with Ops():
-            opt.step(lr=0.1, clip_grad=clip)
-        ops.append(ran)
+        ops.append(ops_run(lambda: opt.step(lr=0.1, clip_grad=clip)))
         worst = max(worst, max(rel_err(p.detach(), c.detach()) for p, c in zip(params, copies)))
         grads_after.append(max(rel_err(p.main_grad, c.grad) for p, c in zip(params, copies)))
         scales_left.append(getattr(opt.inner, "grad_scale", None))
