@@ -180,7 +180,7 @@ class MegaliteOptimizer:
             return norm, found_inf
         # The fused update (AdamW; SGD under --optimizer sgd) divides each gradient by `grad_scale`
         # as it reads it, and stores it so: the clip rides in the update, no multiply pass first.
-        self.inner.grad_scale = None
+        # (Cleared after the update below, so no step starts with one set.)
         if clip_grad > 0 and self._device_skip:
             self.inner.grad_scale = ((norm + 1e-6) / clip_grad).clamp(min=1.0)
         elif clip_grad > 0:
