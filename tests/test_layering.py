@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parents[1] / "megalite"
 # package -> the megalite packages and modules it must never import (directly or lazily inside a function)
 FORBIDDEN = {
     "ops": {"parallel", "models", "pipeline", "optim", "training", "checkpoint", "tools", "config"},
+    # FP8's numbers (formats, recipes, quantization, the scaled GEMM): plain tensor math, below parallel.
+    "precision": {"parallel", "models", "pipeline", "optim", "training", "checkpoint", "tools", "config", "data",
+                  "runtime", "ops"},
     "parallel": {"models", "pipeline", "optim", "training", "checkpoint", "tools", "data", "config", "runtime"},
     "models": {"training", "pipeline", "optim", "checkpoint", "tools", "data", "arguments", "config", "runtime"},
     "pipeline": {"training", "optim", "checkpoint", "tools", "data", "config"},

@@ -74,8 +74,7 @@ SCRIPTS = {
     "gpt3_175b": ("pretrain_gpt.py", 8 * 16, GPT3_175B, {}),
     "bert_340m": ("pretrain_bert.py", 8 * 16, BERT_340M, {}),
     "llama3_8b_fp8": ("pretrain_gpt.py", 8, LLAMA3_8B_FP8,
-                      {"--fp8-format": 1,
-                       "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0}),
+                      {"--fp8-param-gather": 0}),
     "mixtral_8x7b": ("pretrain_gpt.py", 8 * 4, MIXTRAL_8X7B, {}),
 }
 
@@ -118,6 +117,7 @@ def test_a_megatron_example_is_refused_only_for_what_megalite_cannot_do(name, tm
 
 def test_the_llama_example_resolves_to_megatrons_numbers(tmp_path):
     from megalite.config import build_parser, lr_schedule_lengths, model_config
+    from megalite.precision.recipes import Recipe
 
     _, _, argv, refused = SCRIPTS["llama3_8b_fp8"]
     cfg = build_parser("x", "gpt-tiny").parse_args(_without(argv, refused))
@@ -130,6 +130,8 @@ def test_the_llama_example_resolves_to_megatrons_numbers(tmp_path):
     assert model.layernorm_zero_centered_gamma and model.normalization == "layernorm"
     assert not cfg.parallel.sequence_parallel and "--sequence-parallel (with --tp 1)" in cfg.ignored_flags
     assert {"--use-mcore-models", "--manual-gc", "--profile", "--ckpt-format"} <= set(cfg.ignored_flags)
+    # FP8 as the script asks: hybrid formats, delayed scaling (Megatron-LM's default recipe) over 1024 steps' max
+    assert cfg.precision.fp8() == Recipe("delayed", "hybrid", 1024, "max", 0, True)
 
 
 def test_the_mixtral_example_resolves_to_its_experts_and_layout():

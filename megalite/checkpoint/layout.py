@@ -163,6 +163,17 @@ def expert_biases(model_chunks):
                 yield global_name(chunk, local), b
 
 
+def fp8_scaling_state(model_chunks):
+    """(layout-free name, tensor) of FP8 delayed scaling's amax histories and scales, per linear
+    layer: replicated over the stage (reduced there each step), saved and loaded with the model."""
+    for chunk in model_chunks:
+        for local, m in chunk.named_modules():
+            scaling = getattr(getattr(m, "fp8", None), "scaling", None)
+            if scaling is not None:
+                for key, t in scaling.state_dict().items():
+                    yield global_name(chunk, f"{local}.fp8_{key}"), t
+
+
 def param_owners(model_chunks) -> dict:
     """id(parameter) -> (chunk, local name): how an optimizer piece finds its model parameter."""
     return {id(p): (chunk, local) for chunk, local, p, _ in named_params(model_chunks)}

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.fileformat import RankFile
-from megalite.checkpoint.layout import (EXPERT_TENSOR, VOCAB_PARAMS, expert_biases, piece_parts, shard_of,
-                                        stored_by_param, stored_tensors)
+from megalite.checkpoint.layout import (EXPERT_TENSOR, VOCAB_PARAMS, expert_biases, global_name, piece_parts,
+                                        shard_of, stored_by_param, stored_tensors)
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.models.config import TransformerConfig
-from megalite.runtime import UsageError
+from megalite.runtime import UsageError, say
 
 
 def _copy_local(dst: torch.Tensor, full: torch.Tensor, dim, start: int, shape, lo: int, hi: int,
@@ -56,8 +56,30 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
                 raise UsageError(f"checkpoint {reader.path} has no {name}: it was saved without "
                                  f"--moe-router-enable-expert-bias; resume without it")
             bias.copy_(reader.full_tensor(name))
+        _load_fp8_scaling(reader, model_chunks)
         reader.finish_direct()
     return reader
+
+
+def _load_fp8_scaling(reader, model_chunks) -> None:
+    """FP8 delayed scaling's histories and scales, where the checkpoint has them (a run that was not
+    in delayed FP8 starts them anew, said once). A history of another length keeps its newest amaxes."""
+    names = set(reader.model_names())
+    fresh = 0
+    for chunk in model_chunks:
+        for local, m in chunk.named_modules():
+            scaling = getattr(getattr(m, "fp8", None), "scaling", None)
+            if scaling is None:
+                continue
+            name = global_name(chunk, local)
+            if f"{name}.fp8_history" in names and f"{name}.fp8_scale" in names:
+                scaling.load_state_dict({"history": reader.full_tensor(f"{name}.fp8_history"),
+                                         "scale": reader.full_tensor(f"{name}.fp8_scale")})
+            else:
+                fresh += 1
+    if fresh:
+        say(f"megalite: note: checkpoint {reader.path} has no FP8 delayed-scaling state for {fresh} linear layers: "
+            f"their amax histories start empty")
 
 
 def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> bool:

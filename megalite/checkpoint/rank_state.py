@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
-from megalite.checkpoint.layout import expert_biases, is_writer, piece_parts, stored_by_param, stored_tensors
+from megalite.checkpoint.layout import expert_biases, fp8_scaling_state, is_writer, piece_parts, stored_by_param, stored_tensors
 from megalite.parallel.layers import partition_blocks
 from megalite.parallel.random import get_rng_tracker
 
@@ -100,7 +100,7 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         model.setdefault(st.name, []).append({"tensor": add(f"model/{st.name}", t), "dim": st.dim, "start": st.start,
                                               "full": st.full, **_blocks(st.param)})
     if _first_replica():
-        for name, b in expert_biases(model_chunks):  # replicated over the stage: one copy
+        for name, b in [*expert_biases(model_chunks), *fp8_scaling_state(model_chunks)]:  # replicated: one copy
             if parallel.get_tensor_model_parallel_rank() == 0:
                 model[name] = [{"tensor": add(f"model/{name}", b), "dim": None, "start": 0, "full": None}]
     meta: dict = {"iteration": iteration, "writer": writer_identity(), "model": model}

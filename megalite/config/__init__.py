@@ -6,7 +6,8 @@ from megalite.config.layout import validate
 from megalite.config.rules import lr_schedule_lengths, model_config, model_dtype, resolve
 from megalite.config.run import SECTIONS, ConfigError, RunConfig
 from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
+                                      ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
+from megalite.config.precision import PrecisionConfig
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "ConfigParser", "DataConfig", "DataParallelConfig",
            "LocalSGDConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from megalite.config.fields import flag_of, section_fields, spec_of
 from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      MoEConfig, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainingConfig)
+                                      MoEConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
+from megalite.config.precision import PrecisionConfig
 
 
 class ConfigError(ValueError):

@@ -444,30 +444,6 @@ class DataParallelConfig:
 
 
 @dataclass
-class PrecisionConfig:
-    """The dtype the model trains in, and fp16's loss scaling."""
-    bf16: bool = opt(False, "bf16 model, fp32 master weights")
-    fp16: bool = opt(False, "fp16 model, fp32 master weights, loss scaling")
-    loss_scale: float | None = opt(None, "fp16: a fixed loss scale (default: dynamic)", check=POSITIVE)
-    initial_loss_scale: float = opt(2.0 ** 16, "fp16: the dynamic scale's start", check=POSITIVE)
-    loss_scale_window: int = opt(1000, "clean steps before the scale grows", check=POSITIVE_INT)
-    hysteresis: int = opt(2, "overflowing steps before the scale shrinks", check=POSITIVE_INT)
-    min_loss_scale: float = opt(1.0, "fp16: the dynamic scale's floor", check=POSITIVE)
-    no_tf32: bool = opt(False, "fp32 runs: full-FP32 matmuls instead of TF32 tensor cores (MFU then against the "
-                               "FP32 peak)")
-
-    def check(self) -> None:
-        check_numbers(self)
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 exclude each other: keep one")
-        if self.loss_scale is not None and not self.fp16:
-            raise ValueError("--loss-scale applies to --fp16 only")
-        if self.fp16 and self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
-            raise ValueError(f"--min-loss-scale {self.min_loss_scale} is above --initial-loss-scale "
-                             f"{self.initial_loss_scale}")
-
-
-@dataclass
 class LocalSGDConfig:
     """Local SGD / DiLoCo for slow links (docs/local-sgd.md)."""
     local_sgd_interval: int = opt(0, "data-parallel replicas take H optimizer steps without reducing gradients "

@@ -19,6 +19,7 @@ from megalite.parallel.mappings import (
 from megalite.parallel.random import get_rng_tracker, model_parallel_manual_seed
 from megalite.parallel.state import (
     destroy_model_parallel,
+    get_amax_reduction_group,
     get_context_parallel_group,
     get_context_parallel_rank,
     get_context_parallel_ranks,

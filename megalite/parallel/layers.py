@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megalite.parallel import state, weight_grad
+from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_linear
 from megalite.parallel.grad_accumulation import embedding, linear
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -129,6 +130,8 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.sequence_parallel = sequence_parallel
+        self.partition_dim = partition_dim
+        self.fp8: FP8Linear | None = None  # `use_fp8`: the GEMMs in FP8
         device = default_device(device)
         self.weight = _sharded_parameter(
             (output_size, input_size), partition_dim, init_method or normal_init(), params_dtype, device,
@@ -145,6 +148,15 @@ class _ParallelLinear(nn.Module):
         else:
             # Added to a sequence shard, its gradient is partial per TP rank and must be summed.
             self.bias.sequence_parallel = sequence_parallel
+
+    def use_fp8(self, recipe) -> None:
+        """Run this layer's GEMMs in FP8 as `recipe` (a megalite.precision.Recipe) says; None: not."""
+        self.fp8 = None if recipe is None else FP8Linear(recipe, amax_groups(self.partition_dim), self.weight.device)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, bias, self.fp8)
+        return linear(x, self.weight, bias, into_main_grad=True)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -177,7 +189,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)
-        y = linear(x, self.weight, self.bias, into_main_grad=True)
+        y = self._linear(x, self.bias)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -204,7 +216,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        y = linear(x, self.weight, into_main_grad=True)
+        y = self._linear(x, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:

@@ -257,6 +257,21 @@ def get_tensor_and_context_parallel_group():
     return s.groups["tensor_context"] if s else None
 
 
+def get_amax_reduction_group():
+    """TP x CP x DP: the ranks of one pipeline stage, which hold the same layers (or their TP parts)
+    and see every token of a step between them: FP8 delayed scaling reduces its amaxes over them
+    once a step. Built on first use, so collective: every rank calls it."""
+    s = _state()
+    if s is None:
+        return None
+    if "amax" not in s.groups:
+        for ranks in rank_groups(s.sizes, ("tensor", "context", "data")):
+            group = dist.new_group(ranks, timeout=s.timeout)
+            if dist.get_rank() in ranks:
+                s.groups["amax"], s.ranks["amax"] = group, ranks
+    return s.groups["amax"]
+
+
 def get_expert_data_parallel_group_in_replica():
     """Local SGD: the ranks of one data-parallel replica (its TP x CP ranks) that hold the same expert
     shard, whose expert gradients are summed every step; replicas meet only in the outer step. Built

@@ -11,6 +11,7 @@ import torch
 from megalite import parallel
 from megalite.config import model_dtype
 from megalite.config.sections import pass_costs
+from megalite.models.fp8 import close_delayed_scaling, fp8_states
 from megalite.models.moe import losses as moe_losses
 from megalite.models.moe.router import expert_bias_routers, update_expert_biases
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
@@ -47,11 +48,17 @@ class TrainStep:
     params: list[torch.nn.Parameter] = field(init=False)
     programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
     routers: list = field(init=False)  # the routers balanced by an expert bias after each step
+    amax_group: object = field(init=False)  # FP8 delayed scaling: its amaxes reduced here each step (or None)
 
     def __post_init__(self):
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.routers = expert_bias_routers(self.chunks)
         self.programs = {self.micro_batches: self.program}
+        self.amax_group = None
+        if any(s.scaling is not None for s in fp8_states(self.chunks)):
+            # Local SGD's replicas meet only in the outer step: their scales are their own.
+            self.amax_group = (parallel.get_tensor_and_context_parallel_group() if self.local_sgd is not None
+                               else parallel.get_amax_reduction_group())
 
     def use_micro_batches(self, m: int) -> None:
         """Run the next steps with `m` micro-batches (the batch ramp-up): the same schedule, built once
@@ -130,6 +137,8 @@ class TrainStep:
         grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad, embedding_lr)
         self.optimizer.zero_grad()
         update_expert_biases(self.routers, found_inf)
+        if self.amax_group is not None:
+            close_delayed_scaling(self.chunks, self.amax_group)
         if self.local_sgd is not None:
             set_phase(f"{label}: the local-SGD outer step")
             self.local_sgd.after_inner_step()

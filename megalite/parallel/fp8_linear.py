@@ -1,0 +1,125 @@
+"""A tensor-parallel linear layer's three GEMMs in FP8 (megalite.precision): forward y = x W^T,
+input gradient dx = dy W, weight gradient dW = dy^T x, each operand quantized as the recipe says,
+the result in the activations' dtype (the weight gradient in the weight's), master weights and
+optimizer untouched. Biases, the output layer, norms, softmax and losses stay in higher precision.
+
+Each operand is quantized along its GEMM's contraction: x and W along the input features for the
+forward; dy along the output features and W^T for dx; dy^T and x^T along the tokens for dW. A
+tensor-wide scale serves both orientations (a transpose of the same FP8 values), as does a 128 x 128
+block; 1 x 128 and 1 x 32 tiles are quantized again from the higher-precision tensor.
+
+Layouts agree with one device: under current scaling (tensorwise) an operand sharded over tensor or
+context parallelism takes the amax of the whole tensor (an all-reduce MAX over the ranks that hold
+its parts: `amax_groups`), so each rank quantizes its part exactly as one device quantizes the
+whole. Delayed scaling reduces once per step instead (megalite.models.fp8). The weight is quantized
+in each forward (its FP8 copy, and the transposed one dx needs, saved for the backward); keeping it
+over a step's micro-batches would need to know when the optimizer changed it.
+
+Under a zero-bubble schedule the weight-gradient GEMM is left for W like any linear's
+(megalite.parallel.weight_grad.give).
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.parallel import state, weight_grad
+from megalite.precision.gemm import scaled_mm
+from megalite.precision.quantize import Quantized, amax_of, quantize
+from megalite.precision.recipes import Recipe
+from megalite.precision.scaling import DelayedScaling
+
+
+def _group_or_none(group):
+    return group if group is not None and torch.distributed.get_world_size(group) > 1 else None
+
+
+def amax_groups(partition_dim: int) -> dict[str, object]:
+    """The groups whose ranks hold parts of each operand of a column- (partition_dim 0) or
+    row-parallel (1) linear layer: tokens are split over context parallelism, features over TP
+    (a column layer's input is whole on every TP rank, gathered under sequence parallelism; a row
+    layer's output gradient is too)."""
+    if not state.model_parallel_is_initialized():
+        return {"input": None, "weight": None, "grad": None}
+    tp, cp = state.get_tensor_model_parallel_group(), state.get_context_parallel_group()
+    both = state.get_tensor_and_context_parallel_group()
+    sharded, whole = _group_or_none(both), _group_or_none(cp)
+    return {"input": whole if partition_dim == 0 else sharded, "weight": _group_or_none(tp),
+            "grad": sharded if partition_dim == 0 else whole}
+
+
+class FP8Linear:
+    """What one layer's FP8 GEMMs need: the recipe, the amax groups, delayed scaling's state and the
+    weight's kept quantization."""
+
+    def __init__(self, recipe: Recipe, groups: dict[str, object] | None = None, device=None):
+        self.recipe = recipe
+        self.groups = groups or {"input": None, "weight": None, "grad": None}
+        self.scaling = DelayedScaling(recipe, device) if recipe.delayed else None
+
+    def quantize(self, x: torch.Tensor, role: str) -> Quantized:
+        """x laid [rows, contraction] in `role`'s format and tiles."""
+        r = self.recipe
+        dtype, tile = r.dtype(role), r.tile(role)
+        if tile is not None:
+            return quantize(x, dtype, tile, r.power_of_two)
+        amax = amax_of(x)
+        if self.scaling is not None:
+            return quantize(x, dtype, scale=self.scaling.record(role, amax), amax=amax)
+        group = self.groups.get(role)
+        if group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        return quantize(x, dtype, amax=amax)
+
+    def weight_t(self, w: torch.Tensor, qw: Quantized) -> Quantized:
+        """W^T laid for dx (along the output features): the forward's FP8 values transposed where
+        the scale allows (tensor-wide, square blocks), else W quantized again along them."""
+        tile = self.recipe.tile("weight")
+        if tile is None or tile[0] == tile[1]:
+            return qw.t()
+        return self.quantize(w.detach().t(), "weight")
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: FP8Linear):
+        qx, qw = fp8.quantize(x, "input"), fp8.quantize(weight.detach(), "weight")
+        y = scaled_mm(qx, qw, x.dtype)
+        if bias is not None:
+            y = y + bias
+        # What dW needs: x's FP8 values (tensor-wide: transposed later), or x itself (re-quantized
+        # along the tokens; and for --no-fp8-wgrad).
+        keep_fp8 = fp8.recipe.tile("input") is None and fp8.recipe.wgrad
+        qw_t = fp8.weight_t(weight, qw) if ctx.needs_input_grad[0] else None
+        ctx.save_for_backward(qx.data if keep_fp8 else x, qx.scale_inv if keep_fp8 else None, weight,
+                              *((qw_t.data, qw_t.scale_inv) if qw_t is not None else (None, None)))
+        ctx.fp8, ctx.keep_fp8, ctx.used = fp8, keep_fp8, (weight, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved_x, x_scale_inv, weight, w_t, w_t_scale_inv = ctx.saved_tensors
+        fp8, (used_w, used_b) = ctx.fp8, ctx.used
+        ctx.used = None
+        qdy = fp8.quantize(dy, "grad")
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_mm(qdy, Quantized(w_t, w_t_scale_inv, fp8.recipe.tile("weight")), dy.dtype)
+
+        def weight_gradient():
+            if not fp8.recipe.wgrad:
+                return dy.t().mm(saved_x).to(weight.dtype)
+            if ctx.keep_fp8:  # one tensor-wide scale: the same FP8 values, transposed
+                qx_t = Quantized(saved_x, x_scale_inv).t()
+                return scaled_mm(qdy.t(), qx_t, weight.dtype)
+            return scaled_mm(fp8.quantize(dy.t(), "grad"), fp8.quantize(saved_x.t(), "input"), weight.dtype)
+
+        dw = weight_grad.give(used_w, ctx.needs_input_grad[1], weight_gradient, (dy,))
+        db = weight_grad.give(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
+        return dx, dw, db, None
+
+
+@torch.compiler.disable  # its scales and collectives run eagerly between compiled regions
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: FP8Linear) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its GEMMs in FP8 as `fp8.recipe` says."""
+    y = _FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, fp8)
+    return y.view(*x.shape[:-1], weight.shape[0])
