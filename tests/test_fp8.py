@@ -10,7 +10,7 @@ from megalite.parallel.fp8_linear import FP8Linear, fp8_linear
 from megalite.precision.gemm import emulated_mm, scaled_mm
 from megalite.precision.quantize import Quantized, quantize
 from megalite.precision.recipes import E4M3, E5M2, FP8_MAX, RECIPES, Recipe
-from megalite.precision.scaling import DelayedScaling
+from megalite.precision.scaling import DelayedScaling, fit_history
 
 MANTISSA_BITS, MIN_EXPONENT = {E4M3: 3, E5M2: 2}, {E4M3: -6, E5M2: -14}
 
@@ -149,16 +149,13 @@ def test_delayed_scaling_rolls_its_history_and_chooses_scales_as_transformer_eng
     assert recent.amax_now.tolist() == [0.0, 0.0, 0.0]
 
 
-def test_a_delayed_scaling_state_loads_into_a_history_of_another_length():
+def test_a_saved_history_fits_a_run_with_another_history_length_keeping_the_newest_amaxes():
     s = DelayedScaling(Recipe("delayed", amax_history_len=4))
     for amax in range(1, 6):
         s.update(torch.full((3,), float(amax)))
-    shorter = DelayedScaling(Recipe("delayed", amax_history_len=2))
-    shorter.load_state_dict(s.state_dict())
-    assert shorter.history[0].tolist() == [5.0, 4.0] and torch.equal(shorter.scale, s.scale)
-    longer = DelayedScaling(Recipe("delayed", amax_history_len=6))
-    longer.load_state_dict(s.state_dict())
-    assert longer.history[0].tolist() == [5.0, 4.0, 3.0, 2.0, 0.0, 0.0]
+    assert fit_history(s.history, 2)[0].tolist() == [5.0, 4.0]
+    assert fit_history(s.history, 6)[0].tolist() == [5.0, 4.0, 3.0, 2.0, 0.0, 0.0]
+    assert fit_history(s.history, 4) is s.history
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

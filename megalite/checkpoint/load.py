@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.fileformat import RankFile
-from megalite.checkpoint.layout import (EXPERT_TENSOR, VOCAB_PARAMS, expert_biases, global_name, piece_parts,
-                                        shard_of, stored_by_param, stored_tensors)
+from megalite.checkpoint.layout import (EXPERT_TENSOR, FP8_STATE_SUFFIXES, VOCAB_PARAMS, expert_biases, fp8_scaling_state,
+                                        piece_parts, shard_of, stored_by_param, stored_tensors)
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.models.config import TransformerConfig
+from megalite.precision.scaling import fit_history
 from megalite.runtime import UsageError, say
 
 
@@ -62,24 +63,25 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
 
 
 def _load_fp8_scaling(reader, model_chunks) -> None:
-    """FP8 delayed scaling's histories and scales, where the checkpoint has them (a run that was not
-    in delayed FP8 starts them anew, said once). A history of another length keeps its newest amaxes."""
+    """FP8 delayed scaling's histories and scales (each layer's, each expert's), where the checkpoint
+    has them: a run that was not in delayed FP8 starts them anew, said once. A history of another
+    length keeps its newest amaxes."""
     names = set(reader.model_names())
+    wanted: dict = {}  # state name -> {"history": tensor, "scale": tensor}
+    for experts in (False, True):
+        for name, t in fp8_scaling_state(model_chunks, experts):
+            base, key = name.rsplit("_", 1)
+            wanted.setdefault(base, {})[key] = (name, t)
     fresh = 0
-    for chunk in model_chunks:
-        for local, m in chunk.named_modules():
-            scaling = getattr(getattr(m, "fp8", None), "scaling", None)
-            if scaling is None:
-                continue
-            name = global_name(chunk, local)
-            if f"{name}.fp8_history" in names and f"{name}.fp8_scale" in names:
-                scaling.load_state_dict({"history": reader.full_tensor(f"{name}.fp8_history"),
-                                         "scale": reader.full_tensor(f"{name}.fp8_scale")})
-            else:
-                fresh += 1
+    for base, parts in wanted.items():
+        if all(name in names for name, _ in parts.values()):
+            for name, t in parts.values():
+                t.copy_(fit_history(reader.full_tensor(name), t.shape[-1]))
+        else:
+            fresh += 1
     if fresh:
-        say(f"megalite: note: checkpoint {reader.path} has no FP8 delayed-scaling state for {fresh} linear layers: "
-            f"their amax histories start empty")
+        say(f"megalite: note: checkpoint {reader.path} has no FP8 delayed-scaling state for {fresh} of {len(wanted)} "
+            f"GEMMs: their amax histories start empty")
 
 
 def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> bool:
@@ -166,6 +168,8 @@ def load_full_state_dict(directory) -> tuple[TransformerConfig, str, dict[str, t
     padded = pad_vocab_size(reader.config.vocab_size, 1, reader.config.make_vocab_size_divisible_by)
     sd, experts = {}, {}
     for name in reader.model_names():
+        if name.endswith(FP8_STATE_SUFFIXES):  # training state, not the model's weights
+            continue
         t = reader.full_tensor(name)
         if name in VOCAB_PARAMS and t.shape[0] < padded:
             t = torch.cat([t, torch.zeros((padded - t.shape[0], *t.shape[1:]), dtype=t.dtype)])

@@ -103,6 +103,9 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         for name, b in [*expert_biases(model_chunks), *fp8_scaling_state(model_chunks)]:  # replicated: one copy
             if parallel.get_tensor_model_parallel_rank() == 0:
                 model[name] = [{"tensor": add(f"model/{name}", b), "dim": None, "start": 0, "full": None}]
+    if parallel.get_expert_data_parallel_rank() == 0 and parallel.get_expert_tensor_parallel_rank() == 0:
+        for name, t in fp8_scaling_state(model_chunks, experts=True):  # each expert's, from one of its holders
+            model[name] = [{"tensor": add(f"model/{name}", t), "dim": None, "start": 0, "full": None}]
     meta: dict = {"iteration": iteration, "writer": writer_identity(), "model": model}
     if optimizer is not None:
         meta.update(_collect_optimizer(model_chunks, optimizer, add))

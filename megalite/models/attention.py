@@ -22,7 +22,6 @@ from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
 from megalite.parallel import state, weight_grad
 from megalite.parallel.context_parallel import a2a_attention, ring_attention
-from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                         sum_over_tensor_model_parallel_region)
@@ -189,8 +188,8 @@ class ParallelAttention(nn.Module):
             qkv = self.qkv(x)  # [s, b, heads_per_rank * 3 * head_dim]
             return qkv.view(*qkv.shape[:2], self.heads_per_rank, 3, d).unbind(3)
         x = self._input_of_column_parallel(x)
-        q = linear(x, self.q.weight, self.q.bias, into_main_grad=True)
-        kv = linear(x, *self._kv_weight_and_bias(), into_main_grad=not self.groups_replicated)
+        q = self.q.gemm(x, bias=self.q.bias)
+        kv = self.kv.gemm(x, *self._kv_weight_and_bias(), into_main_grad=not self.groups_replicated)
         k, v = kv.view(*kv.shape[:2], -1, 2, d).unbind(3)
         return q.view(*q.shape[:2], self.heads_per_rank, d), k, v
 

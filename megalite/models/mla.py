@@ -99,12 +99,12 @@ class MultiLatentAttention(nn.Module):
         """q and k [s, b, heads_per_rank, d_n + d_r] (rope applied), v [s, b, heads_per_rank, d_v]."""
         s, b = x.shape[:2]
         if self.config.q_lora_rank is None:
-            q = linear(x, self.q.weight, None, into_main_grad=True)
+            q = self.q.gemm(x)
         else:
-            q = linear(self.q_norm(self.q_down(x)), self.q_up.weight, None, into_main_grad=True)
+            q = self.q_up.gemm(self.q_norm(self.q_down(x)))
         q_nope, q_pe = q.view(s, b, self.heads_per_rank, self.nope + self.rope).split([self.nope, self.rope], -1)
         latent, k_pe = self.kv_down(x).split([self.config.kv_lora_rank, self.rope], -1)
-        kv = linear(self.kv_norm(latent), self.kv_up.weight, None, into_main_grad=True)
+        kv = self.kv_up.gemm(self.kv_norm(latent))
         k_nope, v = kv.view(s, b, self.heads_per_rank, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         q_pe, k_pe = self.rotary(q_pe), self.rotary(k_pe.unsqueeze(2))
         q = torch.cat([q_nope, q_pe], dim=-1)

@@ -123,3 +123,78 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """F.linear(x, weight, bias) with its GEMMs in FP8 as `fp8.recipe` says."""
     y = _FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, fp8)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class _FP8GroupedLinearFunction(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] W[e]^T for each local expert e, in FP8 with expert e's own scales
+    (`states[e]`): the loop of `_FP8LinearFunction`'s GEMMs, one weight-gradient tensor filled."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, states):
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.states, ctx.used = counts, states, weight
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
+            if ye.shape[0]:
+                ye.copy_(scaled_mm(states[e].quantize(xe, "input"), states[e].quantize(weight[e].detach(), "weight"),
+                                   x.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        counts, states, used = ctx.counts, ctx.states, ctx.used
+        ctx.used = None
+        dy = dy.contiguous()
+        pieces = list(zip(dy.split(counts), x.split(counts)))
+        # Each expert's gradient quantized once for both GEMMs where one scale serves both; with one
+        # scale x is quantized here too (its amax may be reduced: no collective is left for W).
+        q_dy = [states[e].quantize(ge, "grad") if ge.shape[0] else None for e, (ge, _) in enumerate(pieces)]
+        tensor_wide = states[0].recipe.tile("input") is None if states else True
+        q_x = [states[e].quantize(xe, "input") if ge.shape[0] and tensor_wide else None
+               for e, (ge, xe) in enumerate(pieces)]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.new_empty(x.shape)
+            for e, (q, gxe) in enumerate(zip(q_dy, dx.split(counts))):
+                if q is not None:
+                    st = states[e]
+                    w_t = st.weight_t(weight[e], st.quantize(weight[e].detach(), "weight"))
+                    gxe.copy_(scaled_mm(q, w_t, dy.dtype))
+
+        def weight_gradient():
+            grad_w = torch.zeros_like(weight)  # an expert no token reached: a zero gradient
+            for e, (ge, xe) in enumerate(pieces):
+                if ge.shape[0]:
+                    grad_w[e] = _weight_gradient(states[e], ge, xe, q_dy[e], q_x[e], weight.dtype)
+            return grad_w
+
+        return dx, weight_grad.give(used, ctx.needs_input_grad[1], weight_gradient, (dy,)), None, None
+
+
+def _weight_gradient(fp8: FP8Linear, dy: torch.Tensor, x: torch.Tensor, q_dy: Quantized, q_x: Quantized | None,
+                     dtype) -> torch.Tensor:
+    """dW = dy^T x for one expert: both quantized along the tokens (a tensor-wide scale: `q_dy` and
+    `q_x`, x quantized as the forward quantized it, transposed)."""
+    if not fp8.recipe.wgrad:
+        return dy.t().mm(x).to(dtype)
+    if q_x is not None:
+        return scaled_mm(q_dy.t(), q_x.t(), dtype)
+    return scaled_mm(fp8.quantize(dy.t(), "grad"), fp8.quantize(x.t(), "input"), dtype)
+
+
+@torch.compiler.disable
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], states: list[FP8Linear]):
+    """x [sum(counts), in] sorted by expert, weight [E, out, in] -> [sum(counts), out], each expert's
+    GEMMs in FP8 with its own scales."""
+    return _FP8GroupedLinearFunction.apply(x, weight, list(counts), states)
+
+
+def expert_amax_groups(partition_dim: int) -> dict[str, object]:
+    """`amax_groups` for an expert's fc1 (1: its rows split over expert tensor parallelism, like a
+    column-parallel layer) or fc2 (2: its columns, like a row-parallel one). Its tokens are whole on
+    the ranks of that group."""
+    if not state.model_parallel_is_initialized():
+        return {"input": None, "weight": None, "grad": None}
+    etp = _group_or_none(state.get_expert_tensor_parallel_group())
+    return {"input": None if partition_dim == 1 else etp, "weight": etp, "grad": etp if partition_dim == 1 else None}

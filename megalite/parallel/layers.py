@@ -153,10 +153,15 @@ class _ParallelLinear(nn.Module):
         """Run this layer's GEMMs in FP8 as `recipe` (a megalite.precision.Recipe) says; None: not."""
         self.fp8 = None if recipe is None else FP8Linear(recipe, amax_groups(self.partition_dim), self.weight.device)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+             into_main_grad: bool = True) -> torch.Tensor:
+        """This layer's GEMM alone, x W^T + bias, on an input already where the layer's forward puts
+        it (for models that share one gathered input between layers, or use the weight gathered:
+        `weight`); in FP8 when `use_fp8` gave a recipe."""
+        weight = self.weight if weight is None else weight
         if self.fp8 is not None:
-            return fp8_linear(x, self.weight, bias, self.fp8)
-        return linear(x, self.weight, bias, into_main_grad=True)
+            return fp8_linear(x, weight, bias, self.fp8)
+        return linear(x, weight, bias, into_main_grad=into_main_grad)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -189,7 +194,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)
-        y = self._linear(x, self.bias)
+        y = self.gemm(x, bias=self.bias)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -216,7 +221,7 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        y = self._linear(x, None)
+        y = self.gemm(x)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:

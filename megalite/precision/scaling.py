@@ -29,7 +29,6 @@ class DelayedScaling:
         self.amax_now = torch.zeros(len(ROLES), device=device)
         self.history = torch.zeros(len(ROLES), recipe.amax_history_len, device=device)  # newest first
         self.scale = torch.ones(len(ROLES), device=device)
-        self.generation = 0  # counts updates: a cached quantization made with older scales is stale
 
     def record(self, role: str, amax: torch.Tensor) -> torch.Tensor:
         """Note `amax` for this step; returns the scale to quantize `role` with now."""
@@ -46,15 +45,16 @@ class DelayedScaling:
         new = top / ref / 2.0 ** self.recipe.margin
         self.scale.copy_(torch.where(torch.isfinite(new) & (ref > 0) & torch.isfinite(ref), new, self.scale))
         self.amax_now.zero_()
-        self.generation += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"history": self.history, "scale": self.scale}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        history, scale = state["history"].to(self.history.device), state["scale"].to(self.scale.device)
-        length = self.recipe.amax_history_len
-        kept = history[:, :length]  # newest first: a shorter history keeps the newest amaxes
-        self.history.zero_()[:, :kept.shape[1]].copy_(kept)
-        self.scale.copy_(scale)
-        self.generation += 1
+
+def fit_history(saved: torch.Tensor, length: int) -> torch.Tensor:
+    """A saved history [roles, n] (newest first) at another length: the newest amaxes kept, zeros after."""
+    if saved.shape[-1] == length:
+        return saved
+    out = saved.new_zeros(*saved.shape[:-1], length)
+    kept = min(saved.shape[-1], length)
+    out[..., :kept] = saved[..., :kept]
+    return out

@@ -20,6 +20,7 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import activation_function
 from megalite.parallel import state, weight_grad
+from megalite.parallel.fp8_linear import FP8Linear, expert_amax_groups, fp8_grouped_linear
 from megalite.parallel.layers import default_device, init_device, normal_init, tp_shard
 
 
@@ -108,7 +109,8 @@ class GroupedMLP(nn.Module):
         self.num_local_experts = experts // ep
         self.gated = config.gated_linear_unit
         blocks = 2 if self.gated else 1
-        first = state.get_expert_model_parallel_rank() * self.num_local_experts
+        first = self.first_expert = state.get_expert_model_parallel_rank() * self.num_local_experts
+        self.num_experts = experts
         mine = slice(first, first + self.num_local_experts)
         etp_rank = state.get_expert_tensor_parallel_rank()
         device = default_device(device)
@@ -120,6 +122,20 @@ class GroupedMLP(nn.Module):
         self.fc1_weight = self._parameter(tp_shard(fc1[mine], 1, etp, etp_rank, blocks), config, device, 1, blocks)
         self.fc2_weight = self._parameter(tp_shard(fc2[mine], 2, etp, etp_rank), config, device, 2, 1)
         self.activation = activation_function(config)
+        self.fc1_fp8: list[FP8Linear] | None = None  # `use_fp8`: one state per local expert
+        self.fc2_fp8: list[FP8Linear] | None = None
+
+    def use_fp8(self, recipe) -> None:
+        """Run the experts' GEMMs in FP8 as `recipe` says, each expert with its own scales; None: not."""
+        if recipe is None:
+            self.fc1_fp8 = self.fc2_fp8 = None
+            return
+        device = self.fc1_weight.device
+        self.fc1_fp8 = [FP8Linear(recipe, expert_amax_groups(1), device) for _ in range(self.num_local_experts)]
+        self.fc2_fp8 = [FP8Linear(recipe, expert_amax_groups(2), device) for _ in range(self.num_local_experts)]
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int], states) -> torch.Tensor:
+        return grouped_linear(x, weight, counts) if states is None else fp8_grouped_linear(x, weight, counts, states)
 
     @staticmethod
     def _parameter(shard: torch.Tensor, config, device, dim: int, blocks: int) -> nn.Parameter:
@@ -132,10 +148,10 @@ class GroupedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, hidden] sorted by local expert (counts[e] rows each) -> [N, hidden], partial over ETP."""
-        h = grouped_linear(x, self.fc1_weight, counts)
+        h = self._linear(x, self.fc1_weight, counts, self.fc1_fp8)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.activation(gate) * up
         else:
             h = self.activation(h)
-        return grouped_linear(h, self.fc2_weight, counts)
+        return self._linear(h, self.fc2_weight, counts, self.fc2_fp8)
