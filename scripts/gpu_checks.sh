@@ -7,11 +7,13 @@
 #   bash scripts/gpu_checks.sh planner   # validate_planner.py: predicted vs measured memory and step time
 #   bash scripts/gpu_checks.sh gpupath   # kernel register spills (ptxas -v) and a gpt-175b stage's build time
 #                                        # with weights drawn on the GPU (the GPU tests run under `kernels`)
+#   bash scripts/gpu_checks.sh fp8       # fp8_step.py: FP8 recipes vs bf16 step time and TFLOP/s (GPT 1.3B- and
+#                                        # Llama 3 8B-shaped layers), then fp8_curves.py: the loss gap after 200 steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  kernels|training|planner|gpupath) ;;
-  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner|gpupath}" >&2; exit 2 ;;
+  kernels|training|planner|gpupath|fp8) ;;
+  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner|gpupath|fp8}" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -39,6 +41,12 @@ case "${1:-}" in
     bash scripts/check_kernel_spills.sh 2>&1 | tee "$out/spills.txt" || status=1
     python scripts/bench_model_build.py --device cuda --layers 2 --json "$out/build.json" 2>&1 \
       | tee "$out/build.txt" || status=1
+    ;;
+  fp8)
+    python -m pytest -q -m "gpu or not gpu" tests/test_fp8.py 2>&1 | tail -3 | tee "$out/fp8_tests.txt" || status=1
+    python scripts/fp8_step.py --json "$out/fp8_step.json" 2>&1 | tee "$out/fp8_step.txt" || status=1
+    python scripts/fp8_curves.py --models llama-tiny --json "$out/fp8_curves.json" --svg "$out/fp8_curves.svg" 2>&1 \
+      | grep -v "^iter" | tee "$out/fp8_curves.txt" || status=1
     ;;
 esac
 exit $status

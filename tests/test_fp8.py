@@ -198,3 +198,20 @@ def test_recomputing_a_forward_quantizes_it_bitwise_the_same():
         fp8 = FP8Linear(Recipe(recipe))
         x, w = torch.randn(16, 128), torch.randn(32, 128)
         assert torch.equal(fp8_linear(x, w, None, fp8), fp8_linear(x, w, None, fp8)), recipe
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_the_gpus_scaled_gemm_equals_the_emulation_within_the_outputs_rounding(fmt):
+    """The CUDA path of the CPU test above (torch._scaled_mm on FP8 tensor cores)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    r = Recipe("tensorwise", fmt)
+    g = torch.Generator().manual_seed(3)
+    a = quantize(torch.randn(64, 256, generator=g).cuda(), r.dtype("grad"))
+    b = quantize(torch.randn(128, 256, generator=g).cuda() * 0.05, r.dtype("weight"))
+    out = scaled_mm(a, b, torch.bfloat16)
+    exact = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+    magnitude = a.dequantize(torch.float64).abs() @ b.dequantize(torch.float64).abs().t()
+    bound = torch.finfo(torch.bfloat16).eps / 2 * exact.abs() + 256 * torch.finfo(torch.float32).eps * magnitude
+    assert ((out.double() - exact).abs() <= bound).all()
