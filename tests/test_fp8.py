@@ -215,3 +215,14 @@ def test_the_gpus_scaled_gemm_equals_the_emulation_within_the_outputs_rounding(f
     magnitude = a.dequantize(torch.float64).abs() @ b.dequantize(torch.float64).abs().t()
     bound = torch.finfo(torch.bfloat16).eps / 2 * exact.abs() + 256 * torch.finfo(torch.float32).eps * magnitude
     assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_evaluation_quantizes_with_delayed_scales_and_records_no_amax():
+    fp8 = FP8Linear(Recipe("delayed"))
+    x, w = torch.randn(8, 64), torch.randn(16, 64)
+    with torch.no_grad():
+        fp8_linear(x, w, None, fp8)
+    assert torch.equal(fp8.scaling.amax_now, torch.zeros(3))  # the step's scales are not the validation's
+    fp8_linear(x, w.requires_grad_(), None, fp8).sum().backward()
+    assert torch.equal(fp8.scaling.amax_now[:2], torch.stack([x.abs().max(), w.detach().abs().max()]))
+    assert fp8.scaling.amax_now[2] == 1.0  # the output gradient of a sum: ones

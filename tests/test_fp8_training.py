@@ -41,24 +41,32 @@ TWO = [  # (name, reference, argv) on two ranks
     ("delayed ep2", "moe delayed", BASE + MOE + DELAYED + ["--ep", "2"]),
     # Local SGD is another algorithm than one device's (replicas drift between outer steps): it trains.
     ("delayed dp2 local sgd", None, BASE + DELAYED + ["--local-sgd-interval", "2"]),
+    ("tp2", "gpt tensorwise", BASE + TENSORWISE + ["--tp", "2"]),
+    ("delayed dp2", "gpt delayed", BASE + DELAYED),
 ]
 
 
-def _losses(rank, world, cases):
-    return [[r["loss"] for r in gpt_run(argv).records] for argv in cases]
+def _losses(rank, world, cases, with_bytes=False):
+    runs = [gpt_run(argv).records for argv in cases]
+    losses = [[r["loss"] for r in records] for records in runs]
+    if not with_bytes:
+        return losses
+    return losses, [[r.get("comm_bytes", {}).get("fp8", 0) for r in records] for records in runs]
 
 
 @pytest.fixture(scope="module")
 def losses():
     one = dict(zip(ONE, run_ranks(_losses, 1, args=(list(ONE.values()),), timeout=600)[0]))
-    two = run_ranks(_losses, 2, args=([argv for _, _, argv in TWO],), timeout=900)
-    return one, {name: [per_rank[i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
+    two = run_ranks(_losses, 2, args=([argv for _, _, argv in TWO], True), timeout=900)
+    by_name = {name: [per_rank[0][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
+    fp8_bytes = {name: [per_rank[1][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
+    return one, by_name, fp8_bytes
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, reference", [(n, r) for n, r, _ in TWO], ids=[n for n, _, _ in TWO])
 def test_fp8_at_every_layout_gives_one_devices_losses(losses, name, reference):
-    one, two = losses
+    one, two, _ = losses
     if reference is None:
         assert all(len(got) == 4 and all(v == v and 0 < v < 10 for v in got) for got in two[name])
         return
@@ -71,7 +79,7 @@ def test_fp8_at_every_layout_gives_one_devices_losses(losses, name, reference):
 
 @pytest.mark.slow
 def test_fp8_really_runs_moving_the_losses_more_than_any_layout_does(losses):
-    one, two = losses
+    one, _, _ = losses
     fp8, fp32 = torch.tensor(one["gpt tensorwise"]), torch.tensor(one["gpt fp32"])
     # The first step's loss is a forward of the same weights: FP8's rounding alone moves it.
     assert abs(fp8[0] - fp32[0]) > 3 * FIRST_RTOL * fp32[0]
@@ -81,13 +89,49 @@ def test_fp8_really_runs_moving_the_losses_more_than_any_layout_does(losses):
 
 @pytest.mark.slow
 def test_compiled_and_recomputed_fp8_give_eagers_losses(losses):
-    one, _ = losses
+    one, _, _ = losses
     eager = torch.tensor(one["gpt tensorwise"])
     assert torch.equal(torch.tensor(one["gpt tensorwise recompute"]), eager)  # re-quantized bitwise the same
     # Inductor's fused norms and activations round otherwise, and FP8 rounds what they feed it:
     # the layouts' tolerance.
     compiled = torch.tensor(one["gpt tensorwise compiled"])
     assert torch.allclose(compiled, eager, rtol=LAYOUT_RTOL, atol=0), (compiled, eager)
+
+
+@pytest.mark.slow
+def test_fp8_amax_reductions_send_the_bytes_the_formula_says(losses):
+    _, _, fp8_bytes = losses
+    # tensorwise at TP 2 (no SP): per layer and micro-batch, the forward reduces the column layers'
+    # weights (qkv, fc1) and the row layers' inputs and weights (proj, fc2): 6 amaxes; the backward
+    # the column layers' output gradients: 2. Each a 4-byte all-reduce over 2 ranks: 2 (n-1)/n x 4 = 4.
+    micro_batches, layers = 8 // 2, 4
+    for per_rank in fp8_bytes["tp2"]:
+        assert per_rank == [(6 + 2) * 4 * layers * micro_batches] * 4, per_rank
+    # delayed at DP 2: one all-reduce a step of 3 amaxes for each of the 4 layers' 4 GEMMs
+    for per_rank in fp8_bytes["delayed dp2"]:
+        assert per_rank == [3 * 4 * 4 * layers] * 4, per_rank
+    assert all(b == [0] * 4 for b in fp8_bytes["pp2 1f1b"])  # nothing sharded: nothing reduced
+
+
+def _syncs(rank, world, cases):
+    from megalite import runtime
+    from megalite.testing import count_host_syncs
+
+    out = []
+    for argv in cases:
+        with count_host_syncs(label=lambda: runtime._PHASE[0]) as seen:
+            gpt_run(argv)
+        out.append(seen.during(lambda phase: phase.startswith(("iteration 2:", "iteration 3:"))))
+    return out
+
+
+@pytest.mark.slow
+def test_no_fp8_recipe_adds_a_host_sync():
+    quiet = ["--log-interval", "4", "--eval-interval", "0", "--bf16"]
+    cases = [BASE + ["--fp8-format", "hybrid", "--fp8-recipe", r, "--tp", "2", "--sequence-parallel"] + quiet
+             for r in ("tensorwise", "delayed", "blockwise", "mxfp8")]
+    for rank, per_case in enumerate(run_ranks(_syncs, 2, args=(cases,), timeout=600)):
+        assert per_case == [[]] * 4, f"rank {rank}: {per_case}"
 
 
 def _save_resume(rank, world, save_dir, expert_dir):

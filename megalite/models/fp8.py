@@ -13,6 +13,7 @@ import torch
 
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.transformer import TransformerLayer
+from megalite.parallel import traffic
 from megalite.parallel.fp8_linear import FP8Linear
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.precision.recipes import Recipe
@@ -81,7 +82,7 @@ def close_delayed_scaling(chunks, group=None) -> None:
         rows.extend(block.unbind(0))
     amax = torch.stack(rows)
     if group is not None and torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        traffic.counted_all_reduce("fp8", amax, group=group, op=torch.distributed.ReduceOp.MAX)
     for s, a in zip(dense, amax):
         s.update(a)
     for row, fc1, fc2 in slots:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.parallel import state, weight_grad
+from megalite.parallel import state, traffic, weight_grad
 from megalite.precision.gemm import scaled_mm
 from megalite.precision.quantize import Quantized, amax_of, quantize
 from megalite.precision.recipes import Recipe
@@ -56,18 +56,20 @@ class FP8Linear:
         self.groups = groups or {"input": None, "weight": None, "grad": None}
         self.scaling = DelayedScaling(recipe, device) if recipe.delayed else None
 
-    def quantize(self, x: torch.Tensor, role: str) -> Quantized:
-        """x laid [rows, contraction] in `role`'s format and tiles."""
+    def quantize(self, x: torch.Tensor, role: str, record: bool = True) -> Quantized:
+        """x laid [rows, contraction] in `role`'s format and tiles; delayed scaling notes its amax
+        unless not `record` (evaluation reads the scales and leaves the step's amaxes alone)."""
         r = self.recipe
         dtype, tile = r.dtype(role), r.tile(role)
         if tile is not None:
             return quantize(x, dtype, tile, r.power_of_two)
         amax = amax_of(x)
         if self.scaling is not None:
-            return quantize(x, dtype, scale=self.scaling.record(role, amax), amax=amax)
+            scale = self.scaling.record(role, amax) if record else self.scaling.current(role)
+            return quantize(x, dtype, scale=scale, amax=amax)
         group = self.groups.get(role)
         if group is not None:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+            traffic.counted_all_reduce("fp8", amax, group=group, op=torch.distributed.ReduceOp.MAX)
         return quantize(x, dtype, amax=amax)
 
     def weight_t(self, w: torch.Tensor, qw: Quantized) -> Quantized:
@@ -81,8 +83,8 @@ class FP8Linear:
 
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8: FP8Linear):
-        qx, qw = fp8.quantize(x, "input"), fp8.quantize(weight.detach(), "weight")
+    def forward(ctx, x, weight, bias, fp8: FP8Linear, record: bool):
+        qx, qw = fp8.quantize(x, "input", record), fp8.quantize(weight.detach(), "weight", record)
         y = scaled_mm(qx, qw, x.dtype)
         if bias is not None:
             y = y + bias
@@ -90,14 +92,15 @@ class _FP8LinearFunction(torch.autograd.Function):
         # along the tokens; and for --no-fp8-wgrad).
         keep_fp8 = fp8.recipe.tile("input") is None and fp8.recipe.wgrad
         qw_t = fp8.weight_t(weight, qw) if ctx.needs_input_grad[0] else None
-        ctx.save_for_backward(qx.data if keep_fp8 else x, qx.scale_inv if keep_fp8 else None, weight,
+        ctx.save_for_backward(qx.data if keep_fp8 else x, qx.scale_inv if keep_fp8 else None,
                               *((qw_t.data, qw_t.scale_inv) if qw_t is not None else (None, None)))
-        ctx.fp8, ctx.keep_fp8, ctx.used = fp8, keep_fp8, (weight, bias)
+        ctx.fp8, ctx.keep_fp8, ctx.used, ctx.weight_dtype = fp8, keep_fp8, (weight, bias), weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        saved_x, x_scale_inv, weight, w_t, w_t_scale_inv = ctx.saved_tensors
+        saved_x, x_scale_inv, w_t, w_t_scale_inv = ctx.saved_tensors
+        dtype = ctx.weight_dtype
         fp8, (used_w, used_b) = ctx.fp8, ctx.used
         ctx.used = None
         qdy = fp8.quantize(dy, "grad")
@@ -107,21 +110,21 @@ class _FP8LinearFunction(torch.autograd.Function):
 
         def weight_gradient():
             if not fp8.recipe.wgrad:
-                return dy.t().mm(saved_x).to(weight.dtype)
+                return dy.t().mm(saved_x).to(dtype)
             if ctx.keep_fp8:  # one tensor-wide scale: the same FP8 values, transposed
-                qx_t = Quantized(saved_x, x_scale_inv).t()
-                return scaled_mm(qdy.t(), qx_t, weight.dtype)
-            return scaled_mm(fp8.quantize(dy.t(), "grad"), fp8.quantize(saved_x.t(), "input"), weight.dtype)
+                return scaled_mm(qdy.t(), Quantized(saved_x, x_scale_inv).t(), dtype)
+            return scaled_mm(fp8.quantize(dy.t(), "grad"), fp8.quantize(saved_x.t(), "input"), dtype)
 
         dw = weight_grad.give(used_w, ctx.needs_input_grad[1], weight_gradient, (dy,))
         db = weight_grad.give(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 @torch.compiler.disable  # its scales and collectives run eagerly between compiled regions
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: FP8Linear) -> torch.Tensor:
     """F.linear(x, weight, bias) with its GEMMs in FP8 as `fp8.recipe` says."""
-    y = _FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, fp8)
+    # (Inside a Function's forward gradients are always off: whether this is training is asked here.)
+    y = _FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, fp8, torch.is_grad_enabled())
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -130,13 +133,14 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
     (`states[e]`): the loop of `_FP8LinearFunction`'s GEMMs, one weight-gradient tensor filled."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, states):
+    def forward(ctx, x, weight, counts, states, record):
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.states, ctx.used = counts, states, weight
         out = x.new_empty((x.shape[0], weight.shape[1]))
         for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
             if ye.shape[0]:
-                ye.copy_(scaled_mm(states[e].quantize(xe, "input"), states[e].quantize(weight[e].detach(), "weight"),
+                st = states[e]
+                ye.copy_(scaled_mm(st.quantize(xe, "input", record), st.quantize(weight[e].detach(), "weight", record),
                                    x.dtype))
         return out
 
@@ -169,7 +173,7 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
                     grad_w[e] = _weight_gradient(states[e], ge, xe, q_dy[e], q_x[e], weight.dtype)
             return grad_w
 
-        return dx, weight_grad.give(used, ctx.needs_input_grad[1], weight_gradient, (dy,)), None, None
+        return dx, weight_grad.give(used, ctx.needs_input_grad[1], weight_gradient, (dy,)), None, None, None
 
 
 def _weight_gradient(fp8: FP8Linear, dy: torch.Tensor, x: torch.Tensor, q_dy: Quantized, q_x: Quantized | None,
@@ -187,7 +191,7 @@ def _weight_gradient(fp8: FP8Linear, dy: torch.Tensor, x: torch.Tensor, q_dy: Qu
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], states: list[FP8Linear]):
     """x [sum(counts), in] sorted by expert, weight [E, out, in] -> [sum(counts), out], each expert's
     GEMMs in FP8 with its own scales."""
-    return _FP8GroupedLinearFunction.apply(x, weight, list(counts), states)
+    return _FP8GroupedLinearFunction.apply(x, weight, list(counts), states, torch.is_grad_enabled())
 
 
 def expert_amax_groups(partition_dim: int) -> dict[str, object]:

@@ -13,14 +13,15 @@ all-gathers / reduce-scatters and the all-reduce of sequence-parallel gradients)
 parallelism), "ep" (expert parallelism's token dispatch: the rows an all-to-all sends to other ranks,
 the padded rows of its variable all-gathers), "pp" (stage-to-stage sends), "dp" (gradient reduction, parameter all-gathers of
 the distributed optimizer and ZeRO), "embedding" (the tied word embedding's gradient summed over
-the first and last stage), "metrics" (token counts, loss, grad norm, exit flags).
+the first and last stage), "metrics" (token counts, loss, grad norm, exit flags), "fp8" (FP8's amax
+reductions: megalite.parallel.fp8_linear, megalite.models.fp8).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from fractions import Fraction
 
-KINDS = ("tp", "sp", "cp", "ep", "pp", "dp", "embedding", "metrics")
+KINDS = ("tp", "sp", "cp", "ep", "pp", "dp", "embedding", "metrics", "fp8")
 
 # (kind, group size) -> multiplier x bytes; group size 0 stands for a point-to-point send (factor 1).
 # Integers keep the sums exact; the ring factor (n-1)/n is applied once, in `take`.
@@ -35,7 +36,8 @@ _NAMES = {"tp": "a tensor-parallel all-reduce", "sp": "a sequence-parallel all-g
           "cp": "a context-parallel exchange", "ep": "an expert-parallel all-to-all", "pp": "a pipeline send/recv",
           "dp": "a data-parallel collective (gradient reduction, or the optimizer's or ZeRO's parameter gather)",
           "embedding": "the tied embedding's gradient sum over the first and last stage",
-          "metrics": "an all-reduce of metrics (token counts, loss, grad norm, exit flags)"}
+          "metrics": "an all-reduce of metrics (token counts, loss, grad norm, exit flags)",
+          "fp8": "an FP8 amax reduction"}
 
 
 def last_collective() -> str | None:

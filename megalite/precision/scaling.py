@@ -29,6 +29,8 @@ class DelayedScaling:
         self.amax_now = torch.zeros(len(ROLES), device=device)
         self.history = torch.zeros(len(ROLES), recipe.amax_history_len, device=device)  # newest first
         self.scale = torch.ones(len(ROLES), device=device)
+        # each role's largest value over 2^margin: made once (a tensor from a list copies from the host)
+        self.top = torch.tensor([FP8_MAX[recipe.dtype(r)] / 2.0 ** recipe.margin for r in ROLES], device=device)
 
     def record(self, role: str, amax: torch.Tensor) -> torch.Tensor:
         """Note `amax` for this step; returns the scale to quantize `role` with now."""
@@ -36,13 +38,16 @@ class DelayedScaling:
         self.amax_now[i] = torch.maximum(self.amax_now[i], amax)
         return self.scale[i]
 
+    def current(self, role: str) -> torch.Tensor:
+        """The scale `role` is quantized with now, recording nothing (evaluation)."""
+        return self.scale[ROLE_INDEX[role]]
+
     def update(self, amax: torch.Tensor) -> None:
         """Close the step with `amax` [3] (the reduced `amax_now`): roll the history, choose scales."""
         ran = (amax > 0).unsqueeze(1)
         self.history.copy_(torch.where(ran, torch.cat([amax.unsqueeze(1), self.history[:, :-1]], 1), self.history))
         ref = self.history[:, 0] if self.recipe.amax_compute_algo == "most_recent" else self.history.amax(1)
-        top = torch.tensor([FP8_MAX[self.recipe.dtype(r)] for r in ROLES], device=ref.device)
-        new = top / ref / 2.0 ** self.recipe.margin
+        new = self.top / ref
         self.scale.copy_(torch.where(torch.isfinite(new) & (ref > 0) & torch.isfinite(ref), new, self.scale))
         self.amax_now.zero_()
 
