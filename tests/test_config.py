@@ -147,7 +147,7 @@ def test_yaml_files_are_read_too(tmp_path):
     (["--tp", "two"], "invalid int value: 'two'"),
     (["--model", "gpt2-124"], "--model gpt2-124: no such preset (did you mean gpt2-124m?)"),
     (["--fp8-format", "e5m2"], "--fp8-format: invalid choice: 'e5m2'"),
-    (["--fp8-param-gather"], "--fp8-param-gather: megalite does not yet keep parameters in FP8"),
+    (["--fp8-recipe", "nope"], "--fp8-recipe: invalid choice: 'nope'"),
     (["--train-iters", "5", "--train-samples", "80"], "--train-iters and --train-samples both give the run's length"),
 ], ids=["typo-megatron", "typo", "type", "preset", "fp8", "fp8-switch", "two-lengths"])
 def test_a_bad_command_line_is_one_line_with_the_closest_flag(capsys, argv, says):

@@ -1,7 +1,5 @@
 """FP8 from the command line: Megatron-LM's flags resolved into a recipe, one-line refusals, which
 layers and GEMMs take FP8, and the FP8 scripts' smoke runs."""
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +8,7 @@ import pytest
 from megalite.config import build_parser, model_config
 from megalite.errors import UsageError
 from megalite.precision.recipes import Recipe
+from megalite.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,32 +60,36 @@ def test_first_and_last_layers_stay_in_the_model_dtype_and_the_rest_of_the_model
     assert not any("embedding" in n or "output" in n for n in in_fp8)
 
 
-def test_megatrons_llama3_fp8_script_prints_its_fp8_settings(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--mock-data", "--fp8-format", "hybrid",
-                          "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max", "--print-config"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
-    assert 'fp8_format = "hybrid"' in run.stdout and "fp8_amax_history_len = 1024" in run.stdout
-    refused = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--mock-data", "--fp8-format", "hybrid",
-                              "--fp8-param-gather", "--print-config"], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT)
-    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
-    assert "--fp8-param-gather" in refused.stderr
+def test_megatrons_llama3_fp8_script_prints_its_fp8_settings(capsys):
+    import pretrain_gpt
+
+    fp8 = ["--mock-data", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+           "--fp8-param-gather", "--print-config"]
+    assert pretrain_gpt.main(fp8 + ["--zero-stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert 'fp8_format = "hybrid"' in out and "fp8_amax_history_len = 1024" in out and "fp8_param_gather = true" in out
+    assert pretrain_gpt.main(fp8 + ["--use-distributed-optimizer"]) == 0  # ZeRO-1: a note, the same numbers
+    captured = capsys.readouterr()
+    assert "fp8_param_gather = false" in captured.out and "--fp8-param-gather (FP8 weights travel" in captured.err
+    with pytest.raises(UsageError, match="--fp8-param-gather quantizes each shard with delayed scaling's scale"):
+        model_config(_cfg("--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather", "--zero-stage", "3"))
 
 
-@pytest.mark.slow
+def _scripts(rank, world, tmp):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import fp8_curves
+    import fp8_step
+
+    # (the synthetic stream: preparing the embedded corpus starts processes, which a test's rank may not)
+    curves = fp8_curves.main(["--models", "llama-tiny", "--runs", "bf16", "tensorwise", "--iters", "2",
+                              "--svg", str(tmp / "c.svg"), "--train-args=--mock-data"])
+    steps = fp8_step.main(["--tiny", "--recipes", "bf16", "mxfp8"])
+    return curves, steps, (tmp / "c.svg").read_text()
+
+
 def test_the_fp8_scripts_run_and_report(tmp_path):
-    curves = subprocess.run([sys.executable, str(ROOT / "scripts" / "fp8_curves.py"), "--models", "llama-tiny",
-                             "--runs", "bf16", "tensorwise", "--iters", "3", "--json", str(tmp_path / "c.json"),
-                             "--svg", str(tmp_path / "c.svg")], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert curves.returncode == 0, curves.stderr[-2000:]
-    data = json.loads((tmp_path / "c.json").read_text())
-    assert set(data["llama-tiny"]) == {"bf16", "tensorwise"} and len(data["llama-tiny"]["bf16"]) == 3
-    assert data["llama-tiny"]["bf16"] != data["llama-tiny"]["tensorwise"]
-    assert (tmp_path / "c.svg").read_text().count("<polyline") == 4  # two loss curves, two gaps
-    step = subprocess.run([sys.executable, str(ROOT / "scripts" / "fp8_step.py"), "--tiny", "--recipes", "bf16",
-                           "tensorwise", "mxfp8", "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert step.returncode == 0, step.stderr[-2000:]
-    rows = json.loads((tmp_path / "s.json").read_text())
-    assert [r["recipe"] for r in rows] == ["bf16", "tensorwise", "mxfp8"] and rows[0]["ratio_to_bf16"] == 1.0
+    curves, steps, picture = run_ranks(_scripts, 1, args=(tmp_path,))[0]
+    assert set(curves["llama-tiny"]) == {"bf16", "tensorwise"} and len(curves["llama-tiny"]["bf16"]) == 2
+    assert curves["llama-tiny"]["bf16"] != curves["llama-tiny"]["tensorwise"]
+    assert picture.count("<polyline") == 4  # two loss curves, two gaps to bf16
+    assert [r["recipe"] for r in steps] == ["bf16", "mxfp8"] and steps[0]["ratio_to_bf16"] == 1.0

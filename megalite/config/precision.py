@@ -31,6 +31,8 @@ class PrecisionConfig:
                                                     "or the history's max", choices=AMAX_ALGOS)
     fp8_wgrad: bool = opt(True, "FP8 weight-gradient GEMMs (--no-fp8-wgrad: in the model's dtype)",
                           sets={"--no-fp8-wgrad": False})
+    fp8_param_gather: bool = opt(False, "ZeRO-3 gathers FP8 weights as FP8 (1 byte an element; delayed scaling; "
+                                        "the same numbers; a note and no effect below --zero-stage 3)")
     first_last_layers_bf16: bool = opt(False, "FP8: keep the first and last transformer layers in the model's "
                                               "dtype (how many: the next two flags)")
     num_layers_at_start_in_bf16: int = opt(1, "with --first-last-layers-bf16: layers kept at the start",
@@ -52,11 +54,16 @@ class PrecisionConfig:
                 ("--fp8-recipe", self.fp8_recipe != "delayed"), ("--fp8-margin", self.fp8_margin != 0),
                 ("--fp8-amax-history-len", self.fp8_amax_history_len != 1),
                 ("--fp8-amax-compute-algo", self.fp8_amax_compute_algo != "most_recent"),
-                ("--no-fp8-wgrad", not self.fp8_wgrad), ("--first-last-layers-bf16", self.first_last_layers_bf16))
+                ("--no-fp8-wgrad", not self.fp8_wgrad), ("--first-last-layers-bf16", self.first_last_layers_bf16),
+                ("--fp8-param-gather", self.fp8_param_gather))
                 if changed]
             if given:
                 raise ValueError(f"{given[0]} applies to FP8 training only: add --fp8-format e4m3 (or hybrid), "
                                  f"or drop it")
+        elif self.fp8_param_gather and self.fp8_recipe != "delayed":
+            raise ValueError(f"--fp8-param-gather quantizes each shard with delayed scaling's scale, known before "
+                             f"the gather; --fp8-recipe {self.fp8_recipe} needs the whole weight first: use "
+                             f"--fp8-recipe delayed, or drop --fp8-param-gather")
 
     def fp8(self) -> Recipe | None:
         """The FP8 recipe these settings describe, or None (no FP8)."""

@@ -56,6 +56,10 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
+    prec = config.precision
+    if prec.fp8_param_gather and stage < 3:  # megalite gathers FP8 weights in ZeRO-3's gathers; numbers alike
+        prec = dataclasses.replace(prec, fp8_param_gather=False)
+        ignored = (*ignored, "--fp8-param-gather (FP8 weights travel as FP8 in --zero-stage 3's gathers only)")
     resolved = dataclasses.replace(
         config,
         model=dataclasses.replace(m, model=name, seq_length=seq),
@@ -66,7 +70,7 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
                                           zero_reshard_after_forward=(d.zero_reshard_after_forward if stage != 3 or
                                                                       d.zero_reshard_after_forward is not None
                                                                       else True)),
-        parallel=dataclasses.replace(p, vpp=vpp),
+        parallel=dataclasses.replace(p, vpp=vpp), precision=prec,
         explicit=given, ignored_flags=tuple(ignored) or config.ignored_flags)
     before, after = _dotted(config), _dotted(resolved)
     derived = {k for k in after if after[k] != before[k] and k not in given and k != "model.model"}

@@ -23,6 +23,7 @@ from torch import nn
 
 from megalite import faults
 from megalite.optim import buffers as _buffers
+from megalite.optim import fp8_gather
 from megalite.optim.buffers import Bucket
 from megalite.optim.zero2 import ShardedGradBuffer
 from megalite.parallel import traffic
@@ -37,6 +38,8 @@ class _Unit:
     work: object = None
     holds: int = 0  # forwards waiting for their backward (reshard_after_forward=False)
     parked: bool = False  # parameters are empty placeholders (see ShardedParamBuffer.park)
+    fp8: bool = False  # filled with its FP8 weights as FP8 (`use_fp8_param_gather`): their model-dtype values absent
+    pending: object = None  # (PackPlan, the gathered chunks), placed when the gather is waited for
 
 
 class ShardedParamBuffer(ShardedGradBuffer):
@@ -57,6 +60,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         # gradients), and units a B released whose W is still to come, by unit.
         self._seen_in_b: dict[int, set[int]] = {}
         self._released_in_b: dict[int, int] = {}
+        self.fp8_plans: dict = {}  # unit -> its PackPlan (--fp8-param-gather)
         super().__init__(params, **kwargs)
 
     def _allocate_params(self) -> None:
@@ -99,11 +103,27 @@ class ShardedParamBuffer(ShardedGradBuffer):
     def stored_bytes(self) -> dict[str, int]:
         return {"params": self.param_shard.nbytes, "grads": self.grad_shard.nbytes, **self.step_peaks}
 
+    def use_fp8_param_gather(self, states: dict) -> None:
+        """Gather these weights (id -> their megalite.parallel.fp8_linear.FP8Linear, delayed scaling)
+        as FP8 in the forward and backward gathers (megalite.optim.fp8_gather); a save, an export or
+        a refresh gathers them in the model dtype."""
+        rank = torch.distributed.get_rank(self.dp_group) if self.dp_size > 1 else 0
+        for bucket in self.buckets:
+            weights = [(p, states[id(p)], self.offset[id(p)] - bucket.start, self._shapes[id(p)])
+                       for p in bucket.params if id(p) in states]
+            if weights and self.dp_size > 1:
+                self.fp8_plans[bucket.index] = fp8_gather.plan_unit(
+                    bucket.numel, self.dp_size, rank, weights, self.units[bucket.index].whole.element_size(),
+                    self.device)
+
     # -- gathering and freeing units
     def gather(self, bucket: Bucket, wait: bool = True, why: str = "forward") -> None:
         """Start the all-gather of a unit's whole parameters unless it is under way or done;
         `wait` for it (else it is a prefetch, waited for where the unit is used)."""
         unit = self.units[bucket.index]
+        if unit.state != FREE and unit.fp8 and not _fp8_allowed(why):  # a save needs the model-dtype values
+            self._wait(unit)
+            self._fill(bucket, why)
         if unit.state == FREE:
             unit.whole.untyped_storage().resize_(unit.whole.numel() * unit.whole.element_size())
             self._transient(unit.whole.nbytes, "gathered")
@@ -118,8 +138,18 @@ class ShardedParamBuffer(ShardedGradBuffer):
         base = bucket.start // self.dp_size
         shard = self.param_shard[base:base + bucket.numel // self.dp_size]
         start = time.perf_counter()
+        plan = self.fp8_plans.get(bucket.index)
+        unit.fp8 = plan is not None and _fp8_allowed(why)
+        if plan is not None:
+            fp8_gather.forget(plan)
         if self.dp_size == 1:
             unit.whole.copy_(shard)
+        elif unit.fp8:
+            chunk = fp8_gather.pack(plan, shard, record=torch.is_grad_enabled())
+            gathered = torch.empty(self.dp_size * plan.chunk_bytes, dtype=torch.uint8, device=self.device)
+            traffic.gather_or_scatter("dp", gathered.nbytes, self.dp_size)
+            unit.work = _buffers._all_gather_single(gathered, chunk, group=self.dp_group, async_op=True)
+            unit.pending = (plan, gathered)
         else:
             traffic.gather_or_scatter("dp", unit.whole.nbytes, self.dp_size)
             unit.work = _buffers._all_gather_single(unit.whole, shard, group=self.dp_group, async_op=True)
@@ -145,7 +175,9 @@ class ShardedParamBuffer(ShardedGradBuffer):
                 unit.work.wait()
                 if self.spans is not None:
                     self.spans.append(("wait for a gather", "zero-wait", start, time.perf_counter() - start))
-            unit.state, unit.work = WHOLE, None
+            if unit.pending is not None:
+                fp8_gather.unpack(*unit.pending, unit.whole)
+            unit.state, unit.work, unit.pending = WHOLE, None, None
 
     def _free(self, bucket: Bucket) -> None:
         unit = self.units[bucket.index]
@@ -154,7 +186,9 @@ class ShardedParamBuffer(ShardedGradBuffer):
         self._wait(unit)
         unit.whole.untyped_storage().resize_(0)
         self._transient(-unit.whole.nbytes, "gathered")
-        unit.state, unit.holds = FREE, 0
+        unit.state, unit.holds, unit.fp8 = FREE, 0, False
+        if bucket.index in self.fp8_plans:
+            fp8_gather.forget(self.fp8_plans[bucket.index])
 
     def after_forward(self, bucket: Bucket, training: bool) -> None:
         """A unit's forward is done: free it, or keep it for the backward (or the step)."""
@@ -275,6 +309,12 @@ class ShardedParamBuffer(ShardedGradBuffer):
             yield unit.whole.untyped_storage()._cdata
             if was_free:
                 self._free(bucket)
+
+
+def _fp8_allowed(why: str) -> bool:
+    """Whether a gather for `why` may bring FP8 weights as FP8: the training passes' gathers (and their
+    prefetches), not a save's, an export's or the refresh after an update."""
+    return why.split()[-1] in ("forward", "backward", "recompute")
 
 
 # -- stage 3's units and hooks ------------------------------------------------------------------

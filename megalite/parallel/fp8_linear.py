@@ -84,7 +84,9 @@ class FP8Linear:
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: FP8Linear, record: bool):
-        qx, qw = fp8.quantize(x, "input", record), fp8.quantize(weight.detach(), "weight", record)
+        qx = fp8.quantize(x, "input", record)
+        # ZeRO-3 may have gathered the weight as FP8 already (megalite.optim.fp8_gather): the same values
+        qw = getattr(weight, "fp8_gathered", None) or fp8.quantize(weight.detach(), "weight", record)
         y = scaled_mm(qx, qw, x.dtype)
         if bias is not None:
             y = y + bias

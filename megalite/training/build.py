@@ -152,6 +152,8 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                 common, dp_group=expert_group, dp_size=expert_size, experts=True)))
         for buf in buffers[first:]:
             buf.chunk_index = index  # the chunk whose backward fills it
+    if cfg.precision.fp8_param_gather:
+        _gather_fp8_weights(chunks, buffers)
     prec, o = cfg.precision, cfg.optimizer
     if prec.fp16:
         scaler = ConstantLossScaler(prec.loss_scale) if prec.loss_scale is not None else DynamicLossScaler(
@@ -165,6 +167,15 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr)
     return buffers, optimizer
+
+
+def _gather_fp8_weights(chunks, buffers) -> None:
+    """--fp8-param-gather: ZeRO-3 gathers the weights of FP8 layers (delayed scaling) as FP8."""
+    states = {id(m.weight): m.fp8 for c in chunks for m in c.modules()
+              if getattr(m, "fp8", None) is not None and m.fp8.scaling is not None}
+    for buf in buffers:
+        if isinstance(buf, ShardedParamBuffer):
+            buf.use_fp8_param_gather(states)
 
 
 def config_is_moe(chunks) -> bool:
