@@ -93,3 +93,42 @@ def test_the_fp8_scripts_run_and_report(tmp_path):
     assert curves["llama-tiny"]["bf16"] != curves["llama-tiny"]["tensorwise"]
     assert picture.count("<polyline") == 4  # two loss curves, two gaps to bf16
     assert [r["recipe"] for r in steps] == ["bf16", "mxfp8"] and steps[0]["ratio_to_bf16"] == 1.0
+
+
+def test_the_planner_runs_fp8_layers_gemms_at_the_fp8_rate():
+    from megalite.metrics import layer_forward_flops
+    from megalite.models.config import preset
+    from megalite.tools.plan import Cluster
+    from megalite.tools.plan.search import check_layout
+
+    config, s, b = preset("gpt-1.3b"), 2048, 8
+    common = dict(dp=8, micro_batch_size=b, global_batch_size=64, seq_length=s, gpu_memory_bytes=80 * 2 ** 30,
+                  zero_stage=3, use_distributed_optimizer=True)
+    base = check_layout(config, cluster=Cluster(gpus=8), **common)[1]
+    fp8 = check_layout(config, cluster=Cluster(gpus=8), fp8_layers=24, **common)[1]
+    half = check_layout(config, cluster=Cluster(gpus=8), fp8_layers=12, **common)[1]
+    same = check_layout(config, cluster=Cluster(gpus=8, fp8_speedup=1.0), fp8_layers=24, **common)[1]
+    dense, _ = layer_forward_flops(config, s, b)
+    # the layers' dense forward, twice backward, on every micro-batch (1 per rank) of 8 ranks: at half the time
+    saved = 8 * 24 * dense * 3 * (1 - 1 / 2)
+    assert fp8.hardware_flops == base.hardware_flops  # the FLOPs are what they are; their time shrinks
+    assert fp8.time.compute == pytest.approx(base.time.compute * (1 - saved / base.hardware_flops), rel=1e-12)
+    assert base.time.compute > half.time.compute > fp8.time.compute and same.time.compute == base.time.compute
+    assert fp8.time.dp_comm == base.time.dp_comm and fp8.memory.total == base.memory.total
+
+
+def test_the_planners_command_line_plans_fp8_and_prints_its_flag(capsys):
+    from megalite.tools.plan.cli import main
+
+    argv = ["--model", "gpt-1.3b", "--gpus", "8", "--global-batch-size", "64", "--seq-length", "2048", "--tp", "1",
+            "--pp", "1", "--micro-batch-size", "8", "--recompute", "none", "--zero-stage", "3", "--top", "1"]
+    assert main(argv) == 0
+    bf16 = capsys.readouterr().out
+    assert main(argv + ["--fp8"]) == 0
+    fp8 = capsys.readouterr().out
+    assert "--fp8-format hybrid" in fp8 and "--fp8-format" not in bf16 and "FP8 GEMMs at 2x" in fp8
+
+    def step(out):
+        row = next(line for line in out.splitlines() if line.strip().startswith("1 "))
+        return float(row.split("|")[2].split()[0])
+    assert step(fp8) < 0.7 * step(bf16)

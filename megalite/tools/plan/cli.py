@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matmuls sustain")
     g.add_argument("--hbm-gbps", type=float, default=3350.0, help="GPU memory bandwidth (optimizer step)")
     g.add_argument("--overhead-gib", type=float, default=2.0, help="fixed per-GPU framework/CUDA overhead")
+    g.add_argument("--fp8-speedup", type=float, default=2.0, help="--fp8: dense FP8 peak over bf16's (H100/H200: 2)")
     g = ap.add_argument_group("training run")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--seq-length", type=int, help="default: the preset's positions")
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument("--bf16", action="store_const", const="bf16", dest="dtype", help="(default)")
     prec.add_argument("--fp16", action="store_const", const="fp16", dest="dtype")
     prec.add_argument("--fp32", action="store_const", const="fp32", dest="dtype")
+    g.add_argument("--fp8", action="store_true", help="the transformer layers' GEMMs in FP8 (pretrain_gpt.py "
+                                                      "--fp8-format; docs/fp8.md)")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000)
     g.add_argument("--attention-backend", choices=["sdpa", "fused", "torch"], default="sdpa")
     g.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16"], default="fp32",
@@ -123,7 +126,7 @@ def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
         cluster = Cluster(gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
                           intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                           peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
-                          overhead_gib=args.overhead_gib)
+                          overhead_gib=args.overhead_gib, fp8_speedup=args.fp8_speedup)
         Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend,
             grad_reduce_dtype=args.grad_reduce_dtype, **(local_sgd_of(args) or {}))
     except ValueError as e:
@@ -154,9 +157,9 @@ def main(argv=None) -> int:
                   sequence_parallel=_on_off(args.sequence_parallel),
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
                   grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args), ep=args.ep,
-                  etp=args.etp, schedule=_schedules_of(args))
+                  etp=args.etp, schedule=_schedules_of(args), fp8_layers=config.num_layers if args.fp8 else 0)
     name = args.model or "custom GPT"
-    flags = model_flags(config, args.model)
+    flags = model_flags(config, args.model) + (["--fp8-format", "hybrid"] if args.fp8 else [])
     compared = []
     for spec in args.compare:
         try:
@@ -189,7 +192,8 @@ def main(argv=None) -> int:
                           "command": command, **_compared_json(compared, flags)}, indent=1))
         return 0
     nodes = math.ceil(cluster.gpus / cluster.gpus_per_node)
-    print(_header(name, config, cluster, args.global_batch_size, seq, dtype))
+    print(_header(name, config, cluster, args.global_batch_size, seq,
+                  dtype + (f", FP8 GEMMs at {cluster.fp8_speedup:g}x (MFU against the {dtype} peak)" if args.fp8 else "")))
     print(f"evaluated {result.evaluated:,} layout{'s' if result.evaluated != 1 else ''}: {len(result):,} fit\n")
     print(format_table(top))
     print()
@@ -269,7 +273,8 @@ def compare(config: TransformerConfig, cluster: Cluster, args, seq: int, spec: s
                 sequence_parallel=(fixed["sp"],) if "sp" in fixed else (False, True),
                 zero_stage=fixed.get("zero"), grad_reduce_dtype=args.grad_reduce_dtype, cp=cp,
                 local_sgd=local_sgd_of(args), ep=fixed.get("ep"), etp=fixed.get("etp"), pipeline_layers=layers,
-                schedule=(fixed["schedule"],) if "schedule" in fixed else _schedules_of(args))
+                schedule=(fixed["schedule"],) if "schedule" in fixed else _schedules_of(args),
+                fp8_layers=config.num_layers if args.fp8 else 0)
 
 
 def summary(pred) -> str:

@@ -32,13 +32,14 @@ class Cluster:
     efficiency: float = 0.5  # fraction of peak the transformer's matmuls sustain
     hbm_gbps: float = 3350.0  # H100 SXM HBM3, for the (memory-bound) optimizer step
     overhead_gib: float = 2.0  # CUDA context, cuBLAS workspaces, NCCL buffers
+    fp8_speedup: float = 2.0  # dense FP8 peak over the model dtype's (H100/H200 SXM: 1979 / 989)
 
     def __post_init__(self):
         for name in ("gpus", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops", "efficiency",
-                     "hbm_gbps"):
+                     "hbm_gbps", "fp8_speedup"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.efficiency > 1:
@@ -165,6 +166,7 @@ class Run:
     local_sgd_fragments: int = 1
     outer_grad_dtype: str = "fp32"
     local_sgd_async: bool = False
+    fp8_layers: int = 0  # --fp8-format: transformer layers whose GEMMs run in FP8 (megalite.tools.plan.fp8)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

@@ -85,7 +85,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
          cp: int | str | None = None, local_sgd: dict | None = None, ep: int | None = None,
-         etp: int | None = None, pipeline_layers=None, schedule=SCHEDULES) -> PlanResult:
+         etp: int | None = None, pipeline_layers=None, schedule=SCHEDULES, fp8_layers: int = 0) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
@@ -107,7 +107,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
                       grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp,
-                      pipeline_layers=pipeline_layers, schedule=schedule)
+                      pipeline_layers=pipeline_layers, schedule=schedule, fp8_layers=fp8_layers)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
@@ -121,7 +121,8 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
         pp = pp or max(1, len(explicit) // (vpp or 1))
         stage_layer_counts(config.num_layers, pp, vpp, list(explicit))
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
-              attention_backend, explicit, grad_reduce_dtype=grad_reduce_dtype, **(local_sgd or {}))
+              attention_backend, explicit, grad_reduce_dtype=grad_reduce_dtype, fp8_layers=fp8_layers,
+              **(local_sgd or {}))
     if run.local_sgd_interval:
         zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
@@ -346,7 +347,7 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
                  zero_keep_params_for_step: bool = False, cp: int = 1,
                  local_sgd: dict | None = None, ep: int = 1, etp: int | None = None,
-                 schedule: str = "1f1b") -> tuple[bool, Prediction]:
+                 schedule: str = "1f1b", fp8_layers: int = 0) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer. ep, etp:
@@ -363,7 +364,7 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,
               config.recompute_num_layers, grad_reduce_dtype, zero_reshard_after_forward, zero_keep_params_for_step,
-              **(local_sgd or {}))
+              fp8_layers=fp8_layers, **(local_sgd or {}))
     pred = predict(config, layout, cluster, run=run)
     return pred.fits, pred
 

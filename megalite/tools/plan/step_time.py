@@ -3,6 +3,7 @@ collectives, pipeline messages, the data-parallel reduction that does not hide b
 and the optimizer step."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import layers_of, stage_layer_counts, virtual_stage
 from megalite.pipeline.schedules import build_program
 from megalite.tools.plan.experts import dispatch_bytes, expert_group_crosses_nodes, moe_layers
+from megalite.tools.plan.fp8 import fp8_rate
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout, Run
 from megalite.tools.plan.memory import StateBytes
 
@@ -120,7 +122,7 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     mtp_moe = sum(config.is_moe_layer(config.num_layers + k) for k in range(depth))
     per_layer = {"none": 4, "selective": 4, "full": 6}[layout.recompute]
     moe_per_layer = moe.get("moe_ar_per_layer", per_layer)
-    return LayoutCosts(
+    costs = LayoutCosts(
         config=config, layout=layout, cluster=cluster, run=run, micro_batches=m,
         layer_counts=stage_layer_counts(config.num_layers, p, layout.vpp,
                                         list(run.pipeline_layers) if run.pipeline_layers else None),
@@ -136,6 +138,7 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
         # per depth: its layer's collectives, and the embedding lookup, eh_proj and output layer's
         mtp_ar=(depth - mtp_moe) * per_layer + mtp_moe * moe_per_layer + 3 * depth,
     )
+    return dataclasses.replace(costs, rate=fp8_rate(costs)) if run.fp8_layers else costs
 
 
 def mtp_flops(config: TransformerConfig, s: int, b: int, recompute: str, vocab: int) -> tuple[float, float]:
