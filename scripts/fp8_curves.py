@@ -28,7 +28,7 @@ COLOURS = {"bf16": "#000000", "tensorwise": "#1f77b4", "delayed": "#ff7f0e", "bl
            "mxfp8": "#d62728"}
 
 
-def losses(model: str, extra: list[str], iters: int, common: list[str] = ()) -> list[float]:
+def losses(model: str, extra: list[str], iters: int, common: list[str] = (), lr: float = 3e-3) -> list[float]:
     from megalite import arguments
     from megalite.training import pretrain
 
@@ -36,7 +36,7 @@ def losses(model: str, extra: list[str], iters: int, common: list[str] = ()) -> 
 
     argv = ["--model", model, "--bf16", "--train-iters", str(iters), "--log-interval", "1", "--eval-interval",
             str(10 ** 9), "--global-batch-size", "8", "--micro-batch-size", "4", "--seq-length", "128",
-            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", str(max(1, iters // 10)), *common, *extra]
+            "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-warmup-iters", str(max(1, iters // 10)), *common, *extra]
     cfg = arguments.build_parser("fp8_curves", default_model="gpt-tiny").parse_args(argv)
     return [r["loss"] for r in pretrain(cfg, pretrain_gpt.task()).records]
 
@@ -97,10 +97,11 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--json", type=Path)
     p.add_argument("--svg", type=Path)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to a tenth, warm-up a tenth)")
     p.add_argument("--train-args", default="", help="flags given to every run, e.g. '--mock-data'")
     args = p.parse_args(argv)
     common = args.train_args.split()
-    curves = {m: {r: losses(m, RUNS[r], args.iters, common) for r in args.runs} for m in args.models}
+    curves = {m: {r: losses(m, RUNS[r], args.iters, common, args.lr) for r in args.runs} for m in args.models}
     for model, runs in curves.items():
         base = final(runs["bf16"]) if "bf16" in runs else None
         for name, curve in runs.items():

@@ -132,3 +132,22 @@ def test_the_planners_command_line_plans_fp8_and_prints_its_flag(capsys):
         row = next(line for line in out.splitlines() if line.strip().startswith("1 "))
         return float(row.split("|")[2].split()[0])
     assert step(fp8) < 0.7 * step(bf16)
+
+
+def test_mlas_projections_and_every_expert_take_fp8_and_the_router_does_not():
+    from megalite.models import GPTModel
+    from megalite.models.fp8 import enable_fp8, fp8_states
+
+    cfg = _cfg("--model", "deepseek-tiny", "--fp8-format", "e4m3", "--q-lora-rank", "32")
+    config = model_config(cfg)
+    model = GPTModel(config, seed=0, device="cpu")
+    enable_fp8(model, cfg.precision.fp8(), range(config.num_layers))
+    named = {name.split(".", 2)[2] for name, m in model.named_modules()
+             if getattr(m, "fp8", None) is not None or getattr(m, "fc1_fp8", None) is not None}
+    assert {"attention.q_down", "attention.q_up", "attention.kv_down", "attention.kv_up", "attention.proj",
+            "mlp.experts", "mlp.shared_experts.fc1", "mlp.shared_experts.fc2", "mlp.fc1"} <= named
+    assert not any("router" in n or "mtp" in n for n in named)
+    experts = config.num_moe_experts * sum(config.moe_layer_freq)
+    dense = sum(1 for m in model.modules() if getattr(m, "fp8", None) is not None)
+    assert len(fp8_states([model])) == dense + 2 * experts  # each expert's fc1 and fc2
+    assert sum(len(m.fc1_fp8) for m in model.modules() if getattr(m, "fc1_fp8", None)) == experts

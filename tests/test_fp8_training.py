@@ -24,6 +24,7 @@ ONE = {  # name -> argv, on one rank: the references
     "gpt fp32": BASE,
     "moe tensorwise": BASE + MOE + TENSORWISE,
     "moe delayed": BASE + MOE + DELAYED,
+    "deepseek tensorwise": BASE + ["--model", "deepseek-tiny"] + TENSORWISE,
     "gpt tensorwise compiled": BASE + TENSORWISE + ["--torch-compile"],
     "gpt tensorwise recompute": BASE + TENSORWISE + ["--recompute", "full"],
 }
@@ -40,6 +41,8 @@ TWO = [  # (name, reference, argv) on two ranks
     ("delayed tp2 sp", "gpt delayed", BASE + DELAYED + ["--tp", "2", "--sequence-parallel"]),
     ("delayed pp2 zb-h1", "gpt delayed", BASE + DELAYED + ["--pp", "2", "--pipeline-schedule", "zb-h1"]),
     ("delayed cp2", "gpt delayed", BASE + DELAYED + ["--cp", "2"]),
+    ("deepseek tp2 sp (MLA)", "deepseek tensorwise", BASE + ["--model", "deepseek-tiny"] + TENSORWISE +
+     ["--tp", "2", "--sequence-parallel"]),
     ("tp2 sp etp2", "moe tensorwise", BASE + MOE + TENSORWISE + ["--tp", "2", "--sequence-parallel"]),
     ("delayed ep2", "moe delayed", BASE + MOE + DELAYED + ["--ep", "2"]),
     # Local SGD is another algorithm than one device's (replicas drift between outer steps): it trains.
@@ -204,7 +207,7 @@ def _param_gather(rank, world, save_dir):
 def test_fp8_param_gather_sends_fp8_weights_as_fp8_with_the_same_numbers(tmp_path):
     per_rank = run_ranks(_param_gather, 2, args=(tmp_path,), timeout=600)
     for rank, out in enumerate(per_rank):
-        (loss16, bytes16, units16, saved16), (loss8, bytes8, units8, saved8) = out["bf16 gather"], out["fp8 gather"]
+        (loss16, bytes16, _, saved16), (loss8, bytes8, units8, saved8) = out["bf16 gather"], out["fp8 gather"]
         assert loss8 == loss16  # the GEMMs take the same FP8 values: bitwise
         assert saved8.keys() == saved16.keys() and all(torch.equal(saved8[k], saved16[k]) for k in saved16)
         packed = [(whole, chunk) for whole, chunk, _ in units8 if chunk is not None]

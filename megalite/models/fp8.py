@@ -1,16 +1,17 @@
 """FP8 applied to a built model: which transformer layers run their linear GEMMs in FP8, and delayed
 scaling's once-a-step close (megalite.precision, megalite.parallel.fp8_linear; docs/fp8.md).
 
-Every column- and row-parallel linear layer inside an FP8 transformer layer takes the recipe: the
-attention's query/key/value and output projections (MLA's up-projections too), the MLP, a MoE
-layer's experts (each with its own scales) and shared expert. The word embedding, the output layer,
-the router, MLA's replicated down-projections, norms, softmax, losses and multi-token prediction's
-modules stay in the model's dtype, as the recipes prescribe.
+Every linear layer inside an FP8 transformer layer takes the recipe: the attention's query/key/value
+and output projections (MLA's down- and up-projections too), the MLP, a MoE layer's experts (each
+with its own scales) and shared expert. The word embedding, the output layer, the router, norms,
+softmax, losses and multi-token prediction's modules stay in the model's dtype, as the recipes
+prescribe.
 """
 from __future__ import annotations
 
 import torch
 
+from megalite.models.mla import ReplicatedLinear
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.transformer import TransformerLayer
 from megalite.parallel import traffic
@@ -41,7 +42,7 @@ def enable_fp8(chunk: torch.nn.Module, recipe: Recipe | None, layers) -> int:
     for layer in chunk.modules():
         if isinstance(layer, TransformerLayer) and layer.layer_number in layers:
             for m in layer.modules():
-                if isinstance(m, (ColumnParallelLinear, RowParallelLinear, GroupedMLP)):
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear, GroupedMLP, ReplicatedLinear)):
                     m.use_fp8(recipe)
                     count += 1
     return count

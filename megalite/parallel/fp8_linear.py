@@ -47,6 +47,15 @@ def amax_groups(partition_dim: int) -> dict[str, object]:
             "grad": sharded if partition_dim == 0 else whole}
 
 
+def replicated_amax_groups() -> dict[str, object]:
+    """`amax_groups` for a weight held whole on every TP rank whose input is whole over TP (MLA's
+    down-projections): its output gradient is each TP rank's part of the sum."""
+    if not state.model_parallel_is_initialized():
+        return {"input": None, "weight": None, "grad": None}
+    return {"input": _group_or_none(state.get_context_parallel_group()), "weight": None,
+            "grad": _group_or_none(state.get_tensor_and_context_parallel_group())}
+
+
 class FP8Linear:
     """What one layer's FP8 GEMMs need: the recipe, the amax groups, delayed scaling's state and the
     weight's kept quantization."""
