@@ -226,3 +226,19 @@ def test_evaluation_quantizes_with_delayed_scales_and_records_no_amax():
     fp8_linear(x, w.requires_grad_(), None, fp8).sum().backward()
     assert torch.equal(fp8.scaling.amax_now[:2], torch.stack([x.abs().max(), w.detach().abs().max()]))
     assert fp8.scaling.amax_now[2] == 1.0  # the output gradient of a sum: ones
+
+
+def test_an_amax_too_small_for_its_quotient_takes_fp32s_largest_scale_not_a_nan():
+    q = quantize(torch.tensor([[1e-37, 0.0, -5e-38, 0.0]]), E4M3)
+    assert torch.isfinite(q.data.float()).all() and q.data.float()[0, 1] == 0
+    assert q.scale_inv == 1.0 / torch.finfo(torch.float32).max
+
+
+def test_loaded_histories_choose_scales_with_the_runs_own_settings():
+    saved = DelayedScaling(Recipe("delayed", "e4m3", amax_history_len=2))
+    saved.update(torch.tensor([2.0, 4.0, 8.0]))
+    resumed = DelayedScaling(Recipe("delayed", "hybrid", amax_history_len=2, margin=1))
+    resumed.history.copy_(saved.history)
+    resumed.scale.copy_(saved.scale)
+    resumed.rescale()
+    assert resumed.scale.tolist() == [448 / 2 / 2, 448 / 4 / 2, 57344 / 8 / 2]

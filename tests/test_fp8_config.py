@@ -151,3 +151,29 @@ def test_mlas_projections_and_every_expert_take_fp8_and_the_router_does_not():
     dense = sum(1 for m in model.modules() if getattr(m, "fp8", None) is not None)
     assert len(fp8_states([model])) == dense + 2 * experts  # each expert's fc1 and fc2
     assert sum(len(m.fc1_fp8) for m in model.modules() if getattr(m, "fc1_fp8", None)) == experts
+
+
+def test_a_weight_read_whole_over_tp_gathers_in_the_model_dtype_under_fp8_param_gather():
+    """Grouped-query attention's key/value weight where TP exceeds the groups is gathered over TP and
+    read in the model dtype: ZeRO-3 must bring those values, not FP8 ones."""
+    import torch
+
+    from megalite.optim.zero import ShardedParamBuffer
+    from megalite.parallel.layers import ColumnParallelLinear
+    from megalite.training.build import _gather_fp8_weights
+
+    q, kv = ColumnParallelLinear(16, 16, bias=False), ColumnParallelLinear(16, 8, bias=False)
+    for m in (q, kv):
+        m.use_fp8(Recipe("delayed"))
+    kv.weight.read_gathered_over_tp = True
+    seen = {}
+
+    class Buffer(ShardedParamBuffer):
+        def __init__(self):
+            pass
+
+        def use_fp8_param_gather(self, states):
+            seen.update(states)
+
+    _gather_fp8_weights([torch.nn.ModuleList([q, kv])], [Buffer()])
+    assert set(seen) == {id(q.weight)}

@@ -166,22 +166,27 @@ def expert_biases(model_chunks):
 FP8_STATE_SUFFIXES = ("fp8_history", "fp8_scale")
 
 
-def fp8_scaling_state(model_chunks, experts: bool = False):
-    """(layout-free name, tensor) of FP8 delayed scaling's amax histories and scales: per linear
-    layer, replicated over the stage (reduced there each step); with `experts`, per expert of this
-    rank instead, by its global number (replicated over its expert-data-parallel and expert-tensor
-    ranks). Saved and loaded with the model."""
+def fp8_named_scalings(model_chunks, experts: bool = False):
+    """(layout-free name, DelayedScaling) of FP8 delayed scaling's state: per linear layer, replicated
+    over the stage (reduced there each step); with `experts`, per expert of this rank instead, by its
+    global number (replicated over its expert-data-parallel and expert-tensor ranks)."""
     for chunk in model_chunks:
         for local, m in chunk.named_modules():
             if experts and getattr(m, "fc1_fp8", None) is not None and m.fc1_fp8[0].scaling is not None:
                 for e, states in enumerate(zip(m.fc1_fp8, m.fc2_fp8)):
                     for fc, st in zip(("fc1", "fc2"), states):
-                        for key, t in st.scaling.state_dict().items():
-                            yield global_name(chunk, f"{local}.{m.first_expert + e}.{fc}_fp8_{key}"), t
+                        yield global_name(chunk, f"{local}.{m.first_expert + e}.{fc}_fp8"), st.scaling
             scaling = getattr(getattr(m, "fp8", None), "scaling", None)
             if scaling is not None and not experts:
-                for key, t in scaling.state_dict().items():
-                    yield global_name(chunk, f"{local}.fp8_{key}"), t
+                yield global_name(chunk, f"{local}.fp8"), scaling
+
+
+def fp8_scaling_state(model_chunks, experts: bool = False):
+    """(layout-free name, tensor) of those states' amax histories and scales: saved and loaded with
+    the model."""
+    for base, scaling in fp8_named_scalings(model_chunks, experts):
+        for key, t in scaling.state_dict().items():
+            yield f"{base}_{key}", t
 
 
 def param_owners(model_chunks) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megalite.checkpoint.fileformat import RankFile
-from megalite.checkpoint.layout import (EXPERT_TENSOR, FP8_STATE_SUFFIXES, VOCAB_PARAMS, expert_biases, fp8_scaling_state,
+from megalite.checkpoint.layout import (EXPERT_TENSOR, FP8_STATE_SUFFIXES, VOCAB_PARAMS, expert_biases, fp8_named_scalings,
                                         piece_parts, shard_of, stored_by_param, stored_tensors)
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
@@ -63,24 +63,22 @@ def load_model_weights(directory, model_chunks, reader: CheckpointReader | None 
 
 
 def _load_fp8_scaling(reader, model_chunks) -> None:
-    """FP8 delayed scaling's histories and scales (each layer's, each expert's), where the checkpoint
-    has them: a run that was not in delayed FP8 starts them anew, said once. A history of another
-    length keeps its newest amaxes."""
+    """FP8 delayed scaling's histories (each layer's, each expert's), where the checkpoint has them,
+    and scales chosen from them anew (another --fp8-format or --fp8-margin takes effect at once); a
+    run that was not in delayed FP8 starts them empty, said once. A history of another length keeps
+    its newest amaxes."""
     names = set(reader.model_names())
-    wanted: dict = {}  # state name -> {"history": tensor, "scale": tensor}
-    for experts in (False, True):
-        for name, t in fp8_scaling_state(model_chunks, experts):
-            base, key = name.rsplit("_", 1)
-            wanted.setdefault(base, {})[key] = (name, t)
+    scalings = [named for experts in (False, True) for named in fp8_named_scalings(model_chunks, experts)]
     fresh = 0
-    for base, parts in wanted.items():
-        if all(name in names for name, _ in parts.values()):
-            for name, t in parts.values():
-                t.copy_(fit_history(reader.full_tensor(name), t.shape[-1]))
+    for base, scaling in scalings:
+        if f"{base}_history" in names and f"{base}_scale" in names:
+            scaling.history.copy_(fit_history(reader.full_tensor(f"{base}_history"), scaling.history.shape[-1]))
+            scaling.scale.copy_(reader.full_tensor(f"{base}_scale"))
+            scaling.rescale()
         else:
             fresh += 1
     if fresh:
-        say(f"megalite: note: checkpoint {reader.path} has no FP8 delayed-scaling state for {fresh} of {len(wanted)} "
+        say(f"megalite: note: checkpoint {reader.path} has no FP8 delayed-scaling state for {fresh} of {len(scalings)} "
             f"GEMMs: their amax histories start empty")
 
 

@@ -60,7 +60,10 @@ class PrecisionConfig:
             if given:
                 raise ValueError(f"{given[0]} applies to FP8 training only: add --fp8-format e4m3 (or hybrid), "
                                  f"or drop it")
-        elif self.fp8_param_gather and self.fp8_recipe != "delayed":
+        if not self.first_last_layers_bf16 and (self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16) != (1, 1):
+            raise ValueError("--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 apply with "
+                             "--first-last-layers-bf16: add it, or drop them")
+        if self.fp8_format is not None and self.fp8_param_gather and self.fp8_recipe != "delayed":
             raise ValueError(f"--fp8-param-gather quantizes each shard with delayed scaling's scale, known before "
                              f"the gather; --fp8-recipe {self.fp8_recipe} needs the whole weight first: use "
                              f"--fp8-recipe delayed, or drop --fp8-param-gather")

@@ -135,6 +135,8 @@ class ParallelAttention(nn.Module):
             self.q = ColumnParallelLinear(h, config.num_attention_heads * d, **column)
             self.kv = ColumnParallelLinear(h, 2 * config.num_query_groups * d, **column)
             self.groups_replicated = tp > config.num_query_groups  # each rank one group, shared with others
+            # (then its weight is read whole, in the model dtype: ZeRO-3 must gather those values)
+            self.kv.weight.read_gathered_over_tp = self.groups_replicated
         if config.qk_layernorm:
             q_width, k_width = ((config.num_attention_heads * d, config.query_groups * d)
                                 if config.qk_layernorm_full_width else (d, d))

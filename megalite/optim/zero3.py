@@ -107,14 +107,13 @@ class ShardedParamBuffer(ShardedGradBuffer):
         """Gather these weights (id -> their megalite.parallel.fp8_linear.FP8Linear, delayed scaling)
         as FP8 in the forward and backward gathers (megalite.optim.fp8_gather); a save, an export or
         a refresh gathers them in the model dtype."""
-        rank = torch.distributed.get_rank(self.dp_group) if self.dp_size > 1 else 0
+        self.dp_rank = torch.distributed.get_rank(self.dp_group) if self.dp_size > 1 else 0
         for bucket in self.buckets:
             weights = [(p, states[id(p)], self.offset[id(p)] - bucket.start, self._shapes[id(p)])
                        for p in bucket.params if id(p) in states]
             if weights and self.dp_size > 1:
                 self.fp8_plans[bucket.index] = fp8_gather.plan_unit(
-                    bucket.numel, self.dp_size, rank, weights, self.units[bucket.index].whole.element_size(),
-                    self.device)
+                    bucket.numel, self.dp_size, weights, self.units[bucket.index].whole.element_size())
 
     # -- gathering and freeing units
     def gather(self, bucket: Bucket, wait: bool = True, why: str = "forward") -> None:
@@ -145,7 +144,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
         if self.dp_size == 1:
             unit.whole.copy_(shard)
         elif unit.fp8:
-            chunk = fp8_gather.pack(plan, shard, record=torch.is_grad_enabled())
+            chunk = fp8_gather.pack(plan, shard, self.dp_rank, record=torch.is_grad_enabled())
             gathered = torch.empty(self.dp_size * plan.chunk_bytes, dtype=torch.uint8, device=self.device)
             traffic.gather_or_scatter("dp", gathered.nbytes, self.dp_size)
             unit.work = _buffers._all_gather_single(gathered, chunk, group=self.dp_group, async_op=True)

@@ -59,8 +59,10 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
 
 
 def current_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """max / amax, 1 where amax is 0; 0 for an inf amax and NaN for a NaN one (so bad input shows)."""
-    return torch.where(amax == 0, torch.ones_like(amax), FP8_MAX[dtype] / amax)
+    """max / amax, 1 where amax is 0, fp32's largest where amax is so small that the quotient
+    overflows; 0 for an inf amax and NaN for a NaN one (so bad input shows)."""
+    scale = torch.where(amax == 0, torch.ones_like(amax), FP8_MAX[dtype] / amax)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max), scale)
 
 
 def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

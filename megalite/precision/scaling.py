@@ -46,10 +46,15 @@ class DelayedScaling:
         """Close the step with `amax` [3] (the reduced `amax_now`): roll the history, choose scales."""
         ran = (amax > 0).unsqueeze(1)
         self.history.copy_(torch.where(ran, torch.cat([amax.unsqueeze(1), self.history[:, :-1]], 1), self.history))
+        self.rescale()
+        self.amax_now.zero_()
+
+    def rescale(self) -> None:
+        """Scales from the history as this recipe chooses them (after an update, or a history loaded
+        from a run with other settings); where the history gives none, the scale stays."""
         ref = self.history[:, 0] if self.recipe.amax_compute_algo == "most_recent" else self.history.amax(1)
         new = self.top / ref
         self.scale.copy_(torch.where(torch.isfinite(new) & (ref > 0) & torch.isfinite(ref), new, self.scale))
-        self.amax_now.zero_()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"history": self.history, "scale": self.scale}

@@ -172,7 +172,8 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
 def _gather_fp8_weights(chunks, buffers) -> None:
     """--fp8-param-gather: ZeRO-3 gathers the weights of FP8 layers (delayed scaling) as FP8."""
     states = {id(m.weight): m.fp8 for c in chunks for m in c.modules()
-              if getattr(m, "fp8", None) is not None and m.fp8.scaling is not None}
+              if getattr(m, "fp8", None) is not None and m.fp8.scaling is not None
+              and not getattr(m.weight, "read_gathered_over_tp", False)}  # (GQA's kv when TP > groups)
     for buf in buffers:
         if isinstance(buf, ShardedParamBuffer):
             buf.use_fp8_param_gather(states)

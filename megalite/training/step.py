@@ -11,7 +11,7 @@ import torch
 from megalite import parallel
 from megalite.config import model_dtype
 from megalite.config.sections import pass_costs
-from megalite.models.fp8 import close_delayed_scaling, fp8_states
+from megalite.models.fp8 import close_delayed_scaling
 from megalite.models.moe import losses as moe_losses
 from megalite.models.moe.router import expert_bias_routers, update_expert_biases
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
@@ -48,14 +48,15 @@ class TrainStep:
     params: list[torch.nn.Parameter] = field(init=False)
     programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
     routers: list = field(init=False)  # the routers balanced by an expert bias after each step
-    amax_group: object = field(init=False)  # FP8 delayed scaling: its amaxes reduced here each step (or None)
+    delayed_fp8: bool = False  # FP8 delayed scaling: its amaxes reduced over `amax_group` each step
+    amax_group: object = field(init=False)
 
     def __post_init__(self):
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
         self.routers = expert_bias_routers(self.chunks)
         self.programs = {self.micro_batches: self.program}
         self.amax_group = None
-        if any(s.scaling is not None for s in fp8_states(self.chunks)):
+        if self.delayed_fp8:  # on every rank, stages without FP8 layers too: building a group is collective
             # Local SGD's replicas meet only in the outer step: their scales are their own.
             self.amax_group = (parallel.get_tensor_and_context_parallel_group() if self.local_sgd is not None
                                else parallel.get_amax_reduction_group())
@@ -84,7 +85,8 @@ class TrainStep:
         return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
                    buffers,
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
-                   cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs)
+                   cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs,
+                   delayed_fp8=cfg.precision.fp8_format is not None and cfg.precision.fp8_recipe == "delayed")
 
     @property
     def v_shape(self) -> bool:
