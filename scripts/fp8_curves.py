@@ -28,7 +28,7 @@ COLOURS = {"bf16": "#000000", "tensorwise": "#1f77b4", "delayed": "#ff7f0e", "bl
            "mxfp8": "#d62728"}
 
 
-def losses(model: str, extra: list[str], iters: int, common: list[str] = (), lr: float = 3e-3) -> list[float]:
+def losses(model: str, extra: list[str], iters: int, common: list[str] = (), lr: float = 1e-3) -> list[float]:
     from megalite import arguments
     from megalite.training import pretrain
 
@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--json", type=Path)
     p.add_argument("--svg", type=Path)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine to a tenth, warm-up a tenth)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine to a tenth, warm-up a tenth)")
     p.add_argument("--train-args", default="", help="flags given to every run, e.g. '--mock-data'")
     args = p.parse_args(argv)
     common = args.train_args.split()
