@@ -222,3 +222,47 @@ def test_fp8_param_gather_sends_fp8_weights_as_fp8_with_the_same_numbers(tmp_pat
         per_step_gathers = gathers.pop() / 4  # a training pass's gathers (a save's are in the model dtype)
         for b16, b8 in zip(bytes16, bytes8):
             assert b16 - b8 == per_step_gathers * saved_per_step, (rank, b16, b8)
+
+
+def _quantized_parts(rank, world, seed):
+    """At TP 2, the FP8 values and scales each rank's column- and row-parallel layer quantizes (input,
+    weight, output gradient), and one device's for the whole tensors."""
+    from megalite import parallel
+    from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megalite.precision.recipes import Recipe
+
+    seen = []
+    for tp in (1, 2):
+        parallel.initialize_model_parallel(tp)
+        torch.manual_seed(seed)
+        column = ColumnParallelLinear(64, 96, bias=False)
+        row = RowParallelLinear(96, 64, bias=False)
+        for m in (column, row):
+            m.use_fp8(Recipe("tensorwise", "hybrid"))
+            real = m.fp8.quantize
+            m.fp8.quantize = lambda x, role, record=True, real=real, name=type(m).__name__: (
+                seen.append((tp, name, role, real(x, role, record))) or seen[-1][3])
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(16, 64, generator=g).requires_grad_()
+        row(column(x)).backward(torch.randn(16, 64, generator=g))
+        parallel.destroy_model_parallel()
+    return [(tp, name, role, q.data.float(), q.scale_inv) for tp, name, role, q in seen]
+
+
+@pytest.mark.slow
+def test_tensorwise_amax_reductions_make_every_tp_ranks_fp8_operands_one_devices_bit_for_bit():
+    per_rank = run_ranks(_quantized_parts, 2, args=(7,))
+    whole = {(name, role): (data, scale) for tp, name, role, data, scale in per_rank[0] if tp == 1}
+    # which dimension of each operand TP splits: (layer, role) -> dim (None: whole on every rank)
+    split = {("ColumnParallelLinear", "input"): None, ("ColumnParallelLinear", "weight"): 0,
+             ("ColumnParallelLinear", "grad"): 1, ("RowParallelLinear", "input"): 1,
+             ("RowParallelLinear", "weight"): 1, ("RowParallelLinear", "grad"): None}
+    for rank, parts in enumerate(per_rank):
+        mine = [(name, role, data, scale) for tp, name, role, data, scale in parts if tp == 2]
+        assert {(n, r) for n, r, _, _ in mine} == set(split)
+        for name, role, data, scale in mine:
+            full, full_scale = whole[(name, role)]
+            dim = split[(name, role)]
+            expected = full if dim is None else full.chunk(2, dim=dim)[rank]
+            assert torch.equal(scale, full_scale), (name, role)  # the whole tensor's amax, reduced
+            assert torch.equal(data, expected), (name, role)
