@@ -41,7 +41,8 @@ def test_an_fp8_flag_that_cannot_apply_is_one_line_naming_it(argv, says):
 
 def test_first_and_last_layers_stay_in_the_model_dtype_and_the_rest_of_the_model_too():
     from megalite.models import GPTModel
-    from megalite.models.fp8 import enable_fp8, fp8_layer_numbers
+    from megalite.models.fp8 import enable_fp8
+    from megalite.precision.recipes import fp8_layer_numbers
     from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     assert list(fp8_layer_numbers(6)) == [0, 1, 2, 3, 4, 5]
@@ -177,3 +178,15 @@ def test_a_weight_read_whole_over_tp_gathers_in_the_model_dtype_under_fp8_param_
 
     _gather_fp8_weights([torch.nn.ModuleList([q, kv])], [Buffer()])
     assert set(seen) == {id(q.weight)}
+
+
+def test_first_and_last_layers_that_leave_none_in_fp8_are_refused_in_one_line_before_the_run():
+    from megalite.config import validate
+
+    cfg = _cfg("--fp8-format", "e4m3", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2",
+               "--num-layers-at-end-in-bf16", "2")
+    with pytest.raises(UsageError, match="leave none of the 4 layers in FP8") as e:
+        validate(cfg, 1, model_config(cfg), machine=False)
+    assert "\n" not in str(e.value)
+    assert list(_cfg("--fp8-format", "e4m3").precision.fp8_layers(4)) == [0, 1, 2, 3]
+    assert list(_cfg().precision.fp8_layers(4)) == []

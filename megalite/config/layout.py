@@ -157,6 +157,7 @@ def validate(config: RunConfig, world_size: int, model: TransformerConfig, machi
     try:
         model.check_tensor_parallel(tp)
         stage_layer_counts(model.num_layers, pp, p.vpp, p.pipeline_layers)
+        config.precision.fp8_layers(model.num_layers)  # --first-last-layers-bf16 must leave some
     except ValueError as e:
         raise UsageError(str(e)) from None
     if model.vocab_size < 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config.fields import NON_NEGATIVE, POSITIVE, POSITIVE_INT, check_numbers, opt
-from megalite.precision.recipes import AMAX_ALGOS, FORMATS, RECIPES, Recipe
+from megalite.precision.recipes import AMAX_ALGOS, FORMATS, RECIPES, Recipe, fp8_layer_numbers
 
 
 @dataclass
@@ -74,3 +74,11 @@ class PrecisionConfig:
             return None
         return Recipe(self.fp8_recipe, self.fp8_format, self.fp8_amax_history_len, self.fp8_amax_compute_algo,
                       self.fp8_margin, self.fp8_wgrad)
+
+    def fp8_layers(self, num_layers: int) -> range:
+        """The transformer layers that run in FP8 (none without --fp8-format); a ValueError when
+        --first-last-layers-bf16 leaves none."""
+        if self.fp8_format is None:
+            return range(0)
+        return fp8_layer_numbers(num_layers, self.first_last_layers_bf16, self.num_layers_at_start_in_bf16,
+                                 self.num_layers_at_end_in_bf16)

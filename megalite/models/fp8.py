@@ -20,18 +20,6 @@ from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.precision.recipes import Recipe
 
 
-def fp8_layer_numbers(num_layers: int, first_last_bf16: bool = False, at_start: int = 1,
-                      at_end: int = 1) -> range:
-    """The transformer layers (0-based, over the whole model) that run in FP8: all of them, or
-    with `first_last_bf16` all but `at_start` first and `at_end` last (Megatron-LM's flags)."""
-    if not first_last_bf16:
-        return range(num_layers)
-    if at_start + at_end >= num_layers:
-        raise ValueError(f"--num-layers-at-start-in-bf16 ({at_start}) + --num-layers-at-end-in-bf16 ({at_end}) "
-                         f"leave none of the {num_layers} layers in FP8: lower them, or drop --fp8-format")
-    return range(at_start, num_layers - at_end)
-
-
 def enable_fp8(chunk: torch.nn.Module, recipe: Recipe | None, layers) -> int:
     """Give `recipe` to every parallel linear layer and expert group inside the transformer layers of
     `chunk` whose number is in `layers`. Returns how many modules now run their GEMMs in FP8."""

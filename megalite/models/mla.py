@@ -30,7 +30,7 @@ from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding, yarn_softmax_scale
 from megalite.parallel import state
-from megalite.parallel.fp8_linear import FP8Linear, fp8_linear, replicated_amax_groups
+from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_linear
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import (ColumnParallelLinear, RowParallelLinear, default_device, init_device,
                                       normal_init)
@@ -53,7 +53,7 @@ class ReplicatedLinear(nn.Module):
     def use_fp8(self, recipe) -> None:
         """Its GEMMs in FP8 as `recipe` says (None: not). Its input is whole over TP (split over CP);
         its output gradient is each TP rank's part of the sum, so its amax is reduced over TP x CP."""
-        self.fp8 = None if recipe is None else FP8Linear(recipe, replicated_amax_groups(), self.weight.device)
+        self.fp8 = None if recipe is None else FP8Linear(recipe, amax_groups("replicated"), self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:

@@ -29,36 +29,37 @@ from megalite.precision.recipes import Recipe
 from megalite.precision.scaling import DelayedScaling
 
 
-def _group_or_none(group):
-    return group if group is not None and torch.distributed.get_world_size(group) > 1 else None
+# Which group's ranks hold the parts of each operand (input, weight, output gradient), by the kind of
+# layer: tokens are split over context parallelism, features over TP. A column layer's input is
+# whole on every TP rank (gathered under sequence parallelism), so is a row layer's output gradient;
+# a replicated weight (MLA's down-projections) sees each TP rank's part of its output gradient's sum;
+# an expert's tokens are whole over expert tensor parallelism, which splits fc1's rows and fc2's columns.
+_AMAX_GROUPS = {
+    "column": ("context", "tensor", "tensor_context"),
+    "row": ("tensor_context", "tensor", "context"),
+    "replicated": ("context", None, "tensor_context"),
+    "expert_fc1": (None, "expert_tensor", "expert_tensor"),
+    "expert_fc2": ("expert_tensor", "expert_tensor", None),
+}
+_GROUP_OF = {"context": lambda: state.get_context_parallel_group(),
+             "tensor": lambda: state.get_tensor_model_parallel_group(),
+             "tensor_context": lambda: state.get_tensor_and_context_parallel_group(),
+             "expert_tensor": lambda: state.get_expert_tensor_parallel_group()}
 
 
-def amax_groups(partition_dim: int) -> dict[str, object]:
-    """The groups whose ranks hold parts of each operand of a column- (partition_dim 0) or
-    row-parallel (1) linear layer: tokens are split over context parallelism, features over TP
-    (a column layer's input is whole on every TP rank, gathered under sequence parallelism; a row
-    layer's output gradient is too)."""
+def amax_groups(kind: str) -> dict[str, object]:
+    """{role: the group over which a tensor-wide amax of that operand is reduced, or None} for a
+    layer of `kind` (a key of `_AMAX_GROUPS`); groups of one rank are None."""
+    names = dict(zip(("input", "weight", "grad"), _AMAX_GROUPS[kind]))
     if not state.model_parallel_is_initialized():
-        return {"input": None, "weight": None, "grad": None}
-    tp, cp = state.get_tensor_model_parallel_group(), state.get_context_parallel_group()
-    both = state.get_tensor_and_context_parallel_group()
-    sharded, whole = _group_or_none(both), _group_or_none(cp)
-    return {"input": whole if partition_dim == 0 else sharded, "weight": _group_or_none(tp),
-            "grad": sharded if partition_dim == 0 else whole}
-
-
-def replicated_amax_groups() -> dict[str, object]:
-    """`amax_groups` for a weight held whole on every TP rank whose input is whole over TP (MLA's
-    down-projections): its output gradient is each TP rank's part of the sum."""
-    if not state.model_parallel_is_initialized():
-        return {"input": None, "weight": None, "grad": None}
-    return {"input": _group_or_none(state.get_context_parallel_group()), "weight": None,
-            "grad": _group_or_none(state.get_tensor_and_context_parallel_group())}
+        return dict.fromkeys(names)
+    groups = {role: None if name is None else _GROUP_OF[name]() for role, name in names.items()}
+    return {role: g if g is not None and torch.distributed.get_world_size(g) > 1 else None
+            for role, g in groups.items()}
 
 
 class FP8Linear:
-    """What one layer's FP8 GEMMs need: the recipe, the amax groups, delayed scaling's state and the
-    weight's kept quantization."""
+    """What one layer's FP8 GEMMs need: the recipe, the amax groups and delayed scaling's state."""
 
     def __init__(self, recipe: Recipe, groups: dict[str, object] | None = None, device=None):
         self.recipe = recipe
@@ -141,40 +142,45 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 class _FP8GroupedLinearFunction(torch.autograd.Function):
     """y[rows of e] = x[rows of e] W[e]^T for each local expert e, in FP8 with expert e's own scales
-    (`states[e]`): the loop of `_FP8LinearFunction`'s GEMMs, one weight-gradient tensor filled."""
+    (`states[e]`): the loop of `_FP8LinearFunction`'s GEMMs, one weight-gradient tensor filled. As
+    there, the forward keeps what the backward reuses: each expert's x in FP8 (one tensor-wide scale)
+    and W^T laid for dx, so no quantization (nor its amax reduction) runs twice."""
 
     @staticmethod
     def forward(ctx, x, weight, counts, states, record):
-        ctx.save_for_backward(x, weight)
-        ctx.counts, ctx.states, ctx.used = counts, states, weight
         out = x.new_empty((x.shape[0], weight.shape[1]))
+        tensor_wide = bool(states) and states[0].recipe.tile("input") is None and states[0].recipe.wgrad
+        kept = []  # per expert: x's FP8 values and factor, W^T's (None where not kept)
         for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
-            if ye.shape[0]:
-                st = states[e]
-                ye.copy_(scaled_mm(st.quantize(xe, "input", record), st.quantize(weight[e].detach(), "weight", record),
-                                   x.dtype))
+            if not ye.shape[0]:
+                kept += [None] * 4
+                continue
+            st = states[e]
+            qx, qw = st.quantize(xe, "input", record), st.quantize(weight[e].detach(), "weight", record)
+            ye.copy_(scaled_mm(qx, qw, x.dtype))
+            qw_t = st.weight_t(weight[e], qw) if ctx.needs_input_grad[0] else None
+            kept += [qx.data, qx.scale_inv] if tensor_wide else [None, None]
+            kept += [qw_t.data, qw_t.scale_inv] if qw_t is not None else [None, None]
+        ctx.save_for_backward(x, weight, *kept)
+        ctx.counts, ctx.states, ctx.used = counts, states, weight
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight, *kept = ctx.saved_tensors
         counts, states, used = ctx.counts, ctx.states, ctx.used
         ctx.used = None
         dy = dy.contiguous()
         pieces = list(zip(dy.split(counts), x.split(counts)))
-        # Each expert's gradient quantized once for both GEMMs where one scale serves both; with one
-        # scale x is quantized here too (its amax may be reduced: no collective is left for W).
+        # Each expert's gradient quantized once for both GEMMs where one scale serves both.
         q_dy = [states[e].quantize(ge, "grad") if ge.shape[0] else None for e, (ge, _) in enumerate(pieces)]
-        tensor_wide = states[0].recipe.tile("input") is None if states else True
-        q_x = [states[e].quantize(xe, "input") if ge.shape[0] and tensor_wide else None
-               for e, (ge, xe) in enumerate(pieces)]
+        q_x = [None if kept[4 * e] is None else Quantized(kept[4 * e], kept[4 * e + 1]) for e in range(len(pieces))]
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy.new_empty(x.shape)
             for e, (q, gxe) in enumerate(zip(q_dy, dx.split(counts))):
                 if q is not None:
-                    st = states[e]
-                    w_t = st.weight_t(weight[e], st.quantize(weight[e].detach(), "weight"))
+                    w_t = Quantized(kept[4 * e + 2], kept[4 * e + 3], states[e].recipe.tile("weight"))
                     gxe.copy_(scaled_mm(q, w_t, dy.dtype))
 
         def weight_gradient():
@@ -203,13 +209,3 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
     """x [sum(counts), in] sorted by expert, weight [E, out, in] -> [sum(counts), out], each expert's
     GEMMs in FP8 with its own scales."""
     return _FP8GroupedLinearFunction.apply(x, weight, list(counts), states, torch.is_grad_enabled())
-
-
-def expert_amax_groups(partition_dim: int) -> dict[str, object]:
-    """`amax_groups` for an expert's fc1 (1: its rows split over expert tensor parallelism, like a
-    column-parallel layer) or fc2 (2: its columns, like a row-parallel one). Its tokens are whole on
-    the ranks of that group."""
-    if not state.model_parallel_is_initialized():
-        return {"input": None, "weight": None, "grad": None}
-    etp = _group_or_none(state.get_expert_tensor_parallel_group())
-    return {"input": None if partition_dim == 1 else etp, "weight": etp, "grad": etp if partition_dim == 1 else None}

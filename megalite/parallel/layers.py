@@ -151,7 +151,8 @@ class _ParallelLinear(nn.Module):
 
     def use_fp8(self, recipe) -> None:
         """Run this layer's GEMMs in FP8 as `recipe` (a megalite.precision.Recipe) says; None: not."""
-        self.fp8 = None if recipe is None else FP8Linear(recipe, amax_groups(self.partition_dim), self.weight.device)
+        self.fp8 = None if recipe is None else FP8Linear(recipe, amax_groups(("column", "row")[self.partition_dim]),
+                                                          self.weight.device)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
              into_main_grad: bool = True) -> torch.Tensor:

@@ -55,14 +55,9 @@ class Recipe:
         return E5M2 if self.format == "hybrid" and role == "grad" else E4M3
 
     @property
-    def tiled(self) -> bool:
-        """Scales per tile (blockwise, mxfp8) rather than per tensor."""
-        return self.recipe in ("blockwise", "mxfp8")
-
-    @property
     def power_of_two(self) -> bool:
-        """Scales are powers of two: blockwise and mxfp8 (whose E8M0 holds only those)."""
-        return self.tiled
+        """Scales are powers of two: the tiled recipes, blockwise and mxfp8 (whose E8M0 holds only those)."""
+        return self.recipe in ("blockwise", "mxfp8")
 
     def tile(self, role: str) -> tuple[int, int] | None:
         """(rows, columns) of one scale's tile for `role`'s operand laid out [rows, contraction], or
@@ -76,3 +71,15 @@ class Recipe:
     @property
     def delayed(self) -> bool:
         return self.recipe == "delayed"
+
+
+def fp8_layer_numbers(num_layers: int, first_last_bf16: bool = False, at_start: int = 1,
+                      at_end: int = 1) -> range:
+    """The transformer layers (0-based, over the whole model) that run in FP8: all of them, or
+    with `first_last_bf16` all but `at_start` first and `at_end` last (Megatron-LM's flags)."""
+    if not first_last_bf16:
+        return range(num_layers)
+    if at_start + at_end >= num_layers:
+        raise ValueError(f"--num-layers-at-start-in-bf16 ({at_start}) + --num-layers-at-end-in-bf16 ({at_end}) "
+                         f"leave none of the {num_layers} layers in FP8: lower them, or drop --fp8-format")
+    return range(at_start, num_layers - at_end)

@@ -8,7 +8,7 @@ import torch
 
 from megalite import parallel
 from megalite.models import compile_layers
-from megalite.models.fp8 import enable_fp8, fp8_layer_numbers
+from megalite.models.fp8 import enable_fp8
 from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate
 from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.optim.grads import SAME_RANK, is_expert
@@ -72,15 +72,13 @@ def build_model_chunks(task: Task, config, cfg, device) -> list[torch.nn.Module]
     p, r, v = cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), cfg.parallel.vpp or 1
     counts = stage_layer_counts(config.num_layers, p, cfg.parallel.vpp, cfg.parallel.pipeline_layers)
     v_shape = cfg.parallel.pipeline_schedule in V_SCHEDULES
-    prec = cfg.precision
-    fp8_layers = fp8_layer_numbers(config.num_layers, prec.first_last_layers_bf16, prec.num_layers_at_start_in_bf16,
-                                   prec.num_layers_at_end_in_bf16)
+    fp8_recipe, fp8_layers = cfg.precision.fp8(), cfg.precision.fp8_layers(config.num_layers)
     chunks = []
     for c in range(v):
         vs = virtual_stage(p, r, c, v_shape)
         chunks.append(task.build_model(config, cfg, device, pre_process=vs == 0,
                                        post_process=vs == p * v - 1, layer_numbers=layers_of(counts, vs)))
-        enable_fp8(chunks[-1], prec.fp8(), fp8_layers)
+        enable_fp8(chunks[-1], fp8_recipe, fp8_layers)
         if cfg.model.torch_compile:
             # One region per chunk where no TP/CP collective runs inside it; else layer by layer.
             compile_layers(chunks[-1], whole=cfg.parallel.tp == 1 and cfg.parallel.cp == 1)

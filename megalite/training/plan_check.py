@@ -5,7 +5,6 @@ import torch
 
 from megalite.config import RunConfig, model_config
 from megalite.metrics import default_peak_tflops
-from megalite.models.fp8 import fp8_layer_numbers
 from megalite.tools.plan import Cluster, Prediction, check_layout
 from megalite.tools.plan.search import local_sgd_of
 
@@ -36,6 +35,4 @@ def check_run(cfg: RunConfig, world_size: int, gpu_memory_bytes: float | None = 
                         zero_keep_params_for_step=d.zero_keep_params_for_step,
                         local_sgd=local_sgd_of(cfg.local_sgd), ep=p.expert_model_parallel_size,
                         etp=p.expert_tensor_parallel_size, schedule=p.pipeline_schedule,
-                        fp8_layers=len(fp8_layer_numbers(config.num_layers, prec.first_last_layers_bf16,
-                                                         prec.num_layers_at_start_in_bf16,
-                                                         prec.num_layers_at_end_in_bf16)) if prec.fp8_format else 0)
+                        fp8_layers=len(prec.fp8_layers(config.num_layers)))

@@ -20,7 +20,7 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import activation_function
 from megalite.parallel import state, weight_grad
-from megalite.parallel.fp8_linear import FP8Linear, expert_amax_groups, fp8_grouped_linear
+from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_grouped_linear
 from megalite.parallel.layers import default_device, init_device, normal_init, tp_shard
 
 
@@ -131,8 +131,8 @@ class GroupedMLP(nn.Module):
             self.fc1_fp8 = self.fc2_fp8 = None
             return
         device = self.fc1_weight.device
-        self.fc1_fp8 = [FP8Linear(recipe, expert_amax_groups(1), device) for _ in range(self.num_local_experts)]
-        self.fc2_fp8 = [FP8Linear(recipe, expert_amax_groups(2), device) for _ in range(self.num_local_experts)]
+        self.fc1_fp8 = [FP8Linear(recipe, amax_groups("expert_fc1"), device) for _ in range(self.num_local_experts)]
+        self.fc2_fp8 = [FP8Linear(recipe, amax_groups("expert_fc2"), device) for _ in range(self.num_local_experts)]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int], states) -> torch.Tensor:
         return grouped_linear(x, weight, counts) if states is None else fp8_grouped_linear(x, weight, counts, states)
