@@ -329,6 +329,18 @@ def run_main(fn, *args) -> int:
         else:
             code = _fail(_lost_line(e, what), 4, True)
     finally:
+        _tear_down(code, bounded=code == 4)
+    return code
+
+
+# After a lost peer, tearing the groups down may wait on transfers to the dead host (gloo waits out
+# each pending operation's time-out in turn): the rank has said why it stops, so it ends this long
+# after at most, whatever is still pending.
+TEARDOWN_AFTER_LOSS_S = 10.0
+
+
+def _tear_down(code: int, bounded: bool) -> None:
+    def tear_down():
         from megalite.parallel import destroy_model_parallel
 
         stop_heartbeat()
@@ -338,4 +350,14 @@ def run_main(fn, *args) -> int:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group after a failure must not mask it
                 pass
-    return code
+
+    if not bounded:
+        tear_down()
+        return
+    worker = threading.Thread(target=tear_down, daemon=True, name="megalite-teardown")
+    worker.start()
+    worker.join(TEARDOWN_AFTER_LOSS_S)
+    if worker.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

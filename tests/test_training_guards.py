@@ -239,3 +239,36 @@ def test_a_lost_peer_line_names_the_last_collective_launched():
                            "forward/backward schedule, the last collective launched a data-parallel collective "
                            "(gradient reduction, or the optimizer's or ZeRO's parameter gather) over 4 ranks"), line
     assert "pipeline" not in line
+
+
+_HANGING_TEARDOWN = """
+import datetime, os, sys, threading, time
+import torch.distributed as dist
+from megalite import runtime
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+runtime.TEARDOWN_AFTER_LOSS_S = 1.0
+dist.destroy_process_group = lambda *a, **k: threading.Event().wait()  # a transfer to a dead host
+def lose():
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+print("returned", runtime.run_main(lose))
+"""
+
+
+def test_a_rank_that_lost_a_peer_ends_even_when_tearing_down_its_groups_hangs(tmp_path):
+    """CI saw both ranks of the surviving host print their line and then hang in
+    destroy_process_group (gloo waiting out transfers to the cut-off host): the teardown after a lost
+    peer is bounded, and the rank still exits with code 4."""
+    import subprocess
+    import sys
+    import time
+
+    from megalite.runtime import _free_port
+
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _HANGING_TEARDOWN, str(_free_port())], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 4, run.stderr[-3000:]
+    assert "returned" not in run.stdout  # it did not wait for the hung teardown to come back
+    assert "megalite: error: rank 0 lost contact with another rank" in run.stderr, run.stderr[-3000:]
+    assert time.monotonic() - started < 60
