@@ -43,7 +43,7 @@ case "${1:-}" in
       | tee "$out/build.txt" || status=1
     ;;
   fp8)
-    python -m pytest -q -m "gpu or not gpu" tests/test_fp8.py 2>&1 | tail -3 | tee "$out/fp8_tests.txt" || status=1
+    python -m pytest -q -m "gpu or not gpu" tests/test_fp8.py tests/test_fp8_native.py 2>&1 | tail -3 | tee "$out/fp8_tests.txt" || status=1
     python scripts/fp8_step.py --json "$out/fp8_step.json" 2>&1 | tee "$out/fp8_step.txt" || status=1
     python scripts/fp8_curves.py --models llama-tiny --json "$out/fp8_curves.json" --svg "$out/fp8_curves.svg" 2>&1 \
       | grep -v "^iter" | tee "$out/fp8_curves.txt" || status=1

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megalite.parallel import state, traffic, weight_grad
-from megalite.precision.gemm import scaled_mm
+from megalite.precision.gemm import grouped_scaled_mm, scaled_mm
 from megalite.precision.quantize import Quantized, amax_of, quantize
 from megalite.precision.recipes import Recipe
 from megalite.precision.scaling import DelayedScaling
@@ -148,19 +148,23 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, counts, states, record):
-        out = x.new_empty((x.shape[0], weight.shape[1]))
         tensor_wide = bool(states) and states[0].recipe.tile("input") is None and states[0].recipe.wgrad
         kept = []  # per expert: x's FP8 values and factor, W^T's (None where not kept)
-        for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
-            if not ye.shape[0]:
+        q_x, q_w = [], []
+        for e, xe in enumerate(x.split(counts)):
+            if not xe.shape[0]:
                 kept += [None] * 4
+                q_x.append(None)
+                q_w.append(None)
                 continue
             st = states[e]
             qx, qw = st.quantize(xe, "input", record), st.quantize(weight[e].detach(), "weight", record)
-            ye.copy_(scaled_mm(qx, qw, x.dtype))
+            q_x.append(qx)
+            q_w.append(qw)
             qw_t = st.weight_t(weight[e], qw) if ctx.needs_input_grad[0] else None
             kept += [qx.data, qx.scale_inv] if tensor_wide else [None, None]
             kept += [qw_t.data, qw_t.scale_inv] if qw_t is not None else [None, None]
+        out = grouped_scaled_mm(q_x, q_w, counts, x.new_empty((x.shape[0], weight.shape[1])))
         ctx.save_for_backward(x, weight, *kept)
         ctx.counts, ctx.states, ctx.used = counts, states, weight
         return out
@@ -177,11 +181,9 @@ class _FP8GroupedLinearFunction(torch.autograd.Function):
         q_x = [None if kept[4 * e] is None else Quantized(kept[4 * e], kept[4 * e + 1]) for e in range(len(pieces))]
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = dy.new_empty(x.shape)
-            for e, (q, gxe) in enumerate(zip(q_dy, dx.split(counts))):
-                if q is not None:
-                    w_t = Quantized(kept[4 * e + 2], kept[4 * e + 3], states[e].recipe.tile("weight"))
-                    gxe.copy_(scaled_mm(q, w_t, dy.dtype))
+            w_t = [None if q is None else Quantized(kept[4 * e + 2], kept[4 * e + 3], states[e].recipe.tile("weight"))
+                   for e, q in enumerate(q_dy)]
+            dx = grouped_scaled_mm(q_dy, w_t, counts, dy.new_empty(x.shape))
 
         def weight_gradient():
             grad_w = torch.zeros_like(weight)  # an expert no token reached: a zero gradient
