@@ -1,4 +1,4 @@
 """python -m megalite.pipeline --pp 4 --micro-batches 8 [--vpp 2]: print a schedule's timeline."""
-from megalite.pipeline.schedules import main
+from megalite.pipeline.simulator import main
 
 main()

@@ -6,14 +6,18 @@ its ops in order, and the rank waits for all of them before it runs anything els
 is correct on GPUs only if, for every ordered pair of ranks, the order of sends equals the order
 of receives, and the batches never wait on each other in a cycle. Gloo matches by tag and hides
 mistakes; `check_nccl_order` replays every rank's exchange plan (the one `run_schedule` follows)
-and raises `ScheduleError` on the first wrongly matched message or on a deadlock.
+and raises `ScheduleError` on the first wrongly matched message or on a deadlock. `exchange_plans`
+gives every rank's plan for a schedule.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from megalite.pipeline.partition import stage_rank, virtual_stage
+from megalite.pipeline.programs import build_program, is_v_shaped
+from megalite.pipeline.simulator import _play
 
 
 class ScheduleError(RuntimeError):
@@ -175,8 +179,22 @@ def _matched(waiter, sent, received, rank) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=16)
+def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", costs: tuple = (1, 1, 1)) -> list:
+    """Every rank's exchange plan for `kind` (what `run_schedule` posts at each exchange point and
+    `megalite.pipeline.replay.check_nccl_order` checks): V programs post each receive early, in the
+    order of the sends on its pair of ranks (`early_exchange_plans`), others where it is read."""
+    v_shape = is_v_shaped(kind)
+    chunks = 2 if v_shape else (v if v and v > 1 else 1)
+    programs = [build_program(p, r, m, v, kind, costs) for r in range(p)]
+    if not v_shape:
+        return tuple(tuple(exchange_plan(prog, p, r, chunks)) for r, prog in enumerate(programs))
+    reach = _play(programs, p, v_shape, *costs)[1]
+    plans = early_exchange_plans(programs, reach, p, chunks, v_shape)
+    check_nccl_order(plans, p, v_shape)  # every rank builds the same plans: each checks them once
+    return tuple(tuple(plan) for plan in plans)
+
+
 def check_schedule(p: int, m: int, v: int | None = None, kind: str = "1f1b") -> int:
     """check_nccl_order for the plans `exchange_plans` gives every rank; returns the messages."""
-    from megalite.pipeline.schedules import exchange_plans, is_v_shaped
-
     return check_nccl_order(exchange_plans(p, m, v, kind), p, is_v_shaped(kind))

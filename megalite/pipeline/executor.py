@@ -1,0 +1,237 @@
+"""The executor: `run_schedule` runs one rank's schedule program (`programs`), posting at each
+exchange point the sends and receives of the rank's exchange plan (`replay`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from megalite.parallel import state, weight_grad
+from megalite.pipeline import p2p
+from megalite.pipeline.partition import stage_rank, virtual_stage
+from megalite.pipeline.programs import Op
+from megalite.pipeline.replay import Message, exchange_plan, incoming, is_local, outgoing
+
+ForwardStep = Callable[[torch.nn.Module, dict], torch.Tensor]
+
+
+@dataclass
+class ScheduleStats:
+    loss_sum: torch.Tensor  # summed loss over this rank's micro-batches (last stage; 0 elsewhere)
+    peak_in_flight: int = 0  # micro-batches forwarded but not yet backwarded, at most
+    peak_stash_bytes: int = 0  # bytes of the inputs and outputs kept for backward, at most
+    busy_s: float = 0.0  # time in forward and backward passes
+    wall_s: float = 0.0
+    spans: list = field(default_factory=list)  # (name, category, start_s, duration_s)
+
+
+_TAGS = {"F": p2p.FORWARD_TAG, "B": p2p.BACKWARD_TAG}
+
+
+def _free_data(out: torch.Tensor | None) -> None:
+    """Release an output's storage but keep its autograd graph and shape: a 1-element tensor
+    expanded to the shape stands in (backward checks the gradient's shape against it, reads no
+    data). Views are left alone: their memory belongs to their base."""
+    if out is None or out._base is not None or out.numel() <= 1:
+        return
+    out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
+
+
+def _held_bytes(stash: dict) -> int:
+    """Bytes of the distinct storages behind the tensors in the stash."""
+    storages = {}
+    for pair in stash.values():
+        for t in pair:
+            if t is not None:
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+class _Recorder:
+    def __init__(self, stats: ScheduleStats, record_spans: bool, sync_cuda: bool):
+        self.stats, self.record_spans, self.sync_cuda = stats, record_spans, sync_cuda
+
+    def span(self, name: str, category: str):
+        return _Span(self, name, category)
+
+
+class _Span:
+    def __init__(self, rec: _Recorder, name: str, category: str):
+        self.rec, self.name, self.category = rec, name, category
+
+    def __enter__(self):
+        if self.rec.sync_cuda:
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.rec.sync_cuda:
+            torch.cuda.synchronize()
+        dur = time.perf_counter() - self.start
+        if self.category in ("forward", "backward", "weight-grad"):
+            self.rec.stats.busy_s += dur
+        if self.rec.record_spans:
+            self.rec.stats.spans.append((self.name, self.category, self.start, dur))
+
+
+def run_schedule(
+    program: Sequence[Op],
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict],
+    forward_step: ForwardStep,
+    num_tokens: torch.Tensor,
+    tensor_shape,
+    dtype: torch.dtype,
+    record_spans: bool = False,
+    loss_scale: float = 1.0,
+    on_last_backward: Callable[[int], None] | None = None,
+    free_sent_outputs: bool = True,
+    v_shape: bool = False,
+    plan: Sequence | None = None,
+) -> ScheduleStats:
+    """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
+    virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
+    global batch's) and multiplied by `loss_scale` before backward, so gradients accumulate to
+    those of the (scaled) global mean. `on_last_backward(chunk)` is called just before a chunk's
+    last backward of the step (data-parallel reduction may overlap it). Once an activation is
+    sent, its data is freed (`free_sent_outputs`): backward needs only the autograd graph behind it.
+    `v_shape`: the two chunks sit in a V (`V_SCHEDULES`); `plan`: this rank's exchange plan where
+    it is not `exchange_plan`'s (`exchange_plans` gives every rank's)."""
+    device = num_tokens.device
+    p = state.get_pipeline_model_parallel_world_size()
+    r = state.get_pipeline_model_parallel_rank()
+    last_virtual = p * len(model_chunks) - 1
+    stats = ScheduleStats(loss_sum=torch.zeros((), dtype=torch.float32, device=device))
+    rec = _Recorder(stats, record_spans, sync_cuda=record_spans and device.type == "cuda")
+
+    def stage_of(chunk):
+        return virtual_stage(p, r, chunk, v_shape)
+
+    def rank_of(stage):
+        return state.get_pipeline_model_parallel_ranks()[stage_rank(p, stage, v_shape)]
+
+    # Which messages go out and come in at each exchange point, in posting order: the same plan
+    # megalite.pipeline.replay checks against NCCL's untagged, in-order matching.
+    if plan is None:
+        plan = exchange_plan(program, p, r, len(model_chunks), v_shape)
+    plan = {x.index: x for x in plan}
+    handed: dict[Message, torch.Tensor] = {}  # between this rank's two chunks at the tip of a V
+    # A zero-bubble program splits each backward: B (input gradients) and, later, W (weights').
+    split = any(op.kind == "W" for op in program)
+    # Where each chunk's last gradient work of the step starts: its buckets may reduce from there.
+    last_grad_op = {op.chunk: i for i, op in enumerate(program) if op.kind == ("W" if split else "B")}
+    weight_work: dict[tuple, weight_grad.WeightGrads] = {}  # (chunk, mb) -> what its B deferred
+    received: dict[Message, p2p.Posted] = {}  # posted receives, by message: each waited for when read
+    in_flight: list[p2p.Posted] = []  # batches posted at the last exchange point, not yet waited for
+    outbox: dict[Message, torch.Tensor] = {}  # produced, not yet sent
+    stash: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) kept for the backward
+    start = time.perf_counter()
+
+    def exchange_at(i):
+        x = plan.get(i)
+        if x is None or not (x.sends or x.recvs):
+            return
+        sends = [p2p.Send(outbox.pop(m), rank_of(m.dst), _TAGS[m.kind]) for m in x.sends]
+        recvs = [p2p.Recv(m, rank_of(m.src), _TAGS[m.kind]) for m in x.recvs]
+        with rec.span("send/recv", "p2p"):
+            # Post this point's batch. A split program waits for it only where a pass reads what it
+            # received, so passes that read nothing (W) run while it is on its way; the batch before
+            # is waited for now, so a sent activation is held one interval longer at most. Other
+            # programs wait at once, as their next pass reads it anyway.
+            posted = p2p.exchange(sends, recvs, tensor_shape, dtype, device, wait=False)
+            wait_all()
+            if split:
+                in_flight.append(posted)
+            else:
+                posted.wait()
+            received.update({m: posted for m in posted.buffers})
+        if free_sent_outputs:  # sent (the batch keeps its own reference): backward needs only the graph
+            for m in x.sends:
+                if m.kind == "F":
+                    _free_data(stash.get((m.src // p, m.micro_batch), (None, None))[1])
+
+    def wait_all():
+        while in_flight:
+            in_flight.pop().wait()
+
+    def take(message: Message) -> torch.Tensor:
+        """What a pass receives, once its batch is in (or from this rank's other chunk)."""
+        if message in handed:
+            return handed.pop(message)
+        posted = received.pop(message)
+        if posted in in_flight:
+            with rec.span("wait for a receive", "p2p"):
+                posted.wait()
+            in_flight.remove(posted)
+        return posted.buffers[message]
+
+    def produce(message: Message, tensor: torch.Tensor) -> None:
+        if is_local(message, p, v_shape):
+            handed[message] = tensor
+        else:
+            outbox[message] = tensor
+
+    with weight_grad.split_ops(split):  # recomputations inside B rebuild the same split ops
+        for i, op in enumerate(program):
+            if op.kind == "X":
+                exchange_at(i)
+                continue
+            if op.kind == "O":  # an overlapped pair: run here one pass after the other
+                continue
+            key = (op.chunk, op.micro_batch)
+            vs = stage_of(op.chunk)
+            state.set_virtual_pipeline_model_parallel_rank(op.chunk)
+            need = incoming(op.kind, op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape)
+            got = take(need) if need is not None else None
+            if op.kind == "F":
+                with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward"):
+                    x = got
+                    if x is not None:
+                        if torch.is_grad_enabled():
+                            x.requires_grad_()
+                    model = model_chunks[op.chunk]
+                    if hasattr(model, "set_input_tensor"):
+                        model.set_input_tensor(x)
+                    out = forward_step(model, micro_batches[op.micro_batch])
+                    if vs == last_virtual:
+                        stats.loss_sum += out.detach().float()
+                        out = out / num_tokens
+                        if loss_scale != 1.0:
+                            out = out * loss_scale
+                    else:
+                        produce(outgoing("F", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), out.detach())
+                    if torch.is_grad_enabled():  # forward-only (evaluation) keeps nothing for backward
+                        stash[key] = (x, out)
+                    stats.peak_in_flight = max(stats.peak_in_flight, len(stash.keys() | weight_work.keys()))
+                    stats.peak_stash_bytes = max(stats.peak_stash_bytes, _held_bytes(stash))
+            elif op.kind == "B":
+                with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward"):
+                    if last_grad_op.get(op.chunk) == i and on_last_backward is not None:
+                        on_last_backward(op.chunk)
+                    x, out = stash.pop(key)
+                    grad = got
+                    if split:  # input gradients now; the weights' work waits for this pass's W
+                        with weight_grad.deferred() as work:
+                            out.backward(grad)
+                        weight_work[key] = work
+                    else:
+                        out.backward(grad)
+                    if vs != 0:
+                        produce(outgoing("B", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), x.grad)
+                    del x, out, grad, got  # spent: free this micro-batch's activations now, not at the next pass
+            else:  # "W": the weight gradients this (chunk, micro-batch)'s B left
+                with rec.span(f"W c{op.chunk} mb{op.micro_batch}", "weight-grad"):
+                    if last_grad_op.get(op.chunk) == i and on_last_backward is not None:
+                        on_last_backward(op.chunk)
+                    weight_work.pop(key).run()
+    exchange_at(len(program))  # sends after the last exchange point (hand-written programs)
+    wait_all()
+    if stash or received or outbox or weight_work or handed:
+        raise RuntimeError(f"schedule left work behind: {sorted(stash)} {list(received)} {list(outbox)} "
+                           f"{sorted(weight_work)} {list(handed)}")
+    state.set_virtual_pipeline_model_parallel_rank(0 if len(model_chunks) > 1 else None)
+    stats.wall_s = time.perf_counter() - start
+    return stats
