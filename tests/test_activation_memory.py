@@ -60,6 +60,11 @@ LLAMA_LAYERS = {
                                           add_bias_linear=False),
     "mqa-rope-half": dict(num_query_groups=1, position_embedding_type="rope", rotary_percent=0.5),
     "mha-rope-qknorm": dict(position_embedding_type="rope", qk_layernorm=True),
+    # heads twice hidden / heads wide (Qwen3's shape) and half as wide: every per-head tensor scales
+    "gqa-wide-heads-rope-qknorm": dict(num_query_groups=2, gated_linear_unit=True, activation="silu",
+                                       ffn_hidden_size=512, position_embedding_type="rope", qk_layernorm=True,
+                                       kv_channels=64),
+    "mha-narrow-heads-rope": dict(position_embedding_type="rope", kv_channels=16),
 }
 
 

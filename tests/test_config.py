@@ -184,10 +184,16 @@ def test_megatron_flags_without_effect_are_listed_once():
     assert cfg.ignored_flags == ("--transformer-impl", "--use-mcore-models")
 
 
-def test_kv_channels_must_be_megalites_head_width():
-    assert C.model_config(parse(["--kv-channels", "32"])).head_dim == 32  # gpt-tiny: 128 / 4
-    with pytest.raises(UsageError, match="--kv-channels 64: megalite's heads are hidden / heads = 32 wide"):
-        C.model_config(parse(["--kv-channels", "64"]))
+def test_kv_channels_sets_the_heads_width_and_mla_keeps_its_own():
+    assert C.model_config(parse([])).head_dim == 32  # gpt-tiny: 128 / 4
+    assert C.model_config(parse(["--kv-channels", "64"])).head_dim == 64
+    # 100 / 3 is no width at all: with --kv-channels the hidden size need not divide by the heads
+    assert C.model_config(parse(["--hidden-size", "100", "--num-attention-heads", "3", "--kv-channels", "32"])
+                          ).head_dim == 32
+    with pytest.raises(UsageError, match=r"not divisible by num_attention_heads \(3\): set kv_channels"):
+        C.model_config(parse(["--hidden-size", "100", "--num-attention-heads", "3"]))
+    # Megatron-LM's DeepSeek scripts pass --kv-channels, which MLA never reads
+    assert C.model_config(parse(["--model", "deepseek-tiny", "--kv-channels", "128"])).kv_channels is None
 
 
 def test_max_position_embeddings_is_kept_and_bounds_the_sequence():

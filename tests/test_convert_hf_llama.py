@@ -46,7 +46,8 @@ FAMILIES = {
         tie_word_embeddings=True, attention_bias=True, mlp_bias=True))),
     "mistral": ("MistralForCausalLM", lambda: tf.MistralConfig(**_common(tie_word_embeddings=False))),
     "qwen2": ("Qwen2ForCausalLM", lambda: tf.Qwen2Config(**_common(tie_word_embeddings=True))),
-    "qwen3": ("Qwen3ForCausalLM", lambda: tf.Qwen3Config(**_common(tie_word_embeddings=False, head_dim=HEAD_DIM))),
+    # Qwen3's heads wider than hidden / heads, as the published models' (128 at hidden 2048, 32 heads)
+    "qwen3": ("Qwen3ForCausalLM", lambda: tf.Qwen3Config(**_common(tie_word_embeddings=False, head_dim=2 * HEAD_DIM))),
 }
 
 
@@ -94,8 +95,11 @@ def test_tensors_round_trip_bit_for_bit_and_export_rebuilds_the_model(name):
     config = TransformerConfig(**fields)
     ours = llama.tensors_from_hf(hf.state_dict(), config, PADDED)
     assert ours["word_embeddings.weight"].shape == (PADDED, HIDDEN) and not ours["word_embeddings.weight"][VOCAB:].any()
-    assert ours["layers.0.attention.q.weight"].shape == (HEADS * HEAD_DIM, HIDDEN)
-    assert ours["layers.0.attention.kv.weight"].shape == (2 * GROUPS * HEAD_DIM, HIDDEN)
+    width = getattr(hf.config, "head_dim", None) or HEAD_DIM
+    assert config.head_dim == width and (config.kv_channels is None) == (width == HEAD_DIM)
+    assert ours["layers.0.attention.q.weight"].shape == (HEADS * width, HIDDEN)
+    assert ours["layers.0.attention.kv.weight"].shape == (2 * GROUPS * width, HIDDEN)
+    assert ours["layers.0.attention.proj.weight"].shape == (HIDDEN, HEADS * width)
     assert ours["layers.0.mlp.fc1.weight"].shape == (2 * FFN, HIDDEN)
     assert ("output_layer.weight" in ours) == (not hf.config.tie_word_embeddings)
     theirs = hf.state_dict()
@@ -170,12 +174,11 @@ def test_a_sliding_window_shorter_than_the_positions_caps_them_with_a_note(tmp_p
 
 
 def test_unsupported_llama_settings_are_refused_in_one_message(tmp_path, capsys):
-    bad = tf.LlamaConfig(**{**_common(), "hidden_act": "gelu", "attention_bias": True, "head_dim": 16,
+    bad = tf.LlamaConfig(**{**_common(), "hidden_act": "gelu", "attention_bias": True,
                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}})
     problems = llama.config_fields(bad, "LlamaForCausalLM")[1]
     text = "; ".join(problems)
-    for words in ("hidden_act='gelu'", "attention_bias=True with mlp_bias=False", "head_dim=16",
-                  "rope_type 'yarn'"):
+    for words in ("hidden_act='gelu'", "attention_bias=True with mlp_bias=False", "rope_type 'yarn'"):
         assert words in text
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_common(), "hidden_act": "relu"}))
     with pytest.raises(ValueError, match="cannot convert LlamaForCausalLM to megalite: hidden_act='relu'"):

@@ -45,7 +45,7 @@ FAMILIES = {
         mlp_only_layers=[1], tie_word_embeddings=True)), 4, [1, 0, 1]),
     "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: tf.Qwen3MoeConfig(**_common(
         num_experts=4, intermediate_size=FFN, moe_intermediate_size=MOE_FFN, mlp_only_layers=[0], norm_topk_prob=True,
-        head_dim=HIDDEN // HEADS)), 4, [0, 1, 1]),
+        head_dim=2 * HIDDEN // HEADS)), 4, [0, 1, 1]),  # heads wider than hidden / heads, as Qwen3-MoE's
     "olmoe": ("OlmoeForCausalLM", lambda: tf.OlmoeConfig(**_common(num_experts=8, intermediate_size=MOE_FFN)), 8,
               [1, 1, 1]),
 }

@@ -135,7 +135,10 @@ def test_llama3_scaling_keeps_short_wavelengths_and_slows_long_ones():
     dict(num_query_groups=None, add_qkv_bias=True, rotary_percent=0.5),
     dict(num_query_groups=4, add_bias_linear=True, attention_backend="torch"),
     dict(qk_layernorm=True, normalization="rmsnorm", attention_backend="fused"),
-], ids=["gqa", "gqa-qk-norm-rope", "mha-qkv-bias-half-rope", "gqa4-biases-torch", "qk-norm-fused"])
+    dict(kv_channels=16, qk_layernorm=True),  # heads twice hidden / heads wide (Qwen3's shape)
+    dict(num_query_groups=None, kv_channels=4, attention_backend="torch"),  # and half as wide
+], ids=["gqa", "gqa-qk-norm-rope", "mha-qkv-bias-half-rope", "gqa4-biases-torch", "qk-norm-fused", "wide-heads",
+        "narrow-heads-mha"])
 def test_attention_equals_the_repeat_kv_reference(changes):
     c = small_config(**changes)
     attn = ParallelAttention(c, normal_init(0.2), normal_init(0.2), device="cpu")
@@ -229,6 +232,33 @@ def test_llama_tiny_trains_to_the_single_device_losses_in_every_layout(llama_unb
     losses = run_ranks(train_losses, world, args=(LLAMA + flags,))[0]
     assert len(losses) == 10 and losses[-1] < losses[0]
     assert rel_err(torch.tensor(losses), torch.tensor(llama_unbroken)) <= 1e-5, (flags, losses, llama_unbroken)
+
+
+# Heads wider than hidden / heads (Qwen3's): q, k, v and the output projection's input are heads x 32
+# wide at hidden 128 (8 heads), through TP with sequence parallelism, both context-parallel paths and the pipeline.
+WIDE = LLAMA[:3] + ["4"] + LLAMA[4:] + ["--kv-channels", "32", "--qk-layernorm"]
+
+
+@pytest.fixture(scope="module")
+def wide_unbroken():
+    return run_ranks(train_losses, 1, args=(WIDE,))[0]
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2", "--sequence-parallel"], ["--cp", "2"],
+                                   ["--cp", "2", "--cp-comm-type", "a2a"], ["--pp", "2"]],
+                         ids=["tp2-sp", "cp2-ring", "cp2-a2a", "pp2"])
+def test_heads_wider_than_hidden_over_heads_train_alike_in_every_layout(wide_unbroken, flags):
+    losses = run_ranks(train_losses, 2, args=(WIDE + flags,))[0]
+    assert len(losses) == 4
+    assert rel_err(torch.tensor(losses), torch.tensor(wide_unbroken)) <= 1e-5, (flags, losses, wide_unbroken)
+
+
+def test_a_wide_headed_model_holds_heads_x_kv_channels_wide_projections():
+    c = preset("llama-tiny", kv_channels=48)
+    attn = ParallelAttention(c, normal_init(0.02), normal_init(0.02), device="cpu")
+    assert c.head_dim == 48 and attn.q.weight.shape == (c.num_attention_heads * 48, c.hidden_size)
+    assert attn.kv.weight.shape == (2 * c.num_query_groups * 48, c.hidden_size)
+    assert attn.proj.weight.shape == (c.hidden_size, c.num_attention_heads * 48)
 
 
 # 1100 pads to 1152, 1280 and 1536 rows at tp 1, 2 and 4: the untied output layer's padding is resharded.

@@ -117,7 +117,8 @@ _ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_lo
 
 def _model_overrides(m) -> dict:
     """TransformerConfig fields the model section sets; fields left unset set nothing."""
-    same = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "normalization",
+    same = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "vocab_size",
+            "normalization",
             "position_embedding_type", "num_query_groups", "max_position_embeddings", "init_method_std",
             "make_vocab_size_divisible_by", "mtp_num_layers", "mtp_loss_scaling_factor", *_ROPE_FIELDS)
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
@@ -128,6 +129,8 @@ def _model_overrides(m) -> dict:
         if chosen in (None, "learned_absolute"):
             out["position_embedding_type"] = "none"
     mla = bool(m.multi_latent_attention or PRESETS.get(m.model, {}).get("multi_latent_attention"))
+    if mla:  # MLA's head widths are its own: Megatron-LM's DeepSeek scripts pass a --kv-channels MLA never reads
+        out.pop("kv_channels", None)
     out.update(_megatron_rope_scaling(m, mla))
     if m.use_rope_scaling and "rope_scaling_factor" not in out:
         out["rope_scaling_factor"] = 8.0  # Llama 3.1's factor, as Megatron-LM's --use-rope-scaling
@@ -234,10 +237,6 @@ def model_config(config: RunConfig) -> TransformerConfig:
     yarn_details = [f"--{k.replace('_', '-')}" for k in YARN_FIELDS[1:] if k in overrides]
     if yarn_details and built.yarn_factor is None:
         raise UsageError(f"{', '.join(yarn_details)}: YaRN settings, but YaRN is off: add --yarn-factor, or drop them")
-    # (MLA's head widths are its own: Megatron-LM's DeepSeek scripts pass a --kv-channels MLA never reads)
-    if m.kv_channels is not None and m.kv_channels != built.head_dim and not built.multi_latent_attention:
-        raise UsageError(f"--kv-channels {m.kv_channels}: megalite's heads are hidden / heads = {built.head_dim} "
-                         f"wide; drop --kv-channels or change --hidden-size/--num-attention-heads")
     if m.seq_length > built.max_position_embeddings:
         if m.max_position_embeddings is not None:
             raise UsageError(f"--seq-length {m.seq_length} is above --max-position-embeddings "

@@ -116,8 +116,8 @@ class ModelConfig:
     num_attention_heads: int | None = opt(None, "override the preset", check=POSITIVE_INT, shape=True)
     ffn_hidden_size: int | None = opt(None, "override the preset (default 4 x hidden; 8h/3 rounded down to 64 "
                                             "with --swiglu)", check=POSITIVE_INT, shape=True)
-    kv_channels: int | None = opt(None, "width of a head (megalite's heads are hidden / heads wide: any other "
-                                        "value is refused)", check=POSITIVE_INT, shape=True)
+    kv_channels: int | None = opt(None, "width of a query/key/value head (Hugging Face's head_dim; default hidden / "
+                                        "heads; MLA reads its own widths)", check=POSITIVE_INT, shape=True)
     vocab_size: int | None = opt(None, "override the preset (synthetic data; with a tokenizer: at least its size)",
                                  check=(lambda v: v >= 2, "an integer >= 2"), shape=True)
     make_vocab_size_divisible_by: int | None = opt(

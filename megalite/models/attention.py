@@ -130,7 +130,7 @@ class ParallelAttention(nn.Module):
         column = dict(init_method=init_method, bias=config.qkv_bias, sequence_parallel=sp, params_dtype=dtype,
                       device=device)
         if config.num_query_groups is None:
-            self.qkv = ColumnParallelLinear(h, 3 * h, **column)
+            self.qkv = ColumnParallelLinear(h, 3 * config.num_attention_heads * d, **column)
         else:
             self.q = ColumnParallelLinear(h, config.num_attention_heads * d, **column)
             self.kv = ColumnParallelLinear(h, 2 * config.num_query_groups * d, **column)

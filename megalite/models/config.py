@@ -15,6 +15,9 @@ class TransformerConfig:
     vocab_size: int = 50257
     max_position_embeddings: int = 1024
     ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    # A head's width (Megatron-LM's --kv-channels, Hugging Face's head_dim); None: hidden / heads.
+    # Qwen3's heads are 128 wide at hidden 2048 with 32 heads, 2x wider than hidden / heads.
+    kv_channels: int | None = None
     # No dropout by default, as usual for pretraining and as the CLI's --hidden-dropout and
     # --attention-dropout; fine-tuning (and BERT as published, 0.1) passes it explicitly.
     hidden_dropout: float = 0.0
@@ -110,10 +113,12 @@ class TransformerConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
+                f"({self.num_attention_heads}): set kv_channels (--kv-channels) to the heads' width"
             )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -260,7 +265,8 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """A query/key/value head's width: kv_channels, or hidden / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def query_groups(self) -> int:
@@ -377,10 +383,9 @@ PRESETS.update({
     "mixtral-8x7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                          ffn_hidden_size=14336, max_position_embeddings=32768, vocab_size=32000,
                          rotary_base=1000000.0, num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02),
-    # Qwen3's heads are 128 wide (head_dim) at hidden 2048 with 32 heads; megalite's are hidden / heads
-    # = 64, so its query/key/value/output projections are half as wide: 0.45B parameters fewer (1.5% of
-    # the total, 14% of the active). The experts, router and embeddings are as published.
+    # Qwen3's heads are 128 wide (head_dim) at hidden 2048 with 32 heads: kv_channels 128.
     "qwen3-30b-a3b": dict(_LLAMA, num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                          kv_channels=128,
                           ffn_hidden_size=6144, max_position_embeddings=40960, vocab_size=151936,
                           rotary_base=1000000.0, layernorm_epsilon=1e-6, qk_layernorm=True, num_moe_experts=128,
                           moe_router_topk=8, moe_ffn_hidden_size=768, moe_aux_loss_coeff=0.001),

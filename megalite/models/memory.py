@@ -73,9 +73,11 @@ from __future__ import annotations
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", *, kv_heads: int | None = None, ffn: int | None = None,
                                gated: bool = False, qk_norm: bool = False, rope_dims: int = 0,
-                               fused_qkv: bool = True) -> float:
+                               fused_qkv: bool = True, head_dim: int | None = None) -> float:
     """Bytes one TP rank keeps for one layer's backward (see the module docstring); the defaults
-    are GPT-2's layer: multi-head attention, ffn = 4h, GeLU."""
+    are GPT-2's layer: multi-head attention, ffn = 4h, GeLU, heads h / a wide (`head_dim` otherwise:
+    every per-head tensor, queries, keys, values and the output projection's input, scales by
+    a * head_dim / h; the attention core's s x s scores do not)."""
     sbh = float(s) * b * h
     if recompute == "full":
         return 2.0 * sbh / (t if sequence_parallel else 1)
@@ -85,13 +87,14 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     kv_heads = a if kv_heads is None else kv_heads
     ffn = 4 * h if ffn is None else ffn
     kv_split = kv_heads % t == 0  # else each rank holds one whole group (t > G)
-    kv = 4.0 * kv_heads / a  # key and value
-    sharded = 2.0 + (kv if kv_split else 0.0) + 2.0 + (8.0 if gated else 4.0) * ffn / h
+    wide = 1.0 if head_dim is None else a * head_dim / h  # the heads' total width in units of h
+    kv = 4.0 * kv_heads / a * wide  # key and value
+    sharded = 2.0 * wide + (kv if kv_split else 0.0) + 2.0 * wide + (8.0 if gated else 4.0) * ffn / h
     if qk_norm:
-        sharded += (0.0 if fused_qkv else 2.0) + 4.0 * (a + kv_heads) / h
+        sharded += (0.0 if fused_qkv else 2.0 * wide) + 4.0 * (a + kv_heads) / h
     if rope_dims:
-        sharded += 4.0 if fused_qkv else (kv if kv_split else 0.0) / 2
-    per_rank_kv = 0.0 if kv_split else (4.0 + (2.0 if rope_dims else 0.0)) / a
+        sharded += 4.0 * wide if fused_qkv else (kv if kv_split else 0.0) / 2
+    per_rank_kv = 0.0 if kv_split else (4.0 + (2.0 if rope_dims else 0.0)) / a * wide
     per_rank_kv += 8.0 * rope_dims / (b * h)  # cos and sin: whole on every rank, whole sequence
     if sequence_parallel:
         return sbh * (10.0 + sharded + core) / t + sbh * per_rank_kv
@@ -126,7 +129,7 @@ def mla_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, s
 
 
 def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1, cp: int = 1,
-                                     comm_type: str = "p2p") -> float:
+                                     comm_type: str = "p2p", head_dim: int | None = None) -> float:
     """Bytes the context-parallel attention keeps on one rank besides what the layer formula counts:
     the fp32 log-sum-exp of s/cp query rows and a/t heads, and for a2a SDPA's own output (see the
     module docstring). 0 at cp = 1, where the attention backend's count holds."""
@@ -136,7 +139,8 @@ def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1,
         return 0.0
     if comm_type == "p2p":
         return float(s // cp) * b * h * (4.0 * a / h) / t
-    return float(s // cp) * b * h * (2.0 + 4.0 * a / h) / t + 16.0 * s
+    output = 2.0 * (1.0 if head_dim is None else a * head_dim / h)  # SDPA's output, heads x head_dim wide
+    return float(s // cp) * b * h * (output + 4.0 * a / h) / t + 16.0 * s
 
 
 def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | None = None,
@@ -173,9 +177,9 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
         gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,
         rope_dims=config.rotary_dims if config.position_embedding_type == "rope" else 0,
-        fused_qkv=config.num_query_groups is None)
+        fused_qkv=config.num_query_groups is None, head_dim=config.head_dim)
     if recompute == "full":
         return kept
     comm_type = getattr(config, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
     return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t, cp,
-                                                   comm_type)
+                                                   comm_type, head_dim=config.head_dim)

@@ -197,15 +197,16 @@ def shared_fields(cfg, arch: str, problems: list[str]) -> dict:
     heads, hidden = cfg.num_attention_heads, cfg.hidden_size
     groups = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    if hidden % heads or head_dim != hidden // heads:
-        problems.append(f"head_dim={head_dim} with hidden_size={hidden} and num_attention_heads={heads} (megalite's "
-                        f"heads are hidden_size / num_attention_heads wide)")
+    if not head_dim:
+        problems.append(f"no head_dim, and hidden_size={hidden} has no num_attention_heads={heads}-th part")
     if heads % groups:
         problems.append(f"num_key_value_heads={groups} does not divide num_attention_heads={heads}")
     if cfg.hidden_act != "silu":
         problems.append(f"hidden_act={cfg.hidden_act!r} (megalite's gated MLP is SwiGLU: silu)")
     fields = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        # Qwen3's heads are wider than hidden / heads: their own width, else the default's
+        kv_channels=head_dim if hidden % heads or head_dim != hidden // heads else None,
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings, hidden_dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         layernorm_epsilon=cfg.rms_norm_eps, init_method_std=cfg.initializer_range, layernorm_position="pre",
@@ -304,7 +305,15 @@ def _accepts(cls, name: str) -> bool:
 
 def hf_config(c, arch: str):
     cls = getattr(transformers(), arch.replace("ForCausalLM", "Config"))
-    return cls(**hf_config_kwargs(c, cls))
+    return with_head_dim(cls(**hf_config_kwargs(c, cls)), c)
+
+
+def with_head_dim(hf_cfg, c):
+    """hf_cfg with the heads' width where its class takes none as an argument but its attention reads
+    `config.head_dim` (Qwen3-MoE), so that heads wider than hidden / heads survive the export."""
+    if getattr(hf_cfg, "head_dim", None) != c.head_dim:
+        hf_cfg.head_dim = c.head_dim
+    return hf_cfg
 
 
 def hf_config_kwargs(c, cls) -> dict:

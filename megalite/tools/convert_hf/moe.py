@@ -290,15 +290,15 @@ def hf_config(c, arch: str):
     if arch in (MIXTRAL, OLMOE):  # no dense layers: intermediate_size is the experts' width
         kwargs["intermediate_size"] = c.moe_ffn_hidden_size
     if arch == MIXTRAL:
-        return cls(**kwargs, num_local_experts=c.num_moe_experts, router_jitter_noise=0.0)
+        return llama.with_head_dim(cls(**kwargs, num_local_experts=c.num_moe_experts, router_jitter_noise=0.0), c)
     kwargs.update(num_experts=c.num_moe_experts, norm_topk_prob=not c.moe_router_pre_softmax)
     if arch == OLMOE:
-        return cls(**kwargs, clip_qkv=None)
+        return llama.with_head_dim(cls(**kwargs, clip_qkv=None), c)
     kwargs.update(moe_intermediate_size=c.moe_ffn_hidden_size, decoder_sparse_step=1,
                   mlp_only_layers=[i for i, moe in enumerate(c.moe_layer_freq) if not moe])
     if arch == QWEN2_MOE:
         kwargs.update(shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size, qkv_bias=c.add_qkv_bias)
-    return cls(**kwargs)
+    return llama.with_head_dim(cls(**kwargs), c)
 
 
 def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], architecture: str | None = None):
