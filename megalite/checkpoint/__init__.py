@@ -28,7 +28,7 @@ renames the directory into place and updates `latest` last, so a crash at any mo
 previous checkpoint loadable (see `save` for the store-based commit that --save-async uses).
 
 Modules, one job each: `layout` (names, placements, directory names), `fileformat` (rank file
-bytes), `rank_state` (what a rank saves; RNG restore), `atomic` (temporary directory, rank-file
+bytes; plain data as JSON that names its tensors), `rank_state` (what a rank saves; RNG restore), `atomic` (temporary directory, rank-file
 writes, commit), `save` (the Checkpointer: inline and background saves over the store), `lock`
 (one job per --save directory), `reader` (validation, checksums, full tensors), `load` (loading at
 any layout).

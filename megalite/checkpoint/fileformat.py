@@ -8,6 +8,8 @@ and "crc32" (a JSON map of key -> 8 hex digits, the CRC-32 of the tensor's bytes
 (key -> 1, or 0 if the tensor held NaN/inf when it was written). Tensors are
 ordered by element size, largest first, so every tensor starts aligned to its element size and a
 memory map serves zero-copy views. The `safetensors` package reads these files as they are.
+Plain data in the structure (RNG streams, replicas) is nested JSON whose tensors are named by their keys
+(`encode_plain` / `decode_plain`).
 """
 from __future__ import annotations
 
@@ -46,6 +48,31 @@ def all_finite(t: torch.Tensor) -> bool:
     if not t.is_floating_point() or t.numel() == 0:
         return True
     return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
+def encode_plain(obj, key: str, add):
+    """Nested dicts/lists of tensors and plain values -> JSON, tensors replaced by {"tensor": key}."""
+    if torch.is_tensor(obj):
+        return {"tensor": add(key, obj)}
+    if isinstance(obj, dict):
+        return {"dict": {str(k): encode_plain(v, f"{key}/{k}", add) for k, v in obj.items()}}
+    if isinstance(obj, (list, tuple)):
+        return {"list": [encode_plain(v, f"{key}/{i}", add) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"value": obj}
+    raise TypeError(f"{key}: a checkpoint holds tensors and plain data, not {type(obj).__name__}")
+
+
+def decode_plain(obj, tensor):
+    """The inverse of `encode_plain`; `tensor(key)` supplies each stored tensor."""
+    kind, value = next(iter(obj.items()))
+    if kind == "tensor":
+        return tensor(value)
+    if kind == "dict":
+        return {k: decode_plain(v, tensor) for k, v in value.items()}
+    if kind == "list":
+        return [decode_plain(v, tensor) for v in value]
+    return value
 
 
 def _header(entries, meta: dict, crcs: dict[str, int], finite: dict[str, bool]) -> bytes:

@@ -12,37 +12,13 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
+from megalite.checkpoint.fileformat import encode_plain
 from megalite.checkpoint.layout import expert_biases, fp8_scaling_state, is_writer, piece_parts, stored_by_param, stored_tensors
 from megalite.parallel.layers import partition_blocks
 from megalite.parallel.random import get_rng_tracker
 
 if TYPE_CHECKING:
     from megalite.checkpoint.reader import CheckpointReader
-
-
-def encode_plain(obj, key: str, add):
-    """Nested dicts/lists of tensors and plain values -> JSON, tensors replaced by {"tensor": key}."""
-    if torch.is_tensor(obj):
-        return {"tensor": add(key, obj)}
-    if isinstance(obj, dict):
-        return {"dict": {str(k): encode_plain(v, f"{key}/{k}", add) for k, v in obj.items()}}
-    if isinstance(obj, (list, tuple)):
-        return {"list": [encode_plain(v, f"{key}/{i}", add) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return {"value": obj}
-    raise TypeError(f"{key}: a checkpoint holds tensors and plain data, not {type(obj).__name__}")
-
-
-def decode_plain(obj, tensor):
-    """The inverse of `encode_plain`; `tensor(key)` supplies each stored tensor."""
-    kind, value = next(iter(obj.items()))
-    if kind == "tensor":
-        return tensor(value)
-    if kind == "dict":
-        return {k: decode_plain(v, tensor) for k, v in value.items()}
-    if kind == "list":
-        return [decode_plain(v, tensor) for v in value]
-    return value
 
 
 def master_is_the_param(piece) -> bool:
@@ -73,12 +49,6 @@ def writer_identity() -> dict:
               "dp": parallel.get_data_parallel_rank(), "cp": parallel.get_context_parallel_rank(),
               "ep": parallel.get_expert_model_parallel_rank()}
     return {"rank": dist.get_rank(), "coords": coords}
-
-
-def describe_writer(writer: dict) -> str:
-    """'rank 2 (tp 0, pp 1, dp 0, cp 0, ep 0)'."""
-    coords = ", ".join(f"{k} {v}" for k, v in writer.get("coords", {}).items())
-    return f"rank {writer.get('rank')}" + (f" ({coords})" if coords else "")
 
 
 def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True,

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint.fileformat import RankFile, RankFileError, all_finite
+from megalite.checkpoint.fileformat import RankFile, RankFileError, all_finite, decode_plain
 from megalite.checkpoint.layout import (GLU_FC1, ITER_NAME, RANK_FILE_NAME, READABLE_VERSIONS,
                                         SHAPE_FIELDS, VOCAB_PARAMS, config_from_dict, rank_file_name, shard_of)
-from megalite.checkpoint.rank_state import decode_plain, describe_writer
 from megalite.models.config import TransformerConfig
 from megalite.runtime import UsageError, say
 
@@ -84,6 +83,12 @@ def _check_files(path: Path, metadata: dict) -> list[str]:
             raise UsageError(f"checkpoint file {f} has {f.stat().st_size} bytes, the metadata says {size}: "
                              f"it is corrupt or truncated")
     return expected
+
+
+def describe_writer(writer: dict) -> str:
+    """'rank 2 (tp 0, pp 1, dp 0, cp 0, ep 0)'."""
+    coords = ", ".join(f"{k} {v}" for k, v in writer.get("coords", {}).items())
+    return f"rank {writer.get('rank')}" + (f" ({coords})" if coords else "")
 
 
 def _check_writer(f: RankFile, index: int, metadata: dict) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.indexed import DatasetError
+from megalite.data.errors import DatasetError
 
 LOCK_TIMEOUT_ENV = "MEGALITE_CACHE_LOCK_TIMEOUT_S"
 DEFAULT_LOCK_TIMEOUT_S = 600.0

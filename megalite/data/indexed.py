@@ -31,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megalite.data.cache import file_lock
+from megalite.data.errors import DatasetError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
@@ -39,10 +42,6 @@ _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")
 META_FORMAT = "megalite-indexed-meta/1"
 _CHUNK = 1 << 22  # entries (or tokens) per vectorised step: bounds the temporary memory of checks
-
-
-class DatasetError(ValueError):
-    """A dataset file is missing, truncated or corrupt."""
 
 
 def token_dtype(vocab_size: int):
@@ -189,8 +188,6 @@ class IndexedDataset:
         """(smallest, largest) token id, None when there are no tokens: from the sidecar
         PREFIX.meta.json when it matches the pair, else scanned once (by one rank, under the cache
         lock) and cached in PREFIX.cache/token-range.json."""
-        from megalite.data.cache import file_lock  # that module builds on this one
-
         stamp = _stamp(self.prefix)
         meta = _read_json(Path(self.prefix + ".meta.json"))
         if (meta.get("format") == META_FORMAT and meta.get("stamp") == {k: stamp[k] for k in ("idx_bytes", "bin_bytes")}

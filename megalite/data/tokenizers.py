@@ -10,7 +10,7 @@ import argparse
 import os
 from pathlib import Path
 
-from megalite.data.indexed import DatasetError
+from megalite.data.errors import DatasetError
 
 BERT_SPECIALS = ("[CLS]", "[SEP]", "[MASK]")
 # Files a Hugging Face tokenizer directory holds (at least one): fast, WordPiece, BPE, SentencePiece.

@@ -16,8 +16,9 @@ Command line (checkpoints through `megalite.checkpoint`):
 
 Modules: `common` (the table engine: each parameter maps through one row saying how its tensor
 changes; refusals; reading directories), one per family with its table and config mapping
-(`gpt2`, `bert`, `llama`, `moe`, `deepseek`; docs/hf.md lists the tables), `convert` (from_hf / to_hf: which family),
-`cli`.
+(`gpt2`, `bert`, `llama`, `moe`, `deepseek`; docs/hf.md lists the tables), DeepSeek-V3's parts beside
+`deepseek` (`deepseek_mla` attention, `deepseek_moe` routing and experts, `deepseek_mtp` multi-token
+prediction, over `deepseek_shape`), `convert` (from_hf / to_hf: which family), `cli`.
 """
 from megalite.tools.convert_hf.cli import main
 from megalite.tools.convert_hf.common import ConversionError, ConversionNote

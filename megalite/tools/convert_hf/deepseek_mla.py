@@ -1,0 +1,151 @@
+"""DeepSeek-V3's multi-head latent attention (megalite.models.mla) <-> Hugging Face's: the attention rows,
+the rotary rows' order, YaRN, and the attention's config fields.
+
+Attention, Hugging Face's names in brackets: q_down [q_a_proj], q_norm [q_a_layernorm], q_up
+[q_b_proj] or q [q_proj] without a q_lora_rank; kv_down [kv_a_proj_with_mqa], kv_norm
+[kv_a_layernorm], kv_up [kv_b_proj]; proj [o_proj]. Copied row for row but for the rotary rows:
+with `rope_interleave` (true in DeepSeek's checkpoints) Hugging Face's d_r rotary dims rotate in
+pairs (0, 1), (2, 3), ..., which it first regroups into rotate-half order (the even dims, then the
+odd ones). megalite rotates half, so import reorders the rows that make those dims the same way:
+the last d_r of each head's d_n + d_r rows of q_b_proj / q_proj, and the last d_r rows of
+kv_a_proj_with_mqa (the shared rotary key). megalite then rotates the very numbers Hugging Face
+does: the same scores. Export reorders them back and writes `rope_interleave` true.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from megalite.models.rope import yarn_attention_factor, yarn_mscale
+from megalite.tools.convert_hf import llama
+from megalite.tools.convert_hf.common import Row, pairs
+from megalite.tools.convert_hf.deepseek_shape import Shape
+
+LATENT_NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm and kv_a_layernorm, whatever rms_norm_eps is
+
+
+def attention_rows(s: Shape, i: int) -> list[Row]:
+    """Layer i's input norm, attention and post-attention norm."""
+    ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+    queries = ([("q_down", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("q_up", "q_b_proj")] if s.q_lora
+               else [("q", "q_proj")])
+    modules = queries + [("kv_down", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("kv_up", "kv_b_proj"),
+                         ("proj", "o_proj")]
+    rows = [(f"{ours}input_layernorm.weight", f"{theirs}input_layernorm.weight", "same")]
+    rows += pairs([(f"{ours}attention.{a}", f"{theirs}self_attn.{b}") for a, b in modules], ("weight",))
+    return rows + [(f"{ours}post_attention_layernorm.weight", f"{theirs}post_attention_layernorm.weight", "same")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The rotary rows
+
+def rotate_half_order(d_r: int) -> torch.Tensor:
+    """Interleaved rotary dims (pairs (0, 1), (2, 3), ...) in rotate-half order: even, then odd."""
+    return torch.cat([torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)])
+
+
+def _reorder_tail(w: torch.Tensor, block: int, d_r: int, order: torch.Tensor) -> torch.Tensor:
+    """w's rows as blocks of `block` rows, the last d_r rows of each block taken in `order`."""
+    blocks = w.reshape(-1, block, *w.shape[1:])
+    kept, rotary = blocks[:, :block - d_r], blocks[:, block - d_r:]
+    return torch.cat([kept, rotary[:, order]], dim=1).reshape(w.shape)
+
+
+def reorder_rotary_rows(tensors: Mapping[str, torch.Tensor], c, order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A copy of megalite-named `tensors` whose query heads' and shared key's rotary rows are taken in
+    `order` (rotate_half_order on import, its inverse on export)."""
+    d_r, out = c.qk_pos_emb_head_dim, dict(tensors)
+    query = "q_up" if c.q_lora_rank is not None else "q"
+    layers = [f"layers.{i}." for i in range(c.num_layers)] + [f"mtp.{j}.layer." for j in range(c.mtp_num_layers)]
+    for layer in layers:
+        attn = f"{layer}attention."
+        out[f"{attn}{query}.weight"] = _reorder_tail(tensors[f"{attn}{query}.weight"], c.qk_head_dim + d_r, d_r, order)
+        out[f"{attn}kv_down.weight"] = _reorder_tail(tensors[f"{attn}kv_down.weight"], c.kv_lora_rank + d_r, d_r, order)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# YaRN
+
+def hf_yarn_attention_factor(rope: Mapping, factor: float) -> float:
+    """What Hugging Face multiplies cos and sin by under YaRN: `attention_factor` when given, else
+    m(mscale) / m(mscale_all_dim) when both are non-zero, else m(1) (mscale alone is ignored)."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale_for(wanted: float, factor: float, all_dim: float, given: float, problems: list[str]) -> float:
+    """megalite's yarn_mscale giving cos/sin the factor `wanted` beside `all_dim`: `given` when it
+    does (DeepSeek's configs), else solved from m(mscale) = wanted * m(all_dim)."""
+    if math.isclose(yarn_mscale(factor, given) / yarn_mscale(factor, all_dim), wanted, rel_tol=1e-12):
+        return given
+    if factor <= 1.0:
+        problems.append(f"yarn attention_factor={wanted} with factor={factor} (megalite's is 1 when the factor is at most 1)")
+        return given
+    return (wanted * yarn_mscale(factor, all_dim) - 1.0) / (0.1 * math.log(factor))
+
+
+def _yarn_fields(rope: Mapping, problems: list[str]) -> dict:
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
+    if factor is None or original is None:
+        problems.append("yarn rope scaling without factor or original_max_position_embeddings")
+        return {}
+    if factor < 1.0:
+        problems.append(f"yarn factor={factor} (below 1 it shortens wavelengths; megalite's YaRN needs >= 1)")
+        return {}
+    if rope.get("truncate", True) is False:
+        problems.append("yarn truncate=False (megalite rounds the blend's bounds outwards to whole dims, as "
+                        "DeepSeek-V3 does)")
+    all_dim = float(rope.get("mscale_all_dim") or 0.0)  # Hugging Face scales the softmax only when it is non-zero
+    given = float(rope["mscale"]) if rope.get("mscale") and all_dim else 1.0
+    mscale = _yarn_mscale_for(hf_yarn_attention_factor(rope, factor), factor, all_dim, given, problems)
+    return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32.0), yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                yarn_mscale=mscale, yarn_mscale_all_dim=all_dim)
+
+
+def rope_fields(cfg, problems: list[str]) -> dict:
+    rope = llama.rope_parameters(cfg)
+    fields = {"rotary_base": float(rope["rope_theta"])}
+    if rope["rope_type"] == "yarn":
+        fields.update(_yarn_fields(rope, problems))
+    elif rope["rope_type"] != "default":
+        problems.append(f"rope_type {rope['rope_type']!r} (megalite converts DeepSeek-V3's default and yarn RoPE)")
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial} (DeepSeek-V3 rotates all qk_rope_head_dim dims)")
+    return fields
+
+
+def hf_rope_parameters(c) -> dict:
+    """Hugging Face's rope_parameters of a megalite config (default or yarn)."""
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if c.yarn_factor is None:
+        return rope
+    rope.update(rope_type="yarn", factor=c.yarn_factor,
+                original_max_position_embeddings=c.yarn_original_max_position_embeddings, beta_fast=c.yarn_beta_fast,
+                beta_slow=c.yarn_beta_slow, mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim)
+    ours = yarn_attention_factor(c)
+    if not math.isclose(hf_yarn_attention_factor(rope, c.yarn_factor), ours, rel_tol=1e-12):
+        rope["attention_factor"] = ours  # e.g. an mscale without mscale_all_dim, which Hugging Face ignores
+    return rope
+
+
+def attention_fields(cfg, problems: list[str]) -> dict:
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    if hidden % heads:
+        problems.append(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} (megalite's "
+                        f"config needs it, with MLA too)")
+    if getattr(cfg, "attention_bias", False):
+        problems.append("attention_bias=True (biases on q_a_proj, kv_a_proj_with_mqa and o_proj; megalite's MLA "
+                        "has none)")
+    return dict(num_attention_heads=heads, multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank,
+                kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_nope_head_dim,
+                qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, add_bias_linear=False,
+                attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0))
