@@ -1,6 +1,7 @@
 """A run's configuration: typed sections (megalite.config.sections), the command line and config
 files generated from them, and the rules that join them. docs/configuration.md lists every field."""
 from megalite.config.cli import ConfigParser, build_parser
+from megalite.config.expand import expanded
 from megalite.config.files import read_config_file, to_toml
 from megalite.config.layout import validate
 from megalite.config.rules import lr_schedule_lengths, model_config, model_dtype, resolve
@@ -11,5 +12,5 @@ from megalite.config.precision import PrecisionConfig
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "ConfigParser", "DataConfig", "DataParallelConfig",
            "LocalSGDConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
-           "RunConfig", "TrainingConfig", "build_parser", "lr_schedule_lengths", "model_config", "model_dtype",
+           "RunConfig", "TrainingConfig", "build_parser", "expanded", "lr_schedule_lengths", "model_config", "model_dtype",
            "read_config_file", "resolve", "to_toml", "validate"]

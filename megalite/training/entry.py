@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 
-from megalite.config import RunConfig, build_parser, model_config, to_toml, validate
+from megalite.config import RunConfig, build_parser, expanded, model_config, to_toml, validate
 from megalite.errors import UsageError
 from megalite.runtime import env_world, run_main, say
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
@@ -31,7 +31,7 @@ def print_config(cfg: RunConfig, task: Task) -> None:
         header = (f"megalite {task.model_kind} run, checked for {world} ranks (data-parallel size {dp}); what the "
                   f"machine must run (kernels, apex, tensorboard) is checked when it starts.\n"
                   f"Train with it: pretrain_{task.model_kind}.py --config FILE (flags override the file).")
-        print(to_toml(cfg, header), end="", flush=True)
+        print(to_toml(expanded(cfg), header), end="", flush=True)
 
 
 def main(argv, task: Task, description: str, default_model: str) -> int:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
-from megalite.config import to_toml
+from megalite.config import expanded, to_toml
 from megalite.models.moe import stats as moe_stats
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
 from megalite.parallel import traffic
@@ -37,7 +37,7 @@ class Progress:
         self.logger = TrainingLogger(self.rank == 0, log.metrics_file, log.tensorboard_dir, cfg.training.train_iters,
                                      not log.no_progress_bar)
         self.timeline = Timeline(cfg.logging.timeline, cfg.logging.timeline_iters)
-        self.logger.configuration(to_toml(cfg, "the configuration of this run (--config reads it)"),
+        self.logger.configuration(to_toml(expanded(cfg), "the configuration of this run (--config reads it)"),
                                   cfg.logging.metrics_file)
         sums_over = parallel.get_data_parallel_world_size(with_context_parallel=True)  # DP x CP
         self.window = LogWindow(device, task.loss_terms, task.perplexity_of,
