@@ -6,8 +6,9 @@ from megalite.config.files import read_config_file, to_toml
 from megalite.config.layout import validate
 from megalite.config.rules import lr_schedule_lengths, model_config, model_dtype, resolve
 from megalite.config.run import SECTIONS, ConfigError, RunConfig
+from megalite.config.model_sections import ModelConfig
 from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
+                                      OptimizerConfig, ParallelConfig, TrainingConfig)
 from megalite.config.precision import PrecisionConfig
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "ConfigParser", "DataConfig", "DataParallelConfig",

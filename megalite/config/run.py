@@ -7,8 +7,9 @@ import typing
 from dataclasses import dataclass, field
 
 from megalite.config.fields import flag_of, section_fields, spec_of
+from megalite.config.model_sections import MoEConfig, ModelConfig
 from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      MoEConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
+                                      OptimizerConfig, ParallelConfig, TrainingConfig)
 from megalite.config.precision import PrecisionConfig
 
 
