@@ -72,7 +72,6 @@ def test_a_compiled_moe_layer_equals_the_eager_one_with_its_loss_terms_and_figur
                                moe_router_topk=2, moe_ffn_hidden_size=8, gated_linear_unit=True, activation="silu",
                                normalization="rmsnorm", add_bias_linear=False, moe_aux_loss_coeff=0.01,
                                moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=8)
-    stats.reset()  # figures other tests' layers left in this process
     torch.manual_seed(0)
     layer = MoELayer(config, layer_number=0).train()
     g = torch.Generator().manual_seed(2)
@@ -83,7 +82,7 @@ def test_a_compiled_moe_layer_equals_the_eager_one_with_its_loss_terms_and_figur
         xi = x.clone().requires_grad_(True)
         y = fn(xi)
         y.backward(grad)
-        figures = stats.take(1, [0], 4, torch.device("cpu"))
+        figures = stats.take([layer], 1, [0], 4, torch.device("cpu"))
         return [y.detach(), xi.grad, *(p.grad for p in layer.parameters())], figures
 
     eager, eager_figures = run(layer)
@@ -94,3 +93,29 @@ def test_a_compiled_moe_layer_equals_the_eager_one_with_its_loss_terms_and_figur
     assert compiled_figures.keys() == eager_figures.keys()
     for k in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "moe_dropped_fraction"):
         assert compiled_figures[k] == pytest.approx(eager_figures[k], rel=1e-6), k
+
+
+def test_two_moe_models_in_one_process_keep_their_figures_apart():
+    """Issue #49: the figures lived in module state keyed by layer number, so a second MoE model (other
+    experts) crashed in `record` unless `reset()` was called; now each layer holds its own."""
+    from megalite.models.config import TransformerConfig
+    from megalite.models.moe import stats
+    from megalite.models.moe.layer import MoELayer
+
+    def layer(experts):
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=experts,
+                                   moe_router_topk=2, moe_ffn_hidden_size=8, gated_linear_unit=True,
+                                   activation="silu", normalization="rmsnorm", add_bias_linear=False)
+        return MoELayer(config, layer_number=0).train()
+
+    torch.manual_seed(0)
+    four, eight = layer(4), layer(8)
+    x = torch.randn(6, 2, 16)
+    four(x).sum().backward()
+    eight(x).sum().backward()
+    eight(x).sum().backward()
+    a = stats.take([four], 1, [0], 4, torch.device("cpu"))
+    b = stats.take([eight], 1, [0], 8, torch.device("cpu"))
+    assert four.figures is None and eight.figures is None  # taken: the next log line starts anew
+    assert len(a["moe_load_imbalance_per_layer"]) == 1 and a["moe_load_imbalance"] >= 1.0
+    assert b["moe_load_imbalance"] >= 1.0 and a["moe_dropped_fraction"] == b["moe_dropped_fraction"] == 0.0

@@ -98,7 +98,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     m = step.micro_batches
     eval_program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
                                  kind=forward_only_kind(cfg.parallel.pipeline_schedule))
-    progress = Progress(cfg, task, config, step.dtype, device, m)
+    progress = Progress(cfg, task, config, step.dtype, device, m, chunks)
     _announce(cfg, config, world_size, dp, m, device)
     # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds
     # part of every sequence).

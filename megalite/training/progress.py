@@ -25,8 +25,9 @@ def _rank_label(rank: int, tp: int, dp: int, cp: int = 1) -> str:
 
 
 class Progress:
-    def __init__(self, cfg, task, config, dtype: torch.dtype, device, micro_batches: int):
+    def __init__(self, cfg, task, config, dtype: torch.dtype, device, micro_batches: int, models=()):
         self.cfg, self.device, self.model_config = cfg, device, config
+        self.models = list(models)  # this rank's model chunks: their MoE layers hold the figures
         # numbered over the whole model, multi-token prediction's layers after the main ones
         self.all_layers = config.num_layers + config.mtp_num_layers
         self.moe_layers = [i for i in range(self.all_layers) if config.is_moe_layer(i)]
@@ -149,7 +150,7 @@ class Progress:
     def _moe_figures(self, steps: int) -> dict:
         """The MoE layers' figures since the last take (collective: every rank at the same iteration)."""
         c = self.model_config
-        return moe_stats.take(self.all_layers, self.moe_layers, c.num_moe_experts, self.device, steps)
+        return moe_stats.take(self.models, self.all_layers, self.moe_layers, c.num_moe_experts, self.device, steps)
 
     def _stop_on_nonfinite_router_logits(self, iteration: int) -> None:
         if self.model_config.is_moe:

@@ -23,6 +23,7 @@ class MoELayer(nn.Module):
                  layer_number: int = 0):
         super().__init__()
         self.layer_number = layer_number  # global, 0-based: where its figures are reported
+        self.figures: torch.Tensor | None = None  # since the last log line (megalite.models.moe.stats)
         tp = state.get_tensor_model_parallel_world_size()
         if tp > 1 and not config.sequence_parallel:
             raise ValueError(f"mixture-of-experts layers at --tp {tp} need --sequence-parallel (each TP rank "
@@ -57,7 +58,7 @@ class MoELayer(nn.Module):
         out, aux, z = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
         if self.training and torch.is_grad_enabled():
             counts = count_per_expert(routed, c.num_moe_experts + 1)
-            stats.record(self.layer_number, c.num_moe_experts, counts[:c.num_moe_experts], routed.numel(), aux, z,
+            stats.record(self, c.num_moe_experts, counts[:c.num_moe_experts], routed.numel(), aux, z,
                          counts[c.num_moe_experts], (~torch.isfinite(logits.detach())).any(-1).sum())
         if self.shared_experts is not None:
             shared = self.shared_experts(x)

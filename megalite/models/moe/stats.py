@@ -1,9 +1,12 @@
 """What the MoE layers report at log lines: the load-balancing and z-loss terms as they enter the
 training loss, each layer's load (tokens per expert: max over mean) and the fraction of assignments
 dropped over capacity. Each layer adds its figures on the device in every first forward (not in
-recomputation), so nothing is read between log lines; `take()` sums them over every rank (each
+recomputation) to a tensor of its own (`MoELayer.figures`), so nothing is read between log lines and
+two models in one process keep theirs apart; `take()` sums a model's figures over every rank (each
 holds its own tokens, stages hold different layers) at a log line and starts anew."""
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -11,23 +14,22 @@ import torch.distributed as dist
 from megalite.models.rng import is_recomputing
 from megalite.parallel import traffic
 
-# layer number -> [aux, z, dropped, assignments, tokens with non-finite logits, tokens per expert...]
-_sums: dict[int, torch.Tensor] = {}
+# a layer's figures: [aux, z, dropped, assignments, tokens with non-finite logits, tokens per expert...]
 _FIXED = 5
 
 
 @torch.compiler.disable  # runs eagerly from a compiled layer too, so --torch-compile reports the same
-def record(layer_number: int, num_experts: int, counts: torch.Tensor, assignments: int,
+def record(layer: torch.nn.Module, num_experts: int, counts: torch.Tensor, assignments: int,
            aux: torch.Tensor | None = None, z: torch.Tensor | None = None, dropped: torch.Tensor | None = None,
            nonfinite: torch.Tensor | None = None) -> None:
-    """One forward of a MoE layer on this rank: its routed counts per expert, the assignments it
+    """One forward of MoE layer `layer` on this rank: its routed counts per expert, the assignments it
     routed, its shares of the loss terms, the dropped assignments, the tokens whose router logits
     were not all finite."""
     if is_recomputing():
         return
-    s = _sums.get(layer_number)
+    s = layer.figures
     if s is None:
-        s = _sums[layer_number] = torch.zeros(_FIXED + num_experts, dtype=torch.float32, device=counts.device)
+        s = layer.figures = torch.zeros(_FIXED + num_experts, dtype=torch.float32, device=counts.device)
     with torch.no_grad():
         for i, v in enumerate((aux, z, dropped, None, nonfinite)):
             if v is not None:
@@ -36,18 +38,17 @@ def record(layer_number: int, num_experts: int, counts: torch.Tensor, assignment
         s[_FIXED:] += counts.float()
 
 
-def reset() -> None:
-    """Drop the figures not taken yet (a layer used outside training, a test)."""
-    _sums.clear()
-
-
-def take(num_layers: int, moe_layers: list[int], num_experts: int, device, steps: int = 1) -> dict:
-    """The log line's MoE figures since the last take (`steps` optimizer steps: the loss terms are
-    per step), over every rank (a collective: every rank calls it at the same log line)."""
+def take(models: Iterable[torch.nn.Module], num_layers: int, moe_layers: list[int], num_experts: int, device,
+         steps: int = 1) -> dict:
+    """The log line's MoE figures of `models` (a rank's model chunks) since the last take (`steps`
+    optimizer steps: the loss terms are per step), over every rank (a collective: every rank calls it
+    at the same log line)."""
     table = torch.zeros(num_layers, _FIXED + num_experts, dtype=torch.float32, device=device)
-    for layer, s in _sums.items():
-        table[layer] += s
-    _sums.clear()
+    for model in models:
+        for layer in model.modules():
+            if getattr(layer, "figures", None) is not None:
+                table[layer.layer_number] += layer.figures
+                layer.figures = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         traffic.counted_all_reduce("metrics", table)
     table = table[moe_layers].cpu()
