@@ -197,6 +197,31 @@ def test_cli_import_export_round_trip(kind, hf_dirs, tmp_path, capsys):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_an_export_that_fails_midway_leaves_nothing_and_one_line(hf_dirs, tmp_path, capsys, monkeypatch):
+    """Issue #48: a full disk during export ended in a traceback and left a folder holding config.json
+    and no weights. The export is written beside --out and renamed; a failure removes it."""
+    import transformers.modeling_utils as hf_saving
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf-out"
+    assert convert_hf.main(["import", "--hf-dir", str(hf_dirs["gpt"]), "--out", str(ckpt)]) == 0
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_saving, "safe_save_file", full_disk)  # after config.json, as a disk fills
+    capsys.readouterr()
+    assert convert_hf.main(["export", "--load", str(ckpt), "--out", str(out)]) == 2
+    ours = [x for x in capsys.readouterr().err.splitlines() if x.startswith("megalite:")]  # (and a progress bar)
+    assert ours == [f"megalite: error: export into {out} failed (No space left on device); nothing was written there"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no --out, no partial folder
+    monkeypatch.undo()
+    (out / "keep.txt").parent.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert convert_hf.main(["export", "--load", str(ckpt), "--out", str(out)]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 def test_unsupported_gpt2_settings_are_refused(tmp_path, capsys):

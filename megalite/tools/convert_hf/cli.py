@@ -29,10 +29,32 @@ def _cmd_export(args) -> str:
 
     if not Path(args.load).is_dir():
         raise FileNotFoundError(f"{args.load} is not a megalite checkpoint directory")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out} exists and is not an empty directory: choose a new one (an export "
+                              f"never writes over files)")
     config, kind, sd = checkpoint.load_full_state_dict(args.load)
     model = to_hf(config, sd, kind, architecture=args.architecture)
-    model.save_pretrained(args.out)
+    save_whole(model, out)
     return f"exported {kind} from {args.load} as {type(model).__name__} into {args.out}"
+
+
+def save_whole(model, out: Path) -> None:
+    """model.save_pretrained into `out` as a whole or not at all: written beside it, then renamed, so
+    a failure (a full disk, a kill) leaves no folder of config.json without weights."""
+    import os
+    import shutil
+
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        model.save_pretrained(partial)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always", ConversionNote)
             message = _cmd_import(args) if args.command == "import" else _cmd_export(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"megalite: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a read-only folder: nothing half-written is left
+        print(f"megalite: error: {args.command} into {args.out} failed ({e.strerror or e}); nothing was written "
+              f"there", file=sys.stderr)
         return 2
     said = set()
     for note in notes:
