@@ -12,6 +12,7 @@ from megalite.checkpoint import CheckpointReader
 from megalite.checkpoint.layout import iter_dir, rank_file_name
 from megalite.errors import UsageError
 from megalite.testing import RankFailure, run_ranks
+from megalite.checkpoint.sealed import sealed
 
 pytestmark = pytest.mark.slow  # one 4-rank spawn saves six checkpoints; one torchrun of 4 ranks
 
@@ -43,7 +44,7 @@ def _put_in_place_of(directory, src: int, dst: int, swap: bool = False) -> None:
     meta = json.loads((d / "metadata.json").read_text())
     for r in (src, dst):
         meta["files"][rank_file_name(r)]["bytes"] = (d / rank_file_name(r)).stat().st_size
-    (d / "metadata.json").write_text(json.dumps(meta))
+    (d / "metadata.json").write_text(json.dumps(sealed(meta)))  # made to agree, seal and all
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_a_file_from_another_save_is_refused(saved, tmp_path):
     meta_path = iter_dir(second, 2) / "metadata.json"
     meta = json.loads(meta_path.read_text())
     meta["save"] = "0" * 32  # as if saved again: a new token, files of its own
-    meta_path.write_text(json.dumps(meta))
+    meta_path.write_text(json.dumps(sealed(meta)))
     with pytest.raises(UsageError, match=r"was written by another save \(iteration 2, save [0-9a-f]{8}\) than this "
                                          r"checkpoint's \(iteration 2, save 00000000\): files were mixed"):
         CheckpointReader(second).files
@@ -132,7 +133,7 @@ def test_a_file_without_a_writer_record_in_a_checkpoint_whose_files_have_one_is_
     meta_path = iter_dir(directory, 2) / "metadata.json"
     metadata = json.loads(meta_path.read_text())
     metadata["files"][rank_file_name(1)]["bytes"] = path.stat().st_size  # the recorded size made to agree
-    meta_path.write_text(json.dumps(metadata))
+    meta_path.write_text(json.dumps(sealed(metadata)))
     with pytest.raises(UsageError, match=r"rank_00001\.safetensors records no writer, but every file of this "
                                          r"checkpoint does: it comes from an older checkpoint"):
         CheckpointReader(directory).files

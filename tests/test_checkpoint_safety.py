@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megalite import checkpoint
+from megalite.checkpoint.sealed import SEAL, sealed
 from megalite.models.config import TransformerConfig
 from megalite.runtime import UsageError
 
@@ -47,7 +48,7 @@ def _replace_rank_file(directory, data: bytes):
     meta = json.loads(_meta_path(directory).read_text())
     entry = meta["files"][path.name]
     meta["files"][path.name] = {**entry, "bytes": len(data)} if isinstance(entry, dict) else len(data)
-    _meta_path(directory).write_text(json.dumps(meta))
+    _meta_path(directory).write_text(json.dumps(sealed(meta)))  # the metadata made to agree, seal and all
 
 
 class MakesAMarker:
@@ -86,6 +87,52 @@ def test_a_version_1_checkpoint_is_refused_without_unpickling(saved, tmp_path):
     assert not marker.exists()
 
 
+def _edit_metadata(directory, edit, reseal=False):
+    meta = json.loads(_meta_path(directory).read_text())
+    edit(meta)
+    _meta_path(directory).write_text(json.dumps(sealed({k: v for k, v in meta.items() if k != SEAL}) if reseal
+                                                else meta))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["config"].update(layernorm_epsilon=0.5), r"field config\.layernorm_epsilon was changed after the "
+                                                          r"checkpoint was written \(it fails its CRC-32 check; it now "
+                                                          r"holds 0\.5\)"),
+    (lambda m: m["config"].pop("num_layers"), r"field config\.num_layers was deleted after the checkpoint was written"),
+    (lambda m: m.update(iteration=9), r"field iteration was changed"),
+    (lambda m: m["config"].update(flavour="x"), r"field config\.flavour was added"),
+], ids=["epsilon-edited", "field-deleted", "iteration-edited", "field-added"])
+def test_an_edited_metadata_field_is_refused_naming_it(saved, edit, message):
+    """Issue #48: metadata.json was outside the checks: layernorm_epsilon edited to 0.5 trained silently."""
+    checkpoint.load_full_state_dict(saved)  # intact
+    _edit_metadata(saved, edit)
+    with pytest.raises(UsageError, match=message) as e:
+        checkpoint.load_full_state_dict(saved)
+    assert "\n" not in str(e.value) and "restore the checkpoint's own metadata.json" in str(e.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["config"].pop("num_layers"), r"the model config has no num_layers"),
+    (lambda m: m["config"].update(num_moe_experts="four"), r"config\.num_moe_experts holds 'four', not int"),
+    (lambda m: m["config"].update(num_layers=3.5), r"config\.num_layers holds 3\.5, not int"),
+    (lambda m: m["config"].update(hidden_size=0), r"its model config is refused \(hidden_size must be >= 1"),
+    (lambda m: m["config"].update(params_dtype="float99"), r"config\.params_dtype 'float99' is not a torch dtype"),
+], ids=["missing", "mistyped", "float-for-int", "refused-value", "bad-dtype"])
+def test_a_missing_or_mistyped_config_field_is_one_line(saved, edit, message):
+    """Typed on read: what a seal cannot vouch for (an older checkpoint without one, or a rewritten
+    seal) still ends in one line, not a KeyError / TypeError traceback."""
+    _edit_metadata(saved, edit, reseal=True)
+    with pytest.raises(UsageError, match=message) as e:
+        checkpoint.load_full_state_dict(saved)
+    assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_written_before_seals_reads_as_before(saved):
+    _edit_metadata(saved, lambda m: m.pop(SEAL))
+    config, kind, state = checkpoint.load_full_state_dict(saved)
+    assert kind == "gpt" and config.hidden_size == 8 and state
+
+
 def test_latest_pointing_outside_the_directory_is_refused(tmp_path, config):
     checkpoint.save_model_checkpoint(tmp_path / "elsewhere", config, "gpt", tiny_state(config), iteration=4)
     (tmp_path / "ckpt").mkdir()
@@ -98,7 +145,8 @@ def test_latest_pointing_outside_the_directory_is_refused(tmp_path, config):
 def test_metadata_naming_files_outside_the_checkpoint_is_refused(saved, name):
     meta = json.loads(_meta_path(saved).read_text())
     meta["files"] = {name: next(iter(meta["files"].values()))}
-    _meta_path(saved).write_text(json.dumps(meta))
+    # crafted with a seal of its own: the file-name check still stands behind the seal
+    _meta_path(saved).write_text(json.dumps(sealed({k: v for k, v in meta.items() if k != SEAL})))
     with pytest.raises(UsageError, match="not rank_NNNNN.safetensors"):
         checkpoint.CheckpointReader(saved)
 
@@ -106,7 +154,7 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(saved, name):
 def test_metadata_listing_fewer_files_than_ranks_is_refused(saved):
     meta = json.loads(_meta_path(saved).read_text())
     meta["layout"]["world"] = 2
-    _meta_path(saved).write_text(json.dumps(meta))
+    _meta_path(saved).write_text(json.dumps(sealed({k: v for k, v in meta.items() if k != SEAL})))  # resealed
     with pytest.raises(UsageError, match="written by 2 ranks but its metadata lists 1 rank files"):
         checkpoint.CheckpointReader(saved)
 

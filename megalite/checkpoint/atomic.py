@@ -17,6 +17,7 @@ from megalite import faults
 from megalite.checkpoint.fileformat import write_rank_file
 from megalite.checkpoint.layout import (FORMAT_VERSION, ITER_NAME, VOCAB_PARAMS, config_dict, iter_dir,
                                         rank_file_name, split_experts, tmp_dir)
+from megalite.checkpoint.sealed import sealed
 from megalite.models.config import TransformerConfig
 
 
@@ -91,7 +92,7 @@ def commit(directory: Path, iteration: int, metadata: dict) -> None:
     """Rank 0, after every rank wrote its file into iter_N.tmp: metadata, rename, `latest`."""
     directory = Path(directory)
     tmp, final = tmp_dir(directory, iteration), iter_dir(directory, iteration)
-    _write_synced(tmp / "metadata.json", json.dumps(metadata, indent=1))
+    _write_synced(tmp / "metadata.json", json.dumps(sealed(metadata), indent=1))
     _fsync_dir(tmp)
     old = None
     if final.exists():  # saving the same iteration again: keep the old one until the new is in place

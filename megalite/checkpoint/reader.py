@@ -13,7 +13,8 @@ import torch
 
 from megalite.checkpoint.fileformat import RankFile, RankFileError, all_finite, decode_plain
 from megalite.checkpoint.layout import (GLU_FC1, ITER_NAME, RANK_FILE_NAME, READABLE_VERSIONS,
-                                        SHAPE_FIELDS, VOCAB_PARAMS, config_from_dict, rank_file_name, shard_of)
+                                        SHAPE_FIELDS, VOCAB_PARAMS, rank_file_name, shard_of)
+from megalite.checkpoint.sealed import check_seal, typed_config
 from megalite.models.config import TransformerConfig
 from megalite.runtime import UsageError, say
 
@@ -57,6 +58,7 @@ def _read_metadata(path: Path, directory: Path) -> dict:
                          f"{', '.join(map(str, READABLE_VERSIONS))} (safetensors rank files; version 1's pickled "
                          f"files are not loaded because unpickling can run code): load it with the megalite "
                          f"that wrote it")
+    check_seal(metadata, meta_path)
     return metadata
 
 
@@ -125,7 +127,7 @@ class CheckpointReader:
         self.path = _resolve(self.directory)
         self.metadata = _read_metadata(self.path, self.directory)
         self._file_names = _check_files(self.path, self.metadata)
-        self.config = config_from_dict(self.metadata["config"])
+        self.config = typed_config(self.metadata.get("config"), self.path / "metadata.json")
         self.model_kind = self.metadata["model_kind"]
         # Version 2 stored a gated fc1's rows interleaved (gate_i, up_i): read, then put in halves.
         self._interleaved_glu = self.metadata["format_version"] == 2 and self.config.gated_linear_unit
