@@ -14,18 +14,20 @@ what it costs.
 
 Every layout megalite accepts is enumerated and, for each, the planner predicts:
 
-- memory per GPU on the fullest pipeline stage, itemised (`memory.py`): parameters, gradients and
-  optimizer states counted the way megalite lays them out at each ZeRO stage (the parameters of a
-  GPT stage built on the meta device, `megalite.optim.buffers.plan_layout`, stage 3's units from
+- memory per GPU on the fullest pipeline stage, itemised (`memory.py`; its parts in `states.py`,
+  `zero_replay.py` and `activations.py`): parameters, gradients and optimizer states counted the
+  way megalite lays them out at each ZeRO stage (the parameters of a GPT stage built on the meta
+  device, `megalite.optim.buffers.plan_layout`, stage 3's units from
   `megalite.optim.zero.layer_units`, `MegaliteOptimizer._master`), stages 2-3's transient
   whole-bucket gradients and gathered units (replayed in megalite's order of events),
   activations from `megalite.models.activation_bytes_per_layer` (Korthikanti et al. 2022) times
   the chunks the schedule program holds in flight (`megalite.pipeline.schedules.peak_in_flight`),
   the output layer and cross-entropy buffers on the last stage, and a fixed framework overhead;
   plus the transient peak while the model is built;
-- step time (`step_time.py`): model FLOPs (`megalite.metrics.model_flops_per_iteration`, plus what
-  recomputation runs again) over the cluster's sustained throughput, the pipeline bubble
-  of the schedule (`megalite.pipeline.schedules.bubble_fraction`), tensor-parallel collectives, pipeline
+- step time (`step_time.py`; links and data parallelism in `comm.py`): model FLOPs
+  (`megalite.metrics.model_flops_per_iteration`, plus what recomputation runs again) over the
+  cluster's sustained throughput, the pipeline bubble of the schedule
+  (`megalite.pipeline.schedules.bubble_fraction`), tensor-parallel collectives, pipeline
   point-to-point messages, the data-parallel gradient reduction that cannot hide behind the last
   backward pass, and the optimizer step;
 - for a MoE model (`experts.py`): expert weights split over ep x etp in buffers of their own,
@@ -34,16 +36,21 @@ Every layout megalite accepts is enumerated and, for each, the planner predicts:
 - for DeepSeek-V3's parts: multi-head latent attention's activations
   (`megalite.models.memory.mla_activation_bytes_per_layer`; its parameters come with the meta
   build), and the multi-token prediction modules on the last stage: parameters, activations
-  (`memory.mtp_bytes`) and FLOPs (`megalite.metrics.mtp_forward_flops`).
+  (`activations.mtp_bytes`) and FLOPs (`megalite.metrics.mtp_forward_flops`).
 
 `--compare LAYOUT` predicts a layout of the user's (an explicit --pipeline-layers split included)
 next to the plan's best.
 
-inputs.py: Cluster, Layout, Run, parameter counts; experts.py: the MoE terms; predict.py: one
-layout; search.py: every layout, check_layout; report.py: tables, --explain, commands, JSON; cli.py: the command
-line. docs/planner.md states every formula and assumption.
+inputs.py: Cluster, Layout, Run, parameter counts; states.py, zero_replay.py, activations.py: the
+memory's parts, memory.py: their totals; costs.py: one layout's costs, step_time.py: its compute,
+comm.py: its communication; experts.py: the MoE terms; predict.py: one layout; search.py: every
+layout, check_layout; report.py: tables, --explain; command.py: the pretrain_gpt.py command;
+json_forms.py: JSON; cli.py: the command line. docs/planner.md states every formula and assumption.
 """
+from megalite.tools.plan.activations import in_flight_chunks
 from megalite.tools.plan.cli import build_parser, config_from_args, main
+from megalite.tools.plan.comm import DataParallelTime, dp_traffic
+from megalite.tools.plan.command import launch_command, model_flags
 from megalite.tools.plan.inputs import (
     DTYPE_BYTES,
     GIB,
@@ -61,19 +68,12 @@ from megalite.tools.plan.inputs import (
     stage_parameters,
     total_parameters,
 )
-from megalite.tools.plan.memory import Memory, StateBytes, in_flight_chunks, rank_state_bytes
-from megalite.tools.plan.predict import Prediction, StageResult, predict
-from megalite.tools.plan.report import explain, format_rejections, format_table, launch_command, model_flags
-from megalite.tools.plan.search import (
-    PlanResult,
-    Rejection,
-    check_layout,
-    divisors,
-    plan,
-    stage_that_makes_it_fit,
-    with_zero_stage,
-)
-from megalite.tools.plan.step_time import DataParallelTime, StepTime, dp_traffic
+from megalite.tools.plan.memory import Memory
+from megalite.tools.plan.predict import Prediction, StageResult, predict, stage_that_makes_it_fit, with_zero_stage
+from megalite.tools.plan.report import explain, format_rejections, format_table
+from megalite.tools.plan.search import PlanResult, Rejection, check_layout, divisors, plan
+from megalite.tools.plan.states import StateBytes, rank_state_bytes
+from megalite.tools.plan.step_time import StepTime
 
 __all__ = [
     "DTYPE_BYTES",

@@ -7,17 +7,12 @@ import math
 import sys
 from dataclasses import asdict
 
-from megalite.models.config import PRESETS, TransformerConfig
+from megalite.models.config import TransformerConfig
+from megalite.models.presets import PRESETS
+from megalite.tools.plan.command import model_flags
 from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, SCHEDULES, Cluster, Run, active_parameters, total_parameters
-from megalite.tools.plan.report import (
-    config_json,
-    explain,
-    format_rejections,
-    format_table,
-    model_flags,
-    rejected_json,
-    zero_stage_note,
-)
+from megalite.tools.plan.json_forms import config_json, rejected_json
+from megalite.tools.plan.report import explain, format_rejections, format_table, zero_stage_note
 from megalite.tools.plan.search import PlanResult, local_sgd_of, plan
 
 

@@ -1,5 +1,6 @@
 """One layout's prediction: memory and step time of each pipeline rank that can be the fullest or
-the slowest, and the step as a whole."""
+the slowest, and the step as a whole; and whether its ZeRO stage is what makes it fit (the same
+layout predicted at the stages below)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -8,19 +9,16 @@ from megalite.metrics import model_flops_per_iteration
 from megalite.models.config import TransformerConfig
 from megalite.pipeline.partition import layers_of, virtual_stage
 from megalite.pipeline.schedules import bubble_fraction
+from megalite.tools.plan.activations import in_flight_chunks, mtp_bytes, output_layer_bytes, stored_activations
+from megalite.tools.plan.comm import dp_exposed
+from megalite.tools.plan.command import launch_command
+from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
-from megalite.tools.plan.memory import (
-    Memory,
-    StateBytes,
-    in_flight_chunks,
-    mtp_bytes,
-    output_layer_bytes,
-    over,
-    rank_state_bytes,
-    stored_activations,
-)
-from megalite.tools.plan.step_time import LayoutCosts, StepTime, dp_exposed, layout_costs
+from megalite.tools.plan.json_forms import prediction_json
+from megalite.tools.plan.memory import Memory, over
+from megalite.tools.plan.states import StateBytes, rank_state_bytes
+from megalite.tools.plan.step_time import StepTime, layout_costs
 
 
 @dataclass(frozen=True)
@@ -85,14 +83,10 @@ class Prediction:
         return self.run.global_batch_size * self.run.seq_length / self.step_time
 
     def command(self, model_flags: list[str] | None = None) -> str:
-        from megalite.tools.plan.report import launch_command
-
         return launch_command(self, model_flags)
 
     def to_dict(self, model_flags: list[str] | None = None) -> dict:
-        from megalite.tools.plan.report import prediction_json
-
-        return prediction_json(self, model_flags)
+        return prediction_json(self, model_flags, stage_that_makes_it_fit(self) is not None)
 
 
 def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run) -> int:
@@ -290,3 +284,20 @@ def _why_not(memory: Memory, build_peak: float, cluster: Cluster, peak_r: int) -
                 f"optimizer {memory.states / GIB:.1f}{zero_part} GiB, stage {peak_r})")
     return (f"does not fit while the model is built: {over(build_peak, capacity)} GiB > "
             f"{cluster.gpu_memory_gib:g} GiB (fp32 model + buffers)")
+
+
+def with_zero_stage(layout: Layout, stage: int) -> Layout:
+    """The same layout at another ZeRO stage."""
+    return replace(layout, distributed_optimizer=stage >= 1, zero_stage=stage)
+
+
+def stage_that_makes_it_fit(pred: Prediction) -> int | None:
+    """For a fitting layout at ZeRO stage 2 or 3: its stage, when the same layout at every lower
+    stage does not fit (the stage is what makes it fit); else None."""
+    stage = pred.layout.zero_stage
+    if not pred.fits or stage < 2:
+        return None
+    for lower in range(stage):
+        if predict(pred.config, with_zero_stage(pred.layout, lower), pred.cluster, run=pred.run).fits:
+            return None
+    return stage

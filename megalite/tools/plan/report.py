@@ -1,206 +1,36 @@
-"""What the planner prints: the table of layouts, the rejections, the formulas with their numbers
-(--explain), the pretrain_gpt.py command of a layout, and the JSON forms."""
+"""What the planner prints for people: the table of layouts, the rejections, the formulas with
+their numbers (--explain) and the note when a ZeRO stage is what makes a layout fit. The
+pretrain_gpt.py command is command.py's, the JSON forms json_forms.py's (importable from here too)."""
 from __future__ import annotations
 
-import math
-import shlex
-from dataclasses import asdict
-
-from megalite.models.config import PRESETS, TransformerConfig
 from megalite.models.memory import layer_activation_bytes
 from megalite.optim.zero import MAX_IN_FLIGHT
+from megalite.tools.plan.activations import kept_activations
+from megalite.tools.plan.command import ARCH_FLAGS, MOE_FLAGS, SHAPE_FIELDS, _preset_of, launch_command, model_flags
 from megalite.tools.plan.experts import activation_terms, routed_rows, routed_tokens
-from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, GPT_PRESETS, layer_numels, positions, stage_parameters
-from megalite.tools.plan.memory import kept_activations
-from megalite.tools.plan.predict import Prediction, predict
-from megalite.tools.plan.search import PlanResult, stage_that_makes_it_fit, with_zero_stage
+from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, layer_numels, positions, stage_parameters
+from megalite.tools.plan.json_forms import by_count, config_json, prediction_json, rejected_json
+from megalite.tools.plan.predict import Prediction, predict, stage_that_makes_it_fit, with_zero_stage
+from megalite.tools.plan.search import PlanResult
 from megalite.tools.plan.step_time import StepTime
 
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+__all__ = [  # with the names that moved to command.py and json_forms.py
+    "ARCH_FLAGS",
+    "MOE_FLAGS",
+    "SHAPE_FIELDS",
+    "_preset_of",
+    "config_json",
+    "explain",
+    "format_rejections",
+    "format_table",
+    "launch_command",
+    "model_flags",
+    "prediction_json",
+    "rejected_json",
+    "zero_stage_note",
+]
 
 
-# Architecture fields -> the pretrain_gpt.py flags that set them (a switch: flags when on).
-ARCH_FLAGS = {
-    "position_embedding_type": lambda v: ["--position-embedding-type", v],
-    "rotary_base": lambda v: ["--rotary-base", f"{v:g}"],
-    "rotary_percent": lambda v: ["--rotary-percent", f"{v:g}"],
-    "rope_scaling_factor": lambda v: ["--rope-scaling-factor", f"{v:g}"] if v is not None else [],
-    "rope_low_freq_factor": lambda v: ["--rope-low-freq-factor", f"{v:g}"],
-    "rope_high_freq_factor": lambda v: ["--rope-high-freq-factor", f"{v:g}"],
-    "rope_original_max_position_embeddings": lambda v: ["--rope-original-max-position-embeddings", str(v)],
-    "gated_linear_unit": lambda v: ["--swiglu"] if v else [],
-    "num_query_groups": lambda v: ["--group-query-attention", "--num-query-groups", str(v)] if v else [],
-    "normalization": lambda v: ["--normalization", v],
-    "add_bias_linear": lambda v: [] if v else ["--disable-bias-linear"],
-    "add_qkv_bias": lambda v: ["--add-qkv-bias"] if v else [],
-    "qk_layernorm": lambda v: ["--qk-layernorm"] if v else [],
-    "qk_layernorm_full_width": lambda v: ["--qk-layernorm-full-width"] if v else [],
-    "untie_embeddings_and_output_weights": lambda v: ["--untie-embeddings-and-output-weights"] if v else [],
-    "layernorm_epsilon": lambda v: ["--norm-epsilon", f"{v:g}"],
-    "multi_latent_attention": lambda v: ["--multi-latent-attention"] if v else [],
-    "q_lora_rank": lambda v: ["--q-lora-rank", str(v)] if v is not None else [],
-    "kv_lora_rank": lambda v: ["--kv-lora-rank", str(v)],
-    "qk_head_dim": lambda v: ["--qk-head-dim", str(v)],
-    "qk_pos_emb_head_dim": lambda v: ["--qk-pos-emb-head-dim", str(v)],
-    "v_head_dim": lambda v: ["--v-head-dim", str(v)],
-    "mtp_num_layers": lambda v: ["--mtp-num-layers", str(v)],
-}
-
-
-# A MoE model's fields -> the flags of pretrain_gpt.py's moe section. Given with --num-experts, that
-# section sets every MoE field (its defaults for the flags not given), so all that differ from its
-# defaults are spelled out, a preset's included.
-MOE_FLAGS = {
-    "num_moe_experts": lambda v: ["--num-experts", str(v)],
-    "moe_router_topk": lambda v: ["--moe-router-topk", str(v)],
-    "moe_ffn_hidden_size": lambda v: ["--moe-ffn-hidden-size", str(v)],
-    "moe_layer_freq": lambda v: [] if all(v) else ["--moe-layer-freq", _layer_freq(v)],
-    "moe_shared_expert_intermediate_size": lambda v: ["--moe-shared-expert-intermediate-size", str(v)] if v else [],
-    "moe_shared_expert_gate": lambda v: ["--moe-shared-expert-gate"] if v else [],
-    "moe_router_score_function": lambda v: ["--moe-router-score-function", v] if v != "softmax" else [],
-    "moe_router_pre_softmax": lambda v: ["--moe-router-pre-softmax"] if v else [],
-    "moe_router_topk_scaling_factor": lambda v: ["--moe-router-topk-scaling-factor", f"{v:g}"] if v else [],
-    "moe_aux_loss_coeff": lambda v: ["--moe-aux-loss-coeff", f"{v:g}"] if v else [],
-    "moe_z_loss_coeff": lambda v: ["--moe-z-loss-coeff", f"{v:g}"] if v is not None else [],
-    "moe_token_dispatcher_type": lambda v: ["--moe-token-dispatcher-type", v] if v != "alltoall" else [],
-    "moe_expert_capacity_factor": lambda v: ["--moe-expert-capacity-factor", f"{v:g}"] if v is not None else [],
-    "moe_pad_expert_input_to_capacity": lambda v: ["--moe-pad-expert-input-to-capacity"] if v else [],
-}
-
-
-def _layer_freq(pattern: list[int]) -> str:
-    """--moe-layer-freq's spelling of a 0/1 pattern: the list, or Megatron-LM's runs
-    "([0]*3+[1]*58)" where those are shorter."""
-    listed = "[" + ",".join(map(str, pattern)) + "]"
-    runs: list[list[int]] = []
-    for v in pattern:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    spelled = "(" + "+".join(f"[{v}]*{n}" for v, n in runs) + ")"
-    return spelled if len(spelled) < len(listed) else listed
-
-
-def model_flags(config: TransformerConfig, preset_name: str | None = None) -> list[str]:
-    """pretrain_gpt.py flags that build this model: the preset, plus flags for what differs from it
-    (and a MoE model's expert flags, all of them)."""
-    name = preset_name if preset_name in PRESETS else "gpt-tiny"
-    ref = TransformerConfig(**PRESETS[name])
-    flags = ["--model", name]
-    for k in SHAPE_FIELDS:
-        if getattr(ref, k) != getattr(config, k) or preset_name not in PRESETS:
-            flags += [f"--{k.replace('_', '-')}", str(getattr(config, k))]
-    for k, flag in ARCH_FLAGS.items():
-        if getattr(ref, k) != getattr(config, k):
-            flags += flag(getattr(config, k))
-    if config.is_moe:
-        for k, flag in MOE_FLAGS.items():
-            flags += flag(getattr(config, k))
-    return flags
-
-
-def launch_command(pred: Prediction, flags: list[str] | None = None) -> str:
-    lay, cl, run = pred.layout, pred.cluster, pred.run
-    flags = flags if flags is not None else model_flags(pred.config, _preset_of(pred.config))
-    gpn = min(cl.gpus_per_node, lay.gpus)
-    nodes = math.ceil(lay.gpus / gpn)
-    launcher = f"torchrun --nproc_per_node {gpn}" + (f" --nnodes {nodes}" if nodes > 1 else " --standalone")
-    parts = [launcher, "pretrain_gpt.py", *flags, "--tp", str(lay.tp), "--pp", str(lay.pp)]
-    if lay.cp > 1:
-        parts += ["--cp", str(lay.cp)]
-    if lay.ep > 1:
-        parts += ["--ep", str(lay.ep)]
-    if lay.etp != lay.tp:
-        parts += ["--etp", str(lay.etp)]
-    if lay.vpp and not lay.v_shape:  # zb-v sets its two chunks itself
-        parts += ["--vpp", str(lay.vpp)]
-    if lay.schedule != "1f1b":
-        parts += ["--pipeline-schedule", lay.schedule]
-    if run.pipeline_layers:
-        parts += ["--pipeline-layers", ",".join(map(str, run.pipeline_layers))]
-    parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),
-              "--seq-length", str(run.seq_length), "--recompute", lay.recompute]
-    if lay.sequence_parallel:
-        parts.append("--sequence-parallel")
-    if lay.zero_stage == 1:
-        parts.append("--use-distributed-optimizer")
-    elif lay.zero_stage >= 2:
-        parts += ["--zero-stage", str(lay.zero_stage)]
-    if lay.zero_stage == 3 and not run.zero_reshard_after_forward:
-        parts += ["--zero-reshard-after-forward", "false"]
-    if lay.zero_stage == 3 and run.zero_keep_params_for_step:
-        parts.append("--zero-keep-params-for-step")
-    if run.grad_reduce_dtype != "fp32":
-        parts += ["--grad-reduce-dtype", run.grad_reduce_dtype]
-    if run.local_sgd_interval:
-        parts += ["--local-sgd-interval", str(run.local_sgd_interval)]
-        if run.local_sgd_fragments > 1:
-            parts += ["--local-sgd-fragments", str(run.local_sgd_fragments)]
-        if run.outer_grad_dtype != "fp32":
-            parts += ["--outer-grad-dtype", run.outer_grad_dtype]
-        if run.local_sgd_async:
-            parts.append("--local-sgd-async")
-    if run.dtype != "fp32":
-        parts.append(f"--{run.dtype}")
-    if run.attention_backend != "sdpa":
-        parts += ["--attention-backend", run.attention_backend]
-    if run.ddp_bucket_size != 40_000_000:
-        parts += ["--ddp-bucket-size", str(run.ddp_bucket_size)]
-    return " ".join([parts[0], *(shlex.quote(p) for p in parts[1:])])  # [0,1,1,1] is a shell pattern
-
-
-def _preset_of(config: TransformerConfig) -> str | None:
-    for name in GPT_PRESETS:
-        ref = TransformerConfig(**PRESETS[name])
-        if all(getattr(ref, k) == getattr(config, k) for k in (*SHAPE_FIELDS, *ARCH_FLAGS, *MOE_FLAGS)):
-            return name
-    return None
-
-
-# -------------------------------------------------------------------------------------------------
-# JSON
-# -------------------------------------------------------------------------------------------------
-def prediction_json(pred: Prediction, model_flags: list[str] | None = None) -> dict:
-    memory, time, layout = asdict(pred.memory), asdict(pred.time), asdict(pred.layout)
-    if pred.layout.cp == 1:  # without context parallelism the JSON stays as it was
-        del layout["cp"], time["cp_comm"]
-    if not pred.config.is_moe:  # nor for a dense model
-        del layout["ep"], layout["etp"], time["ep_comm"], memory["experts"]
-    if not pred.config.mtp_num_layers:  # nor without multi-token prediction
-        del memory["mtp"]
-    if pred.layout.schedule == "1f1b":  # nor with the default schedule
-        del layout["schedule"]
-    return {
-        "layout": layout, "fits": pred.fits, "reason": pred.reason,
-        "micro_batches": pred.micro_batches, "peak_stage": pred.peak_stage,
-        "memory_bytes": {k: int(v) for k, v in memory.items()},
-        "memory_gib": {k: round(v / GIB, 3) for k, v in memory.items()},
-        "build_peak_gib": round(pred.build_peak / GIB, 3), "peak_gib": round(pred.peak_bytes / GIB, 3),
-        "time_s": {k: round(v, 6) for k, v in time.items()},
-        "dp_traffic_bytes": {k: int(v) for k, v in pred.dp_parts[pred.dp_stage].traffic.items()},
-        "zero_stage_makes_it_fit": stage_that_makes_it_fit(pred) is not None,
-        "bubble_fraction": round(pred.bubble_fraction, 6), "mfu": round(pred.mfu, 4),
-        "tokens_per_s": round(pred.tokens_per_s, 1), "model_flops": pred.model_flops,
-        "hardware_flops": pred.hardware_flops, "command": pred.command(model_flags),
-    }
-
-
-def config_json(config: TransformerConfig) -> dict:
-    return {k: getattr(config, k) for k in (*SHAPE_FIELDS, "max_position_embeddings")}
-
-
-def rejected_json(result: PlanResult) -> list:
-    return [{"reason": kind, "count": r.count, "example": r.example} for kind, r in _by_count(result)]
-
-
-def _by_count(result: PlanResult) -> list:
-    return sorted(result.rejected.items(), key=lambda kv: -kv[1].count)
-
-
-# -------------------------------------------------------------------------------------------------
-# Text
-# -------------------------------------------------------------------------------------------------
 def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
@@ -245,7 +75,7 @@ def format_rejections(result: PlanResult) -> str:
     if not result.rejected:
         return "rejected: none"
     lines = ["rejected (counted where they fail: a tp value, a (tp, pp) pair, or one full layout):"]
-    for kind, r in _by_count(result):
+    for kind, r in by_count(result):
         lines.append(f"  {r.count:>6} x {kind:<22} e.g. {r.example}")
     return "\n".join(lines)
 

@@ -9,7 +9,21 @@ from dataclasses import dataclass, field, replace
 from megalite.models.config import TransformerConfig
 from megalite.pipeline.partition import V_SCHEDULES, stage_layer_counts
 from megalite.tools.plan.inputs import GIB, RECOMPUTE, SCHEDULES, ZERO_STAGES, Cluster, Layout, Run, check_gpt
-from megalite.tools.plan.predict import Prediction, predict
+from megalite.tools.plan.predict import Prediction, predict, stage_that_makes_it_fit, with_zero_stage
+
+__all__ = [  # with the two that moved to predict.py
+    "PlanResult",
+    "Reject",
+    "Rejection",
+    "SearchSpace",
+    "check_layout",
+    "divisors",
+    "expert_sizes",
+    "local_sgd_of",
+    "plan",
+    "stage_that_makes_it_fit",
+    "with_zero_stage",
+]
 
 
 def divisors(n: int) -> list[int]:
@@ -319,23 +333,6 @@ def expert_sizes(config: TransformerConfig, t: int, c: int, d: int, space: Searc
             else:
                 out.append((e, et))
     return out
-
-
-def with_zero_stage(layout: Layout, stage: int) -> Layout:
-    """The same layout at another ZeRO stage."""
-    return replace(layout, distributed_optimizer=stage >= 1, zero_stage=stage)
-
-
-def stage_that_makes_it_fit(pred: Prediction) -> int | None:
-    """For a fitting layout at ZeRO stage 2 or 3: its stage, when the same layout at every lower
-    stage does not fit (the stage is what makes it fit); else None."""
-    stage = pred.layout.zero_stage
-    if not pred.fits or stage < 2:
-        return None
-    for lower in range(stage):
-        if predict(pred.config, with_zero_stage(pred.layout, lower), pred.cluster, run=pred.run).fits:
-            return None
-    return stage
 
 
 def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,

@@ -1,31 +1,53 @@
 """Seconds per step: FLOPs over the sustained throughput, the pipeline bubble, tensor-parallel
 collectives, pipeline messages, the data-parallel reduction that does not hide behind backward,
-and the optimizer step."""
+and the optimizer step. Here: the step's causes (`StepTime`), one layout's costs (`layout_costs`)
+and the compute (a layer's, a MoE layer's and multi-token prediction's FLOPs); the links, the
+context-parallel ring and data parallelism's exposed time in comm.py (importable from here too)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megalite.metrics import layer_forward_flops, mtp_forward_flops
 from megalite.models.config import TransformerConfig
-from megalite.optim.buffers import BucketLayout
 from megalite.parallel.layers import pad_vocab_size
-from megalite.pipeline.partition import layers_of, stage_layer_counts, virtual_stage
-from megalite.pipeline.schedules import build_program
-from megalite.tools.plan.experts import dispatch_bytes, expert_group_crosses_nodes, moe_layers
+from megalite.pipeline.partition import stage_layer_counts
+from megalite.tools.plan.comm import (
+    DataParallelTime,
+    bandwidth,
+    crosses_nodes,
+    dp_exposed,
+    dp_traffic,
+    forward_gathers,
+    local_sgd_exposed,
+    outer_sync_bytes,
+    ring_layer_bytes,
+    zero3_exposed,
+)
+from megalite.tools.plan.costs import OPTIMIZER_TRAFFIC, LayoutCosts
+from megalite.tools.plan.experts import dispatch_bytes
 from megalite.tools.plan.fp8 import fp8_rate
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout, Run
-from megalite.tools.plan.memory import StateBytes
 
-# Bytes of memory traffic per element the optimizer step updates (fused AdamW on the GPU): Adam
-# reads master, gradient, exp_avg, exp_avg_sq (16) and writes master, exp_avg, exp_avg_sq (12); the
-# global norm reads the gradient (4); clipping rides in Adam's grad_scale, which writes the clipped
-# gradient back (4; MegaliteOptimizer.step); publishing the new weights reads the master and writes
-# the model-dtype parameter (4 + 2 for bf16/fp16, nothing for fp32, whose masters are the
-# parameters). fp16 adds the unscaling pass (read + write, 8).
-OPTIMIZER_TRAFFIC = {"bf16": 16 + 12 + 4 + 4 + 6, "fp16": 16 + 12 + 4 + 4 + 6 + 8, "fp32": 16 + 12 + 4 + 4}
+__all__ = [
+    "OPTIMIZER_TRAFFIC",
+    "DataParallelTime",
+    "LayoutCosts",
+    "StepTime",
+    "bandwidth",
+    "crosses_nodes",
+    "dp_exposed",
+    "dp_traffic",
+    "forward_gathers",
+    "layer_flops",
+    "layout_costs",
+    "local_sgd_exposed",
+    "moe_costs",
+    "mtp_flops",
+    "outer_sync_bytes",
+    "ring_layer_bytes",
+    "zero3_exposed",
+]
 
 
 @dataclass(frozen=True)
@@ -41,69 +63,6 @@ class StepTime:
     total: float
     cp_comm: float = 0.0  # context parallelism's ring traffic not hidden behind the compute (in total)
     ep_comm: float = 0.0  # MoE token dispatch (all-to-all over EP, gathers over ETP), all exposed (in total)
-
-
-@dataclass(frozen=True)
-class LayoutCosts:
-    """What one layout of one run costs per micro-batch and layer, whatever the pipeline rank."""
-    config: TransformerConfig
-    layout: Layout
-    cluster: Cluster
-    run: Run
-    micro_batches: int  # m: per step and data-parallel rank
-    layer_counts: list  # layers of each virtual stage
-    vocab: int  # padded for tp
-    act_bytes: int  # bytes of one activation element (model dtype)
-    bw_tp: float  # bytes/s of the slowest link of each kind of group
-    bw_pp: float
-    bw_dp: float
-    bw_emb: float
-    rate: float  # sustained FLOP/s per GPU
-    fwd: float  # FLOPs of one layer and micro-batch, all TP ranks together (see layer_flops)
-    bwd: float
-    core: float
-    logits_fwd: float  # output layer forward, all TP ranks together
-    ar_bytes: float  # one TP all-reduce (or all-gather + reduce-scatter under SP)
-    ar_time: float
-    ar_per_layer: int
-    msg: float  # one pipeline message: megalite's p2p tensor_shape
-    pp_mb: float  # pipeline exchanges per micro-batch (all chunks)
-    bw_cp: float = 0.0  # context parallelism (cp > 1): the CP group's slowest link
-    ring_bytes: float = 0.0  # bytes one rank sends around the ring per layer and micro-batch (see ring_layer_bytes)
-    # Mixture of experts (0 for a dense model): a MoE layer's FLOPs (active experts only), its TP
-    # collectives, and per micro-batch the bytes one rank's dispatcher sends and their seconds
-    moe_count: int = 0  # MoE layers in the model
-    moe_fwd: float = 0.0
-    moe_bwd: float = 0.0
-    moe_ar_per_layer: int = 0
-    ep_bytes: float = 0.0  # over EP (alltoall) or ETP x EP (allgather)
-    etp_bytes: float = 0.0  # over ETP (alltoall)
-    ep_time: float = 0.0
-    bw_ep: float = 0.0
-    bw_etp: float = 0.0
-    bw_edp: float = 0.0  # the expert-data-parallel group's slowest link (expert gradients)
-    # Multi-token prediction (0 without): its modules' FLOPs per micro-batch on the last stage, all TP
-    # ranks together (mtp_flops), its TP collectives, and how many of its layers are MoE layers
-    mtp_fwd: float = 0.0
-    mtp_bwd: float = 0.0
-    mtp_ar: int = 0
-    mtp_moe: int = 0
-
-    @property
-    def traffic(self) -> int:
-        return OPTIMIZER_TRAFFIC[self.run.dtype]
-
-    @property
-    def hardware_flops(self) -> float:
-        """FLOPs of one step, the whole model, recomputation included."""
-        m, d, L, n = self.micro_batches, self.layout.dp, self.config.num_layers, self.moe_count
-        return m * d * ((L - n) * (self.fwd + self.bwd) + n * (self.moe_fwd + self.moe_bwd) + 3 * self.logits_fwd
-                        + self.mtp_fwd + self.mtp_bwd)
-
-    def layers_flops(self, layers: int, moe_layers: int) -> float:
-        """Forward and backward FLOPs of `layers` layers (`moe_layers` of them MoE) of one
-        micro-batch, all TP ranks together."""
-        return (layers - moe_layers) * (self.fwd + self.bwd) + moe_layers * (self.moe_fwd + self.moe_bwd)
 
 
 def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: Run, m: int) -> LayoutCosts:
@@ -175,20 +134,6 @@ def moe_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: 
                 bw_edp=bandwidth(cluster, "edp", layout))
 
 
-def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_bytes: int) -> float:
-    """Bytes one rank sends around the context-parallel ring for one layer and micro-batch
-    (`megalite.parallel.context_parallel.ring_bytes_per_layer`: K/V blocks of this TP rank's KV
-    groups in the model dtype, dK/dV in fp32); full recomputation runs the forward's ring again."""
-    from megalite.parallel.context_parallel import ring_bytes_per_layer
-
-    groups = max(1, (config.num_query_groups or config.num_attention_heads) // layout.tp)
-    # MLA: every head's key and (padded to its width) value go around, d_n + d_r wide
-    width = config.qk_head_dim + config.qk_pos_emb_head_dim if config.multi_latent_attention else config.head_dim
-    ring = ring_bytes_per_layer(layout.micro_batch_size, groups, s // layout.cp, width, layout.cp,
-                                act_bytes, 4)
-    return ring["total"] + (ring["forward"] if layout.recompute == "full" else 0)
-
-
 def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str,
                 moe: bool = False) -> tuple[float, float, float]:
     """(forward, backward incl. recomputation, attention-core forward) FLOPs of one layer and one
@@ -202,278 +147,3 @@ def layer_flops(config: TransformerConfig, s: int, b: int, recompute: str,
     elif recompute == "selective":
         bwd += core
     return fwd, bwd, core
-
-
-# Placement: which links a group's ring crosses (rank = pp_rank * dp * tp + dp_rank * tp + tp_rank)
-@functools.lru_cache(maxsize=4096)
-def crosses_nodes(kind: str, tp: int, pp: int, dp: int, gpus_per_node: int, cp: int = 1) -> bool:
-    """Whether any group of this kind (tp, cp, dp, pp, embedding) spans more than one node. Rank
-    order: tensor fastest, then context, data, pipeline; the gradients' "dp" group is DP x CP."""
-    g, stage = gpus_per_node, tp * cp * dp  # ranks of one pipeline stage
-
-    def spans(ranks) -> bool:
-        return ranks[0] // g != ranks[-1] // g  # ranks increase along each group
-
-    if kind == "tp":
-        return any(spans([s, s + tp - 1]) for s in range(0, tp * cp * pp * dp, tp))
-    if kind == "cp":
-        return any(spans([p * stage + d * cp * tp + t, p * stage + d * cp * tp + (cp - 1) * tp + t])
-                   for p in range(pp) for d in range(dp) for t in range(tp))
-    if kind == "dp":
-        return any(spans([p * stage + t, p * stage + (dp * cp - 1) * tp + t]) for p in range(pp) for t in range(tp))
-    # pp or embedding (first and last stage of each pipeline)
-    return any(spans([k * tp + t, (pp - 1) * stage + k * tp + t]) for k in range(dp * cp) for t in range(tp))
-
-
-def bandwidth(cluster: Cluster, kind: str, layout: Layout) -> float:
-    """Bytes/s of the slowest link a group of this kind uses (expert groups: "ep", "etp", "etp_ep", "edp")."""
-    if kind in ("ep", "etp", "etp_ep", "edp"):
-        inter = expert_group_crosses_nodes(kind, layout.tp * layout.cp * layout.dp, layout.pp, layout.ep, layout.etp,
-                                           cluster.gpus_per_node)
-    else:
-        inter = crosses_nodes(kind, layout.tp, layout.pp, layout.dp, cluster.gpus_per_node, layout.cp)
-    return (cluster.inter_node_gbps if inter else cluster.intra_node_gbps) * 1e9
-
-
-@dataclass
-class DataParallelTime:
-    """Data-parallel seconds on one pipeline rank that do not hide behind backward."""
-    overlapped: float = 0.0  # gradient reductions finishing after the backward that waits for them
-    embedding: float = 0.0  # the tied embedding, reduced after the schedule
-    all_gather: float = 0.0  # stages 1-2: the updated parameters' all-gather after the step
-    gathers: float = 0.0  # stage 3: the units' all-gathers that layer compute does not hide
-    outer: float = 0.0  # local SGD: the outer all-reduce's seconds, averaged over the H steps of a round
-    total: float = 0.0
-    windows: list = field(default_factory=list)  # per chunk: (chunk, backward start, end, reduce, last bucket)
-    traffic: dict = field(default_factory=dict)  # bytes this rank sends per step, by collective (dp_traffic)
-
-
-def dp_traffic(stage: int, padded: int, dp: int, micro_batches: int, param_bytes: int, comm_bytes: int,
-               reshard_after_forward: bool = True, keep_params_for_step: bool = False,
-               forward_gathers: int | None = None) -> dict[str, float]:
-    """Bytes one rank sends per step over data parallelism (ring volumes: (n-1)/n of each
-    reduce-scatter's input and all-gather's output, twice that for an all-reduce), for a rank whose
-    buffers hold `padded` elements and run m micro-batches. Stage 0: one all-reduce of the
-    gradients; 1: a reduce-scatter and, after the step, an all-gather of the parameters; 2: a
-    reduce-scatter per backward (m) and the all-gather; 3: per micro-batch an all-gather before
-    forward, another before backward (not when the forward keeps them) and a reduce-scatter, no
-    all-gather after the step (one gather per step when kept for the step). Kept from forward to
-    backward, a unit is gathered by a forward only when none of its forwards awaits its backward:
-    `forward_gathers` times a step (`forward_gathers`; m without a pipeline, fewer in 1F1B's)."""
-    ring = (dp - 1) / dp
-    grads, params = ring * padded * comm_bytes, ring * padded * param_bytes
-    m = micro_batches
-    if stage == 0:
-        return {"all_reduce": 2 * grads, "reduce_scatter": 0.0, "all_gather": 0.0}
-    if stage in (1, 2):
-        return {"all_reduce": 0.0, "reduce_scatter": (m if stage == 2 else 1) * grads, "all_gather": params}
-    if keep_params_for_step:
-        gathers = 1
-    elif reshard_after_forward:
-        gathers = 2 * m
-    else:
-        gathers = m if forward_gathers is None else forward_gathers
-    return {"all_reduce": 0.0, "reduce_scatter": m * grads, "all_gather": gathers * params}
-
-
-def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
-    """Data-parallel time on pipeline rank r that does not hide behind compute, and its bytes.
-
-    Stages 0-1: buckets start reducing during each chunk's last backward of the step (one stream,
-    in order): chunk c's last backward ends c*p backward passes (of one chunk) before the schedule
-    does, so with interleaving the later chunks' buckets have more time. A bucket cannot finish
-    before its last gradient (the chunk's last bucket: its first-defined parameters) is ready, at
-    the end of that backward. The tied embedding (pp > 1) is reduced after the schedule: over the
-    embedding group, then over dp like the other buckets. Stage 1 all-gathers the updated parameters
-    after the step. Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
-    stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
-    layout, run = costs.layout, costs.run
-    if run.local_sgd_interval:
-        return local_sgd_exposed(costs, state, r)
-    p, d, stage = layout.pp, layout.dp_cp, layout.zero_stage
-    pb = DTYPE_BYTES[run.dtype]
-    out = DataParallelTime()
-    gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp, layout.schedule)
-    per_chunk = [dp_traffic(stage, sum(b.end - b.start for b in chunk), d, costs.micro_batches, pb, state.comm_bytes,
-                            run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c])
-                 for c, chunk in enumerate(state.buckets)]
-    edp = state.edp  # expert weights: their own buffers, over the expert-data-parallel group
-    per_chunk += [dp_traffic(stage, sum(b.end - b.start for b in chunk), edp, costs.micro_batches, pb,
-                             state.comm_bytes) for chunk in state.expert_buckets if chunk and edp > 1]
-    out.traffic = {k: sum(x[k] for x in per_chunk) for k in per_chunk[0]}
-    if d == 1 and edp == 1 and not (p > 1 and r in (0, p - 1)):
-        return out
-    if stage >= 2:
-        _sharded_grads_exposed(costs, state, r, out)
-    else:
-        _bucket_reduction_exposed(costs, state.buckets, r, out, state.expert_buckets, edp)
-    expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
-    if 1 <= stage <= 2 and d > 1:
-        out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp
-    if 1 <= stage <= 2 and edp > 1:
-        out.all_gather += (edp - 1) / edp * expert_padded * pb / costs.bw_edp
-    out.total = out.overlapped + out.embedding + out.all_gather + out.gathers
-    return out
-
-
-def outer_sync_bytes(numel: int, dp: int, outer_bytes: int) -> float:
-    """Bytes one rank sends in one outer synchronization of local SGD (all its fragments): a ring
-    all-reduce of its parameters' pseudo-gradients, 2 (n-1)/n x elements x bytes."""
-    return 2 * (dp - 1) / dp * numel * outer_bytes
-
-
-def local_sgd_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
-    """Local SGD (--local-sgd-interval H): no per-step gradient reduction across replicas (CP
-    ranks, inside a replica, are not modelled); the outer all-reduce of the pseudo-gradients, once
-    per H steps (1/F of it every H/F steps with F fragments: the same bytes per step), is exposed
-    when synchronous and hidden behind the next inner steps when async (assumed to fit in them).
-    The tied embedding (pp > 1) is still summed over its two stages every step, and an expert's
-    copies inside a replica (etp x ep below tp x cp) all-reduce their gradients every step, exposed,
-    on the tensor-parallel link."""
-    layout, run = costs.layout, costs.run
-    h, d = run.local_sgd_interval, layout.dp
-    out = DataParallelTime()
-    per_sync = outer_sync_bytes(state.numel, d, DTYPE_BYTES[run.outer_grad_dtype])
-    out.traffic = {"outer_all_reduce": per_sync / h}
-    copies = layout.tp * layout.cp // (layout.ep * layout.etp)  # an expert's copies inside a replica
-    expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
-    if copies > 1 and expert_padded:
-        expert_bytes = 2 * (copies - 1) / copies * expert_padded * state.comm_bytes  # a ring all-reduce
-        out.traffic["all_reduce"] = expert_bytes
-        out.overlapped = expert_bytes / costs.bw_tp
-    if d > 1 and not run.local_sgd_async:
-        out.outer = per_sync / costs.bw_dp / h
-    deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
-    if deferred and layout.pp > 1 and r in (0, layout.pp - 1) and not layout.v_shape:
-        out.embedding = sum(deferred) * 4 / costs.bw_emb
-    out.total = out.outer + out.embedding + out.overlapped
-    return out
-
-
-def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
-    """One micro-batch's backward of rank r's chunk c (with the output layer's on the last stage)."""
-    p, v, t = costs.layout.pp, costs.layout.v, costs.layout.tp
-    vs = virtual_stage(p, r, c, costs.layout.v_shape)
-    layers = costs.layer_counts[vs]
-    n_moe = moe_layers(costs.config, layers_of(costs.layer_counts, vs)) if costs.moe_count else 0
-    backward = (layers - n_moe) * costs.bwd + n_moe * costs.moe_bwd
-    post = vs == p * v - 1
-    return (backward + (2 * costs.logits_fwd + costs.mtp_bwd if post else 0.0)) / t / costs.rate
-
-
-def _bucket_reduction_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], r: int,
-                              out: DataParallelTime, expert_buckets=None, edp: int = 1) -> None:
-    """Stages 0-1: the step's one reduction, during each chunk's last backward (a MoE chunk's
-    expert buffer over EDP on the same stream, before the dense buffer's last bucket)."""
-    layout = costs.layout
-    p, v, d = layout.pp, layout.v, layout.dp
-    ring = (d - 1) / d
-    reduce_factor = ring if layout.distributed_optimizer else 2 * ring  # reduce-scatter vs all-reduce
-    expert_factor = (1 if layout.distributed_optimizer else 2) * (edp - 1) / edp
-    cb = DTYPE_BYTES[costs.run.grad_reduce_dtype]
-    free = -math.inf
-    for c in reversed(range(v)):  # chunk v-1's last backward comes first
-        tb = _chunk_backward_seconds(costs, c, r)
-        end = -c * p * tb
-        normal = [b.end - b.start for b in buckets[c] if not b.deferred]
-        experts = [b.end - b.start for b in expert_buckets[c]] if expert_buckets and edp > 1 else []
-        if (not normal or d == 1) and not experts:
-            continue
-        dense = bool(normal) and d > 1
-        total_c = sum(normal) * cb * reduce_factor / costs.bw_dp if dense else 0.0
-        total_c += sum(experts) * cb * expert_factor / costs.bw_edp if experts else 0.0
-        last_bucket = (normal[-1] * cb * reduce_factor / costs.bw_dp if dense
-                       else experts[-1] * cb * expert_factor / costs.bw_edp)
-        start = max(free, end - tb)
-        free = max(start + total_c, end + last_bucket)
-        out.windows.append((c, end - tb, end, total_c, last_bucket))
-    out.overlapped = max(0.0, free) if out.windows else 0.0
-    deferred = [b.end - b.start for chunk in buckets for b in chunk if b.deferred]
-    if deferred:  # in a V both copies are on rank 0: summed there, no embedding-group traffic
-        n = sum(deferred)
-        across = 0.0 if layout.v_shape else n * 4 / costs.bw_emb
-        out.embedding = across + (n * cb * reduce_factor / costs.bw_dp if d > 1 else 0.0)
-
-
-def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: DataParallelTime) -> None:
-    """Stages 2-3: every backward of every chunk reduce-scatters its buckets as they fill (the
-    deferred tied copy among them) and waits for them when it ends: per backward, what exceeds the
-    backward, and at least the last bucket's reduction; stage 3 adds its gathers. The tied
-    embedding's shard is summed over the embedding group after the schedule."""
-    layout = costs.layout
-    p, v, d, m = layout.pp, layout.v, layout.dp, costs.micro_batches
-    rs = (d - 1) / d * state.comm_bytes / costs.bw_dp  # seconds per element reduce-scattered
-    edp = state.edp
-    rs_experts = (edp - 1) / edp * state.comm_bytes / costs.bw_edp if edp > 1 else 0.0
-    for c in range(v):
-        tb = _chunk_backward_seconds(costs, c, r)
-        sizes = [b.end - b.start for b in state.buckets[c]]
-        experts = sum(b.end - b.start for b in state.expert_buckets[c]) * rs_experts  # MoE: over EDP too
-        if (d > 1 and sizes) or experts:
-            dense = sum(sizes) * rs if d > 1 else 0.0
-            last = sizes[-1] * rs if d > 1 and sizes else (state.expert_buckets[c][-1].end - state.expert_buckets[c][-1].start) * rs_experts
-            if layout.zero_stage == 3:  # units' reductions overlap the layers' backward (zero3_exposed):
-                forward, backward = zero3_exposed(costs, state, c, r)  # the last two stay in flight at its end
-                out.gathers += _gathering_forwards(costs, r, c) * forward + m * backward
-                layer = max((sizes[i] for i in state.layer_buckets[c]), default=0)
-                wait = (sizes[-1] + layer) * rs
-            else:
-                wait = max(dense + experts - tb, last)
-            out.windows.append((c, -tb, 0.0, dense + experts, last))
-            out.overlapped += m * wait
-    deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
-    if deferred and p > 1 and not layout.v_shape:  # a V sums its two copies on rank 0
-        out.embedding = sum(deferred) // d * state.grad_bytes / costs.bw_emb
-
-
-@functools.lru_cache(maxsize=4096)
-def forward_gathers(p: int, r: int, m: int, vpp: int | None, schedule: str = "1f1b") -> tuple[int, ...]:
-    """Per model chunk of pipeline rank r: the forwards of a step that find none of the chunk's
-    earlier forwards awaiting its backward (read off the schedule program): what gathers a ZeRO-3
-    unit kept from forward to backward (`--zero-reshard-after-forward false`)."""
-    live, count = [0] * (vpp or 1), [0] * (vpp or 1)
-    program = build_program(p, r, m, vpp, schedule)
-    done = "W" if any(op.kind == "W" for op in program) else "B"  # a unit is held until its gradients are in
-    for op in program:
-        if op.kind == "F":
-            count[op.chunk] += live[op.chunk] == 0
-            live[op.chunk] += 1
-        elif op.kind == done:
-            live[op.chunk] -= 1
-    return tuple(count)
-
-
-def zero3_exposed(costs: LayoutCosts, state: StateBytes, c: int, r: int) -> tuple[float, float]:
-    """Stage 3, chunk c: (seconds of a gathering forward, of a backward) that compute does not hide
-    (a forward that finds its units gathered exposes nothing: _gathering_forwards). The chunk's other
-    units (embeddings, final norm, output layer) are gathered and waited for before its forward and
-    again before its backward, and the first layer with them; every later layer's gather is
-    prefetched while the layer before it computes (forward), or while the layer after it runs its
-    backward, whose own reduce-scatter shares the link (backward)."""
-    layout, run = costs.layout, costs.run
-    d, t = layout.dp, layout.tp
-    pb = DTYPE_BYTES[run.dtype]
-    ring = (d - 1) / d / costs.bw_dp
-    layers = [b.end - b.start for i, b in enumerate(state.buckets[c]) if i in state.layer_buckets[c]]
-    others = sum(b.end - b.start for i, b in enumerate(state.buckets[c]) if i not in state.layer_buckets[c])
-    layer = max(layers, default=0)
-    g_layer, g_other = ring * layer * pb, ring * others * pb
-    rs_layer = ring * layer * state.comm_bytes
-    f, b = costs.fwd / t / costs.rate, costs.bwd / t / costs.rate
-    n = len(layers)
-    forward = g_other + (g_layer + (n - 1) * max(0.0, g_layer - f) if n else 0.0)
-    regather = run.zero_reshard_after_forward and not run.zero_keep_params_for_step
-    backward = (g_other + g_layer if regather and n else g_other if regather else 0.0)
-    if n > 1:
-        backward += (n - 1) * max(0.0, (g_layer if regather else 0.0) + rs_layer - b)
-    return forward, backward
-
-
-def _gathering_forwards(costs: LayoutCosts, r: int, c: int) -> int:
-    """Forwards of chunk c in a step that gather its units (stage 3)."""
-    layout, run, m = costs.layout, costs.run, costs.micro_batches
-    if run.zero_keep_params_for_step:
-        return 1
-    if run.zero_reshard_after_forward:
-        return m
-    return forward_gathers(layout.pp, r, m, layout.vpp, layout.schedule)[c]
