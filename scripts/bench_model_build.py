@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from megalite.models.config import preset
+from megalite.models import preset
 from megalite.models.transformer import TransformerLayer
 from megalite.parallel import state
 from megalite.parallel.layers import VocabParallelEmbedding, pad_vocab_size

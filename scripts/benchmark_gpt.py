@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megalite.metrics import gpt_flops_per_iteration  # noqa: E402
-from megalite.models.config import PRESETS  # noqa: E402
+from megalite.models import PRESETS  # noqa: E402
 
 DATASHEET_TFLOPS = 989.0  # H100 SXM dense bf16, the convention of Megatron-LM and torchtitan
 SHAPES = {  # preset: (micro-batch, sequence length), as the issue fixes them

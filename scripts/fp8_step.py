@@ -28,7 +28,7 @@ RECIPES = ("bf16", "tensorwise", "delayed", "blockwise", "mxfp8")
 
 
 def build(preset: str, layers: int, device, recipe: str | None):
-    from megalite.models.config import preset as make
+    from megalite.models import preset as make
     from megalite.models.fp8 import enable_fp8
     from megalite.models.transformer import TransformerLayer
     from megalite.precision.recipes import Recipe

@@ -184,6 +184,17 @@ def test_megatron_flags_without_effect_are_listed_once():
     assert cfg.ignored_flags == ("--transformer-impl", "--use-mcore-models")
 
 
+def test_megatron_lm_accepts_these_and_so_does_megalite_with_a_note():
+    """Issue #48: refused where Megatron-LM accepts them."""
+    cfg = parse(["--save-interval", "100"])  # no --save: nothing to save
+    assert cfg.checkpoint.save_interval is None and "--save-interval (without --save nothing is saved)" in \
+        cfg.ignored_flags
+    assert parse(["--save", "ckpt", "--save-interval", "0"]).checkpoint.save_interval == 0  # only at the end
+    flex = parse(["--model", "moe-tiny", "--moe-token-dispatcher-type", "flex"])
+    assert flex.moe.moe_token_dispatcher_type == "alltoall"
+    assert any(note.startswith("--moe-token-dispatcher-type flex") for note in flex.ignored_flags)
+
+
 def test_kv_channels_sets_the_heads_width_and_mla_keeps_its_own():
     assert C.model_config(parse([])).head_dim == 32  # gpt-tiny: 128 / 4
     assert C.model_config(parse(["--kv-channels", "64"])).head_dim == 64

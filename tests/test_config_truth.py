@@ -10,7 +10,7 @@ import pytest
 
 from megalite import config as C
 from megalite.config.expand import expanded
-from megalite.models.config import PRESETS
+from megalite.models import PRESETS
 from training_ranks import train_losses
 from megalite.testing import run_ranks
 

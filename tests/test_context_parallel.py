@@ -113,7 +113,7 @@ def ring_traffic(rank, world, argv):
 
 
 def test_the_ring_sends_the_analytical_volume_per_layer_in_training():
-    from megalite.models.config import preset
+    from megalite.models import preset
     from megalite.parallel.context_parallel import ring_bytes_per_layer
 
     cp, micro, seq = 2, 2, 32

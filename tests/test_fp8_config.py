@@ -98,7 +98,7 @@ def test_the_fp8_scripts_run_and_report(tmp_path):
 
 def test_the_planner_runs_fp8_layers_gemms_at_the_fp8_rate():
     from megalite.metrics import layer_forward_flops
-    from megalite.models.config import preset
+    from megalite.models import preset
     from megalite.tools.plan import Cluster
     from megalite.tools.plan.search import check_layout
 

@@ -184,7 +184,7 @@ def test_gpt_with_fused_backends_matches_torch_backends_on_gpu():
 
 def test_a_gpu_built_layer_holds_the_same_full_weights_at_every_tp_size():
     """Weights are drawn on the GPU (init_device); each TP rank keeps its block of the same draw."""
-    from megalite.models.config import preset
+    from megalite.models import preset
     from megalite.models.transformer import TransformerLayer
     from megalite.parallel import state
 

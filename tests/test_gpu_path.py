@@ -157,7 +157,7 @@ def compiled_layer_at_tp(rank, world, sequence_parallel, attention_backend):
     import torch._dynamo
 
     from megalite import parallel
-    from megalite.models.config import preset
+    from megalite.models import preset
     from megalite.models.transformer import TransformerLayer, compile_layers
 
     parallel.initialize_model_parallel(world)

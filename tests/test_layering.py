@@ -54,3 +54,82 @@ def test_the_import_scan_sees_lazy_and_dotted_imports(tmp_path):
     f.write_text("import megalite.models.gpt\ndef g():\n    from megalite import training, ops\n"
                  "    from megalite.optim.grads import x\n")
     assert megalite_imports(f) == {"models", "training", "ops", "optim"}
+
+
+# ---- no import circle, inside a package or across ------------------------------------------------------------------
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """megalite module -> the megalite modules it imports (at the top, in functions, or for type
+    checking: an import anywhere is a dependency). `from megalite.a import b` is an edge to the module
+    megalite.a.b where there is one, else to megalite.a."""
+    files = {module_name(f, root): f for f in root.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if not base.startswith(root.name):
+                    continue
+                for alias in node.names:
+                    edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base)
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name.startswith(root.name + "."))
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (its modules in order, the first repeated at the end), or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_module_imports_itself_back():
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_a_planted_circle_and_a_planted_wrong_way_import_are_caught(tmp_path):
+    pkg = tmp_path / "megalite"
+    for sub in ("parallel", "training"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parallel" / "a.py").write_text("from megalite.parallel import b\n")
+    (pkg / "parallel" / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "training" / "loop.py").write_text("import megalite.parallel.a\n")
+    assert find_cycle(module_graph(pkg)) == ["megalite.parallel.a", "megalite.parallel.b", "megalite.parallel.a"]
+    (pkg / "parallel" / "b.py").write_text("from megalite.training import loop\n")  # parallel -> training
+    assert megalite_imports(pkg / "parallel" / "b.py") & FORBIDDEN["parallel"] == {"training"}
+    assert find_cycle(module_graph(pkg)) == ["megalite.parallel.a", "megalite.parallel.b", "megalite.training.loop",
+                                             "megalite.parallel.a"]

@@ -105,7 +105,7 @@ def fused_layer_compiles(rank, world):
     import torch._dynamo
 
     from megalite import parallel
-    from megalite.models.config import preset
+    from megalite.models import preset
     from megalite.models.transformer import TransformerLayer, compile_layers
     from megalite.ops import build
 

@@ -157,8 +157,9 @@ class MoEConfig:
     moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: a per-expert bias on selection only "
                                                      "(sigmoid scores)", shape=True)
     moe_router_bias_update_rate: float = opt(1e-3, "the expert bias's step per optimizer step", check=NON_NEGATIVE)
-    moe_token_dispatcher_type: str = opt("alltoall", "how tokens reach the experts' ranks",
-                                         choices=("alltoall", "allgather"))
+    moe_token_dispatcher_type: str = opt("alltoall", "how tokens reach the experts' ranks (Megatron-LM's flex, "
+                                                     "DeepEP's fused all-to-all: the all-to-all, with a note)",
+                                         choices=("alltoall", "allgather", "flex"))
     moe_expert_capacity_factor: float | None = opt(None, "tokens an expert takes: this x its even share (default: "
                                                          "dropless)", check=POSITIVE)
     moe_token_drop_policy: str = opt("probs", "over capacity, drop the lowest-weight tokens or the last ones",

@@ -11,7 +11,8 @@ import torch
 from megalite.config.run import ConfigError, RunConfig
 from megalite.config.sections import steps_for_samples
 from megalite.errors import UsageError
-from megalite.models.config import PRESETS, TransformerConfig, preset
+from megalite.models.config import TransformerConfig
+from megalite.models.presets import PRESETS, preset
 from megalite.pipeline.partition import V_SCHEDULES
 
 DEFAULT_TRAIN_ITERS, DEFAULT_WARMUP_ITERS = 100, 10
@@ -56,6 +57,15 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
+    ckpt = config.checkpoint
+    if ckpt.save_interval is not None and not ckpt.save:  # as Megatron-LM: accepted, nothing to save
+        ckpt = dataclasses.replace(ckpt, save_interval=None)
+        ignored = (*ignored, "--save-interval (without --save nothing is saved)")
+    moe = config.moe
+    if moe.moe_token_dispatcher_type == "flex":  # the same tokens to the same experts: the same numbers
+        moe = dataclasses.replace(moe, moe_token_dispatcher_type="alltoall")
+        ignored = (*ignored, "--moe-token-dispatcher-type flex (DeepEP's fused all-to-all: megalite's all-to-all "
+                             "moves the same tokens)")
     prec = config.precision
     if prec.fp8_param_gather and stage < 3:  # megalite gathers FP8 weights in ZeRO-3's gathers; numbers alike
         prec = dataclasses.replace(prec, fp8_param_gather=False)
@@ -70,7 +80,7 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
                                           zero_reshard_after_forward=(d.zero_reshard_after_forward if stage != 3 or
                                                                       d.zero_reshard_after_forward is not None
                                                                       else True)),
-        parallel=dataclasses.replace(p, vpp=vpp), precision=prec,
+        parallel=dataclasses.replace(p, vpp=vpp), precision=prec, moe=moe, checkpoint=ckpt,
         explicit=given, ignored_flags=tuple(ignored) or config.ignored_flags)
     before, after = _dotted(config), _dotted(resolved)
     derived = {k for k in after if after[k] != before[k] and k not in given and k != "model.model"}

@@ -318,7 +318,8 @@ class CheckpointConfig:
     """Where checkpoints go and what a resumed run takes from them."""
     save: str | None = opt(None, "save checkpoints here", metavar="DIR")
     load: str | None = opt(None, "resume from the newest checkpoint here (at any layout)", metavar="DIR")
-    save_interval: int | None = opt(None, "save every N iterations (and at the end)", check=POSITIVE_INT)
+    save_interval: int | None = opt(None, "save every N iterations (and at the end; 0: only at the end)",
+                                    check=(lambda v: v >= 0, "an integer >= 0"))
     save_async: bool = opt(False, "write checkpoints in the background", flags=("--save-async", "--async-save"))
     no_load_optim: bool = opt(False, "load weights only (fresh optimizer)")
     no_load_rng: bool = opt(False, "do not restore the RNG streams (dropout draws start from the seed)")
@@ -331,8 +332,6 @@ class CheckpointConfig:
         check_numbers(self)
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
-        if self.save_interval and not self.save:
-            raise ValueError("--save-interval needs --save DIR")
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose shape to take)")
 
