@@ -255,6 +255,36 @@ def test_a_file_missing_an_expert_tensor_is_refused_naming_it(name, missing, tmp
     assert FAMILIES[name][0] in err[0] and not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("name,wrong", [
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w1.weight"),
+    ("qwen3_moe", "model.layers.1.mlp.experts.3.down_proj.weight"),
+])
+def test_an_expert_tensor_of_the_wrong_shape_is_one_line_naming_it(name, wrong, tmp_path, capsys):
+    """Issue #48: it gave transformers' report and a line naming no tensor."""
+    _hf_model(name).save_pretrained(tmp_path / "hf")
+    _rewrite_weights(tmp_path / "hf", drop={wrong}, add={wrong: torch.zeros(3, 5)})
+    capsys.readouterr()
+    assert convert_hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and f"expert shapes contradict config.json: {wrong} (3, 5) (the config makes" in err[0], err
+    assert not captured.out and not (tmp_path / "ck").exists()
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(tmp_path, capsys):
+    """Issue #48: routed_scaling_factor 0 (an int) ended in transformers' validation traceback."""
+    import json
+
+    _hf_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["rms_norm_eps"] = "tiny"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert convert_hf.main(["import", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json cannot be read by transformers:" in err[0] and "rms_norm_eps" in err[0], err
+
+
 def test_an_extra_expert_tensor_is_refused_and_fused_experts_on_disk_are_read(tmp_path):
     hf = _hf_model("qwen3_moe")
     hf.save_pretrained(tmp_path / "hf")

@@ -157,8 +157,23 @@ def load_hf_config(directory):
         raise FileNotFoundError(f"{path} is not a directory saved with save_pretrained (no config.json)")
     try:
         return transformers().AutoConfig.from_pretrained(path, local_files_only=True)
-    except (KeyError, OSError) as e:  # transformers' own checks of the file (e.g. rope parameters)
-        raise ConversionError(f"{path / 'config.json'} cannot be read by transformers: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of the file (rope parameters, field types)
+        if not isinstance(e, (KeyError, OSError, ValueError, TypeError)) and "Validation" not in type(e).__name__:
+            raise
+        text = " ".join(str(e).split())[:300]  # its report spans lines: one line here
+        raise ConversionError(f"{path / 'config.json'} cannot be read by transformers: {text}") from None
+
+
+def stored_tensor_shapes(directory) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a save_pretrained directory's safetensors files, from their
+    headers (no tensor is read); {} for other formats."""
+    from safetensors import safe_open  # installed with transformers
+
+    shapes = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
 
 
 def stored_tensor_names(directory) -> list[str]:

@@ -134,7 +134,7 @@ def stored_problems(directory, cfg) -> list[str]:
     rows = table(shape_of(config))
     if not config.moe_shared_expert_intermediate_size:  # n_shared_experts=0: zero-width tensors, nothing to read
         stored = {n for n in stored if ".mlp.shared_experts." not in n}
-    problems += moe.file_problems(stored, rows, DEEPSEEK_V3, config)
+    problems += moe.file_problems(stored, rows, DEEPSEEK_V3, config) + moe.expert_shape_problems(directory, config)
     if problems or not layers:
         return problems
     return differing_copies(layers, lambda name: read_stored(directory, [name]).get(name))  # before loading the rest

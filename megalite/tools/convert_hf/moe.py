@@ -16,6 +16,8 @@ top-k logits: the same numbers), kept as they are is `moe_router_pre_softmax`.
 """
 from __future__ import annotations
 
+import re
+
 import warnings
 from dataclasses import dataclass
 from typing import Mapping
@@ -26,7 +28,8 @@ from megalite.models.config import TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
 from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, listed,
-                                              refuse, stored_tensor_names, table_problems, transformers)
+                                              refuse, stored_tensor_names, stored_tensor_shapes, table_problems,
+                                              transformers)
 
 MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                                         "OlmoeForCausalLM")
@@ -107,7 +110,28 @@ def stored_problems(directory, cfg) -> list[str]:
     arch = hf_class(cfg).__name__
     fields, _ = config_fields(cfg, arch)
     config = TransformerConfig(**fields)
-    return file_problems(stored, table(shape_of(config)), arch, config)
+    return file_problems(stored, table(shape_of(config)), arch, config) + expert_shape_problems(directory, config)
+
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_shape_problems(directory, config: TransformerConfig) -> list[str]:
+    """Each stored expert tensor of the shape the config makes ([ffn, hidden] for gate and up,
+    [hidden, ffn] for down), named in one line before transformers reads (and reports) any of them."""
+    ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+    wrong = []
+    for name, shape in stored_tensor_shapes(directory).items():
+        m = _EXPERT_TENSOR.search(name)
+        if m:
+            want = (hidden, ffn) if m.group(1) in ("w2", "down_proj") else (ffn, hidden)
+            if shape != want:
+                wrong.append(f"{name} {shape} (the config makes {want})")
+    if not wrong:
+        return []
+    more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+    return [f"the weight files' expert shapes contradict config.json: {', '.join(wrong[:3])}{more} (use the config "
+            f"saved with these weights)"]
 
 
 def file_problems(stored: set[str], rows: list[Row], arch: str, config: TransformerConfig) -> list[str]:
