@@ -10,11 +10,11 @@ from megalite.testing import run_ranks
 from training_ranks import gpt_run, parse, train_losses
 
 BASE = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1",
-        "--train-iters", "10", "--eval-iters", "0"]
+        "--train-iters", "5", "--eval-iters", "0"]
 
 
 def assert_same_losses(got, want, what):
-    assert len(got) == len(want) == 10, what
+    assert len(got) == len(want) == 5, what
     for a, b in zip(got, want):
         assert rel_err(torch.tensor(a), torch.tensor(b)) <= 1e-5, (what, got, want)
 

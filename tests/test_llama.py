@@ -211,7 +211,7 @@ def test_llama_tensor_parallel_matches_single_device(tp, single_device_run):
 
 # ---- training in every layout, and checkpoints across TP sizes ------------------------------
 
-LLAMA = ["--model", "llama-tiny", "--train-iters", "10", "--log-interval", "1", "--seq-length", "32",
+LLAMA = ["--model", "llama-tiny", "--train-iters", "5", "--log-interval", "1", "--seq-length", "32",
          "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-interval", "0"]
 
 
@@ -230,7 +230,7 @@ def llama_unbroken():
 ], ids=["tp2", "tp4-kv-replicated", "tp2-pp2-sp", "pp2-dp2-zero1", "pp2-vpp2-selective", "tp2-recompute-full"])
 def test_llama_tiny_trains_to_the_single_device_losses_in_every_layout(llama_unbroken, world, flags):
     losses = run_ranks(train_losses, world, args=(LLAMA + flags,))[0]
-    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert len(losses) == 5 and losses[-1] < losses[0]
     assert rel_err(torch.tensor(losses), torch.tensor(llama_unbroken)) <= 1e-5, (flags, losses, llama_unbroken)
 
 

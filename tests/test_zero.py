@@ -44,7 +44,7 @@ def train_at_each_stage(rank, world, argv, stages=STAGES):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_zero_stage_trains_like_plain_data_parallelism(layout):
     ranks, flags = LAYOUTS[layout]
-    results = run_ranks(train_at_each_stage, ranks, args=(BASE + flags + ["--train-iters", "10"],), timeout=600)
+    results = run_ranks(train_at_each_stage, ranks, args=(BASE + flags + ["--train-iters", "5"],), timeout=600)
     for by_stage in results:
         plain = by_stage[0]
         for stage in (1, 2, 3):
