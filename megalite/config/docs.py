@@ -75,7 +75,15 @@ def reference_markdown() -> str:
                 "| field | flag | also accepted | type | default | meaning |", "|---|---|---|---|---|---|"]
         out += [_row(f, hints[f.name]) for f in dataclasses.fields(cls)]
         out.append("")
-    out += ["## Megatron-LM flags accepted without effect", "",
+    out += ["## Megatron-LM's flags", "",
+            "Every flag of Megatron-LM's `megatron/training/arguments.py` is one of three kinds "
+            "(tests/test_megatron_flags.py checks the list in tests/data/megatron_lm_flags.txt):", "",
+            "- **honoured**: a field's flag or alias in the sections above (the flag and *also accepted* "
+            "columns);",
+            f"- **accepted without effect** ({len(megatron.ACCEPTED_WITHOUT_EFFECT)} flags): only those that "
+            "cannot change the numbers (profiling, logging, kernel choices, launcher and file details);",
+            f"- **refused** ({len(megatron.REFUSED)} flags): the run ends in one line saying why.", "",
+            "## Megatron-LM flags accepted without effect", "",
             "Given, they change nothing; a note line at start lists those a run was given.", "",
             "| flag | why nothing changes |", "|---|---|"]
     out += [f"| `{flag}` | {why} |" for flag, (_, why) in megatron.ACCEPTED_WITHOUT_EFFECT.items()]
