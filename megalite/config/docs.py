@@ -24,6 +24,10 @@ from the same dataclasses.
   `--config` reads again, after checking it for the world size torchrun gives (`WORLD_SIZE`): no
   process group is started and no data is read. Values derived from other settings are written as
   comments (`# lr_warmup_iters = 10  (derived)`), so a flag given over the file derives them anew.
+  The preset is written out the same way: every model and MoE field left to it appears with the
+  value the built model holds (`# num_layers = 4  (derived)`), so the file says what trains; read
+  back, as printed or with those lines uncommented, it builds the same model (every preset is
+  checked both ways). A dense model's MoE fields are comments too.
 - **Resuming**: `--load` without shape flags takes the model's shape from the checkpoint (its
   `run_config`, or the model of one imported from Hugging Face); `--use-checkpoint-args` says so
   explicitly, and then a shape flag that disagrees is refused naming it. Layout, intervals and
