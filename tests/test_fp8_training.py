@@ -18,6 +18,9 @@ MOE = ["--model", "moe-tiny"]
 # several times more (checked below).
 FIRST_RTOL, LAYOUT_RTOL = 2e-5, 1e-4
 
+# The layout matrix (ONE, TWO) runs 3 steps: each layout's numbers show by then; the tests of bytes and
+# host syncs below count per step.
+MATRIX_ITERS = 3
 ONE = {  # name -> argv, on one rank: the references
     "gpt tensorwise": BASE + TENSORWISE,
     "gpt delayed": BASE + DELAYED,
@@ -62,8 +65,9 @@ def _losses(rank, world, cases, with_bytes=False):
 
 @pytest.fixture(scope="module")
 def losses():
-    one = dict(zip(ONE, run_ranks(_losses, 1, args=(list(ONE.values()),), timeout=600)[0]))
-    two = run_ranks(_losses, 2, args=([argv for _, _, argv in TWO], True), timeout=900)
+    steps = ["--train-iters", str(MATRIX_ITERS)]
+    one = dict(zip(ONE, run_ranks(_losses, 1, args=([argv + steps for argv in ONE.values()],), timeout=600)[0]))
+    two = run_ranks(_losses, 2, args=([argv + steps for _, _, argv in TWO], True), timeout=900)
     by_name = {name: [per_rank[0][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
     fp8_bytes = {name: [per_rank[1][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
     return one, by_name, fp8_bytes
@@ -74,7 +78,7 @@ def losses():
 def test_fp8_at_every_layout_gives_one_devices_losses(losses, name, reference):
     one, two, _ = losses
     if reference is None:
-        assert all(len(got) == 4 and all(v == v and 0 < v < 10 for v in got) for got in two[name])
+        assert all(len(got) == MATRIX_ITERS and all(v == v and 0 < v < 10 for v in got) for got in two[name])
         return
     expected = torch.tensor(one[reference])
     for got in two[name]:
@@ -112,11 +116,11 @@ def test_fp8_amax_reductions_send_the_bytes_the_formula_says(losses):
     # the column layers' output gradients: 2. Each a 4-byte all-reduce over 2 ranks: 2 (n-1)/n x 4 = 4.
     micro_batches, layers = 8 // 2, 4
     for per_rank in fp8_bytes["tp2"]:
-        assert per_rank == [(6 + 2) * 4 * layers * micro_batches] * 4, per_rank
+        assert per_rank == [(6 + 2) * 4 * layers * micro_batches] * MATRIX_ITERS, per_rank
     # delayed at DP 2: one all-reduce a step of 3 amaxes for each of the 4 layers' 4 GEMMs
     for per_rank in fp8_bytes["delayed dp2"]:
-        assert per_rank == [3 * 4 * 4 * layers] * 4, per_rank
-    assert all(b == [0] * 4 for b in fp8_bytes["pp2 1f1b"])  # nothing sharded: nothing reduced
+        assert per_rank == [3 * 4 * 4 * layers] * MATRIX_ITERS, per_rank
+    assert all(b == [0] * MATRIX_ITERS for b in fp8_bytes["pp2 1f1b"])  # nothing sharded: nothing reduced
 
 
 def _syncs(rank, world, cases):
