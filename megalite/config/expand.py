@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megalite.config.rules import _ROPE_FIELDS, MLA_SIZES, MOE_FIELDS, YARN_FIELDS, model_config
+from megalite.config.rules import _ROPE_FIELDS, MLA_SIZES, MOE_FIELDS, SAME_NAMED, YARN_FIELDS, model_config
 from megalite.config.run import RunConfig
 
-# Model-section fields that are TransformerConfig's own, under the same name.
-_SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "vocab_size",
-         "normalization", "position_embedding_type", "max_position_embeddings", "init_method_std",
-         "make_vocab_size_divisible_by")
 # Switches: on in the section when the built model has them.
 _SWITCHES = {
     "swiglu": lambda c: c.gated_linear_unit and c.activation == "silu",
@@ -31,7 +27,7 @@ _SWITCHES = {
 
 
 def _model_fields(built) -> dict:
-    fields = {name: getattr(built, name) for name in _SAME}
+    fields = {name: getattr(built, name) for name in SAME_NAMED}
     fields["norm_epsilon"] = built.layernorm_epsilon
     fields.update({name: bool(on(built)) for name, on in _SWITCHES.items()})
     if built.num_query_groups is not None and not built.multi_latent_attention:

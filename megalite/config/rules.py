@@ -125,12 +125,15 @@ _ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_lo
                 "rope_high_freq_factor", "rope_original_max_position_embeddings", *YARN_FIELDS)
 
 
+# Model-section fields that are TransformerConfig's own under the same name, whatever the model.
+SAME_NAMED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "vocab_size",
+              "normalization", "position_embedding_type", "max_position_embeddings", "init_method_std",
+              "make_vocab_size_divisible_by")
+
+
 def _model_overrides(m) -> dict:
     """TransformerConfig fields the model section sets; fields left unset set nothing."""
-    same = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels", "vocab_size",
-            "normalization",
-            "position_embedding_type", "num_query_groups", "max_position_embeddings", "init_method_std",
-            "make_vocab_size_divisible_by", "mtp_num_layers", "mtp_loss_scaling_factor", *_ROPE_FIELDS)
+    same = (*SAME_NAMED, "num_query_groups", "mtp_num_layers", "mtp_loss_scaling_factor", *_ROPE_FIELDS)
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon
