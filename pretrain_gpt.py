@@ -12,6 +12,7 @@ from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
 from megalite.models.mtp import WithMTPTargets
 from megalite.training import Task, entry, gpt_forward_step, prepare_data, train_valid_datasets
+from megalite.training.datasets import document_flags, sft_datasets, with_document_flags
 
 
 def prepare(cfg):
@@ -27,7 +28,12 @@ def build_data(config, cfg):
         return build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, samples, cfg.training.seed,
                                   vocab_size=config.vocab_size, lock_timeout=lock_timeout)
 
-    train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
+    if cfg.data.sft_data_path:  # fine-tuning on conversations, each a document (docs/sft.md)
+        train, valid = sft_datasets(cfg)
+    else:
+        train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
+        # Packed documents (--reset-attention-mask ...): before MTP's targets, which shift the loss mask.
+        train, valid = with_document_flags((train, valid), document_flags(cfg, config.vocab_size))
     depth = getattr(config, "mtp_num_layers", 0)  # (a config of another type may not know of it)
     if depth:  # multi-token prediction reads tokens further on, cut before CP splits sequences
         train, valid = (None if d is None else WithMTPTargets(d, depth) for d in (train, valid))

@@ -219,6 +219,7 @@ def format_log_line(r: dict) -> str:
         *(f"{k} {r[k]:.6f}" if k.endswith("_loss") else f"{k} {r[k]:.3f}" for k in _loss_term_keys(r)),
         f"lr {r['lr']:.3e}",
         f"grad_norm {r['grad_norm']:.3f}",
+        *([f"params_norm {r['params_norm']:.3f}"] if r.get("params_norm") is not None else []),
         f"loss_scale {r['loss_scale']:g}",
         f"skipped {r['skipped']}",
         f"{r['ms_per_iter']:.1f} ms/it",
@@ -292,21 +293,27 @@ class Timeline:
         os.replace(tmp, self.path)
 
 
-_TENSORBOARD_KEYS = ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
+_TENSORBOARD_KEYS = ("loss", "lr", "grad_norm", "params_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
                      "bubble_measured", "skipped", "moe_load_imbalance", "moe_dropped_fraction")
 
 
 class TrainingLogger:
-    """Where the logging rank's records go: a log line, the metrics file, TensorBoard, and a
-    progress bar when attached to a terminal."""
+    """Where the logging rank's records go: a log line, the metrics file, TensorBoard, Weights & Biases
+    (`wandb`: megalite.metrics_wandb's options; the package is checked on every rank, the run started
+    on the active one), and a progress bar when attached to a terminal."""
 
     def __init__(self, active: bool, metrics_file: str | None, tensorboard_dir: str | None, total_iters: int,
-                 progress_bar: bool):
+                 progress_bar: bool, wandb=None):
         import sys
 
         self.active = active
         self.metrics = MetricsWriter(metrics_file if active else None)
-        self.tb = None
+        self.tb = self.wandb = None
+        if wandb is not None:
+            from megalite.metrics_wandb import WandbRun, require_wandb
+
+            require_wandb()
+            self.wandb = WandbRun(wandb) if active else None
         if active and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -320,9 +327,10 @@ class TrainingLogger:
             except ImportError:
                 pass
 
-    def configuration(self, toml_text: str, metrics_file: str | None) -> None:
-        """The run's configuration beside its records: `<metrics file>.config.toml`, and TensorBoard's
-        text tab. Written once, at the start."""
+    def configuration(self, toml_text: str, metrics_file: str | None, values: dict | None = None) -> None:
+        """The run's configuration beside its records: `<metrics file>.config.toml`, TensorBoard's
+        text tab, and W&B's config (`values`: the same configuration as {section: {field: value}}).
+        Written once, at the start."""
         if not self.active:
             return
         if metrics_file:
@@ -330,6 +338,17 @@ class TrainingLogger:
                 f.write(toml_text)
         if self.tb is not None:
             self.tb.add_text("config", "```toml\n" + toml_text + "```", 0)
+        if self.wandb is not None and values is not None:
+            self.wandb.config(values)
+
+    def _scalars(self, scalars: dict[str, float], step: int) -> None:
+        """The one place scalars go out: TensorBoard and W&B get the same tags at the same step."""
+        if self.tb is not None:
+            for tag, value in scalars.items():
+                self.tb.add_scalar(tag, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step)
 
     def say(self, line: str) -> None:
         if not self.active or os.environ.get("MEGALITE_QUIET"):
@@ -350,13 +369,10 @@ class TrainingLogger:
         self.metrics.write(record)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}")
-        if self.tb is not None:
-            for key in (*_TENSORBOARD_KEYS, *_loss_term_keys(record)):
-                if record.get(key) is not None:
-                    self.tb.add_scalar(f"train/{key}", record[key], record["iteration"])
-            for kind, nbytes in record.get("comm_bytes", {}).items():
-                self.tb.add_scalar(f"comm_bytes/{kind}", nbytes, record["iteration"])
-            self.tb.flush()
+        scalars = {f"train/{k}": record[k] for k in (*_TENSORBOARD_KEYS, *_loss_term_keys(record))
+                   if record.get(k) is not None}
+        scalars.update({f"comm_bytes/{kind}": nbytes for kind, nbytes in record.get("comm_bytes", {}).items()})
+        self._scalars(scalars, record["iteration"])
 
     def evaluation(self, iteration: int, values: dict[str, float], perplexity_of: str | None = None) -> None:
         """values: {'loss': mean loss, and the task's named terms}. The perplexity is exp of the
@@ -370,16 +386,19 @@ class TrainingLogger:
         self.say(" | ".join([f"validation at iteration {iteration}", f"loss {loss:.6f}",
                              *(f"{k.removeprefix('valid_')} {v:.6f}" for k, v in terms.items()), f"{what} {ppl:.3f}"]))
         self.metrics.write({"iteration": iteration, "split": "valid", "valid_loss": loss, **terms, "valid_ppl": ppl})
-        if self.tb is not None:
-            self.tb.add_scalar("valid/loss", loss, iteration)
-            for k, v in terms.items():
-                self.tb.add_scalar(f"valid/{k.removeprefix('valid_')}", v, iteration)
-            self.tb.add_scalar("valid/ppl", ppl, iteration)
-            self.tb.flush()
+        self._scalars({"valid/loss": loss, **{f"valid/{k.removeprefix('valid_')}": v for k, v in terms.items()},
+                       "valid/ppl": ppl}, iteration)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """At the end of training (`exit_code` 0), or when it stops on an error (W&B marks the run
+        failed); a second call does nothing."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code)
+            self.wandb = None
         self.metrics.close()

@@ -25,7 +25,7 @@ status=0
 case "${1:-}" in
   kernels)
     python -c "from megalite import ops; print(ops.kernels_available())" 2>&1 | tee "$out/build.txt"
-    python -m pytest -m gpu -q tests/test_gpu.py 2>&1 | tee "$out/pytest_gpu.txt" || status=1
+    python -m pytest -m gpu -q tests/test_gpu.py tests/test_documents.py 2>&1 | tee "$out/pytest_gpu.txt" || status=1
     python scripts/bench_kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt" || status=1
     python scripts/activation_memory.py --json "$out/act.json" 2>&1 | tee "$out/act.txt" || status=1
     ;;

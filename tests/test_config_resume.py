@@ -99,3 +99,16 @@ def test_a_resumed_rope_model_may_take_longer_sequences_and_a_retuned_base(impor
     cfg = build_parser("x", "gpt-tiny").parse_args(["--config", str(path)])
     # rotary positions are no weights: 512 tokens raise them; 2 layers on 2 stages are one a stage (no --vpp)
     assert (cfg.model.max_position_embeddings, cfg.model.rotary_base, cfg.parallel.vpp) == (512, 20000.0, None)
+
+
+@pytest.mark.parametrize("argv,says", [(["--tp", "3"], r"^the checkpoint's num_attention_heads \(4\) is not divisible"),
+                                       (["--cp", "3"], r"the checkpoint's seq_length 256 is not divisible by 6")])
+def test_an_error_about_the_imported_models_values_names_the_checkpoint(imported, monkeypatch, argv, says):
+    """Issue #48: a value that came from the Hugging Face import is not blamed on a flag never given."""
+    from megalite.errors import UsageError
+    from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = build_parser("x", "gpt-tiny").parse_args(["--load", str(imported), "--mock-data", *argv])
+    with pytest.raises(UsageError, match=says):
+        adopt_checkpoint_shape(cfg)

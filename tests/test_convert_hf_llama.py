@@ -230,13 +230,14 @@ def test_import_single_device_matches_hf(name, hf_dirs):
     assert _max_err(ours[..., :VOCAB], _hf_logits(hf)) <= TOL
 
 
-def _layout_logits(rank, world_size, tp, pp, runs):
-    """Each (checkpoint, config) of `runs` loaded at (tp, pp) and run: the last stage's logits (TP
-    shards gathered, padding cut), None on other stages."""
+def _layout_logits(rank, world_size, tp, pp, runs, cp=1):
+    """Each (checkpoint, config) of `runs` loaded at (tp, pp, cp) and run: the last stage's logits
+    (TP shards and CP shares gathered, padding cut), None on other stages."""
     from megalite import checkpoint
     from megalite.models import GPTModel
+    from megalite.parallel.context_parallel import gather_from_context_parallel, split_for_context_parallel
 
-    parallel.initialize_model_parallel(tp, pp)
+    parallel.initialize_model_parallel(tp, pp, context_parallel_size=cp)
     parallel.model_parallel_manual_seed(1234)
     stage = parallel.get_pipeline_model_parallel_rank()
     first, last = parallel.get_pipeline_model_parallel_ranks()[0], parallel.get_pipeline_model_parallel_ranks()[-1]
@@ -249,23 +250,29 @@ def _layout_logits(rank, world_size, tp, pp, runs):
         model.eval()
         with torch.no_grad():
             if stage > 0:
-                hidden = torch.empty(SEQ, BATCH, config.hidden_size)
+                hidden = torch.empty(SEQ // cp, BATCH, config.hidden_size)
                 dist.recv(hidden, src=first)
                 model.set_input_tensor(hidden)
-            result = model(_ids() if stage == 0 else None)
+            ids = split_for_context_parallel(_ids(), 1, parallel.get_context_parallel_rank(), cp)
+            result = model(ids if stage == 0 else None)
             if stage < pp - 1:
                 dist.send(result.contiguous(), dst=last)
                 out.append(None)
                 continue
         logits = gather_tp(result, dim=-1)
+        if cp > 1:
+            shares = [torch.empty_like(logits) for _ in range(cp)]
+            dist.all_gather(shares, logits, group=parallel.get_context_parallel_group())
+            logits = gather_from_context_parallel(shares, dim=1)
         assert torch.isinf(logits[..., VOCAB:]).all()
         out.append(logits[..., :VOCAB])
     return out
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), (4, 1)])
-def test_import_at_other_layouts_matches_hf(tp, pp, hf_dirs, tmp_path):
-    """Every family through a checkpoint into tp x pp ranks; at tp 4 the 2 KV groups are replicated."""
+@pytest.mark.parametrize("tp,pp,cp", [(2, 2, 2), (4, 1, 1)])
+def test_import_at_other_layouts_matches_hf(tp, pp, cp, hf_dirs, tmp_path):
+    """Every family (Qwen3 with heads wider than hidden / heads too) through a checkpoint into
+    tp x pp x cp ranks; at tp 4 the 2 KV groups are replicated."""
     from megalite import checkpoint
 
     runs = []
@@ -273,8 +280,8 @@ def test_import_at_other_layouts_matches_hf(tp, pp, hf_dirs, tmp_path):
         config, sd = from_hf(hf_dirs[name])
         checkpoint.save_model_checkpoint(tmp_path / name, config, "gpt", sd, iteration=0)
         runs.append((str(tmp_path / name), config))
-    results = run_ranks(_layout_logits, tp * pp, args=(tp, pp, runs), timeout=240)
-    for rank in range(tp * (pp - 1), tp * pp):  # every TP rank of the last stage
+    results = run_ranks(_layout_logits, tp * pp * cp, args=(tp, pp, runs, cp), timeout=240)
+    for rank in range(tp * cp * (pp - 1), tp * cp * pp):  # every TP and CP rank of the last stage
         for name, ours in zip(sorted(FAMILIES), results[rank]):
             assert _max_err(ours, _hf_logits(_load_hf(name, hf_dirs[name]))) <= TOL, (name, rank)
 

@@ -390,6 +390,34 @@ def test_full_width_qk_norm_at_tp2_equals_one_device(hf_dirs, tmp_path):
                 assert _rel_err(ours, one) <= 1e-4
 
 
+def _tp2_cp2_logits(rank, world_size, ckpt_dir, config):
+    """A checkpoint at tp 2 (with SP) x cp 2: the logits, TP shards and CP shares gathered, padding cut."""
+    import torch.distributed as dist
+
+    from megalite import checkpoint
+    from megalite.parallel.context_parallel import gather_from_context_parallel, split_for_context_parallel
+
+    parallel.initialize_model_parallel(2, 1, context_parallel_size=2)
+    model = GPTModel(config.replace(sequence_parallel=True), seed=99, device="cpu")  # MoE at tp > 1 needs SP
+    checkpoint.load_model_weights(ckpt_dir, [model])
+    with torch.no_grad():
+        ids = split_for_context_parallel(_ids(), 1, parallel.get_context_parallel_rank(), 2)
+        logits = gather_tp(model.eval()(ids), dim=-1)
+    shares = [torch.empty_like(logits) for _ in range(2)]
+    dist.all_gather(shares, logits, group=parallel.get_context_parallel_group())
+    return gather_from_context_parallel(shares, dim=1)[..., :VOCAB]
+
+
+def test_qwen3_moe_with_wide_heads_matches_hf_at_tp2_cp2(hf_dirs, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert convert_hf.main(["import", "--hf-dir", str(hf_dirs["qwen3_moe"]), "--out", str(ckpt)]) == 0
+    config, _ = from_hf(hf_dirs["qwen3_moe"])
+    assert config.kv_channels == 2 * HIDDEN // HEADS  # heads wider than hidden / heads
+    expected = _hf_logits(tf.AutoModelForCausalLM.from_pretrained(hf_dirs["qwen3_moe"], local_files_only=True).eval())
+    for logits in run_ranks(_tp2_cp2_logits, 4, args=(str(ckpt), config), timeout=240):
+        assert _rel_err(logits, expected) <= TOL
+
+
 # --- training an imported checkpoint ------------------------------------------------------------
 
 def _train_from(rank, world_size, argvs):

@@ -52,3 +52,25 @@ def test_distributed_optimizer_step_sends_the_minimum_bytes_for_its_layout(tp, p
     for sent, minimum, has_tied_bucket in results:
         assert has_tied_bucket == (pp > 1)
         assert sent == minimum, f"{float(sent):.0f} bytes sent, {float(minimum):.0f} needed"
+
+
+def _params_norm_run(rank, world, argv):
+    """The logged params_norm of each iteration, and (one rank) the norm of the final whole weights."""
+    from training_ranks import gpt_run, whole_params
+
+    run = gpt_run(argv)
+    weights = whole_params(run)
+    whole = torch.cat([w.double().reshape(-1) for w in weights.values()]).norm().item() if world == 1 else None
+    return [r["params_norm"] for r in run.records], whole
+
+
+def test_log_params_norm_is_the_whole_weights_norm_at_every_layout():
+    argv = ["--train-iters", "3", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
+            "--micro-batch-size", "2", "--eval-iters", "0", "--log-params-norm"]
+    [(one, whole)] = run_ranks(_params_norm_run, 1, args=(argv,))
+    assert one[-1] == pytest.approx(whole, rel=1e-6)  # each weight counted once (the tied embedding too)
+    assert len(set(one)) == 3  # the weights move
+    for norms, _ in run_ranks(_params_norm_run, 4, args=(argv + ["--tp", "2", "--zero-stage", "1"],)):
+        assert norms == pytest.approx(one, rel=1e-5)
+    plain = run_ranks(_params_norm_run, 1, args=([a for a in argv if a != "--log-params-norm"],))[0][0]
+    assert plain == [None] * 3

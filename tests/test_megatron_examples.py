@@ -69,12 +69,25 @@ MIXTRAL_8X7B = _words("""
 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save CKPT --load CKPT
 --tensorboard-dir TB --no-load-optim --no-load-rng""")
 
+
+
+def _stored(name: str) -> list[str]:
+    """An argument list kept in tests/data/megatron_examples/ (its header says where it was read)."""
+    text = (ROOT / "tests" / "data" / "megatron_examples" / f"{name}.args").read_text()
+    return _words(" ".join(line for line in text.splitlines() if not line.startswith("#")))
+
+
+QWEN3_30B_A3B = _stored("qwen3_30b_a3b")
+DEEPSEEK_V3 = _stored("deepseek_v3")
+
 # script -> (entry point, world size of its layout, what megalite refuses today: flag -> values it takes)
 SCRIPTS = {
     "gpt3_175b": ("pretrain_gpt.py", 8 * 16, GPT3_175B, {}),
     "bert_340m": ("pretrain_bert.py", 8 * 16, BERT_340M, {}),
     "llama3_8b_fp8": ("pretrain_gpt.py", 8, LLAMA3_8B_FP8, {}),
     "mixtral_8x7b": ("pretrain_gpt.py", 8 * 4, MIXTRAL_8X7B, {}),
+    "qwen3_30b_a3b": ("pretrain_gpt.py", 1, QWEN3_30B_A3B, {}),  # model arguments only: one rank's layout
+    "deepseek_v3": ("pretrain_gpt.py", 1, DEEPSEEK_V3, {}),
 }
 
 
@@ -91,7 +104,8 @@ def _without(argv: list[str], refused: dict) -> list[str]:
 
 
 def _print_config(entry, world, argv, tmp_path):
-    argv = [str(tmp_path / w) if w in ("CKPT", "TB", "CACHE") or w.startswith("DATA/") else w for w in argv]
+    argv = [str(tmp_path / w) if w in ("CKPT", "TB", "CACHE", "TOKENIZER") or w.startswith("DATA/") else w
+            for w in argv]
     return subprocess.run([sys.executable, str(ROOT / entry), *argv, "--print-config"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env={"WORLD_SIZE": str(world), "PATH": "/usr/bin:/bin"})
 
@@ -107,7 +121,8 @@ def test_a_megatron_example_is_refused_only_for_what_megalite_cannot_do(name, tm
     run = _print_config(entry, world, _without(argv, refused), tmp_path)
     if name == "bert_340m":  # 24 layers on 16 stages: Megatron-LM refuses this layout too; the line names the fix
         assert run.returncode == 2
-        assert "the number of layers (24) is not divisible by --pp (16)" in run.stderr
+        # named as the script spells it (megalite's own flag is --pp)
+        assert "the number of layers (24) is not divisible by --pipeline-model-parallel-size (16)" in run.stderr
         assert "--pipeline-layers" in run.stderr
         run = _print_config(entry, world, argv + ["--pipeline-layers", ",".join(["2"] * 8 + ["1"] * 8)], tmp_path)
     assert run.returncode == 0, run.stderr
@@ -218,3 +233,55 @@ def test_the_examples_scaled_down_train_on_data_their_tokenizer_flags_made(name,
     if name == "gpt3_175b":  # the ramp: 2 samples a step, then 4 after int(6 / (16 / 3)) = 1 increment
         assert [r["consumed_samples"] for r in recs] == [2, 4, 6]
     assert "saved checkpoint iteration 3" in run.stdout
+
+
+def test_the_qwen3_and_deepseek_examples_resolve_to_their_models():
+    from megalite.config import build_parser, model_config
+
+    qwen = build_parser("x", "gpt-tiny").parse_args(QWEN3_30B_A3B)
+    model = model_config(qwen)
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size, model.kv_channels) == (128, 8, 768,
+                                                                                                           128)
+    assert model.qk_layernorm and model.gated_linear_unit and model.num_query_groups == 4
+    assert qwen.model.openai_gelu is False  # Megatron-LM's flags give the model: its exact GeLU (unused by SwiGLU)
+    deepseek = build_parser("x", "gpt-tiny").parse_args(DEEPSEEK_V3)
+    model = model_config(deepseek)
+    assert model.multi_latent_attention and (model.q_lora_rank, model.kv_lora_rank) == (1536, 512)
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_router_score_function) == (256, 8, "sigmoid")
+    assert list(model.moe_layer_freq) == [0] * 3 + [1] * 58
+    assert "--moe-shared-expert-overlap" in deepseek.ignored_flags
+
+
+# Tiny sizes for the MoE examples (the rest of each argument list as Megatron-LM gives it): one rank, two steps.
+TINY_MOE = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
+            "--num-query-groups": "2", "--kv-channels": "16", "--num-experts": "4", "--moe-ffn-hidden-size": "32",
+            "--moe-router-topk": "2", "--seq-length": "32", "--max-position-embeddings": "64",
+            "--make-vocab-size-divisible-by": "128", "--kv-lora-rank": "16", "--q-lora-rank": "24",
+            "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16", "--moe-layer-freq": "[0]*1+[1]*1",
+            "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--moe-shared-expert-intermediate-size": "32",
+            "--rotary-scaling-factor": "4"}
+
+
+def _tiny_moe_losses(rank, world, argv):
+    from training_ranks import gpt_run
+
+    return [(r["loss"], r["skipped"]) for r in gpt_run(argv).records]
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v3"])
+def test_the_moe_examples_scaled_down_train(name):
+    from megalite.testing import run_ranks
+
+    argv = SCRIPTS[name][2]
+    argv = [TINY_MOE[argv[i - 1]] if i and argv[i - 1] in TINY_MOE else w for i, w in enumerate(argv)]
+    at = argv.index("--tokenizer-type")  # no tokenizer files here: synthetic tokens of a small vocabulary
+    argv[at:at + 2] = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
+    at = argv.index("--tokenizer-model")
+    del argv[at:at + 2]
+    argv += ["--mock-data", "--train-iters", "2", "--global-batch-size", "2", "--log-interval", "1",
+             "--eval-interval", "0", "--lr", "1e-3", "--min-lr", "1e-4"]
+    argv = [w for w in argv if w != "--bf16"]  # fp32 on CPU
+    records = run_ranks(_tiny_moe_losses, 1, args=(argv,))[0]
+    assert len(records) == 2 and all(skipped == 0 for _, skipped in records)
+    assert all(loss == loss and 0 < loss < 20 for loss, _ in records)
+

@@ -13,7 +13,7 @@ from megalite.runtime import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_NAMES = ("slurm", "optimizer", "checkpoints", "context-parallel", "activation-memory", "planner",
-             "local-sgd", "communication", "configuration", "moe", "deepseek")
+             "local-sgd", "communication", "configuration", "moe", "deepseek", "sft", "data", "wandb")
 DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in DOC_NAMES)]
 ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 # What scripts/slurm/*.sbatch put before the job's own flags (its `defaults` array).

@@ -11,7 +11,7 @@ import pretrain_gpt
 
 def parse(argv):
     """Tests train on the synthetic stream unless they name data."""
-    if "--data-path" not in argv:
+    if "--data-path" not in argv and "--sft-data-path" not in argv:
         argv = ["--mock-data", *argv]
     return arguments.build_parser("test", default_model="gpt-tiny").parse_args(argv)
 

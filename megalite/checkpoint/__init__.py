@@ -27,6 +27,11 @@ Writing is atomic: ranks write into `iter_N.tmp/` (fsynced), then rank 0 writes 
 renames the directory into place and updates `latest` last, so a crash at any moment leaves the
 previous checkpoint loadable (see `save` for the store-based commit that --save-async uses).
 
+A Megatron-LM `torch_dist` checkpoint (its `latest_checkpointed_iteration.txt` and
+`iter_NNNNNNN/.metadata`) loads too: `open_checkpoint` gives a `MegatronCheckpoint` for it, read
+with torch.distributed.checkpoint and never with Megatron-LM (`megatron_dist`, `megatron_dist_map`;
+docs/megatron-checkpoints.md).
+
 Modules, one job each: `layout` (names, placements, directory names), `fileformat` (rank file
 bytes; plain data as JSON that names its tensors), `rank_state` (what a rank saves; RNG restore), `atomic` (temporary directory, rank-file
 writes, commit), `save` (the Checkpointer: inline and background saves over the store), `lock`
@@ -35,6 +40,8 @@ any layout).
 """
 from megalite.checkpoint.atomic import build_metadata, commit, save_model_checkpoint
 from megalite.checkpoint.layout import FORMAT_VERSION, config_from_dict, global_name
+from megalite.checkpoint.megatron_dist import (MegatronCheckpoint, checkpoint_exists, is_megatron_checkpoint,
+                                               open_checkpoint)
 from megalite.checkpoint.load import load_full_state_dict, load_model_weights, load_optimizer_state
 from megalite.checkpoint.rank_state import collect_rank_state, restore_rng
 from megalite.checkpoint.layout import SHAPE_FIELDS
@@ -42,7 +49,7 @@ from megalite.checkpoint.reader import LLAMA_SHAPE_FIELDS, CheckpointReader, che
 from megalite.checkpoint.save import Checkpointer
 
 __all__ = ["FORMAT_VERSION", "LLAMA_SHAPE_FIELDS", "SHAPE_FIELDS", "CheckpointReader", "Checkpointer",
-           "build_metadata", "check_compatible",
-           "check_finite", "collect_rank_state", "commit", "config_from_dict", "global_name",
-           "load_full_state_dict", "load_model_weights", "load_optimizer_state", "restore_rng",
+           "MegatronCheckpoint", "build_metadata", "check_compatible", "checkpoint_exists",
+           "check_finite", "collect_rank_state", "commit", "config_from_dict", "global_name", "is_megatron_checkpoint",
+           "load_full_state_dict", "load_model_weights", "load_optimizer_state", "open_checkpoint", "restore_rng",
            "save_model_checkpoint"]

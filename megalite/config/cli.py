@@ -10,11 +10,11 @@ import sys
 import typing
 
 from megalite.config import megatron
-from megalite.config.fields import flags_of, spec_of
+from megalite.config.fields import flags_of, in_user_spelling, spec_of
 from megalite.config.files import read_config_file
 from megalite.config.run import SECTIONS, ConfigError, RunConfig, section_from_dict
 
-_NOOP, _REFUSE = "megatron_noop", "megatron_refused"
+_NOOP, _REFUSE = megatron.NOOP, megatron.REFUSE
 
 
 def _on_off(value: str) -> bool:
@@ -53,11 +53,28 @@ class ConfigParser(argparse.ArgumentParser):
         if refused:
             flag = refused[0].split(".", 1)[1]
             self.error(f"{flag}: {megatron.REFUSED[flag][1]}")
+        spelled = self.spellings(argv)
         try:
-            config = self.configure(ns)
+            config = dataclasses.replace(self.configure(ns), spelled=spelled)
         except ConfigError as e:
-            self.error(str(e))
+            self.error(in_user_spelling(str(e), spelled))
         return config, ns
+
+    def spellings(self, argv: list[str]) -> tuple[tuple[str, str], ...]:
+        """(a field's flag, the alias `argv` gave it by) for each field given by another spelling (the
+        last one given counts, as its value does)."""
+        out: dict[str, str] = {}
+        for word in argv:
+            name = word.split("=", 1)[0] if word.startswith("--") else None
+            action = self._option_string_actions.get(name) if name else None
+            if action is None or "." not in action.dest or action.dest.startswith((_NOOP, _REFUSE)):
+                continue
+            flag = action.option_strings[0]
+            if name == flag:
+                out.pop(flag, None)
+            else:
+                out[flag] = name
+        return tuple(out.items())
 
     def configure(self, ns: argparse.Namespace) -> RunConfig:
         """--config's file, then the flags over it, then the derived defaults."""
@@ -151,5 +168,19 @@ def build_parser(description: str, default_model: str) -> ConfigParser:
     group = p.add_argument_group("Megatron-LM flags megalite refuses (it cannot honour them)")
     for flag, (values, why) in megatron.REFUSED.items():
         group.add_argument(flag, dest=f"{_REFUSE}.{flag}", default=argparse.SUPPRESS, help=why, **_takes(values))
+    _add_aliases(p)
     return p
+
+
+def _add_aliases(p: ConfigParser) -> None:
+    """Megatron-LM's other spellings (megatron.ALIASES): each one more option string of the action of
+    the flag it names, so it parses, helps and is reported as that flag does. A spelling the parser
+    already has (a field made it its own) is left to it."""
+    for alias, flag in megatron.ALIASES.items():
+        action = p._option_string_actions.get(flag)
+        if action is None:
+            raise ValueError(f"megatron_flags.toml: alias {alias} names {flag}, which megalite does not know")
+        if alias not in p._option_string_actions:
+            action.option_strings.append(alias)
+            p._option_string_actions[alias] = action
 

@@ -48,7 +48,21 @@ defaults to 1 with `--use-distributed-optimizer`, else 0. `--rampup-batch-size S
 grows the global batch as Megatron-LM does: START + INCREMENT x (samples seen / (SAMPLES / increments)),
 the full batch after SAMPLES; the learning rate then follows the samples seen, in full batches, and
 `--train-samples` counts the ramp's steps one by one (with `--train-iters`, which Megatron-LM refuses
-with a ramp, the run is that many steps).
+with a ramp, the run is that many steps). `--step-batch-size-schedule "THRESHOLD:BATCH ..."` (Megatron-LM's
+successor of the ramp) gives the batch by steps: thresholds in tokens (K/M/B/T suffixes; divided by
+`--seq-length` into samples), the first 0, and a step takes the batch of the last threshold the samples
+consumed before it reached; `--global-batch-size` becomes the last batch (one that disagrees is
+refused), the learning rate follows the samples seen in it, and `--train-samples` counts the steps one
+by one up to the last threshold (megalite/config/batch_schedule.py).
+
+Megatron-LM's defaults where megalite's models differ: a model given by Megatron-LM's size flags
+(`--num-layers`, `--hidden-size`, `--num-attention-heads`, no `--model`) has Megatron-LM's exact (erf)
+GeLU in its MLP, and `--openai-gelu` its tanh form; a preset keeps its own (the GPT-2 presets, like
+Hugging Face's GPT-2, the tanh form; BERT's the exact one). `--optimizer sgd` is Megatron-LM's SGD:
+weight decay added to the gradient and `--sgd-momentum` (0.9).
+
+Errors name a flag as the command line spelled it: with `--pipeline-model-parallel-size 3`, a layout
+error says `--pipeline-model-parallel-size`, not megalite's `--pp`.
 """
 
 
@@ -83,7 +97,7 @@ def reference_markdown() -> str:
             "Every flag of Megatron-LM's `megatron/training/arguments.py` is one of three kinds "
             "(tests/test_megatron_flags.py checks the list in tests/data/megatron_lm_flags.txt):", "",
             "- **honoured**: a field's flag or alias in the sections above (the flag and *also accepted* "
-            "columns);",
+            "columns), or one of Megatron-LM's other spellings of a flag (the last table);",
             f"- **accepted without effect** ({len(megatron.ACCEPTED_WITHOUT_EFFECT)} flags): only those that "
             "cannot change the numbers (profiling, logging, kernel choices, launcher and file details);",
             f"- **refused** ({len(megatron.REFUSED)} flags): the run ends in one line saying why.", "",
@@ -94,4 +108,7 @@ def reference_markdown() -> str:
     out += ["", "## Megatron-LM flags megalite refuses", "", "Each ends the run in one line saying why.", "",
             "| flag | why |", "|---|---|"]
     out += [f"| `{flag}` | {why} |" for flag, (_, why) in megatron.REFUSED.items()]
+    out += ["", "## Megatron-LM's other spellings", "", "Each is the flag it names, in every way.", "",
+            "| spelling | is |", "|---|---|"]
+    out += [f"| `{alias}` | `{flag}` |" for alias, flag in megatron.ALIASES.items()]
     return "\n".join(out) + "\n"

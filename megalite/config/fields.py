@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -72,3 +73,14 @@ def check_numbers(section) -> None:
         ok, text = rule
         if not math.isfinite(v) or not ok(v):
             raise ValueError(f"{flag_of(f)} must be {text}, got {v}")
+
+
+def in_user_spelling(message: str, spelled) -> str:
+    """`message` with each flag it names as the user spelled it: `spelled` holds (flag, spelling)
+    pairs (RunConfig.spelled: --pipeline-model-parallel-size given, an error about --pp says so)."""
+    names = dict(spelled)
+    if not names:
+        return message
+    pattern = "|".join(re.escape(flag) for flag in sorted(names, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({pattern})(?![\w-])", lambda m: names[m.group(1)], message)
+

@@ -2,6 +2,7 @@
 runs the same checks on the same configuration and ends with the same one-line message."""
 from __future__ import annotations
 
+from megalite.config.fields import in_user_spelling
 from megalite.config.rules import check_sections
 from megalite.config.run import RunConfig
 from megalite.errors import UsageError
@@ -141,7 +142,14 @@ def _check_multi_token_prediction(config: RunConfig, model: TransformerConfig) -
 def validate(config: RunConfig, world_size: int, model: TransformerConfig, machine: bool = True) -> int:
     """Check the layout against the world and the model; return the data-parallel size. `machine`:
     also what this machine must have installed or be able to run (not for --print-config, which
-    may run on a login node for a job elsewhere)."""
+    may run on a login node for a job elsewhere). Errors name flags as the command line spelled them."""
+    try:
+        return _validate(config, world_size, model, machine)
+    except UsageError as e:
+        raise UsageError(in_user_spelling(str(e), config.spelled)) from None
+
+
+def _validate(config: RunConfig, world_size: int, model: TransformerConfig, machine: bool) -> int:
     check_sections(config)
     p, d = config.parallel, config.data_parallel
     tp, pp, cp = p.tp, p.pp, p.cp

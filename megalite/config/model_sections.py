@@ -42,8 +42,10 @@ class ModelConfig:
     recompute_num_layers: int | None = opt(None, "--recompute full: layers per stage (default all)",
                                            check=POSITIVE_INT)
     attention_backend: str = opt("auto", "sdpa: PyTorch's fused attention (what auto picks); fused: score matmuls "
-                                         "+ megalite's fused softmax kernel; torch: explicit softmax matrices",
-                                 choices=("auto", "sdpa", "fused", "torch"))
+                                         "+ megalite's fused softmax kernel; torch: explicit softmax matrices; "
+                                         "Megatron-LM's flash/unfused/local run as sdpa/torch/fused (its fused as "
+                                         "sdpa for a model of Megatron-LM's flags), with a note",
+                                 choices=("auto", "sdpa", "fused", "torch", "flash", "unfused", "local"))
     torch_compile: bool = opt(False, "torch.compile the model (fuses bias+GeLU, dropout+residual, norms, the "
                                      "loss): each stage's chunk whole at --tp 1 and --cp 1, else each layer")
     normalization: str | None = opt(None, "the norm of every layer (default: the preset's); Megatron-LM's "
@@ -92,6 +94,13 @@ class ModelConfig:
                                             flags=("--yarn-mscale-all-dim", "--mscale-all-dim"), check=NON_NEGATIVE)
     swiglu: bool = opt(False, "gated MLP with silu (ffn size: each of gate and up; default 8h/3 rounded down "
                               "to 64)", shape=True)
+    openai_gelu: bool | None = opt(
+        None, "GeLU's tanh form in the MLP (Megatron-LM's --openai-gelu); false: the exact (erf) GeLU. Default: "
+              "the preset's with --model (GPT-2's tanh, BERT's exact), else Megatron-LM's: the tanh form of its "
+              "fused bias-GeLU where the layers have biases, the exact GeLU with --disable-bias-linear or "
+              "--no-bias-gelu-fusion", switch=True)
+    no_bias_gelu_fusion: bool = opt(False, "Megatron-LM's: no fused bias-GeLU, whose tanh form a model of Megatron-LM's "
+                                           "flags otherwise computes: the exact GeLU (see --openai-gelu)")
     group_query_attention: bool = opt(False, "grouped-query attention (with --num-query-groups)", shape=True)
     num_query_groups: int | None = opt(None, "key/value heads (with --group-query-attention)", check=POSITIVE_INT,
                                        shape=True)

@@ -9,7 +9,8 @@ import dataclasses
 import torch
 
 from megalite.config.run import ConfigError, RunConfig
-from megalite.config.sections import steps_for_samples
+from megalite.config.batch_schedule import batch_schedule
+from megalite.config.fields import in_user_spelling
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
 from megalite.models.presets import PRESETS, preset
@@ -37,9 +38,9 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     stage = d.zero_stage if d.zero_stage is not None else int(d.use_distributed_optimizer)
     if t.train_samples is not None and "training.train_iters" in given:
         raise ConfigError("--train-iters and --train-samples both give the run's length: keep one")
+    t = _with_step_schedule(t, given, seq)
     if t.train_samples is not None:
-        ramp = t.rampup_batch_size if t.rampup_batch_size is not None and len(t.rampup_batch_size) == 3 else None
-        iters = steps_for_samples(t.train_samples, t.global_batch_size, ramp)
+        iters = batch_schedule(t, seq).steps_for_samples(t.train_samples)
         if iters < 1:
             raise ConfigError(f"--train-samples {t.train_samples} is less than one --global-batch-size "
                               f"({t.global_batch_size})")
@@ -61,6 +62,19 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if ckpt.save_interval is not None and not ckpt.save:  # as Megatron-LM: accepted, nothing to save
         ckpt = dataclasses.replace(ckpt, save_interval=None)
         ignored = (*ignored, "--save-interval (without --save nothing is saved)")
+    if m.openai_gelu is None and _megatron_shaped(given):  # a model of Megatron-LM's flags: its GeLU, kept as
+        # given so a printed file keeps it. Megatron-LM's fused bias-GeLU (on by default, off without biases or
+        # with --no-bias-gelu-fusion) computes the tanh form; its unfused MLP calls the exact one.
+        tanh = not m.disable_bias_linear and not m.no_bias_gelu_fusion
+        m = dataclasses.replace(m, openai_gelu=tanh)
+        given = given | {"model.openai_gelu"}
+    megatron_backend = _MEGATRON_BACKENDS.get(m.attention_backend)
+    if m.attention_backend == "fused" and not _megatron_shaped(given):
+        megatron_backend = None  # megalite's own fused: its fused-softmax kernel, as asked
+    if megatron_backend is not None:  # Megatron-LM's names for the same attention (to rounding)
+        ignored = (*ignored, f"--attention-backend {m.attention_backend} ({_MEGATRON_BACKEND_NOTES[m.attention_backend]}: "
+                             f"megalite's {megatron_backend} runs it)")
+        m = dataclasses.replace(m, attention_backend=megatron_backend)
     moe = config.moe
     if moe.moe_token_dispatcher_type == "flex":  # the same tokens to the same experts: the same numbers
         moe = dataclasses.replace(moe, moe_token_dispatcher_type="alltoall")
@@ -85,6 +99,31 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     before, after = _dotted(config), _dotted(resolved)
     derived = {k for k in after if after[k] != before[k] and k not in given and k != "model.model"}
     return dataclasses.replace(resolved, derived=frozenset(derived) | config.derived)
+
+
+def _megatron_shaped(given) -> bool:
+    """The model is Megatron-LM's flags' (no --model preset, and the sizes Megatron-LM requires given:
+    --num-layers, --hidden-size, --num-attention-heads): its MLP's GeLU is then Megatron-LM's default,
+    where the presets (and Hugging Face's GPT-2) keep their own."""
+    return "model.model" not in given and all(f"model.{k}" in given for k in
+                                              ("num_layers", "hidden_size", "num_attention_heads"))
+
+
+def _with_step_schedule(t, given, seq: int):
+    """--step-batch-size-schedule: checked, and --global-batch-size set to its last batch (Megatron-LM
+    refuses a --global-batch-size beside it; one that agrees is let through, as a printed file holds it)."""
+    if not t.step_batch_size_schedule:
+        return t
+    if t.rampup_batch_size is not None:
+        raise ConfigError("--step-batch-size-schedule and --rampup-batch-size both grow the batch: keep one")
+    try:
+        last = batch_schedule(t, seq).global_batch_size
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if "training.global_batch_size" in given and t.global_batch_size != last:
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} and --step-batch-size-schedule (last batch "
+                          f"{last}) both give the batch: drop --global-batch-size")
+    return dataclasses.replace(t, global_batch_size=last)
 
 
 def _dotted(config: RunConfig) -> dict:
@@ -137,6 +176,8 @@ def _model_overrides(m) -> dict:
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon
+    if m.openai_gelu is not None and not (m.swiglu or PRESETS.get(m.model, {}).get("gated_linear_unit")):
+        out["activation"] = "gelu_tanh" if m.openai_gelu else "gelu"  # a gated MLP's silu stays
     if m.no_position_embedding:  # learned positions off; rotary ones (Megatron-LM's scripts pair the two) stay
         chosen = m.position_embedding_type or PRESETS.get(m.model, {}).get("position_embedding_type")
         if chosen in (None, "learned_absolute"):
@@ -208,8 +249,25 @@ def _moe_fields(m) -> dict:
     return fields
 
 
+# Megatron-LM's --attention-backend names and megalite's backend for each. Its `fused` (cuDNN's fused
+# attention) is megalite's sdpa where the model comes from Megatron-LM's flags; a megalite preset's
+# `fused` is megalite's own fused-softmax kernel (Megatron-LM's `local`).
+_MEGATRON_BACKENDS = {"flash": "sdpa", "fused": "sdpa", "unfused": "torch", "local": "fused"}
+_MEGATRON_BACKEND_NOTES = {"flash": "Megatron-LM's flash attention", "fused": "Megatron-LM's fused attention kernel",
+                           "unfused": "Megatron-LM's unfused attention", "local": "Megatron-LM's own attention with "
+                           "its fused softmax"}
+
+
 def model_config(config: RunConfig) -> TransformerConfig:
-    """The model `config` describes (the preset with its overrides); reads `config`, never changes it."""
+    """The model `config` describes (the preset with its overrides); reads `config`, never changes it.
+    Errors name flags as the command line spelled them."""
+    try:
+        return _model_config(config)
+    except UsageError as e:
+        raise UsageError(in_user_spelling(str(e), config.spelled)) from None
+
+
+def _model_config(config: RunConfig) -> TransformerConfig:
     check_sections(config)
     m = config.model
     overrides = _model_overrides(m)
@@ -243,6 +301,10 @@ def model_config(config: RunConfig) -> TransformerConfig:
             built = built.replace(**moe)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if not any(built.moe_layer_freq):
+            raise UsageError(f"--moe-layer-freq {config.moe.moe_layer_freq} gives no layer experts (--num-experts "
+                             f"{built.num_moe_experts}): put a 1 for each mixture-of-experts layer, or drop "
+                             f"--num-experts for a dense model")
     rope_flags = [f"--{k.replace('_', '-')}" for k in _ROPE_FIELDS if k in overrides]
     if rope_flags and built.position_embedding_type != "rope":
         raise UsageError(f"{', '.join(rope_flags)}: for rotary positions only, but this model's position embedding "
@@ -263,7 +325,7 @@ def check_sections(config: RunConfig) -> None:
     try:
         config.check()
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(in_user_spelling(str(e), config.spelled)) from None
 
 
 def model_dtype(config: RunConfig) -> torch.dtype:

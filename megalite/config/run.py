@@ -35,6 +35,8 @@ class RunConfig:
     explicit: frozenset = field(default=frozenset(), compare=False, repr=False, metadata={"meta": True})
     derived: frozenset = field(default=frozenset(), compare=False, repr=False, metadata={"meta": True})
     ignored_flags: tuple = field(default=(), compare=False, repr=False, metadata={"meta": True})
+    # (a field's flag, the spelling the command line used for it) where they differ: errors name the latter
+    spelled: tuple = field(default=(), compare=False, repr=False, metadata={"meta": True})
 
     def sections(self):
         """(name, section) pairs in declaration order."""

@@ -119,11 +119,24 @@ class DataConfig:
     tokenizer_model: str | None = opt(None, "SentencePiece model file, or a Hugging Face tokenizer directory")
     split: str = opt("969,30,1", "train,valid,test proportions of the documents")
     mock_data: bool = opt(False, "a deterministic synthetic token stream")
+    # Documents packed into a sequence, told apart by the tokenizer's EOD (megalite.data.documents).
+    reset_attention_mask: bool = opt(False, "attend only within each document packed into a sequence (GPT)")
+    reset_position_ids: bool = opt(False, "positions restart at 0 at each document packed into a sequence (GPT)")
+    eod_mask_loss: bool = opt(False, "no loss where the input token is the end-of-document token (GPT)")
+    sft_data_path: str | None = opt(None, "supervised fine-tuning: a JSON-lines file of {prompt, response} or "
+                                          "{messages} records (the loss on the replies; conversations packed, each "
+                                          "attending to itself; needs --tokenizer; docs/sft.md)")
+    sft_no_packing: bool = opt(False, "--sft-data-path: one conversation a sequence instead of packing them")
 
     def check(self) -> None:
         split_weights(self.split)
         if self.data_path and self.mock_data:
             raise ValueError("--mock-data and --data-path exclude each other")
+        if self.sft_data_path and (self.data_path or self.mock_data):
+            raise ValueError(f"--sft-data-path trains on its conversations alone: drop "
+                             f"{'--data-path' if self.data_path else '--mock-data'}")
+        if self.sft_no_packing and not self.sft_data_path:
+            raise ValueError("--sft-no-packing is about --sft-data-path's conversations: give --sft-data-path")
 
 
 @dataclass
@@ -138,15 +151,24 @@ class TrainingConfig:
         None, "Megatron-LM's batch ramp-up: start at START samples a step, add INCREMENT every SAMPLES / ((global - "
               "START) / INCREMENT) samples, reach --global-batch-size after SAMPLES", nargs=3,
         metavar=("START", "INCREMENT", "SAMPLES"))
+    step_batch_size_schedule: str | None = opt(
+        None, "Megatron-LM's step schedule of the global batch: \"THRESHOLD:BATCH ...\", thresholds in tokens (K/M/B/T "
+              "suffixes), the first 0; a step takes the batch of the last threshold reached; sets --global-batch-size "
+              "to the last batch (megalite.config.batch_schedule)", metavar="SCHEDULE")
     seed: int = opt(1234, "seed of the weights, dropout and data order", check=_SEED)
     eval_interval: int = opt(100, "validate every N iterations (0: never)", check=NON_NEGATIVE)
     eval_iters: int = opt(4, "global batches per validation", check=NON_NEGATIVE)
+    eval_prompts: str | None = opt(None, "a file of prompts (one a line) completed greedily at each validation, "
+                                         "printed and written to TensorBoard (GPT; docs/generate.md)", metavar="FILE")
     exit_interval: int | None = opt(None, "save and exit at an iteration divisible by N", check=POSITIVE_INT)
     exit_duration_in_mins: float | None = opt(None, "save and exit after this long", check=POSITIVE)
     no_exit_signal_handler: bool = opt(False, "do not turn SIGTERM/SIGUSR1 into save-and-exit",
                                        sets={"--exit-signal-handler": False})
     max_skipped_iters: int = opt(30, "stop after this many iterations in a row with inf/NaN gradients",
                                  check=POSITIVE_INT)
+    calculate_per_token_loss: bool = opt(False, "the loss is the global batch's sum over tokens / its token count "
+                                                "(default, as Megatron-LM: the mean of each micro-batch's mean; "
+                                                "the two differ only where loss masks differ, e.g. --eod-mask-loss)")
     plan: bool = opt(False, "before training, predict memory and step time of this layout and warn if it will "
                             "not fit")
     plan_gpu_memory_gib: float | None = opt(None, "GPU memory for --plan (default: this GPU's)", check=POSITIVE)
@@ -195,8 +217,8 @@ _LR_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 class OptimizerConfig:
     """The optimizer and its learning-rate schedule. Schedule lengths are in iterations, or in samples
     (Megatron-LM's sample-based schedules: divided by the global batch)."""
-    optimizer: str = opt("adam", "the (inner) optimizer: AdamW, or plain SGD without momentum (same lr schedule "
-                                 "and decoupled weight decay)", choices=("adam", "sgd"))
+    optimizer: str = opt("adam", "the (inner) optimizer: AdamW, or SGD with --sgd-momentum (same lr schedule; "
+                                 "SGD adds weight decay to the gradient, as Megatron-LM's)", choices=("adam", "sgd"))
     lr: float = opt(1e-3, "peak learning rate", check=POSITIVE)
     min_lr: float = opt(1e-4, "learning rate at the end of the decay", check=NON_NEGATIVE)
     lr_decay_style: str = opt("cosine", "shape of the decay after warm-up (WSD: constant, then "
@@ -220,6 +242,8 @@ class OptimizerConfig:
     adam_beta1: float = opt(0.9, "Adam's first-moment decay", check=PROBABILITY)
     adam_beta2: float = opt(0.95, "Adam's second-moment decay", check=PROBABILITY)
     adam_eps: float = opt(1e-8, "Adam's epsilon", check=POSITIVE)
+    sgd_momentum: float = opt(0.9, "--optimizer sgd: the momentum factor (Megatron-LM's default; 0: plain SGD)",
+                              check=PROBABILITY)
     clip_grad: float = opt(1.0, "global gradient-norm clip (0: off)", check=NON_NEGATIVE)
     use_apex_adam: bool = opt(False, "NVIDIA apex FusedAdam, if you built apex")
 
@@ -327,6 +351,13 @@ class CheckpointConfig:
                                 "the start, fresh optimizer and RNG streams)")
     use_checkpoint_args: bool = opt(False, "with --load: take the model's shape from the checkpoint (also the "
                                            "default when no shape flag is given)")
+    override_opt_param_scheduler: bool = opt(
+        False, "with --load: train on with this command line's learning-rate schedule (and weight decay) where "
+               "it differs from the checkpoint's, each change said in a line (else such a change is refused)",
+        flags=("--override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = opt(
+        False, "with --load: keep the checkpoint's learning-rate schedule (and weight decay) over the schedule "
+               "flags given (each one set aside said in a line)", flags=("--use-checkpoint-opt_param-scheduler",))
 
     def check(self) -> None:
         check_numbers(self)
@@ -334,6 +365,13 @@ class CheckpointConfig:
             raise ValueError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose shape to take)")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler (this command line's learning-rate schedule) and "
+                             "--use-checkpoint-opt_param-scheduler (the checkpoint's) disagree: keep one")
+        for flag, on in (("--override-opt_param-scheduler", self.override_opt_param_scheduler),
+                         ("--use-checkpoint-opt_param-scheduler", self.use_checkpoint_opt_param_scheduler)):
+            if on and not self.load:
+                raise ValueError(f"{flag} needs --load DIR (the checkpoint whose learning-rate schedule it settles)")
 
 
 @dataclass
@@ -345,6 +383,16 @@ class LoggingConfig:
                                        "resume, as JSON lines in this directory (audits, scripts/soak.py)",
                                  metavar="DIR")
     tensorboard_dir: str | None = opt(None, "write TensorBoard scalars here (needs megalite[tb])", metavar="DIR")
+    log_params_norm: bool = opt(False, "log the global L2 norm of the (fp32 master) weights at each log line "
+                                       "(params_norm; Megatron-LM's flag)")
+    wandb_project: str | None = opt(None, "log TensorBoard's scalars and the configuration to this Weights & Biases "
+                                          "project (needs `pip install wandb`; WANDB_MODE=offline: no network)",
+                                    metavar="NAME")
+    wandb_exp_name: str | None = opt(None, "the W&B run's name (default: one W&B picks)", metavar="NAME")
+    wandb_save_dir: str | None = opt(None, "the W&B run's local files (default: wandb under --save, else under the "
+                                           "working directory)", metavar="DIR")
+    wandb_entity: str | None = opt(None, "the W&B team or user the run belongs to (default: W&B's default entity)",
+                                   metavar="NAME")
     timeline: str | None = opt(None, "write a Chrome-trace timeline of all ranks (one row each)", metavar="PATH")
     timeline_iters: int = opt(3, "iterations recorded in the timeline", check=POSITIVE_INT)
     no_progress_bar: bool = opt(False, "no progress bar even on a terminal")

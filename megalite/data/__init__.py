@@ -28,7 +28,11 @@ def resolve_data(data: DataConfig, vocab_size: int | None,
         data = dataclasses.replace(data, tokenizer_type=kind_default)
     megatron_kind = data.tokenizer_type not in (None, "NullTokenizer")
     try:
-        if not data.data_path:
+        if data.sft_data_path:
+            if not data.tokenizer and not megatron_kind:
+                raise UsageError("--sft-data-path needs --tokenizer: the tokenizer of the model being fine-tuned "
+                                 "(a Hugging Face directory renders \"messages\" with its chat template)")
+        elif not data.data_path:
             if data.tokenizer or megatron_kind:
                 raise UsageError("--tokenizer needs --data-path (data preprocessed with that tokenizer)")
             corpus = embedded_corpus(log=say)

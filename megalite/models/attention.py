@@ -5,6 +5,8 @@ head_dim], so a contiguous block of rows is whole heads; the output projection i
 Grouped-query attention splits q by heads and kv by groups (docs/llama.md has the layouts).
 `attention_mask`, where given, is bool and broadcastable to [b, heads, s, s], True = attend (SDPA's
 convention), and is the whole mask; without one, attention is causal or full as `config.causal` says.
+It may instead be `PackedDocuments` (megalite.models.documents): documents packed into each sequence,
+attended one by one and/or with positions restarting at each.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from megalite import ops
 from megalite.models.config import TransformerConfig
+from megalite.models.documents import PackedDocuments, varlen_attention
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
@@ -75,13 +78,26 @@ ATTENTION_BACKENDS = {"sdpa": _sdpa_attention, "fused": _fused_softmax_attention
 
 def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig):
     """Attention over the sequence split across the context-parallel group: keys and values
-    around a ring (p2p) or heads exchanged for the sequence (a2a). Causal, no mask, no dropout."""
-    if attention_mask is not None or not config.causal:
+    around a ring (p2p) or heads exchanged for the sequence (a2a). Causal, no dropout, no mask but
+    packed documents' (`PackedDocuments`)."""
+    documents = attention_mask if isinstance(attention_mask, PackedDocuments) else None
+    if (attention_mask is not None and documents is None) or not config.causal:
         raise ValueError("context parallelism attends causally without masks: drop the attention mask or --cp")
     group, ranks = state.get_context_parallel_group(), state.get_context_parallel_ranks()
     if config.cp_comm_type == "a2a":
-        return a2a_attention(q, k, v, group, ranks, causal=True)
-    return ring_attention(q, k, v, group, ranks, causal=True)
+        whole = None if documents is None else (
+            lambda q, k, v: varlen_attention(q, k, v, documents, _sdpa_attention, 0.0))
+        return a2a_attention(q, k, v, group, ranks, causal=True, attend=whole)
+    return ring_attention(q, k, v, group, ranks, causal=True,
+                          query_starts=None if documents is None else documents.starts)
+
+
+def documents_of(attention_mask) -> tuple[PackedDocuments | None, object]:
+    """(the packed documents where `attention_mask` is them, the mask attention applies: the
+    documents where they confine attention, else none; a tensor mask as it is)."""
+    if not isinstance(attention_mask, PackedDocuments):
+        return None, attention_mask
+    return attention_mask, attention_mask if attention_mask.mask_attention else None
 
 
 def _full_width_norm(x: torch.Tensor, norm: nn.Module, first_head: int, copies: int) -> torch.Tensor:
@@ -181,6 +197,8 @@ class ParallelAttention(nn.Module):
             k, v = _expand_groups(k, v, q.shape[1])
         # Heads differ per TP rank, so must their dropout; without dropout no RNG is drawn.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            if isinstance(attention_mask, PackedDocuments):
+                return varlen_attention(q, k, v, attention_mask, ATTENTION_BACKENDS[backend], p, backend == "sdpa")
             return ATTENTION_BACKENDS[backend](q, k, v, attention_mask, p, self.config.causal)
 
     def _project(self, x: torch.Tensor):
@@ -216,17 +234,39 @@ class ParallelAttention(nn.Module):
             bias = gather_from_sequence_parallel_region(bias, output_grad_is_parallel=True)[rows]
         return weight, bias
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
+        if inference_context is not None:
+            return self._forward_cached(x, inference_context)
+        documents, attention_mask = documents_of(attention_mask)
         q, k, v = self._project(x)  # [s, b, heads (or groups), head_dim]; the whole sequence
         if self.config.qk_layernorm:
             q, k = self._norm_qk(q, k)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            tables = documents.rotary_tables(self.rotary) if documents is not None else None
+            q, k = self.rotary(q, tables), self.rotary(k, tables)
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
         if self.config.recompute == "selective" and self.training:
             ctx = checkpoint_with_tp_rng(self._core, q, k, v, attention_mask)
         else:
             ctx = self._core(q, k, v, attention_mask)  # [b, heads, s, head_dim]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.config.head_dim)
+        return self.proj(ctx)
+
+    def _forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: this step's new tokens x attend to themselves and to the keys and values
+        `cache` (megalite.generation.cache.KVCache) holds for this layer, which it extends with
+        theirs; rope rotates them at their positions after the cached ones (`cache.rotary_tables`)."""
+        q, k, v = self._project(x)
+        if self.config.qk_layernorm:
+            q, k = self._norm_qk(q, k)
+        if self.rotary is not None:
+            tables = cache.rotary_tables(self.rotary)
+            q, k = self.rotary(q, tables), self.rotary(k, tables)
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        k, v = cache.extend(self, k, v, dim=2)  # [b, heads or groups, cached + s, head_dim]
+        ctx = self._core(q, k, v, cache.attention_mask())
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.config.head_dim)
         return self.proj(ctx)

@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from megalite.models.config import TransformerConfig
+from megalite.models.documents import PackedDocuments
 from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
 from megalite.models.mtp import MTPModule
 from megalite.parallel import state
 from megalite.parallel.context_parallel import context_parallel_positions
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.parallel.mappings import gather_from_sequence_parallel_region
 
 
 class GPTModel(LanguageModelStage):
@@ -32,12 +34,17 @@ class GPTModel(LanguageModelStage):
     per-token loss [b, s] (fp32) with labels, else logits [b, s, padded_vocab / tp] (padding
     columns -inf). A stage without pre_process reads its input from `set_input_tensor`; one
     without post_process returns hidden states [s, b, h].
-    attention_mask: optional bool [b, 1, s, s], True = masked out, applied on top of causality.
+    attention_mask: optional bool [b, 1, s, s], True = masked out, applied on top of causality; or
+    `PackedDocuments` (megalite.models.documents): attention within each document packed into a
+    sequence, and/or positions counted from each document's start (theirs are the position_ids).
 
     With `loss_mask` [b, s] too, it returns the summed losses [1 + D] (fp32): the main model's
     sum of per-token loss x loss_mask, then each multi-token prediction depth's (`mtp`, D =
     config.mtp_num_layers modules on the last stage; megalite.models.mtp), which read `mtp_labels`
     and `mtp_loss_mask` [b, s, D] (`with_mtp_targets`).
+
+    With `inference_context` (a megalite.generation KVCache) it runs one step of generation instead
+    (`generation_step`): the cache, not the modules, holds what earlier steps saw.
     """
 
     def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
@@ -75,9 +82,14 @@ class GPTModel(LanguageModelStage):
         return self.embedding_dropout(self.word_embeddings(input_ids.t()))
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None, loss_mask=None,
-                mtp_labels=None, mtp_loss_mask=None):
+                mtp_labels=None, mtp_loss_mask=None, inference_context=None):
+        if inference_context is not None:
+            return self.generation_step(input_ids, inference_context)
+        if isinstance(attention_mask, PackedDocuments):
+            if position_ids is None and getattr(self, "position_embeddings", None) is not None:
+                position_ids = attention_mask.position_ids  # learned positions; rope reads them in attention
         x = self.embed(input_ids, position_ids) if self.pre_process else self.received_input()
-        if attention_mask is not None:
+        if attention_mask is not None and not isinstance(attention_mask, PackedDocuments):
             s = attention_mask.shape[-1]
             causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
             attention_mask = ~attention_mask & causal  # SDPA's convention: True = attend
@@ -102,3 +114,23 @@ class GPTModel(LanguageModelStage):
                 per_token = vocab_parallel_cross_entropy(self.output_logits(hidden), mtp_labels[..., k - 1].t()).t()
                 sums.append((per_token * mtp_loss_mask[..., k - 1]).sum())
         return torch.stack(sums)
+
+    def generation_step(self, input_ids: torch.Tensor | None, cache) -> torch.Tensor:
+        """One step of generation (megalite.generation): this step's tokens [b, s] (the first stage;
+        others read set_input_tensor) run against `cache` (a KVCache: positions after the cached
+        tokens, keys and values kept). Returns hidden states [s, b, h] (sequence-sharded under SP) on
+        a stage without post_process, else logits [b, n, padded_vocab / tp] for the positions
+        `cache.logits_positions()` picks (the last real token's, or all of them)."""
+        if self.pre_process:
+            positions = cache.position_ids() if self.position_embeddings is not None else None
+            x = self.embed(input_ids, positions)
+        else:
+            x = self.received_input()
+        x = self.run_layers(x, None, cache)
+        if not self.post_process:
+            return x
+        hidden = self.final_layernorm(x)
+        if self.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, output_grad_is_parallel=True)
+        hidden = hidden[cache.logits_positions()]
+        return self.output_logits(hidden, sequence_gathered=True).transpose(0, 1)

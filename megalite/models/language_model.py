@@ -121,13 +121,16 @@ class LanguageModelStage(nn.Module):
     def embedding_dropout(self, x: torch.Tensor) -> torch.Tensor:
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
-    def run_layers(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        return run_layers(self.layers, x, attention_mask, self.config, self.training)
+    def run_layers(self, x: torch.Tensor, attention_mask: torch.Tensor | None,
+                   inference_context=None) -> torch.Tensor:
+        return run_layers(self.layers, x, attention_mask, self.config, self.training, inference_context)
 
-    def output_logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def output_logits(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                      sequence_gathered: bool = False) -> torch.Tensor:
         """[s, b, h] -> vocab-sharded logits [s, b, padded_vocab / tp] through the output layer or the
-        tied word embedding (plus a vocab-sharded `bias`), padding columns at -inf."""
-        if self.config.sequence_parallel:
+        tied word embedding (plus a vocab-sharded `bias`), padding columns at -inf. `sequence_gathered`:
+        x is whole along the sequence already (under sequence parallelism it is else this rank's part)."""
+        if self.config.sequence_parallel and not sequence_gathered:
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.models.attention import ATTENTION_BACKENDS, _context_parallel_core
+from megalite.models.attention import ATTENTION_BACKENDS, _context_parallel_core, documents_of
 from megalite.models.config import TransformerConfig
+from megalite.models.documents import PackedDocuments, varlen_attention
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding, yarn_softmax_scale
@@ -104,7 +105,7 @@ class MultiLatentAttention(nn.Module):
             return gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         return copy_to_tensor_model_parallel_region(x)
 
-    def _project(self, x: torch.Tensor):
+    def _project(self, x: torch.Tensor, rotary_tables=None):
         """q and k [s, b, heads_per_rank, d_n + d_r] (rope applied), v [s, b, heads_per_rank, d_v]."""
         s, b = x.shape[:2]
         if self.config.q_lora_rank is None:
@@ -115,7 +116,7 @@ class MultiLatentAttention(nn.Module):
         latent, k_pe = self.kv_down(x).split([self.config.kv_lora_rank, self.rope], -1)
         kv = self.kv_up.gemm(self.kv_norm(latent))
         k_nope, v = kv.view(s, b, self.heads_per_rank, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
-        q_pe, k_pe = self.rotary(q_pe), self.rotary(k_pe.unsqueeze(2))
+        q_pe, k_pe = self.rotary(q_pe, rotary_tables), self.rotary(k_pe.unsqueeze(2), rotary_tables)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads_per_rank, -1)], dim=-1)
         return q, k, v
@@ -141,15 +142,44 @@ class MultiLatentAttention(nn.Module):
             return out[..., :v.shape[-1]]
         p = self.config.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            if isinstance(attention_mask, PackedDocuments):
+                backend = self.config.attention_backend
+                return varlen_attention(q, k, v, attention_mask, ATTENTION_BACKENDS[backend], p, backend == "sdpa")
             return ATTENTION_BACKENDS[self.config.attention_backend](q, k, v, attention_mask, p, self.config.causal)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        q, k, v = self._project(self._input(x))
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
+        if inference_context is not None:
+            return self._forward_cached(self._input(x), inference_context)
+        documents, attention_mask = documents_of(attention_mask)
+        q, k, v = self._project(self._input(x), documents.rotary_tables(self.rotary) if documents is not None else None)
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.config.recompute == "selective" and self.training:
             ctx = checkpoint_with_tp_rng(self._core, q, k, v, attention_mask)
         else:
             ctx = self._core(q, k, v, attention_mask)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.v_dim)
+        return self.proj(ctx)
+
+    def _forward_cached(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """Generation: `cache` (megalite.generation.cache.KVCache) keeps what MLA compresses the keys
+        and values to, per token the normed latent c_kv [kv_lora_rank] and the rotated shared key
+        [d_r] (not heads x (d_n + d_r + d_v)); each step expands the whole cached latent through
+        kv_up for this rank's heads (the up projections are not absorbed into q and proj)."""
+        s, b = x.shape[:2]
+        tables = cache.rotary_tables(self.rotary)
+        q = self.q.gemm(x) if self.config.q_lora_rank is None else self.q_up.gemm(self.q_norm(self.q_down(x)))
+        q_nope, q_pe = q.view(s, b, self.heads_per_rank, self.nope + self.rope).split([self.nope, self.rope], -1)
+        q = torch.cat([q_nope, self.rotary(q_pe, tables)], dim=-1)
+        latent, k_pe = self.kv_down(x).split([self.config.kv_lora_rank, self.rope], -1)
+        k_pe = self.rotary(k_pe.unsqueeze(2), tables).squeeze(2)
+        latent, k_pe = cache.extend(self, self.kv_norm(latent).transpose(0, 1), k_pe.transpose(0, 1), dim=1)
+        n = latent.shape[1]  # cached + new tokens: [b, n, kv_lora_rank], [b, n, d_r]
+        kv = self.kv_up.gemm(latent)
+        k_nope, v = kv.view(b, n, self.heads_per_rank, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.heads_per_rank, -1)], dim=-1)
+        q, k, v = q.permute(1, 2, 0, 3), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, tokens, d]
+        ctx = self._core(q, k, v, cache.attention_mask())
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.v_dim)
         return self.proj(ctx)

@@ -133,15 +133,27 @@ class RotaryEmbedding(nn.Module):
         positions = (torch.arange(s, device=inv_freq.device) if cp == 1
                      else context_parallel_positions(s * cp, cp_rank, cp, inv_freq.device))
         angles = torch.outer(positions.to(torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
+        return self._signed(torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device))
+
+    def cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s, b, 1, rotary_dims] each for per-token positions [b, s] (documents packed into a
+        sequence, each counted from 0): made on the positions' device, for one batch."""
+        inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.t().to(torch.float32)[..., None] * inv_freq  # [s, b, rotary_dims / 2]
+        return self._signed(torch.cat([angles, angles], dim=-1)[:, :, None, :])
+
+    def _signed(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = angles.cos(), angles.sin()
         sin[..., :self.rotary_dims // 2].neg_()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos, sin
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position."""
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position
+        (0..s-1 or this CP rank's share of them; else `cos_sin`, from `cos_sin_at`)."""
+        if cos_sin is not None:
+            return apply_rotary(x, *cos_sin, self.rotary_dims)
         cp = state.get_context_parallel_world_size()
         cos, sin = self.cos_sin(x.shape[0], x.device, state.get_context_parallel_rank() if cp > 1 else 0, cp)
         return apply_rotary(x, cos, sin, self.rotary_dims)

@@ -53,13 +53,16 @@ class TransformerLayer(nn.Module):
         if self.post_norm:
             self.post_mlp_layernorm = norm_layer(config, device)
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
+        """`inference_context`: generation's key/value cache (megalite.generation.cache), or None (training)."""
         c = self.config
         drop = lambda y: hidden_dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)  # noqa: E731
+        cache = {} if inference_context is None else {"inference_context": inference_context}
         if self.post_norm:
-            x = self.post_attention_layernorm(x + drop(self.attention(x, attention_mask)))
+            x = self.post_attention_layernorm(x + drop(self.attention(x, attention_mask, **cache)))
             return self.post_mlp_layernorm(x + drop(self.mlp(x)))
-        x = x + drop(self.attention(self.input_layernorm(x), attention_mask))
+        x = x + drop(self.attention(self.input_layernorm(x), attention_mask, **cache))
         return x + drop(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -101,13 +104,18 @@ def _run_chunk(layers):
 
 
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, attention_mask, config: TransformerConfig,
-               training: bool) -> torch.Tensor:
+               training: bool, inference_context=None) -> torch.Tensor:
     """Run this stage's layers, checkpointing them as `--recompute full` asks.
 
     uniform: consecutive chunks of `recompute_num_layers` layers (default 1) are each one
     checkpoint, keeping only each chunk's input. block: the first `recompute_num_layers` layers
     (default all) are checkpointed one by one; the rest keep their activations.
+    With an `inference_context` (generation, megalite.generation) every layer runs plainly against its cache.
     """
+    if inference_context is not None:
+        for layer in layers:
+            x = layer(x, attention_mask, inference_context=inference_context)
+        return x
     if config.recompute != "full" or not training:
         return _run_chunk(layers)(x, attention_mask)
     if config.recompute_method == "uniform":

@@ -131,15 +131,23 @@ class MegaliteOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradient: each element counted once over TP, PP, DP, and
         for experts once over the expert grid (ETP x EP x PP) and expert data parallelism."""
+        return self._global_norm(lambda piece: piece.master.grad)
+
+    def params_norm(self) -> torch.Tensor:
+        """Global L2 norm of the fp32 master weights, each element counted once as in `grad_norm`
+        (Megatron-LM's --log-params-norm). Collective: every rank calls it."""
+        return self._global_norm(lambda piece: piece.master.detach())
+
+    def _global_norm(self, tensor_of) -> torch.Tensor:
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        sq = self._sum_of_squares(self._dense_norm_pieces, device)
+        sq = self._sum_of_squares(self._dense_norm_pieces, device, tensor_of)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dense = next((b for b in self.buffers if not b.experts), None)
             if self.distributed and dense is not None and dense.dp_size > 1:  # shards over DP (x CP)
                 traffic.counted_all_reduce("metrics", sq, dense.dp_group)
             traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
         if self.moe:  # every rank takes part: a stage of dense layers adds zero
-            expert_sq = self._sum_of_squares(self._expert_pieces, device)
+            expert_sq = self._sum_of_squares(self._expert_pieces, device, tensor_of)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 experts = next((b for b in self.buffers if b.experts), None)
                 if self.distributed and experts is not None and experts.dp_size > 1:
@@ -149,9 +157,9 @@ class MegaliteOptimizer:
         return sq.sqrt()[0]
 
     @staticmethod
-    def _sum_of_squares(pieces, device) -> torch.Tensor:
+    def _sum_of_squares(pieces, device, tensor_of) -> torch.Tensor:
         sq = torch.zeros(1, dtype=torch.float32, device=device)
-        grads = [piece.master.grad for piece in pieces]
+        grads = [tensor_of(piece) for piece in pieces]
         if grads:  # one multi-tensor kernel for all the norms, not one kernel per parameter
             sq += torch.stack(torch._foreach_norm(grads)).square().sum()
         return sq
@@ -212,10 +220,11 @@ class MegaliteOptimizer:
                 buf.all_gather_params()
 
     def state_bytes(self) -> int:
-        """Bytes this rank holds for the optimizer: fp32 masters that are copies, plus Adam states."""
+        """Bytes this rank holds for the optimizer: fp32 masters that are copies, plus Adam's (or SGD's) states."""
         total = sum(p.master.numel() * 4 for p in self._copied_pieces)
         for st in self.inner.state.values():
-            total += sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+            held = {id(t): t for t in st.values() if torch.is_tensor(t) and t.dim() > 0}  # SGD's buffer has two names
+            total += sum(t.numel() * t.element_size() for t in held.values())
         return total
 
     def state_dict(self) -> dict:
@@ -236,3 +245,27 @@ def _adamw(groups, lr, betas, eps, use_apex):
         return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
     # Fused on CPU too: one code path, and its `found_inf` input skips a step without a host sync.
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+class _SGD(torch.optim.SGD):
+    """PyTorch's fused SGD, whose momentum buffer is also the state's "exp_avg": the first moment that
+    checkpoints save and load at any layout beside Adam's (megalite.checkpoint), so a resumed run keeps
+    its momentum."""
+
+    def step(self, closure=None):
+        for st in self.state.values():  # a loaded first moment is the buffer the update reads
+            if "exp_avg" in st:
+                st["momentum_buffer"] = st["exp_avg"]
+        loss = super().step(closure)
+        for st in self.state.values():
+            if st.get("momentum_buffer") is not None:
+                st["exp_avg"] = st["momentum_buffer"]
+        return loss
+
+
+def sgd(groups, lr: float, momentum: float = 0.0) -> torch.optim.SGD:
+    """Megatron-LM's SGD (--optimizer sgd --sgd-momentum m): weight decay added to the gradient,
+    d = g + wd * p; the buffer b = m * b + d (b = d at the first step); p -= lr * b. Fused, like the
+    AdamW it replaces, so a step with inf/NaN gradients is skipped on the device."""
+    return _SGD(groups, lr=lr, momentum=momentum, fused=True)
+

@@ -73,21 +73,33 @@ def gather_from_context_parallel(shares: list[torch.Tensor], dim: int) -> torch.
 # one block of attention, forward and backward, in fp32 (grouped-query: q [b, g, r, s, d], k/v [b, g, s, d])
 
 
-def _block_forward(q, k, v, scale, causal):
-    """(output [b, g, r, sq, d], log-sum-exp [b, g, r, sq]) of q against one key/value block."""
-    scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
-    if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
+def _block_forward(q, k, v, scale, causal, allowed=None):
+    """(output [b, g, r, sq, d], log-sum-exp [b, g, r, sq]) of q against one key/value block; `allowed`
+    [b, 1, 1, sq, sk] (True = attend) masks it further. A query that sees no key of the block gets
+    output 0 and log-sum-exp -inf (nothing to merge)."""
+    scores = _masked_scores(q, k, scale, causal, allowed)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     return torch.einsum("bgrqk,bgkd->bgrqd", probs, v), lse
 
 
-def _block_backward(q, k, v, d_out, lse, delta, scale, causal):
-    """(dq, dk, dv) of one block, its probabilities recomputed from the final log-sum-exp."""
+def _masked_scores(q, k, scale, causal, allowed):
     scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
     if causal:
         scores = scores.masked_fill(_future(scores), float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a query that saw no key yet) as 0, so exp(x - lse) stays 0 instead of NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _block_backward(q, k, v, d_out, lse, delta, scale, causal, allowed=None):
+    """(dq, dk, dv) of one block, its probabilities recomputed from the final log-sum-exp."""
+    scores = _masked_scores(q, k, scale, causal, allowed)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     dv = torch.einsum("bgrqk,bgrqd->bgkd", probs, d_out)
     d_probs = torch.einsum("bgrqd,bgkd->bgrqk", d_out, v)
@@ -105,7 +117,8 @@ def _future(scores: torch.Tensor) -> torch.Tensor:
 def _merge(out, lse, block_out, block_lse):
     """Online softmax: two partial results over disjoint keys -> their combination (fp32)."""
     new_lse = torch.logaddexp(lse, block_lse)
-    merged = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    safe = _finite(new_lse)  # both -inf: neither part has a key yet
+    merged = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
     return merged, new_lse
 
 
@@ -168,7 +181,7 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale):
+    def forward(ctx, q, k, v, ring, causal, scale, query_starts):
         kv = torch.stack([k, v]).contiguous()  # one message per step; the KV groups only
         qg = _grouped(q, k.shape[1]).float()
         local = q.shape[2]
@@ -179,20 +192,22 @@ class _RingAttention(torch.autograd.Function):
             requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
                 if incoming is not None else None
             rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
+            allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
             block_k, block_v = kv[0, :, :, keys].float(), kv[1, :, :, keys].float()
-            block_out, block_lse = _block_forward(qg[:, :, :, rows], block_k, block_v, scale, diagonal)
+            block_out, block_lse = _block_forward(qg[:, :, :, rows], block_k, block_v, scale,
+                                                  diagonal and allowed is None, allowed)
             out[:, :, :, rows], lse[:, :, :, rows] = _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
             _wait(requests)
             kv = incoming
         result = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
+        ctx.ring, ctx.causal, ctx.scale, ctx.query_starts = ring, causal, scale, query_starts
         return result
 
     @staticmethod
     def backward(ctx, d_result):
         q, k, v, result, lse = ctx.saved_tensors
-        ring, causal, scale = ctx.ring, ctx.causal, ctx.scale
+        ring, causal, scale, query_starts = ctx.ring, ctx.causal, ctx.scale, ctx.query_starts
         groups, local = k.shape[1], q.shape[2]
         qg = _grouped(q, groups).float()
         d_out = _grouped(d_result, groups).float()
@@ -206,9 +221,10 @@ class _RingAttention(torch.autograd.Function):
             requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
                 if incoming is not None else None
             rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
+            allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
             block_dq, block_dk, block_dv = _block_backward(
                 qg[:, :, :, rows], kv[0, :, :, keys].float(), kv[1, :, :, keys].float(), d_out[:, :, :, rows],
-                lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal)
+                lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal and allowed is None, allowed)
             dq[:, :, :, rows] += block_dq
             dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
             dkv[0, :, :, keys], dkv[1, :, :, keys] = block_dk, block_dv
@@ -226,7 +242,20 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_requests)
             own_dkv += travelling  # every other rank's part of this rank's dK/dV
         dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None
+        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None
+
+
+def _documents_allowed(query_starts, ring: _Ring, step: int, rows: slice, keys: slice, local: int):
+    """[b, 1, 1, queries, keys] True where a query of `rows` may attend a key of `keys` in the block of
+    CP rank ring.owner(step): an earlier (or the same) position of its own document, which starts at
+    `query_starts` [b, s_local] (global positions). None without documents."""
+    if query_starts is None:
+        return None
+    whole = local * ring.size
+    q_pos = context_parallel_positions(whole, ring.rank, ring.size, query_starts.device)[rows]
+    k_pos = context_parallel_positions(whole, ring.owner(step), ring.size, query_starts.device)[keys]
+    allowed = (k_pos[None, None, :] <= q_pos[None, :, None]) & (k_pos[None, None, :] >= query_starts[:, rows, None])
+    return allowed[:, None, None]
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -239,18 +268,22 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
-                   softmax_scale: float | None = None) -> torch.Tensor:
+                   softmax_scale: float | None = None, query_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's tokens against the whole sequence, keys and values passed around the
     ring of `ranks` (global ranks of `group`, CP rank 0 first). q [b, heads, s_local, d], k and v
     [b, groups, s_local, d] hold this rank's load-balanced share (`split_for_context_parallel`);
-    returns [b, heads, s_local, d] in q's dtype. Accumulates in fp32; differentiable."""
+    returns [b, heads, s_local, d] in q's dtype. Accumulates in fp32; differentiable.
+    `query_starts` [b, s_local] (causal only): the global position where each query's document
+    starts, for documents packed into one sequence; a query then attends only within its own."""
     _check_shapes(q, k, v)
     ring = _Ring(group, ranks)
     if causal and q.shape[2] % 2:
         raise ValueError(f"causal context parallelism holds two chunks per rank, but this rank holds "
                          f"{q.shape[2]} tokens (odd): make the sequence length a multiple of 2 x cp = {2 * ring.size}")
+    if query_starts is not None and not causal:
+        raise ValueError("documents packed into a sequence are attended causally: drop query_starts or use causal")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ring, causal, scale)
+    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,20 +314,25 @@ class _AllToAll(torch.autograd.Function):
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
-                  softmax_scale: float | None = None) -> torch.Tensor:
+                  softmax_scale: float | None = None, attend=None) -> torch.Tensor:
     """The same result as `ring_attention`, by all-to-all: each rank gets heads / N of the heads (and
-    groups / N of the KV groups) for the whole sequence, attends, and sends the results back."""
+    groups / N of the KV groups) for the whole sequence, attends, and sends the results back.
+    `attend(q, k, v)`, where given, attends over the whole sequence in its place (in global order:
+    documents packed into the sequence, for one)."""
     _check_shapes(q, k, v)
     size = len(ranks)
     heads, groups = q.shape[1], k.shape[1]
     if heads % size or groups % size:
         raise ValueError(f"--cp-comm-type a2a splits the heads across cp = {size} ranks, but {heads} query heads / "
                          f"{groups} KV groups do not divide by {size}: use --cp-comm-type p2p")
+    if attend is None:
+        def attend(q, k, v):
+            return _attend(q, k, v, causal, softmax_scale)
     if size == 1:
-        return _attend(q, k, v, causal, softmax_scale)
+        return attend(q, k, v)
     to_global = torch.argsort(_rank_order(q.shape[2] * size, size)).to(q.device)
     whole = [_AllToAll.apply(t, 1, 2, group).index_select(2, to_global) for t in (q, k, v)]
-    out = _attend(*whole, causal, softmax_scale)
+    out = attend(*whole)
     back_to_ranks = torch.argsort(to_global)
     return _AllToAll.apply(out.index_select(2, back_to_ranks), 2, 1, group)
 

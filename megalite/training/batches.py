@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel
+from megalite.data.documents import HOST_KEYS
 from megalite.parallel import traffic
 from megalite.parallel.context_parallel import split_for_context_parallel
 from megalite.training.task import Task
@@ -12,10 +13,11 @@ from megalite.training.task import Task
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """A host batch on `device`: through pinned memory when it is a GPU, so the copy is truly
-    asynchronous (from pageable memory `non_blocking` copies synchronously)."""
+    asynchronous (from pageable memory `non_blocking` copies synchronously). What attention reads
+    on the host (`HOST_KEYS`: packed documents' bounds) stays there."""
     if device.type == "cpu":
         return batch
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v if k in HOST_KEYS else v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def sample_indices(consumed: int, global_batch: int, dp: int, dp_rank: int) -> range:
@@ -61,6 +63,19 @@ def global_normalizer(batches: list[dict], global_batch_size: int, dp_group) -> 
     for b in batches:
         b["num_tokens"], b["global_batch_size"] = num_tokens, global_batch_size
     return num_tokens
+
+
+def micro_batch_means(batches: list[dict], num_tokens: torch.Tensor, replicas: int, cp_group) -> None:
+    """Megatron-LM's loss without --calculate-per-token-loss: each micro-batch's mean over its own
+    tokens (summed over the context-parallel group: a sequence's tokens are spread over it), then the
+    mean of those over the micro-batches and the `replicas` data-parallel ranks. Each loss mask is
+    scaled so that the loop's sum(loss x mask) / num_tokens is that; where every micro-batch counts
+    the same tokens the scale is 1. (A micro-batch without a counted token adds 0, not NaN.)"""
+    counts = torch.stack([b["loss_mask"].sum() for b in batches]).float()
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        traffic.counted_all_reduce("metrics", counts, cp_group)
+    for b, count in zip(batches, counts):
+        b["loss_mask"] = b["loss_mask"] * (num_tokens / (count.clamp(min=1) * len(batches) * replicas))
 
 
 def loss_terms(task: Task, batches: list[dict], device) -> torch.Tensor | None:

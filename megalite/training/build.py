@@ -13,6 +13,7 @@ from megalite.config import lr_schedule_lengths, model_config, model_dtype, vali
 from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
+from megalite.optim.optimizer import sgd
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
@@ -163,7 +164,7 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                                   loss_scaler=scaler, use_apex=o.use_apex_adam,
                                   separate_embedding_lr=o.decoupled_lr is not None, moe=moe)
     if o.optimizer == "sgd":
-        _use_plain_sgd(optimizer, o.lr)
+        _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)
     return buffers, optimizer
 
 
@@ -208,12 +209,12 @@ def lr_schedules(cfg) -> tuple[LRSchedule, LRSchedule | None]:
     return schedule(o.lr, o.min_lr), decoupled
 
 
-def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float) -> None:
-    """--optimizer sgd: the same masters, groups and weight decay under plain SGD. Without momentum,
-    SGD's weight decay (added to the gradient) is AdamW's decoupled one: p - lr * (g + wd * p). Fused,
-    like the AdamW it replaces, so a step with inf/NaN gradients is skipped on the device."""
+def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float, momentum: float = 0.0) -> None:
+    """--optimizer sgd: the same masters, groups and weight decay under SGD (megalite.optim.optimizer.sgd:
+    Megatron-LM's, with --sgd-momentum). Without momentum, SGD's weight decay (added to the gradient) is
+    AdamW's decoupled one: p - lr * (g + wd * p)."""
     groups = [{k: g[k] for k in ("params", "weight_decay", "embedding_or_output")} for g in optimizer.inner.param_groups]
-    optimizer.inner = torch.optim.SGD(groups, lr=lr, momentum=0.0, fused=True)
+    optimizer.inner = sgd(groups, lr, momentum)
 
 
 def build_local_sgd(cfg, optimizer: MegaliteOptimizer) -> LocalSGD | None:

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+
+import torch.distributed as dist
 
 from megalite import checkpoint
-from megalite.config import RunConfig, model_config
+from megalite.config import RunConfig, model_config, validate
 from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS, virtual_stages
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import flag_name
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
-from megalite.runtime import say
+from megalite.runtime import env_world, say
+from megalite.training import resume_policy as policy
 
 _ROPE = ("rotary_base", "rotary_percent")
 _ROPE_SCALING = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -34,6 +38,8 @@ def shape_fields(model: TransformerConfig) -> dict:
                qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma)
+    if not model.gated_linear_unit and model.activation in ("gelu", "gelu_tanh"):  # a gated MLP's silu is swiglu's
+        out["openai_gelu"] = model.activation == "gelu_tanh"
     if model.multi_latent_attention:
         out.update(multi_latent_attention=True, **{k: getattr(model, k) for k in MLA_SIZES})
     if model.mtp_num_layers:  # its weight in the loss too, unless a flag retunes it
@@ -63,14 +69,47 @@ def _shape_flags_given(cfg: RunConfig) -> list[str]:
 
 def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     """`cfg` with the model section of the checkpoint `--load` names, when no shape flag is given (or
-    with --use-checkpoint-args); unchanged when there is no checkpoint (yet) or flags give the shape."""
+    with --use-checkpoint-args), and with what else resume_policy.POLICY takes from it (the experts
+    field by field, the learning-rate schedule, the global batch), each change said in one line or
+    refused; unchanged when there is no checkpoint (yet)."""
     c = cfg.checkpoint
-    if not c.load or not checkpoint.CheckpointReader.exists(c.load):
+    if not c.load or not checkpoint.checkpoint_exists(c.load):  # megalite's, or Megatron-LM's torch_dist
         return cfg
+    reader = checkpoint.open_checkpoint(c.load)  # megalite's, or a MegatronCheckpoint
+    adoption = policy.Adoption(str(reader.path))
+    run_config = reader.metadata.get("run_config", {})
     given = _shape_flags_given(cfg)
-    if given and not c.use_checkpoint_args:
-        return cfg  # the flags' model, checked against the checkpoint's when it loads
-    reader = checkpoint.CheckpointReader(c.load)
+    model_said = not given or c.use_checkpoint_args
+    adopted = _adopt_model(cfg, reader, given, adoption) if model_said else cfg
+    saved_moe = run_config.get("moe", {})
+    if not saved_moe.get("num_experts") and reader.config.is_moe:  # an import, or a MoE preset's run
+        saved_moe = {**saved_moe, **moe_section(reader.config)}
+    adopted = policy.merge_moe(adopted, saved_moe, reader.config, adoption, model_said)
+    adopted = policy.adopt_schedule(adopted, run_config, adoption)
+    adopted = policy.adopt_kept_and_note(adopted, run_config, adoption)
+    p = adopted.parallel
+    if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
+        adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))
+    built = _checked(adopted, adoption)
+    if model_said:
+        differs = [k for k in checkpoint.SHAPE_FIELDS + checkpoint.LLAMA_SHAPE_FIELDS
+                   if getattr(built, k) != getattr(reader.config, k)]
+        if differs:
+            raise UsageError(f"the model of {reader.path} cannot be described by megalite's flags "
+                             f"({', '.join(differs)} differ from its preset): give the model flags (--model and the "
+                             f"shape) explicitly")
+        why = "--use-checkpoint-args" if c.use_checkpoint_args else "no shape flag given; --use-checkpoint-args says so"
+        say(f"megalite: model from {reader.path}: {built.num_layers} layers, hidden {built.hidden_size}, "
+            f"{built.num_attention_heads} heads, vocabulary {built.vocab_size}, {built.max_position_embeddings} "
+            f"positions ({why})")
+    for line in [adoption.line(), *adoption.notes]:
+        if line:
+            say(line)
+    return adopted
+
+
+def _adopt_model(cfg: RunConfig, reader, given: list[str], adoption) -> RunConfig:
+    """The model section of the checkpoint (a shape flag given with --use-checkpoint-args must agree)."""
     saved = reader.metadata.get("run_config", {}).get("model", {})
     fields = shape_fields(reader.config)
     for name in given:
@@ -86,29 +125,31 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         # Rotary (or no) positions are no weights: a longer sequence raises them, as without --load.
         seq = changes.get("seq_length", cfg.model.seq_length)
         changes["max_position_embeddings"] = max(reader.config.max_position_embeddings, seq)
-    adopted = cfg.replace("model", **changes)
-    saved_moe = reader.metadata.get("run_config", {}).get("moe", {})
-    if not saved_moe.get("num_experts") and reader.config.is_moe:  # an import, or a MoE preset's run
-        saved_moe = {**saved_moe, **moe_section(reader.config)}
-    moe_fields = {f.name for f in section_fields(cfg.moe)}
-    explicit = cfg.explicit
-    if saved_moe.get("num_experts") and not any(cfg.given(k) for k in moe_fields):
-        # a MoE checkpoint's experts and router, as it was trained: as if given (a MoE preset yields
-        # to the moe flags given only)
-        taken = {k: v for k, v in saved_moe.items() if k in moe_fields}
-        adopted = adopted.replace("moe", **taken)
-        explicit = explicit | {f"moe.{k}" for k in taken}
-    p = adopted.parallel
-    if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
-        adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))
-    built = model_config(adopted)
-    differs = [k for k in checkpoint.SHAPE_FIELDS + checkpoint.LLAMA_SHAPE_FIELDS
-               if getattr(built, k) != getattr(reader.config, k)]
-    if differs:
-        raise UsageError(f"the model of {reader.path} cannot be described by megalite's flags ({', '.join(differs)} "
-                         f"differ from its preset): give the model flags (--model and the shape) explicitly")
-    why = "--use-checkpoint-args" if c.use_checkpoint_args else "no shape flag given; --use-checkpoint-args says so"
-    say(f"megalite: model from {reader.path}: {built.num_layers} layers, hidden {built.hidden_size}, "
-        f"{built.num_attention_heads} heads, vocabulary {built.vocab_size}, {built.max_position_embeddings} positions "
-        f"({why})")
-    return dataclasses.replace(adopted, explicit=explicit)
+    # Said by the "model from" line. Not marked given: a printed configuration writes these values as
+    # they differ from the section's defaults (megalite.config.expand).
+    adopted = adoption.take(cfg, changes, said_elsewhere=True)
+    return dataclasses.replace(adopted, explicit=cfg.explicit, derived=cfg.derived)
+
+
+def _world_size() -> int | None:
+    """The ranks the run will have (--print-config: WORLD_SIZE), for checking taken values early."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    world = os.environ.get("WORLD_SIZE", str(env_world()[1]))
+    return int(world) if world.isdigit() and int(world) >= 1 else None
+
+
+def _checked(cfg: RunConfig, adoption) -> TransformerConfig:
+    """The model `cfg` builds, its layout checked now when values came from the checkpoint, so that an
+    error names them as the checkpoint's (not as flags never given)."""
+    world = _world_size() if adoption.taken else None
+    try:
+        built = model_config(cfg)
+        if world is not None:
+            validate(cfg, world, built, machine=False)
+    except UsageError as e:
+        told = policy.with_sources(str(e), adoption)
+        if told != str(e) or world is None:
+            raise UsageError(told) from None
+        # not about a taken value: the run's own check says it, with the real world
+    return built

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import RunConfig
-from megalite.data import resolve_data
+from megalite.data import data_tokenizer, resolve_data
+from megalite.data.documents import DocumentFlags, WithDocuments
+from megalite.data.sft import build_sft_datasets
 from megalite.errors import UsageError
 
 
@@ -35,3 +37,54 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
     return train, valid
 
 
+
+
+def sft_datasets(cfg: RunConfig) -> tuple:
+    """(train, valid or None) of --sft-data-path: conversations packed into sequences whose documents
+    attend to themselves with positions from 0 (megalite.data.sft, megalite.data.documents)."""
+    from megalite.config.sections import split_weights
+    from megalite.runtime import say
+
+    d = cfg.data
+    tokenizer = data_tokenizer(d)
+    try:
+        train, valid = build_sft_datasets(d.sft_data_path, tokenizer, cfg.model.seq_length, split_weights(d.split),
+                                          cfg.training.seed, pack=not d.sft_no_packing)
+    except ValueError as e:  # DatasetError, and a tokenizer without an EOD
+        raise UsageError(str(e)) from None
+    cut = train.cut + (valid.cut if valid is not None else 0)
+    if cut:
+        say(f"note: {cut} conversation(s) of {d.sft_data_path} are longer than --seq-length {cfg.model.seq_length} "
+            f"+ 1 tokens and were cut to it")
+    flags = DocumentFlags(tokenizer.eod, reset_attention_mask=True, reset_position_ids=True)
+    return with_document_flags((train, valid), flags)
+
+
+def masks_differ(cfg: RunConfig) -> bool:
+    """Whether micro-batches may count different numbers of loss tokens, so that Megatron-LM's mean
+    of micro-batch means differs from the per-token mean (--calculate-per-token-loss)."""
+    return bool(cfg.data.eod_mask_loss or cfg.data.sft_data_path)
+
+
+def document_flags(cfg: RunConfig, vocab_size: int) -> DocumentFlags | None:
+    """Megatron-LM's --reset-attention-mask / --reset-position-ids / --eod-mask-loss with the token
+    that ends a document: the tokenizer's EOD, or with --mock-data the last id of the vocabulary
+    (where Megatron-LM's NullTokenizer puts it). None when none is given."""
+    d = cfg.data
+    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
+        return None
+    eod = vocab_size - 1 if d.mock_data else data_tokenizer(d).eod
+    if eod is None:
+        given = [f for f, on in (("--reset-attention-mask", d.reset_attention_mask),
+                                 ("--reset-position-ids", d.reset_position_ids),
+                                 ("--eod-mask-loss", d.eod_mask_loss)) if on]
+        raise UsageError(f"{' '.join(given)} find documents by the end-of-document token, and the tokenizer "
+                         f"has none: use a tokenizer with an EOS/EOD token (and data preprocessed with --append-eod)")
+    return DocumentFlags(eod, d.reset_attention_mask, d.reset_position_ids, d.eod_mask_loss)
+
+
+def with_document_flags(datasets: tuple, flags: DocumentFlags | None) -> tuple:
+    """(train, valid) whose batches carry the document flags' effects (megalite.data.documents)."""
+    if flags is None:
+        return datasets
+    return tuple(None if d is None else WithDocuments(d, flags) for d in datasets)

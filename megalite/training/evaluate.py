@@ -7,7 +7,8 @@ import torch.distributed as dist
 from megalite import parallel
 from megalite.parallel import traffic
 from megalite.pipeline.schedules import Op, forward_only_kind, run_schedule
-from megalite.training.batches import global_normalizer, loss_terms, micro_batches
+from megalite.training.datasets import masks_differ
+from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches
 from megalite.training.build import loss_stage_rank
 from megalite.training.step import TrainStep
 from megalite.training.task import Task
@@ -33,6 +34,8 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
         for j in range(cfg.training.eval_iters):
             batches = micro_batches(data, j, cfg, dp, parallel.get_data_parallel_rank(), device)
             n = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
+            if masks_differ(cfg) and not cfg.training.calculate_per_token_loss:  # as training's loss
+                micro_batch_means(batches, n, dp, parallel.get_context_parallel_group())
             stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype,
                                  v_shape=step.v_shape,
                                  plan=step.exchange_plan(forward_only_kind(step.schedule), len(batches)))
@@ -49,3 +52,34 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
         c.train()
     means = (sums / tokens).tolist()
     return {"loss": means[0], **dict(zip(task.loss_terms, means[1:]))}
+
+
+class EvalSamples:
+    """--eval-prompts: the prompts and the tokenizer, read once before training (a missing file or
+    tokenizer is one line then, not at the first validation)."""
+
+    def __init__(self, cfg, task: Task):
+        from megalite.data import data_tokenizer
+        from megalite.errors import UsageError
+        from megalite.generation.samples import read_prompts
+
+        if task.model_kind != "gpt":
+            raise UsageError(f"--eval-prompts completes prompts with a GPT; a {task.model_kind} model does not "
+                             f"generate: drop it")
+        if cfg.parallel.cp > 1:
+            raise UsageError("--eval-prompts: generation runs without context parallelism: drop --cp or the flag")
+        if cfg.data.mock_data:
+            raise UsageError("--eval-prompts needs the run's tokenizer, and --mock-data has none: give --data-path and "
+                             "--tokenizer")
+        try:
+            self.prompts, self.tokenizer = read_prompts(cfg.training.eval_prompts), data_tokenizer(cfg.data)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--eval-prompts: {e}") from None
+
+    def log(self, step: TrainStep, iteration: int, logger) -> None:
+        """Every rank: complete the prompts; the logging rank prints them and adds them to TensorBoard."""
+        from megalite.generation.samples import log_samples
+
+        with traffic.excluded():
+            log_samples(step.chunks, self.prompts, self.tokenizer, iteration, logger.say, logger.tb,
+                        v_shape=step.v_shape)

@@ -10,14 +10,15 @@ import torch.distributed as dist
 
 from megalite import faults, ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
-from megalite.config.sections import global_batch_at
+from megalite.config.batch_schedule import batch_schedule, check_schedule_layout
 from megalite.pipeline.partition import V_SCHEDULES
 from megalite.pipeline.schedules import build_program, forward_only_kind
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
-from megalite.training.batches import global_normalizer, loss_terms, micro_batches, sample_indices
+from megalite.training.datasets import masks_differ
+from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
-from megalite.training.evaluate import evaluate
+from megalite.training.evaluate import EvalSamples, evaluate
 from megalite.training.progress import Progress
 from megalite.training.restarts import ProgressRecord, restart_line
 from megalite.training.resume import load_checkpoint, resume, resume_local_sgd, say_resumed
@@ -61,6 +62,22 @@ def _announce(cfg, config, world_size: int, dp: int, m: int, device) -> None:
         say(f"megalite: {ops.kernels_available()}")
 
 
+def _batch_schedule(cfg, dp: int, consumed: int):
+    """Each step's global batch by the samples consumed; a step schedule's batches still ahead checked
+    against the layout here, as Megatron-LM checks each as it starts (a ramp's are checked with the layout)."""
+    schedule = batch_schedule(cfg.training, cfg.model.seq_length)
+    if schedule.steps is not None:
+        p = cfg.parallel
+        if cfg.local_sgd.local_sgd_interval:
+            raise UsageError("--step-batch-size-schedule with --local-sgd-interval is not supported: drop one")
+        try:
+            check_schedule_layout(schedule, consumed, cfg.training.micro_batch_size, dp, p.pp,
+                                  interleaved=bool(p.vpp and p.vpp > 1 and p.pipeline_schedule not in V_SCHEDULES))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return schedule
+
+
 def _due(every: int, iteration: int, last: int) -> bool:
     return bool(every) and (iteration % every == 0 or iteration == last)
 
@@ -99,6 +116,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     eval_program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
                                  kind=forward_only_kind(cfg.parallel.pipeline_schedule))
     progress = Progress(cfg, task, config, step.dtype, device, m, chunks)
+    samples = EvalSamples(cfg, task) if cfg.training.eval_prompts else None  # --eval-prompts
     _announce(cfg, config, world_size, dp, m, device)
     # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds
     # part of every sequence).
@@ -115,12 +133,13 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     for c in chunks:
         c.train()
     consumed, stop_reason = start.consumed_samples, None
+    batches_by = _batch_schedule(cfg, dp, consumed)
     for iteration in range(start.iteration + 1, cfg.training.train_iters + 1):  # 1-based: the iteration being run
         faults.set_iteration(iteration, start.iteration)
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
         set_phase(f"iteration {iteration}: the forward/backward schedule")
-        global_batch = global_batch_at(consumed, cfg.training.global_batch_size, cfg.training.rampup_batch_size)
-        if cfg.training.rampup_batch_size is not None:
+        global_batch = batches_by.at(consumed)
+        if batches_by.varies:
             step.use_micro_batches(global_batch // (cfg.training.micro_batch_size * dp))
         batches = micro_batches(data, iteration - 1, cfg, dp, dp_rank, device, consumed, global_batch)
         samples_log.consumed(iteration, dp_rank, sample_indices(consumed, global_batch, dp, dp_rank))
@@ -129,8 +148,10 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         else:  # the log line's loss: the mean over replicas of each replica's mean
             num_tokens = global_normalizer(batches, cfg.training.global_batch_size // dp, replica_group)
             logged_tokens = num_tokens * dp
-        # The schedule runs on steps; during a ramp-up on samples seen, in final batches (Megatron-LM's).
-        at = iteration - 1 if cfg.training.rampup_batch_size is None else consumed / cfg.training.global_batch_size
+        if masks_differ(cfg) and not cfg.training.calculate_per_token_loss:  # masks differ: Megatron-LM's mean
+            micro_batch_means(batches, num_tokens, 1 if local_sgd is not None else dp, parallel.get_context_parallel_group())
+        # The schedule runs on steps; with a growing batch on samples seen, in final batches (Megatron-LM's).
+        at = iteration - 1 if not batches_by.varies else consumed / cfg.training.global_batch_size
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(at)
         embedding_lr = embedding_schedule(at) if embedding_schedule is not None else None
         result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}", embedding_lr)
@@ -147,6 +168,9 @@ def pretrain(cfg, task: Task) -> TrainingRun:
             set_phase(f"iteration {iteration}: validation")
             progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, valid_data, device),
                                        task.perplexity_of)
+        if samples is not None and _due(t.eval_interval, iteration, t.train_iters):
+            set_phase(f"iteration {iteration}: samples of --eval-prompts")
+            samples.log(step, iteration, progress.logger)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
         record.after_iteration(iteration)
         faults.point("term")

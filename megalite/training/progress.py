@@ -12,6 +12,7 @@ from megalite import parallel
 from megalite.config import expanded, to_toml
 from megalite.models.moe import stats as moe_stats
 from megalite.metrics import LogWindow, Timeline, TrainingLogger, default_peak_tflops, model_flops_per_iteration
+from megalite.metrics_wandb import WandbOptions
 from megalite.parallel import traffic
 from megalite.pipeline.schedules import bubble_fraction
 from megalite.runtime import TrainingStopped
@@ -35,11 +36,13 @@ class Progress:
         dp, pp = parallel.get_data_parallel_world_size(), cfg.parallel.pp
         self.dp = dp
         log = cfg.logging
+        # Rank 0 logs (TensorBoard, W&B, the metrics file): the log window brings it the last stage's loss.
         self.logger = TrainingLogger(self.rank == 0, log.metrics_file, log.tensorboard_dir, cfg.training.train_iters,
-                                     not log.no_progress_bar)
+                                     not log.no_progress_bar, WandbOptions.of(log, cfg.checkpoint.save))
         self.timeline = Timeline(cfg.logging.timeline, cfg.logging.timeline_iters)
-        self.logger.configuration(to_toml(expanded(cfg), "the configuration of this run (--config reads it)"),
-                                  cfg.logging.metrics_file)
+        resolved = expanded(cfg)
+        self.logger.configuration(to_toml(resolved, "the configuration of this run (--config reads it)"),
+                                  cfg.logging.metrics_file, resolved.to_dict())
         sums_over = parallel.get_data_parallel_world_size(with_context_parallel=True)  # DP x CP
         self.window = LogWindow(device, task.loss_terms, task.perplexity_of,
                                 parallel.get_data_parallel_group(with_context_parallel=True) if sums_over > 1 else None,
@@ -69,7 +72,16 @@ class Progress:
     def after_step(self, iteration: int, result: StepResult, optimizer, loss_scale: float, lr: float,
                    consumed: int, terms: torch.Tensor | None, num_tokens: torch.Tensor, record_spans: bool) -> None:
         """Account iteration `iteration` (1-based, done). Raises TrainingStopped after
-        --max-skipped-iters skipped steps in a row (the same iteration on every rank)."""
+        --max-skipped-iters skipped steps in a row (the same iteration on every rank); the logger is
+        closed then (a W&B run marked failed with the exit code run_main gives it, 3)."""
+        try:
+            self._after_step(iteration, result, optimizer, loss_scale, lr, consumed, terms, num_tokens, record_spans)
+        except TrainingStopped:
+            self.logger.close(exit_code=3)
+            raise
+
+    def _after_step(self, iteration: int, result: StepResult, optimizer, loss_scale: float, lr: float,
+                    consumed: int, terms: torch.Tensor | None, num_tokens: torch.Tensor, record_spans: bool) -> None:
         cfg = self.cfg
         self.logger.step()
         self.skips.add(result.found_inf, optimizer.last_skipped)
@@ -128,6 +140,8 @@ class Progress:
             **figures,
             "lr": lr,
             "grad_norm": result.grad_norm.item(),
+            # --log-params-norm: a collective, at log lines only (every rank logs at the same iterations)
+            "params_norm": optimizer.params_norm().item() if cfg.logging.log_params_norm else None,
             "loss_scale": optimizer.loss_scaler.scale,
             "skipped": skipped,
             "ms_per_iter": elapsed * 1e3,

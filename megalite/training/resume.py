@@ -38,7 +38,7 @@ def load_checkpoint(cfg, task, config, chunks):
         say(f"megalite: --save {cfg.checkpoint.save} already holds this fine-tuning run's checkpoints: resuming them "
             f"instead of starting again from --load {cfg.checkpoint.load}")
         cfg = cfg.replace("checkpoint", load=cfg.checkpoint.save, finetune=False)
-    if not checkpoint.CheckpointReader.exists(cfg.checkpoint.load):
+    if not checkpoint.checkpoint_exists(cfg.checkpoint.load):  # megalite's, or Megatron-LM's torch_dist
         path = Path(cfg.checkpoint.load)
         if path.is_file():
             raise UsageError(f"--load {cfg.checkpoint.load} is a file: give the directory that --save wrote "
@@ -51,7 +51,7 @@ def load_checkpoint(cfg, task, config, chunks):
                              f"--load, or give it the same directory as --save (the restart idiom)")
         raise UsageError(f"--load {cfg.checkpoint.load} holds no checkpoint (no 'latest' file, no metadata.json): "
                          f"give a directory written by --save or by `python -m megalite.tools.convert_hf import`")
-    reader = checkpoint.CheckpointReader(cfg.checkpoint.load)
+    reader = checkpoint.open_checkpoint(cfg.checkpoint.load)
     checkpoint.check_compatible(reader, config, task.model_kind)
     checkpoint.load_model_weights(reader.path, chunks, reader)
     return reader, cfg
@@ -81,10 +81,14 @@ def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:
         say(f"megalite: fine-tuning from the weights of {reader.path} (iteration {reader.metadata['iteration']}): "
             f"iteration, data position, optimizer state and RNG streams start anew")
         return start
-    loaded_optim = not cfg.checkpoint.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
-    same_rng = not cfg.checkpoint.no_load_rng and checkpoint.restore_rng(reader, layout)
-    rng = ("restored" if same_rng else "from the seed (--no-load-rng)" if cfg.checkpoint.no_load_rng
-           else "from the seed (layout changed)")
+    if isinstance(reader, checkpoint.MegatronCheckpoint):  # its weights, args and iteration only
+        loaded_optim, rng = False, "from the seed"
+        start.announcement.append(reader.load_note())
+    else:
+        loaded_optim = not cfg.checkpoint.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
+        same_rng = not cfg.checkpoint.no_load_rng and checkpoint.restore_rng(reader, layout)
+        rng = ("restored" if same_rng else "from the seed (--no-load-rng)" if cfg.checkpoint.no_load_rng
+               else "from the seed (layout changed)")
     start.announcement.append(
         f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
         f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams {rng})")

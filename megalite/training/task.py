@@ -10,6 +10,7 @@ import torch
 from megalite.config import RunConfig
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
+from megalite.models.documents import PackedDocuments
 from megalite.models.mtp import mtp_term_names, with_mtp_gradient
 
 
@@ -49,6 +50,12 @@ def check_task_flags(cfg: RunConfig, task: Task) -> None:
     if task.model_kind != "gpt" and cfg.model.mtp_num_layers:
         raise UsageError(f"--mtp-num-layers: multi-token prediction is for GPT models (pretrain_gpt.py); a "
                          f"{task.model_kind} model does not predict the next tokens: drop it")
+    documents = [f for f, on in (("--reset-attention-mask", cfg.data.reset_attention_mask),
+                                 ("--reset-position-ids", cfg.data.reset_position_ids),
+                                 ("--eod-mask-loss", cfg.data.eod_mask_loss)) if on]
+    if task.model_kind != "gpt" and documents:
+        raise UsageError(f"{documents[0]} is for GPT's packed documents (pretrain_gpt.py); a {task.model_kind} "
+                         f"sample is one or two sentences already: drop it")
 
 
 def with_config_terms(task: Task, config: TransformerConfig) -> Task:
@@ -60,12 +67,13 @@ def with_config_terms(task: Task, config: TransformerConfig) -> Task:
 
 def gpt_forward_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     depth = model.config.mtp_num_layers if model.post_process else 0
+    documents = PackedDocuments.of_batch(batch)  # --reset-attention-mask / --reset-position-ids
     if not depth:
-        out = model(batch["tokens"], labels=batch["labels"])
+        out = model(batch["tokens"], attention_mask=documents, labels=batch["labels"])
         return (out * batch["loss_mask"]).sum() if model.post_process else out
     # Multi-token prediction: the main loss is what is returned (and logged as `loss`); the depths'
     # sums are logged as loss terms and trained, weighted, through the same backward.
-    sums = model(batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+    sums = model(batch["tokens"], attention_mask=documents, labels=batch["labels"], loss_mask=batch["loss_mask"],
                  mtp_labels=batch.get("mtp_labels"), mtp_loss_mask=batch.get("mtp_loss_mask"))
     batch["loss_terms"] = dict(zip(mtp_term_names(depth), sums[1:].detach()))
     return with_mtp_gradient(sums[0], sums[1:], model.config.mtp_loss_scaling_factor)
