@@ -283,7 +283,8 @@ def test_import_at_other_layouts_matches_hf(tp, pp, cp, hf_dirs, tmp_path):
     results = run_ranks(_layout_logits, tp * pp * cp, args=(tp, pp, runs, cp), timeout=240)
     for rank in range(tp * cp * (pp - 1), tp * cp * pp):  # every TP and CP rank of the last stage
         for name, ours in zip(sorted(FAMILIES), results[rank]):
-            assert _max_err(ours, _hf_logits(_load_hf(name, hf_dirs[name]))) <= TOL, (name, rank)
+            theirs = _hf_logits(_load_hf(name, hf_dirs[name]))
+            assert _max_err(ours, theirs) <= 1e-5 * theirs.abs().max().item(), (name, rank)  # relative 1e-5
 
 
 # --- export after training ---------------------------------------------------------------------
