@@ -40,6 +40,13 @@ class DocumentFlags:
         return self.reset_attention_mask or self.reset_position_ids
 
 
+def flags_given(data) -> list[str]:
+    """The document flags a data section (megalite.config's DataConfig) turns on, as the user types them."""
+    return [flag for flag, on in (("--reset-attention-mask", data.reset_attention_mask),
+                                  ("--reset-position-ids", data.reset_position_ids),
+                                  ("--eod-mask-loss", data.eod_mask_loss)) if on]
+
+
 def document_starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """[b, s] int64: for each token, the position of the first token of its document (a document
     starts at 0 and after each EOD)."""

@@ -6,7 +6,7 @@ import dataclasses
 
 from megalite.config import RunConfig
 from megalite.data import data_tokenizer, resolve_data
-from megalite.data.documents import DocumentFlags, WithDocuments
+from megalite.data.documents import DocumentFlags, WithDocuments, flags_given
 from megalite.data.sft import build_sft_datasets
 from megalite.errors import UsageError
 
@@ -60,10 +60,10 @@ def sft_datasets(cfg: RunConfig) -> tuple:
     return with_document_flags((train, valid), flags)
 
 
-def masks_differ(cfg: RunConfig) -> bool:
-    """Whether micro-batches may count different numbers of loss tokens, so that Megatron-LM's mean
-    of micro-batch means differs from the per-token mean (--calculate-per-token-loss)."""
-    return bool(cfg.data.eod_mask_loss or cfg.data.sft_data_path)
+def micro_batch_means_apply(cfg: RunConfig) -> bool:
+    """Whether the loss is Megatron-LM's mean of micro-batch means and that differs from the per-token
+    mean: micro-batches may count different numbers of loss tokens, and no --calculate-per-token-loss."""
+    return bool(cfg.data.eod_mask_loss or cfg.data.sft_data_path) and not cfg.training.calculate_per_token_loss
 
 
 def document_flags(cfg: RunConfig, vocab_size: int) -> DocumentFlags | None:
@@ -71,13 +71,11 @@ def document_flags(cfg: RunConfig, vocab_size: int) -> DocumentFlags | None:
     that ends a document: the tokenizer's EOD, or with --mock-data the last id of the vocabulary
     (where Megatron-LM's NullTokenizer puts it). None when none is given."""
     d = cfg.data
-    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
+    given = flags_given(d)
+    if not given:
         return None
     eod = vocab_size - 1 if d.mock_data else data_tokenizer(d).eod
     if eod is None:
-        given = [f for f, on in (("--reset-attention-mask", d.reset_attention_mask),
-                                 ("--reset-position-ids", d.reset_position_ids),
-                                 ("--eod-mask-loss", d.eod_mask_loss)) if on]
         raise UsageError(f"{' '.join(given)} find documents by the end-of-document token, and the tokenizer "
                          f"has none: use a tokenizer with an EOS/EOD token (and data preprocessed with --append-eod)")
     return DocumentFlags(eod, d.reset_attention_mask, d.reset_position_ids, d.eod_mask_loss)

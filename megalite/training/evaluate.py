@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megalite import parallel
 from megalite.parallel import traffic
 from megalite.pipeline.schedules import Op, forward_only_kind, run_schedule
-from megalite.training.datasets import masks_differ
+from megalite.training.datasets import micro_batch_means_apply
 from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches
 from megalite.training.build import loss_stage_rank
 from megalite.training.step import TrainStep
@@ -34,7 +34,7 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
         for j in range(cfg.training.eval_iters):
             batches = micro_batches(data, j, cfg, dp, parallel.get_data_parallel_rank(), device)
             n = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
-            if masks_differ(cfg) and not cfg.training.calculate_per_token_loss:  # as training's loss
+            if micro_batch_means_apply(cfg):  # as training's loss
                 micro_batch_means(batches, n, dp, parallel.get_context_parallel_group())
             stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype,
                                  v_shape=step.v_shape,

@@ -14,7 +14,7 @@ from megalite.config.batch_schedule import batch_schedule, check_schedule_layout
 from megalite.pipeline.partition import V_SCHEDULES
 from megalite.pipeline.schedules import build_program, forward_only_kind
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
-from megalite.training.datasets import masks_differ
+from megalite.training.datasets import micro_batch_means_apply
 from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
@@ -148,7 +148,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         else:  # the log line's loss: the mean over replicas of each replica's mean
             num_tokens = global_normalizer(batches, cfg.training.global_batch_size // dp, replica_group)
             logged_tokens = num_tokens * dp
-        if masks_differ(cfg) and not cfg.training.calculate_per_token_loss:  # masks differ: Megatron-LM's mean
+        if micro_batch_means_apply(cfg):  # masks differ: Megatron-LM's mean
             micro_batch_means(batches, num_tokens, 1 if local_sgd is not None else dp, parallel.get_context_parallel_group())
         # The schedule runs on steps; with a growing batch on samples seen, in final batches (Megatron-LM's).
         at = iteration - 1 if not batches_by.varies else consumed / cfg.training.global_batch_size

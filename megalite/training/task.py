@@ -10,6 +10,7 @@ import torch
 from megalite.config import RunConfig
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
+from megalite.data.documents import flags_given
 from megalite.models.documents import PackedDocuments
 from megalite.models.mtp import mtp_term_names, with_mtp_gradient
 
@@ -50,9 +51,7 @@ def check_task_flags(cfg: RunConfig, task: Task) -> None:
     if task.model_kind != "gpt" and cfg.model.mtp_num_layers:
         raise UsageError(f"--mtp-num-layers: multi-token prediction is for GPT models (pretrain_gpt.py); a "
                          f"{task.model_kind} model does not predict the next tokens: drop it")
-    documents = [f for f, on in (("--reset-attention-mask", cfg.data.reset_attention_mask),
-                                 ("--reset-position-ids", cfg.data.reset_position_ids),
-                                 ("--eod-mask-loss", cfg.data.eod_mask_loss)) if on]
+    documents = flags_given(cfg.data)
     if task.model_kind != "gpt" and documents:
         raise UsageError(f"{documents[0]} is for GPT's packed documents (pretrain_gpt.py); a {task.model_kind} "
                          f"sample is one or two sentences already: drop it")
