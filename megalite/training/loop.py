@@ -149,7 +149,8 @@ def pretrain(cfg, task: Task) -> TrainingRun:
             num_tokens = global_normalizer(batches, cfg.training.global_batch_size // dp, replica_group)
             logged_tokens = num_tokens * dp
         if micro_batch_means_apply(cfg):  # masks differ: Megatron-LM's mean
-            micro_batch_means(batches, num_tokens, 1 if local_sgd is not None else dp, parallel.get_context_parallel_group())
+            replicas = 1 if local_sgd is not None else dp  # local SGD: each replica's own mean
+            micro_batch_means(batches, num_tokens, replicas, parallel.get_context_parallel_group())
         # The schedule runs on steps; with a growing batch on samples seen, in final batches (Megatron-LM's).
         at = iteration - 1 if not batches_by.varies else consumed / cfg.training.global_batch_size
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(at)
