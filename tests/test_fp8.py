@@ -120,6 +120,20 @@ def test_tensor_wide_scales_run_torchs_scaled_gemm_with_the_emulations_numbers()
     assert torch.allclose(out, emulated_mm(a, b, torch.float32), rtol=1e-6, atol=1e-6)
 
 
+def test_the_cpu_scaled_gemm_gives_the_same_numbers_on_every_cpu():
+    # On an AMX CPU torch's op would take oneDNN's FP8 kernel (~500x slower, and it applies the scales
+    # after the sum, a last-bit difference); megalite turns oneDNN off around it, so every CPU gives
+    # the op's own fp32 path: the scaled operands' product, bitwise.
+    g = torch.Generator().manual_seed(6)
+    a, b = quantize(torch.randn(48, 64, generator=g), E4M3), quantize(torch.randn(32, 64, generator=g), E4M3)
+    out = scaled_mm(a, b, torch.float32)
+    assert torch.equal(out, torch.mm(a.data.float() * a.scale_inv, (b.data.float() * b.scale_inv).t()))
+    with torch.backends.mkldnn.flags(enabled=True):
+        with_onednn = torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv,
+                                       out_dtype=torch.float32)
+    assert torch.allclose(out, with_onednn, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_an_inf_or_nan_operand_makes_the_output_nan_never_a_saturated_number(recipe, bad):
