@@ -389,6 +389,14 @@ class TrainingLogger:
         self._scalars({"valid/loss": loss, **{f"valid/{k.removeprefix('valid_')}": v for k, v in terms.items()},
                        "valid/ppl": ppl}, iteration)
 
+    def tasks(self, iteration: int, scores: dict[str, float]) -> None:
+        """--eval-tasks: lm-eval's metrics ('task/metric' -> value)."""
+        if not self.active:
+            return
+        self.say(" | ".join([f"lm-eval at iteration {iteration}", *(f"{k} {v:.6g}" for k, v in scores.items())]))
+        self.metrics.write({"iteration": iteration, "split": "lm_eval", **scores})
+        self._scalars({f"lm_eval/{k}": v for k, v in scores.items()}, iteration)
+
     def close(self, exit_code: int = 0) -> None:
         """At the end of training (`exit_code` 0), or when it stops on an error (W&B marks the run
         failed); a second call does nothing."""

@@ -160,6 +160,13 @@ class TrainingConfig:
     eval_iters: int = opt(4, "global batches per validation", check=NON_NEGATIVE)
     eval_prompts: str | None = opt(None, "a file of prompts (one a line) completed greedily at each validation, "
                                          "printed and written to TensorBoard (GPT; docs/generate.md)", metavar="FILE")
+    eval_tasks: str | None = opt(None, "lm-eval task names, comma-separated, scored at each validation and logged as "
+                                       "lm_eval/TASK/METRIC (GPT; needs megalite[eval]; docs/evaluate.md)",
+                                 metavar="TASKS")
+    eval_tasks_path: str | None = opt(None, "a directory of lm-eval task YAML files for --eval-tasks (lm-eval's "
+                                            "--include_path)", metavar="DIR")
+    eval_tasks_limit: float | None = opt(None, "documents per --eval-tasks task at each validation (a fraction if < 1; "
+                                               "default: all)", check=POSITIVE)
     exit_interval: int | None = opt(None, "save and exit at an iteration divisible by N", check=POSITIVE_INT)
     exit_duration_in_mins: float | None = opt(None, "save and exit after this long", check=POSITIVE)
     no_exit_signal_handler: bool = opt(False, "do not turn SIGTERM/SIGUSR1 into save-and-exit",

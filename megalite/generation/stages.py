@@ -87,5 +87,11 @@ class Stages:
             return token
         if token is None:
             token = torch.empty(batch, dtype=torch.long, device=self.device)
-        dist.broadcast(token, self._global(self.last_rank), group=state.get_pipeline_model_parallel_group())
-        return token
+        return self.from_last_stage(token)
+
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as the last stage's ranks hold it, on every rank of the pipeline (the others pass
+        a buffer of its shape and dtype)."""
+        if self.pp > 1:
+            dist.broadcast(tensor, self._global(self.last_rank), group=state.get_pipeline_model_parallel_group())
+        return tensor

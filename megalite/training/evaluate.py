@@ -1,6 +1,8 @@
 """Validation: the mean loss (and a task's loss terms) over fixed global batches, forward only."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -83,3 +85,61 @@ class EvalSamples:
         with traffic.excluded():
             log_samples(step.chunks, self.prompts, self.tokenizer, iteration, logger.say, logger.tb,
                         v_shape=step.v_shape)
+
+
+class EvalTasks:
+    """--eval-tasks: lm-eval scores of the model being trained at each validation, every replica
+    scoring every request (ZeRO-3's gathers run on all of them alike). The tokenizer, lm-eval and
+    the task names are checked once before training."""
+
+    def __init__(self, cfg, task: Task):
+        from megalite.data import data_tokenizer
+        from megalite.errors import UsageError
+
+        t = cfg.training
+        if task.model_kind != "gpt":
+            raise UsageError(f"--eval-tasks scores a GPT; a {task.model_kind} model is not one: drop it")
+        if cfg.parallel.cp > 1:
+            raise UsageError("--eval-tasks runs the model without context parallelism: drop --cp or the flag")
+        if cfg.data.mock_data:
+            raise UsageError("--eval-tasks needs the run's tokenizer, and --mock-data has none: give --data-path and "
+                             "--tokenizer")
+        try:
+            from megalite.generation import lm_eval_adapter
+        except ImportError as e:
+            raise UsageError(f"--eval-tasks: {e}") from None
+        self.adapter, self.seed = lm_eval_adapter, t.seed
+        self.tasks = [name.strip() for name in t.eval_tasks.split(",") if name.strip()]
+        self.path, self.limit = t.eval_tasks_path, t.eval_tasks_limit
+        try:
+            self.tokenizer = data_tokenizer(cfg.data)
+            lm_eval_adapter.known_tasks(self.tasks, self.path)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--eval-tasks: {e}") from None
+
+    def log(self, step: TrainStep, iteration: int, logger) -> None:
+        """Every rank: score the tasks; the logging rank prints the metrics and logs them."""
+        lm = self.adapter.MegaliteLM(step.chunks, self.tokenizer, seed=self.seed, v_shape=step.v_shape)
+        with traffic.excluded(), _random_states_kept():  # lm-eval seeds the global generators
+            results = self.adapter.evaluate_tasks(lm, self.tasks, self.path, self.limit, seed=self.seed)
+        logger.tasks(iteration, self.adapter.scores(results))
+
+
+@contextlib.contextmanager
+def _random_states_kept():
+    """Python's, NumPy's and torch's global generators as they were: training goes on with the
+    draws it would have had without the evaluation."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

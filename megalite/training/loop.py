@@ -18,7 +18,7 @@ from megalite.training.datasets import micro_batch_means_apply
 from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
-from megalite.training.evaluate import EvalSamples, evaluate
+from megalite.training.evaluate import EvalSamples, EvalTasks, evaluate
 from megalite.training.progress import Progress
 from megalite.training.restarts import ProgressRecord, restart_line
 from megalite.training.resume import load_checkpoint, resume, resume_local_sgd, say_resumed
@@ -117,6 +117,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
                                  kind=forward_only_kind(cfg.parallel.pipeline_schedule))
     progress = Progress(cfg, task, config, step.dtype, device, m, chunks)
     samples = EvalSamples(cfg, task) if cfg.training.eval_prompts else None  # --eval-prompts
+    scored_tasks = EvalTasks(cfg, task) if cfg.training.eval_tasks else None  # --eval-tasks
     _announce(cfg, config, world_size, dp, m, device)
     # Samples are dealt over DP; token counts and losses are summed over DP x CP (each CP rank holds
     # part of every sequence).
@@ -172,6 +173,9 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         if samples is not None and _due(t.eval_interval, iteration, t.train_iters):
             set_phase(f"iteration {iteration}: samples of --eval-prompts")
             samples.log(step, iteration, progress.logger)
+        if scored_tasks is not None and _due(t.eval_interval, iteration, t.train_iters):
+            set_phase(f"iteration {iteration}: the lm-eval tasks of --eval-tasks")
+            scored_tasks.log(step, iteration, progress.logger)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
         record.after_iteration(iteration)
         faults.point("term")
