@@ -195,7 +195,7 @@ def fine_tune(rank, world, argv):
 
 
 @pytest.mark.slow
-def test_an_imported_model_fine_tuned_40_steps_exports_and_answers_in_the_trained_format(tmp_path):
+def test_an_imported_model_fine_tuned_100_steps_exports_and_answers_in_the_trained_format(tmp_path):
     """The whole path: a Hugging Face Llama (with its tokenizer and chat template) imported, fine-tuned
     on the shipped conversations from `--load` of the import, exported, and asked by transformers."""
     import transformers as tf
@@ -215,16 +215,16 @@ def test_an_imported_model_fine_tuned_40_steps_exports_and_answers_in_the_traine
     assert convert_hf.main(["import", "--hf-dir", str(hf_dir), "--out", str(imported)]) == 0
     argv = ["--load", str(imported), "--save", str(tuned), "--sft-data-path", str(CONVERSATIONS), "--tokenizer",
             str(hf_dir), "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "3e-3",
-            "--lr-warmup-iters", "5", "--train-iters", "40", "--log-interval", "10", "--eval-interval", "0",
-            "--save-interval", "40"]
+            "--lr-warmup-iters", "5", "--train-iters", "100", "--log-interval", "10", "--eval-interval", "0",
+            "--save-interval", "100"]
     [losses] = run_ranks(fine_tune, 1, args=(argv,), timeout=300)
     assert losses[-1] < 0.3 * losses[0], losses
     assert convert_hf.main(["export", "--load", str(tuned), "--out", str(exported)]) == 0
     after = hf_greedy(tf.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval(), tok)
     (tmp_path / "answers.json").write_text(json.dumps({"before": before, "after": after}))
-    words = after.split()  # the reply's form: "you like <a colour> . <end>" (which colour is not asked)
+    words = after.split()  # the reply's form: "you like <the first colour> . <end>"
     assert not before.startswith("you like")
-    assert words[:2] == ["you", "like"] and words[2] in WORDS[13:21] and words[3:5] == [".", "<"], after
+    assert words[:5] == ["you", "like", "green", ".", "<"], after
 
 
 def test_eval_prompts_print_greedy_samples_at_each_validation(tokenizer_dir, tmp_path):
