@@ -89,7 +89,8 @@ def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig):
             lambda q, k, v: varlen_attention(q, k, v, documents, _sdpa_attention, 0.0))
         return a2a_attention(q, k, v, group, ranks, causal=True, attend=whole)
     return ring_attention(q, k, v, group, ranks, causal=True,
-                          query_starts=None if documents is None else documents.starts)
+                          query_starts=None if documents is None else documents.starts,
+                          document_bounds=None if documents is None else documents.bounds)
 
 
 def documents_of(attention_mask) -> tuple[PackedDocuments | None, object]:

@@ -181,7 +181,7 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale, query_starts):
+    def forward(ctx, q, k, v, ring, causal, scale, query_starts, live):
         kv = torch.stack([k, v]).contiguous()  # one message per step; the KV groups only
         qg = _grouped(q, k.shape[1]).float()
         local = q.shape[2]
@@ -192,22 +192,24 @@ class _RingAttention(torch.autograd.Function):
             requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
                 if incoming is not None else None
             rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
-            allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
-            block_k, block_v = kv[0, :, :, keys].float(), kv[1, :, :, keys].float()
-            block_out, block_lse = _block_forward(qg[:, :, :, rows], block_k, block_v, scale,
-                                                  diagonal and allowed is None, allowed)
-            out[:, :, :, rows], lse[:, :, :, rows] = _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out, block_lse)
+            if live is None or live[step]:  # a block no query may attend adds nothing: merging it changes no bit
+                allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
+                block_k, block_v = kv[0, :, :, keys].float(), kv[1, :, :, keys].float()
+                block_out, block_lse = _block_forward(qg[:, :, :, rows], block_k, block_v, scale,
+                                                      diagonal and allowed is None, allowed)
+                out[:, :, :, rows], lse[:, :, :, rows] = _merge(out[:, :, :, rows], lse[:, :, :, rows], block_out,
+                                                                block_lse)
             _wait(requests)
             kv = incoming
         result = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.ring, ctx.causal, ctx.scale, ctx.query_starts = ring, causal, scale, query_starts
+        ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live = ring, causal, scale, query_starts, live
         return result
 
     @staticmethod
     def backward(ctx, d_result):
         q, k, v, result, lse = ctx.saved_tensors
-        ring, causal, scale, query_starts = ctx.ring, ctx.causal, ctx.scale, ctx.query_starts
+        ring, causal, scale, query_starts, live = ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live
         groups, local = k.shape[1], q.shape[2]
         qg = _grouped(q, groups).float()
         d_out = _grouped(d_result, groups).float()
@@ -221,13 +223,14 @@ class _RingAttention(torch.autograd.Function):
             requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
                 if incoming is not None else None
             rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
-            allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
-            block_dq, block_dk, block_dv = _block_backward(
-                qg[:, :, :, rows], kv[0, :, :, keys].float(), kv[1, :, :, keys].float(), d_out[:, :, :, rows],
-                lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal and allowed is None, allowed)
-            dq[:, :, :, rows] += block_dq
             dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
-            dkv[0, :, :, keys], dkv[1, :, :, keys] = block_dk, block_dv
+            if live is None or live[step]:  # a masked block's gradients are zeros: they still travel home
+                allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
+                block_dq, block_dk, block_dv = _block_backward(
+                    qg[:, :, :, rows], kv[0, :, :, keys].float(), kv[1, :, :, keys].float(), d_out[:, :, :, rows],
+                    lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal and allowed is None, allowed)
+                dq[:, :, :, rows] += block_dq
+                dkv[0, :, :, keys], dkv[1, :, :, keys] = block_dk, block_dv
             if step == 0:
                 own_dkv = dkv  # the owner adds its own part when its block's gradient comes home
             else:
@@ -242,7 +245,31 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_requests)
             own_dkv += travelling  # every other rank's part of this rank's dK/dV
         dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None
+        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def live_blocks(bounds: torch.Tensor, ring_rank: int, ring_size: int, local: int) -> list[bool]:
+    """Per ring step, whether any query this rank holds may attend a key of the block it holds then,
+    documents packed into the sequence with boundaries `bounds` (host int64, every row's over b x the
+    whole sequence, rows one after the other: megalite.data.documents.document_bounds). Worked out
+    on the host from the bounds alone: no device work, no sync. A query at position p of a document
+    starting at s sees a key range [a, e] iff max(s, a) <= min(p, e)."""
+    whole = local * ring_size
+    bounds = bounds.to(torch.int64)
+    rows = int(bounds[-1]) // whole
+    starts = torch.repeat_interleave(bounds[:-1] % whole, bounds[1:] - bounds[:-1]).view(rows, whole)
+    q_pos = context_parallel_positions(whole, ring_rank, ring_size)
+    q_start = starts[:, q_pos]  # [b, local]
+    live = []
+    for step in range(ring_size):
+        owner = (ring_rank - step) % ring_size
+        rows_seen, keys, _ = _block_plan(ring_rank, owner, local, True)
+        k_pos = context_parallel_positions(whole, owner, ring_size)[keys]
+        cuts = [0] + [i + 1 for i in range(len(k_pos) - 1) if k_pos[i + 1] != k_pos[i] + 1] + [len(k_pos)]
+        p, s = q_pos[rows_seen], q_start[:, rows_seen]
+        live.append(any(bool((torch.maximum(s, k_pos[lo]) <= torch.minimum(p, k_pos[hi - 1])).any())
+                        for lo, hi in zip(cuts[:-1], cuts[1:])))
+    return live
 
 
 def _documents_allowed(query_starts, ring: _Ring, step: int, rows: slice, keys: slice, local: int):
@@ -268,13 +295,16 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
-                   softmax_scale: float | None = None, query_starts: torch.Tensor | None = None) -> torch.Tensor:
+                   softmax_scale: float | None = None, query_starts: torch.Tensor | None = None,
+                   document_bounds: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's tokens against the whole sequence, keys and values passed around the
     ring of `ranks` (global ranks of `group`, CP rank 0 first). q [b, heads, s_local, d], k and v
     [b, groups, s_local, d] hold this rank's load-balanced share (`split_for_context_parallel`);
     returns [b, heads, s_local, d] in q's dtype. Accumulates in fp32; differentiable.
     `query_starts` [b, s_local] (causal only): the global position where each query's document
-    starts, for documents packed into one sequence; a query then attends only within its own."""
+    starts, for documents packed into one sequence; a query then attends only within its own.
+    `document_bounds` (host, with query_starts): their boundaries, from which blocks that no query
+    may attend are found and skipped (`live_blocks`); without them every block is computed."""
     _check_shapes(q, k, v)
     ring = _Ring(group, ranks)
     if causal and q.shape[2] % 2:
@@ -283,7 +313,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
     if query_starts is not None and not causal:
         raise ValueError("documents packed into a sequence are attended causally: drop query_starts or use causal")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts)
+    live = None
+    if query_starts is not None and document_bounds is not None and ring.size > 1:
+        live = live_blocks(document_bounds, ring.rank, ring.size, q.shape[2])
+    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts, live)
 
 
 # ---------------------------------------------------------------------------------------------
