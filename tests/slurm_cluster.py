@@ -50,10 +50,14 @@ def require_slurm():
         pytest.skip("Slurm is not installed (no sbatch); .ci/setup_slurm.sh installs it")
 
 
-def job_log(workdir: Path) -> str:
-    """The tail of every job log under workdir/logs (the sbatch scripts' default --output)."""
+def job_log(workdir: Path, tail: int | None = 6000) -> str:
+    """Every job log under workdir/logs (the sbatch scripts' default --output): the last `tail`
+    characters of each (for a failure's message), or all of it (tail None: what a test reads; a
+    long traceback at the end, torchrun's at its exit barrier say, must not push out the start)."""
     logs = sorted((workdir / "logs").glob("*.out"))
-    return "\n".join(f"----- {p} -----\n{p.read_text(errors='replace')[-6000:]}" for p in logs) or "(no job log)"
+    text = (p.read_text(errors="replace") for p in logs)
+    return "\n".join(f"----- {p} -----\n{t if tail is None else t[-tail:]}" for p, t in zip(logs, text)) \
+        or "(no job log)"
 
 
 class SlurmTestCluster:
