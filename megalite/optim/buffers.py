@@ -3,14 +3,15 @@
 Each model chunk's parameters are laid out, in reverse definition order (roughly the order backward
 produces their gradients), in one flat parameter buffer (model dtype) and one flat gradient buffer
 (fp32 by default). Parameters become views of the first; `param.main_grad` is a view of the second.
-The gradient buffer is cut into buckets of about `bucket_numel` elements, each padded to a multiple
-of the data-parallel size so that it splits evenly into DP shards (the distributed optimizer owns
-shard i of every bucket on DP rank i).
+The gradient buffer is cut into buckets, each padded to a multiple of the data-parallel size so that
+it splits evenly into DP shards (the distributed optimizer owns shard i of every bucket on DP rank
+i): the first bucket backward fills is small, so that its reduction starts early, and the next ones
+grow to about `bucket_numel` elements (megalite.optim.bucket_plan says why).
 
 Every parameter starts at a multiple of `ALIGN_NUMEL` (64) elements, and every bucket is padded to
 a multiple of 64 * dp so that its DP shards start aligned too: cuBLAS, fused norms, fused Adam and
-NCCL all take slower paths on addresses that are not 16-byte aligned. `plan_layout` is the whole
-layout as a pure function (the planner in megalite.tools.plan uses it as well).
+NCCL all take slower paths on addresses that are not 16-byte aligned. `plan_layout`
+(megalite.optim.bucket_plan) is the whole layout as a pure function (the planner uses it as well).
 
 During the backward of the last micro-batch of a step (`enable_sync()`), a hook on every parameter
 marks its gradient ready; the moment a bucket's last gradient is ready, its all-reduce (or
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# The layout (re-exported: the planner and tests import it from here too)
+from megalite.optim.bucket_plan import ALIGN_NUMEL, BucketLayout, plan_layout  # noqa: F401
 from megalite.optim.host_pages import zeros_flat
 from megalite.parallel import traffic, weight_grad
 from megalite.parallel.grad_accumulation import add_row_sums, key_parameter
@@ -37,9 +40,6 @@ from megalite.parallel.mappings import reduce_scatter_single as _reduce_scatter_
 
 
 _all_reduce = dist.all_reduce
-
-ALIGN_NUMEL = 64  # every parameter, bucket and DP shard starts at a multiple of this many elements
-
 
 # Below this many elements an overwriting GEMM's zero pass costs less than a separate zero_() call.
 MEMSET_GEMM_MIN_NUMEL = 1 << 14
@@ -56,76 +56,6 @@ def write_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         out.zero_().addmm_(a, b)
     else:
         torch.mm(a, b, out=out)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class BucketLayout:
-    """One planned bucket: `members` index the parameter list given to `plan_layout`, `ranges`
-    are their (lo, hi) element ranges in the buffer, [start, end) the bucket's padded extent."""
-    members: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
-    start: int
-    end: int
-    deferred: bool
-
-    @property
-    def real_numel(self) -> int:
-        return sum(hi - lo for lo, hi in self.ranges)
-
-    def owned_numel(self, dp_size: int, dp_rank: int) -> int:
-        """Parameter elements (padding excluded) in DP rank `dp_rank`'s shard of this bucket."""
-        shard = (self.end - self.start) // dp_size
-        own_lo = self.start + dp_rank * shard
-        own_hi = own_lo + shard
-        return sum(max(0, min(hi, own_hi) - max(lo, own_lo)) for lo, hi in self.ranges)
-
-
-def plan_layout(params: list[tuple[int, bool]], bucket_numel: int, dp_size: int,
-                units: list[list[int]] | None = None) -> list[BucketLayout]:
-    """Buffer layout of parameters given as (numel, deferred) in definition order: reverse order
-    (roughly the order backward produces gradients), a bucket closes once its parameters hold
-    bucket_numel elements, deferred parameters in buckets of their own. Each parameter starts at a
-    multiple of ALIGN_NUMEL; each bucket's size is a multiple of ALIGN_NUMEL * dp_size, so it
-    splits into equal DP shards that start aligned. `units` (ZeRO-3: one per layer) gives the
-    buckets instead, as lists of indices into `params`; a unit is deferred when all of it is."""
-    if units is not None:
-        groups = [(list(u), all(params[k][1] for k in u)) for u in units]
-    else:
-        groups = _size_buckets(params, bucket_numel)
-
-    layout, offset = [], 0
-    for members, is_deferred in groups:
-        start, ranges = offset, []
-        for k in members:
-            offset = _round_up(offset, ALIGN_NUMEL)
-            ranges.append((offset, offset + params[k][0]))
-            offset += params[k][0]
-        offset = start + _round_up(offset - start, ALIGN_NUMEL * dp_size)
-        layout.append(BucketLayout(tuple(members), tuple(ranges), start, offset, is_deferred))
-    return layout
-
-
-def _size_buckets(params: list[tuple[int, bool]], bucket_numel: int) -> list[tuple[list[int], bool]]:
-    groups: list[tuple[list[int], bool]] = []
-    current: list[int] = []
-    size = 0
-    for k in reversed(range(len(params))):
-        numel, is_deferred = params[k]
-        if is_deferred:
-            groups.append(([k], True))
-            continue
-        current.append(k)
-        size += numel
-        if size >= bucket_numel:
-            groups.append((current, False))
-            current, size = [], 0
-    if current:
-        groups.append((current, False))
-    return groups
 
 
 @dataclass
@@ -154,7 +84,8 @@ class ParamAndGradBuffer:
     def __init__(self, params: list[torch.nn.Parameter], *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  bucket_numel: int, dp_group, dp_size: int, reduce_scatter: bool,
                  comm_dtype: torch.dtype | None = None, deferred=lambda p: False, dp_rank: int | None = None,
-                 units: list[list[int]] | None = None, experts: bool = False):
+                 units: list[list[int]] | None = None, experts: bool = False,
+                 first_bucket_numel: int | None = None):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.dp_group, self.dp_size, self.reduce_scatter = dp_group, dp_size, reduce_scatter
@@ -180,7 +111,9 @@ class ParamAndGradBuffer:
         self._tied_pending: set[int] = set()
         self.sync_enabled = False
 
-        layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units)
+        # first_bucket_numel: None, the ramp of bucket_plan; >= bucket_numel, equal buckets
+        layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units,
+                             first_bucket_numel)
         self.buckets: list[Bucket] = []
         self.offset: dict[int, int] = {}  # id(param) -> start in the buffers
         self.numel_of = {id(p): p.numel() for p in params}  # ZeRO-3 parks parameters empty between uses

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hbm-gbps", type=float, default=3350.0, help="GPU memory bandwidth (optimizer step)")
     g.add_argument("--overhead-gib", type=float, default=2.0, help="fixed per-GPU framework/CUDA overhead")
     g.add_argument("--fp8-speedup", type=float, default=2.0, help="--fp8: dense FP8 peak over bf16's (H100/H200: 2)")
+    g.add_argument("--collective-latency-ms", type=float, default=0.05,
+                   help="start-up of one data-parallel collective (per gradient bucket)")
     g = ap.add_argument_group("training run")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--seq-length", type=int, help="default: the preset's positions")
@@ -121,7 +123,8 @@ def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
         cluster = Cluster(gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
                           intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                           peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
-                          overhead_gib=args.overhead_gib, fp8_speedup=args.fp8_speedup)
+                          overhead_gib=args.overhead_gib, fp8_speedup=args.fp8_speedup,
+                          collective_latency_ms=args.collective_latency_ms)
         Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend,
             grad_reduce_dtype=args.grad_reduce_dtype, **(local_sgd_of(args) or {}))
     except ValueError as e:

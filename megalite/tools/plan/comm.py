@@ -4,16 +4,15 @@ not hide behind backward (stages 0-3, local SGD)."""
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 from megalite.models.config import TransformerConfig
-from megalite.optim.buffers import BucketLayout
 from megalite.pipeline.partition import layers_of, virtual_stage
 from megalite.pipeline.schedules import build_program
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.experts import expert_group_crosses_nodes, moe_layers
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout
+from megalite.tools.plan.overlap import link_schedule, ready_times
 from megalite.tools.plan.states import StateBytes
 
 
@@ -106,11 +105,11 @@ def dp_traffic(stage: int, padded: int, dp: int, micro_batches: int, param_bytes
 def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
     """Data-parallel time on pipeline rank r that does not hide behind compute, and its bytes.
 
-    Stages 0-1: buckets start reducing during each chunk's last backward of the step (one stream,
-    in order): chunk c's last backward ends c*p backward passes (of one chunk) before the schedule
-    does, so with interleaving the later chunks' buckets have more time. A bucket cannot finish
-    before its last gradient (the chunk's last bucket: its first-defined parameters) is ready, at
-    the end of that backward. The tied embedding (pp > 1) is reduced after the schedule: over the
+    Stages 0-1: buckets reduce during each chunk's last backward of the step (one stream, in
+    order): chunk c's last backward ends c*p backward passes (of one chunk) before the schedule
+    does, so with interleaving the later chunks' buckets have more time. Each bucket starts once
+    backward has completed it and the stream is free, and pays the cluster's collective latency
+    (overlap.py: the small first buckets of megalite.optim.bucket_plan start early). The tied embedding (pp > 1) is reduced after the schedule: over the
     embedding group, then over dp like the other buckets. Stage 1 all-gathers the updated parameters
     after the step. Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
     stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
@@ -133,7 +132,7 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     if stage >= 2:
         _sharded_grads_exposed(costs, state, r, out)
     else:
-        _bucket_reduction_exposed(costs, state.buckets, r, out, state.expert_buckets, edp)
+        _bucket_reduction_exposed(costs, state, r, out)
     expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
     if 1 <= stage <= 2 and d > 1:
         out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp
@@ -177,55 +176,69 @@ def local_sgd_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataPara
     return out
 
 
-def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
-    """One micro-batch's backward of rank r's chunk c (with the output layer's on the last stage)."""
+def _chunk_backward_parts(costs: LayoutCosts, c: int, r: int) -> tuple[float, float]:
+    """One micro-batch's backward of rank r's chunk c: (the output layer's part, on the last stage,
+    which comes first; the layers' part)."""
     p, v, t = costs.layout.pp, costs.layout.v, costs.layout.tp
     vs = virtual_stage(p, r, c, costs.layout.v_shape)
     layers = costs.layer_counts[vs]
     n_moe = moe_layers(costs.config, layers_of(costs.layer_counts, vs)) if costs.moe_count else 0
     backward = (layers - n_moe) * costs.bwd + n_moe * costs.moe_bwd
     post = vs == p * v - 1
-    return (backward + (2 * costs.logits_fwd + costs.mtp_bwd if post else 0.0)) / t / costs.rate
+    return (2 * costs.logits_fwd + costs.mtp_bwd if post else 0.0) / t / costs.rate, backward / t / costs.rate
 
 
-def _bucket_reduction_exposed(costs: LayoutCosts, buckets: list[list[BucketLayout]], r: int,
-                              out: DataParallelTime, expert_buckets=None, edp: int = 1) -> None:
-    """Stages 0-1: the step's one reduction, during each chunk's last backward (a MoE chunk's
-    expert buffer over EDP on the same stream, before the dense buffer's last bucket)."""
+def _chunk_backward_seconds(costs: LayoutCosts, c: int, r: int) -> float:
+    """One micro-batch's backward of rank r's chunk c (with the output layer's on the last stage)."""
+    return sum(_chunk_backward_parts(costs, c, r))
+
+
+def _bucket_jobs(costs: LayoutCosts, state: StateBytes, c: int, r: int, begin: float,
+                 factor: float, expert_factor: float, deferred: bool = False) -> list[tuple[float, float]]:
+    """(ready time, seconds of transfer) of chunk c's buckets, dense over DP and expert over EDP,
+    for a backward starting at `begin` (overlap.py's model); the deferred ones too if `deferred`."""
+    head, layers = _chunk_backward_parts(costs, c, r)
+    cb, edp = state.comm_bytes, state.edp
+    jobs = []
+    for buckets, ready, per_elem in ((state.buckets[c], state.bucket_ready[c], factor * cb / costs.bw_dp),
+                                     (state.expert_buckets[c], state.expert_ready[c],
+                                      expert_factor * cb / costs.bw_edp if edp > 1 else 0.0)):
+        if per_elem == 0.0:
+            continue
+        at = ready_times(ready, begin, head, layers)
+        jobs += [(t, (b.end - b.start) * per_elem) for b, t in zip(buckets, at) if deferred or not b.deferred]
+    return jobs
+
+
+def _bucket_reduction_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: DataParallelTime) -> None:
+    """Stages 0-1: the step's one reduction, during each chunk's last backward: each bucket is
+    reduced once complete and the stream is free (overlap.py), a MoE chunk's expert buckets over
+    EDP on the same stream; what runs past the schedule's end (time 0) is exposed."""
     layout = costs.layout
-    p, v, d = layout.pp, layout.v, layout.dp
-    ring = (d - 1) / d
-    reduce_factor = ring if layout.distributed_optimizer else 2 * ring  # reduce-scatter vs all-reduce
+    p, v, d, edp = layout.pp, layout.v, layout.dp, state.edp
+    reduce_factor = (1 if layout.distributed_optimizer else 2) * (d - 1) / d  # reduce-scatter vs all-reduce
     expert_factor = (1 if layout.distributed_optimizer else 2) * (edp - 1) / edp
-    cb = DTYPE_BYTES[costs.run.grad_reduce_dtype]
-    free = -math.inf
+    latency = costs.cluster.collective_latency_ms / 1e3
+    jobs = []
     for c in reversed(range(v)):  # chunk v-1's last backward comes first
         tb = _chunk_backward_seconds(costs, c, r)
-        end = -c * p * tb
-        normal = [b.end - b.start for b in buckets[c] if not b.deferred]
-        experts = [b.end - b.start for b in expert_buckets[c]] if expert_buckets and edp > 1 else []
-        if (not normal or d == 1) and not experts:
-            continue
-        dense = bool(normal) and d > 1
-        total_c = sum(normal) * cb * reduce_factor / costs.bw_dp if dense else 0.0
-        total_c += sum(experts) * cb * expert_factor / costs.bw_edp if experts else 0.0
-        last_bucket = (normal[-1] * cb * reduce_factor / costs.bw_dp if dense
-                       else experts[-1] * cb * expert_factor / costs.bw_edp)
-        start = max(free, end - tb)
-        free = max(start + total_c, end + last_bucket)
-        out.windows.append((c, end - tb, end, total_c, last_bucket))
-    out.overlapped = max(0.0, free) if out.windows else 0.0
-    deferred = [b.end - b.start for chunk in buckets for b in chunk if b.deferred]
+        end = -c * p * tb  # chunk c's last backward ends c*p chunk-backwards before the schedule
+        chunk_jobs = _bucket_jobs(costs, state, c, r, end - tb, reduce_factor if d > 1 else 0.0, expert_factor)
+        if chunk_jobs:
+            jobs += chunk_jobs
+            out.windows.append((c, end - tb, end, sum(s for _, s in chunk_jobs), chunk_jobs[-1][1]))
+    out.overlapped = max(0.0, link_schedule(jobs, latency)) if jobs else 0.0
+    deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
     if deferred:  # in a V both copies are on rank 0: summed there, no embedding-group traffic
-        n = sum(deferred)
-        across = 0.0 if layout.v_shape else n * 4 / costs.bw_emb
-        out.embedding = across + (n * cb * reduce_factor / costs.bw_dp if d > 1 else 0.0)
+        n, cb = sum(deferred), state.comm_bytes
+        across = 0.0 if layout.v_shape else latency + n * 4 / costs.bw_emb
+        out.embedding = across + (latency + n * cb * reduce_factor / costs.bw_dp if d > 1 else 0.0)
 
 
 def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: DataParallelTime) -> None:
     """Stages 2-3: every backward of every chunk reduce-scatters its buckets as they fill (the
-    deferred tied copy among them) and waits for them when it ends: per backward, what exceeds the
-    backward, and at least the last bucket's reduction; stage 3 adds its gathers. The tied
+    deferred tied copy among them) and waits for them when it ends: per backward, what runs past
+    it (overlap.py's stream; stage 3: the last unit's and a layer's, and its gathers). The tied
     embedding's shard is summed over the embedding group after the schedule."""
     layout = costs.layout
     p, v, d, m = layout.pp, layout.v, layout.dp, costs.micro_batches
@@ -244,8 +257,9 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
                 out.gathers += _gathering_forwards(costs, r, c) * forward + m * backward
                 layer = max((sizes[i] for i in state.layer_buckets[c]), default=0)
                 wait = (sizes[-1] + layer) * rs
-            else:
-                wait = max(dense + experts - tb, last)
+            else:  # each bucket once complete and the stream free; the backward's end (0) waits
+                jobs = _bucket_jobs(costs, state, c, r, -tb, 1.0 - 1 / d, 1.0 - 1 / edp, deferred=True)
+                wait = max(0.0, link_schedule(jobs, costs.cluster.collective_latency_ms / 1e3))
             out.windows.append((c, -tb, 0.0, dense + experts, last))
             out.overlapped += m * wait
     deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]

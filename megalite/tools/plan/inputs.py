@@ -33,6 +33,9 @@ class Cluster:
     hbm_gbps: float = 3350.0  # H100 SXM HBM3, for the (memory-bound) optimizer step
     overhead_gib: float = 2.0  # CUDA context, cuBLAS workspaces, NCCL buffers
     fp8_speedup: float = 2.0  # dense FP8 peak over the model dtype's (H100/H200 SXM: 1979 / 989)
+    # A data-parallel collective's start-up, paid once per gradient bucket (and per all-gather):
+    # tens of microseconds on NVLink / InfiniBand; 3-4 ms on docs/slow-links.md's emulated link.
+    collective_latency_ms: float = 0.05
 
     def __post_init__(self):
         for name in ("gpus", "gpus_per_node"):
@@ -44,8 +47,9 @@ class Cluster:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.efficiency > 1:
             raise ValueError(f"efficiency is a fraction of peak (0-1], got {self.efficiency}")
-        if self.overhead_gib < 0:
-            raise ValueError(f"overhead_gib must be >= 0, got {self.overhead_gib}")
+        for name in ("overhead_gib", "collective_latency_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def memory_bytes(self) -> float:

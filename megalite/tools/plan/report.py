@@ -318,7 +318,10 @@ def _explain_time(pred: Prediction) -> list[str]:
                    f"= {T.dp_comm:.3f} s")
     else:
         kind = "reduce-scatter (d-1)/d" if lay.distributed_optimizer else "all-reduce 2(d-1)/d"
-        out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, minus what hides behind the last "
+        sizes = [b.end - b.start for c in pred.stages[pred.dp_stage].state.buckets for b in c if not b.deferred]
+        out.append(f"  dp comm      {kind} x fp32 grads / {K.bw_dp / 1e9:g} GB/s, in {len(sizes)} buckets "
+                   f"(first {sizes[0] if sizes else 0:,} elements; {K.cluster.collective_latency_ms:g} ms start-up "
+                   f"each), each once backward has produced it, minus what hides behind the last "
                    f"backward: {part.overlapped:.3f} s; tied embedding (after the schedule) {part.embedding:.3f} s; "
                    f"parameter all-gather {part.all_gather:.3f} s (stage {pred.dp_stage}) = {T.dp_comm:.3f} s")
     if pred.config.is_moe:

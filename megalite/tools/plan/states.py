@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout, plan_layout
 from megalite.tools.plan.inputs import DTYPE_BYTES, ZERO_STAGES, positions, rank_parameter_layers, rank_parameters
+from megalite.tools.plan.overlap import ready_fractions
 from megalite.tools.plan.zero_replay import chunk_units, transient_peak
 
 
@@ -26,6 +27,8 @@ class StateBytes:
     optimizer: int  # MegaliteOptimizer.state_bytes(): fp32 master copies + Adam exp_avg, exp_avg_sq
     build_peak: int  # transient while the model is built and laid out (before any activation)
     buckets: list[list[BucketLayout]] = field(default_factory=list)  # per chunk, as plan_layout lays them out
+    # per chunk and bucket: the fraction of the chunk's layer backward done when it is complete (overlap.py)
+    bucket_ready: list[list[float]] = field(default_factory=list)
     zero_stage: int = 0
     # Stages 2-3, the step's peak beyond the stored state (buffer.stored_bytes()["peak_transient"]):
     # whole-bucket gradients waiting for their reduce-scatter, and (stage 3) gathered units.
@@ -47,6 +50,11 @@ class StateBytes:
     def expert_buckets(self) -> list[list[BucketLayout]]:
         """Per chunk, the expert buffer's buckets (empty without experts)."""
         return self.experts.buckets if self.experts is not None else [[] for _ in self.buckets]
+
+    @property
+    def expert_ready(self) -> list[list[float]]:
+        """Per chunk, the expert buckets' `bucket_ready`."""
+        return self.experts.bucket_ready if self.experts is not None else [[] for _ in self.buckets]
 
 
 def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
@@ -131,8 +139,8 @@ def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_d
                  v_shape=False) -> StateBytes:
     """rank_state_bytes of one buffer per chunk: every parameter (experts None), or the dense ones
     or the expert ones alone, reduced and sharded over `dp` ranks."""
-    buckets = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp, stage == 3,
-                            ep, etp, experts, v_shape)
+    buckets, ready = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp,
+                                   stage == 3, ep, etp, experts, v_shape)
     pb = DTYPE_BYTES[dtype]
     gb = DTYPE_BYTES[grad_dtype] if stage >= 2 else 4
     reals = [sum(b.real_numel for b in chunk) for chunk in buckets]
@@ -163,7 +171,7 @@ def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_d
                       optimizer=optimizer, build_peak=build, buckets=buckets, zero_stage=stage,
                       transient=replay.peak_total, transient_grads=replay.peak["grads"],
                       transient_gathered=replay.peak["gathered"], layer_buckets=replay.layer_buckets,
-                      grad_bytes=gb, comm_bytes=DTYPE_BYTES[grad_dtype])
+                      grad_bytes=gb, comm_bytes=DTYPE_BYTES[grad_dtype], bucket_ready=ready)
 
 
 def _stage(zero_stage: int | None, distributed_optimizer: bool) -> int:
@@ -201,9 +209,11 @@ _TRANSIENT_CACHE: dict = {}
 
 
 def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_numel, dp, units=False, ep=1,
-                  etp=None, experts=None, v_shape=False) -> list:
+                  etp=None, experts=None, v_shape=False) -> tuple[list, list]:
     """plan_layout of every chunk of one rank (ZeRO-3: its units), cached (the planner asks for the
-    same ones often); `experts`: of the expert buffer (True), the dense one (False), or all (None)."""
+    same ones often); `experts`: of the expert buffer (True), the dense one (False), or all (None).
+    With them, per chunk and bucket, the fraction of the chunk's layer backward done when the bucket
+    is complete (overlap.ready_fractions)."""
     key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, bucket_numel, dp, units,
            ep, etp, experts, v_shape)
     if key not in _BUCKET_CACHE:
@@ -211,12 +221,12 @@ def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_num
             _BUCKET_CACHE.clear()
         chunks = rank_parameters(config, tp, pp, vpp, pp_rank, seq_length, explicit, ep=ep, etp=etp, experts=experts,
                                  v_shape=v_shape)
+        layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts,
+                                       v_shape=v_shape)
         if units:
-            layers = rank_parameter_layers(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts,
-                                           v_shape=v_shape)
-            _BUCKET_CACHE[key] = [plan_layout(c, bucket_numel, dp, units=chunk_units(c, ls))
-                                  for c, ls in zip(chunks, layers)]
+            layouts = [plan_layout(c, bucket_numel, dp, units=chunk_units(c, ls)) for c, ls in zip(chunks, layers)]
         else:
-            _BUCKET_CACHE[key] = [plan_layout(c, bucket_numel, dp) for c in chunks]
+            layouts = [plan_layout(c, bucket_numel, dp) for c in chunks]
+        ready = [ready_fractions(b, [n for n, _ in c], ls) for b, c, ls in zip(layouts, chunks, layers)]
+        _BUCKET_CACHE[key] = (layouts, ready)
     return _BUCKET_CACHE[key]
-
