@@ -17,7 +17,9 @@ FLAGS go to pretrain_gpt.py after --common. Suites are the measurements of docs/
 their runs and derived ratios built in:
 
     sudo python scripts/slow_links.py --suite overlap --rate-mbit 300 --repeat 3
-    sudo python scripts/slow_links.py --suite bf16 | planner | diloco | moe
+    sudo python scripts/slow_links.py --suite bf16 | planner | diloco | moe | hidden
+
+(the suites' runs and derivations: scripts/slow_links_suites.py).
 
 Step time is the median of `ms_per_iter` over the iterations after --warmup (logged every
 iteration; robust to a spell of other work on the machine), tokens/s the mean over them (all the
@@ -45,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's megalite (planner), tests/netns.py
 import netns  # noqa: E402
+from slow_links_suites import SUITES, derive, report, suite_runs  # noqa: E402  (beside this file)
 
 TIMINGS = ("step_ms", "step_ms_mean", "tokens_per_s", "ms_per_iter")
 PORT = 29500  # every run gets the next one: a fresh namespace has every port free, TIME_WAIT aside
@@ -302,195 +305,6 @@ def summarize(records: list[dict], warmup: int) -> dict:
     return out
 
 
-# ---- suites: the runs of each measurement and what is derived from them --------------------------------------------
-
-def _model(a) -> list[str]:
-    return ["--model", a.model, "--seq-length", str(a.seq_length), *(["--hidden-size", str(a.hidden_size)]
-                                                                     if a.hidden_size else [])]
-
-
-def suite_runs(a) -> tuple[list[str], list[str]]:
-    """(common flags, run specs) of suite a.suite."""
-    model, it = _model(a), ["--train-iters", str(a.iters), "--log-interval", "1"]
-    noeval = ["--eval-iters", "0"]
-    b = a.micro_batch_size or (16 if a.suite == "overlap" else 8)
-    if a.suite == "overlap":  # one micro-batch a step, so the whole backward can hide the reduction
-        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--ddp-bucket-size", str(a.bucket)]
-        return common, [f"compute=solo=1 rate=off timeline=1 --global-batch-size {b}",
-                        f"overlap=timeline=1 --global-batch-size {2 * b}",  # megalite's default: during backward
-                        f"no-overlap=timeline=1 --global-batch-size {2 * b} --overlap-grad-reduce false",
-                        # the reduction's start held back to the end of backward by one bucket for everything
-                        f"one-bucket=timeline=1 --global-batch-size {2 * b} --ddp-bucket-size 1000000000"]
-    if a.suite == "bf16":
-        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
-                  "--ddp-bucket-size", str(a.bucket)]
-        return common, ["fp32-wire=timeline=1 --grad-reduce-dtype fp32",
-                        "bf16-wire=timeline=1 --grad-reduce-dtype bf16"]
-    if a.suite == "planner":
-        g = 4 * b
-        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--global-batch-size", str(g),
-                  "--ddp-bucket-size", str(a.bucket)]
-        return common, ["compute=solo=1 rate=off", "tp2-across=--tp 2", "pp2-across=--pp 2", "dp2-across=",
-                        # the same on the bare veths: what the layouts cost without the slow link
-                        "tp2-fast=rate=off --tp 2", "pp2-fast=rate=off --pp 2", "dp2-fast=rate=off"]
-    if a.suite == "moe":  # expert parallelism across the link against data parallelism of the experts
-        common = ["--mock-data", *model, *it, *noeval, "--micro-batch-size", str(b), "--global-batch-size", str(4 * b),
-                  "--ddp-bucket-size", str(a.bucket), *MOE_FLAGS,
-                  # every byte exposed, as the formula counts it: the reduction after backward, not during
-                  "--overlap-grad-reduce", "false"]
-        return common, ["ep2-across=--ep 2", "ep2-fast=rate=off --ep 2", "ep1-across=", "ep1-fast=rate=off"]
-    if a.suite == "diloco":  # the embedded corpus (no --mock-data), the same tokens for both
-        common = [*model, *it, "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
-                  "--eval-iters", "8", "--eval-interval", str(a.iters)]
-        return common, ["dp=", f"diloco-h{a.interval}=--local-sgd-interval {a.interval} --outer-lr {a.outer_lr} "
-                               f"--outer-momentum {a.outer_momentum}"]
-    raise SystemExit(f"unknown suite {a.suite!r}")
-
-
-# The moe suite's model: 8 experts, top-2, every MLP a MoE layer.
-MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
-
-
-def moe_comparison(results: dict[str, RunResult], links: dict) -> dict:
-    """What the slow link adds to each layout's step (across minus the same on bare veths), against
-    the formula's exposed time: every byte megalite counted this rank sending in a step (the experts'
-    all-to-alls, kind "ep", the gradients' all-reduce, kind "dp", both serial here, and the log
-    line's few "metrics" bytes), over the link's one-stream rate. One rank a host: every exchange
-    crosses the link."""
-    out: dict = {"link_mb_per_s": {str(k): v["tcp"] / 1e6 for k, v in links.items()}, "layouts": {}}
-    for name in ("ep2", "ep1"):
-        across, fast = results.get(f"{name}-across"), results.get(f"{name}-fast")
-        if not (across and fast and across.rounds and fast.rounds) or across.spec.rate_mbit not in links:
-            continue
-        kinds = across.rounds[-1].get("comm_bytes_by_kind") or {}  # the same every round
-        rate = links[across.spec.rate_mbit]["tcp"]
-        measured = across.figure("step_ms") - fast.figure("step_ms")
-        predicted = sum(kinds.values()) / rate * 1e3
-        out["layouts"][name] = {"bytes_per_step_by_kind": kinds, "measured_exposed_ms": measured,
-                                "formula_exposed_ms": predicted,
-                                "formula_over_measured": predicted / measured if measured > 0 else None}
-    return out
-
-
-def _ratio(x, y):
-    return x / y if x is not None and y else None
-
-
-def derive(a, results: dict[str, RunResult], links: dict) -> dict:
-    """The suite's ratios (see docs/slow-links.md)."""
-    t = {name: r.figure("step_ms") for name, r in results.items()}
-    out: dict = {}
-    if a.suite == "overlap" and t.get("compute") and t.get("overlap"):
-        # hidden fraction: of the communication a serial reduction exposes (no-overlap, or one bucket
-        # launched when backward ends), the part that overlapping the buckets with backward hides
-        out = {"overlap_vs_compute": t["overlap"] / t["compute"], "exposed_ms_overlap": t["overlap"] - t["compute"]}
-        waits = {n: r.span("grad-reduce") for n, r in results.items()}
-        out["grad_reduce_wait_ms"] = waits  # rank 0's wait for the reduction after backward (timeline)
-        for serial in ("no-overlap", "one-bucket"):
-            if waits.get(serial) and waits.get("overlap") is not None:
-                out[f"hidden_fraction_by_wait_vs_{serial}"] = 1 - waits["overlap"] / waits[serial]
-            if t.get(serial):
-                comm = t[serial] - t["compute"]
-                out[f"overlap_vs_{serial}"] = t["overlap"] / t[serial]
-                out[f"comm_ms_{serial}"] = comm
-                out[f"hidden_fraction_vs_{serial}"] = (t[serial] - t["overlap"]) / comm if comm > 0 else None
-    elif a.suite == "bf16":
-        out = {"step_bf16_vs_fp32": _ratio(t.get("bf16-wire"), t.get("fp32-wire")),
-               "grad_reduce_wait_bf16_vs_fp32": _ratio(results["bf16-wire"].span("grad-reduce"),
-                                                       results["fp32-wire"].span("grad-reduce")),
-               "wire_bytes_bf16_vs_fp32": _ratio(results["bf16-wire"].figure("wire_bytes_per_token"),
-                                                 results["fp32-wire"].figure("wire_bytes_per_token")),
-               "bytes_bf16_vs_fp32": _ratio(results["bf16-wire"].figure("comm_bytes"),
-                                            results["fp32-wire"].figure("comm_bytes"))}
-    elif a.suite == "planner" and links:
-        out = planner_comparison(a, results, links)
-    elif a.suite == "moe" and links:
-        out = moe_comparison(results, links)
-    elif a.suite == "diloco":
-        dp, lo = results.get("dp"), results.get(f"diloco-h{a.interval}")
-        if dp and lo and dp.rounds and lo.rounds:
-            out = {"bytes_per_token_dp_over_diloco": _ratio(dp.figure("comm_bytes_per_token"),
-                                                           lo.figure("comm_bytes_per_token")),
-                   "wire_bytes_per_token_dp_over_diloco": _ratio(dp.figure("wire_bytes_per_token"),
-                                                                lo.figure("wire_bytes_per_token")),
-                   "wall_per_token_diloco_vs_dp": _ratio(dp.figure("tokens_per_s"), lo.figure("tokens_per_s")),
-                   "loss_diloco_vs_dp": _ratio(lo.figure("loss"), dp.figure("loss")),
-                   "loss_last16_diloco_vs_dp": _ratio(lo.figure("loss_last16"), dp.figure("loss_last16")),
-                   "valid_loss_diloco_vs_dp": _ratio(lo.figure("valid_loss"), dp.figure("valid_loss"))}
-    return out
-
-
-def memory_bandwidth() -> float:
-    """Bytes/s of one thread streaming through memory (read + write of a 64 MiB copy): the planner's
-    --hbm-gbps for this machine's optimizer step."""
-    import torch
-
-    torch.set_num_threads(1)
-    src, dst = torch.ones(16 << 20), torch.empty(16 << 20)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best
-
-
-def planner_comparison(a, results: dict[str, RunResult], links: dict) -> dict:
-    """megalite.tools.plan.predict for every run, with this machine's compute rate fitted on the
-    one-rank run (`compute`: the rate that makes its predicted step time the measured one) and the
-    measured link as the inter-node bandwidth (one rank a host: every group crosses the link)."""
-    from megalite import arguments
-    from megalite.tools.plan import Cluster, Layout, predict
-    from megalite.tools.plan.inputs import Run
-
-    parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
-    hbm = memory_bandwidth()
-
-    def prediction(spec: RunSpec, rate_tflops: float):
-        args = parser.parse_args([*a.common_flags, *spec.flags])
-        config = arguments.model_config(args)
-        world = spec.nproc if spec.solo else spec.hosts * spec.nproc
-        dp = world // (args.parallel.tp * args.parallel.pp)
-        link = links[spec.rate_mbit]["bus"] if spec.rate_mbit in links else hbm  # solo: no link used
-        cluster = Cluster(gpus=world, gpus_per_node=spec.nproc, gpu_memory_gib=1e6, intra_node_gbps=hbm / 1e9,
-                          inter_node_gbps=link / 1e9, peak_tflops=rate_tflops, efficiency=1.0,
-                          hbm_gbps=hbm / 1e9)
-        layout = Layout(tp=args.parallel.tp, pp=args.parallel.pp, dp=dp, micro_batch_size=args.training.micro_batch_size)
-        run = Run(args.training.global_batch_size, args.model.seq_length, "fp32", args.data_parallel.ddp_bucket_size,
-                  grad_reduce_dtype=args.data_parallel.grad_reduce_dtype)
-        return predict(config, layout, cluster, run=run)
-
-    base = results.get("compute")
-    measured = base.figure("step_ms") if base else None
-    if not measured:
-        return {}
-    guess = prediction(base.spec, 1e-3).time
-    rate = 1e-3 * guess.compute / (measured / 1e3 - (guess.total - guess.compute))
-    out = {"fitted_tflops": rate, "memory_gbps": hbm / 1e9,
-           "link_gbps": {str(k): v["bus"] / 1e9 for k, v in links.items()}, "layouts": {}}
-    for name, r in results.items():
-        step = r.figure("step_ms")
-        if step is None:
-            continue
-        p = prediction(r.spec, rate).time
-        out["layouts"][name] = {"predicted_ms": p.total * 1e3, "measured_ms": step,
-                                "predicted_over_measured": p.total * 1e3 / step,
-                                "parts_ms": {k: getattr(p, k) * 1e3 for k in ("compute", "tp_comm", "pp_comm",
-                                                                               "bubble", "dp_comm", "optimizer")}}
-    across = [n for n in out["layouts"] if n.endswith("-across")]
-    out["link_cost"] = {}  # what the slow link adds to each layout's step: across minus the same on bare veths
-    for name in across:
-        fast = out["layouts"].get(name.replace("-across", "-fast"))
-        if fast:
-            here = out["layouts"][name]
-            measured, predicted = here["measured_ms"] - fast["measured_ms"], here["predicted_ms"] - fast["predicted_ms"]
-            out["link_cost"][name] = {"measured_ms": measured, "predicted_ms": predicted,
-                                      "predicted_over_measured": predicted / measured if measured > 0 else None}
-    out["ranking_predicted"] = sorted(across, key=lambda n: out["layouts"][n]["predicted_ms"])
-    out["ranking_measured"] = sorted(across, key=lambda n: out["layouts"][n]["measured_ms"])
-    return out
-
-
 # ---- the table -------------------------------------------------------------------------------------------------------
 
 def table(results: dict[str, RunResult]) -> str:
@@ -529,7 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     ap.add_argument("--common", default="", help="pretrain_gpt.py flags of every run (before the run's own)")
     ap.add_argument("--run", action="append", default=[], metavar="NAME=[SETTINGS] FLAGS")
-    ap.add_argument("--suite", choices=["overlap", "bf16", "planner", "diloco", "moe"])
+    ap.add_argument("--suite", choices=SUITES)
     ap.add_argument("--model", default="gpt-tiny", help="suites: the model preset")
     ap.add_argument("--hidden-size", type=int, default=None, help="suites: overrides the preset's")
     ap.add_argument("--seq-length", type=int, default=64, help="suites")
@@ -595,8 +409,12 @@ def main(argv=None) -> int:
                 print(f"    {summary.get('step_ms', float('nan')):.1f} ms/step, loss {summary.get('loss')}",
                       file=sys.stderr)
     derived = derive(a, results, links) if a.suite else {}
+    print(f"logs: {workdir}", file=sys.stderr)  # before the results: a suite's last line ends the output
     print(table(results))
-    if derived:
+    text = report(a, derived) if a.suite else None
+    if text:
+        print(text)
+    elif derived:
         print(json.dumps(derived, indent=2))
     if a.json:
         out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": len(os.sched_getaffinity(0)),
@@ -609,7 +427,6 @@ def main(argv=None) -> int:
                                                         "comm_bytes_per_token", "wire_bytes_per_token")}}
                         for n, r in results.items()}}
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"logs: {workdir}", file=sys.stderr)
     return 1 if any(r.error and not r.rounds for r in results.values()) else 0
 
 

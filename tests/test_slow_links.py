@@ -18,6 +18,7 @@ from slurm_cluster import in_ci
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import slow_links  # noqa: E402
+import slow_links_suites  # noqa: E402
 
 RATE = 80  # Mbit/s each way: 10 MB/s, about 0.37 s for one all-reduce of gpt-tiny's fp32 gradients
 MODEL = ["--mock-data", "--model", "gpt-tiny", "--seq-length", "32", "--log-interval", "1", "--eval-iters", "0"]
@@ -125,3 +126,74 @@ def test_run_specs_and_link_limits():
     for bad in (dict(rate_mbit=0), dict(rate_mbit=10, burst_kib=1), dict(rate_mbit=10, queue_ms=0)):
         with pytest.raises(ValueError):
             netns.LinkLimit(**bad)
+
+
+def _result(name: str, rate: float | None, steps_ms: list[float], kinds: dict[str, float] | None = None,
+            error: str | None = None) -> slow_links.RunResult:
+    """A RunResult as the harness leaves it: one summary a round (no rounds when every one failed)."""
+    rounds = [{"step_ms": ms, **({"comm_bytes": sum(kinds.values()), "comm_bytes_by_kind": kinds} if kinds else {})}
+              for ms in steps_ms]
+    return slow_links.RunResult(slow_links.RunSpec(name, [], hosts=2, nproc=1, rate_mbit=rate), rounds, error)
+
+
+def test_hidden_is_one_minus_exposed_over_the_counted_bytes_at_the_tcp_rate_unclamped():
+    links = {300.0: {"tcp": 36e6, "bus": 30e6}, None: {"tcp": 900e6, "bus": 450e6}}  # bytes/s
+    runs = [
+        # best rounds 180 and 100 ms: 80 ms exposed of 3.6 MB / 36 MB/s = 100 ms: 20% hidden
+        _result("dp-across", 300.0, [250.0, 180.0], {"dp": 3_599_980, "metrics": 20}), _result("dp-bare", None, [100.0]),
+        # more exposed than the bytes take at the link's rate (many small collectives): negative, as measured
+        _result("zero3-across", 300.0, [400.0], {"dp": 3.6e6}), _result("zero3-bare", None, [100.0, 130.0]),
+        # faster across than bare (noise): over 100%, as measured
+        _result("ep-across", 300.0, [90.0], {"ep": 1.2e6, "dp": 0.6e6}), _result("ep-bare", None, [100.0]),
+        _result("pp-across", 300.0, [], error="host1 exited 1: ValueError: no"), _result("pp-bare", None, [100.0]),
+        _result("cp-across", 300.0, [150.0], {"cp": 4.8e6, "dp": 2.4e6}), _result("cp-bare", None, [100.0]),
+        _result("tp-across", 300.0, [300.0], {"sp": 7.2e6}), _result("tp-bare", None, [100.0]),
+    ]
+    derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)
+    dims = derived["dimensions"]
+    assert derived["rate"] == "tcp" and derived["link_mb_per_s"]["300.0"] == {"tcp": 36.0, "bus": 30.0}
+    expected = {"dp": (180, 100, 100, 80, 0.2), "zero3": (400, 100, 100, 300, -2.0), "ep": (90, 100, 50, -10, 1.2),
+                "cp": (150, 100, 200, 50, 0.75), "tp": (300, 100, 200, 200, 0.0)}
+    for dim, (across, bare, comm, exposed, hidden) in expected.items():
+        row = dims[dim]
+        assert (row["step_across_ms"], row["step_bare_ms"]) == (across, bare), dim
+        assert row["comm_ms"] == pytest.approx(comm) and row["exposed_ms"] == pytest.approx(exposed), (dim, row)
+        assert row["hidden"] == pytest.approx(hidden, abs=1e-12), (dim, row)
+        assert row["comm_ms_bare"] == pytest.approx(comm * 36 / 900), dim  # the same bytes on the bare veths
+    assert dims["cp"]["comm_bytes_by_kind"] == {"cp": 4.8e6, "dp": 2.4e6}
+    assert "hidden" not in dims["pp"] and dims["pp"]["error"] == "pp-across: host1 exited 1: ValueError: no"
+
+    line = "overlap: dp 20%, zero3 -200%, ep 120%, pp n/a, cp 75%, tp 0% of communication hidden"
+    assert slow_links_suites.overlap_line(derived) == line
+    report = slow_links_suites.hidden_report(derived).splitlines()
+    assert report[-1] == line and report[-2] == "pp: n/a: pp-across: host1 exited 1: ValueError: no"
+    assert [r.split("|")[1].strip() for r in report[2:8]] == list(slow_links_suites.HIDDEN)
+    assert [c.strip() for c in report[2].split("|")[2:8]] == \
+        ["180.0", "100.0", "3,600,000 (dp 3,599,980; metrics 20)", "100.0", "80.0", "20%"]
+
+    # Without a limited link (or without megalite's byte count) there is nothing to divide by: n/a, said why.
+    derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, {None: links[None]})
+    assert slow_links_suites.overlap_line(derived) == \
+        "overlap: dp n/a, zero3 n/a, ep n/a, pp n/a, cp n/a, tp n/a of communication hidden"
+    assert dims["dp"]["exposed_ms"] == derived["dimensions"]["dp"]["exposed_ms"] == 80
+    assert "no limited link" in derived["dimensions"]["dp"]["error"]
+    runs[0] = _result("dp-across", 300.0, [180.0])
+    derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)
+    assert "counted no bytes" in derived["dimensions"]["dp"]["error"]
+    assert slow_links_suites.overlap_line(derived).startswith("overlap: dp n/a, zero3 -200%, ")
+
+
+def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
+    a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
+                                      micro_batch_size=None, bucket=200_000)
+    common, texts = slow_links_suites.suite_runs(a)
+    specs = [slow_links.parse_run(t, 2, 1, 300.0) for t in texts]
+    assert [s.name for s in specs] == [f"{d}-{w}" for d in slow_links_suites.HIDDEN for w in ("across", "bare")]
+    assert [s.rate_mbit for s in specs] == [300.0, None] * 6 and {(s.hosts, s.nproc) for s in specs} == {(2, 1)}
+    flags = {s.name: " ".join(s.flags) for s in specs}
+    for name, wants in {"dp": "--micro-batch-size 8 --global-batch-size 16", "zero3": "--zero-stage 3",
+                        "ep": "--num-experts 8 --moe-router-topk 2", "pp": "--pp 2 --micro-batch-size 4",
+                        "cp": "--cp 2 --seq-length 256 --micro-batch-size 4 --global-batch-size 4",
+                        "tp": "--tp 2 --sequence-parallel"}.items():
+        assert wants in flags[f"{name}-across"] and flags[f"{name}-across"] == flags[f"{name}-bare"], name
+    assert "--expert-model-parallel-size 2" in flags["ep-across"] and "--mock-data" in common
