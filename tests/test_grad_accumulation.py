@@ -15,7 +15,7 @@ from megalite import parallel
 from megalite.models import BERTModel, GPTModel, TransformerConfig
 from megalite.optim import buffers
 from megalite.optim.buffers import ParamAndGradBuffer
-from megalite.parallel import grad_accumulation
+from megalite.parallel import grad_accumulation, tp_overlap
 from megalite.parallel.layers import ColumnParallelLinear
 from megalite.testing import count_host_syncs, run_ranks
 
@@ -37,12 +37,14 @@ def _buffer(params, dtype=torch.float32, **kw):
 
 
 class _Counting:
-    """Counts the fused backwards' calls while active (linear, embedding)."""
+    """Counts the fused backwards' calls while active (linear, embedding). Sequence-parallel linears
+    write theirs from megalite.parallel.tp_overlap (one GEMM per layer as well): counted when they
+    write into the buffer."""
 
     def __enter__(self):
         self.calls, self.embedding_calls = 0, 0
         self._originals = (grad_accumulation._LinearIntoMainGrad.backward,
-                           grad_accumulation._EmbeddingIntoMainGrad.backward)
+                           grad_accumulation._EmbeddingIntoMainGrad.backward, tp_overlap._grads_of_weight)
 
         def counted(ctx, g):
             self.calls += 1
@@ -51,13 +53,19 @@ class _Counting:
         def counted_embedding(ctx, g):
             self.embedding_calls += 1
             return self._originals[1](ctx, g)
+
+        def counted_sequence_parallel(ctx, dy, x):
+            self.calls += ctx.buffer is not None
+            return self._originals[2](ctx, dy, x)
         grad_accumulation._LinearIntoMainGrad.backward = staticmethod(counted)
         grad_accumulation._EmbeddingIntoMainGrad.backward = staticmethod(counted_embedding)
+        tp_overlap._grads_of_weight = counted_sequence_parallel
         return self
 
     def __exit__(self, *exc):
         grad_accumulation._LinearIntoMainGrad.backward = staticmethod(self._originals[0])
         grad_accumulation._EmbeddingIntoMainGrad.backward = staticmethod(self._originals[1])
+        tp_overlap._grads_of_weight = self._originals[2]
 
 
 def _loss(model, ids):

@@ -12,7 +12,7 @@ from megalite.config.run import ConfigError, RunConfig
 from megalite.config.batch_schedule import batch_schedule
 from megalite.config.fields import in_user_spelling
 from megalite.errors import UsageError
-from megalite.models.config import TransformerConfig
+from megalite.models.config import TP_COMM_OVERLAP_NEEDS, TransformerConfig
 from megalite.models.presets import PRESETS, preset
 from megalite.pipeline.partition import V_SCHEDULES
 
@@ -269,6 +269,9 @@ def model_config(config: RunConfig) -> TransformerConfig:
 
 def _model_config(config: RunConfig) -> TransformerConfig:
     check_sections(config)
+    p = config.parallel
+    if p.tp_comm_overlap and (p.tp == 1 or not p.sequence_parallel):  # (resolve turns SP off at --tp 1)
+        raise UsageError(TP_COMM_OVERLAP_NEEDS)
     m = config.model
     overrides = _model_overrides(m)
     moe_given = {k: v for k, v in _moe_fields(config.moe).items()
@@ -282,10 +285,11 @@ def _model_config(config: RunConfig) -> TransformerConfig:
         overrides["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64
     try:
         built = preset(m.model, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-                       sequence_parallel=config.parallel.sequence_parallel, recompute=m.recompute,
+                       sequence_parallel=p.sequence_parallel, tp_comm_overlap=p.tp_comm_overlap,
+                       recompute=m.recompute,
                        attention_backend="sdpa" if m.attention_backend == "auto" else m.attention_backend,
                        norm_backend=m.norm_backend, recompute_method=m.recompute_method,
-                       recompute_num_layers=m.recompute_num_layers, cp_comm_type=config.parallel.cp_comm_type,
+                       recompute_num_layers=m.recompute_num_layers, cp_comm_type=p.cp_comm_type,
                        **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None

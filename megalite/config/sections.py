@@ -64,6 +64,9 @@ class ParallelConfig:
     pipeline_layers: list[int] | None = opt(
         None, "explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)", metavar="N,N,...")
     sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
+    tp_comm_overlap: bool = opt(False, "pipeline sequence parallelism's all-gathers and reduce-scatters with the "
+                                       "linear layers' GEMMs, shard by shard (needs --sequence-parallel; the same "
+                                       "numbers; docs/communication.md)")
     cp: int = opt(1, "context-parallel size: each sequence split over N ranks (ring attention; "
                      "docs/context-parallel.md)", flags=("--cp", "--context-parallel-size"), check=POSITIVE_INT)
     cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p) or heads "

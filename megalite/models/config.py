@@ -8,6 +8,10 @@ from dataclasses import dataclass
 import torch
 
 
+TP_COMM_OVERLAP_NEEDS = ("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with "
+                         "the GEMMs: it needs --tp 2 or more and --sequence-parallel")
+
+
 @dataclass
 class TransformerConfig:
     num_layers: int
@@ -30,6 +34,9 @@ class TransformerConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this times TP
     sequence_parallel: bool = False
+    # Sequence parallelism's all-gathers and reduce-scatters pipelined with the linear layers' GEMMs
+    # (megalite.parallel.tp_overlap): when communication runs, not the numbers.
+    tp_comm_overlap: bool = False
     # Context parallelism (the size is the process groups'): p2p rings keys and values, a2a exchanges
     # heads for the sequence (megalite.parallel.context_parallel).
     cp_comm_type: str = "p2p"
@@ -299,6 +306,8 @@ class TransformerConfig:
         self._check_query_groups(tp)
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence parallelism needs a tensor-parallel size > 1 (got --tp 1)")
+        if self.tp_comm_overlap and (tp == 1 or not self.sequence_parallel):
+            raise ValueError(TP_COMM_OVERLAP_NEEDS)
 
     def _check_query_groups(self, tp: int) -> None:
         """GQA: each rank holds whole key/value groups (G % tp == 0), or its query heads share one group

@@ -49,7 +49,8 @@ class MTPModule(nn.Module):
         # Under SP its input is gathered along the sequence here and its output re-split below.
         self.eh_proj = ColumnParallelLinear(2 * h, h, bias=False, gather_output=not config.sequence_parallel,
                                             init_method=init, sequence_parallel=config.sequence_parallel,
-                                            params_dtype=config.params_dtype, device=device)
+                                            params_dtype=config.params_dtype, device=device,
+                                            tp_comm_overlap=config.tp_comm_overlap)
         self.layer = TransformerLayer(config, config.num_layers + depth - 1, seed, device)
         self.final_layernorm = norm_layer(config, device)
 

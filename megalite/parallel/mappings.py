@@ -53,6 +53,13 @@ def _count(record, group, tp_kind: str, nbytes: int, size: int) -> None:
         record(_kind(group, tp_kind), nbytes, size)
 
 
+def count_sequence_collective(group, whole_nbytes: int) -> None:
+    """Count an all-gather or reduce-scatter along the sequence whose whole tensor (gathered output,
+    scattered input) holds `whole_nbytes`: as one collective, whether it runs as one or as the ring of
+    sends --tp-comm-overlap pipelines with the GEMMs (megalite.parallel.tp_overlap)."""
+    _count(traffic.gather_or_scatter, group, "sp", whole_nbytes, _size(group))
+
+
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
 
@@ -87,7 +94,7 @@ def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * _size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _count(traffic.gather_or_scatter, group, "sp", out.nbytes, _size(group))
+    count_sequence_collective(group, out.nbytes)
     all_gather_single(out, x, group=_group(group))
     return out
 
@@ -96,7 +103,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = _check_sequence_splits(x, group)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _count(traffic.gather_or_scatter, group, "sp", x.nbytes, size)
+    count_sequence_collective(group, x.nbytes)
     reduce_scatter_single(out, x, group=_group(group))
     return out
 

@@ -1,0 +1,243 @@
+"""The GEMMs of sequence-parallel linear layers, one sequence shard at a time, and (--tp-comm-overlap)
+their collectives pipelined with them.
+
+With sequence parallelism a column-parallel linear all-gathers its input along the sequence before
+its GEMM and a row-parallel linear reduce-scatters its output after its GEMM; the backwards run the
+conjugates (GEMM then reduce-scatter for the column layer's input gradient, all-gather then GEMM for
+the row layer's). Each GEMM here runs as one GEMM per sequence shard (the rows one TP rank holds),
+so each shard's communication can run while another shard is multiplied. With `overlap` the
+collectives are rings of point-to-point sends over the TP group (batched isend/irecv: gloo runs
+them on its own threads, NCCL on its own stream) and a rank multiplies the shard it holds while it
+passes a shard on to its neighbour: every step's transfer hides behind a GEMM.
+
+- all-gather + GEMM (`gather_rows`): at step i a rank multiplies the shard it received at step i-1
+  (its own first) while sending that shard on to the next rank and receiving the next one.
+- GEMM + reduce-scatter (`reduce_scatter_rows`): a shard's partial sums travel from the rank before
+  its owner backwards round the ring to the owner; each rank adds its own partial, multiplied while
+  the previous step's sum was in flight.
+
+Numbers. A GEMM over some rows is not bitwise those rows of the GEMM over all rows: BLAS libraries
+pick kernels by shape (torch 2.13's MKL on a CPU, fp32: every 1-row shard, about half the shapes
+tried with 2- to 12-row shards, some with 128-row ones; cuBLAS chooses by shape too). So with sequence parallelism
+both paths, overlapped or not, run the same per-shard GEMMs on the same operands at the same
+offsets, and the weight gradient stays one GEMM over the whole sequence. The gathers move bits; the
+ring adds a shard's partials in the order gloo's reduce-scatter does (from the rank before the owner
+backwards to the owner), bitwise at tp 2 on any backend (two terms commute) and on gloo at tp 4 as
+far as its segments fall on the shards. Bytes are counted as the plain collectives count them ("sp").
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import grad_accumulation, weight_grad
+from megalite.parallel.mappings import (
+    _check_sequence_splits,
+    _group,
+    _rank,
+    _size,
+    all_gather_single,
+    count_sequence_collective,
+    reduce_scatter_single,
+)
+
+
+def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group) -> list:
+    """Post a send of `send` to group rank `to` and a receive into `recv` from `source`, as one batch
+    (NCCL needs the pair batched where every rank sends and receives at once)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=to),
+                                   dist.P2POp(dist.irecv, recv, group=group, group_peer=source)])
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
+                use: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Fill `full` with every rank's `local` rows (contiguous; rank order) and call `use(j)` on each
+    shard j once it is there: after one all-gather, or (`overlap`) while the ring brings the next."""
+    n, me, g = _size(group), _rank(group), _group(group)
+    rows = local.shape[0]
+    count_sequence_collective(group, full.nbytes)
+    if not overlap or n == 1:
+        all_gather_single(full, local, group=g)
+        for j in range(n):
+            if use is not None:
+                use(j)
+        return full
+    shard = lambda j: full[j * rows:(j + 1) * rows]  # noqa: E731
+    shard(me).copy_(local)
+    for i in range(n):
+        j = (me - i) % n  # the shard this rank holds at step i: its own, then its left neighbour's, ...
+        last = i == n - 1
+        works = None if last else _exchange(shard(j), (me + 1) % n, shard((j - 1) % n), (me - 1) % n, g)
+        if use is not None:
+            use(j)
+        if not last:
+            _wait(works)
+    return full
+
+
+def reduce_scatter_rows(partial: torch.Tensor, group, overlap: bool, make: Callable[[int], None]) -> torch.Tensor:
+    """This rank's shard of the sum over the group of every rank's `partial` (n shards of rows, rank
+    order), which `make(d)` fills shard by shard: all first, then one reduce-scatter, or (`overlap`)
+    each shard made while the previous one's running sum is in flight."""
+    n, me, g = _size(group), _rank(group), _group(group)
+    rows = partial.shape[0] // n
+    count_sequence_collective(group, partial.nbytes)
+    if not overlap or n == 1:
+        for d in range(n):
+            make(d)
+        out = partial.new_empty((rows, *partial.shape[1:]))
+        reduce_scatter_single(out, partial, group=g)
+        return out
+    shard = lambda d: partial[d * rows:(d + 1) * rows]  # noqa: E731
+    received = partial.new_empty((rows, *partial.shape[1:]))
+    works: list = []
+    for i in range(n - 1):
+        d = (me + 1 + i) % n  # the shard whose running sum passes this rank at step i
+        make(d)
+        if i:
+            _wait(works)
+            shard(d).add_(received)
+        works = _exchange(shard(d), (me - 1) % n, received, (me + 1) % n, g)
+    make(me)  # its own shard last: the sum arrives complete but for this rank's part
+    _wait(works)
+    return shard(me) + received  # a new tensor: the output must not keep the whole partial alive
+
+
+def _grads_of_weight(ctx, dy: torch.Tensor, x: torch.Tensor):
+    """dW = dy^T x over every row (one GEMM, as ever) and db = dy's column sums: handed to a
+    zero-bubble W pass, written into the gradient buffer, or returned, as grad_accumulation.linear
+    would have them (its fused backward and weight_grad's split one compute the same GEMMs)."""
+    need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+    used_w, used_b = ctx.used
+    ctx.used = None
+    if ctx.split:
+        return (weight_grad.give(used_w, need_w, lambda: dy.t().mm(x), (dy,)),
+                weight_grad.give(used_b, need_b, lambda: dy.sum(0), (dy,)))
+    if ctx.buffer is not None:
+        dw = ctx.buffer.add_weight_grad(used_w, dy, x)
+    else:
+        dw = dy.t().mm(x) if need_w else None
+    return dw, dy.sum(0) if need_b else None
+
+
+def _keep(ctx, weight, bias, group, overlap: bool, buffer, split: bool) -> None:
+    ctx.set_materialize_grads(False)  # no gradient (alike on every TP rank): no collective
+    ctx.group, ctx.overlap, ctx.buffer, ctx.split = group, overlap, buffer, split
+    ctx.used, ctx.has_bias = (weight, bias), bias is not None
+
+
+# Both Functions take and return 2-D tensors (rows = sequence x batch): the caller's views are made
+# outside, so a caller may modify an output in place (autograd forbids it on a view made inside).
+class _GatherLinear(torch.autograd.Function):
+    """y = all-gather(x) W^T + b along the rows; backward: the input gradient's per-shard GEMMs
+    reduce-scattered, the weight's from the gathered input (saved, as F.linear saves it)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, overlap, buffer, split):
+        _keep(ctx, weight, bias, group, overlap, buffer, split)
+        x = x.contiguous()
+        rows, n = x.shape[0], _size(group)
+        full = x.new_empty((n * rows, x.shape[1]))
+        y = x.new_empty((n * rows, weight.shape[0]))
+        wt = weight.t()
+
+        def gemm(j):
+            r = slice(j * rows, (j + 1) * rows)
+            if bias is None:
+                torch.mm(full[r], wt, out=y[r])
+            else:
+                torch.addmm(bias, full[r], wt, out=y[r])
+
+        gather_rows(x, full, group, overlap, gemm)
+        ctx.save_for_backward(full, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            ctx.used = None
+            return (None,) * 7
+        full, weight = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            rows = full.shape[0] // _size(ctx.group)
+            partial = dy.new_empty((full.shape[0], weight.shape[1]))
+
+            def gemm(d):
+                r = slice(d * rows, (d + 1) * rows)
+                torch.mm(dy[r], weight, out=partial[r])
+
+            dx = reduce_scatter_rows(partial, ctx.group, ctx.overlap, gemm)
+        dw, db = _grads_of_weight(ctx, dy, full)
+        return dx, dw, db, None, None, None, None
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """y = reduce-scatter(x W^T) along the rows (partial sums over TP); backward: the output
+    gradient all-gathered, the input gradient's GEMMs per shard, the weight's over every row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, overlap, buffer, split):
+        _keep(ctx, weight, None, group, overlap, buffer, split)
+        n = _size(group)
+        rows = x.shape[0] // n
+        partial = x.new_empty((x.shape[0], weight.shape[0]))
+        wt = weight.t()
+
+        def gemm(d):
+            r = slice(d * rows, (d + 1) * rows)
+            torch.mm(x[r], wt, out=partial[r])
+
+        out = reduce_scatter_rows(partial, group, overlap, gemm)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            ctx.used = None
+            return (None,) * 6
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        rows = dy.shape[0]
+        full = dy.new_empty((x.shape[0], dy.shape[1]))
+        dx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+
+        def gemm(j):
+            r = slice(j * rows, (j + 1) * rows)
+            torch.mm(full[r], weight, out=dx[r])
+
+        gather_rows(dy, full, ctx.group, ctx.overlap, gemm if dx is not None else None)
+        dw, _ = _grads_of_weight(ctx, full, x)
+        return dx, dw, None, None, None, None
+
+
+def _gradient_route(weight: torch.Tensor):
+    """(buffer, split) as grad_accumulation.linear(into_main_grad=True) decides them: a zero-bubble
+    schedule's split ops, else the gradient buffer the weight's GEMM writes into, if any."""
+    if weight_grad.splitting():
+        return None, True
+    return grad_accumulation._buffer_of(weight), False
+
+
+def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, overlap: bool,
+                  group=None) -> torch.Tensor:
+    """A column-parallel linear under sequence parallelism: x [s / tp, ..., in] (this rank's part of
+    the sequence) -> [s, ..., out / tp]; the all-gather pipelined with the GEMMs when `overlap`."""
+    y = _GatherLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, group, overlap, *_gradient_route(weight))
+    return y.view(_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
+
+
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, overlap: bool, group=None) -> torch.Tensor:
+    """A row-parallel linear's GEMM and reduce-scatter under sequence parallelism: x [s, ..., in / tp]
+    -> [s / tp, ..., out] (no bias: it is added once, after the sum); pipelined when `overlap`."""
+    n = _check_sequence_splits(x, group)
+    y = _LinearReduceScatter.apply(x.reshape(-1, x.shape[-1]), weight, group, overlap, *_gradient_route(weight))
+    return y.view(x.shape[0] // n, *x.shape[1:-1], weight.shape[0])

@@ -1,0 +1,207 @@
+"""--tp-comm-overlap (issue #50): with sequence parallelism the all-gather before a column-parallel GEMM
+and the reduce-scatter after a row-parallel one (and their conjugates backward) run as rings of sends
+pipelined with per-shard GEMMs. Claims: the numbers are bitwise those of the run without it (layers
+at tp 2 and 4, a GPT's gradients, training losses, gradient norms and weights); every transfer is in
+flight while a GEMM runs; the bytes counted are the plain collectives'; no host sync is added; a
+layout it cannot apply to is refused in one line."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_rel_close, fresh_seed, gather_tp, tp_slice
+from megalite import parallel
+from megalite.errors import UsageError
+from megalite.parallel import tp_overlap, traffic
+from megalite.testing import run_ranks
+from training_ranks import parse, train_params
+
+S, B, H, FFN = 16, 2, 24, 40
+
+
+def _pair(seed: int, overlap: bool):
+    """A column-parallel -> gelu -> row-parallel pair under SP: its output, input gradient, weight
+    gradients and the bytes it counted (forward and backward)."""
+    torch.manual_seed(seed)
+    col = parallel.ColumnParallelLinear(H, FFN, sequence_parallel=True, tp_comm_overlap=overlap)
+    row = parallel.RowParallelLinear(FFN, H, sequence_parallel=True, tp_comm_overlap=overlap)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x_full, gy_full = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+    x = tp_slice(x_full, 0).clone().requires_grad_()
+    traffic.take()
+    y = row(F.gelu(col(x)))
+    (y * tp_slice(gy_full, 0)).sum().backward()
+    grads = {f"{n}.{k}": p.grad.clone() for n, m in (("col", col), ("row", row)) for k, p in m.named_parameters()}
+    return {"y": y.detach(), "dx": x.grad.clone(), "grads": grads, "bytes": traffic.take(),
+            "modules": (col, row), "inputs": (x_full, gy_full)}
+
+
+def _logging_ring(log: list):
+    """Wrap the ring's steps and the GEMMs so a run leaves its order of events: X a transfer posted,
+    W one waited for, G a GEMM."""
+    exchange, wait, mm, addmm = tp_overlap._exchange, tp_overlap._wait, torch.mm, torch.addmm
+
+    def logged(tag, fn):
+        def call(*a, **k):
+            log.append(tag)
+            return fn(*a, **k)
+        return call
+    tp_overlap._exchange, tp_overlap._wait = logged("X", exchange), logged("W", wait)
+    torch.mm, torch.addmm = logged("G", mm), logged("G", addmm)
+    return lambda: (setattr(tp_overlap, "_exchange", exchange), setattr(tp_overlap, "_wait", wait),
+                    setattr(torch, "mm", mm), setattr(torch, "addmm", addmm))
+
+
+def _layer_matrix(rank, world, seed):
+    from megalite.testing import count_host_syncs
+
+    out = {}
+    for tp in (2, 4):
+        parallel.initialize_model_parallel(tp)
+        plain = _pair(seed, False)
+        log: list = []
+        restore = _logging_ring(log)
+        try:
+            with count_host_syncs() as syncs:
+                overlapped = _pair(seed, True)
+        finally:
+            restore()
+        # The per-shard GEMMs compute the layer pair's function (to rounding: not one GEMM over all rows).
+        col, row = plain["modules"]
+        x_full, gy_full = plain["inputs"]
+        w1, b1 = gather_tp(col.weight, 0), gather_tp(col.bias, 0)
+        w2 = gather_tp(row.weight, 1)
+        assert_rel_close(plain["y"], tp_slice(F.linear(F.gelu(F.linear(x_full, w1, b1)), w2, row.bias), 0),
+                         what=f"tp {tp} output")
+        same = [k for k in ("y", "dx") if torch.equal(plain[k], overlapped[k])]
+        same += sorted(k for k, g in plain["grads"].items() if torch.equal(g, overlapped["grads"][k]))
+        out[tp] = {"same": same, "bytes": (plain["bytes"], overlapped["bytes"]), "events": "".join(log),
+                   "syncs": syncs.calls, "grads": sorted(plain["grads"])}
+        parallel.destroy_model_parallel()
+    return out
+
+
+def test_layers_at_tp_2_and_4_give_bitwise_the_plain_numbers_with_transfers_behind_gemms():
+    for rank, out in enumerate(run_ranks(_layer_matrix, 4, args=(fresh_seed(),))):
+        for tp, r in out.items():
+            assert r["same"] == ["y", "dx", *r["grads"]], (rank, tp, r["same"])
+            plain, overlapped = r["bytes"]
+            # Two gathers and two reduce-scatters of [S, B, H] fp32, (tp-1)/tp of each sent.
+            assert plain == overlapped == {"sp": 4 * S * B * H * 4 * (tp - 1) // tp}, (plain, overlapped)
+            assert r["syncs"] == []
+            events = r["events"]
+            # Four rings (gather and reduce-scatter forward, their conjugates backward) of tp-1
+            # transfers each; every transfer is posted, then a GEMM runs, then it is waited for.
+            assert events.count("X") == events.count("W") == 4 * (tp - 1), events
+            assert "XW" not in events and events.startswith("XG"), events
+
+
+def _gpt_gradients(overlap: bool, seed: int):
+    from megalite.models import GPTModel, TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                               max_position_embeddings=16, hidden_dropout=0.1, attention_dropout=0.1,
+                               sequence_parallel=True, tp_comm_overlap=overlap)
+    parallel.model_parallel_manual_seed(seed)
+    model = GPTModel(config, seed=seed).train()
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids, labels = torch.randint(0, 100, (3, 16), generator=gen), torch.randint(0, 100, (3, 16), generator=gen)
+    loss = model(ids, labels=labels)
+    loss.sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _gpt_and_training(rank, world, seed, argv, sync_argv):
+    from megalite import runtime
+    from megalite.testing import count_host_syncs
+
+    parallel.initialize_model_parallel(world)
+    grads = [_gpt_gradients(overlap, seed) for overlap in (False, True)]
+    parallel.destroy_model_parallel()
+    runs = _trainings(rank, world, [argv, argv + ["--tp-comm-overlap"]], fuse=False)
+    with count_host_syncs(label=lambda: runtime._PHASE[0]) as seen:
+        train_params(rank, world, sync_argv)
+    steady = seen.during(lambda phase: phase.startswith(("iteration 2:", "iteration 3:")))
+    return grads, runs, steady
+
+
+TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--hidden-dropout", "0.1",
+         "--attention-dropout", "0.1", "--eval-interval", "0", "--sequence-parallel"]
+
+
+def _assert_same_training(plain, overlapped):
+    assert len(plain["records"]) == len(overlapped["records"]) > 0
+    for a, b in zip(plain["records"], overlapped["records"]):
+        for key in ("loss", "grad_norm", "comm_bytes"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    for name, p in plain["params"].items():
+        assert torch.equal(p, overlapped["params"][name]), name
+
+
+def test_a_tiny_gpt_trains_bitwise_alike_with_and_without_overlap_and_makes_no_host_sync():
+    argv = TRAIN + ["--tp", "2", "--train-iters", "3", "--log-interval", "1"]
+    sync_argv = TRAIN + ["--tp", "2", "--train-iters", "4", "--log-interval", "4", "--tp-comm-overlap"]
+    for rank, (grads, runs, steady) in enumerate(run_ranks(_gpt_and_training, 2,
+                                                           args=(fresh_seed(), argv, sync_argv))):
+        (loss_a, grads_a), (loss_b, grads_b) = grads
+        assert torch.equal(loss_a, loss_b)
+        assert [n for n, g in grads_a.items() if not torch.equal(g, grads_b[n])] == []
+        _assert_same_training(*runs)
+        assert runs[0]["records"][0]["comm_bytes"]["sp"] > 0
+        assert runs[0]["transfers"] == 0 < runs[1]["transfers"]
+        assert runs[0]["routes"] == runs[1]["routes"] == {(False, False)}  # autograd takes the gradients
+        assert steady == [], f"rank {rank}: {steady[:10]}"
+
+
+def _trainings(rank, world, argvs, fuse=True):
+    """Each run's parameters and records, the transfers its rings posted and how its weight gradients
+    went (split for a W pass; written into the gradient buffer)."""
+    from megalite.parallel import grad_accumulation
+
+    if fuse:  # every weight's gradient written by its GEMM into the buffer
+        grad_accumulation.MIN_FUSED_NUMEL = 0
+    exchange, grads_of_weight = tp_overlap._exchange, tp_overlap._grads_of_weight
+    runs = []
+    for argv in argvs:
+        seen = {"transfers": 0, "routes": set()}
+
+        def counted(*a, seen=seen):
+            seen["transfers"] += 1
+            return exchange(*a)
+
+        def routed(ctx, *a, seen=seen):
+            seen["routes"].add((ctx.split, ctx.buffer is not None))
+            return grads_of_weight(ctx, *a)
+        tp_overlap._exchange, tp_overlap._grads_of_weight = counted, routed
+        try:
+            runs.append({**train_params(rank, world, argv), **seen})
+        finally:
+            tp_overlap._exchange, tp_overlap._grads_of_weight = exchange, grads_of_weight
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "4"], ["--tp", "2", "--pp", "2", "--pipeline-schedule", "zb-h1",
+                                                    "--recompute", "full"]], ids=["tp4", "tp2-pp2-zb-recompute"])
+def test_overlap_is_bitwise_at_tp4_and_under_split_backward_recompute_and_fused_weight_gradients(layout):
+    argv = TRAIN + layout + ["--train-iters", "2", "--log-interval", "1", "--global-batch-size", "8"]
+    split = "zb-h1" in layout
+    for plain, overlapped in run_ranks(_trainings, 4, args=([argv, argv + ["--tp-comm-overlap"]],)):
+        _assert_same_training(plain, overlapped)
+        assert plain["transfers"] == 0 < overlapped["transfers"]
+        # zb-h1 hands weight gradients to its W passes; 1F1B writes them into the buffer.
+        assert plain["routes"] == overlapped["routes"] == {(split, not split)}, overlapped["routes"]
+
+
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--tp", "1", "--sequence-parallel"]], ids=["no-sp", "tp1"])
+def test_a_layout_without_sequence_parallel_shards_is_refused_in_one_line(argv):
+    from megalite.config import model_config
+
+    with pytest.raises(UsageError) as e:
+        model_config(parse(argv + ["--tp-comm-overlap"]))
+    assert str(e.value) == ("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters "
+                            "with the GEMMs: it needs --tp 2 or more and --sequence-parallel")
+
+
+def test_the_layers_refuse_overlap_without_sequence_parallelism():
+    with pytest.raises(ValueError, match="tp_comm_overlap .* needs sequence_parallel=True"):
+        parallel.RowParallelLinear(8, 8, tp_comm_overlap=True, device="cpu")
