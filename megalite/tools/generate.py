@@ -113,30 +113,39 @@ def build_stage(load: str, tp: int, pp: int, device):
     return model.eval(), reader.metadata
 
 
-def _run(args) -> None:
+def loaded_stage(args, minutes: int):
+    """Every rank of a tool run: the process groups at --tp/--pp/--ep (the rest data-parallel),
+    then (this rank's stage of the --load checkpoint, the tokenizer: `_tokenizer`)."""
     import datetime
 
+    import torch.distributed as dist
+
     from megalite import parallel
+    from megalite.runtime import init_distributed
+
+    device = init_distributed()
+    world = dist.get_world_size()
+    if world % (args.tp * args.pp):
+        raise UsageError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} ranks")
+    parallel.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep,
+                                       timeout=datetime.timedelta(minutes=minutes))
+    parallel.model_parallel_manual_seed(args.seed)
+    model, metadata = build_stage(args.load, args.tp, args.pp, device)
+    return model, _tokenizer(args, metadata)
+
+
+def _run(args) -> None:
     from megalite.data.tokenizers import TokenizerError
     from megalite.generation import generate
-    from megalite.runtime import init_distributed
 
     for flag in ("max_new_tokens", "batch_size", "tp", "pp", "ep"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     prompts = _prompts(args)
-    device = init_distributed()
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    if world % (args.tp * args.pp):
-        raise UsageError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} ranks")
     try:
-        parallel.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep,
-                                           timeout=datetime.timedelta(minutes=10))
-        parallel.model_parallel_manual_seed(args.seed)
-        model, metadata = build_stage(args.load, args.tp, args.pp, device)
-        tokenizer = _tokenizer(args, metadata)
+        model, tokenizer = loaded_stage(args, minutes=10)
         eos = _eos_ids(args, tokenizer)
         for start in range(0, len(prompts), args.batch_size):
             batch = prompts[start:start + args.batch_size]

@@ -43,14 +43,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> None:
-    import datetime
-
     import torch.distributed as dist
 
-    from megalite import parallel
     from megalite.data.tokenizers import TokenizerError
-    from megalite.runtime import init_distributed
-    from megalite.tools.generate import _tokenizer, build_stage
+    from megalite.tools.generate import loaded_stage
 
     for flag in ("batch_size", "max_gen_toks", "tp", "pp", "ep"):
         if getattr(args, flag) < 1:
@@ -62,17 +58,9 @@ def _run(args) -> None:
         from megalite.generation.lm_eval_adapter import MegaliteLM, evaluate_tasks
     except ImportError as e:
         raise UsageError(str(e)) from None
-    device = init_distributed()
-    world = dist.get_world_size()
-    if world % (args.tp * args.pp):
-        raise UsageError(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} ranks")
+    args.prompt_ids = False  # the tokenizer is needed (generate's --prompt-ids makes it optional)
     try:
-        parallel.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep,
-                                           timeout=datetime.timedelta(minutes=30))
-        parallel.model_parallel_manual_seed(args.seed)
-        model, metadata = build_stage(args.load, args.tp, args.pp, device)
-        args.prompt_ids = False
-        tokenizer = _tokenizer(args, metadata)
+        model, tokenizer = loaded_stage(args, minutes=30)
         lm = MegaliteLM([model], tokenizer, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
                         add_bos_token=args.add_bos_token, seed=args.seed, shard_over_data_parallel=True)
         results = evaluate_tasks(lm, tasks, args.include_path, args.limit, args.num_fewshot, args.seed,

@@ -56,6 +56,19 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
     return {"loss": means[0], **dict(zip(task.loss_terms, means[1:]))}
 
 
+def _check_generation_flag(flag: str, cfg, task: Task) -> None:
+    """What a flag that runs the model as generation does (--eval-prompts, --eval-tasks) needs."""
+    from megalite.errors import UsageError
+
+    if task.model_kind != "gpt":
+        raise UsageError(f"{flag} runs a GPT; a {task.model_kind} model is not one: drop it")
+    if cfg.parallel.cp > 1:
+        raise UsageError(f"{flag}: the model runs without context parallelism there: drop --cp or the flag")
+    if cfg.data.mock_data:
+        raise UsageError(f"{flag} needs the run's tokenizer, and --mock-data has none: give --data-path and "
+                         f"--tokenizer")
+
+
 class EvalSamples:
     """--eval-prompts: the prompts and the tokenizer, read once before training (a missing file or
     tokenizer is one line then, not at the first validation)."""
@@ -65,14 +78,7 @@ class EvalSamples:
         from megalite.errors import UsageError
         from megalite.generation.samples import read_prompts
 
-        if task.model_kind != "gpt":
-            raise UsageError(f"--eval-prompts completes prompts with a GPT; a {task.model_kind} model does not "
-                             f"generate: drop it")
-        if cfg.parallel.cp > 1:
-            raise UsageError("--eval-prompts: generation runs without context parallelism: drop --cp or the flag")
-        if cfg.data.mock_data:
-            raise UsageError("--eval-prompts needs the run's tokenizer, and --mock-data has none: give --data-path and "
-                             "--tokenizer")
+        _check_generation_flag("--eval-prompts", cfg, task)
         try:
             self.prompts, self.tokenizer = read_prompts(cfg.training.eval_prompts), data_tokenizer(cfg.data)
         except (OSError, ValueError) as e:
@@ -97,13 +103,7 @@ class EvalTasks:
         from megalite.errors import UsageError
 
         t = cfg.training
-        if task.model_kind != "gpt":
-            raise UsageError(f"--eval-tasks scores a GPT; a {task.model_kind} model is not one: drop it")
-        if cfg.parallel.cp > 1:
-            raise UsageError("--eval-tasks runs the model without context parallelism: drop --cp or the flag")
-        if cfg.data.mock_data:
-            raise UsageError("--eval-tasks needs the run's tokenizer, and --mock-data has none: give --data-path and "
-                             "--tokenizer")
+        _check_generation_flag("--eval-tasks", cfg, task)
         try:
             from megalite.generation import lm_eval_adapter
         except ImportError as e:
