@@ -212,7 +212,8 @@ CP_SEQ = 256  # context parallelism halves the sequence: long enough that each r
 def hidden_runs(a, b: int) -> list[str]:
     """Each dimension across the link and on bare veths (rate=off), two hosts one rank each, the pair
     adjacent in every round. Every layout trains 2b sequences of --seq-length tokens a step (cp: the
-    same tokens as sequences of CP_SEQ), with megalite's default overlap settings."""
+    same tokens as sequences of CP_SEQ), with megalite's default overlap settings (tp: with
+    --tp-comm-overlap, not on by default)."""
     s, g = a.seq_length, 2 * b
     cp_seq = max(CP_SEQ, s)
     cp_b = max(1, g * s // cp_seq)
@@ -223,7 +224,8 @@ def hidden_runs(a, b: int) -> list[str]:
                    f"--expert-model-parallel-size 2",
              "pp": f"--pp 2 --micro-batch-size {max(1, b // 2)} --global-batch-size {g}",  # 4 micro-batches
              "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",
-             "tp": f"--tp 2 --sequence-parallel --micro-batch-size {b} --global-batch-size {g}"}
+             # the all-gathers and reduce-scatters pipelined with the GEMMs (megalite.parallel.tp_overlap)
+             "tp": f"--tp 2 --sequence-parallel --tp-comm-overlap --micro-batch-size {b} --global-batch-size {g}"}
     return [f"{d}-{where}={setting}{flags[d]}" for d in HIDDEN
             for where, setting in (("across", ""), ("bare", "rate=off "))]
 

@@ -194,6 +194,6 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
     for name, wants in {"dp": "--micro-batch-size 8 --global-batch-size 16", "zero3": "--zero-stage 3",
                         "ep": "--num-experts 8 --moe-router-topk 2", "pp": "--pp 2 --micro-batch-size 4",
                         "cp": "--cp 2 --seq-length 256 --micro-batch-size 4 --global-batch-size 4",
-                        "tp": "--tp 2 --sequence-parallel"}.items():
+                        "tp": "--tp 2 --sequence-parallel --tp-comm-overlap"}.items():
         assert wants in flags[f"{name}-across"] and flags[f"{name}-across"] == flags[f"{name}-bare"], name
     assert "--expert-model-parallel-size 2" in flags["ep-across"] and "--mock-data" in common
