@@ -52,7 +52,8 @@ def prompt_ids(prompts: Sequence, tokenizer=None) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def _eval_mode(chunks):
+def eval_mode(chunks):
+    """The chunks in eval mode for the block, then back in the modes they had."""
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
@@ -96,7 +97,7 @@ def generate(model_chunks, prompts: Sequence, tokenizer=None, max_new_tokens: in
     done = torch.zeros(b, dtype=torch.bool, device=device)
     stop_ids = torch.tensor(stop, dtype=torch.long, device=device)
     new, logits_seen = [], []
-    with torch.no_grad(), _eval_mode(stages.chunks):
+    with torch.no_grad(), eval_mode(stages.chunks):
         step_ids = batch
         for _ in range(max_new_tokens):
             logits = stages.forward(step_ids, cache, step_ids.shape[1])

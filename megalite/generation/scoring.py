@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from megalite.generation.cache import KVCache
-from megalite.generation.generate import _eval_mode
+from megalite.generation.generate import eval_mode
 from megalite.generation.stages import Stages
 
 
@@ -44,7 +44,7 @@ def score(model_chunks, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], ba
     # Longest first, so a batch's padding is small (each row's numbers do not depend on its batch).
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     out: list[tuple[float, bool] | None] = [None] * len(rows)
-    with torch.no_grad(), _eval_mode(stages.chunks):
+    with torch.no_grad(), eval_mode(stages.chunks):
         for start in range(0, len(order), batch_size):
             batch = order[start:start + batch_size]
             for i, value in zip(batch, _score_batch(stages, [rows[i] for i in batch])):

@@ -264,11 +264,10 @@ def live_blocks(bounds: torch.Tensor, ring_rank: int, ring_size: int, local: int
     for step in range(ring_size):
         owner = (ring_rank - step) % ring_size
         rows_seen, keys, _ = _block_plan(ring_rank, owner, local, True)
-        k_pos = context_parallel_positions(whole, owner, ring_size)[keys]
-        cuts = [0] + [i + 1 for i in range(len(k_pos) - 1) if k_pos[i + 1] != k_pos[i] + 1] + [len(k_pos)]
+        # A rank holds two chunks of local / 2 positions, each contiguous: one key range per chunk.
+        ranges = context_parallel_positions(whole, owner, ring_size)[keys].split(local // 2)
         p, s = q_pos[rows_seen], q_start[:, rows_seen]
-        live.append(any(bool((torch.maximum(s, k_pos[lo]) <= torch.minimum(p, k_pos[hi - 1])).any())
-                        for lo, hi in zip(cuts[:-1], cuts[1:])))
+        live.append(any(bool((s.clamp_min(int(k[0])) <= p.clamp_max(int(k[-1]))).any()) for k in ranges))
     return live
 
 
@@ -315,7 +314,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     live = None
     if query_starts is not None and document_bounds is not None and ring.size > 1:
-        live = live_blocks(document_bounds, ring.rank, ring.size, q.shape[2])
+        # The same for every layer of the micro-batch: worked out once, kept on its bounds tensor.
+        memo = document_bounds.__dict__.setdefault("_megalite_live_blocks", {})
+        key = (ring.rank, ring.size, q.shape[2])
+        if key not in memo:
+            memo[key] = live_blocks(document_bounds, *key)
+        live = memo[key]
     return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts, live)
 
 

@@ -65,9 +65,8 @@ def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
     count_sequence_collective(group, full.nbytes)
     if not overlap or n == 1:
         all_gather_single(full, local, group=g)
-        for j in range(n):
-            if use is not None:
-                use(j)
+        for j in range(n if use is not None else 0):
+            use(j)
         return full
     shard = lambda j: full[j * rows:(j + 1) * rows]  # noqa: E731
     shard(me).copy_(local)
@@ -127,6 +126,17 @@ def _grads_of_weight(ctx, dy: torch.Tensor, x: torch.Tensor):
     return dw, dy.sum(0) if need_b else None
 
 
+def _shard_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: int, bias=None):
+    """The GEMM of shard j: out's rows j*rows..(j+1)*rows = a's same rows @ b (+ bias), written in place."""
+    def gemm(j: int) -> None:
+        r = slice(j * rows, (j + 1) * rows)
+        if bias is None:
+            torch.mm(a[r], b, out=out[r])
+        else:
+            torch.addmm(bias, a[r], b, out=out[r])
+    return gemm
+
+
 def _keep(ctx, weight, bias, group, overlap: bool, buffer, split: bool) -> None:
     ctx.set_materialize_grads(False)  # no gradient (alike on every TP rank): no collective
     ctx.group, ctx.overlap, ctx.buffer, ctx.split = group, overlap, buffer, split
@@ -146,16 +156,7 @@ class _GatherLinear(torch.autograd.Function):
         rows, n = x.shape[0], _size(group)
         full = x.new_empty((n * rows, x.shape[1]))
         y = x.new_empty((n * rows, weight.shape[0]))
-        wt = weight.t()
-
-        def gemm(j):
-            r = slice(j * rows, (j + 1) * rows)
-            if bias is None:
-                torch.mm(full[r], wt, out=y[r])
-            else:
-                torch.addmm(bias, full[r], wt, out=y[r])
-
-        gather_rows(x, full, group, overlap, gemm)
+        gather_rows(x, full, group, overlap, _shard_gemm(full, weight.t(), y, rows, bias))
         ctx.save_for_backward(full, weight)
         return y
 
@@ -169,12 +170,7 @@ class _GatherLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             rows = full.shape[0] // _size(ctx.group)
             partial = dy.new_empty((full.shape[0], weight.shape[1]))
-
-            def gemm(d):
-                r = slice(d * rows, (d + 1) * rows)
-                torch.mm(dy[r], weight, out=partial[r])
-
-            dx = reduce_scatter_rows(partial, ctx.group, ctx.overlap, gemm)
+            dx = reduce_scatter_rows(partial, ctx.group, ctx.overlap, _shard_gemm(dy, weight, partial, rows))
         dw, db = _grads_of_weight(ctx, dy, full)
         return dx, dw, db, None, None, None, None
 
@@ -189,13 +185,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         n = _size(group)
         rows = x.shape[0] // n
         partial = x.new_empty((x.shape[0], weight.shape[0]))
-        wt = weight.t()
-
-        def gemm(d):
-            r = slice(d * rows, (d + 1) * rows)
-            torch.mm(x[r], wt, out=partial[r])
-
-        out = reduce_scatter_rows(partial, group, overlap, gemm)
+        out = reduce_scatter_rows(partial, group, overlap, _shard_gemm(x, weight.t(), partial, rows))
         ctx.save_for_backward(x, weight)
         return out
 
@@ -209,12 +199,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         rows = dy.shape[0]
         full = dy.new_empty((x.shape[0], dy.shape[1]))
         dx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
-
-        def gemm(j):
-            r = slice(j * rows, (j + 1) * rows)
-            torch.mm(full[r], weight, out=dx[r])
-
-        gather_rows(dy, full, ctx.group, ctx.overlap, gemm if dx is not None else None)
+        gather_rows(dy, full, ctx.group, ctx.overlap, None if dx is None else _shard_gemm(full, weight, dx, rows))
         dw, _ = _grads_of_weight(ctx, full, x)
         return dx, dw, None, None, None, None
 
