@@ -239,12 +239,22 @@ def format_log_line(r: dict) -> str:
 
 
 # Spans drawn on a row of their own under the rank's compute row: communication that runs beside it.
-_ROWS = {"zero-gather": (1, "ZeRO-3 parameter all-gathers (launch to completion)")}
+_ROWS = {"zero-gather": (1, "ZeRO-3 parameter all-gathers (launch to completion)"),
+         "ep-comm": (2, "collectives in flight (launch to completion)")}
+# Rows a span names itself (its 5th element): an overlapped pair's forward lane and its collectives
+# (megalite.parallel.lanes), which run beside the compute row.
+_LANES = {3: "second lane: the overlapped pair's forward", 4: "second lane: its collectives in flight"}
+
+
+def _row_label(tid: int) -> str:
+    labels = {row: label for row, label in _ROWS.values()} | _LANES
+    return labels.get(tid, f"row {tid}")
 
 
 class Timeline:
-    """Per-rank spans (name, category, start, duration) merged into one Chrome-trace file
-    (chrome://tracing, ui.perfetto.dev) with one row per rank."""
+    """Per-rank spans (name, category, start, duration[, row]) merged into one Chrome-trace file
+    (chrome://tracing, ui.perfetto.dev) with one row per rank; `row` (an int) puts a span on a row
+    of its own, e.g. a forward running on a second thread beside a backward."""
 
     def __init__(self, path: str | None, max_iterations: int):
         self.path, self.max_iterations = path, max_iterations
@@ -259,9 +269,9 @@ class Timeline:
         return bool(self.path) and iteration < self.max_iterations
 
     def add(self, rank: int, iteration: int, spans) -> None:
-        for name, category, start, dur in spans:
+        for name, category, start, dur, *row in spans:
             self.events.append({"name": name, "cat": category, "ph": "X", "pid": rank,
-                                "tid": _ROWS.get(category, (0, ""))[0],
+                                "tid": row[0] if row else _ROWS.get(category, (0, ""))[0],
                                 "ts": (start - self.t0) * 1e6, "dur": dur * 1e6, "args": {"iteration": iteration}})
 
     def counter(self, rank: int, name: str, start: float, values: dict[str, int]) -> None:
@@ -281,8 +291,8 @@ class Timeline:
         events = [e for part in gathered for e in part]
         rows = {(e["pid"], e["tid"]) for e in events if e["tid"]}
         for pid, tid in sorted(rows):
-            name = next(label for row, label in _ROWS.values() if row == tid)
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"name": _row_label(tid)}})
         for rank, label in labels.items():
             events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}})
             events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})

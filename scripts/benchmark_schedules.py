@@ -70,7 +70,7 @@ def _pass_costs(spans) -> dict[str, float]:
     """Mean seconds of this step's F, B and W passes (from the schedule's spans)."""
     out = {}
     for kind in "FBW":
-        durations = [d for name, _, _, d in spans if name.startswith(kind + " ")]
+        durations = [d for name, _, _, d, *_ in spans if name.startswith(kind + " ")]
         out[kind] = statistics.fmean(durations) if durations else 0.0
     return out
 

@@ -8,6 +8,7 @@ from megalite.config.run import RunConfig
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
 from megalite.pipeline.partition import V_SCHEDULES, stage_layer_counts
+from megalite.pipeline.programs import PAIRED_SCHEDULES
 
 
 def _check_context_parallel(config: RunConfig, world_size: int, model: TransformerConfig) -> None:
@@ -178,6 +179,8 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     if d.zero_stage == 3 and config.model.torch_compile:
         raise UsageError("--zero-stage 3 gathers parameters in module hooks, which --torch-compile does not "
                          "trace here: drop --torch-compile, or use --zero-stage 2")
+    if p.overlap_moe_expert_parallel_comm:
+        _check_overlapped_pairs(config)
     if p.sequence_parallel and config.model.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({config.model.seq_length}) divisible by "
                          f"--tp ({tp})")
@@ -187,3 +190,24 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
         raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
                          "data parallelism): drop --use-distributed-optimizer / --zero-stage")
     return dp
+
+
+def _check_overlapped_pairs(config: RunConfig) -> None:
+    """--overlap-moe-expert-parallel-comm runs two passes on two lanes (megalite.parallel.lanes):
+    what would not give the numbers of running them one after the other is refused."""
+    flag, p = "--overlap-moe-expert-parallel-comm", config.parallel
+    if p.pipeline_schedule not in PAIRED_SCHEDULES:
+        raise UsageError(f"{flag}: the {p.pipeline_schedule} schedule has no overlapped forward/backward pairs: "
+                         "choose --pipeline-schedule 1f1b, interleaved or dualpipev")
+    why = {"recompute": config.model.recompute != "none" and "a recomputing backward swaps the RNG and the "
+                                                             "forward lane draws from it",
+           "fp8": config.precision.fp8_format is not None and "FP8's scaling state is updated by forward and "
+                                                               "backward alike",
+           "zero3": config.data_parallel.zero_stage == 3 and "ZeRO-3's parameter gathers are shared by the "
+                                                             "forward and the backward",
+           "compile": config.model.torch_compile and "compiled layers' collectives cannot hand the turn over"}
+    flags = {"recompute": "--recompute", "fp8": "--fp8-format", "zero3": "--zero-stage 3",
+             "compile": "--torch-compile"}
+    for name, reason in why.items():
+        if reason:
+            raise UsageError(f"{flag} with {flags[name]} is not supported ({reason}): drop one")

@@ -67,6 +67,11 @@ class ParallelConfig:
     tp_comm_overlap: bool = opt(False, "pipeline sequence parallelism's all-gathers and reduce-scatters with the "
                                        "linear layers' GEMMs, shard by shard (needs --sequence-parallel; the same "
                                        "numbers; docs/communication.md)")
+    overlap_moe_expert_parallel_comm: bool = opt(
+        False, "run each steady-state forward beside a backward of another micro-batch, handing over at every "
+               "collective, so that one's expert all-to-alls (and TP/SP, CP exchanges) are in flight while the "
+               "other computes (1f1b at any --pp, interleaved, dualpipev's pairs; the same numbers; one more "
+               "micro-batch in flight; docs/communication.md)")
     cp: int = opt(1, "context-parallel size: each sequence split over N ranks (ring attention; "
                      "docs/context-parallel.md)", flags=("--cp", "--context-parallel-size"), check=POSITIVE_INT)
     cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p) or heads "

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megalite.parallel import traffic
+from megalite.parallel import lanes, traffic
 
 # Tags keep the two kinds of ring message apart when next and previous rank coincide (cp = 2).
 _KV_TAG, _GRAD_TAG = 100, 200
@@ -150,8 +150,7 @@ def _start_exchange(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev
 
 
 def _wait(requests) -> None:
-    for request in requests or ():
-        request.wait()
+    lanes.wait_all(requests, "cp")
 
 
 class _Ring:
@@ -333,7 +332,7 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> to
     pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
     received = [torch.empty_like(p) for p in pieces]
     traffic.gather_or_scatter("cp", x.nbytes, size)
-    dist.all_to_all(received, pieces, group=group)
+    lanes.collective(dist.all_to_all, received, pieces, group=group, kind="cp")
     return torch.cat(received, dim=gather_dim)
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import state, traffic
+from megalite.parallel import lanes, state, traffic
 
 # torch >= 2.12 renamed the single-tensor collectives; keep working on older releases (the one
 # place that knows: optim.buffers uses these too).
@@ -68,14 +68,14 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_size(group))]
     _count(traffic.gather_or_scatter, group, "tp", x.nbytes * len(parts), len(parts))
-    dist.all_gather(parts, x, group=_group(group))
+    lanes.collective(dist.all_gather, parts, x, group=_group(group), kind=_kind(group, "tp"))
     return torch.cat(parts, dim=-1)
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     _count(traffic.all_reduce, group, "tp", x.nbytes, _size(group))
-    dist.all_reduce(x, group=_group(group))
+    lanes.collective(dist.all_reduce, x, group=_group(group), kind=_kind(group, "tp"))
     return x
 
 
@@ -95,7 +95,7 @@ def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * _size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
     count_sequence_collective(group, out.nbytes)
-    all_gather_single(out, x, group=_group(group))
+    lanes.collective(all_gather_single, out, x, group=_group(group), kind=_kind(group, "sp"))
     return out
 
 
@@ -104,7 +104,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     count_sequence_collective(group, x.nbytes)
-    reduce_scatter_single(out, x, group=_group(group))
+    lanes.collective(reduce_scatter_single, out, x, group=_group(group), kind=_kind(group, "sp"))
     return out
 
 
@@ -139,7 +139,7 @@ class _ReduceFromRegion(torch.autograd.Function):
         # Sum in place: x is a fresh matmul output nobody else holds, so no copy is needed.
         ctx.mark_dirty(x)
         _count(traffic.all_reduce, group, "tp", x.nbytes, _size(group))
-        dist.all_reduce(x, group=_group(group))
+        lanes.collective(dist.all_reduce, x, group=_group(group), kind=_kind(group, "tp"))
         return x
 
     @staticmethod
@@ -228,7 +228,8 @@ def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: li
     row = x.element_size() * math.prod(x.shape[1:])
     me = dist.get_rank(group)
     _count_ep(row * (sum(input_splits) - input_splits[me]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    lanes.collective(dist.all_to_all_single, out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                     group=group, kind="ep")
     return out
 
 
@@ -262,7 +263,7 @@ def _gather_rows_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     padded[:x.shape[0]] = x
     out = x.new_empty((longest * len(sizes), *x.shape[1:]))
     _count_ep(padded.nbytes * (len(sizes) - 1))
-    all_gather_single(out, padded, group=group)
+    lanes.collective(all_gather_single, out, padded, group=group, kind="ep")
     return torch.cat([out[r * longest:r * longest + n] for r, n in enumerate(sizes)])
 
 
@@ -276,7 +277,7 @@ def _reduce_scatter_rows_v(x: torch.Tensor, sizes: list[int], group) -> torch.Te
         padded[r * longest:r * longest + sizes[r]] = part
     out = x.new_empty((longest, *x.shape[1:]))
     _count_ep(out.nbytes * (len(sizes) - 1))
-    reduce_scatter_single(out, padded, group=group)
+    lanes.collective(reduce_scatter_single, out, padded, group=group, kind="ep")
     return out[:sizes[me]]
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from megalite.parallel import lanes
+
 # The groups every rank builds, in this order (each rank must call new_group for every group, in
 # the same order): name -> the parallel dimensions along which its ranks differ.
 GROUPS = {
@@ -368,3 +370,7 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     if not ignore_virtual and s.vpp and s.virtual_pp_rank != s.vpp - 1:
         return False
     return get_pipeline_model_parallel_rank() == s.sizes["pipeline"] - 1
+
+
+# Each pass of an overlapped pair (megalite.parallel.lanes) runs in its own model chunk.
+lanes.register_lane_local(get_virtual_pipeline_model_parallel_rank, set_virtual_pipeline_model_parallel_rank)

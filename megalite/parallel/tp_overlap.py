@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import grad_accumulation, weight_grad
+from megalite.parallel import grad_accumulation, lanes, weight_grad
 from megalite.parallel.mappings import (
     _check_sequence_splits,
     _group,
@@ -52,8 +52,7 @@ def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, grou
 
 
 def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
+    lanes.wait_all(works, "sp")
 
 
 def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
@@ -64,7 +63,7 @@ def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
     rows = local.shape[0]
     count_sequence_collective(group, full.nbytes)
     if not overlap or n == 1:
-        all_gather_single(full, local, group=g)
+        lanes.collective(all_gather_single, full, local, group=g, kind="sp")
         for j in range(n if use is not None else 0):
             use(j)
         return full
@@ -92,7 +91,7 @@ def reduce_scatter_rows(partial: torch.Tensor, group, overlap: bool, make: Calla
         for d in range(n):
             make(d)
         out = partial.new_empty((rows, *partial.shape[1:]))
-        reduce_scatter_single(out, partial, group=g)
+        lanes.collective(reduce_scatter_single, out, partial, group=g, kind="sp")
         return out
     shard = lambda d: partial[d * rows:(d + 1) * rows]  # noqa: E731
     received = partial.new_empty((rows, *partial.shape[1:]))

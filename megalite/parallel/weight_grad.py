@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megalite.parallel import lanes
+
 _split = False  # forwards build ops whose weight gradients can be deferred
 _pending: "WeightGrads | None" = None  # the backward running now defers weight gradients here
 _waiting: "weakref.WeakSet[WeightGrads]" = weakref.WeakSet()  # recorded and not yet run (for memory figures)
@@ -238,3 +240,12 @@ def defer_delivery(weight: torch.Tensor | None) -> torch.Tensor | None:
     if weight is None or not splitting() or not weight.requires_grad:
         return weight
     return _DeferDelivery.apply(weight)
+
+
+def _set_pending(pending: "WeightGrads | None") -> None:
+    global _pending
+    _pending = pending
+
+
+# A backward deferring its weight gradients on one lane of an overlapped pair defers only its own.
+lanes.register_lane_local(lambda: _pending, _set_pending)

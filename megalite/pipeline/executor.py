@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from megalite.parallel import state, weight_grad
+from megalite.parallel import lanes, state, weight_grad
 from megalite.pipeline import p2p
 from megalite.pipeline.partition import stage_rank, virtual_stage
 from megalite.pipeline.programs import Op
@@ -54,13 +54,13 @@ class _Recorder:
     def __init__(self, stats: ScheduleStats, record_spans: bool, sync_cuda: bool):
         self.stats, self.record_spans, self.sync_cuda = stats, record_spans, sync_cuda
 
-    def span(self, name: str, category: str):
-        return _Span(self, name, category)
+    def span(self, name: str, category: str, row: int | None = None):
+        return _Span(self, name, category, row)
 
 
 class _Span:
-    def __init__(self, rec: _Recorder, name: str, category: str):
-        self.rec, self.name, self.category = rec, name, category
+    def __init__(self, rec: _Recorder, name: str, category: str, row: int | None = None):
+        self.rec, self.name, self.category, self.row = rec, name, category, row
 
     def __enter__(self):
         if self.rec.sync_cuda:
@@ -71,10 +71,11 @@ class _Span:
         if self.rec.sync_cuda:
             torch.cuda.synchronize()
         dur = time.perf_counter() - self.start
-        if self.category in ("forward", "backward", "weight-grad"):
-            self.rec.stats.busy_s += dur
+        if self.category in ("forward", "backward", "weight-grad") and lanes.lane() is None:
+            self.rec.stats.busy_s += dur  # (an overlapped pair counts once, as a whole)
         if self.rec.record_spans:
-            self.rec.stats.spans.append((self.name, self.category, self.start, dur))
+            span = (self.name, self.category, self.start, dur)
+            self.rec.stats.spans.append(span if self.row is None else span + (self.row,))
 
 
 def run_schedule(
@@ -91,6 +92,7 @@ def run_schedule(
     free_sent_outputs: bool = True,
     v_shape: bool = False,
     plan: Sequence | None = None,
+    overlap_pairs: bool = False,
 ) -> ScheduleStats:
     """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
     virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
@@ -99,7 +101,9 @@ def run_schedule(
     last backward of the step (data-parallel reduction may overlap it). Once an activation is
     sent, its data is freed (`free_sent_outputs`): backward needs only the autograd graph behind it.
     `v_shape`: the two chunks sit in a V (`V_SCHEDULES`); `plan`: this rank's exchange plan where
-    it is not `exchange_plan`'s (`exchange_plans` gives every rank's)."""
+    it is not `exchange_plan`'s (`exchange_plans` gives every rank's). `overlap_pairs`: the passes of
+    each overlapped pair ("O") run on two lanes (megalite.parallel.lanes), each one's collectives in
+    flight while the other computes; else one after the other."""
     device = num_tokens.device
     p = state.get_pipeline_model_parallel_world_size()
     r = state.get_pipeline_model_parallel_rank()
@@ -174,59 +178,74 @@ def run_schedule(
         else:
             outbox[message] = tensor
 
-    with weight_grad.split_ops(split):  # recomputations inside B rebuild the same split ops
-        for i, op in enumerate(program):
+    def run_pass(i: int, op: Op) -> None:
+        key = (op.chunk, op.micro_batch)
+        vs = stage_of(op.chunk)
+        state.set_virtual_pipeline_model_parallel_rank(op.chunk)
+        need = incoming(op.kind, op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape)
+        got = take(need) if need is not None else None
+        row = 3 if lanes.lane() == "F" else None  # the forward lane of an overlapped pair: a row of its own
+        if op.kind == "F":
+            with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward", row):
+                x = got
+                if x is not None:
+                    if torch.is_grad_enabled():
+                        x.requires_grad_()
+                model = model_chunks[op.chunk]
+                if hasattr(model, "set_input_tensor"):
+                    model.set_input_tensor(x)
+                out = forward_step(model, micro_batches[op.micro_batch])
+                if vs == last_virtual:
+                    stats.loss_sum += out.detach().float()
+                    out = out / num_tokens
+                    if loss_scale != 1.0:
+                        out = out * loss_scale
+                else:
+                    produce(outgoing("F", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), out.detach())
+                if torch.is_grad_enabled():  # forward-only (evaluation) keeps nothing for backward
+                    stash[key] = (x, out)
+                stats.peak_in_flight = max(stats.peak_in_flight, len(stash.keys() | weight_work.keys()))
+                stats.peak_stash_bytes = max(stats.peak_stash_bytes, _held_bytes(stash))
+        elif op.kind == "B":
+            with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward", row):
+                if last_grad_op.get(op.chunk) == i and on_last_backward is not None:
+                    on_last_backward(op.chunk)
+                x, out = stash.pop(key)
+                grad = got
+                if split:  # input gradients now; the weights' work waits for this pass's W
+                    with weight_grad.deferred() as work:
+                        out.backward(grad)
+                    weight_work[key] = work
+                else:
+                    out.backward(grad)
+                if vs != 0:
+                    produce(outgoing("B", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), x.grad)
+                del x, out, grad, got  # spent: free this micro-batch's activations now, not at the next pass
+        else:  # "W": the weight gradients this (chunk, micro-batch)'s B left
+            with rec.span(f"W c{op.chunk} mb{op.micro_batch}", "weight-grad", row):
+                if last_grad_op.get(op.chunk) == i and on_last_backward is not None:
+                    on_last_backward(op.chunk)
+                weight_work.pop(key).run()
+
+    with weight_grad.split_ops(split), lanes.recording(stats.spans if record_spans else None):
+        i = 0
+        while i < len(program):
+            op = program[i]
             if op.kind == "X":
                 exchange_at(i)
-                continue
-            if op.kind == "O":  # an overlapped pair: run here one pass after the other
-                continue
-            key = (op.chunk, op.micro_batch)
-            vs = stage_of(op.chunk)
-            state.set_virtual_pipeline_model_parallel_rank(op.chunk)
-            need = incoming(op.kind, op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape)
-            got = take(need) if need is not None else None
-            if op.kind == "F":
-                with rec.span(f"F c{op.chunk} mb{op.micro_batch}", "forward"):
-                    x = got
-                    if x is not None:
-                        if torch.is_grad_enabled():
-                            x.requires_grad_()
-                    model = model_chunks[op.chunk]
-                    if hasattr(model, "set_input_tensor"):
-                        model.set_input_tensor(x)
-                    out = forward_step(model, micro_batches[op.micro_batch])
-                    if vs == last_virtual:
-                        stats.loss_sum += out.detach().float()
-                        out = out / num_tokens
-                        if loss_scale != 1.0:
-                            out = out * loss_scale
-                    else:
-                        produce(outgoing("F", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), out.detach())
-                    if torch.is_grad_enabled():  # forward-only (evaluation) keeps nothing for backward
-                        stash[key] = (x, out)
-                    stats.peak_in_flight = max(stats.peak_in_flight, len(stash.keys() | weight_work.keys()))
-                    stats.peak_stash_bytes = max(stats.peak_stash_bytes, _held_bytes(stash))
-            elif op.kind == "B":
-                with rec.span(f"B c{op.chunk} mb{op.micro_batch}", "backward"):
-                    if last_grad_op.get(op.chunk) == i and on_last_backward is not None:
-                        on_last_backward(op.chunk)
-                    x, out = stash.pop(key)
-                    grad = got
-                    if split:  # input gradients now; the weights' work waits for this pass's W
-                        with weight_grad.deferred() as work:
-                            out.backward(grad)
-                        weight_work[key] = work
-                    else:
-                        out.backward(grad)
-                    if vs != 0:
-                        produce(outgoing("B", op.chunk, op.micro_batch, p, r, len(model_chunks), v_shape), x.grad)
-                    del x, out, grad, got  # spent: free this micro-batch's activations now, not at the next pass
-            else:  # "W": the weight gradients this (chunk, micro-batch)'s B left
-                with rec.span(f"W c{op.chunk} mb{op.micro_batch}", "weight-grad"):
-                    if last_grad_op.get(op.chunk) == i and on_last_backward is not None:
-                        on_last_backward(op.chunk)
-                    weight_work.pop(key).run()
+            elif op.kind == "O" and overlap_pairs:  # F and B (with its W) on two lanes, handing over at each collective
+                f, b = i + 1, i + 2
+                w = b + 1 if b + 1 < len(program) and program[b + 1].kind == "W" else b
+                if program[f].kind != "F" or program[b].kind != "B":
+                    raise RuntimeError(f"an overlapped pair is a forward then a backward: {program[f:w + 1]}")
+                began = time.perf_counter()
+                lanes.run_pair(lambda: run_pass(f, program[f]),
+                               lambda: [run_pass(k, program[k]) for k in range(b, w + 1)])
+                stats.busy_s += time.perf_counter() - began
+                i = w
+            elif op.kind != "O":  # (an overlapped pair without overlap_pairs: its passes one after the other)
+                run_pass(i, op)
+            i += 1
     exchange_at(len(program))  # sends after the last exchange point (hand-written programs)
     wait_all()
     if stash or received or outbox or weight_work or handed:

@@ -57,6 +57,24 @@ def program_1f1b(p: int, r: int, m: int) -> list[Op]:
     return out
 
 
+def program_1f1b_paired(p: int, r: int, m: int) -> list[Op]:
+    """1F1B with each steady-state forward and backward an overlapped pair ("O", run on two lanes
+    under --overlap-moe-expert-parallel-comm): a pair's two passes must not wait on each other, so
+    each stage runs one more warm-up forward than 1F1B (p-r: the last stage's backward then reads
+    the forward before it, not the one beside it), and both passes' inputs arrive at the exchange
+    point before the pair. One more micro-batch's activations are held than 1F1B's; at pp 1 that is
+    gradient accumulation with the next forward beside each backward."""
+    warmup = min(p - r, m)
+    out = [_x()]
+    for i in range(warmup):
+        out += [Op("F", 0, i), _x()]
+    for i in range(m - warmup):
+        out += [Op("O"), Op("F", 0, warmup + i), Op("B", 0, i), _x()]
+    for i in range(m - warmup, m):
+        out += [Op("B", 0, i), _x()]
+    return out
+
+
 def program_gpipe(p: int, r: int, m: int) -> list[Op]:
     out = [_x()]
     for i in range(m):
@@ -66,7 +84,7 @@ def program_gpipe(p: int, r: int, m: int) -> list[Op]:
     return out
 
 
-def program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
+def program_interleaved(p: int, r: int, m: int, v: int, paired: bool = False) -> list[Op]:
     if m % p:
         raise ValueError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of "
                          f"the pipeline size ({p})")
@@ -80,13 +98,14 @@ def program_interleaved(p: int, r: int, m: int, v: int) -> list[Op]:
         group, within = divmod(k, p * v)
         return Op("B", v - 1 - within // p, group * p + within % p)
 
-    # Warm-up: enough forwards that the first backward's gradient can come back round the ring.
-    warmup = total if m == p else min(total, (p - r - 1) * 2 + (v - 1) * p)
+    # Warm-up: enough forwards that the first backward's gradient can come back round the ring;
+    # overlapped pairs (`paired`) need one more, so that no pair's backward reads its own forward.
+    warmup = total if m == p else min(total, (p - r - 1) * 2 + (v - 1) * p + int(paired))
     out = [_x()]
     for k in range(warmup):
         out += [forward(k), _x()]
     for k in range(total - warmup):
-        out += [forward(warmup + k), backward(k), _x()]
+        out += [Op("O")] * paired + [forward(warmup + k), backward(k), _x()]
     for k in range(total - warmup, total):
         out += [backward(k), _x()]
     return out
@@ -289,12 +308,19 @@ def program_forward_only_v(p: int, r: int, m: int) -> list[Op]:
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")  # --pipeline-schedule's choices
 
 
+PAIRED_SCHEDULES = ("1f1b", "interleaved", "dualpipev")  # those with overlapped pairs (--overlap-moe-expert-parallel-comm)
+
+
 def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b",
-                  costs: tuple = (1, 1, 1)) -> list[Op]:
+                  costs: tuple = (1, 1, 1), paired: bool = False) -> list[Op]:
     """Rank r's program for `kind` ("1f1b"; "interleaved" needs v > 1, which also picks it from
     "1f1b"; "zb-h1"; "zb-v", two chunks per rank in a V, v None or 2, ordered for a chunk's F, B
     and W `costs`; "gpipe"; "forward-only") at p stages and m micro-batches. A V schedule's
-    forward-only program is `forward_only_kind`'s."""
+    forward-only program is `forward_only_kind`'s. `paired`: 1f1b and interleaved with their
+    steady-state forwards and backwards in overlapped pairs (dualpipev has its own pairs)."""
+    if paired and kind not in PAIRED_SCHEDULES:
+        raise ValueError(f"the {kind} schedule has no overlapped forward/backward pairs: choose --pipeline-schedule "
+                         f"1f1b, interleaved or dualpipev, or drop --overlap-moe-expert-parallel-comm")
     if kind in V_SCHEDULES or kind == "forward-only-v":
         if p < 2:
             raise ValueError(f"the {kind} schedule places its two chunks per rank in a V over the pipeline: "
@@ -307,7 +333,7 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
     if kind == "forward-only":
         return program_forward_only(p, r, m, v)
     if p == 1 and kind != "zb-h1":
-        return program_no_pipelining(m)
+        return program_1f1b_paired(1, 0, m) if paired else program_no_pipelining(m)
     if kind == "zb-h1":
         if v and v > 1:
             raise ValueError("the zb-h1 schedule runs one model chunk per rank: drop --vpp (or choose "
@@ -316,7 +342,9 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
     if v and v > 1 or kind == "interleaved":
         if not (v and v > 1):
             raise ValueError("the interleaved schedule needs virtual stages: give --vpp 2 or more")
-        return program_interleaved(p, r, m, v)
+        return program_interleaved(p, r, m, v, paired)
+    if paired:
+        return program_1f1b_paired(p, r, m)
     return {"1f1b": program_1f1b, "gpipe": program_gpipe}[kind](p, r, m)
 
 

@@ -49,6 +49,7 @@ class TrainStep:
     programs: dict[int, list[Op]] = field(init=False)  # by micro-batches a step (a ramp-up changes them)
     routers: list = field(init=False)  # the routers balanced by an expert bias after each step
     delayed_fp8: bool = False  # FP8 delayed scaling: its amaxes reduced over `amax_group` each step
+    overlap_pairs: bool = False  # --overlap-moe-expert-parallel-comm: forwards beside backwards, on two lanes
     amax_group: object = field(init=False)
 
     def __post_init__(self):
@@ -68,7 +69,7 @@ class TrainStep:
             vpp = len(self.chunks) if len(self.chunks) > 1 else None
             self.programs[m] = build_program(parallel.get_pipeline_model_parallel_world_size(),
                                              parallel.get_pipeline_model_parallel_rank(), m, vpp, self.schedule,
-                                             self.pass_costs)
+                                             self.pass_costs, paired=self.overlap_pairs)
         self.program = self.programs[m]
 
     @classmethod
@@ -80,13 +81,15 @@ class TrainStep:
         seq = cfg.model.seq_length // cfg.parallel.cp  # this rank's share of each sequence
         seq = seq // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq
         schedule, costs = cfg.parallel.pipeline_schedule, pass_costs(cfg.parallel.pipeline_pass_costs)
+        paired = cfg.parallel.overlap_moe_expert_parallel_comm
         program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
-                                schedule, costs)
+                                schedule, costs, paired=paired)
         return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
                    buffers,
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
                    cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs,
-                   delayed_fp8=cfg.precision.fp8_format is not None and cfg.precision.fp8_recipe == "delayed")
+                   delayed_fp8=cfg.precision.fp8_format is not None and cfg.precision.fp8_recipe == "delayed",
+                   overlap_pairs=paired)
 
     @property
     def v_shape(self) -> bool:
@@ -121,7 +124,8 @@ class TrainStep:
                              self.tensor_shape, self.dtype, record_spans=record_spans, v_shape=self.v_shape,
                              plan=self.exchange_plan(self.schedule, self.micro_batches),
                              loss_scale=self.optimizer.loss_scaler.scale,
-                             on_last_backward=self._enable_sync if self.overlap_grad_reduce else None)
+                             on_last_backward=self._enable_sync if self.overlap_grad_reduce else None,
+                             overlap_pairs=self.overlap_pairs)
         t = time.perf_counter()
         set_phase(f"{label}: gradient reduction")
         finalize_grads(self.buffers, self.embedding_group)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.models.moe.capacity import count_per_expert, padded_slots
-from megalite.parallel import state, traffic
+from megalite.parallel import lanes, state, traffic
 from megalite.parallel.mappings import (
     all_gather_single,
     all_to_all_rows,
@@ -79,7 +79,7 @@ def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return counts.unsqueeze(0)
     out = counts.new_empty(dist.get_world_size(group) * counts.numel())
-    all_gather_single(out, counts, group=group)
+    lanes.collective(all_gather_single, out, counts, group=group, kind="ep")
     return out.view(-1, counts.numel())
 
 
@@ -163,7 +163,7 @@ class AllGatherDispatcher:
             weights = gather_from_sequence_parallel_region(weights, True, group)
             gathered = indices.new_empty(size * indices.numel())
             traffic.gather_or_scatter("ep", gathered.nbytes, size)
-            all_gather_single(gathered, indices.contiguous().view(-1), group=group)
+            lanes.collective(all_gather_single, gathered, indices.contiguous().view(-1), group=group, kind="ep")
             indices = gathered.view(-1, *indices.shape[1:])
         first = state.get_expert_model_parallel_rank() * self.local
         mine = indices - first  # this rank's experts as 0..local-1; the rest (and dropped ones): none

@@ -1,0 +1,202 @@
+"""Overlapped pairs: one micro-batch's forward and another's backward run on two lanes (threads)
+that hand the device back and forth at every collective, so that one lane's communication is in
+flight while the other computes (DeepSeek-V3 report section 3.2.1: a forward chunk and a backward
+chunk overlapped; Megatron-Core's `--overlap-moe-expert-parallel-comm`).
+
+Exactly one lane runs at a time: a lane keeps the turn until it has launched a collective
+(`async_op=True`), then hands the turn over and waits for it back before it waits for the
+collective's result. So the order in which every rank launches collectives on a group is fixed
+by the two passes alone, the same on every rank, and the two lanes share megalite's process
+groups, its Python state and the global RNG without races. The two passes share no data (one
+writes gradients, the other reads weights), so each computes what it computes run alone: the
+numbers are bitwise those of running them one after the other.
+
+Module state a pass sets for itself (the virtual pipeline rank, a backward's deferred weight
+gradients) is swapped at each hand-over (`register_lane_local`). A lane's collectives are drawn
+on the timeline while in flight (`recording`).
+
+On a CUDA device both lanes launch onto the device's current stream: the hand-over still lets a
+lane launch its compute while the other's collective is queued, but kernels of the two lanes do
+not yet run side by side (a second stream needs every tensor that crosses lanes recorded on it).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+
+_local = threading.local()
+_lane_locals: list[tuple[Callable[[], object], Callable[[object], None]]] = []
+_spans: list | None = None  # where in-flight collectives are drawn while a step records spans
+_handovers: list | None = None  # (lane, kind) at each hand-over, for tests (`log_handovers`)
+
+
+def register_lane_local(get: Callable[[], object], put: Callable[[object], None]) -> None:
+    """Module state that belongs to the pass that set it: saved when a lane hands the turn over,
+    put back when it gets it again."""
+    _lane_locals.append((get, put))
+
+
+def lane() -> str | None:
+    """"F" or "B" inside an overlapped pair's forward or backward lane, else None."""
+    pair = getattr(_local, "pair", None)
+    return pair and _local.lane
+
+
+class _Pair:
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.turn = "F"
+        self.finished: set[str] = set()
+        self.saved: dict[str, list] = {}
+
+    def _save(self, me: str) -> None:
+        self.saved[me] = [get() for get, _ in _lane_locals]
+
+    def _restore(self, me: str) -> None:
+        for (_, put), value in zip(_lane_locals, self.saved.get(me, ())):
+            put(value)
+
+    def hand_over(self, me: str, kind: str) -> None:
+        """Give the turn to the other lane (if it still runs) and wait until it is given back."""
+        other = "B" if me == "F" else "F"
+        with self.cv:
+            if other in self.finished:
+                return
+            if _handovers is not None:
+                _handovers.append((me, kind))
+            self._save(me)
+            self.turn = other
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: self.turn == me)
+            self._restore(me)
+
+    def begin(self, me: str) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.turn == me)
+            self._restore(me)
+
+    def end(self, me: str) -> None:
+        with self.cv:
+            self._save(me)
+            self.finished.add(me)
+            self.turn = "B" if me == "F" else "F"
+            self.cv.notify_all()
+
+
+def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> None:
+    """Run `forward` on a second thread and `backward` on this one, handing the turn over at each
+    collective (`wait`); the forward starts. Returns when both are done; an exception in either
+    is raised here (the other lane runs on alone to its end: its collectives are its peers' too)."""
+    pair = _Pair()
+    pair._save("F")
+    pair.saved["B"] = list(pair.saved["F"])
+    errors: dict[str, BaseException] = {}
+    grad_mode, threads = torch.is_grad_enabled(), torch.get_num_threads()
+
+    def run(me: str, fn: Callable[[], None]) -> None:
+        _local.pair, _local.lane = pair, me
+        try:
+            pair.begin(me)
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            errors[me] = e
+        finally:
+            _local.pair = None
+            pair.end(me)
+
+    def forward_lane() -> None:
+        torch.set_grad_enabled(grad_mode)  # thread-local in torch: the forward lane takes the caller's
+        torch.set_num_threads(threads)
+        run("F", forward)
+
+    worker = threading.Thread(target=forward_lane, name="megalite-forward-lane", daemon=True)
+    worker.start()
+    run("B", backward)
+    worker.join()
+    pair._restore("B")
+    for me in ("B", "F"):
+        if me in errors:
+            raise errors[me]
+
+
+def wait(work, kind: str, launched: float | None = None) -> None:
+    """Wait for a collective launched with `async_op=True` (`work`), handing the turn to the other
+    lane of an overlapped pair first. `kind`: its traffic kind ("ep", "tp", "sp", "cp", ...)."""
+    pair = getattr(_local, "pair", None)
+    if pair is not None:
+        pair.hand_over(_local.lane, kind)
+    work.wait()
+    if _spans is not None and launched is not None:
+        # Collectives beside the compute row: the backward (or only) lane's on row 2, the forward lane's on 4.
+        row = 4 if lane() == "F" else 2
+        _spans.append((f"{kind} collective", f"{kind}-comm", launched, time.perf_counter() - launched, row))
+
+
+def wait_all(works, kind: str) -> None:
+    """Wait for every request of a batch of point-to-point ops (`batch_isend_irecv`), handing the
+    turn over first (see `wait`)."""
+    if works:
+        wait(_All(works), kind)
+
+
+class _All:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def collective(fn: Callable, *args, kind: str, **kwargs) -> None:
+    """Run the torch.distributed collective `fn(*args, **kwargs)`: at once outside a pair; inside
+    one, launched without waiting, the turn handed over while it is in flight."""
+    if torch.compiler.is_compiling() or getattr(_local, "pair", None) is None:
+        if _spans is None or torch.compiler.is_compiling():
+            fn(*args, **kwargs)
+            return
+        launched = time.perf_counter()
+        fn(*args, **kwargs)
+        wait(_Done, kind, launched)
+        return
+    launched = time.perf_counter()
+    wait(fn(*args, async_op=True, **kwargs), kind, launched)
+
+
+class _Done:
+    @staticmethod
+    def wait() -> None:
+        pass
+
+
+class recording:
+    """Inside: every collective launched through `collective` is added to `spans` as
+    (name, "<kind>-comm", start, duration[, row]) from launch to completion."""
+
+    def __init__(self, spans: list | None):
+        self.spans = spans
+
+    def __enter__(self):
+        global _spans
+        self.before, _spans = _spans, self.spans
+        return self
+
+    def __exit__(self, *exc):
+        global _spans
+        _spans = self.before
+
+
+class log_handovers:
+    """Inside: every hand-over is appended to the yielded list as (lane, kind) (tests)."""
+
+    def __enter__(self):
+        global _handovers
+        _handovers = []
+        return _handovers
+
+    def __exit__(self, *exc):
+        global _handovers
+        _handovers = None
