@@ -249,11 +249,12 @@ def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 <<
     net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
     tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
     bus = nbytes / statistics.median(allreduce_seconds(net, nbytes))
+    latency = statistics.median(allreduce_seconds(net, 4, rounds=30))  # one fp32: start-up alone
     what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
     share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
     print(f"link, {what}: one TCP stream host1 -> host0 {tcp / 1e6:.2f} MB/s{share}; gloo all-reduce of "
-          f"{nbytes >> 20} MiB: bus bandwidth {bus / 1e6:.2f} MB/s", file=sys.stderr)
-    return {"tcp": tcp, "bus": bus}
+          f"{nbytes >> 20} MiB: bus bandwidth {bus / 1e6:.2f} MB/s; of 4 bytes: {latency * 1e3:.3f} ms", file=sys.stderr)
+    return {"tcp": tcp, "bus": bus, "latency": latency}
 
 
 def comm_total(record: dict) -> float | None:
@@ -354,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=int, default=16, help="diloco suite: --local-sgd-interval")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="diloco suite")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="diloco suite")
+    ap.add_argument("--exchange-latency-ms", type=float, default=None,
+                    help="hidden suite: the planner's per-exchange latency (default: each link's small all-reduce)")
     ap.add_argument("--warmup", type=int, default=2, help="iterations left out of the step time")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of all runs, interleaved")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")

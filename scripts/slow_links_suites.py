@@ -118,6 +118,7 @@ def derive(a, results: dict[str, RunResult], links: dict) -> dict:
         out = moe_comparison(results, links)
     elif a.suite == "hidden":
         out = hidden_overlap(results, links)
+        hidden_predictions(a, results, links, out)
     elif a.suite == "diloco":
         dp, lo = results.get("dp"), results.get(f"diloco-h{a.interval}")
         if dp and lo and dp.rounds and lo.rounds:
@@ -271,6 +272,49 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
     return out
 
 
+def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: dict) -> None:
+    """Beside each measured dimension of `derived` (hidden_overlap's), the planner's prediction of what
+    the link adds to its step (megalite.tools.plan.calibrate): its layout from the run's flags, every
+    group across the link, the links' measured one-stream rate and per-exchange latency (the small
+    all-reduce of measure_link, or --exchange-latency-ms), the compute fitted to the bare run's step.
+    A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
+    "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
+    "predicted_error"."""
+    from megalite import arguments
+    from megalite.tools.plan import Cluster
+    from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost, with_overlaps
+    from megalite.training.plan_check import check_run
+
+    parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
+    common = getattr(a, "common_flags", None) or suite_runs(a)[0]
+    override = getattr(a, "exchange_latency_ms", None)
+
+    def measured(rate):
+        link = links[rate]
+        return MeasuredLink(link["tcp"], override / 1e3 if override is not None else link.get("latency", 0.0))
+
+    derived["exchange_latency_ms"] = {str(k): (override if override is not None else v.get("latency", 0.0) * 1e3)
+                                      for k, v in links.items()}
+    for dim, row in derived.get("dimensions", {}).items():
+        across, bare = results.get(f"{dim}-across"), results.get(f"{dim}-bare")
+        if "comm_ms" not in row or across.spec.rate_mbit not in links or bare.spec.rate_mbit not in links:
+            continue
+        try:
+            args = parser.parse_args([*common, *across.spec.flags])
+            _, pred = check_run(args, across.spec.hosts * across.spec.nproc, gpu_memory_bytes=1e15,
+                                cluster=Cluster(gpus=across.spec.hosts * across.spec.nproc, gpus_per_node=1))
+            run = with_overlaps(pred.run, tp_comm_overlap=args.parallel.tp_comm_overlap,
+                                overlap_moe_ep_comm="--overlap-moe-expert-parallel-comm" in across.spec.flags)
+            got = predicted_link_cost(pred.config, pred.layout, run, measured(across.spec.rate_mbit),
+                                      measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3)
+        except (ValueError, SystemExit) as e:
+            row["predicted_error"] = f"the planner: {e}"
+            continue
+        row["predicted"] = got
+        row["predicted_exposed_ms"] = got["exposed_ms"]
+        row["predicted_over_measured"] = got["exposed_ms"] / row["exposed_ms"] if row["exposed_ms"] > 0 else None
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
@@ -287,19 +331,28 @@ def hidden_report(derived: dict) -> str:
     def ms(row, key):
         return f"{row[key]:.1f}" if row.get(key) is not None else "-"
     head = ["dimension", "step ms across", "step ms bare", "comm bytes/step (rank 0, by kind)", "comm ms",
-            "exposed ms", "hidden"]
+            "exposed ms", "hidden", "predicted exposed ms", "predicted / measured"]
     rows, why = [], []
     for dim, row in derived.get("dimensions", {}).items():
         kinds = "; ".join(f"{k} {v:,.0f}" for k, v in sorted(row.get("comm_bytes_by_kind", {}).items(),
                                                              key=lambda kv: -kv[1]))
+        ratio = row.get("predicted_over_measured")
         rows.append([dim, ms(row, "step_across_ms"), ms(row, "step_bare_ms"),
                      f"{row['comm_bytes']:,.0f} ({kinds})" if row.get("comm_bytes") else "-", ms(row, "comm_ms"),
-                     ms(row, "exposed_ms"), _pct(row.get("hidden"))])
+                     ms(row, "exposed_ms"), _pct(row.get("hidden")), ms(row, "predicted_exposed_ms"),
+                     f"{ratio:.2f}" if ratio is not None else "-"])
         if "error" in row:
             why.append(f"{dim}: n/a: {row['error']}")
+        if "predicted_error" in row:
+            why.append(f"{dim}: no prediction: {row['predicted_error']}")
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(x, widths)) + " |" for x in [head, *rows]]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    if derived.get("exchange_latency_ms"):  # what the predictions were calibrated with
+        lines.append("predicted: megalite.tools.plan at each link's measured rate and per-exchange latency ("
+                     + ", ".join(f"{'bare' if k == 'None' else k + ' Mbit/s'} {v:.3f} ms"
+                                 for k, v in derived["exchange_latency_ms"].items())
+                     + "), compute fitted to each bare step; predicted / measured of the exposed ms")
     return "\n".join([*lines, *why, overlap_line(derived)])
 
 

@@ -197,3 +197,43 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
                         "tp": "--tp 2 --sequence-parallel --tp-comm-overlap"}.items():
         assert wants in flags[f"{name}-across"] and flags[f"{name}-across"] == flags[f"{name}-bare"], name
     assert "--expert-model-parallel-size 2" in flags["ep-across"] and "--mock-data" in common
+
+
+def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_dimension():
+    a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=12,
+                                      micro_batch_size=None, bucket=200_000, exchange_latency_ms=None)
+    common, texts = slow_links_suites.suite_runs(a)
+    a.common_flags = common
+    # the quiet run of docs/slow-links.md (f): step across, step bare (ms), megalite's bytes a step
+    quiet = {"dp": (144.3, 72.9, 3763219), "zero3": (263.3, 97.4, 5644823), "ep": (360.7, 162.9, 5847424),
+             "pp": (133.7, 86.3, 1048599), "cp": (486.3, 142.3, 10120211), "tp": (587.8, 154.4, 9724943)}
+    runs = {}
+    for text in texts:
+        spec = slow_links.parse_run(text, 2, 1, 300.0)
+        dim, where = spec.name.split("-")
+        step = quiet[dim][0 if where == "across" else 1]
+        runs[spec.name] = slow_links.RunResult(spec, [{"step_ms": step, "comm_bytes": quiet[dim][2],
+                                                       "comm_bytes_by_kind": {dim: quiet[dim][2]}}])
+    links = {300.0: {"tcp": 35.82e6, "bus": 35.70e6, "latency": 3.8e-3}, None: {"tcp": 1096e6, "bus": 895e6,
+                                                                                "latency": 1e-4}}
+    derived = slow_links_suites.derive(a, runs, links)
+    dims = derived["dimensions"]
+    assert derived["exchange_latency_ms"] == {"300.0": pytest.approx(3.8), "None": pytest.approx(0.1)}
+    for dim, row in dims.items():
+        assert row["predicted_exposed_ms"] > 0, dim
+        assert row["predicted_over_measured"] == pytest.approx(row["predicted_exposed_ms"] / row["exposed_ms"])
+        # calibrated on the bare run: its compute plus what the bare links expose is its step
+        bare = sum(d["exposed_bare_ms"] for d in row["predicted"]["dimensions"].values())
+        assert row["predicted"]["compute_ms"] + bare == pytest.approx(row["step_bare_ms"], rel=0.02), dim
+    assert set(dims["ep"]["predicted"]["dimensions"]) == {"ep", "dp"}  # the dense layers' reduction too
+    assert set(dims["pp"]["predicted"]["dimensions"]) == {"pp", "dp"}  # the tied embedding's
+    assert dims["tp"]["predicted"]["dimensions"]["tp"]["exchanges"] == 72
+    report = slow_links_suites.hidden_report(derived).splitlines()
+    assert report[0].split("|")[8:10] == [" predicted exposed ms ", " predicted / measured "]
+    cells = [c.strip() for c in report[5].split("|")]
+    assert cells[1] == "pp" and cells[8] == f"{dims['pp']['predicted_exposed_ms']:.1f}"
+    assert report[8].startswith("predicted: megalite.tools.plan") and "3.800 ms" in report[8]
+    # --exchange-latency-ms in place of the measured small all-reduce: less latency, less predicted
+    a.exchange_latency_ms = 0.3
+    lower = slow_links_suites.derive(a, runs, links)["dimensions"]
+    assert all(lower[d]["predicted_exposed_ms"] < dims[d]["predicted_exposed_ms"] for d in dims)

@@ -228,8 +228,9 @@ def program_dualpipev(p: int, r: int, m: int) -> list[Op]:
     report section 3.2.1): the V placement of ZB-V, in DualPipeV's phases. Rank r forwards
     2(p-r-1) micro-batches through chunk 0, then r+1 through both chunks; runs p-r-1 rounds of
     chunk 1's B, W and next forward; then the steady state, where each forward is paired with a
-    backward of the other chunk, the pair marked to run overlapped ("O": on a GPU its all-to-alls
-    hide behind the other's compute; this executor runs the pair one after the other); then the
+    backward of the other chunk, the pair marked to run overlapped ("O": with
+    --overlap-moe-expert-parallel-comm the executor runs it on two lanes, each one's all-to-alls in
+    flight while the other computes; else one pass after the other); then the
     drain, whose later B's leave their W's to fill the end. Needs m >= 2p."""
     if m < 2 * p:
         raise ValueError(f"the dualpipev schedule needs at least 2 x pp = {2 * p} micro-batches per step (got {m}): "

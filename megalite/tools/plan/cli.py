@@ -10,6 +10,7 @@ from dataclasses import asdict
 from megalite.models.config import TransformerConfig
 from megalite.models.presets import PRESETS
 from megalite.tools.plan.command import model_flags
+from megalite.tools.plan.exposed import format_exposed
 from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, SCHEDULES, Cluster, Run, active_parameters, total_parameters
 from megalite.tools.plan.json_forms import config_json, rejected_json
 from megalite.tools.plan.report import explain, format_rejections, format_table, zero_stage_note
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overhead-gib", type=float, default=2.0, help="fixed per-GPU framework/CUDA overhead")
     g.add_argument("--fp8-speedup", type=float, default=2.0, help="--fp8: dense FP8 peak over bf16's (H100/H200: 2)")
     g.add_argument("--collective-latency-ms", type=float, default=0.05,
-                   help="start-up of one data-parallel collective (per gradient bucket)")
+                   help="start-up of every exchange: a collective, an all-to-all, a batch of pipeline sends, a "
+                        "ring step (per gradient bucket)")
     g = ap.add_argument_group("training run")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--seq-length", type=int, help="default: the preset's positions")
@@ -64,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local SGD: dtype of the pseudo-gradients on the wire")
     g.add_argument("--local-sgd-async", action="store_true", help="local SGD: outer all-reduce hidden behind the "
                    "next H steps")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="predict sequence parallelism's collectives pipelined with the GEMMs (pretrain_gpt.py's flag)")
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="predict each micro-batch's all-to-alls hidden behind another micro-batch's backward "
+                        "(a prediction option: exposed = max(0, all-to-all - that backward))")
     g = ap.add_argument_group("restrict the search")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
@@ -155,7 +162,8 @@ def main(argv=None) -> int:
                   sequence_parallel=_on_off(args.sequence_parallel),
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
                   grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args), ep=args.ep,
-                  etp=args.etp, schedule=_schedules_of(args), fp8_layers=config.num_layers if args.fp8 else 0)
+                  etp=args.etp, schedule=_schedules_of(args), fp8_layers=config.num_layers if args.fp8 else 0,
+                  overlap=overlap_of(args))
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model) + (["--fp8-format", "hybrid"] if args.fp8 else [])
     compared = []
@@ -202,6 +210,8 @@ def main(argv=None) -> int:
     note = zero_stage_note(result.best)
     if note:
         print(note)
+    print()
+    print(format_exposed(result.best))
     if args.explain:
         print()
         print(explain(result.best))
@@ -272,7 +282,12 @@ def compare(config: TransformerConfig, cluster: Cluster, args, seq: int, spec: s
                 zero_stage=fixed.get("zero"), grad_reduce_dtype=args.grad_reduce_dtype, cp=cp,
                 local_sgd=local_sgd_of(args), ep=fixed.get("ep"), etp=fixed.get("etp"), pipeline_layers=layers,
                 schedule=(fixed["schedule"],) if "schedule" in fixed else _schedules_of(args),
-                fp8_layers=config.num_layers if args.fp8 else 0)
+                fp8_layers=config.num_layers if args.fp8 else 0, overlap=overlap_of(args))
+
+
+def overlap_of(args) -> dict:
+    """Run's overlap options from the planner's flags."""
+    return {"tp_comm_overlap": args.tp_comm_overlap, "overlap_moe_ep_comm": args.overlap_moe_expert_parallel_comm}
 
 
 def summary(pred) -> str:

@@ -16,17 +16,21 @@ from megalite.tools.plan.overlap import link_schedule, ready_times
 from megalite.tools.plan.states import StateBytes
 
 
-def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_bytes: int) -> float:
-    """Bytes one rank sends around the context-parallel ring for one layer and micro-batch
+def ring_layer_parts(config: TransformerConfig, layout: Layout, s: int, act_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends around the context-parallel ring for one layer and micro-batch, by pass
     (`megalite.parallel.context_parallel.ring_bytes_per_layer`: K/V blocks of this TP rank's KV
-    groups in the model dtype, dK/dV in fp32); full recomputation runs the forward's ring again."""
+    groups in the model dtype, dK/dV in fp32)."""
     from megalite.parallel.context_parallel import ring_bytes_per_layer
 
     groups = max(1, (config.num_query_groups or config.num_attention_heads) // layout.tp)
     # MLA: every head's key and (padded to its width) value go around, d_n + d_r wide
     width = config.qk_head_dim + config.qk_pos_emb_head_dim if config.multi_latent_attention else config.head_dim
-    ring = ring_bytes_per_layer(layout.micro_batch_size, groups, s // layout.cp, width, layout.cp,
-                                act_bytes, 4)
+    return ring_bytes_per_layer(layout.micro_batch_size, groups, s // layout.cp, width, layout.cp, act_bytes, 4)
+
+
+def ring_layer_bytes(config: TransformerConfig, layout: Layout, s: int, act_bytes: int) -> float:
+    """All of `ring_layer_parts`; full recomputation runs the forward's ring again."""
+    ring = ring_layer_parts(config, layout, s, act_bytes)
     return ring["total"] + (ring["forward"] if layout.recompute == "full" else 0)
 
 
@@ -134,10 +138,13 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     else:
         _bucket_reduction_exposed(costs, state, r, out)
     expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
+    latency = costs.cluster.collective_latency_ms / 1e3  # one per bucket's all-gather
     if 1 <= stage <= 2 and d > 1:
-        out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp
+        out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp \
+            + latency * sum(1 for chunk in state.buckets for b in chunk if not b.deferred)
     if 1 <= stage <= 2 and edp > 1:
-        out.all_gather += (edp - 1) / edp * expert_padded * pb / costs.bw_edp
+        out.all_gather += (edp - 1) / edp * expert_padded * pb / costs.bw_edp \
+            + latency * sum(len(chunk) for chunk in state.expert_buckets)
     out.total = out.overlapped + out.embedding + out.all_gather + out.gathers
     return out
 
@@ -215,7 +222,7 @@ def _bucket_reduction_exposed(costs: LayoutCosts, state: StateBytes, r: int, out
     reduced once complete and the stream is free (overlap.py), a MoE chunk's expert buckets over
     EDP on the same stream; what runs past the schedule's end (time 0) is exposed."""
     layout = costs.layout
-    p, v, d, edp = layout.pp, layout.v, layout.dp, state.edp
+    p, v, d, edp = layout.pp, layout.v, layout.dp_cp, state.edp
     reduce_factor = (1 if layout.distributed_optimizer else 2) * (d - 1) / d  # reduce-scatter vs all-reduce
     expert_factor = (1 if layout.distributed_optimizer else 2) * (edp - 1) / edp
     latency = costs.cluster.collective_latency_ms / 1e3
@@ -241,7 +248,7 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
     it (overlap.py's stream; stage 3: the last unit's and a layer's, and its gathers). The tied
     embedding's shard is summed over the embedding group after the schedule."""
     layout = costs.layout
-    p, v, d, m = layout.pp, layout.v, layout.dp, costs.micro_batches
+    p, v, d, m = layout.pp, layout.v, layout.dp_cp, costs.micro_batches
     rs = (d - 1) / d * state.comm_bytes / costs.bw_dp  # seconds per element reduce-scattered
     edp = state.edp
     rs_experts = (edp - 1) / edp * state.comm_bytes / costs.bw_edp if edp > 1 else 0.0
@@ -256,7 +263,7 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
                 forward, backward = zero3_exposed(costs, state, c, r)  # the last two stay in flight at its end
                 out.gathers += _gathering_forwards(costs, r, c) * forward + m * backward
                 layer = max((sizes[i] for i in state.layer_buckets[c]), default=0)
-                wait = (sizes[-1] + layer) * rs
+                wait = (sizes[-1] + layer) * rs + 2 * costs.cluster.collective_latency_ms / 1e3
             else:  # each bucket once complete and the stream free; the backward's end (0) waits
                 jobs = _bucket_jobs(costs, state, c, r, -tb, 1.0 - 1 / d, 1.0 - 1 / edp, deferred=True)
                 wait = max(0.0, link_schedule(jobs, costs.cluster.collective_latency_ms / 1e3))
@@ -264,7 +271,7 @@ def _sharded_grads_exposed(costs: LayoutCosts, state: StateBytes, r: int, out: D
             out.overlapped += m * wait
     deferred = [b.end - b.start for chunk in state.buckets for b in chunk if b.deferred]
     if deferred and p > 1 and not layout.v_shape:  # a V sums its two copies on rank 0
-        out.embedding = sum(deferred) // d * state.grad_bytes / costs.bw_emb
+        out.embedding = costs.cluster.collective_latency_ms / 1e3 + sum(deferred) // d * state.grad_bytes / costs.bw_emb
 
 
 @functools.lru_cache(maxsize=4096)
@@ -290,16 +297,19 @@ def zero3_exposed(costs: LayoutCosts, state: StateBytes, c: int, r: int) -> tupl
     units (embeddings, final norm, output layer) are gathered and waited for before its forward and
     again before its backward, and the first layer with them; every later layer's gather is
     prefetched while the layer before it computes (forward), or while the layer after it runs its
-    backward, whose own reduce-scatter shares the link (backward)."""
+    backward, whose own reduce-scatter shares the link (backward). Each gather and reduce-scatter
+    pays the collective latency."""
     layout, run = costs.layout, costs.run
-    d, t = layout.dp, layout.tp
+    d, t = layout.dp_cp, layout.tp
     pb = DTYPE_BYTES[run.dtype]
     ring = (d - 1) / d / costs.bw_dp
     layers = [b.end - b.start for i, b in enumerate(state.buckets[c]) if i in state.layer_buckets[c]]
     others = sum(b.end - b.start for i, b in enumerate(state.buckets[c]) if i not in state.layer_buckets[c])
     layer = max(layers, default=0)
-    g_layer, g_other = ring * layer * pb, ring * others * pb
-    rs_layer = ring * layer * state.comm_bytes
+    lat = costs.cluster.collective_latency_ms / 1e3 if d > 1 else 0.0  # each unit's gather and reduce-scatter
+    n_others = len(state.buckets[c]) - len(layers)
+    g_layer, g_other = lat + ring * layer * pb, n_others * lat + ring * others * pb
+    rs_layer = lat + ring * layer * state.comm_bytes
     f, b = costs.fwd / t / costs.rate, costs.bwd / t / costs.rate
     n = len(layers)
     forward = g_other + (g_layer + (n - 1) * max(0.0, g_layer - f) if n else 0.0)

@@ -118,6 +118,8 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
               "--seq-length", str(run.seq_length), "--recompute", lay.recompute]
     if lay.sequence_parallel:
         parts.append("--sequence-parallel")
+        if run.tp_comm_overlap:  # predicted with it: the run should have it
+            parts.append("--tp-comm-overlap")
     if lay.zero_stage == 1:
         parts.append("--use-distributed-optimizer")
     elif lay.zero_stage >= 2:

@@ -44,6 +44,7 @@ class LayoutCosts:
     pp_mb: float  # pipeline exchanges per micro-batch (all chunks)
     bw_cp: float = 0.0  # context parallelism (cp > 1): the CP group's slowest link
     ring_bytes: float = 0.0  # bytes one rank sends around the ring per layer and micro-batch (see ring_layer_bytes)
+    ring_step_bytes: tuple = (0.0, 0.0)  # bytes of one ring step: (forward, backward) (exposed.cp_exposure)
     # Mixture of experts (0 for a dense model): a MoE layer's FLOPs (active experts only), its TP
     # collectives, and per micro-batch the bytes one rank's dispatcher sends and their seconds
     moe_count: int = 0  # MoE layers in the model
@@ -52,7 +53,8 @@ class LayoutCosts:
     moe_ar_per_layer: int = 0
     ep_bytes: float = 0.0  # over EP (alltoall) or ETP x EP (allgather)
     etp_bytes: float = 0.0  # over ETP (alltoall)
-    ep_time: float = 0.0
+    ep_time: float = 0.0  # seconds, each exchange's latency included
+    ep_exchanges: int = 0  # per MoE layer and micro-batch (experts.dispatch_exchanges)
     bw_ep: float = 0.0
     bw_etp: float = 0.0
     bw_edp: float = 0.0  # the expert-data-parallel group's slowest link (expert gradients)

@@ -89,6 +89,22 @@ def dispatch_bytes(config: TransformerConfig, layout: Layout, run: Run) -> dict[
     return {"ep": passes * rows * h * ab * (ep - 1) / ep, "etp": passes * rows * h * ab * (etp - 1)}
 
 
+def dispatch_exchanges(config: TransformerConfig, layout: Layout) -> int:
+    """Exchanges of one MoE layer and micro-batch over the expert groups (each pays the collective
+    latency): alltoall, the dispatch and combine all-to-alls in every pass (four, six with full
+    recomputation), the all-gather and reduce-scatter of the rows over ETP as many (etp > 1), and
+    the per-expert counts' all-gather in every forward (dropless: sizes unknown in advance);
+    allgather, the all-gather and reduce-scatter over ETP x EP in every pass. None over one rank."""
+    ep, etp = layout.ep, layout.etp
+    if ep * etp == 1:
+        return 0
+    passes = 6 if layout.recompute == "full" else 4
+    if config.moe_token_dispatcher_type == "allgather":
+        return passes
+    counts = 0 if config.moe_pad_expert_input_to_capacity else passes // 2 - 1
+    return (passes if ep > 1 else 0) + (passes if etp > 1 else 0) + counts
+
+
 def moe_layers(config: TransformerConfig, numbers) -> int:
     """How many of the global layers `numbers` are MoE layers."""
     return sum(1 for n in numbers if config.is_moe_layer(n))

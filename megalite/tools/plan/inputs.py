@@ -33,8 +33,9 @@ class Cluster:
     hbm_gbps: float = 3350.0  # H100 SXM HBM3, for the (memory-bound) optimizer step
     overhead_gib: float = 2.0  # CUDA context, cuBLAS workspaces, NCCL buffers
     fp8_speedup: float = 2.0  # dense FP8 peak over the model dtype's (H100/H200 SXM: 1979 / 989)
-    # A data-parallel collective's start-up, paid once per gradient bucket (and per all-gather):
-    # tens of microseconds on NVLink / InfiniBand; 3-4 ms on docs/slow-links.md's emulated link.
+    # Every exchange's start-up (a collective, an all-to-all, a batch of pipeline sends, a ring step;
+    # per gradient bucket): tens of microseconds on NVLink / InfiniBand; 3-4 ms on docs/slow-links.md's
+    # emulated link.
     collective_latency_ms: float = 0.05
 
     def __post_init__(self):
@@ -171,6 +172,10 @@ class Run:
     outer_grad_dtype: str = "fp32"
     local_sgd_async: bool = False
     fp8_layers: int = 0  # --fp8-format: transformer layers whose GEMMs run in FP8 (megalite.tools.plan.fp8)
+    # Overlaps the planner predicts (exposed.py): --tp-comm-overlap (under sequence parallelism), and
+    # --overlap-moe-expert-parallel-comm (one micro-batch's all-to-alls behind another's backward)
+    tp_comm_overlap: bool = False
+    overlap_moe_ep_comm: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -265,7 +270,8 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
     # Built alone at tp = 1: the shape only (sequence parallelism would need tp > 1).
     key = (repr(config), positions(config, seq_length), pre, post)
     if key not in _STAGES:
-        config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False)
+        config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False,
+                         tp_comm_overlap=False)  # (an option of SP's collectives: no parameters of its own)
         examples = example_layers(config)
         with torch.device("meta"), _ShapesOnly():
             model = GPTModel(config, pre, post, layer_numbers=examples, seed=0, device="meta")

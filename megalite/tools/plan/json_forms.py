@@ -28,6 +28,9 @@ def prediction_json(pred, model_flags: list[str] | None, zero_stage_makes_it_fit
         "build_peak_gib": round(pred.build_peak / GIB, 3), "peak_gib": round(pred.peak_bytes / GIB, 3),
         "time_s": {k: round(v, 6) for k, v in time.items()},
         "dp_traffic_bytes": {k: int(v) for k, v in pred.dp_parts[pred.dp_stage].traffic.items()},
+        # per dimension: exchanges, bytes, communication and exposed seconds a step (exposed.py)
+        "exposed_comm": {dim: {"exchanges": x.exchanges, "bytes": int(x.bytes), "comm_s": round(x.comm, 6),
+                               "exposed_s": round(x.exposed, 6)} for dim, x in pred.exposed.items()},
         "zero_stage_makes_it_fit": zero_stage_makes_it_fit,
         "bubble_fraction": round(pred.bubble_fraction, 6), "mfu": round(pred.mfu, 4),
         "tokens_per_s": round(pred.tokens_per_s, 1), "model_flops": pred.model_flops,

@@ -14,6 +14,7 @@ from megalite.tools.plan.comm import dp_exposed
 from megalite.tools.plan.command import launch_command
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.experts import moe_layers
+from megalite.tools.plan.exposed import Exposure, cp_exposure, ep_exposure, exposed_comm, ring_steps, tp_exposure
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.json_forms import prediction_json
 from megalite.tools.plan.memory import Memory, over
@@ -42,6 +43,9 @@ class StageResult:
     moe_layers: int = 0  # of n_layers, the MoE ones
     ep_mb: float = 0.0  # seconds of MoE token dispatch per micro-batch (in t_mb)
     mtp: float = 0.0  # of output: the multi-token prediction modules' activations (last stage)
+    tp_collectives: int = 0  # TP collectives per micro-batch (an all-reduce, or SP's gather + scatter pair)
+    tp_edge_collectives: int = 0  # of those, the embedding's, output layer's and MTP's (outside the layers)
+    ep_layers: int = 0  # layers whose token dispatch this rank runs (MTP's on the last stage included)
 
 
 @dataclass
@@ -84,6 +88,11 @@ class Prediction:
 
     def command(self, model_flags: list[str] | None = None) -> str:
         return launch_command(self, model_flags)
+
+    @property
+    def exposed(self) -> dict[str, Exposure]:
+        """Per dimension: its exchanges, bytes, communication time and the part of it exposed (exposed.py)."""
+        return exposed_comm(self)
 
     def to_dict(self, model_flags: list[str] | None = None) -> dict:
         return prediction_json(self, model_flags, stage_that_makes_it_fit(self) is not None)
@@ -153,9 +162,11 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     # CP ranks share each sequence's work evenly (causal load balancing)
     head = 3 * costs.logits_fwd + costs.mtp_fwd + costs.mtp_bwd if last else 0.0  # output layer and MTP
     flops_mb = (costs.layers_flops(n_layers, n_moe) + head) / t / layout.cp
-    tp_mb = ((n_layers - n_moe) * costs.ar_per_layer + n_moe * costs.moe_ar_per_layer + first + last
-             + (costs.mtp_ar if last else 0)) * costs.ar_time if t > 1 else 0.0
-    ep_mb = (n_moe + (costs.mtp_moe if last else 0)) * costs.ep_time  # the token dispatch, not overlapped
+    edges = first + last + (costs.mtp_ar if last else 0)
+    collectives = (n_layers - n_moe) * costs.ar_per_layer + n_moe * costs.moe_ar_per_layer + edges if t > 1 else 0
+    tp_mb = collectives * costs.ar_time
+    ep_layers = n_moe + (costs.mtp_moe if last else 0)
+    ep_mb = ep_layers * costs.ep_time  # the token dispatch (exposed.ep_exposure: what of it is exposed)
     local_sgd = run.local_sgd_interval > 0  # gradients reduced inside a replica only (over CP)
     st = rank_state_bytes(config, tp=t, pp=p, dp=layout.cp if local_sgd else layout.dp_cp, vpp=layout.vpp,
                           pp_rank=r, dp_rank=0, dtype=run.dtype,
@@ -180,14 +191,17 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     output = output_layer_bytes(config, layout, run, costs.vocab) + mtp if last else 0.0
     overhead = costs.cluster.overhead_gib * GIB
     compute_mb = flops_mb / costs.rate
-    ring_mb = n_layers * costs.ring_bytes / costs.bw_cp if layout.cp > 1 else 0.0
+    steps = sum(ring_steps(costs))  # each with its start-up
+    ring_mb = n_layers * (costs.ring_bytes / costs.bw_cp + steps * costs.cluster.collective_latency_ms / 1e3) \
+        if layout.cp > 1 else 0.0
     return StageResult(
         state=st, n_layers=n_layers, chunk_layers=chunk_layers, flops_mb=flops_mb, tp_mb=tp_mb,
         compute_mb=compute_mb, t_mb=max(compute_mb, ring_mb) + tp_mb + costs.pp_mb + ep_mb, ring_mb=ring_mb,
         chunks_in_flight=chunks_in_flight,
         stored_chunk=stored_chunk, transient=transient, activations=activations, output=output,
         total=st.param_buffer + st.grads + st.optimizer + st.transient + activations + output + overhead,
-        build=st.build_peak + overhead, moe_layers=n_moe, ep_mb=ep_mb, mtp=mtp)
+        build=st.build_peak + overhead, moe_layers=n_moe, ep_mb=ep_mb, mtp=mtp, tp_collectives=collectives,
+        tp_edge_collectives=edges if t > 1 else 0, ep_layers=ep_layers)
 
 
 def _rank_moe_layers(costs: LayoutCosts, r: int) -> int:
@@ -258,9 +272,9 @@ def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTi
     dp_stage = max(dp_parts, key=lambda r: dp_parts[r].total)
     optimizer = (max(S.state.owned_numel for S in stages.values()) * costs.traffic
                  / (costs.cluster.hbm_gbps * 1e9))
-    tp_comm, pp_comm, dp_comm = m * T.tp_mb, m * costs.pp_mb, dp_parts[dp_stage].total
-    cp_comm = m * max(0.0, T.ring_mb - T.compute_mb)  # the ring hides behind the blocks' compute
-    ep_comm = m * T.ep_mb  # exposed: megalite's dispatcher waits for its exchanges
+    pp_comm, dp_comm = m * costs.pp_mb, dp_parts[dp_stage].total
+    # what megalite overlaps, and what of it the compute hides (exposed.py)
+    tp_comm, cp_comm, ep_comm = (f(costs, T).exposed for f in (tp_exposure, cp_exposure, ep_exposure))
     total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer + cp_comm + ep_comm
     return (StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total, cp_comm, ep_comm), slow,
             dp_stage)

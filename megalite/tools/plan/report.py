@@ -257,8 +257,10 @@ def _explain_dispatch(pred: Prediction) -> str:
     return (f"  ep comm      per MoE layer and micro-batch, dispatch and combine, forward and backward"
             f"{' and recomputed forward' if passes == 6 else ''}: {how} = {K.ep_time * 1e3:.3f} ms; x "
             f"{S.moe_layers + (K.mtp_moe if pred.slow_stage == lay.pp - 1 else 0)} MoE layers on stage "
-            f"{pred.slow_stage} x {pred.micro_batches} micro-batches, "
-            f"not overlapped = {T.ep_comm:.3f} s")
+            f"{pred.slow_stage} x {pred.micro_batches} micro-batches ({K.ep_exchanges} exchanges a layer, "
+            f"{K.cluster.collective_latency_ms:g} ms each included), "
+            + ("behind other micro-batches' backwards (exposed.ep_exposure)" if pred.run.overlap_moe_ep_comm
+               else "not overlapped") + f" = {T.ep_comm:.3f} s")
 
 
 def _explain_time(pred: Prediction) -> list[str]:
@@ -330,8 +332,8 @@ def _explain_time(pred: Prediction) -> list[str]:
         Sc = pred.stages[pred.slow_stage]
         out.append(f"  cp comm      ring of cp={lay.cp}: {K.ring_bytes / 2 ** 20:.1f} MiB sent per layer and micro-batch "
                    f"(K/V blocks forward and backward, dK/dV in fp32) x {Sc.n_layers} layers / {K.bw_cp / 1e9:g} GB/s "
-                   f"= {Sc.ring_mb * 1e3:.3f} ms per micro-batch, overlapped with its {Sc.compute_mb * 1e3:.3f} ms of "
-                   f"compute: max(0, ring - compute) x {m} = {T.cp_comm:.3f} s")
+                   f"+ {K.cluster.collective_latency_ms:g} ms a ring step = {Sc.ring_mb * 1e3:.3f} ms per micro-batch, "
+                   f"each step behind one attention block (exposed.cp_exposure), x {m}: {T.cp_comm:.3f} s")
     if pred.dp_parts[pred.dp_stage].traffic and pred.config.is_moe and pred.stages[pred.dp_stage].state.edp > 1:
         out.append(f"               (expert weights' buffers over edp={lay.edp} at {K.bw_edp / 1e9:g} GB/s, "
                    f"on the same stream)")

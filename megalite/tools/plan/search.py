@@ -99,7 +99,8 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          micro_batch_size: int | None = None, recompute=RECOMPUTE, sequence_parallel=(False, True),
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
          cp: int | str | None = None, local_sgd: dict | None = None, ep: int | None = None,
-         etp: int | None = None, pipeline_layers=None, schedule=SCHEDULES, fp8_layers: int = 0) -> PlanResult:
+         etp: int | None = None, pipeline_layers=None, schedule=SCHEDULES, fp8_layers: int = 0,
+         overlap: dict | None = None) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
@@ -114,14 +115,15 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     megalite's --pipeline-layers, one layer count per virtual stage (pp x vpp of them; the layers
     need not divide evenly then), which fixes the pipeline depth. schedule: a pipeline schedule or
     schedules to try (zb-h1 only where pp > 1 and vpp 1, zb-v and dualpipev where pp > 1 and vpp 2: two
-    chunks in a V; dualpipev with at least 2 x pp micro-batches)."""
+    chunks in a V; dualpipev with at least 2 x pp micro-batches). overlap: Run's overlap options
+    (tp_comm_overlap, overlap_moe_ep_comm)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
                       grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp,
-                      pipeline_layers=pipeline_layers, schedule=schedule, fp8_layers=fp8_layers)
+                      pipeline_layers=pipeline_layers, schedule=schedule, fp8_layers=fp8_layers, overlap=overlap)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
@@ -136,7 +138,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
         stage_layer_counts(config.num_layers, pp, vpp, list(explicit))
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend, explicit, grad_reduce_dtype=grad_reduce_dtype, fp8_layers=fp8_layers,
-              **(local_sgd or {}))
+              **(local_sgd or {}), **(overlap or {}))
     if run.local_sgd_interval:
         zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,

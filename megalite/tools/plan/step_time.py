@@ -22,10 +22,11 @@ from megalite.tools.plan.comm import (
     local_sgd_exposed,
     outer_sync_bytes,
     ring_layer_bytes,
+    ring_layer_parts,
     zero3_exposed,
 )
 from megalite.tools.plan.costs import OPTIMIZER_TRAFFIC, LayoutCosts
-from megalite.tools.plan.experts import dispatch_bytes
+from megalite.tools.plan.experts import dispatch_bytes, dispatch_exchanges
 from megalite.tools.plan.fp8 import fp8_rate
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout, Run
 
@@ -81,6 +82,8 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     mtp_moe = sum(config.is_moe_layer(config.num_layers + k) for k in range(depth))
     per_layer = {"none": 4, "selective": 4, "full": 6}[layout.recompute]
     moe_per_layer = moe.get("moe_ar_per_layer", per_layer)
+    lat = cluster.collective_latency_ms / 1e3  # every exchange's start-up (exposed.py)
+    ring = ring_layer_parts(config, layout, s, ab) if layout.cp > 1 else {}
     costs = LayoutCosts(
         config=config, layout=layout, cluster=cluster, run=run, micro_batches=m,
         layer_counts=stage_layer_counts(config.num_layers, p, layout.vpp,
@@ -88,11 +91,15 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
         vocab=vocab, act_bytes=ab, bw_tp=bw_tp, bw_pp=bw_pp, bw_dp=bandwidth(cluster, "dp", layout),
         bw_emb=bandwidth(cluster, "emb", layout), rate=cluster.peak_tflops * 1e12 * cluster.efficiency,
         fwd=fwd, bwd=bwd, core=core, logits_fwd=2.0 * s * b * h * vocab, ar_bytes=ar_bytes,
-        ar_time=2.0 * (t - 1) / t * ar_bytes / bw_tp if t > 1 else 0.0,
+        # an all-reduce, or under SP an all-gather and a reduce-scatter: one start-up each
+        ar_time=(2 if layout.sequence_parallel else 1) * lat + 2.0 * (t - 1) / t * ar_bytes / bw_tp if t > 1 else 0.0,
         ar_per_layer=6 if layout.recompute == "full" else 4,  # the recomputed forward repeats its 2
-        msg=msg, pp_mb=2.0 * v * msg / bw_pp if p > 1 else 0.0,  # per micro-batch and chunk: 1 forward + 1 backward
+        # per micro-batch and chunk: 1 forward + 1 backward exchange
+        msg=msg, pp_mb=2.0 * v * (lat + msg / bw_pp) if p > 1 else 0.0,
         bw_cp=bandwidth(cluster, "cp", layout) if layout.cp > 1 else 0.0,
-        ring_bytes=ring_layer_bytes(config, layout, s, ab) if layout.cp > 1 else 0.0, **moe,
+        ring_bytes=ring_layer_bytes(config, layout, s, ab) if layout.cp > 1 else 0.0,
+        ring_step_bytes=(ring["forward"] / (layout.cp - 1), ring["backward"] / (layout.cp - 1)) if ring else (0.0, 0.0),
+        **moe,
         mtp_fwd=mtp_fwd, mtp_bwd=mtp_bwd, mtp_moe=mtp_moe,
         # per depth: its layer's collectives, and the embedding lookup, eh_proj and output layer's
         mtp_ar=(depth - mtp_moe) * per_layer + mtp_moe * moe_per_layer + 3 * depth,
@@ -127,10 +134,12 @@ def moe_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, run: 
     over = "etp_ep" if config.moe_token_dispatcher_type == "allgather" else "ep"
     bw_ep, bw_etp = bandwidth(cluster, over, layout), bandwidth(cluster, "etp", layout)
     blocks = 2 if config.moe_shared_expert_intermediate_size else 1  # blocks with TP collectives
+    exchanges = dispatch_exchanges(config, layout)
     return dict(moe_count=sum(config.moe_layer_freq), moe_fwd=fwd, moe_bwd=bwd,
                 moe_ar_per_layer=blocks * (3 if layout.recompute == "full" else 2),
-                ep_bytes=sent["ep"], etp_bytes=sent["etp"],
-                ep_time=sent["ep"] / bw_ep + sent["etp"] / bw_etp, bw_ep=bw_ep, bw_etp=bw_etp,
+                ep_bytes=sent["ep"], etp_bytes=sent["etp"], ep_exchanges=exchanges,
+                ep_time=exchanges * cluster.collective_latency_ms / 1e3 + sent["ep"] / bw_ep + sent["etp"] / bw_etp,
+                bw_ep=bw_ep, bw_etp=bw_etp,
                 bw_edp=bandwidth(cluster, "edp", layout))
 
 

@@ -1,0 +1,138 @@
+"""The planner's per-exchange latency and its exposed communication per dimension
+(megalite.tools.plan.exposed): exchange counts and exposed seconds of hand-computed cases, the
+pipeline played with transfers, the calibration the slow-links suite uses, and the CLI's section."""
+import pytest
+
+from megalite.models import preset
+from megalite.tools import plan as P
+from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
+from megalite.tools.plan.exposed import dp_exchanges, format_exposed
+from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
+
+TINY = preset("gpt-tiny")  # 4 layers, hidden 128, 4 heads, vocabulary 1024
+LAT = 1e-3  # 1 ms a exchange
+BW = 1e9  # bytes/s: every group across nodes
+# one GPU a node: every group spans the 1 GB/s link; 1 TFLOP/s sustained
+SLOW = P.Cluster(gpus=2, gpus_per_node=1, inter_node_gbps=1, peak_tflops=1, efficiency=1, collective_latency_ms=1)
+
+
+def _predict(layout, gbs, seq=64, **run):
+    return P.predict(TINY, layout, SLOW, run=P.Run(gbs, seq, "fp32", 200_000, **run))
+
+
+def test_a_pipeline_step_played_with_transfers_exposes_those_on_its_path():
+    # 1F1B, pp 2, 4 micro-batches, forward 1, backward 2: (m + p - 1) x 3 without transfers
+    assert played_step(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 0.0) == 15.0
+    # each transfer 0.1: the first activation and gradient (the fill), then one round trip for
+    # every two micro-batches of the steady state: 4 transfers, not the 8 messages sent
+    assert exposed_transfers(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 0.1) == pytest.approx(0.4)
+    # transfers as long as a pass: rank 1 waits for every activation
+    assert exposed_transfers(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 1.0) == pytest.approx(4.0)
+    assert exposed_transfers(1, 4, None, "1f1b", 1.0, 2.0, 0.0, 1.0) == 0.0
+    # the V's two chunks meet on rank p-1 at no cost: fewer transfers on the path than 2 x pp
+    v = exposed_transfers(2, 4, 2, "zb-v", 0.5, 0.5, 0.5, 0.1)
+    assert 0 < v < 4 * 0.1 * 2
+
+
+def test_tp_exchanges_are_sps_gathers_and_scatters_each_with_its_latency():
+    layout = P.Layout(tp=2, dp=1, micro_batch_size=8, sequence_parallel=True)
+    pred = _predict(layout, 16)  # 2 micro-batches
+    costs = pred.costs
+    # per micro-batch 4 layers x 4 collectives + embedding + output layer = 18, each a gather and a scatter
+    x = pred.exposed["tp"]
+    assert x.exchanges == 2 * 18 * 2
+    full = 64 * 8 * 128 * 4  # s x b x h fp32
+    assert x.bytes == 2 * 18 * full  # each collective: 2 (t-1)/t of it
+    assert costs.ar_time == pytest.approx(2 * LAT + full / BW)
+    assert x.comm == x.exposed == pytest.approx(36 * (2 * LAT + full / BW))  # nothing overlapped
+    assert pred.time.tp_comm == pytest.approx(x.exposed)
+    # --tp-comm-overlap: a layer exchange is one ring step of half the tensor, behind half a linear's GEMM
+    over = _predict(layout, 16, tp_comm_overlap=True)
+    shard_gemm = (costs.fwd - costs.core) / 4 / 4 / 1e12
+    step = LAT + full / 2 / BW
+    want = 2 * (16 * 2 * max(0.0, step - shard_gemm) + 2 * (2 * LAT + full / BW))
+    assert over.exposed["tp"].exposed == pytest.approx(want) and over.time.tp_comm == pytest.approx(want)
+    assert over.exposed["tp"].exposed < x.exposed and "--tp-comm-overlap" in over.command()
+
+
+def test_cp_ring_steps_hide_behind_one_attention_block_each():
+    pred = _predict(P.Layout(cp=2, micro_batch_size=4), 4, seq=256)
+    costs, x = pred.costs, pred.exposed["cp"]
+    assert x.exchanges == 4 * (1 + 1)  # 4 layers: one forward step, one backward step (cp - 1 each)
+    fwd, bwd = costs.ring_step_bytes
+    assert fwd == 2 * 4 * 4 * 128 * 32 * 4 and bwd == 2 * fwd  # K/V of 4 heads x 32 dims, 128 tokens; + dK/dV
+    block = 4 * 4 * 256 * 256 * 128 / 4 / 1e12  # the attention core over cp^2 blocks
+    want = 4 * (max(0, LAT + fwd / BW - block) + max(0, LAT + bwd / BW - 2 * block))
+    assert x.exposed == pytest.approx(want) and pred.time.cp_comm == pytest.approx(want)
+    assert x.comm == pytest.approx(4 * (2 * LAT + (fwd + bwd) / BW))
+
+
+def test_ep_dispatch_is_exposed_unless_the_overlap_option_pairs_it_with_a_backward():
+    moe = TINY.replace(num_moe_experts=8, moe_router_topk=2)
+    layout = P.Layout(dp=2, micro_batch_size=8, ep=2, etp=1)
+    run = P.Run(32, 64, "fp32", 200_000)  # 2 micro-batches a rank
+    pred = P.predict(moe, layout, SLOW, run=run)
+    costs, x = pred.costs, pred.exposed["ep"]
+    # a MoE layer and micro-batch: dispatch + combine forward and backward, the counts' all-gather
+    assert costs.ep_exchanges == 5 and x.exchanges == 2 * 4 * 5
+    sent = 4 * (2 * 64 * 8) * 128 * 4 / 2  # 4 all-to-alls of half the k x T rows
+    assert costs.ep_time == pytest.approx(5 * LAT + sent / BW)
+    assert x.exposed == x.comm == pytest.approx(2 * 4 * costs.ep_time)
+    paired = P.predict(moe, layout, SLOW, run=P.Run(32, 64, "fp32", 200_000, overlap_moe_ep_comm=True))
+    backward = costs.moe_bwd / 1e12
+    want = 4 * (1 * max(0.0, costs.ep_time - backward) + costs.ep_time)  # the first micro-batch unpaired
+    assert paired.exposed["ep"].exposed == pytest.approx(want) and paired.time.ep_comm == pytest.approx(want)
+    assert paired.exposed["ep"].exposed < x.exposed
+
+
+def test_pp_exposes_the_transfers_on_the_schedules_path():
+    pred = _predict(P.Layout(pp=2, micro_batch_size=4), 16)  # 4 micro-batches
+    costs, x = pred.costs, pred.exposed["pp"]
+    msg = 64 * 4 * 128 * 4
+    assert x.exchanges == 8 and x.bytes == 8 * msg
+    assert x.comm == pytest.approx(8 * (LAT + msg / BW)) and pred.time.pp_comm == pytest.approx(x.comm)
+    slow = pred.stages[pred.slow_stage]
+    f = slow.compute_mb * costs.fwd / (costs.fwd + costs.bwd)
+    assert x.exposed == pytest.approx(exposed_transfers(2, 4, None, "1f1b", f, slow.compute_mb - f, 0.0,
+                                                        LAT + msg / BW))
+    # the tied embedding, summed over its two stages after the schedule: exposed, on the dp row
+    assert pred.exposed["dp"].exchanges == 1 and pred.exposed["dp"].exposed == pytest.approx(LAT + 1024 * 128 * 4 / BW)
+
+
+def test_dp_exchanges_per_zero_stage_and_each_bucket_pays_the_latency():
+    base = _predict(P.Layout(dp=2, micro_batch_size=8), 16)
+    n = sum(1 for chunk in base.stages[0].state.buckets for b in chunk)
+    assert n > 1 and dp_exchanges(base) == n == base.exposed["dp"].exchanges
+    assert dp_exchanges(_predict(P.Layout(dp=2, micro_batch_size=8, zero_stage=1), 16)) == 2 * n
+    z2 = _predict(P.Layout(dp=2, micro_batch_size=4, zero_stage=2), 16)  # 2 micro-batches
+    assert dp_exchanges(z2) == 2 * n + n
+    z3 = _predict(P.Layout(dp=2, micro_batch_size=4, zero_stage=3), 16)
+    units = sum(1 for chunk in z3.stages[0].state.buckets for b in chunk)
+    assert dp_exchanges(z3) == units * 3 * 2  # per micro-batch: gather, gather again, reduce-scatter
+    # context parallelism's ranks reduce the gradients too (dp x cp): exposed, not 0
+    cp = _predict(P.Layout(cp=2, micro_batch_size=4), 4, seq=256)
+    assert cp.exposed["dp"].comm > 0 and cp.dp_parts[0].overlapped > 0
+
+
+def test_the_calibration_is_zero_on_equal_links_and_fits_the_bare_step():
+    layout, run = P.Layout(tp=1, dp=2, micro_batch_size=8), P.Run(16, 64, "fp32", 200_000)
+    link, bare = MeasuredLink(35.8e6, 3.8e-3), MeasuredLink(1e9, 1e-4)
+    got = predicted_link_cost(TINY, layout, run, link, bare, 0.0729)
+    assert got["dimensions"]["dp"]["exchanges"] >= 1 and got["exposed_ms"] > 0
+    assert got["compute_ms"] + got["dimensions"]["dp"]["exposed_bare_ms"] == pytest.approx(72.9, rel=0.02)
+    assert predicted_link_cost(TINY, layout, run, bare, bare, 0.0729)["exposed_ms"] == pytest.approx(0.0)
+
+
+def test_cli_prints_the_exposed_section(capsys):
+    assert P.main(["--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "1", "--max-tp", "2",
+                   "--global-batch-size", "16", "--seq-length", "64", "--tp", "2", "--sequence-parallel", "on",
+                   "--tp-comm-overlap", "--micro-batch-size", "8", "--zero-stage", "0", "--recompute", "none",
+                   "--collective-latency-ms", "3.8", "--inter-node-gbps", "0.0358"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("exposed communication per step"):].splitlines()
+    assert "each exchange 3.8 ms" in section[0] and section[1].split()[:3] == ["dim", "exchanges", "MB"]
+    assert section[2].split()[:2] == ["tp", "72"] and "shard GEMM" in section[2]
+    assert section[3].startswith("  all")
+    assert "--tp-comm-overlap" in out[:out.index("exposed communication")]
+    pred = P.predict(TINY, P.Layout(dp=2, micro_batch_size=8), SLOW, 16, 64)
+    assert "dp" in format_exposed(pred) and set(pred.to_dict()["exposed_comm"]) == {"dp"}
