@@ -292,11 +292,12 @@ def test_sent_activations_are_freed_and_gradients_stay_bitwise_equal(p, m, v):
     freed = run_ranks(live_activations, p, args=(m, v, True))
     activation = 2 * 3 * 4 * 4  # bytes of one (2, 3, 4) fp32 output
     # Without freeing, stage 0 holds the outputs of every micro-batch in flight (1F1B: p - 1 before
-    # its p-th forward); freed, none survives its send: each forward is followed by an exchange.
+    # its p-th forward); freed, only the one whose send may still be draining survives (the batch
+    # holds it until the next exchange point), and the last stage sends none.
     if v is None:
         assert kept[0][0] == (p - 1) * activation
     assert all(peak > 0 for peak, *_ in kept[:-1])
-    assert [peak for peak, *_ in freed] == [0] * p
+    assert all(peak <= activation for peak, *_ in freed) and (v is not None or freed[-1][0] == 0)
     for (_, held_kept, grads_kept, loss_kept), (_, held_freed, grads_freed, loss_freed) in zip(kept, freed):
         assert held_freed <= held_kept
         assert all(torch.equal(a, b) for a, b in zip(grads_kept, grads_freed)), "freeing must not change gradients"

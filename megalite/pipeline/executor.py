@@ -129,7 +129,7 @@ def run_schedule(
     last_grad_op = {op.chunk: i for i, op in enumerate(program) if op.kind == ("W" if split else "B")}
     weight_work: dict[tuple, weight_grad.WeightGrads] = {}  # (chunk, mb) -> what its B deferred
     received: dict[Message, p2p.Posted] = {}  # posted receives, by message: each waited for when read
-    in_flight: list[p2p.Posted] = []  # batches posted at the last exchange point, not yet waited for
+    in_flight: list[p2p.Posted] = []  # the batch posted at the last exchange point, its sends not yet waited for
     outbox: dict[Message, torch.Tensor] = {}  # produced, not yet sent
     stash: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) kept for the backward
     start = time.perf_counter()
@@ -141,16 +141,16 @@ def run_schedule(
         sends = [p2p.Send(outbox.pop(m), rank_of(m.dst), _TAGS[m.kind]) for m in x.sends]
         recvs = [p2p.Recv(m, rank_of(m.src), _TAGS[m.kind]) for m in x.recvs]
         with rec.span("send/recv", "p2p"):
-            # Post this point's batch. A split program waits for it only where a pass reads what it
-            # received, so passes that read nothing (W) run while it is on its way; the batch before
-            # is waited for now, so a sent activation is held one interval longer at most. Other
-            # programs wait at once, as their next pass reads it anyway.
+            # Post this point's batch. Its sends drain while the next pass computes: the batch
+            # before is waited for now, so a sent activation is held one interval longer at most. A
+            # split program waits for its receives only where a pass reads them, so passes that
+            # read nothing (W) run while they are on their way; other programs wait for them at
+            # once, as their next pass reads them anyway.
             posted = p2p.exchange(sends, recvs, tensor_shape, dtype, device, wait=False)
             wait_all()
-            if split:
-                in_flight.append(posted)
-            else:
-                posted.wait()
+            if not split:
+                posted.wait_received()
+            in_flight.append(posted)
             received.update({m: posted for m in posted.buffers})
         if free_sent_outputs:  # sent (the batch keeps its own reference): backward needs only the graph
             for m in x.sends:
@@ -166,10 +166,9 @@ def run_schedule(
         if message in handed:
             return handed.pop(message)
         posted = received.pop(message)
-        if posted in in_flight:
+        if not posted.received:
             with rec.span("wait for a receive", "p2p"):
-                posted.wait()
-            in_flight.remove(posted)
+                posted.wait_received()
         return posted.buffers[message]
 
     def produce(message: Message, tensor: torch.Tensor) -> None:

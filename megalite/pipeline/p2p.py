@@ -36,16 +36,30 @@ class Recv:
 
 
 class Posted:
-    """One exchange point's batch, in flight: its received tensors (by key) are valid after `wait`,
-    and its sent tensors are kept alive until then."""
+    """One exchange point's batch, in flight: its received tensors (by key) are valid after
+    `wait_received` (or `wait`), and its sent tensors are kept alive until `wait`."""
 
     def __init__(self, works, buffers: dict[tuple, torch.Tensor], sent: list[torch.Tensor]):
         self.works, self.buffers, self.sent = works, buffers, sent
+        self.received = not buffers
+
+    def wait_received(self) -> None:
+        """Wait for the receives only, where the backend gives each op its own request (gloo: the
+        sends then drain while the rank computes, until `wait`); a batch completed as one (NCCL's
+        group) is waited for whole."""
+        if self.received:
+            return
+        if len(self.works) != len(self.sent) + len(self.buffers):
+            self.wait()
+            return
+        for work in self.works[len(self.sent):]:
+            work.wait()
+        self.works, self.received = self.works[:len(self.sent)], True
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        self.works, self.sent = [], []
+        self.works, self.sent, self.received = [], [], True
 
 
 def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device, wait: bool = True):
@@ -63,6 +77,7 @@ def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device, wait: b
     for s in sends:
         traffic.send("pp", s.tensor.nbytes)
     ops += [dist.P2POp(dist.irecv, buffers[r.key], r.peer, group, r.tag) for r in recvs]
+    # The sends first, then the receives: `Posted.wait_received` tells them apart by position.
     posted = Posted(dist.batch_isend_irecv(ops), buffers, sent)
     if not wait:
         return posted
