@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # slow_links imports this module: the types only
     from slow_links import RunResult, RunSpec
 
-SUITES = ("overlap", "bf16", "planner", "diloco", "moe", "hidden")
+SUITES = ("overlap", "bf16", "planner", "diloco", "moe", "hidden", "pairs")
 
 
 def _model(a) -> list[str]:
@@ -49,6 +49,11 @@ def suite_runs(a) -> tuple[list[str], list[str]]:
         return common, ["ep2-across=--ep 2", "ep2-fast=rate=off --ep 2", "ep1-across=", "ep1-fast=rate=off"]
     if a.suite == "hidden":  # each dimension's own batch and sequence flags: hidden_runs
         return ["--mock-data", *model, *it, *noeval, "--ddp-bucket-size", str(a.bucket)], hidden_runs(a, b)
+    if a.suite == "pairs":  # pp 2 x ep 2, one rank a host (--hosts 4): every group crosses a link
+        common = ["--mock-data", *model, *it, *noeval, "--ddp-bucket-size", str(a.bucket), *MOE_FLAGS,
+                  "--pp", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", str(max(1, b // 4)),
+                  "--global-batch-size", str(4 * b)]  # 8 micro-batches a pipeline
+        return common, PAIRS_RUNS
     if a.suite == "diloco":  # the embedded corpus (no --mock-data), the same tokens for both
         common = [*model, *it, "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
                   "--eval-iters", "8", "--eval-interval", str(a.iters)]
@@ -116,6 +121,8 @@ def derive(a, results: dict[str, RunResult], links: dict) -> dict:
         out = planner_comparison(a, results, links)
     elif a.suite == "moe" and links:
         out = moe_comparison(results, links)
+    elif a.suite == "pairs":
+        out = pairs_comparison(results)
     elif a.suite == "hidden":
         out = hidden_overlap(results, links)
         hidden_predictions(a, results, links, out)
@@ -220,9 +227,10 @@ def hidden_runs(a, b: int) -> list[str]:
     cp_b = max(1, g * s // cp_seq)
     flags = {"dp": f"--micro-batch-size {b} --global-batch-size {g}",  # one micro-batch a rank, as in overlap
              "zero3": f"--micro-batch-size {b} --global-batch-size {g} --zero-stage 3",
-             # dense layers DP 2, experts EP 2: one micro-batch a rank
-             "ep": f"--micro-batch-size {b} --global-batch-size {g} {' '.join(MOE_FLAGS)} "
-                   f"--expert-model-parallel-size 2",
+             # dense layers DP 2, experts EP 2: 4 micro-batches a rank, each forward but the first beside
+             # a backward (--overlap-moe-expert-parallel-comm: megalite.parallel.lanes)
+             "ep": f"--micro-batch-size {max(1, b // 4)} --global-batch-size {g} {' '.join(MOE_FLAGS)} "
+                   f"--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
              "pp": f"--pp 2 --micro-batch-size {max(1, b // 2)} --global-batch-size {g}",  # 4 micro-batches
              "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",
              # the all-gathers and reduce-scatters pipelined with the GEMMs (megalite.parallel.tp_overlap)
@@ -356,6 +364,28 @@ def hidden_report(derived: dict) -> str:
     return "\n".join([*lines, *why, overlap_line(derived)])
 
 
+# ---- pairs: DualPipeV's overlapped pairs against ZB-V and 1F1B, pp 2 x ep 2 across the links -------------------------
+
+PAIRS_RUNS = ["1f1b=", "1f1b-paired=--overlap-moe-expert-parallel-comm", "zb-v=--pipeline-schedule zb-v",
+              "dualpipev=--pipeline-schedule dualpipev",
+              "dualpipev-paired=--pipeline-schedule dualpipev --overlap-moe-expert-parallel-comm"]
+
+
+def pairs_comparison(results: dict[str, RunResult]) -> dict:
+    """Each schedule's step (best round) and its ratio to 1F1B's, and whether DualPipeV with its
+    pairs overlapped is below ZB-V's and 1F1B's."""
+    t = {name: r.figure("step_ms") for name, r in results.items() if r.rounds}
+    out = {"step_ms": t, "vs_1f1b": {n: _ratio(v, t.get("1f1b")) for n, v in t.items()}}
+    if all(n in t for n in ("dualpipev-paired", "zb-v", "1f1b")):
+        out["dualpipev_paired_below_zb_v_and_1f1b"] = t["dualpipev-paired"] < min(t["zb-v"], t["1f1b"])
+    return out
+
+
 def report(a, derived: dict) -> str | None:
     """What the suite prints after the runs' table (None: the derived figures as JSON)."""
+    if a.suite == "pairs":
+        t = derived.get("step_ms", {})
+        return "pairs: " + ", ".join(f"{n} {v:.0f} ms" for n, v in t.items()) + (
+            f" (dualpipev paired below zb-v and 1f1b: {derived['dualpipev_paired_below_zb_v_and_1f1b']})"
+            if "dualpipev_paired_below_zb_v_and_1f1b" in derived else "")
     return hidden_report(derived) if a.suite == "hidden" else None

@@ -197,6 +197,26 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
                         "tp": "--tp 2 --sequence-parallel --tp-comm-overlap"}.items():
         assert wants in flags[f"{name}-across"] and flags[f"{name}-across"] == flags[f"{name}-bare"], name
     assert "--expert-model-parallel-size 2" in flags["ep-across"] and "--mock-data" in common
+    # 4 micro-batches a rank, each forward but the first beside a backward
+    assert "--micro-batch-size 2 --global-batch-size 16" in flags["ep-across"]
+    assert "--overlap-moe-expert-parallel-comm" in flags["ep-across"]
+
+
+def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2():
+    a = slow_links.argparse.Namespace(suite="pairs", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
+                                      micro_batch_size=None, bucket=200_000)
+    common, texts = slow_links_suites.suite_runs(a)
+    specs = [slow_links.parse_run(t, 4, 1, 300.0) for t in texts]
+    assert [s.name for s in specs] == ["1f1b", "1f1b-paired", "zb-v", "dualpipev", "dualpipev-paired"]
+    line = " ".join(common)
+    assert "--pp 2 --expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 32" in line
+    runs = {name: _result(name, 300.0, steps) for name, steps in
+            {"1f1b": [500, 480], "1f1b-paired": [450], "zb-v": [470], "dualpipev": [490],
+             "dualpipev-paired": [440, 460]}.items()}
+    derived = slow_links_suites.derive(a, runs, {})
+    assert derived["step_ms"]["dualpipev-paired"] == 440 and derived["vs_1f1b"]["zb-v"] == 470 / 480
+    assert derived["dualpipev_paired_below_zb_v_and_1f1b"] is True
+    assert slow_links_suites.report(a, derived).startswith("pairs: 1f1b 480 ms, 1f1b-paired 450 ms")
 
 
 def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_dimension():

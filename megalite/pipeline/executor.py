@@ -30,6 +30,16 @@ class ScheduleStats:
 _TAGS = {"F": p2p.FORWARD_TAG, "B": p2p.BACKWARD_TAG}
 
 
+class _Receives:
+    """A posted batch's receives, as one request to wait for."""
+
+    def __init__(self, posted: p2p.Posted):
+        self.posted = posted
+
+    def wait(self) -> None:
+        self.posted.wait_received()
+
+
 def _free_data(out: torch.Tensor | None) -> None:
     """Release an output's storage but keep its autograd graph and shape: a 1-element tensor
     expanded to the shape stands in (backward checks the gradient's shape against it, reads no
@@ -166,9 +176,9 @@ def run_schedule(
         if message in handed:
             return handed.pop(message)
         posted = received.pop(message)
-        if not posted.received:
+        if not posted.received:  # (in an overlapped pair, the other lane computes meanwhile)
             with rec.span("wait for a receive", "p2p"):
-                posted.wait_received()
+                lanes.wait(_Receives(posted), "pp")
         return posted.buffers[message]
 
     def produce(message: Message, tensor: torch.Tensor) -> None:
