@@ -19,13 +19,14 @@ communication"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.pipeline_play import exposed_transfers
 
-if TYPE_CHECKING:  # predict imports this module
-    from megalite.tools.plan.predict import Prediction, StageResult
+# predict imports this module, so its types are named here, not imported: a stage is a
+# predict.StageResult, a prediction a predict.Prediction.
+StageResult = Prediction = Any
 
 DIMENSIONS = ("tp", "cp", "ep", "pp", "dp")
 
