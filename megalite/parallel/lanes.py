@@ -51,6 +51,16 @@ class _Pair:
         self.turn = "F"
         self.finished: set[str] = set()
         self.saved: dict[str, list] = {}
+        self.in_flight: dict[str, object] = {}  # lane -> the collective it handed over on
+
+    def drain_other(self, me: str) -> None:
+        """Wait for the other lane's collective still in flight before launching one: the link
+        then carries one lane's exchange while the other lane computes, never two at once (on one
+        connection the second would queue behind the first and delay the lane that needs it)."""
+        other = "B" if me == "F" else "F"
+        work = self.in_flight.pop(other, None)
+        if work is not None:
+            work.wait()
 
     def _save(self, me: str) -> None:
         self.saved[me] = [get() for get, _ in _lane_locals]
@@ -127,7 +137,10 @@ def wait(work, kind: str, launched: float | None = None) -> None:
     lane of an overlapped pair first. `kind`: its traffic kind ("ep", "tp", "sp", "cp", ...)."""
     pair = getattr(_local, "pair", None)
     if pair is not None:
+        work = _Once(work)  # the other lane may wait for it first (`drain_other`)
+        pair.in_flight[_local.lane] = work
         pair.hand_over(_local.lane, kind)
+        pair.in_flight.pop(_local.lane, None)
     work.wait()
     if _spans is not None and launched is not None:
         # Collectives beside the compute row: the backward (or only) lane's on row 2, the forward lane's on 4.
@@ -140,6 +153,19 @@ def wait_all(works, kind: str) -> None:
     turn over first (see `wait`)."""
     if works:
         wait(_All(works), kind)
+
+
+class _Once:
+    """A request waited for at most once, by whichever lane comes first: waiting twice for a gloo
+    receive waits for a second message."""
+
+    def __init__(self, work):
+        self.work, self.done = work, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
 
 
 class _All:
@@ -162,6 +188,7 @@ def collective(fn: Callable, *args, kind: str, **kwargs) -> None:
         fn(*args, **kwargs)
         wait(_Done, kind, launched)
         return
+    _local.pair.drain_other(_local.lane)
     launched = time.perf_counter()
     wait(fn(*args, async_op=True, **kwargs), kind, launched)
 
