@@ -19,11 +19,9 @@ from megalite.parallel import lanes
 from megalite.pipeline.programs import build_program, peak_in_flight
 from megalite.pipeline.replay import check_nccl_order, exchange_plan, incoming, outgoing
 from megalite.testing import run_ranks
+from test_moe_training import MOE  # the tiny MoE GPT: a dense first layer, shared expert, aux and z-losses
 from training_ranks import parse, train_params
 
-MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
-       "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
-       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
 BASE = ["--train-iters", "2", "--log-interval", "1", "--seq-length", "32", "--micro-batch-size", "2",
         "--eval-interval", "0", "--hidden-dropout", "0.1", *MOE]
 FLAG = "--overlap-moe-expert-parallel-comm"

@@ -88,17 +88,18 @@ def predicted_idle(p: int, m: int, kind: str, f: float, b: float, w: float, v: i
     return sum(end - x for x in busy) / (p * end)
 
 
-def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
+def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float, transfer: float = 0):
     """Run the programs on the ideal machine: each rank's row of cells (see `simulate`; whole time
     units only) and the time it reaches each position of its program (and its end). An overlapped
     pair ("O", then an F and a B with its W) starts once both passes' inputs are in and ends
-    together, after F + B + W (DualPipe's F&B, here not overlapped)."""
+    together, after F + B + W (DualPipe's F&B, here not overlapped). A message between two ranks
+    arrives `transfer` after the pass that makes it ends (megalite.tools.plan.pipeline_play)."""
     chunks = max(op.chunk for prog in programs for op in prog) + 1
     last = p * chunks - 1
     split = any(op.kind == "W" for prog in programs for op in prog)
     cost = {"F": f, "B": b if split else b + w, "W": w}
     cells = all(isinstance(c, int) for c in (f, b, w))  # rows of cells for whole time units only
-    done: dict[tuple, int] = {}  # (kind, virtual stage, micro-batch) -> finish time
+    done: dict[tuple, tuple] = {}  # (kind, virtual stage, micro-batch) -> (finish time, rank)
     clock, pos = [0] * p, [0] * p
     rows = [[] for _ in range(p)]
     reach = [[] for _ in range(p)]
@@ -129,7 +130,8 @@ def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
             deps = [needs(r, op) for op in group if op.kind != "W"]
             if any(d is not None and d not in done for d in deps):
                 continue
-            begin = max([clock[r]] + [done[d] for d in deps if d is not None])
+            arrivals = [done[d][0] + (transfer if done[d][1] != r else 0) for d in deps if d is not None]
+            begin = max([clock[r], *arrivals])
             if cells:
                 rows[r] += ["."] * (begin - clock[r])
             reach[r] += [clock[r]] * lead
@@ -141,7 +143,7 @@ def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float):
                 reach[r].append(clock[r])
             clock[r] = begin + sum(cost[op.kind] for op in group)
             for op in group:
-                done[(op.kind, virtual_stage(p, r, op.chunk, v_shape), op.micro_batch)] = clock[r]
+                done[(op.kind, virtual_stage(p, r, op.chunk, v_shape), op.micro_batch)] = (clock[r], r)
             pos[r] += lead + len(group)
             progressed = True
         if not progressed and any(pos[r] < len(programs[r]) for r in range(p)):
