@@ -39,6 +39,9 @@ def _rank_main(fn, rank, world_size, store_path, backend, args, results, env):
     torch.set_num_threads(1)  # many ranks share few cores
     os.environ.setdefault("MEGALITE_QUIET", "1")
     os.environ.update(env or {})  # forked from the fork server, ranks do not see later changes
+    faults = sys.modules.get("megalite.faults")
+    if faults is not None:  # preloaded: it read MEGALITE_FAULTS at import, before `env` was added
+        faults._SPEC = os.environ.get("MEGALITE_FAULTS", "")
     try:
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
@@ -54,11 +57,17 @@ def _rank_main(fn, rank, world_size, store_path, backend, args, results, env):
             dist.destroy_process_group()
 
 
+# The fork server imports these once; every rank of every later call forks from it. Dynamo (about
+# 1 s) and the training loop's modules (torch.distributed.checkpoint among them, about 0.3 s on a
+# quiet core, 1 s on a busy one): else every rank of every call that trains pays for them.
+_PRELOAD = ["torch", "torch._dynamo", "megalite", "megalite.arguments", "megalite.training"]
+# What a test module a rank unpickles its function from imports: preloaded when the caller has it.
+_PRELOAD_IF_LOADED = ["pytest"]
+
+
 def _context():
     ctx = mp.get_context("forkserver")
-    # The fork server imports torch once; every rank of every later call forks from it. Dynamo too
-    # (megalite.training imports it, about 1 s): else every rank that imports training pays for it.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "megalite"])
+    ctx.set_forkserver_preload(_PRELOAD + [m for m in _PRELOAD_IF_LOADED if m in sys.modules])
     return ctx
 
 

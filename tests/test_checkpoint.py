@@ -18,7 +18,8 @@ from megalite.runtime import UsageError
 from megalite.testing import RankFailure, run_ranks
 from training_ranks import train_losses, train_with_inf_at
 
-BASE = ["--train-iters", "20", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
+# 10 iterations, saved or stopped at 5: a resume shows at any length, the steps after it are the cost.
+BASE = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
         "--micro-batch-size", "2"]
 
 
@@ -35,10 +36,10 @@ def test_resume_is_bitwise_exact(tmp_path):
     argv = BASE + layout(2, 1) + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                                   "--use-distributed-optimizer"]
     whole = run_ranks(train_losses, 4, args=(argv,))[0]  # (tp, pp, dp) = (2, 1, 2)
-    first = run_ranks(train_losses, 4, args=(argv + ["--save", str(tmp_path), "--exit-interval", "10"],))[0]
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000010"
+    first = run_ranks(train_losses, 4, args=(argv + ["--save", str(tmp_path), "--exit-interval", "5"],))[0]
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
     second = run_ranks(train_losses, 4, args=(argv + ["--load", str(tmp_path)],))[0]
-    assert first + second == whole, "10 + 10 resumed iterations must equal 20 unbroken ones, bit for bit"
+    assert first + second == whole, "5 + 5 resumed iterations must equal 10 unbroken ones, bit for bit"
 
 
 # (tp, pp, extra flags) saved at 4 ranks, then loaded as (tp, pp, world, extra flags).
@@ -48,30 +49,30 @@ def test_resume_is_bitwise_exact(tmp_path):
 ], ids=["from-221", "from-122-zero1"])
 def test_reshard_to_other_layouts_continues_the_unbroken_run(tmp_path, unbroken, saved, loads):
     tp, pp, extra = saved
-    run_ranks(train_losses, 4, args=(BASE + layout(tp, pp) + extra + ["--save", str(tmp_path), "--exit-interval", "10"],))
+    run_ranks(train_losses, 4, args=(BASE + layout(tp, pp) + extra + ["--save", str(tmp_path), "--exit-interval", "5"],))
     for tp2, pp2, world2, extra2 in loads:
         losses = run_ranks(train_losses, world2, args=(BASE + layout(tp2, pp2) + extra2 + ["--load", str(tmp_path)],))[0]
-        assert len(losses) == 10
-        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[10:])) <= 1e-5, (tp2, pp2, world2, losses)
+        assert len(losses) == 5
+        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5, (tp2, pp2, world2, losses)
 
 
 def test_async_save_is_committed_and_resumes(tmp_path, unbroken):
-    run_ranks(train_losses, 2, args=(BASE + ["--save", str(tmp_path), "--save-async", "--exit-interval", "10"],))
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000010"
+    run_ranks(train_losses, 2, args=(BASE + ["--save", str(tmp_path), "--save-async", "--exit-interval", "5"],))
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
     losses = run_ranks(train_losses, 2, args=(BASE + ["--load", str(tmp_path)],))[0]
-    assert rel_err(torch.tensor(losses), torch.tensor(unbroken[10:])) <= 1e-5
+    assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
-    argv = BASE + layout(2, 1) + ["--save", str(tmp_path), "--save-interval", "5", "--distributed-timeout-minutes", "0.3"]
+    argv = BASE + layout(2, 1) + ["--save", str(tmp_path), "--save-interval", "3", "--distributed-timeout-minutes", "0.3"]
     with pytest.raises(RankFailure, match="exited with code 17"):
-        run_ranks(train_losses, 2, args=(argv,), timeout=120, env={"MEGALITE_TEST_CRASH_IN_SAVE": "1@10"})
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
-    assert (tmp_path / "iter_0000010.tmp").exists() and not (tmp_path / "iter_0000010").exists()
+        run_ranks(train_losses, 2, args=(argv,), timeout=120, env={"MEGALITE_TEST_CRASH_IN_SAVE": "1@6"})
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
+    assert (tmp_path / "iter_0000006.tmp").exists() and not (tmp_path / "iter_0000006").exists()
     config, kind, sd = checkpoint.load_full_state_dict(tmp_path)
     assert kind == "gpt" and config.num_layers == 4 and sd["word_embeddings.weight"].shape[0] % 128 == 0
     losses = run_ranks(train_losses, 2, args=(BASE + layout(2, 1) + ["--load", str(tmp_path)],))[0]
-    assert len(losses) == 15  # resumed from iteration 5
+    assert len(losses) == 7  # resumed from iteration 3
 
 
 def test_bad_checkpoints_get_one_clear_message(tmp_path):
@@ -111,7 +112,7 @@ def test_another_model_shape_is_refused_from_the_command_line(tmp_path):
 def test_repeated_inf_gradients_stop_training_with_a_clear_message():
     argv = BASE + ["--max-skipped-iters", "3"]
     with pytest.raises(RankFailure, match="3 iterations in a row had inf/NaN gradients"):
-        run_ranks(train_with_inf_at, 1, args=(argv, 4, 20))
+        run_ranks(train_with_inf_at, 1, args=(argv, 4, 10))
 
 
 def _launch_ranks(world, argv, env_extra=None):
