@@ -199,15 +199,14 @@ def _check_overlapped_pairs(config: RunConfig) -> None:
     if p.pipeline_schedule not in PAIRED_SCHEDULES:
         raise UsageError(f"{flag}: the {p.pipeline_schedule} schedule has no overlapped forward/backward pairs: "
                          "choose --pipeline-schedule 1f1b, interleaved or dualpipev")
-    why = {"recompute": config.model.recompute != "none" and "a recomputing backward swaps the RNG and the "
-                                                             "forward lane draws from it",
-           "fp8": config.precision.fp8_format is not None and "FP8's scaling state is updated by forward and "
-                                                               "backward alike",
-           "zero3": config.data_parallel.zero_stage == 3 and "ZeRO-3's parameter gathers are shared by the "
-                                                             "forward and the backward",
-           "compile": config.model.torch_compile and "compiled layers' collectives cannot hand the turn over"}
-    flags = {"recompute": "--recompute", "fp8": "--fp8-format", "zero3": "--zero-stage 3",
-             "compile": "--torch-compile"}
-    for name, reason in why.items():
-        if reason:
-            raise UsageError(f"{flag} with {flags[name]} is not supported ({reason}): drop one")
+    refused = [  # (the flag as the user names it, whether it is on, why the lanes cannot run with it)
+        ("--recompute", config.model.recompute != "none",
+         "a recomputing backward swaps the RNG and the forward lane draws from it"),
+        ("--fp8-format", config.precision.fp8_format is not None,
+         "FP8's scaling state is updated by forward and backward alike"),
+        ("--zero-stage 3", config.data_parallel.zero_stage == 3,
+         "ZeRO-3's parameter gathers are shared by the forward and the backward"),
+        ("--torch-compile", config.model.torch_compile, "compiled layers' collectives cannot hand the turn over")]
+    for name, on, reason in refused:
+        if on:
+            raise UsageError(f"{flag} with {name} is not supported ({reason}): drop one")

@@ -45,6 +45,10 @@ def lane() -> str | None:
     return pair and _local.lane
 
 
+def _other(me: str) -> str:
+    return "B" if me == "F" else "F"
+
+
 class _Pair:
     def __init__(self):
         self.cv = threading.Condition()
@@ -57,8 +61,7 @@ class _Pair:
         """Wait for the other lane's collective still in flight before launching one: the link
         then carries one lane's exchange while the other lane computes, never two at once (on one
         connection the second would queue behind the first and delay the lane that needs it)."""
-        other = "B" if me == "F" else "F"
-        work = self.in_flight.pop(other, None)
+        work = self.in_flight.pop(_other(me), None)
         if work is not None:
             work.wait()
 
@@ -71,14 +74,13 @@ class _Pair:
 
     def hand_over(self, me: str, kind: str) -> None:
         """Give the turn to the other lane (if it still runs) and wait until it is given back."""
-        other = "B" if me == "F" else "F"
         with self.cv:
-            if other in self.finished:
+            if _other(me) in self.finished:
                 return
             if _handovers is not None:
                 _handovers.append((me, kind))
             self._save(me)
-            self.turn = other
+            self.turn = _other(me)
             self.cv.notify_all()
             self.cv.wait_for(lambda: self.turn == me)
             self._restore(me)
@@ -92,7 +94,7 @@ class _Pair:
         with self.cv:
             self._save(me)
             self.finished.add(me)
-            self.turn = "B" if me == "F" else "F"
+            self.turn = _other(me)
             self.cv.notify_all()
 
 
@@ -142,8 +144,13 @@ def wait(work, kind: str, launched: float | None = None) -> None:
         pair.hand_over(_local.lane, kind)
         pair.in_flight.pop(_local.lane, None)
     work.wait()
+    _record(kind, launched)
+
+
+def _record(kind: str, launched: float | None) -> None:
+    """Draw a collective from launch to now, while a step records spans: beside the compute row,
+    the backward (or only) lane's on row 2, the forward lane's on row 4."""
     if _spans is not None and launched is not None:
-        # Collectives beside the compute row: the backward (or only) lane's on row 2, the forward lane's on 4.
         row = 4 if lane() == "F" else 2
         _spans.append((f"{kind} collective", f"{kind}-comm", launched, time.perf_counter() - launched, row))
 
@@ -180,23 +187,18 @@ class _All:
 def collective(fn: Callable, *args, kind: str, **kwargs) -> None:
     """Run the torch.distributed collective `fn(*args, **kwargs)`: at once outside a pair; inside
     one, launched without waiting, the turn handed over while it is in flight."""
-    if torch.compiler.is_compiling() or getattr(_local, "pair", None) is None:
-        if _spans is None or torch.compiler.is_compiling():
-            fn(*args, **kwargs)
-            return
-        launched = time.perf_counter()
+    if torch.compiler.is_compiling():
         fn(*args, **kwargs)
-        wait(_Done, kind, launched)
         return
-    _local.pair.drain_other(_local.lane)
-    launched = time.perf_counter()
-    wait(fn(*args, async_op=True, **kwargs), kind, launched)
-
-
-class _Done:
-    @staticmethod
-    def wait() -> None:
-        pass
+    pair = getattr(_local, "pair", None)
+    if pair is not None:
+        pair.drain_other(_local.lane)
+    launched = time.perf_counter() if _spans is not None or pair is not None else None
+    if pair is None:
+        fn(*args, **kwargs)
+        _record(kind, launched)
+    else:
+        wait(fn(*args, async_op=True, **kwargs), kind, launched)
 
 
 class recording:
