@@ -217,25 +217,43 @@ HIDDEN = ("dp", "zero3", "ep", "pp", "cp", "tp")  # the final line's order
 CP_SEQ = 256  # context parallelism halves the sequence: long enough that each rank's half is a real block
 
 
+def _dim_scales(a) -> dict[str, int]:
+    scales = {}
+    for item in getattr(a, "dim_scale", None) or []:
+        dim, _, k = item.partition("=")
+        if dim not in HIDDEN or not k.isdigit() or int(k) < 1:
+            raise SystemExit(f"--dim-scale {item!r}: expected DIM=K with DIM one of {', '.join(HIDDEN)} and K >= 1")
+        scales[dim] = int(k)
+    return scales
+
+
 def hidden_runs(a, b: int) -> list[str]:
     """Each dimension across the link and on bare veths (rate=off), two hosts one rank each, the pair
     adjacent in every round. Every layout trains 2b sequences of --seq-length tokens a step (cp: the
-    same tokens as sequences of CP_SEQ), with megalite's default overlap settings (tp: with
-    --tp-comm-overlap, not on by default)."""
-    s, g = a.seq_length, 2 * b
-    cp_seq = max(CP_SEQ, s)
-    cp_b = max(1, g * s // cp_seq)
-    flags = {"dp": f"--micro-batch-size {b} --global-batch-size {g}",  # one micro-batch a rank, as in overlap
-             "zero3": f"--micro-batch-size {b} --global-batch-size {g} --zero-stage 3",
-             # dense layers DP 2, experts EP 2: 4 micro-batches a rank, each forward but the first beside
-             # a backward (--overlap-moe-expert-parallel-comm: megalite.parallel.lanes)
-             "ep": f"--micro-batch-size {max(1, b // 4)} --global-batch-size {g} {' '.join(MOE_FLAGS)} "
-                   f"--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
-             "pp": f"--pp 2 --micro-batch-size {max(1, b // 2)} --global-batch-size {g}",  # 4 micro-batches
-             "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",
-             # the all-gathers and reduce-scatters pipelined with the GEMMs (megalite.parallel.tp_overlap)
-             "tp": f"--tp 2 --sequence-parallel --tp-comm-overlap --micro-batch-size {b} --global-batch-size {g}"}
-    return [f"{d}-{where}={setting}{flags[d]}" for d in HIDDEN
+    same tokens as sequences of CP_SEQ), times its --dim-scale, with megalite's default overlap
+    settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions."""
+    dims = HIDDEN if not getattr(a, "dims", None) else tuple(a.dims.split(","))
+    unknown = [d for d in dims if d not in HIDDEN]
+    if unknown:
+        raise SystemExit(f"--dims: unknown {', '.join(unknown)} (the dimensions are {', '.join(HIDDEN)})")
+    scales = _dim_scales(a)
+
+    def flags(d: str) -> str:
+        mb, s = b * scales.get(d, 1), a.seq_length
+        g = 2 * mb
+        cp_seq = max(CP_SEQ, s)
+        cp_b = max(1, g * s // cp_seq)
+        return {"dp": f"--micro-batch-size {mb} --global-batch-size {g}",  # one micro-batch a rank, as in overlap
+                "zero3": f"--micro-batch-size {mb} --global-batch-size {g} --zero-stage 3",
+                # dense layers DP 2, experts EP 2: 4 micro-batches a rank, each forward but the first beside
+                # a backward (--overlap-moe-expert-parallel-comm: megalite.parallel.lanes)
+                "ep": f"--micro-batch-size {max(1, mb // 4)} --global-batch-size {g} {' '.join(MOE_FLAGS)} "
+                      f"--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
+                "pp": f"--pp 2 --micro-batch-size {max(1, mb // 2)} --global-batch-size {g}",  # 4 micro-batches
+                "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",
+                # the all-gathers and reduce-scatters pipelined with the GEMMs (megalite.parallel.tp_overlap)
+                "tp": f"--tp 2 --sequence-parallel --tp-comm-overlap --micro-batch-size {mb} --global-batch-size {g}"}[d]
+    return [f"{d}-{where}={setting}{flags(d)}" for d in dims
             for where, setting in (("across", ""), ("bare", "rate=off "))]
 
 
@@ -290,7 +308,7 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     "predicted_error"."""
     from megalite import arguments
     from megalite.tools.plan import Cluster
-    from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost, with_overlaps
+    from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
     from megalite.training.plan_check import check_run
 
     parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
@@ -311,9 +329,8 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
             args = parser.parse_args([*common, *across.spec.flags])
             _, pred = check_run(args, across.spec.hosts * across.spec.nproc, gpu_memory_bytes=1e15,
                                 cluster=Cluster(gpus=across.spec.hosts * across.spec.nproc, gpus_per_node=1))
-            run = with_overlaps(pred.run, tp_comm_overlap=args.parallel.tp_comm_overlap,
-                                overlap_moe_ep_comm="--overlap-moe-expert-parallel-comm" in across.spec.flags)
-            got = predicted_link_cost(pred.config, pred.layout, run, measured(across.spec.rate_mbit),
+            # the run's --tp-comm-overlap and --overlap-moe-expert-parallel-comm come with its flags
+            got = predicted_link_cost(pred.config, pred.layout, pred.run, measured(across.spec.rate_mbit),
                                       measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3)
         except (ValueError, SystemExit) as e:
             row["predicted_error"] = f"the planner: {e}"

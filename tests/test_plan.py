@@ -592,6 +592,14 @@ def test_check_run_takes_a_pretrain_configuration():
     assert fits and pred.layout == P.Layout(2, 1, 2, None, 4, "selective", True, False)
     fits, pred = check_run(args, world_size=4, gpu_memory_bytes=4 * P.GIB)
     assert not fits and pred.reason.startswith("does not fit")
+    assert not pred.run.tp_comm_overlap and not pred.run.overlap_moe_ep_comm
+    # the overlaps the run asks for are the ones its exposed communication is predicted with
+    argv = ["--model", "gpt2-350m", "--tp", "2", "--micro-batch-size", "4", "--global-batch-size", "64",
+            "--seq-length", "1024", "--bf16", "--sequence-parallel"]
+    _, plain = check_run(parse(argv), 4, gpu_memory_bytes=80 * P.GIB)
+    _, overlapped = check_run(parse([*argv, "--tp-comm-overlap"]), 4, gpu_memory_bytes=80 * P.GIB)
+    assert overlapped.run.tp_comm_overlap and not plain.run.tp_comm_overlap
+    assert overlapped.exposed["tp"].exposed < plain.exposed["tp"].exposed
 
 
 def test_pretrain_plan_flag_warns_before_training(tmp_path):

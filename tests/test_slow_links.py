@@ -202,6 +202,20 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
     assert "--overlap-moe-expert-parallel-comm" in flags["ep-across"]
 
 
+def test_the_hidden_suite_runs_the_dimensions_asked_for_each_scaled_to_its_own_tokens():
+    a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
+                                      micro_batch_size=None, bucket=200_000, dims="zero3,cp",
+                                      dim_scale=["zero3=2", "cp=4"])
+    specs = [slow_links.parse_run(t, 2, 1, 300.0) for t in slow_links_suites.suite_runs(a)[1]]
+    flags = {s.name: " ".join(s.flags) for s in specs}
+    assert list(flags) == ["zero3-across", "zero3-bare", "cp-across", "cp-bare"]
+    assert "--micro-batch-size 16 --global-batch-size 32 --zero-stage 3" in flags["zero3-across"]
+    assert "--seq-length 256 --micro-batch-size 16 --global-batch-size 16" in flags["cp-bare"]  # 4 x 1,024 tokens
+    for bad in (dict(dims="zero3,fsdp"), dict(dim_scale=["tp=0"]), dict(dim_scale=["xp=2"])):
+        with pytest.raises(SystemExit):
+            slow_links_suites.suite_runs(slow_links.argparse.Namespace(**{**vars(a), **bad}))
+
+
 def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2():
     a = slow_links.argparse.Namespace(suite="pairs", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
                                       micro_batch_size=None, bucket=200_000)

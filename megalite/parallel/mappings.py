@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import lanes, state, traffic
-
-# torch >= 2.12 renamed the single-tensor collectives; keep working on older releases (the one
-# place that knows: optim.buffers uses these too).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the single-tensor all-gather and reduce-scatter (optim.buffers uses them too); on gloo the
+# reduce-scatter is an all-to-all, half the bytes of gloo's own
+from megalite.parallel.collectives import all_gather_single, reduce_scatter_single
 
 
 def _size(group) -> int:

@@ -21,9 +21,9 @@ pick kernels by shape (torch 2.13's MKL on a CPU, fp32: every 1-row shard, about
 tried with 2- to 12-row shards, some with 128-row ones; cuBLAS chooses by shape too). So with sequence parallelism
 both paths, overlapped or not, run the same per-shard GEMMs on the same operands at the same
 offsets, and the weight gradient stays one GEMM over the whole sequence. The gathers move bits; the
-ring adds a shard's partials in the order gloo's reduce-scatter does (from the rank before the owner
-backwards to the owner), bitwise at tp 2 on any backend (two terms commute) and on gloo at tp 4 as
-far as its segments fall on the shards. Bytes are counted as the plain collectives count them ("sp").
+ring adds a shard's partials from the rank before the owner backwards to the owner, the order
+megalite's gloo reduce-scatter adds in (parallel.collectives): bitwise at any tp on gloo, and at tp 2
+on any backend (two terms commute). Bytes are counted as the plain collectives count them ("sp").
 """
 from __future__ import annotations
 

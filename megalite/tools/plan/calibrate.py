@@ -8,7 +8,7 @@ bubble included, plus what the bare links expose), then the same layout is predi
 the link's cost is the difference of the two exposures (exposed.py), dimension by dimension."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megalite.models.config import TransformerConfig
 from megalite.tools.plan.inputs import Cluster, Layout, Run
@@ -52,10 +52,3 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
             for dim, x in a.items()}
     return {"exposed_ms": (_exposed(across) - _exposed(on_bare)) * 1e3, "tflops": tflops,
             "compute_ms": compute_at_1 / tflops * 1e3, "dimensions": dims}
-
-
-def with_overlaps(run: Run, tp_comm_overlap: bool | None = None, overlap_moe_ep_comm: bool | None = None) -> Run:
-    """`run` with the overlap options given (None: as it is)."""
-    changes = {k: v for k, v in (("tp_comm_overlap", tp_comm_overlap), ("overlap_moe_ep_comm", overlap_moe_ep_comm))
-               if v is not None}
-    return replace(run, **changes)

@@ -346,11 +346,13 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  grad_reduce_dtype: str = "fp32", zero_reshard_after_forward: bool = True,
                  zero_keep_params_for_step: bool = False, cp: int = 1,
                  local_sgd: dict | None = None, ep: int = 1, etp: int | None = None,
-                 schedule: str = "1f1b", fp8_layers: int = 0) -> tuple[bool, Prediction]:
+                 schedule: str = "1f1b", fp8_layers: int = 0, tp_comm_overlap: bool = False,
+                 overlap_moe_ep_comm: bool = False) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer. ep, etp:
-    the expert layout of a MoE model (etp None: tp)."""
+    the expert layout of a MoE model (etp None: tp). tp_comm_overlap, overlap_moe_ep_comm: the run's
+    --tp-comm-overlap and --overlap-moe-expert-parallel-comm (what the exposed time assumes)."""
     gpus = tp * cp * pp * dp
     base = cluster or Cluster(gpus=gpus)
     cluster = replace(base, gpus=gpus, gpu_memory_gib=gpu_memory_bytes / GIB)
@@ -363,7 +365,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
               attention_backend or config.attention_backend,
               tuple(pipeline_layers) if pipeline_layers else None, config.recompute_method,
               config.recompute_num_layers, grad_reduce_dtype, zero_reshard_after_forward, zero_keep_params_for_step,
-              fp8_layers=fp8_layers, **(local_sgd or {}))
+              fp8_layers=fp8_layers, tp_comm_overlap=tp_comm_overlap, overlap_moe_ep_comm=overlap_moe_ep_comm,
+              **(local_sgd or {}))
     pred = predict(config, layout, cluster, run=run)
     return pred.fits, pred
 

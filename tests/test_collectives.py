@@ -1,0 +1,98 @@
+"""megalite.parallel.collectives: on gloo a reduce-scatter is one all-to-all of the chunks plus their sum
+in a ring's order (the owner's chunk last), so it sends (n - 1) / n of the input (gloo's own all-reduces
+all of it) and adds as --tp-comm-overlap's ring does, whatever the bucket around it."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel import collectives
+from megalite.testing import run_ranks
+
+
+def reduce_scatter_cases(rank, world):
+    calls = []
+    real_all_to_all, real_native = dist.all_to_all_single, collectives._native_reduce_scatter
+    dist.all_to_all_single = lambda *a, **k: calls.append("all_to_all") or real_all_to_all(*a, **k)
+    collectives._native_reduce_scatter = lambda *a, **k: calls.append("native") or real_native(*a, **k)
+    try:
+        torch.manual_seed(rank)
+        inp = torch.randn(world * 6, 3)
+        gathered = [torch.empty_like(inp) for _ in range(world)]
+        dist.all_gather(gathered, inp)
+        out = torch.empty(6, 3)
+        collectives.reduce_scatter_single(out, inp)  # synchronous
+        # asynchronous, the output a view of the input (as ZeRO's buckets do)
+        bucket = inp.reshape(-1).clone()
+        shard = bucket[rank * 18:(rank + 1) * 18]
+        work = collectives.reduce_scatter_single(shard, bucket, async_op=True)
+        before_wait = shard.clone()
+        work.wait()
+        work.wait()  # a second wait sums nothing twice
+        # a bf16 reduce-scatter and one with another op go their own ways
+        half = torch.empty(6, 3, dtype=torch.bfloat16)
+        collectives.reduce_scatter_single(half, inp.to(torch.bfloat16))
+        n_before = len(calls)
+        maxed = torch.empty(6, 3)
+        collectives.reduce_scatter_single(maxed, inp, op=dist.ReduceOp.MAX)
+        return dict(out=out, shard=shard, before_wait=before_wait, gathered=gathered, half=half, maxed=maxed,
+                    calls=calls[:n_before], op_call=calls[n_before:])
+    finally:
+        dist.all_to_all_single, collectives._native_reduce_scatter = real_all_to_all, real_native
+
+
+def test_gloo_reduce_scatter_is_one_all_to_all_summed_in_ring_order():
+    world = 3
+    results = run_ranks(reduce_scatter_cases, world)
+    inputs = results[0]["gathered"]
+    orders_differ = False
+    for rank, got in enumerate(results):
+        part = lambda r, dtype=torch.float32: inputs[r % world][rank * 6:(rank + 1) * 6].to(dtype)  # noqa: E731
+        expected = part(rank - 1).clone()  # from the rank before the owner backwards, the owner last: bitwise
+        for k in range(2, world):
+            expected += part(rank - k)
+        expected = part(rank) + expected
+        orders_differ |= not torch.equal(part(0) + part(1) + part(2), expected)  # so the test tells them apart
+        assert torch.equal(got["out"], expected)
+        assert torch.equal(got["shard"].view(6, 3), expected)
+        assert torch.equal(got["before_wait"].view(6, 3), inputs[rank][rank * 6:(rank + 1) * 6])  # summed on wait
+        half_expected = part(rank - 1, torch.bfloat16).clone()
+        for k in range(2, world):
+            half_expected += part(rank - k, torch.bfloat16)
+        half_expected = part(rank, torch.bfloat16) + half_expected
+        assert torch.equal(got["half"], half_expected)
+        assert got["calls"] == ["all_to_all"] * 3
+        assert got["op_call"] == ["native"]
+        assert torch.equal(got["maxed"], torch.stack(inputs)[:, rank * 6:(rank + 1) * 6].amax(0))
+    assert orders_differ
+
+
+def wrong_sizes(rank, world):
+    try:
+        collectives.reduce_scatter_single(torch.empty(5), torch.empty(world * 6))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_reduce_scatter_whose_output_is_not_one_nth_of_the_input_is_refused():
+    for message in run_ranks(wrong_sizes, 2):
+        assert "12 elements, not 2 x the output's 5" in message
+
+
+def ring_and_plain(rank, world):
+    from megalite.parallel import tp_overlap
+
+    got = {}
+    for rows, width in ((3, 5), (1, 7), (8, 4)):  # shards of 15 and 7 floats too: not gloo-segment sized
+        torch.manual_seed(100 + rank)
+        partial = torch.randn(world * rows, width)
+        got[(rows, width)] = [tp_overlap.reduce_scatter_rows(partial.clone(), dist.group.WORLD, overlap, lambda d: None)
+                              for overlap in (False, True)]
+    return got
+
+
+def test_the_tp_overlap_ring_and_the_gloo_reduce_scatter_add_alike_at_tp_4_whatever_the_shard_size():
+    for got in run_ranks(ring_and_plain, 4):
+        for shape, (plain, ring) in got.items():
+            assert torch.equal(plain, ring), shape
