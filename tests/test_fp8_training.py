@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megalite.testing import run_ranks
-from training_ranks import gpt_run
+from training_ranks import gpt_run, one_device_each, train_losses
 
 BASE = ["--train-iters", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
 TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -55,19 +55,18 @@ TWO = [  # (name, reference, argv) on two ranks
 ]
 
 
-def _losses(rank, world, cases, with_bytes=False):
+def _losses(rank, world, cases):
     runs = [gpt_run(argv).records for argv in cases]
-    losses = [[r["loss"] for r in records] for records in runs]
-    if not with_bytes:
-        return losses
-    return losses, [[r.get("comm_bytes", {}).get("fp8", 0) for r in records] for records in runs]
+    return [[r["loss"] for r in records] for records in runs], [[r.get("comm_bytes", {}).get("fp8", 0)
+                                                                   for r in records] for records in runs]
 
 
 @pytest.fixture(scope="module")
 def losses():
     steps = ["--train-iters", str(MATRIX_ITERS)]
-    one = dict(zip(ONE, run_ranks(_losses, 1, args=([argv + steps for argv in ONE.values()],), timeout=600)[0]))
-    two = run_ranks(_losses, 2, args=([argv + steps for _, _, argv in TWO], True), timeout=900)
+    # the one-device references two at a time, one spawn of two one-rank groups: both cores busy
+    one = dict(zip(ONE, one_device_each(train_losses, [argv + steps for argv in ONE.values()], timeout=600)))
+    two = run_ranks(_losses, 2, args=([argv + steps for _, _, argv in TWO],), timeout=900)
     by_name = {name: [per_rank[0][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
     fp8_bytes = {name: [per_rank[1][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
     return one, by_name, fp8_bytes

@@ -10,7 +10,7 @@ import torch
 
 from helpers import rel_err
 from megalite.testing import run_ranks
-from training_ranks import gpt_run, several, train_losses
+from training_ranks import gpt_run, one_device_each, several, train_losses
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
        "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
@@ -74,15 +74,22 @@ FIVE = ["--train-iters", "5"]  # the layout matrix: 5 steps show a layout's numb
 
 
 @pytest.fixture(scope="module")
-def one_device():
-    return run_ranks(train_losses, 1, args=(BASE + FIVE,))[0]
+def references():
+    """The one-device runs, two at a time in one spawn: (losses, expert biases) of the matrix's
+    BASE and BIAS, and of RESUME's 10 iterations (the resume tests' unbroken run)."""
+    return dict(zip(("base", "resume", "bias"), one_device_each(losses_and_biases, [BASE + FIVE, RESUME, BIAS + FIVE])))
+
+
+@pytest.fixture(scope="module")
+def one_device(references):
+    return references["base"][0]
 
 
 @pytest.mark.slow
-def test_every_expert_layout_trains_to_the_one_device_losses(one_device):
+def test_every_expert_layout_trains_to_the_one_device_losses(one_device, references):
     argvs = [BASE + FIVE + f for f in LAYOUTS.values()] + [BIAS + FIVE + f for f in BIAS_LAYOUTS.values()]
     per_rank = run_ranks(several, 4, args=(losses_and_biases, argvs), timeout=900)
-    bias_losses, bias_reference = run_ranks(losses_and_biases, 1, args=(BIAS + FIVE,))[0]
+    bias_losses, bias_reference = references["bias"]
     assert sorted(bias_reference) == [1, 2, 3]  # the MoE layers
     assert all(b.abs().sum() > 0 for b in bias_reference.values()), "the expert bias never moved"
     for i, name in enumerate([*LAYOUTS, *BIAS_LAYOUTS]):
@@ -112,10 +119,10 @@ def _zero3_save_then_resume(rank, world, save_dir):
     return [r["loss"] for r in first], [r["loss"] for r in second]
 
 
-def test_ep2_zero3_trains_to_the_one_device_losses_and_its_checkpoint_resumes_without_zero(tmp_path):
+def test_ep2_zero3_trains_to_the_one_device_losses_and_its_checkpoint_resumes_without_zero(tmp_path, references):
     """ZeRO-3 shards the experts over their own data-parallel group; a save copies each expert while
     its unit is gathered, and the checkpoint is the same layout-free one."""
-    unbroken = run_ranks(train_losses, 1, args=(RESUME,))[0]
+    unbroken = references["resume"][0]
     trained, resumed = run_ranks(_zero3_save_then_resume, 4, args=(str(tmp_path / "ckpt"),))[0]
     assert len(trained) == 5 and rel_err(torch.tensor(trained), torch.tensor(unbroken[:5])) <= 1e-5, trained
     assert len(resumed) == 5 and rel_err(torch.tensor(resumed), torch.tensor(unbroken[5:])) <= 1e-5
@@ -263,9 +270,9 @@ def _save_then_resume(rank, world, save_dir, save_flags, resume_runs):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_at_ep4_resumes_exactly_at_ep1_ep2_and_with_etp_and_tp_changed(tmp_path):
+def test_a_checkpoint_saved_at_ep4_resumes_exactly_at_ep1_ep2_and_with_etp_and_tp_changed(tmp_path, references):
     """Layout-free expert checkpoints: the optimizer state and the expert bias come back too."""
-    unbroken = run_ranks(train_losses, 1, args=(RESUME,))[0]
+    unbroken = references["resume"][0]
     resumes = {"ep1": [], "ep2": ["--ep", "2"], "tp2-sp-etp2-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2"],
                "tp2-sp-etp1-ep4-distributed-optimizer": ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "4",
                                                          "--use-distributed-optimizer"]}

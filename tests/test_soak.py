@@ -144,17 +144,21 @@ def test_the_loop_logs_samples_steps_and_resumes_and_checkpoints_name_their_run(
 @pytest.mark.slow
 def test_a_short_soak_survives_every_fault_with_nothing_lost(tmp_path):
     """A few faults of the seeded schedule (a full disk as injected ENOSPC: the CI machine need not
-    mount a tmpfs); the 200-fault run is in docs/BENCHMARKS.md."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--faults", "5", "--seed", "4",
-                          "--tracks", "fixed,local-sgd", "--no-tmpfs", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")],
+    mount a tmpfs); the 200-fault run is in docs/BENCHMARKS.md. Seed 160 draws, on track `fixed`
+    (ZeRO-3), one job of three attempts under torchrun's restarts: a kill after a step, a kill inside
+    a save, a SIGTERM; then the last job. A job start costs seconds, so one track (4 starts fewer
+    than two): local SGD's resume, bit for bit, is tests/test_local_sgd.py's."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--faults", "3", "--seed", "160",
+                          "--tracks", "fixed", "--no-tmpfs", "--workdir", str(tmp_path), "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"soak: (\d+) faults injected, (\d+) survived, 0 samples lost, 0 repeated, "
                      r"final loss gap 0 vs the uninterrupted run", last)
-    assert m and m.group(1) == m.group(2) == "5", last
+    assert m and m.group(1) == m.group(2) == "3", last
     tracks = json.loads((tmp_path / "r.json").read_text())["tracks"]
     assert all(t["final_state_gap"] == 0 and t["max_loss_gap"] == 0 for t in tracks)
+    assert sorted(k for t in tracks for k in t["kinds"]) == ["save", "step", "term"]  # what seed 160 draws
     # torchrun's automatic restarts said what each kill cost (megalite.training.restarts)
     logs = "".join(p.read_text() for p in tmp_path.glob("*/job-*.log"))
     assert re.search(r"megalite: restart: the previous attempt reached iteration \d+; resuming from the checkpoint "

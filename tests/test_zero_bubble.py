@@ -22,40 +22,45 @@ def train_recording_split(rank, world, case, placed=False):
     and the parameters whose gradient hook saw a gradient during a B (none may)."""
     import pretrain_bert
     import pretrain_gpt
+    from megalite import metrics
     from megalite.optim import buffers, zero2
     from megalite.parallel import weight_grad
     from megalite.training import pretrain
 
     entry, argv = case
-    in_b, w_items = set(), [0]
-    for cls in (buffers.ParamAndGradBuffer, zero2.ShardedGradBuffer):
-        def patched(self, p, original=cls.__dict__["_grad_ready"]):
+    in_b, w_items, evals = set(), [0], []
+    # patched for this run only (restored below): one spawn runs many, and wrappers must not nest
+    originals = [(cls, "_grad_ready", cls.__dict__["_grad_ready"]) for cls in (buffers.ParamAndGradBuffer,
+                                                                               zero2.ShardedGradBuffer)]
+    originals += [(metrics.TrainingLogger, "evaluation", metrics.TrainingLogger.evaluation),
+                  (weight_grad.WeightGrads, "run", weight_grad.WeightGrads.run)]
+    for cls, _, grad_ready in originals[:2]:
+        def patched(self, p, original=grad_ready):
             if weight_grad.deferring() and not weight_grad.is_deferred(p):
                 in_b.add(id(p))
             return original(self, p)
         cls._grad_ready = patched
-    from megalite import metrics
-
-    evals = []
-    evaluation = metrics.TrainingLogger.evaluation
+    evaluation, run_original = originals[2][2], originals[3][2]
 
     def recording_evaluation(self, iteration, values, *rest):
         evals.append(values["loss"])
         return evaluation(self, iteration, values, *rest)
     metrics.TrainingLogger.evaluation = recording_evaluation
-    run_original = weight_grad.WeightGrads.run
 
     def counting_run(self):
         w_items[0] += len(self.items)
         return run_original(self)
     weight_grad.WeightGrads.run = counting_run
-    if entry == "bert":
-        run = pretrain(parse(BASE + argv + ["--model", "bert-tiny"]), pretrain_bert.task())
-    else:
-        run = pretrain(parse(BASE + argv), pretrain_gpt.task())
+    try:
+        if entry == "bert":
+            run = pretrain(parse(BASE + argv + ["--model", "bert-tiny"]), pretrain_bert.task())
+        else:
+            run = pretrain(parse(BASE + argv), pretrain_gpt.task())
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
     names = {id(p): n for c in run.model_chunks for n, p in c.named_parameters()}
     params = placed_params(run) if placed else whole_params(run)
-    metrics.TrainingLogger.evaluation = evaluation
     return {"losses": [r["loss"] for r in run.records], "params": params, "w_items": w_items[0], "evals": evals,
             "in_b": sorted(names.get(i, "?") for i in in_b)}
 
@@ -82,8 +87,10 @@ CASES = {  # world size -> (name, entry, argv)
         ("gpt pp2 dp2 zero3", "gpt", ["--pp", "2", "--zero-stage", "3"]),
         ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2"]),
         ("moe pp2 ep2", "gpt", ["--pp", "2", "--model", "moe-tiny", "--ep", "2"]),
+        # (micro-batches of 2, half as many: 4 ranks on 2 cores wait on every TP collective of each)
         ("llama tp4: KV groups gathered over TP, full-width qk norm", "gpt",
-         ["--tp", "4", "--model", "llama-tiny", "--qk-layernorm", "--qk-layernorm-full-width"])],
+         ["--tp", "4", "--model", "llama-tiny", "--qk-layernorm", "--qk-layernorm-full-width",
+          "--micro-batch-size", "2"])],
 }
 
 

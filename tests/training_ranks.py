@@ -96,3 +96,34 @@ def train_with_inf_at(rank, world, argv, bad_iteration, through=None):
 def several(rank, world, fn, argvs):
     """fn(rank, world, argv) for each argv in turn, in one set of ranks (one spawn, one process group)."""
     return [fn(rank, world, argv) for argv in argvs]
+
+
+def apart(rank, world, fn, argvs):
+    """fn(0, 1, argv) for every `world`-th argv from this rank's, in a one-rank process group of this
+    rank's own: one-device runs of one spawn, side by side on the cores (see `one_device_each`)."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    fd, store = tempfile.mkstemp(prefix="megalite-apart-")
+    os.close(fd)
+    os.unlink(store)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        return [fn(0, 1, argv) for argv in argvs[rank::world]]
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(store):
+            os.unlink(store)
+
+
+def one_device_each(fn, argvs, ranks=2, **kw):
+    """[fn(0, 1, argv) for argv in argvs], each a one-device run, `ranks` at a time in one spawn."""
+    from megalite.testing import run_ranks
+
+    out = [None] * len(argvs)
+    for rank, results in enumerate(run_ranks(apart, ranks, args=(fn, list(argvs)), **kw)):
+        out[rank::ranks] = results
+    return out
