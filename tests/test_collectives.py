@@ -1,6 +1,7 @@
-"""megalite.parallel.collectives: on gloo a reduce-scatter is one all-to-all of the chunks plus their sum
-in a ring's order (the owner's chunk last), so it sends (n - 1) / n of the input (gloo's own all-reduces
-all of it) and adds as --tp-comm-overlap's ring does, whatever the bucket around it."""
+"""megalite.parallel.collectives: on gloo a reduce-scatter sends each chunk to its owner, every receive
+posted before any send, and sums the chunks in a ring's order (the owner's chunk last), so it sends
+(n - 1) / n of the input (gloo's own all-reduces all of it) and adds as --tp-comm-overlap's ring does,
+whatever the bucket around it."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,12 @@ from megalite.testing import run_ranks
 
 def reduce_scatter_cases(rank, world):
     calls = []
-    real_all_to_all, real_native = dist.all_to_all_single, collectives._native_reduce_scatter
-    dist.all_to_all_single = lambda *a, **k: calls.append("all_to_all") or real_all_to_all(*a, **k)
+    real_batch, real_native = dist.batch_isend_irecv, collectives._native_reduce_scatter
+
+    def batch(ops):  # each op's kind and peer, in posting order
+        calls.append([("recv" if op.op is dist.irecv else "send", op.peer) for op in ops])
+        return real_batch(ops)
+    dist.batch_isend_irecv = batch
     collectives._native_reduce_scatter = lambda *a, **k: calls.append("native") or real_native(*a, **k)
     try:
         torch.manual_seed(rank)
@@ -38,10 +43,10 @@ def reduce_scatter_cases(rank, world):
         return dict(out=out, shard=shard, before_wait=before_wait, gathered=gathered, half=half, maxed=maxed,
                     calls=calls[:n_before], op_call=calls[n_before:])
     finally:
-        dist.all_to_all_single, collectives._native_reduce_scatter = real_all_to_all, real_native
+        dist.batch_isend_irecv, collectives._native_reduce_scatter = real_batch, real_native
 
 
-def test_gloo_reduce_scatter_is_one_all_to_all_summed_in_ring_order():
+def test_gloo_reduce_scatter_sends_each_chunk_to_its_owner_receives_first_and_sums_in_ring_order():
     world = 3
     results = run_ranks(reduce_scatter_cases, world)
     inputs = results[0]["gathered"]
@@ -61,7 +66,9 @@ def test_gloo_reduce_scatter_is_one_all_to_all_summed_in_ring_order():
             half_expected += part(rank - k, torch.bfloat16)
         half_expected = part(rank, torch.bfloat16) + half_expected
         assert torch.equal(got["half"], half_expected)
-        assert got["calls"] == ["all_to_all"] * 3
+        peers = [r for r in range(world) if r != rank]
+        # every chunk but its own to each peer, every receive posted before any send
+        assert got["calls"] == [[("recv", r) for r in peers] + [("send", r) for r in peers]] * 3
         assert got["op_call"] == ["native"]
         assert torch.equal(got["maxed"], torch.stack(inputs)[:, rank * 6:(rank + 1) * 6].amax(0))
     assert orders_differ
@@ -96,3 +103,41 @@ def test_the_tp_overlap_ring_and_the_gloo_reduce_scatter_add_alike_at_tp_4_whate
     for got in run_ranks(ring_and_plain, 4):
         for shape, (plain, ring) in got.items():
             assert torch.equal(plain, ring), shape
+
+
+def exchanges_in_posting_order(rank, world):
+    from megalite import parallel
+    from megalite.parallel import context_parallel, tp_overlap
+    from megalite.pipeline import p2p
+
+    batches, real = [], dist.batch_isend_irecv
+
+    def batch(ops):
+        batches.append(["recv" if op.op is dist.irecv else "send" for op in ops])
+        return real(ops)
+    dist.batch_isend_irecv = batch
+    try:
+        parallel.initialize_model_parallel(1, 2)  # pp 2: the two ranks are neighbouring stages
+        peer = 1 - rank
+        x = torch.full((3,), float(rank))
+        posted = p2p.exchange([p2p.Send(x, peer, 0)], [p2p.Recv("a", peer, 0)], (3,), torch.float32, "cpu", wait=False)
+        posted.wait_received()
+        pp_got = posted.buffers["a"].clone()
+        posted.wait()
+        ring = torch.empty(3)
+        for w in context_parallel._start_exchange(x, ring, peer, peer, dist.group.WORLD, 7):
+            w.wait()
+        sp = torch.empty(3)
+        for w in tp_overlap._exchange(x, peer, sp, peer, dist.group.WORLD):
+            w.wait()
+        parallel.destroy_model_parallel()
+        return batches, pp_got, ring, sp
+    finally:
+        dist.batch_isend_irecv = real
+
+
+def test_pipeline_cp_ring_and_tp_ring_exchanges_post_their_receives_before_their_sends():
+    for rank, (batches, pp_got, ring, sp) in enumerate(run_ranks(exchanges_in_posting_order, 2)):
+        assert batches == [["recv", "send"]] * 3, batches  # gloo: a receive behind a send waits for its bytes
+        for got in (pp_got, ring, sp):
+            assert torch.equal(got, torch.full((3,), float(1 - rank)))

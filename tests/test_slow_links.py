@@ -5,6 +5,7 @@ Needs root (network namespaces) and iproute2 (`ip`, `tc`). Skipped when not root
 set), where the tests fail instead, as in tests/test_multinode.py."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -271,3 +272,20 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     a.exchange_latency_ms = 0.3
     lower = slow_links_suites.derive(a, runs, links)["dimensions"]
     assert all(lower[d]["predicted_exposed_ms"] < dims[d]["predicted_exposed_ms"] for d in dims)
+
+
+def test_gloo_exchanges_times_megalites_reduce_scatter_beside_gloos_across_the_link(tmp_path):
+    """scripts/gloo_exchanges.py: every kind asked for, at every size, across the link; at the link's
+    rate megalite's reduce-scatter (one all-to-all) sends half of what gloo's (an all-reduce) does."""
+    _needs_netns()
+    import gloo_exchanges
+
+    out = tmp_path / "x.json"
+    gloo_exchanges.main(["--rate-mbit", "40", "--sizes", "1048576", "--calls", "2", "--no-bare", "--json", str(out),
+                         "--kinds", "reduce_scatter_gloo,reduce_scatter_megalite"])
+    rows = {r["kind"]: r for r in json.loads(out.read_text())["results"]["tbf 40 Mbit/s"]}
+    assert set(rows) == {"reduce_scatter_gloo", "reduce_scatter_megalite"}
+    # 1 MiB at 40 Mbit/s: about 0.21 s for gloo's all-reduce, 0.105 s for the all-to-all's half
+    assert rows["reduce_scatter_megalite"]["min_ms"] < 0.75 * rows["reduce_scatter_gloo"]["min_ms"], rows
+    with pytest.raises(SystemExit):
+        gloo_exchanges.main(["--kinds", "all_reduce,fsdp"])

@@ -144,7 +144,8 @@ def _block_plan(my_rank: int, owner: int, local_len: int, causal: bool):
 def _start_exchange(send: torch.Tensor, recv: torch.Tensor, next_rank: int, prev_rank: int, group, tag: int):
     """Send `send` to the next rank of the ring and receive into `recv` from the previous one, without
     waiting: returns the requests. Every ring message goes through here (tests count bytes on it)."""
-    ops = [dist.P2POp(dist.isend, send, next_rank, group, tag), dist.P2POp(dist.irecv, recv, prev_rank, group, tag)]
+    # the receive first: on gloo a receive posted after a send waits behind its bytes (pipeline.p2p)
+    ops = [dist.P2POp(dist.irecv, recv, prev_rank, group, tag), dist.P2POp(dist.isend, send, next_rank, group, tag)]
     traffic.send("cp", send.nbytes)
     return dist.batch_isend_irecv(ops)
 

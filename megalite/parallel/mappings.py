@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megalite.parallel import lanes, state, traffic
 # the single-tensor all-gather and reduce-scatter (optim.buffers uses them too); on gloo the
-# reduce-scatter is an all-to-all, half the bytes of gloo's own
+# reduce-scatter sends each chunk to its owner, half the bytes of gloo's own
 from megalite.parallel.collectives import all_gather_single, reduce_scatter_single
 
 

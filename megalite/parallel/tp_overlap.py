@@ -45,10 +45,11 @@ from megalite.parallel.mappings import (
 
 
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group) -> list:
-    """Post a send of `send` to group rank `to` and a receive into `recv` from `source`, as one batch
-    (NCCL needs the pair batched where every rank sends and receives at once)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=to),
-                                   dist.P2POp(dist.irecv, recv, group=group, group_peer=source)])
+    """Post a receive into `recv` from `source` and a send of `send` to group rank `to`, as one batch
+    (NCCL needs the pair batched where every rank sends and receives at once); the receive first, so
+    that on gloo it does not wait behind the send's bytes (pipeline.p2p)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, group=group, group_peer=source),
+                                   dist.P2POp(dist.isend, send, group=group, group_peer=to)])
 
 
 def _wait(works: list) -> None:

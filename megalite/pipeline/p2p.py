@@ -52,9 +52,9 @@ class Posted:
         if len(self.works) != len(self.sent) + len(self.buffers):
             self.wait()
             return
-        for work in self.works[len(self.sent):]:
+        for work in self.works[:len(self.buffers)]:
             work.wait()
-        self.works, self.received = self.works[:len(self.sent)], True
+        self.works, self.received = self.works[len(self.buffers):], True
 
     def wait(self) -> None:
         for work in self.works:
@@ -73,11 +73,14 @@ def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device, wait: b
     group = state.get_pipeline_model_parallel_group()
     buffers = {r.key: torch.empty(shape, dtype=dtype, device=device) for r in recvs}
     sent = [s.tensor.contiguous() for s in sends]
-    ops = [dist.P2POp(dist.isend, t, s.peer, group, s.tag) for t, s in zip(sent, sends)]
+    # The receives first, then the sends (`Posted.wait_received` tells them apart by position): gloo
+    # sends a posted receive's "ready" notice on the connection the data takes, so a receive posted
+    # after a send waits behind that send's bytes, and the peer's send behind it: both directions
+    # one after the other (parallel.collectives says more)
+    ops = [dist.P2POp(dist.irecv, buffers[r.key], r.peer, group, r.tag) for r in recvs]
+    ops += [dist.P2POp(dist.isend, t, s.peer, group, s.tag) for t, s in zip(sent, sends)]
     for s in sends:
         traffic.send("pp", s.tensor.nbytes)
-    ops += [dist.P2POp(dist.irecv, buffers[r.key], r.peer, group, r.tag) for r in recvs]
-    # The sends first, then the receives: `Posted.wait_received` tells them apart by position.
     posted = Posted(dist.batch_isend_irecv(ops), buffers, sent)
     if not wait:
         return posted

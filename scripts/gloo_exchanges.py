@@ -1,0 +1,141 @@
+"""How long each kind of gloo exchange takes between two network-namespace hosts, across a tc-tbf
+link and on bare veths: the distribution (median, 90th percentile, share over a threshold) of every
+collective megalite issues, and of megalite's own reduce-scatter (megalite.parallel.collectives)
+beside gloo's. The measurements behind docs/slow-links.md (f), "Where the per-exchange cost goes".
+Needs root (network namespaces) and iproute2.
+
+    sudo python scripts/gloo_exchanges.py --rate-mbit 300 --sizes 65536,4194304 --calls 30 [--json out.json]
+
+Each call of a kind is timed on rank 0 after a barrier, so a figure is the whole exchange, both
+ranks' parts; --pin puts rank i on core i, --idle-ms sleeps between calls (a link gone idle, as
+between two steps' exchanges).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("all_reduce", "reduce_scatter_gloo", "reduce_scatter_megalite", "all_gather", "all_to_all", "send_recv",
+         "broadcast")
+
+
+def _exchanges(rank: int, n: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megalite.parallel import collectives
+
+    x, y = torch.ones(n), torch.empty(n)
+    half, whole = torch.empty(n // 2), torch.empty(2 * n)
+    return {"all_reduce": lambda: dist.all_reduce(x),
+            "reduce_scatter_gloo": lambda: collectives._native_reduce_scatter(half, x),
+            "reduce_scatter_megalite": lambda: collectives.reduce_scatter_single(half, x),
+            "all_gather": lambda: collectives.all_gather_single(whole, x),
+            "all_to_all": lambda: dist.all_to_all_single(y, x),
+            "send_recv": lambda: [w.wait() for w in (dist.isend(x, 1 - rank), dist.irecv(y, 1 - rank))],
+            "broadcast": lambda: dist.broadcast(x, 0)}
+
+
+def rank_main(a) -> None:
+    """One of the two ranks: time every kind at every size, rank 0 prints the figures as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.addr}:{a.port}", rank=a.rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    out = []
+    for nbytes in a.sizes:
+        for kind, fn in _exchanges(a.rank, max(2, nbytes // 4)).items():
+            if a.kinds and kind not in a.kinds:
+                continue
+            fn()  # connections made, buffers touched
+            ms = []
+            for _ in range(a.calls):
+                dist.barrier()
+                if a.idle_ms:
+                    time.sleep(a.idle_ms / 1e3)
+                t = time.perf_counter()
+                fn()
+                ms.append((time.perf_counter() - t) * 1e3)
+            ms.sort()
+            out.append({"kind": kind, "bytes": nbytes, "median_ms": statistics.median(ms), "min_ms": ms[0],
+                        "p90_ms": ms[(9 * len(ms)) // 10], "max_ms": ms[-1],
+                        "over_2ms": sum(m > 2.0 for m in ms) / len(ms)})
+    if a.rank == 0:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def measure(rate_mbit: float | None, a) -> list[dict]:
+    sys.path[:0] = [str(ROOT / "tests")]
+    import netns
+
+    with netns.hosts(2, tag="g") as net:
+        net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": net[0].ifname, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        argv = ["--sizes", ",".join(map(str, a.sizes)), "--calls", str(a.calls), "--idle-ms", str(a.idle_ms),
+                "--kinds", ",".join(a.kinds or KINDS), "--addr", net[0].addr, "--port", "29431"]
+        procs = [h.popen([*(["taskset", "-c", str(i % os.cpu_count())] if a.pin else []), sys.executable, __file__,
+                          "--rank", str(i), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i, h in enumerate(net.hosts)]
+        outs = [p.communicate(timeout=a.timeout) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            if p.returncode != 0:
+                raise SystemExit(f"gloo_exchanges: a rank failed (exit {p.returncode}): {err.strip()[-800:]}")
+        return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def table(rows: list[dict], where: str) -> str:
+    lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'median ms':>10s} {'min':>8s} {'p90':>8s} {'max':>8s} {'>2 ms':>6s}"]
+    lines += [f"  {r['kind']:24s} {r['bytes']:>9d} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['p90_ms']:8.2f} "
+              f"{r['max_ms']:8.2f} {100 * r['over_2ms']:5.0f}%" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate-mbit", type=float, default=300.0, help="the link's rate (0: only the bare veths)")
+    ap.add_argument("--sizes", default="65536,4194304", help="bytes of each rank's tensor, comma-separated")
+    ap.add_argument("--calls", type=int, default=30, help="timed calls of each kind and size")
+    ap.add_argument("--kinds", default=None, help=f"some of {','.join(KINDS)} (default: all)")
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep between calls")
+    ap.add_argument("--pin", action="store_true", help="rank i on core i")
+    ap.add_argument("--no-bare", action="store_true", help="skip the bare veths")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a rank's own process
+    ap.add_argument("--addr", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.sizes = [int(s) for s in str(a.sizes).split(",")]
+    a.kinds = [k for k in a.kinds.split(",")] if a.kinds else None
+    unknown = [k for k in a.kinds or () if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")
+    if a.rank is not None:
+        rank_main(a)
+        return 0
+    results = {}
+    if a.rate_mbit:
+        results[f"tbf {a.rate_mbit:g} Mbit/s"] = measure(a.rate_mbit, a)
+    if not a.no_bare:
+        results["bare veths"] = measure(None, a)
+    for where, rows in results.items():
+        print(table(rows, where))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                            "cpus": os.cpu_count(), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
