@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("all_reduce", "reduce_scatter_gloo", "reduce_scatter_megalite", "all_gather", "all_to_all", "send_recv",
-         "broadcast")
+         "recv_send", "broadcast")
 
 
 def _exchanges(rank: int, n: int) -> dict:
@@ -40,7 +40,9 @@ def _exchanges(rank: int, n: int) -> dict:
             "reduce_scatter_megalite": lambda: collectives.reduce_scatter_single(half, x),
             "all_gather": lambda: collectives.all_gather_single(whole, x),
             "all_to_all": lambda: dist.all_to_all_single(y, x),
+            # one exchange each way, the send posted first / the receive first (megalite's order)
             "send_recv": lambda: [w.wait() for w in (dist.isend(x, 1 - rank), dist.irecv(y, 1 - rank))],
+            "recv_send": lambda: [w.wait() for w in (dist.irecv(y, 1 - rank), dist.isend(x, 1 - rank))],
             "broadcast": lambda: dist.broadcast(x, 0)}
 
 
