@@ -142,35 +142,3 @@ def test_pipeline_cp_ring_and_tp_ring_exchanges_post_their_receives_before_their
         for got in (pp_got, ring, sp):
             assert torch.equal(got, torch.full((3,), float(1 - rank)))
 
-
-def rows_both_ways(rank, world):
-    batches, real = [], dist.batch_isend_irecv
-
-    def batch(ops):
-        batches.append([("recv" if op.op is dist.irecv else "send", op.peer) for op in ops])
-        return real(ops)
-    dist.batch_isend_irecv = batch
-    try:
-        # rank r sends (r + d) % 3 rows to rank d (zero rows to some), row values naming (from, to, row)
-        sends = [(rank + d) % 3 for d in range(world)]
-        inp = torch.cat([torch.tensor([[100 * rank + 10 * d + i] for i in range(k)], dtype=torch.float32)
-                         for d, k in enumerate(sends)]) if sum(sends) else torch.empty(0, 1)
-        receives = [(r + rank) % 3 for r in range(world)]
-        out = torch.empty(sum(receives), 1)
-        work = collectives.all_to_all_rows(out, inp, receives, sends, async_op=True)
-        work.wait()
-        native = torch.empty_like(out)
-        dist.all_to_all_single(native, inp, output_split_sizes=receives, input_split_sizes=sends)
-        return out, native, batches
-    finally:
-        dist.batch_isend_irecv = real
-
-
-def test_the_rows_all_to_all_is_gloos_own_result_from_receives_posted_before_sends():
-    for rank, (out, native, batches) in enumerate(run_ranks(rows_both_ways, 3)):
-        assert torch.equal(out, native)
-        expected = [100 * r + 10 * rank + i for r in range(3) for i in range((r + rank) % 3)]
-        assert out.view(-1).tolist() == expected
-        kinds = [k for k, _ in batches[0]]
-        assert kinds == sorted(kinds, key=lambda k: k != "recv") and len(batches) == 1  # receives first
-        assert all(peer != rank for _, peer in batches[0])  # its own rows copied, zero-row messages skipped

@@ -97,39 +97,3 @@ def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group=None, op=d
     pending.wait()
     return None
 
-
-class _AllOf:
-    """Requests waited for together."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-def all_to_all_rows(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
-                    group=None, async_op: bool = False):
-    """torch.distributed.all_to_all_single of rows (dim 0, split sizes given); on gloo as
-    point-to-point messages, every receive posted before any send (the module docstring says why:
-    gloo's own all-to-all of 4 MiB across the link took up to twice what its bytes need)."""
-    if torch.compiler.is_compiling() or not _on_gloo(group) or not (out.is_contiguous() and inp.is_contiguous()):
-        return dist.all_to_all_single(out, inp, output_split_sizes=output_split_sizes,
-                                      input_split_sizes=input_split_sizes, group=group, async_op=async_op)
-    me = dist.get_rank(group)
-    received, sent = out.split(output_split_sizes), inp.split(input_split_sizes)
-    received[me].copy_(sent[me])
-    peers = [r for r in range(len(output_split_sizes)) if r != me]
-    works = exchange_receives_first([(received[r], r) for r in peers if received[r].numel()],
-                                    [(sent[r], r) for r in peers if sent[r].numel()], group)
-    pending = _AllOf(works)
-    if async_op:
-        return pending
-    pending.wait()
-    return None

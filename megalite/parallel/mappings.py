@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite.parallel import collectives, lanes, state, traffic
+from megalite.parallel import lanes, state, traffic
 # the single-tensor all-gather and reduce-scatter (optim.buffers uses them too); on gloo the
 # reduce-scatter sends each chunk to its owner, half the bytes of gloo's own
 from megalite.parallel.collectives import all_gather_single, reduce_scatter_single
@@ -226,8 +226,8 @@ def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: li
     row = x.element_size() * math.prod(x.shape[1:])
     me = dist.get_rank(group)
     _count_ep(row * (sum(input_splits) - input_splits[me]))
-    lanes.collective(collectives.all_to_all_rows, out, x, output_split_sizes=output_splits,
-                     input_split_sizes=input_splits, group=group, kind="ep")
+    lanes.collective(dist.all_to_all_single, out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                     group=group, kind="ep")
     return out
 
 
