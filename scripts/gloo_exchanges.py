@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in str(a.sizes).split(",")]
-    a.kinds = [k for k in a.kinds.split(",")] if a.kinds else None
+    a.kinds = a.kinds.split(",") if a.kinds else None
     unknown = [k for k in a.kinds or () if k not in KINDS]
     if unknown:
         raise SystemExit(f"--kinds: unknown {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")

@@ -15,8 +15,9 @@ NCCL (and anything else) keeps its own reduce-scatter, as does a collective trac
 The chunks travel as point-to-point messages, every receive posted before any send. gloo sends a
 message only once the peer has said its receive is posted, and says so on the same connection as its
 data: a receive posted after a send can wait behind that send's bytes, and the peer's send behind it,
-so the two directions go one after the other. Measured across the 300 Mbit/s link (2026-12-02): a 4 MiB exchange each way, send first, took
-up to 233-246 ms in 20 calls, twice the 116 ms its bytes need; receive first, at most 134-150 ms.
+so the two directions go one after the other. Measured across the 300 Mbit/s link (2026-12-02): a
+4 MiB exchange each way, send first, took up to 233-246 ms in 20 calls, twice the 116 ms its bytes
+need; receive first, at most 134-150 ms.
 """
 from __future__ import annotations
 
@@ -53,9 +54,6 @@ class _SumOnWait:
             _sum_in_ring_order(self.chunks, self.owner, self.out)
             self.works, self.chunks = None, None
         return True
-
-    def is_completed(self) -> bool:
-        return self.works is None or all(work.is_completed() for work in self.works)
 
 
 def exchange_receives_first(recvs: list[tuple[torch.Tensor, int]], sends: list[tuple[torch.Tensor, int]],

@@ -30,9 +30,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megalite.parallel import grad_accumulation, lanes, weight_grad
+from megalite.parallel.collectives import exchange_receives_first
 from megalite.parallel.mappings import (
     _check_sequence_splits,
     _group,
@@ -45,11 +45,9 @@ from megalite.parallel.mappings import (
 
 
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group) -> list:
-    """Post a receive into `recv` from `source` and a send of `send` to group rank `to`, as one batch
-    (NCCL needs the pair batched where every rank sends and receives at once); the receive first, so
-    that on gloo it does not wait behind the send's bytes (pipeline.p2p)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, group=group, group_peer=source),
-                                   dist.P2POp(dist.isend, send, group=group, group_peer=to)])
+    """Post a receive into `recv` from group rank `source` and a send of `send` to `to`, as one batch
+    (NCCL needs the pair batched where every rank sends and receives at once), the receive first."""
+    return exchange_receives_first([(recv, source)], [(send, to)], group)
 
 
 def _wait(works: list) -> None:
