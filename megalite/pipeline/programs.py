@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from megalite.pipeline.partition import V_SCHEDULES, virtual_stage
+from megalite.pipeline.partition import V_SCHEDULES, stage_rank
 
 
 @dataclass(frozen=True)
@@ -155,29 +155,38 @@ def _v_orders(p: int, m: int, costs: tuple = (1, 1, 1)) -> tuple[tuple[Op, ...],
     live = [0] * p
     last = 2 * p - 1
     cost = dict(zip("FBW", costs))
+    stage = [(r, 2 * p - 1 - r) for r in range(p)]  # virtual_stage(p, r, c, True), by rank and chunk
+
+    def rank_best(r: int, over_cap: bool):
+        """Rank r's pass that can start first: ((start, kind order, rank), rank, kind, chunk, mb)."""
+        best = None
+        ready = []  # (kind, chunk, mb, time its input is ready)
+        for c in (1, 0):
+            vs, k = stage[r][c], backwarded[r][c]
+            if k < forwarded[r][c]:
+                ready.append(("B", c, k, done.get(("B", vs + 1, k) if vs < last else ("F", vs, k))))
+        for c in (1, 0):
+            vs, k = stage[r][c], forwarded[r][c]
+            if k < m and (live[r] < 2 * p or over_cap and c == 1):
+                ready.append(("F", c, k, done.get(("F", vs - 1, k)) if vs else 0))
+        if weights_due[r]:
+            c, k = weights_due[r][0]
+            ready.append(("W", c, k, done[("B", stage[r][c], k)]))
+        for kind, c, k, at in ready:
+            if at is not None:
+                key = (max(clock[r], at), "FBW".index(kind), r)
+                if best is None or key < best[0]:
+                    best = (key, r, kind, c, k)
+        return best
+
+    # A placed pass changes only its own rank's candidates and those of the ranks that wait for its
+    # output (the next stage's forward, the previous stage's backward): the others' are kept.
+    per_rank = [rank_best(r, False) for r in range(p)]
 
     def earliest(over_cap: bool):
-        """The pass that can start first: (start, kind order, rank), rank, kind, chunk, mb."""
-        best = None
-        for r in range(p):
-            ready = []  # (kind, chunk, mb, time its input is ready)
-            for c in (1, 0):
-                vs, k = virtual_stage(p, r, c, True), backwarded[r][c]
-                if k < forwarded[r][c]:
-                    ready.append(("B", c, k, done.get(("B", vs + 1, k) if vs < last else ("F", vs, k))))
-            for c in (1, 0):
-                vs, k = virtual_stage(p, r, c, True), forwarded[r][c]
-                if k < m and (live[r] < 2 * p or over_cap and c == 1):
-                    ready.append(("F", c, k, done.get(("F", vs - 1, k)) if vs else 0))
-            if weights_due[r]:
-                c, k = weights_due[r][0]
-                ready.append(("W", c, k, done[("B", virtual_stage(p, r, c, True), k)]))
-            for kind, c, k, at in ready:
-                if at is not None:
-                    key = (max(clock[r], at), "FBW".index(kind), r)
-                    if best is None or key < best[0]:
-                        best = (key, r, kind, c, k)
-        return best
+        """The pass that can start first on any rank (the lowest key; keys differ in their rank)."""
+        candidates = per_rank if not over_cap else [rank_best(r, True) for r in range(p)]
+        return min((b for b in candidates if b is not None), default=None)  # by key: its rank breaks ties
 
     for _ in range(6 * m * p):
         # At some costs every rank holds 2p chunks while the pass that would free one waits for a
@@ -188,7 +197,8 @@ def _v_orders(p: int, m: int, costs: tuple = (1, 1, 1)) -> tuple[tuple[Op, ...],
                              f"try --pipeline-pass-costs 1,1,1")
         (start, _, _), r, kind, c, k = best
         clock[r] = start + cost[kind]
-        done[(kind, virtual_stage(p, r, c, True), k)] = clock[r]
+        vs = stage[r][c]
+        done[(kind, vs, k)] = clock[r]
         placed[r].append(Op(kind, c, k))
         if kind == "F":
             forwarded[r][c] += 1
@@ -199,6 +209,8 @@ def _v_orders(p: int, m: int, costs: tuple = (1, 1, 1)) -> tuple[tuple[Op, ...],
         else:
             weights_due[r].pop(0)
             live[r] -= 1
+        for q in {r, *(stage_rank(p, n, True) for n in (vs - 1, vs + 1) if 0 <= n <= last)}:
+            per_rank[q] = rank_best(q, False)
     return tuple(tuple(order) for order in placed)
 
 
