@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel import traffic
+from megalite.parallel.state import built_group
 from megalite.runtime import TrainingStopped, note_stop_signal
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: Slurm's `--signal=B:USR1@120` preemption warning
@@ -35,7 +36,9 @@ class ExitWatch:
         # Nothing can raise a flag without a signal handler, a time limit or background saves.
         self.needed = (not cfg.training.no_exit_signal_handler or cfg.training.exit_duration_in_mins is not None
                        or watch_checkpoints)
-        self.group = dist.new_group(backend="gloo") if self.needed else None  # collective: every rank
+        # collective: every rank; the next run in this process (tests) takes the same group again
+        self.group = (built_group("exit_flags", list(range(dist.get_world_size())), backend="gloo")
+                      if self.needed else None)
         self._pending: tuple[torch.Tensor, dist.Work] | None = None
         self.exchanges = 0  # flag all-reduces started (tests count them)
 

@@ -196,3 +196,43 @@ def test_groups_are_refused_before_initialization_and_answer_after_it():
         assert r["sizes"] == (2, 1, 2) and r["ranks"] == (rank % 2, 0, rank // 2)
         assert r["model"] == [0, 1, 2, 3], "tensor x pipeline: the whole model"
         assert r["pipeline"] == [rank % 2, rank % 2 + 2] and r["embedding"], "pp=2: both stages hold the embedding"
+
+
+def layouts_one_after_another(rank, world):
+    """Three runs' worth of initialize_model_parallel in one process: tp2 pp2, tp2 pp2 again, tp4."""
+    import os
+
+    def held():  # this process's threads and open descriptors: what each gloo group holds
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+    def tp_sum():
+        x = torch.full((2,), float(rank + 1))
+        dist.all_reduce(x, group=parallel.get_tensor_model_parallel_group())
+        return x[0].item()
+
+    parallel.initialize_model_parallel(2, 2)
+    first = {name: g for name, g in state._STATE.groups.items()}
+    sums, after = [tp_sum()], [held()]
+    parallel.initialize_model_parallel(2, 2)
+    again = state._STATE.groups
+    sums.append(tp_sum())
+    after.append(held())
+    parallel.initialize_model_parallel(4)
+    sums.append(tp_sum())
+    after.append(held())
+    parallel.initialize_model_parallel(2, 2)  # both layouts' groups exist now
+    after.append(held())
+    return {"same": all(again[n] is g for n, g in first.items()),
+            "distinct": len({id(g) for g in first.values()}) == len(first), "sums": sums, "held": after}
+
+
+def test_a_second_layout_in_one_process_takes_the_groups_built_for_the_first():
+    """The runs of one test spawn (or a notebook's) build each group once: the same ranks and purpose
+    give the same group back, nothing more is held, and groups of other purposes over the same ranks
+    stay apart."""
+    for rank, r in enumerate(run_ranks(layouts_one_after_another, 4)):
+        pair = 4 * (rank // 2) + 3  # ranks 2k and 2k+1 add k' + 1 and k' + 2 (k' = 2k)
+        assert r["sums"] == [pair, pair, 10.0], r["sums"]
+        assert r["same"] and r["distinct"]
+        assert r["held"][1] == r["held"][0], f"the second tp2 pp2 built more: {r['held']}"
+        assert r["held"][3] == r["held"][2], f"tp2 pp2 after tp4 built more: {r['held']}"

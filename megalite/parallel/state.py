@@ -64,6 +64,27 @@ class _ParallelState:
 
 
 _STATE: _ParallelState | None = None
+# Groups already built in this process, by (name, ranks, timeout), and the default group they were
+# built under: a later initialize_model_parallel (the next run of a test spawn, a notebook's second layout)
+# takes them again instead of building more. Each gloo group holds its own connections and threads
+# (about 40 threads and 70 descriptors a rank for one layout's groups at 8 ranks), which would pile
+# up; destroying them instead costs more than building them (0.16 s a layout at 8 ranks).
+_BUILT: dict[tuple, object] = {}
+_BUILT_UNDER: list = [None]
+
+
+def built_group(name: str, ranks: list[int], timeout=None, backend: str | None = None):
+    """dist.new_group(ranks, timeout), or the `name` group built for these ranks before under the same
+    default group. Collective like new_group: every rank asks for the same groups in the same order,
+    so all find them built or all build them. Groups of other names over the same ranks stay apart
+    (their own communicators: operations on one need no order against the other's)."""
+    if _BUILT_UNDER[0] is not dist.group.WORLD:  # a new default group: the old ones went with the old
+        _BUILT.clear()
+        _BUILT_UNDER[0] = dist.group.WORLD
+    key = (name, tuple(ranks), timeout, backend)
+    if key not in _BUILT:
+        _BUILT[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
+    return _BUILT[key]
 
 
 def _layout_error(what: str, size: int, world: int, fix: str) -> ValueError:
@@ -162,18 +183,18 @@ def initialize_model_parallel(
     rank = dist.get_rank()
     for name, spanned in GROUPS.items():
         for ranks in rank_groups(sizes, spanned):
-            group = dist.new_group(ranks, timeout=timeout)
+            group = built_group(name, ranks, timeout)
             if rank in ranks:
                 state.groups[name], state.ranks[name] = group, ranks
     for name, spanned in EXPERT_GROUPS.items():
         for ranks in rank_groups(expert_sizes, spanned):
-            group = dist.new_group(ranks, timeout=timeout)
+            group = built_group(name, ranks, timeout)
             if rank in ranks:
                 state.groups[name], state.ranks[name] = group, ranks
     # The first and last stage of each pipeline share the tied word embeddings.
     for pipeline in rank_groups(sizes, GROUPS["pipeline"]):
         ends = sorted({pipeline[0], pipeline[-1]})
-        group = dist.new_group(ends, timeout=timeout)
+        group = built_group("embedding", ends, timeout)
         if rank in ends:
             state.embedding_group, state.embedding_ranks = group, ends
     _STATE = state
@@ -268,7 +289,7 @@ def get_amax_reduction_group():
         return None
     if "amax" not in s.groups:
         for ranks in rank_groups(s.sizes, ("tensor", "context", "data")):
-            group = dist.new_group(ranks, timeout=s.timeout)
+            group = built_group("amax", ranks, s.timeout)
             if dist.get_rank() in ranks:
                 s.groups["amax"], s.ranks["amax"] = group, ranks
     return s.groups["amax"]
@@ -292,7 +313,7 @@ def get_expert_data_parallel_group_in_replica():
         sizes = {"expert_tensor": e["expert_tensor"], "expert": e["expert"], "in_replica": model // grid,
                  "replica": s.sizes["data"], "pipeline": s.sizes["pipeline"]}
         for ranks in rank_groups(sizes, ("in_replica",)):
-            group = dist.new_group(ranks, timeout=s.timeout)
+            group = built_group("expert_data_replica", ranks, s.timeout)
             if dist.get_rank() in ranks:
                 s.groups["expert_data_replica"], s.ranks["expert_data_replica"] = group, ranks
     return s.groups["expert_data_replica"]
