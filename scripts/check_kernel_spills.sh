@@ -39,13 +39,26 @@ if [ ! -f "$torch_include/c10/cuda/impl/cuda_cmake_macros.h" ]; then
   flags+=("-I$work/stub")
 fi
 
+sources=(kernels/*.cu)
+echo "check_kernel_spills: compiling ${#sources[@]} sources for sm_${archs// /, sm_}, side by side"
+# Every (architecture, source) compiles at once (nvcc is one process each: on a few cores the
+# check takes the longest compile, not the sum); the results are read in order.
+declare -A pids starts
+for arch in $archs; do
+  for src in "${sources[@]}"; do
+    key="$(basename "$src" .cu).sm_$arch"
+    "$nvcc" -cubin -arch="sm_$arch" -std=c++17 -Ikernels "${flags[@]}" -Xptxas -v -o "$work/$key.cubin" \
+      "$src" >"$work/$key.log" 2>&1 &
+    pids[$key]=$! starts[$key]=$SECONDS
+  done
+done
+
 status=0
 for arch in $archs; do
-  for src in kernels/*.cu; do
-    log="$work/$(basename "$src" .cu).sm_$arch.log"
-    start=$SECONDS
-    if ! "$nvcc" -cubin -arch="sm_$arch" -std=c++17 -Ikernels "${flags[@]}" -Xptxas -v -o "$work/out.cubin" \
-        "$src" >"$log" 2>&1; then
+  for src in "${sources[@]}"; do
+    key="$(basename "$src" .cu).sm_$arch"
+    log="$work/$key.log"
+    if ! wait "${pids[$key]}"; then
       cat "$log" >&2
       echo "check_kernel_spills: $src does not compile for sm_$arch" >&2
       exit 1
@@ -60,7 +73,7 @@ for arch in $archs; do
       echo "$spills" | (command -v c++filt >/dev/null && c++filt || cat) >&2
       status=1
     else
-      echo "sm_$arch $src: $kernels kernels, no spills ($((SECONDS - start)) s)"
+      echo "sm_$arch $src: $kernels kernels, no spills (done $((SECONDS - ${starts[$key]})) s after its start)"
     fi
   done
 done
