@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megalite.testing import run_ranks
-from training_ranks import gpt_run, one_device_each, train_losses
+from training_ranks import gpt_run, one_device_each, side_by_side, train_losses
 
 BASE = ["--train-iters", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
 TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -64,9 +64,12 @@ def _losses(rank, world, cases):
 @pytest.fixture(scope="module")
 def losses():
     steps = ["--train-iters", str(MATRIX_ITERS)]
-    # the one-device references two at a time, one spawn of two one-rank groups: both cores busy
-    one = dict(zip(ONE, one_device_each(train_losses, [argv + steps for argv in ONE.values()], timeout=600)))
-    two = run_ranks(_losses, 2, args=([argv + steps for _, _, argv in TWO],), timeout=900)
+    # The one-device references (one rank, the compiled one most of its time) beside the two-rank
+    # matrix: about 10 s less than one after the other on 2 cores.
+    one, two = side_by_side(
+        lambda: one_device_each(train_losses, [argv + steps for argv in ONE.values()], ranks=1, timeout=900),
+        lambda: run_ranks(_losses, 2, args=([argv + steps for _, _, argv in TWO],), timeout=900))
+    one = dict(zip(ONE, one))
     by_name = {name: [per_rank[0][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
     fp8_bytes = {name: [per_rank[1][i] for per_rank in two] for i, (name, _, _) in enumerate(TWO)}
     return one, by_name, fp8_bytes

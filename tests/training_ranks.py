@@ -127,3 +127,14 @@ def one_device_each(fn, argvs, ranks=2, **kw):
     for rank, results in enumerate(run_ranks(apart, ranks, args=(fn, list(argvs)), **kw)):
         out[rank::ranks] = results
     return out
+
+
+def side_by_side(*calls):
+    """Each zero-argument call (a `run_ranks` or `one_device_each`) in a thread of its own, all at
+    once; their results in order. For spawns that leave cores idle, e.g. one long one-device run
+    (a compile) beside a two-rank matrix: the spawns' processes share the cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
