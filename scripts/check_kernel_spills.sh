@@ -17,7 +17,9 @@ if ! command -v "$nvcc" >/dev/null; then
 fi
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+declare -A pids starts  # per (source, architecture) key: its compile's process and start time
+# However the check ends (a failed compile stops it early), no compile outlives it or its directory.
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait; rm -rf "$work"' EXIT
 # The same include paths and nvcc flags as the JIT build (torch.utils.cpp_extension, megalite.ops.build).
 mapfile -t flags < <(python - <<'EOF'
 import os, sysconfig
@@ -43,7 +45,6 @@ sources=(kernels/*.cu)
 echo "check_kernel_spills: compiling ${#sources[@]} sources for sm_${archs// /, sm_}, side by side"
 # Every (architecture, source) compiles at once (nvcc is one process each: on a few cores the
 # check takes the longest compile, not the sum); the results are read in order.
-declare -A pids starts
 for arch in $archs; do
   for src in "${sources[@]}"; do
     key="$(basename "$src" .cu).sm_$arch"
@@ -73,7 +74,7 @@ for arch in $archs; do
       echo "$spills" | (command -v c++filt >/dev/null && c++filt || cat) >&2
       status=1
     else
-      echo "sm_$arch $src: $kernels kernels, no spills (done $((SECONDS - ${starts[$key]})) s after its start)"
+      echo "sm_$arch $src: $kernels kernels, no spills (read $((SECONDS - ${starts[$key]})) s after its start)"
     fi
   done
 done

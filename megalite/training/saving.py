@@ -61,7 +61,10 @@ class CheckpointAndExit:
             f"megalite: saved checkpoint iteration {iteration} to {self.cfg.checkpoint.save}")
 
     def abandon(self) -> None:
-        """Every rank stops here together (an error they all see): commit a pending async save."""
+        """Every rank stops here together (an error they all see): commit a pending async save, and
+        leave the exit flags' group with nothing in flight (the next run in this process takes the
+        same group again: megalite.parallel.state.built_group)."""
+        self.exits.close()
         if self.saver is not None:
             self.saver.finalize()
 
