@@ -236,3 +236,33 @@ def test_a_second_layout_in_one_process_takes_the_groups_built_for_the_first():
         assert r["same"] and r["distinct"]
         assert r["held"][1] == r["held"][0], f"the second tp2 pp2 built more: {r['held']}"
         assert r["held"][3] == r["held"][2], f"tp2 pp2 after tp4 built more: {r['held']}"
+
+
+def port_after_a_run(rank, world):
+    """One run on a fixed port, torn down as megalite's runtime does (destroy_model_parallel, then the
+    default group): the groups kept for a next run must not keep its store alive, so another process
+    can listen on the port (a `pretrain_gpt.py` started from this one inherits MASTER_PORT)."""
+    import socket
+
+    dist.destroy_process_group()  # run_ranks' own file-store group
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel.initialize_model_parallel(1)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=parallel.get_tensor_model_parallel_group())
+    parallel.destroy_model_parallel()
+    dist.destroy_process_group()
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            free = True
+        except OSError:
+            free = False
+    return x.item(), free
+
+
+def test_groups_kept_for_the_next_run_do_not_hold_the_torn_down_runs_port():
+    assert run_ranks(port_after_a_run, 1) == [(1.0, True)]

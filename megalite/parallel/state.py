@@ -19,6 +19,7 @@ process (size 1, rank 0, group None), so the parallel layers work in a plain scr
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -64,13 +65,15 @@ class _ParallelState:
 
 
 _STATE: _ParallelState | None = None
-# Groups already built in this process, by (name, ranks, timeout), and the default group they were
-# built under: a later initialize_model_parallel (the next run of a test spawn, a notebook's second layout)
-# takes them again instead of building more. Each gloo group holds its own connections and threads
-# (about 40 threads and 70 descriptors a rank for one layout's groups at 8 ranks), which would pile
-# up; destroying them instead costs more than building them (0.16 s a layout at 8 ranks).
-_BUILT: dict[tuple, object] = {}
-_BUILT_UNDER: list = [None]
+# Groups already built in this process, by (name, ranks, timeout, backend): a later
+# initialize_model_parallel (the next run of a test spawn, a notebook's second layout) takes them
+# again instead of building more. Each gloo group holds its own connections and threads (about 40
+# threads and 70 descriptors a rank for one layout's groups at 8 ranks), which would pile up;
+# destroying them instead costs more than building them (0.16 s a layout at 8 ranks). Held weakly,
+# as is the default group they were built under: torch holds every live group until the default
+# one is destroyed, and then nothing here keeps them (or the store, and its port) alive.
+_BUILT: dict[tuple, object] = {}  # key -> a weak reference to the group (or new_group's non-member marker)
+_BUILT_UNDER: list = [None]  # a weak reference to the default group
 
 
 def built_group(name: str, ranks: list[int], timeout=None, backend: str | None = None):
@@ -78,13 +81,19 @@ def built_group(name: str, ranks: list[int], timeout=None, backend: str | None =
     default group. Collective like new_group: every rank asks for the same groups in the same order,
     so all find them built or all build them. Groups of other names over the same ranks stay apart
     (their own communicators: operations on one need no order against the other's)."""
-    if _BUILT_UNDER[0] is not dist.group.WORLD:  # a new default group: the old ones went with the old
+    world = dist.group.WORLD
+    under = _BUILT_UNDER[0]
+    if under is None or under() is not world:  # a new default group: the old ones went with the old
         _BUILT.clear()
-        _BUILT_UNDER[0] = dist.group.WORLD
+        _BUILT_UNDER[0] = weakref.ref(world)
     key = (name, tuple(ranks), timeout, backend)
-    if key not in _BUILT:
-        _BUILT[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
-    return _BUILT[key]
+    held = _BUILT.get(key)
+    group = held() if isinstance(held, weakref.ref) else held
+    if group is None:
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        # (a rank outside `ranks` gets torch's marker, an int: kept as it is)
+        _BUILT[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else group
+    return group
 
 
 def _layout_error(what: str, size: int, world: int, fix: str) -> ValueError:
