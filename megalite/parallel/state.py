@@ -73,7 +73,7 @@ _STATE: _ParallelState | None = None
 # as is the default group they were built under: torch holds every live group until the default
 # one is destroyed, and then nothing here keeps them (or the store, and its port) alive.
 _BUILT: dict[tuple, object] = {}  # key -> a weak reference to the group (or new_group's non-member marker)
-_BUILT_UNDER: list = [None]  # a weak reference to the default group
+_BUILT_UNDER: weakref.ref | None = None  # to the default group they were built under
 
 
 def built_group(name: str, ranks: list[int], timeout=None, backend: str | None = None):
@@ -81,11 +81,11 @@ def built_group(name: str, ranks: list[int], timeout=None, backend: str | None =
     default group. Collective like new_group: every rank asks for the same groups in the same order,
     so all find them built or all build them. Groups of other names over the same ranks stay apart
     (their own communicators: operations on one need no order against the other's)."""
+    global _BUILT_UNDER
     world = dist.group.WORLD
-    under = _BUILT_UNDER[0]
-    if under is None or under() is not world:  # a new default group: the old ones went with the old
+    if _BUILT_UNDER is None or _BUILT_UNDER() is not world:  # a new default group: the old ones went with it
         _BUILT.clear()
-        _BUILT_UNDER[0] = weakref.ref(world)
+        _BUILT_UNDER = weakref.ref(world)
     key = (name, tuple(ranks), timeout, backend)
     held = _BUILT.get(key)
     group = held() if isinstance(held, weakref.ref) else held

@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from megalite.pipeline.partition import V_SCHEDULES, stage_rank
+from megalite.pipeline.partition import V_SCHEDULES, stage_rank, virtual_stage
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def _v_orders(p: int, m: int, costs: tuple = (1, 1, 1)) -> tuple[tuple[Op, ...],
     live = [0] * p
     last = 2 * p - 1
     cost = dict(zip("FBW", costs))
-    stage = [(r, 2 * p - 1 - r) for r in range(p)]  # virtual_stage(p, r, c, True), by rank and chunk
+    stage = [tuple(virtual_stage(p, r, c, True) for c in (0, 1)) for r in range(p)]  # by rank and chunk
 
     def rank_best(r: int, over_cap: bool):
         """Rank r's pass that can start first: ((start, kind order, rank), rank, kind, chunk, mb)."""
