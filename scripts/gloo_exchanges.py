@@ -9,6 +9,14 @@ Needs root (network namespaces) and iproute2.
 Each call of a kind is timed on rank 0 after a barrier, so a figure is the whole exchange, both
 ranks' parts; --pin puts rank i on core i, --idle-ms sleeps between calls (a link gone idle, as
 between two steps' exchanges).
+
+    sudo python scripts/gloo_exchanges.py --overlap --rate-mbit 300 --sizes 1048576 --calls 10
+
+--overlap measures what an exchange in flight costs the compute beside it (the planner's
+`Cluster.comm_compute_tax`): each rank times a block of matmuls alone, the exchange alone, and the
+block run while the exchange (launched with async_op=True just before) is in flight, then waits for
+the exchange. Per kind and size: the block's slowdown over the exchange's time alone (the tax), and
+the share of the exchange that hid (1 - (launch-to-done - block alone) / exchange alone).
 """
 from __future__ import annotations
 
@@ -46,6 +54,67 @@ def _exchanges(rank: int, n: int) -> dict:
             "broadcast": lambda: dist.broadcast(x, 0)}
 
 
+def _async_exchanges(rank: int, n: int) -> dict:
+    """Each overlappable kind launched with async_op=True: returns its Work."""
+    import torch
+    import torch.distributed as dist
+
+    from megalite.parallel import collectives
+
+    x, y = torch.ones(n), torch.empty(n)
+    half, whole = torch.empty(n // 2), torch.empty(2 * n)
+    return {"all_reduce": lambda: dist.all_reduce(x, async_op=True),
+            "reduce_scatter_megalite": lambda: collectives.reduce_scatter_single(half, x, async_op=True),
+            "all_gather": lambda: collectives.all_gather_single(whole, x, async_op=True),
+            "all_to_all": lambda: dist.all_to_all_single(y, x, async_op=True)}
+
+
+def overlap_main(a) -> list[dict]:
+    """One rank's --overlap figures: per kind and size the medians over a.calls of the block alone,
+    the exchange alone, the block with the exchange in flight and the exchange's launch to done."""
+    import torch
+    import torch.distributed as dist
+
+    w = torch.randn(256, 256)
+    h = torch.randn(256, 256)
+
+    def block():  # about a.block_ms of matmuls, the same work every call
+        out = h
+        for _ in range(a.block_iters):
+            out = torch.tanh(out @ w)
+        return out
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    out = []
+    for nbytes in a.sizes:
+        for kind, launch in _async_exchanges(a.rank, max(2, nbytes // 4)).items():
+            if a.kinds and kind not in a.kinds:
+                continue
+            launch().wait()  # connections made, buffers touched
+            alone, xch, beside, total = [], [], [], []
+            for _ in range(a.calls):
+                alone.append(timed(block))
+                xch.append(timed(lambda: launch().wait()))
+                dist.barrier()
+                t = time.perf_counter()
+                work = launch()
+                block()
+                beside.append((time.perf_counter() - t) * 1e3)
+                work.wait()
+                total.append((time.perf_counter() - t) * 1e3)
+            med = statistics.median
+            b0, x0, b1, t1 = med(alone), med(xch), med(beside), med(total)
+            out.append({"kind": kind, "bytes": nbytes, "block_ms": b0, "exchange_ms": x0, "block_beside_ms": b1,
+                        "launch_to_done_ms": t1, "tax": (b1 - b0) / x0 if x0 > 0 else None,
+                        "hidden": 1 - (t1 - b0) / x0 if x0 > 0 else None})
+    return out
+
+
 def rank_main(a) -> None:
     """One of the two ranks: time every kind at every size, rank 0 prints the figures as JSON."""
     import torch
@@ -54,6 +123,12 @@ def rank_main(a) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.addr}:{a.port}", rank=a.rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
+    if a.overlap:
+        out = overlap_main(a)
+        if a.rank == 0:
+            print(json.dumps(out))
+        dist.destroy_process_group()
+        return
     out = []
     for nbytes in a.sizes:
         for kind, fn in _exchanges(a.rank, max(2, nbytes // 4)).items():
@@ -85,7 +160,8 @@ def measure(rate_mbit: float | None, a) -> list[dict]:
         net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
         env = {**os.environ, "GLOO_SOCKET_IFNAME": net[0].ifname, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         argv = ["--sizes", ",".join(map(str, a.sizes)), "--calls", str(a.calls), "--idle-ms", str(a.idle_ms),
-                "--kinds", ",".join(a.kinds or KINDS), "--addr", net[0].addr, "--port", "29431"]
+                "--kinds", ",".join(a.kinds or KINDS), "--addr", net[0].addr, "--port", "29431",
+                "--block-iters", str(a.block_iters), *(["--overlap"] if a.overlap else [])]
         procs = [h.popen([*(["taskset", "-c", str(i % os.cpu_count())] if a.pin else []), sys.executable, __file__,
                           "--rank", str(i), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i, h in enumerate(net.hosts)]
@@ -97,6 +173,13 @@ def measure(rate_mbit: float | None, a) -> list[dict]:
 
 
 def table(rows: list[dict], where: str) -> str:
+    if rows and "tax" in rows[0]:
+        lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'block ms':>9s} {'exchange':>9s} {'beside':>9s} "
+                 f"{'done':>9s} {'tax':>6s} {'hidden':>7s}"]
+        lines += [f"  {r['kind']:24s} {r['bytes']:>9d} {r['block_ms']:9.2f} {r['exchange_ms']:9.2f} "
+                  f"{r['block_beside_ms']:9.2f} {r['launch_to_done_ms']:9.2f} {r['tax']:6.2f} {100 * r['hidden']:6.0f}%"
+                  for r in rows]
+        return "\n".join(lines)
     lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'median ms':>10s} {'min':>8s} {'p90':>8s} {'max':>8s} {'>2 ms':>6s}"]
     lines += [f"  {r['kind']:24s} {r['bytes']:>9d} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['p90_ms']:8.2f} "
               f"{r['max_ms']:8.2f} {100 * r['over_2ms']:5.0f}%" for r in rows]
@@ -111,6 +194,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=None, help=f"some of {','.join(KINDS)} (default: all)")
     ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep between calls")
     ap.add_argument("--pin", action="store_true", help="rank i on core i")
+    ap.add_argument("--overlap", action="store_true",
+                    help="time a block of matmuls with each exchange in flight (the compute a transfer takes)")
+    ap.add_argument("--block-iters", type=int, default=40, help="--overlap: 256x256 matmuls in the block")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare veths")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", default=None)
@@ -120,6 +206,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in str(a.sizes).split(",")]
     a.kinds = a.kinds.split(",") if a.kinds else None
+    if a.overlap and a.kinds is None:
+        a.kinds = ["all_reduce", "reduce_scatter_megalite", "all_gather", "all_to_all"]
     unknown = [k for k in a.kinds or () if k not in KINDS]
     if unknown:
         raise SystemExit(f"--kinds: unknown {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")

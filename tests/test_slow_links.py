@@ -274,6 +274,59 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     assert all(lower[d]["predicted_exposed_ms"] < dims[d]["predicted_exposed_ms"] for d in dims)
 
 
+def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, capsys):
+    """scripts/slow_links_rederive.py: a --json of the hidden suite, its figures worked out again
+    without root or runs: the same derivation as the suite's own, and --exchange-latency-ms."""
+    import slow_links_rederive
+
+    a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=12,
+                                      micro_batch_size=None, bucket=200_000, exchange_latency_ms=None, dims="ep,pp")
+    common, texts = slow_links_suites.suite_runs(a)
+    a.common_flags = common
+    steps = {"ep-across": 360.7, "ep-bare": 162.9, "pp-across": 133.7, "pp-bare": 86.3}
+    runs = {}
+    for text in texts:
+        spec = slow_links.parse_run(text, 2, 1, 300.0)
+        runs[spec.name] = {"hosts": 2, "nproc": 1, "rate_mbit": spec.rate_mbit, "flags": spec.flags, "error": None,
+                           "rounds": [{"step_ms": steps[spec.name], "tokens_per_s": 1e3, "comm_bytes": 5847424,
+                                       "comm_bytes_by_kind": {"ep": 5847424}}]}
+    links = {"300.0": {"tcp": 35.82e6, "bus": 35.70e6, "latency": 3.8e-3}, "None": {"tcp": 1096e6, "bus": 895e6,
+                                                                                    "latency": 1e-4}}
+    saved = tmp_path / "hidden.json"
+    saved.write_text(json.dumps({"suite": "hidden", "common": common, "links": links, "runs": runs, "derived": {}}))
+    out = tmp_path / "again.json"
+    assert slow_links_rederive.main([str(saved), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("overlap: dp n/a, zero3 n/a, ep ")
+    results, rates = slow_links_rederive.load(str(saved))
+    assert set(rates) == {300.0, None} and results["ep-bare"].spec.rate_mbit is None
+    direct = slow_links_suites.derive(a, results, rates)["dimensions"]
+    again = json.loads(out.read_text())["derived"]["dimensions"]
+    for dim in ("ep", "pp"):
+        assert again[dim]["predicted_exposed_ms"] == pytest.approx(direct[dim]["predicted_exposed_ms"])
+        assert again[dim]["predicted_exposed_ms"] > 0
+    assert slow_links_rederive.main([str(saved), "--exchange-latency-ms", "0.3", "--json", str(out)]) == 0
+    lower = json.loads(out.read_text())["derived"]["dimensions"]
+    assert lower["ep"]["predicted_exposed_ms"] < again["ep"]["predicted_exposed_ms"]
+
+
+def test_gloo_exchanges_overlap_times_a_block_beside_each_exchange_in_flight(tmp_path):
+    """scripts/gloo_exchanges.py --overlap: per kind the block alone, the exchange alone, the block
+    with the exchange in flight, launch to done; the tax and the hidden share worked out of them."""
+    _needs_netns()
+    import gloo_exchanges
+
+    out = tmp_path / "x.json"
+    gloo_exchanges.main(["--overlap", "--rate-mbit", "40", "--sizes", "262144", "--calls", "2", "--block-iters", "10",
+                         "--no-bare", "--json", str(out), "--kinds", "all_to_all,all_reduce"])
+    rows = json.loads(out.read_text())["results"]["tbf 40 Mbit/s"]
+    assert [r["kind"] for r in rows] == ["all_reduce", "all_to_all"]
+    for r in rows:
+        assert r["block_ms"] > 0 and r["exchange_ms"] > 0 and r["launch_to_done_ms"] >= r["block_beside_ms"] > 0
+        assert r["tax"] == pytest.approx((r["block_beside_ms"] - r["block_ms"]) / r["exchange_ms"])
+        assert r["hidden"] == pytest.approx(1 - (r["launch_to_done_ms"] - r["block_ms"]) / r["exchange_ms"])
+
+
 def test_gloo_exchanges_times_megalites_reduce_scatter_beside_gloos_across_the_link(tmp_path):
     """scripts/gloo_exchanges.py: every kind asked for, at every size, across the link; at the link's
     rate megalite's reduce-scatter (one all-to-all) sends half of what gloo's (an all-reduce) does."""
