@@ -79,7 +79,31 @@ def test_ep2_trains_bitwise_alike_with_the_all_to_alls_behind_the_other_lane():
         # Every hand-over comes at a collective; the forward lane's dispatches (counts, rows) go out and
         # the backward lane runs until its own, and the other way round.
         assert {lane for lane, _ in kinds} == {"F", "B"} and {kind for _, kind in kinds} == {"ep"}
-        assert kinds[0] == ("F", "ep") and ("B", "ep") in kinds
+        # Per MoE layer (3) and pair (one a step, 2 steps) the forward hands over at its dispatch and
+        # combine, not at the counts' all-gather (run in place: a few bytes), the backward at its two.
+        assert kinds == [("F", "ep"), ("B", "ep")] * (2 * 3 * 2)
+
+
+def test_an_exchange_run_in_place_keeps_the_turn():
+    launched = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    def exchange(name, async_op=False):
+        launched.append((name, async_op))
+        return Done() if async_op else None
+
+    def forward():
+        lanes.collective(exchange, "counts", kind="ep", hand_over=False)
+        lanes.collective(exchange, "dispatch", kind="ep")
+
+    with lanes.log_handovers() as handovers:
+        lanes.run_pair(forward, lambda: lanes.collective(exchange, "combine", kind="ep"))
+    # the counts ran at once with the forward's turn kept; the dispatch went out and handed over
+    assert launched == [("counts", False), ("dispatch", True), ("combine", True)]
+    assert handovers == [("F", "ep"), ("B", "ep")]
 
 
 LAYOUTS = {

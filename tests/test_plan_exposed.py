@@ -6,7 +6,8 @@ import pytest
 from megalite.models import preset
 from megalite.tools import plan as P
 from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
-from megalite.tools.plan.exposed import dp_exchanges, format_exposed
+from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items
+from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
 from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
 
 TINY = preset("gpt-tiny")  # 4 layers, hidden 128, 4 heads, vocabulary 1024
@@ -79,10 +80,38 @@ def test_ep_dispatch_is_exposed_unless_the_overlap_option_pairs_it_with_a_backwa
     assert costs.ep_time == pytest.approx(5 * LAT + sent / BW)
     assert x.exposed == x.comm == pytest.approx(2 * 4 * costs.ep_time)
     paired = P.predict(moe, layout, SLOW, run=P.Run(32, 64, "fp32", 200_000, overlap_moe_ep_comm=True))
-    backward = costs.moe_bwd / 1e12
-    want = 4 * (1 * max(0.0, costs.ep_time - backward) + costs.ep_time)  # the first micro-batch unpaired
+    stage = paired.stages[paired.slow_stage]
+    forward, backward = pair_items(paired.costs, stage)
+    # per layer: the counts (latency only, run in place), the dispatch, the combine forward; two
+    # exchanges backward
+    assert forward[0][2] is False and all(len(item) == 2 for item in forward[1:3] + backward)
+    assert [item[1] for item in forward[:3]] == pytest.approx([LAT, LAT + sent / 4 / BW, LAT + sent / 4 / BW])
+    assert len([1 for item in forward if item[1]]) == 4 * 3 and len([1 for item in backward if item[1]]) == 4 * 2
+    # every item's compute together is one micro-batch's on the stage; every exchange one micro-batch's
+    compute_f, compute_b = (sum(item[0] for item in lane) for lane in (forward, backward))
+    assert compute_f + compute_b == pytest.approx(stage.compute_mb) and compute_b == pytest.approx(2 * compute_f)
+    assert sum(item[1] for item in forward + backward) == pytest.approx(4 * costs.ep_time)
+    # 2 micro-batches: the first forward and the last backward alone, one pair between
+    want = 4 * costs.ep_time + pair_exposed(forward, backward)
     assert paired.exposed["ep"].exposed == pytest.approx(want) and paired.time.ep_comm == pytest.approx(want)
-    assert paired.exposed["ep"].exposed < x.exposed
+    assert 4 * costs.ep_time < paired.exposed["ep"].exposed < x.exposed
+
+
+def test_a_pair_hides_each_exchange_behind_the_other_lanes_next_compute_only():
+    # the forward computes 1 then exchanges 3; the backward computes 2 (hiding 2 of the 3), exchanges
+    # 1 after draining the forward's; the forward waits for nothing and computes 1 (hiding it)
+    assert played_pair([(1.0, 3.0), (1.0, 0.0)], [(2.0, 1.0)]) == pytest.approx(1 + 3 + 1 + 0)
+    assert pair_exposed([(1.0, 3.0), (1.0, 0.0)], [(2.0, 1.0)]) == pytest.approx(1.0)
+    # compute longer than every exchange: all hidden but the backward's last (nothing after it)
+    assert pair_exposed([(5.0, 1.0), (5.0, 0.0)], [(5.0, 1.0), (5.0, 0.0)]) == pytest.approx(0.0)
+    assert pair_exposed([(5.0, 1.0), (5.0, 0.0)], [(5.0, 1.0)]) == pytest.approx(0.0)
+    # two exchanges back to back on one lane (nothing computed between): the second waits for the
+    # first's drain, so the other lane's compute hides only one of them
+    assert pair_exposed([(0.0, 2.0), (0.0, 2.0), (0.0, 0.0)], [(2.0, 0.0)]) == pytest.approx(2.0)
+    # an exchange run in place (the counts): the lane keeps the turn and waits for it
+    assert played_pair([(1.0, 2.0, False), (0.0, 3.0)], [(4.0, 0.0)]) == pytest.approx(1 + 2 + 4)
+    # a lane alone: every exchange exposed
+    assert alone_exposed([(1.0, 2.0), (3.0, 4.0)]) == 6.0
 
 
 def test_pp_exposes_the_transfers_on_the_schedules_path():

@@ -184,15 +184,21 @@ class _All:
             work.wait()
 
 
-def collective(fn: Callable, *args, kind: str, **kwargs) -> None:
+def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs) -> None:
     """Run the torch.distributed collective `fn(*args, **kwargs)`: at once outside a pair; inside
-    one, launched without waiting, the turn handed over while it is in flight."""
+    one, launched without waiting, the turn handed over while it is in flight. hand_over=False
+    (an exchange of a few bytes, all latency): inside a pair too it runs at once, the turn kept.
+    Handing over for it would cost more than it hides: the other lane computes up to its next
+    exchange and launches it, and this lane's next exchange must wait for that one to drain with
+    nothing left to compute (megalite.tools.plan.pair_play plays both)."""
     if torch.compiler.is_compiling():
         fn(*args, **kwargs)
         return
     pair = getattr(_local, "pair", None)
     if pair is not None:
         pair.drain_other(_local.lane)
+        if not hand_over:
+            pair = None
     launched = time.perf_counter() if _spans is not None or pair is not None else None
     if pair is None:
         fn(*args, **kwargs)

@@ -79,7 +79,8 @@ def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return counts.unsqueeze(0)
     out = counts.new_empty(dist.get_world_size(group) * counts.numel())
-    lanes.collective(all_gather_single, out, counts, group=group, kind="ep")
+    # a few bytes: waited for in place, the pair's turn kept (lanes.collective)
+    lanes.collective(all_gather_single, out, counts, group=group, kind="ep", hand_over=False)
     return out.view(-1, counts.numel())
 
 

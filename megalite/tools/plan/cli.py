@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="predict sequence parallelism's collectives pipelined with the GEMMs (pretrain_gpt.py's flag)")
     g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
-                   help="predict each micro-batch's all-to-alls hidden behind another micro-batch's backward "
-                        "(a prediction option: exposed = max(0, all-to-all - that backward))")
+                   help="predict pretrain_gpt.py's pairs: each forward but the first beside another micro-batch's "
+                        "backward, each all-to-all behind the other pass's compute up to its next exchange "
+                        "(pair_play.py)")
     g = ap.add_argument_group("restrict the search")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)

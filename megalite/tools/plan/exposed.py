@@ -11,8 +11,9 @@ communication"):
   collective is a ring of t-1 shard transfers, each behind one shard GEMM (tp_overlap.py);
 - cp: each ring step behind one attention block (backward: twice the block's forward);
 - ep: all exposed (the dispatcher waits for its all-to-alls), or with the
-  --overlap-moe-expert-parallel-comm option a MoE layer's all-to-alls of one micro-batch behind
-  another micro-batch's backward of that layer, the first micro-batch having no partner;
+  --overlap-moe-expert-parallel-comm option the pairs of megalite.parallel.lanes played
+  (pair_play.py): each exchange behind the other pass's compute up to its next exchange, the first
+  forward and the last backward alone;
 - pp: the schedule played with each boundary transfer (pipeline_play.py): what lies on its path;
 - dp: the gradient buckets during backward, ZeRO-3's gathers prefetched behind the layer before
   (comm.py's model, which `dp_exposed` works out for the step time)."""
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.tools.plan.costs import LayoutCosts
+from megalite.tools.plan.pair_play import alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
 
 # predict imports this module, so its types are named here, not imported: a stage is a
@@ -103,8 +105,9 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
 def ep_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     """The token dispatch on `stage`: per MoE layer and micro-batch `costs.ep_exchanges` exchanges
     (dispatch and combine forward and backward, the counts' all-gather) taking `costs.ep_time`. All
-    exposed; with the overlap option, per MoE layer (m-1) x max(0, ep_time - the layer's backward)
-    + one ep_time: each micro-batch's all-to-alls but the first's behind another's backward."""
+    exposed; with the overlap option, the step's m micro-batches run as the first forward alone,
+    m - 1 pairs (a forward beside a backward) and the last backward alone: the lone passes'
+    exchanges exposed, each pair played by pair_play.py with the items of `pair_items`."""
     m, layers = costs.micro_batches, stage.ep_layers
     if not layers or not costs.ep_exchanges:
         return Exposure(0, 0.0, 0.0, 0.0, "")
@@ -112,10 +115,50 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     sent = m * layers * (costs.ep_bytes + costs.etp_bytes)
     if not costs.run.overlap_moe_ep_comm:
         return Exposure(m * layers * costs.ep_exchanges, sent, comm, comm, "nothing (megalite waits for each)")
-    backward = costs.moe_bwd / (costs.layout.tp * costs.layout.cp) / costs.rate
-    exposed = layers * ((m - 1) * max(0.0, costs.ep_time - backward) + costs.ep_time)
+    forward, backward = pair_items(costs, stage)
+    exposed = alone_exposed(forward) + alone_exposed(backward) + (m - 1) * pair_exposed(forward, backward)
     return Exposure(m * layers * costs.ep_exchanges, sent, comm, exposed,
-                    f"another micro-batch's backward of the layer ({backward * 1e3:.3f} ms)")
+                    "the other lane's compute up to its next exchange (a forward beside a backward)")
+
+
+def pair_items(costs: LayoutCosts, stage: StageResult) -> tuple[list, list]:
+    """One micro-batch's forward and backward on `stage` as pair_play.py items (compute seconds on
+    one rank, then an exchange's seconds). Per MoE layer the forward computes its attention and
+    router, all-gathers the counts (in place, the turn kept), dispatches, runs the experts, combines; the backward runs the
+    combine's exchanges, the experts' backward, the dispatch's, then the attention's backward
+    (full recomputation: the recomputed forward's exchanges with the combine's). The stage's dense
+    layers and output layer are spread evenly over its MoE layers. Every exchange pays the latency,
+    the bytes (costs.ep_time's) spread evenly over those that carry rows."""
+    config, layout, n = costs.config, costs.layout, stage.ep_layers
+    lat, per_rank = _latency(costs), layout.tp * layout.cp * costs.rate
+    passes = 6 if layout.recompute == "full" else 4
+    allgather = config.moe_token_dispatcher_type == "allgather"
+    counts = 0 if allgather or config.moe_pad_expert_input_to_capacity else passes // 2 - 1
+    carrying = costs.ep_exchanges - counts
+    x = lat + (costs.ep_time - costs.ep_exchanges * lat) / carrying
+    s, b = costs.run.seq_length, layout.micro_batch_size
+    width = 3 if config.gated_linear_unit else 2
+    experts = 2.0 * s * b * h_rows(config) * width / per_rank  # seconds of a MoE layer's expert matmuls
+    moe_f, moe_b = costs.moe_fwd / per_rank, costs.moe_bwd / per_rank
+    other = max(0.0, stage.flops_mb / costs.rate - n * (moe_f + moe_b)) / n  # dense layers, output layer
+    other_f = other * costs.fwd / (costs.fwd + costs.bwd)
+    pre_f, e_f = moe_f - experts + other_f, experts
+    pre_b, e_b = (moe_f - experts) * moe_b / moe_f + other - other_f, experts * moe_b / moe_f
+    half_f = carrying * 2 // passes // 2  # the forward's dispatch (or combine) exchanges
+    half_b = (carrying - 2 * half_f) // 2
+    # the counts' all-gather runs in place (lanes.collective(hand_over=False))
+    layer_f = ([(pre_f, lat, False)] if counts else []) + [(0.0 if counts else pre_f, x)] \
+        + [(0.0, x)] * (half_f - 1) + [(e_f, x)] + [(0.0, x)] * (half_f - 1)
+    extra = [(0.0, lat, False)] * (counts - 1)  # the recomputed forward's counts
+    layer_b = [(pre_b, x)] + extra + [(0.0, x)] * (half_b - 1) + [(e_b, x)] + [(0.0, x)] * (half_b - 1)
+    # the backward's first item computes the output layer's share, its last the first layer's attention
+    return layer_f * n + [(0.0, 0.0)], layer_b * n + [(0.0, 0.0)]
+
+
+def h_rows(config) -> float:
+    """Multiply-adds per token of a MoE layer's experts (top-k routed and shared), over width."""
+    shared = config.moe_shared_expert_intermediate_size or 0
+    return config.hidden_size * (config.moe_router_topk * config.moe_ffn_hidden_size + shared)
 
 
 def pp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:

@@ -259,7 +259,7 @@ def _explain_dispatch(pred: Prediction) -> str:
             f"{S.moe_layers + (K.mtp_moe if pred.slow_stage == lay.pp - 1 else 0)} MoE layers on stage "
             f"{pred.slow_stage} x {pred.micro_batches} micro-batches ({K.ep_exchanges} exchanges a layer, "
             f"{K.cluster.collective_latency_ms:g} ms each included), "
-            + ("behind other micro-batches' backwards (exposed.ep_exposure)" if pred.run.overlap_moe_ep_comm
+            + ("in pairs, each behind the other pass's next compute (exposed.ep_exposure)" if pred.run.overlap_moe_ep_comm
                else "not overlapped") + f" = {T.ep_comm:.3f} s")
 
 
