@@ -245,9 +245,10 @@ def hidden_runs(a, b: int) -> list[str]:
         cp_b = max(1, g * s // cp_seq)
         return {"dp": f"--micro-batch-size {mb} --global-batch-size {g}",  # one micro-batch a rank, as in overlap
                 "zero3": f"--micro-batch-size {mb} --global-batch-size {g} --zero-stage 3",
-                # dense layers DP 2, experts EP 2: 4 micro-batches a rank, each forward but the first beside
-                # a backward (--overlap-moe-expert-parallel-comm: megalite.parallel.lanes)
-                "ep": f"--micro-batch-size {max(1, mb // 4)} --global-batch-size {g} {' '.join(MOE_FLAGS)} "
+                # dense layers DP 2, experts EP 2: 4 micro-batches a rank (K x 4 with --dim-scale ep=K: the
+                # pairs need micro-batches, the first forward and last backward run alone), each forward
+                # but the first beside a backward (--overlap-moe-expert-parallel-comm: megalite.parallel.lanes)
+                "ep": f"--micro-batch-size {max(1, b // 4)} --global-batch-size {g} {' '.join(MOE_FLAGS)} "
                       f"--expert-model-parallel-size 2 --overlap-moe-expert-parallel-comm",
                 "pp": f"--pp 2 --micro-batch-size {max(1, mb // 2)} --global-batch-size {g}",  # 4 micro-batches
                 "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",

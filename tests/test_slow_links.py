@@ -205,11 +205,12 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
 
 def test_the_hidden_suite_runs_the_dimensions_asked_for_each_scaled_to_its_own_tokens():
     a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
-                                      micro_batch_size=None, bucket=200_000, dims="zero3,cp",
-                                      dim_scale=["zero3=2", "cp=4"])
+                                      micro_batch_size=None, bucket=200_000, dims="zero3,cp,ep",
+                                      dim_scale=["zero3=2", "cp=4", "ep=2"])
     specs = [slow_links.parse_run(t, 2, 1, 300.0) for t in slow_links_suites.suite_runs(a)[1]]
     flags = {s.name: " ".join(s.flags) for s in specs}
-    assert list(flags) == ["zero3-across", "zero3-bare", "cp-across", "cp-bare"]
+    assert list(flags) == ["zero3-across", "zero3-bare", "cp-across", "cp-bare", "ep-across", "ep-bare"]
+    assert "--micro-batch-size 2 --global-batch-size 32" in flags["ep-bare"]  # 8 micro-batches a rank, not 4 bigger
     assert "--micro-batch-size 16 --global-batch-size 32 --zero-stage 3" in flags["zero3-across"]
     assert "--seq-length 256 --micro-batch-size 16 --global-batch-size 16" in flags["cp-bare"]  # 4 x 1,024 tokens
     for bad in (dict(dims="zero3,fsdp"), dict(dim_scale=["tp=0"]), dict(dim_scale=["xp=2"])):
