@@ -14,6 +14,7 @@ from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, Me
 from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.optimizer import sgd
+from megalite.parallel import lanes
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
@@ -51,7 +52,9 @@ def _plan_warning(cfg, world_size: int) -> None:
 def setup(cfg, world_size: int):
     """Validate the layout, start the process groups, seed the RNG streams. Returns (model config,
     data-parallel size, device)."""
-    select_device()  # first: validation may build the fused kernels on the current GPU
+    device = select_device()  # first: validation may build the fused kernels on the current GPU
+    if device.type == "cpu" and cfg.parallel.overlap_moe_expert_parallel_comm:
+        lanes.share_one_heap()  # before gloo's threads: the forward lane's own heap costs page faults
     config = model_config(cfg)
     dp = validate(cfg, world_size, config)
     set_tf32(not cfg.precision.no_tf32)
