@@ -12,8 +12,7 @@ between two steps' exchanges).
 
     sudo python scripts/gloo_exchanges.py --overlap --rate-mbit 300 --sizes 1048576 --calls 10
 
---overlap measures what an exchange in flight costs the compute beside it (the planner's
-`Cluster.comm_compute_tax`): each rank times a block of matmuls alone, the exchange alone, and the
+--overlap measures what an exchange in flight costs the compute beside it: each rank times a block of matmuls alone, the exchange alone, and the
 block run while the exchange (launched with async_op=True just before) is in flight, then waits for
 the exchange. Per kind and size: the block's slowdown over the exchange's time alone (the tax), and
 the share of the exchange that hid (1 - (launch-to-done - block alone) / exchange alone).
@@ -78,7 +77,7 @@ def overlap_main(a) -> list[dict]:
     w = torch.randn(256, 256)
     h = torch.randn(256, 256)
 
-    def block():  # about a.block_ms of matmuls, the same work every call
+    def block():  # a.block_iters matmuls, the same work every call
         out = h
         for _ in range(a.block_iters):
             out = torch.tanh(out @ w)
@@ -206,8 +205,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.sizes = [int(s) for s in str(a.sizes).split(",")]
     a.kinds = a.kinds.split(",") if a.kinds else None
-    if a.overlap and a.kinds is None:
-        a.kinds = ["all_reduce", "reduce_scatter_megalite", "all_gather", "all_to_all"]
+    if a.overlap:  # the kinds launched with async_op=True (_async_exchanges)
+        overlappable = ["all_reduce", "reduce_scatter_megalite", "all_gather", "all_to_all"]
+        a.kinds = a.kinds or overlappable
+        if [k for k in a.kinds if k not in overlappable] or a.idle_ms:
+            raise SystemExit(f"--overlap times {', '.join(overlappable)} only, without --idle-ms")
     unknown = [k for k in a.kinds or () if k not in KINDS]
     if unknown:
         raise SystemExit(f"--kinds: unknown {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")

@@ -17,6 +17,11 @@ from slow_links import RunResult, RunSpec, table  # noqa: E402  (beside this fil
 from slow_links_suites import derive, report  # noqa: E402
 
 
+# suites whose derivation reads only the runs, the links and the common flags (diloco's reads its
+# own flags; planner's the solo run's world)
+DERIVED = ("hidden", "pairs", "moe", "overlap", "bf16")
+
+
 def _rate(key: str) -> float | None:
     return None if key == "None" else float(key)
 
@@ -38,8 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the saved results with the new derivation here")
     a = ap.parse_args(argv)
     saved = json.loads(Path(a.saved).read_text())
-    if not saved.get("suite"):
-        ap.error(f"{a.saved}: no suite was run (only a suite's figures are derived)")
+    if saved.get("suite") not in DERIVED:
+        ap.error(f"{a.saved}: suite {saved.get('suite')!r}: only {', '.join(DERIVED)} are derived from what a "
+                 "--json holds (run the others again)")
     a.suite, a.common_flags = saved["suite"], saved["common"]
     results, links = load(a.saved)
     derived = derive(a, results, links)

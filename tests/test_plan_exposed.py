@@ -6,7 +6,7 @@ import pytest
 from megalite.models import preset
 from megalite.tools import plan as P
 from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
-from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items
+from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
 from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
 
@@ -97,6 +97,29 @@ def test_ep_dispatch_is_exposed_unless_the_overlap_option_pairs_it_with_a_backwa
     assert 4 * costs.ep_time < paired.exposed["ep"].exposed < x.exposed
 
 
+def test_the_pairs_and_lone_passes_come_from_the_ranks_paired_program():
+    moe = TINY.replace(num_moe_experts=8, moe_router_topk=2)
+    run = P.Run(32, 64, "fp32", 200_000, overlap_moe_ep_comm=True)
+
+    four = P.Cluster(gpus=4, gpus_per_node=1, inter_node_gbps=1, peak_tflops=1, efficiency=1, collective_latency_ms=1)
+
+    def counts(layout, rank):
+        return pass_counts(P.predict(moe, layout, four if layout.pp > 1 else SLOW, run=run).costs, rank)
+
+    # pp 1, 4 micro-batches: 3 pairs, the first forward and the last backward alone
+    assert counts(P.Layout(dp=2, micro_batch_size=4, ep=2, etp=1), 0) == (3, 1, 1)
+    # 1F1B at pp 2 x dp 2 (8 micro-batches): p - r warm-up forwards, as many lone backwards
+    assert counts(P.Layout(pp=2, dp=2, micro_batch_size=2, ep=2, etp=1), 0) == (6, 2, 2)
+    assert counts(P.Layout(pp=2, dp=2, micro_batch_size=2, ep=2, etp=1), 1) == (7, 1, 1)
+    # DualPipeV's own pairs, two chunks a pass each; ZB-V has none (everything exposed)
+    dual = counts(P.Layout(pp=2, dp=2, micro_batch_size=2, ep=2, etp=1, schedule="dualpipev"), 0)
+    assert dual[0] > 0 and dual[0] + dual[1] == dual[0] + dual[2] == 2 * 8
+    zbv = P.Layout(pp=2, dp=2, micro_batch_size=2, ep=2, etp=1, schedule="zb-v")
+    assert counts(zbv, 0) is None
+    x = P.predict(moe, zbv, four, run=run).exposed["ep"]
+    assert x.exposed == x.comm
+
+
 def test_a_pair_hides_each_exchange_behind_the_other_lanes_next_compute_only():
     # the forward computes 1 then exchanges 3; the backward computes 2 (hiding 2 of the 3), exchanges
     # 1 after draining the forward's; the forward waits for nothing and computes 1 (hiding it)
@@ -110,6 +133,10 @@ def test_a_pair_hides_each_exchange_behind_the_other_lanes_next_compute_only():
     assert pair_exposed([(0.0, 2.0), (0.0, 2.0), (0.0, 0.0)], [(2.0, 0.0)]) == pytest.approx(2.0)
     # an exchange run in place (the counts): the lane keeps the turn and waits for it
     assert played_pair([(1.0, 2.0, False), (0.0, 3.0)], [(4.0, 0.0)]) == pytest.approx(1 + 2 + 4)
+    # ... also when it costs nothing (no latency): the turn is kept all the same
+    assert played_pair([(1.0, 0.0, False), (0.0, 2.0)], [(3.0, 0.0)]) == pytest.approx(1 + 3)
+    # compute with no exchange after it keeps the turn too (a lane hands over only at an exchange or its end)
+    assert played_pair([(1.0, 0.0), (1.0, 2.0)], [(3.0, 0.0)]) == pytest.approx(1 + 1 + 3)
     # a lane alone: every exchange exposed
     assert alone_exposed([(1.0, 2.0), (3.0, 4.0)]) == 6.0
 

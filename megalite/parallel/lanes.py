@@ -45,17 +45,17 @@ M_ARENA_MAX = -8  # glibc's malloc.h
 
 def share_one_heap() -> bool:
     """On the CPU, make every thread allocate from the process's main heap (glibc's mallopt
-    M_ARENA_MAX = 1). Call before any thread but the main one allocates (pretrain_gpt.py does with
-    --overlap-moe-expert-parallel-comm, before the process group starts gloo's threads). Otherwise
+    M_ARENA_MAX = 1). Call before any thread but the main one allocates (megalite.training.build.setup
+    does with --overlap-moe-expert-parallel-comm, before the process group starts gloo's threads). Otherwise
     the forward lane's thread gets a heap of its own, which glibc grows by mapping fresh pages and
     shrinks by unmapping them as each pass's activations come and go: measured 2026-12-03, 141k more
     page faults and 3.5 s more system time over 6 steps of 2 ranks, the pairs 10-15% slower than
-    plain on bare links; with one heap, as many faults as plain and no slower. Only one lane runs at
-    a time, so the shared heap's lock is not contended. Returns whether the C library took it (False
-    on a C library without mallopt)."""
+    plain on bare links; with one heap, as many faults as plain and no slower. Only one lane computes
+    at a time, and gloo's threads allocate little, so the shared heap's lock is hardly contended.
+    Returns whether the C library took it (False where there is no mallopt)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
         return False
     return bool(mallopt(M_ARENA_MAX, 1))
 

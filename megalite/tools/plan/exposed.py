@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.tools.plan.costs import LayoutCosts
+from megalite.pipeline.programs import PAIRED_SCHEDULES, build_program
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
 
@@ -102,12 +103,13 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
                     m * layers * exposed_layer, f"each step behind one attention block ({block * 1e3:.3f} ms forward)")
 
 
-def ep_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
-    """The token dispatch on `stage`: per MoE layer and micro-batch `costs.ep_exchanges` exchanges
-    (dispatch and combine forward and backward, the counts' all-gather) taking `costs.ep_time`. All
-    exposed; with the overlap option, the step's m micro-batches run as the first forward alone,
-    m - 1 pairs (a forward beside a backward) and the last backward alone: the lone passes'
-    exchanges exposed, each pair played by pair_play.py with the items of `pair_items`."""
+def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:
+    """The token dispatch on `stage` (pipeline rank `rank`): per MoE layer and micro-batch
+    `costs.ep_exchanges` exchanges (dispatch and combine forward and backward, the counts'
+    all-gather) taking `costs.ep_time`. All exposed; with the overlap option, the rank's paired
+    program (`pass_counts`) runs some forwards beside backwards, each such pair played by
+    pair_play.py with the items of `pair_items`, the other passes' exchanges exposed. A pass runs
+    one of the rank's v chunks: 1/v of the stage's items."""
     m, layers = costs.micro_batches, stage.ep_layers
     if not layers or not costs.ep_exchanges:
         return Exposure(0, 0.0, 0.0, 0.0, "")
@@ -115,10 +117,31 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     sent = m * layers * (costs.ep_bytes + costs.etp_bytes)
     if not costs.run.overlap_moe_ep_comm:
         return Exposure(m * layers * costs.ep_exchanges, sent, comm, comm, "nothing (megalite waits for each)")
+    counts = pass_counts(costs, rank)
+    if counts is None:  # a schedule without pairs: nothing overlapped
+        return Exposure(m * layers * costs.ep_exchanges, sent, comm, comm, "nothing (this schedule has no pairs)")
+    pairs, lone_f, lone_b = counts
     forward, backward = pair_items(costs, stage)
-    exposed = alone_exposed(forward) + alone_exposed(backward) + (m - 1) * pair_exposed(forward, backward)
+    exposed = (lone_f * alone_exposed(forward) + lone_b * alone_exposed(backward)
+               + pairs * pair_exposed(forward, backward)) / costs.layout.v
     return Exposure(m * layers * costs.ep_exchanges, sent, comm, exposed,
                     "the other lane's compute up to its next exchange (a forward beside a backward)")
+
+
+def pass_counts(costs: LayoutCosts, rank: int) -> tuple[int, int, int] | None:
+    """(pairs, forwards alone, backwards alone) in pipeline rank `rank`'s program under
+    --overlap-moe-expert-parallel-comm (megalite.pipeline.programs: 1F1B and interleaved paired,
+    DualPipeV's own pairs); at pp 1, m - 1 pairs and one of each alone. None: no pairs."""
+    layout = costs.layout
+    kind = "interleaved" if layout.vpp and layout.vpp > 1 and layout.schedule == "1f1b" else layout.schedule
+    if kind not in PAIRED_SCHEDULES:
+        return None
+    try:
+        program = build_program(layout.pp, rank, costs.micro_batches, layout.vpp, kind, paired=kind != "dualpipev")
+    except ValueError:  # a program this layout cannot run (the layout's own checks say why)
+        return None
+    pairs = sum(op.kind == "O" for op in program)
+    return (pairs, sum(op.kind == "F" for op in program) - pairs, sum(op.kind == "B" for op in program) - pairs)
 
 
 def pair_items(costs: LayoutCosts, stage: StageResult) -> tuple[list, list]:
@@ -151,7 +174,8 @@ def pair_items(costs: LayoutCosts, stage: StageResult) -> tuple[list, list]:
         + [(0.0, x)] * (half_f - 1) + [(e_f, x)] + [(0.0, x)] * (half_f - 1)
     extra = [(0.0, lat, False)] * (counts - 1)  # the recomputed forward's counts
     layer_b = [(pre_b, x)] + extra + [(0.0, x)] * (half_b - 1) + [(e_b, x)] + [(0.0, x)] * (half_b - 1)
-    # the backward's first item computes the output layer's share, its last the first layer's attention
+    # per layer the backward's attention (and its share of the rest) is computed before the layer's
+    # first exchange, not after its last: the same compute, the pattern shifted by one segment
     return layer_f * n + [(0.0, 0.0)], layer_b * n + [(0.0, 0.0)]
 
 
@@ -227,7 +251,8 @@ def exposed_comm(pred: Prediction) -> dict[str, Exposure]:
     """Every dimension's exposure in one step of `pred` (those with no exchanges left out; tp, cp,
     ep and pp on its slowest stage, dp on the stage with the most exposed data-parallel time)."""
     costs, slow = pred.costs, pred.stages[pred.slow_stage]
-    out = {"tp": tp_exposure(costs, slow), "cp": cp_exposure(costs, slow), "ep": ep_exposure(costs, slow),
+    out = {"tp": tp_exposure(costs, slow), "cp": cp_exposure(costs, slow),
+           "ep": ep_exposure(costs, slow, pred.slow_stage),
            "pp": pp_exposure(costs, slow), "dp": dp_exposure(pred)}
     return {k: x for k, x in out.items() if x.exchanges or x.exposed}
 

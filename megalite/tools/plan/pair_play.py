@@ -31,13 +31,16 @@ def played_pair(forward: Items, backward: Items) -> float:
         now = max(now, pending[turn])  # its own exchange first
         compute, exchange, hand_over = lanes[turn].pop(0)
         now += compute
-        if exchange > 0:
+        if exchange > 0 or not hand_over:
             now = max(now, pending[other])  # the other lane's exchange drained
-            if not hand_over:
-                now += exchange
-                continue
+        if not hand_over:  # run in place: the lane keeps the turn
+            now += exchange
+            continue
+        launched = exchange > 0
+        if launched:
             pending[turn] = now + exchange
-        if lanes[other]:
+        # the turn passes at a launched exchange, or when the lane ends (`_Pair.end`)
+        if (launched or not lanes[turn]) and lanes[other]:
             turn = other
     return max(now, pending["F"], pending["B"])
 
