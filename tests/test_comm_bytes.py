@@ -142,10 +142,14 @@ def test_context_parallel_bytes_equal_the_formula(cp_comm):
 def test_zero_bytes_equal_the_formula(stage):
     """ZeRO-2 reduce-scatters every micro-batch's gradients (it holds no whole gradient between them)
     and all-gathers the parameters after the update; ZeRO-3 instead gathers every unit for each
-    micro-batch's forward and again for its backward."""
+    micro-batch's forward and again for its backward, except what a turn keeps whole: a backward
+    finds its forward's last layer and the rest (embeddings, final norm), the next forward the
+    backward's first layer and the rest."""
     for res in run_ranks(step_traffic, 2, args=(BASE + ["--zero-stage", str(stage)],), timeout=300):
         m, grads = GLOBAL // (MICRO * 2), stage_params(1, True, True, L, 1) * E
-        gathers = ring(2) * grads if stage == 2 else m * 2 * ring(2) * grads
+        layer = stage_params(1, False, False, 1, 1) * E
+        rest = grads - L * layer
+        gathers = ring(2) * grads if stage == 2 else ring(2) * (2 * m * grads - (2 * m - 1) * (rest + layer))
         assert res["comm"][0]["dp"] == round(m * ring(2) * grads + gathers)
 
 

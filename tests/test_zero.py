@@ -192,40 +192,55 @@ def step_traffic(rank, world, argv):
     sent: list[Fraction] = []
     with counting_collectives(lambda kind, nbytes, n: sent.append(ring_bytes(kind, nbytes, n)), dp_buffers_only=True):
         run = gpt_run(argv + ["--train-iters", "1"])
-    return {"sent": sum(sent, Fraction(0)), "padded": run.buffers[0].numel}
+    buf = run.buffers[0]
+    return {"sent": sum(sent, Fraction(0)), "padded": buf.numel, "units": [b.numel for b in buf.buckets],
+            "layers": sorted(getattr(buf, "layer_unit_indices", ()))}
 
 
-def traffic(stage: int, micro_batches: int, *extra) -> tuple[Fraction, int]:
+def traffic(stage: int, micro_batches: int, *extra) -> tuple[Fraction, int, dict]:
     dp = 2
     argv = ["--seq-length", "32", "--micro-batch-size", "2", "--log-interval", "1", "--num-layers", "3",
             "--eval-iters", "0", "--global-batch-size", str(2 * dp * micro_batches), "--zero-stage", str(stage), *extra]
     got = run_ranks(step_traffic, dp, args=(argv,))[0]
-    return got["sent"], got["padded"]
+    return got["sent"], got["padded"], got
 
 
-def test_stage_2_sends_what_stage_1_sends_and_stage_3_half_again_plain_data_parallelism():
+def turns_kept(got: dict, m: int) -> int:
+    """Elements stage 3 does not gather again at the turns of m micro-batches (one chunk, pp 1): each
+    backward finds its forward's last layer (the lowest unit: layers are units last first) and the
+    rest whole; each later forward finds the backward's first layer and the rest (with the embeddings)."""
+    layers = got["layers"]
+    rest = sum(n for i, n in enumerate(got["units"]) if i not in layers)
+    last, first = got["units"][min(layers)], got["units"][max(layers)]
+    return m * (rest + last) + (m - 1) * (rest + first)
+
+
+def test_stage_2_sends_what_stage_1_sends_and_stage_3_half_again_plain_data_parallelism_less_the_turns():
     per_element = {}
     for stage in STAGES:
-        sent, padded = traffic(stage, 1)
+        sent, padded, got = traffic(stage, 1)
         per_element[stage] = sent / padded
     ring = Fraction(1, 2)  # (n - 1) / n at dp 2; fp32 everywhere: 4 bytes an element
     assert per_element[0] == 2 * ring * 4  # one all-reduce of the gradients
     assert per_element[1] == per_element[2] == 2 * ring * 4  # reduce-scatter + all-gather
-    assert per_element[3] == 3 * ring * 4  # all-gather in forward and in backward, reduce-scatter
-    assert per_element[3] / per_element[0] == Fraction(3, 2)
+    # all-gather in forward and in backward, reduce-scatter; the backward gathers no unit its forward ended with
+    kept = turns_kept(got, 1)
+    assert 0 < kept < padded / 2
+    assert per_element[3] == 3 * ring * 4 - ring * 4 * Fraction(kept, padded)
 
 
 def test_traffic_per_step_with_micro_batches_follows_each_stages_formula():
     m, ring = 3, Fraction(1, 2) * 4
     expected = {
-        (2,): (m + 1) * ring,  # a reduce-scatter per backward, one all-gather after the step
-        (3,): 3 * m * ring,  # per micro-batch: gather, gather again for backward, reduce-scatter
-        (3, "--zero-reshard-after-forward", "false"): 2 * m * ring,
-        (3, "--zero-keep-params-for-step"): (1 + m) * ring,  # one gather a step
+        (2,): lambda got: (m + 1) * ring,  # a reduce-scatter per backward, one all-gather after the step
+        # per micro-batch: gather, gather again for backward, reduce-scatter; less what the turns keep
+        (3,): lambda got: 3 * m * ring - ring * Fraction(turns_kept(got, m), got["padded"]),
+        (3, "--zero-reshard-after-forward", "false"): lambda got: 2 * m * ring,
+        (3, "--zero-keep-params-for-step"): lambda got: (1 + m) * ring,  # one gather a step
     }
     for (stage, *extra), per_element in expected.items():
-        sent, padded = traffic(stage, m, *extra)
-        assert sent / padded == per_element, (stage, extra)
+        sent, padded, got = traffic(stage, m, *extra)
+        assert sent / padded == per_element(got), (stage, extra)
 
 
 def dp_collectives_in_order(rank, world, argv):
@@ -262,17 +277,18 @@ def gathers_and_trace(rank, world, argv, trace):
     return run.buffers[0].gather_log
 
 
-def test_stage_3_prefetches_the_next_layer_and_draws_its_gathers_on_the_timeline(tmp_path):
+def test_stage_3_prefetches_the_next_layer_keeps_the_units_at_each_turn_and_draws_its_gathers(tmp_path):
     trace = tmp_path / "trace.json"
-    argv = BASE + ["--train-iters", "1", "--num-layers", "3", "--global-batch-size", "4", "--zero-stage", "3",
-                   "--eval-iters", "0"]
+    argv = BASE + ["--train-iters", "1", "--num-layers", "3", "--global-batch-size", "8", "--zero-stage", "3",
+                   "--eval-iters", "0"]  # 2 micro-batches a rank
     log = run_ranks(gathers_and_trace, 2, args=(argv, trace))[0]
-    # Units: layers 2, 1, 0 are units 0, 1, 2 (backward order), the rest is unit 3.
+    # Units: layers 2, 1, 0 are units 0, 1, 2 (backward order), the rest is unit 3. A backward begins
+    # with what its forward ended with (the rest, layer 2); the next forward with what the backward
+    # ended with (layer 0, then the rest with the embeddings): neither is gathered again.
     step = log
-    assert step == [
-        (3, "forward"), (2, "prefetch forward"), (1, "prefetch forward"), (0, "prefetch forward"),
-        (3, "backward"), (0, "prefetch backward"), (1, "prefetch backward"), (2, "prefetch backward"),
-    ]
+    first_forward = [(3, "forward"), (2, "prefetch forward"), (1, "prefetch forward"), (0, "prefetch forward")]
+    backward = [(1, "prefetch backward"), (2, "prefetch backward")]
+    assert step == first_forward + backward + [(1, "prefetch forward"), (0, "prefetch forward")] + backward
     events = json.loads(trace.read_text())["traceEvents"]
     gathers = [e for e in events if e.get("cat") == "zero-gather"]
     rows = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}

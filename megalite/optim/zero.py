@@ -3,8 +3,8 @@ Trillion Parameter Models"): the data-parallel buffers of `buffers.py`, the same
 stored on each rank. Stage 1 is `ParamAndGradBuffer(reduce_scatter=True)` with the distributed
 optimizer.
 
-Stage 2, `ShardedGradBuffer`, is in `zero2.py`; stage 3, `ShardedParamBuffer` and the module hooks
-that gather its units, in `zero3.py`. Callers import both from here, with `whole_parameters`.
+Stage 2, `ShardedGradBuffer`, is in `zero2.py`; stage 3, `ShardedParamBuffer`, in `zero3.py`, and the
+module hooks that gather its units in `zero3_hooks.py`. Callers import both from here, with `whole_parameters`.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 # The stages live in their own modules; this one is where callers (and tests) import them from.
 from megalite.optim.zero2 import MAX_IN_FLIGHT, ShardedGradBuffer
-from megalite.optim.zero3 import (FREE, GATHERING, WHOLE, ShardedParamBuffer, _in_backward, attach_unit_hooks,
-                                  layer_units)
+from megalite.optim.zero3 import FREE, GATHERING, WHOLE, ShardedParamBuffer
+from megalite.optim.zero3_hooks import _in_backward, attach_unit_hooks, layer_units
 
 __all__ = [
     "FREE", "GATHERING", "MAX_IN_FLIGHT", "WHOLE", "ShardedGradBuffer", "ShardedParamBuffer", "_in_backward",

@@ -1,5 +1,5 @@
-"""ZeRO stage 3 (`ShardedParamBuffer` and the module hooks that gather its units; import them from
-`megalite.optim.zero`).
+"""ZeRO stage 3 (`ShardedParamBuffer`; the module hooks that gather its units are in zero3_hooks.py;
+import both from `megalite.optim.zero`).
 
 Stage 3 (`ShardedParamBuffer`): parameters sharded too. Buckets are *units*: one per transformer
 layer, one for the rest of the chunk (embeddings, final norm, output layer), one for a tied
@@ -7,21 +7,25 @@ embedding shared with another stage. A unit's whole parameters exist only while 
 the parameters stay views of its whole buffer, whose storage is resized to zero when freed (the
 tensors autograd saved for backward are views of the same storage, so a re-gather before backward
 refills them). `attach_unit_hooks` gathers each layer just before its forward (the next layer's
-gather is prefetched asynchronously), frees it after (`reshard_after_forward`), gathers it again
-when backward reaches its output (prefetching the layer before), and frees it once its gradients
-are reduce-scattered. Gathered at once: the chunk's rest unit and at most two layers.
+gather is prefetched asynchronously), frees it after (`reshard_after_forward`), gathers it again when
+backward reaches its output (prefetching the layer before), and frees it once its gradients are
+reduce-scattered. Gathered at once: the chunk's rest unit and at most two layers.
+
+At a turn from one pass of a chunk to the next (`keep_at_turns`: one chunk a rank, resharding after
+forward), the units a pass ends with and the next begins with stay whole instead of being freed and gathered again: a
+forward ends with its last layer and the chunk's rest, which a backward begins with; a backward
+ends with its first layer (and, where the chunk holds the embeddings, the rest), which a forward
+begins with. The parameters do not change within a step, so the numbers are the same; what a pass
+does not begin with is freed when it begins (`begin_pass`), so no more is held at once than before.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import torch
-from torch import nn
 
-from megalite import faults
 from megalite.optim import buffers as _buffers
 from megalite.optim import fp8_gather
 from megalite.optim.buffers import Bucket
@@ -61,6 +65,13 @@ class ShardedParamBuffer(ShardedGradBuffer):
         self._seen_in_b: dict[int, set[int]] = {}
         self._released_in_b: dict[int, int] = {}
         self.fp8_plans: dict = {}  # unit -> its PackPlan (--fp8-param-gather)
+        # Kept whole from the end of a pass to the next pass's start (attach_unit_hooks fills the sets):
+        # after a forward, `turn_units["forward"]` (the last layer's units and the rest); after a
+        # backward, the first layer's units, and the rest released after them (`_first_layer_done`).
+        self.turn_units: dict[str, set[int]] = {"forward": set(), "backward": set()}
+        self.first_layer_units: set[int] = set()
+        self.turn_kept: set[int] = set()
+        self._first_layer_done = False
         super().__init__(params, **kwargs)
 
     def _allocate_params(self) -> None:
@@ -180,6 +191,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
 
     def _free(self, bucket: Bucket) -> None:
         unit = self.units[bucket.index]
+        self.turn_kept.discard(bucket.index)
         if unit.state == FREE or self.pinned:
             return
         self._wait(unit)
@@ -198,7 +210,10 @@ class ShardedParamBuffer(ShardedGradBuffer):
         elif self.keep_params_for_step:
             pass
         elif self.reshard_after_forward:
-            self._free(bucket)
+            if bucket.index in self.turn_units["forward"]:  # the backward begins with it
+                self.turn_kept.add(bucket.index)
+            else:
+                self._free(bucket)
         else:  # one hold per forward whose backward is still to come (1F1B runs several forwards
             # first); a layer called twice in one forward is held until finish_grad_sync frees it
             unit.holds += 1
@@ -222,12 +237,29 @@ class ShardedParamBuffer(ShardedGradBuffer):
         unit = self.units[bucket.index]
         unit.holds = max(0, unit.holds - 1)
         if unit.holds == 0 and not self.keep_params_for_step:
-            self._free(bucket)
+            first_layer = bucket.index in self.first_layer_units
+            self._first_layer_done |= first_layer
+            # A forward begins with it, and nothing of this backward is left to hold it through
+            # (the last stage's output layer, released early, is freed as before).
+            if bucket.index in self.turn_units["backward"] and (first_layer or self._first_layer_done):
+                self.turn_kept.add(bucket.index)
+            else:
+                self._free(bucket)
+
+    def begin_pass(self, kind: str) -> None:
+        """A forward or backward (`kind`) of this chunk begins: of the units the last pass kept
+        whole, those this pass does not begin with are freed; it finds the others gathered."""
+        begins_with = self.turn_units["backward" if kind == "forward" else "forward"]  # what the other kind ends with
+        for index in sorted(self.turn_kept - begins_with):
+            self._free(self.buckets[index])
+        self.turn_kept.clear()
+        self._first_layer_done = False
 
     def finish_grad_sync(self) -> None:
         super().finish_grad_sync()
         self._seen_in_b.clear()
         self._released_in_b.clear()
+        self._first_layer_done = False
         for bucket in self.buckets:  # the step is over: nothing stays gathered unless pinned
             self._free(bucket)
 
@@ -314,112 +346,3 @@ def _fp8_allowed(why: str) -> bool:
     """Whether a gather for `why` may bring FP8 weights as FP8: the training passes' gathers (and their
     prefetches), not a save's, an export's or the refresh after an update."""
     return why.split()[-1] in ("forward", "backward", "recompute")
-
-
-# -- stage 3's units and hooks ------------------------------------------------------------------
-def layer_units(chunk: nn.Module, params: list[torch.nn.Parameter], deferred) -> list[list[int]]:
-    """ZeRO-3 units of a chunk, as indices into `params`: each of `chunk.layers` (last first, as
-    backward meets them), then the rest, then each deferred (tied across stages) parameter alone."""
-    index = {id(p): k for k, p in enumerate(params)}
-    if not hasattr(chunk, "layers"):
-        raise ValueError(f"ZeRO-3 gathers a chunk's parameters layer by layer, but {type(chunk).__name__} has no "
-                         "`layers` (a ModuleList of its transformer layers): give it one, or use --zero-stage 2")
-    units, in_layers = [], set()
-    for layer in reversed(list(chunk.layers)):
-        members = [index[id(p)] for p in reversed(list(layer.parameters())) if id(p) in index]
-        in_layers.update(members)
-        if members:
-            units.append(members)
-    rest = [k for k in reversed(range(len(params))) if k not in in_layers and not deferred(params[k])]
-    if rest:
-        units.append(rest)
-    units += [[k] for k in range(len(params)) if k not in in_layers and deferred(params[k])]
-    return units
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    if torch.is_tensor(out):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
-
-
-def _in_backward() -> bool:
-    """True inside autograd's backward (a recomputation, a tensor hook). A private torch call, pinned
-    by tests/test_zero.py::test_in_backward_tells_forward_from_backward."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _UnitHooks:
-    """Module hooks that gather a chunk's units on use (see the module docstring)."""
-
-    def __init__(self, buffer: ShardedParamBuffer, chunk: nn.Module):
-        self.buffer, self.chunk = buffer, chunk
-        layers = list(getattr(chunk, "layers", []))
-        first_of = {id(p): buffer.bucket_of[id(p)] for p in buffer.params}
-        self.layer_units = []
-        for layer in layers:
-            units = {first_of[id(p)].index: first_of[id(p)] for p in layer.parameters() if id(p) in first_of}
-            self.layer_units.append(list(units.values()))
-        in_layers = {b.index for units in self.layer_units for b in units}
-        buffer.layer_unit_indices |= in_layers
-        self.chunk_units = [b for b in buffer.buckets if b.index not in in_layers]
-        chunk.register_forward_pre_hook(self._chunk_pre)
-        chunk.register_forward_hook(self._chunk_post)
-        for i, layer in enumerate(layers):
-            layer.register_forward_pre_hook(partial(self._layer_pre, i))
-            layer.register_forward_hook(partial(self._layer_post, i))
-
-    def _gather(self, units, wait=True, why="forward"):
-        faults.point("gather")
-        for b in units:
-            self.buffer.gather(b, wait=wait, why=why)
-
-    def _prefetch_layer(self, i: int, why: str) -> None:
-        if 0 <= i < len(self.layer_units):
-            self._gather(self.layer_units[i], wait=False, why=f"prefetch {why}")
-
-    def _on_backward_of(self, units, previous_layer: int):
-        def hook(grad):
-            self._gather(units, why="backward")
-            self._prefetch_layer(previous_layer, "backward")
-            return grad
-        return hook
-
-    def _chunk_pre(self, module, args):
-        if _in_backward():
-            return
-        self._gather(self.chunk_units)
-        self._prefetch_layer(0, "forward")
-
-    def _chunk_post(self, module, args, out):
-        if _in_backward():
-            return
-        if torch.is_grad_enabled():
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._on_backward_of(self.chunk_units, len(self.layer_units) - 1))
-        for b in self.chunk_units:
-            self.buffer.after_forward(b, module.training)
-
-    def _layer_pre(self, i, module, args):
-        self._gather(self.layer_units[i], why="recompute" if _in_backward() else "forward")
-        if not _in_backward():
-            self._prefetch_layer(i + 1, "forward")
-
-    def _layer_post(self, i, module, args, out):
-        if torch.is_grad_enabled():
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._on_backward_of(self.layer_units[i], i - 1))
-        if not _in_backward():  # a recomputation inside backward keeps its unit for that backward
-            for b in self.layer_units[i]:
-                self.buffer.after_forward(b, module.training)
-
-
-def attach_unit_hooks(chunk: nn.Module, buffer: ShardedParamBuffer) -> None:
-    """Gather `chunk`'s ZeRO-3 units as its forward and backward use them."""
-    _UnitHooks(buffer, chunk)

@@ -49,7 +49,7 @@ json_forms.py: JSON; cli.py: the command line. docs/planner.md states every form
 """
 from megalite.tools.plan.activations import in_flight_chunks
 from megalite.tools.plan.cli import build_parser, config_from_args, main
-from megalite.tools.plan.comm import DataParallelTime, dp_traffic
+from megalite.tools.plan.comm import DataParallelTime, dp_traffic, turn_kept
 from megalite.tools.plan.command import launch_command, model_flags
 from megalite.tools.plan.inputs import (
     DTYPE_BYTES,
@@ -98,7 +98,7 @@ __all__ = [
     "check_layout",
     "config_from_args",
     "divisors",
-    "dp_traffic",
+    "dp_traffic", "turn_kept",
     "explain",
     "format_rejections",
     "format_table",

@@ -80,7 +80,7 @@ class DataParallelTime:
 
 def dp_traffic(stage: int, padded: int, dp: int, micro_batches: int, param_bytes: int, comm_bytes: int,
                reshard_after_forward: bool = True, keep_params_for_step: bool = False,
-               forward_gathers: int | None = None) -> dict[str, float]:
+               forward_gathers: int | None = None, turn_kept: int = 0) -> dict[str, float]:
     """Bytes one rank sends per step over data parallelism (ring volumes: (n-1)/n of each
     reduce-scatter's input and all-gather's output, twice that for an all-reduce), for a rank whose
     buffers hold `padded` elements and run m micro-batches. Stage 0: one all-reduce of the
@@ -89,7 +89,8 @@ def dp_traffic(stage: int, padded: int, dp: int, micro_batches: int, param_bytes
     forward, another before backward (not when the forward keeps them) and a reduce-scatter, no
     all-gather after the step (one gather per step when kept for the step). Kept from forward to
     backward, a unit is gathered by a forward only when none of its forwards awaits its backward:
-    `forward_gathers` times a step (`forward_gathers`; m without a pipeline, fewer in 1F1B's)."""
+    `forward_gathers` times a step (`forward_gathers`; m without a pipeline, fewer in 1F1B's).
+    `turn_kept`: elements the step's turns keep whole rather than gather again (`turn_kept`)."""
     ring = (dp - 1) / dp
     grads, params = ring * padded * comm_bytes, ring * padded * param_bytes
     m = micro_batches
@@ -103,7 +104,36 @@ def dp_traffic(stage: int, padded: int, dp: int, micro_batches: int, param_bytes
         gathers = 2 * m
     else:
         gathers = m if forward_gathers is None else forward_gathers
-    return {"all_reduce": 0.0, "reduce_scatter": m * grads, "all_gather": gathers * params}
+    return {"all_reduce": 0.0, "reduce_scatter": m * grads,
+            "all_gather": gathers * params - ring * turn_kept * param_bytes}
+
+
+def turn_kept(kinds: str, sizes: list[int], layers: set[int], pre: bool) -> tuple[int, int]:
+    """Stage 3 with one chunk a rank (megalite.optim.zero3's turns): (elements, units) a step's
+    passes `kinds` ("F"/"B" in program order) find whole because the pass before ended with them.
+    Units are layers last first, then the others (`sizes`, `layers` the layers' indices). A forward
+    ends with the last layer and the others, a backward with the first layer and, on the chunk with
+    the embeddings (`pre`), the others; a forward begins with the others and the first layer, a
+    backward with the others and the last layer."""
+    if not layers:
+        return 0, 0
+    rest = set(range(len(sizes))) - layers
+    last, first = min(layers), max(layers)
+    ends = {"F": rest | {last}, "B": {first} | (rest if pre else set())}
+    begins = {"F": rest | {first}, "B": rest | {last}}
+    kept = [ends[a] & begins[b] for a, b in zip(kinds, kinds[1:])]
+    return sum(sizes[i] for units in kept for i in units), sum(len(units) for units in kept)
+
+
+def _turns(costs: LayoutCosts, r: int) -> str:
+    """Rank r's forwards and backwards in a step, in order, where stage 3 keeps units at turns (one
+    chunk a rank, resharding after forward), else ""."""
+    layout, run = costs.layout, costs.run
+    if layout.zero_stage != 3 or (layout.vpp or 1) != 1 or layout.v_shape or not run.zero_reshard_after_forward \
+            or run.zero_keep_params_for_step:
+        return ""
+    program = build_program(layout.pp, r, costs.micro_batches, layout.vpp, layout.schedule)
+    return "".join(op.kind for op in program if op.kind in "FB")
 
 
 def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
@@ -124,12 +154,21 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     pb = DTYPE_BYTES[run.dtype]
     out = DataParallelTime()
     gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp, layout.schedule)
+    kinds, pre = _turns(costs, r), virtual_stage(p, r, 0, layout.v_shape) == 0
+    kept = [turn_kept(kinds, [b.end - b.start for b in chunk], state.layer_buckets[c], pre) if kinds else (0, 0)
+            for c, chunk in enumerate(state.buckets)]
     per_chunk = [dp_traffic(stage, sum(b.end - b.start for b in chunk), d, costs.micro_batches, pb, state.comm_bytes,
-                            run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c])
+                            run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c], kept[c][0])
                  for c, chunk in enumerate(state.buckets)]
     edp = state.edp  # expert weights: their own buffers, over the expert-data-parallel group
     per_chunk += [dp_traffic(stage, sum(b.end - b.start for b in chunk), edp, costs.micro_batches, pb,
-                             state.comm_bytes) for chunk in state.expert_buckets if chunk and edp > 1]
+                             state.comm_bytes, turn_kept=turn_kept(kinds, [b.end - b.start for b in chunk],
+                                                                   state.experts.layer_buckets[c], False)[0]
+                             if kinds else 0)
+                  for c, chunk in enumerate(state.expert_buckets) if chunk and edp > 1]
+    if d > 1:  # what the turns keep is not gathered: the exposed gathers at each pass's start (zero3_exposed)
+        out.gathers -= sum(n * costs.cluster.collective_latency_ms / 1e3 + (d - 1) / d * numel * pb / costs.bw_dp
+                           for numel, n in kept)
     out.traffic = {k: sum(x[k] for x in per_chunk) for k in per_chunk[0]}
     if d == 1 and edp == 1 and not (p > 1 and r in (0, p - 1)):
         return out

@@ -60,6 +60,11 @@ class _Replay:
         self.gathered: set[int] = set()
         self.open: dict[int, int] = {}  # bucket -> gradients in so far
         self.in_flight: list[int] = []
+        # Kept whole from a backward's end for the next forward (zero3_hooks' `keep_at_turns`): the
+        # first layer's unit, and the others released after it (set by _replay_step)
+        self.turn_first: set[int] = set()
+        self.turn_rest: set[int] = set()
+        self._first_done = False
 
     def _count(self, kind: str, nbytes: int) -> None:
         self.now[kind] += nbytes
@@ -92,8 +97,10 @@ class _Replay:
         self.in_flight.append(i)
         while len(self.in_flight) > MAX_IN_FLIGHT:
             self._land(self.in_flight.pop(0))
-        if self.stage == 3:
-            self.free(i)  # its gradients are in: the unit is not needed again this backward
+        if self.stage == 3:  # its gradients are in: the unit is not needed again this backward
+            self._first_done |= i in self.turn_first
+            if not (i in self.turn_first or (i in self.turn_rest and self._first_done)):
+                self.free(i)
 
     def _land(self, i: int) -> None:
         del self.open[i]
@@ -135,7 +142,9 @@ def transient_peak(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb
             continue
         post = virtual_stage(pp, pp_rank, c, v_shape) == pp * v - 1
         replay = _Replay(chunk_buckets, stage, pb, gb, keep and stage == 3)
-        layer_bucket = _replay_step(replay, params, layer_of, post, reshard or stage < 3)
+        pre = v == 1 and virtual_stage(pp, pp_rank, c, v_shape) == 0  # (v == 1: the units kept at turns)
+        layer_bucket = _replay_step(replay, params, layer_of, post, reshard or stage < 3,
+                                    turns=v == 1 and reshard and not keep, pre=pre)
         out.layer_buckets.append(set(layer_bucket))
         peaks.append(replay)
     out.peak = {k: max(r.peak[k] for r in peaks) for k in ("grads", "gathered")}
@@ -149,13 +158,18 @@ def transient_peak(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb
     return out
 
 
-def _replay_step(replay: _Replay, params, layer_of, post: bool, reshard: bool) -> list[int]:
+def _replay_step(replay: _Replay, params, layer_of, post: bool, reshard: bool, turns: bool = False,
+                 pre: bool = False) -> list[int]:
     """One micro-batch's forward and backward of a chunk, in the order megalite's hooks see them
-    (zero._UnitHooks; stage 2 only has the backward's gradients). Returns the bucket of each layer."""
+    (zero3_hooks._UnitHooks; stage 2 only has the backward's gradients). `turns`: the backward keeps
+    its first layer whole for the next forward, and (`pre`, the chunk with the embeddings) the other
+    units released after it. Returns the bucket of each layer."""
     layer_ids = sorted({i for i in layer_of if i is not None})  # an expert buffer skips the dense layers
     n_layers = len(layer_ids)
     layer_bucket = [replay.bucket_of[layer_of.index(i)] for i in layer_ids]
     others = sorted({replay.bucket_of[k] for k, i in enumerate(layer_of) if i is None})
+    if turns and n_layers:
+        replay.turn_first, replay.turn_rest = {layer_bucket[0]}, set(others) if pre else set()
     if replay.stage == 3:  # forward: the chunk's other units, then each layer with the next prefetched
         for i in others:
             replay.gather(i)
