@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("all_reduce", "reduce_scatter_gloo", "reduce_scatter_megalite", "all_gather", "all_to_all", "send_recv",
-         "recv_send", "broadcast")
+KINDS = ("all_reduce", "reduce_scatter_gloo", "reduce_scatter_megalite", "all_gather", "all_gather_megalite",
+         "all_to_all", "send_recv", "recv_send", "broadcast")
 
 
 def _exchanges(rank: int, n: int) -> dict:
@@ -45,7 +45,8 @@ def _exchanges(rank: int, n: int) -> dict:
     return {"all_reduce": lambda: dist.all_reduce(x),
             "reduce_scatter_gloo": lambda: collectives._native_reduce_scatter(half, x),
             "reduce_scatter_megalite": lambda: collectives.reduce_scatter_single(half, x),
-            "all_gather": lambda: collectives.all_gather_single(whole, x),
+            "all_gather": lambda: collectives._native_all_gather(whole, x),
+            "all_gather_megalite": lambda: collectives.all_gather_single(whole, x),
             "all_to_all": lambda: dist.all_to_all_single(y, x),
             # one exchange each way, the send posted first / the receive first (megalite's order)
             "send_recv": lambda: [w.wait() for w in (dist.isend(x, 1 - rank), dist.irecv(y, 1 - rank))],
@@ -64,7 +65,8 @@ def _async_exchanges(rank: int, n: int) -> dict:
     half, whole = torch.empty(n // 2), torch.empty(2 * n)
     return {"all_reduce": lambda: dist.all_reduce(x, async_op=True),
             "reduce_scatter_megalite": lambda: collectives.reduce_scatter_single(half, x, async_op=True),
-            "all_gather": lambda: collectives.all_gather_single(whole, x, async_op=True),
+            "all_gather": lambda: collectives._native_all_gather(whole, x, async_op=True),
+            "all_gather_megalite": lambda: collectives.all_gather_single(whole, x, async_op=True),
             "all_to_all": lambda: dist.all_to_all_single(y, x, async_op=True)}
 
 
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
     a.sizes = [int(s) for s in str(a.sizes).split(",")]
     a.kinds = a.kinds.split(",") if a.kinds else None
     if a.overlap:  # the kinds launched with async_op=True (_async_exchanges)
-        overlappable = ["all_reduce", "reduce_scatter_megalite", "all_gather", "all_to_all"]
+        overlappable = ["all_reduce", "reduce_scatter_megalite", "all_gather", "all_gather_megalite", "all_to_all"]
         a.kinds = a.kinds or overlappable
         if [k for k in a.kinds if k not in overlappable] or a.idle_ms:
             raise SystemExit(f"--overlap times {', '.join(overlappable)} only, without --idle-ms")

@@ -1,7 +1,7 @@
 """megalite.parallel.collectives: on gloo a reduce-scatter sends each chunk to its owner, every receive
 posted before any send, and sums the chunks in a ring's order (the owner's chunk last), so it sends
 (n - 1) / n of the input (gloo's own all-reduces all of it) and adds as --tp-comm-overlap's ring does,
-whatever the bucket around it."""
+whatever the bucket around it. An all-gather sends this rank's input to each peer, receives first."""
 from __future__ import annotations
 
 import torch
@@ -142,3 +142,48 @@ def test_pipeline_cp_ring_and_tp_ring_exchanges_post_their_receives_before_their
         for got in (pp_got, ring, sp):
             assert torch.equal(got, torch.full((3,), float(1 - rank)))
 
+
+
+def all_gather_cases(rank, world):
+    calls = []
+    real_batch, real_native = dist.batch_isend_irecv, collectives._native_all_gather
+
+    def batch(ops):
+        calls.append([("recv" if op.op is dist.irecv else "send", op.peer) for op in ops])
+        return real_batch(ops)
+    dist.batch_isend_irecv = batch
+    collectives._native_all_gather = lambda *a, **k: calls.append("native") or real_native(*a, **k)
+    try:
+        torch.manual_seed(rank)
+        inp = torch.randn(4, 3)
+        native = torch.empty(world * 4, 3)
+        real_native(native, inp)
+        out = torch.empty(world * 4, 3)
+        collectives.all_gather_single(out, inp)  # synchronous
+        # asynchronous, in place: the input is this rank's slice of the output (ZeRO's buckets), bytes (FP8)
+        whole = torch.zeros(world * 5, dtype=torch.uint8)
+        whole[rank * 5:(rank + 1) * 5] = rank + 1
+        work = collectives.all_gather_single(whole, whole[rank * 5:(rank + 1) * 5], async_op=True)
+        done = []
+        work.on_done(lambda: done.append(True))
+        work.wait()
+        work.wait()  # the callback runs once
+        n_before = len(calls)
+        strided = torch.empty(3, world * 4).t()  # not contiguous: gloo's own
+        collectives.all_gather_single(strided, inp)
+        return dict(native=native, out=out, whole=whole, done=done, strided=strided.clone(),
+                    calls=calls[:n_before], strided_call=calls[n_before:])
+    finally:
+        dist.batch_isend_irecv, collectives._native_all_gather = real_batch, real_native
+
+
+def test_gloo_all_gather_sends_its_input_to_each_peer_receives_first_and_equals_gloos_own():
+    world = 3
+    for rank, got in enumerate(run_ranks(all_gather_cases, world)):
+        assert torch.equal(got["out"], got["native"])
+        assert torch.equal(got["whole"], torch.arange(1, world + 1, dtype=torch.uint8).repeat_interleave(5))
+        assert got["done"] == [True]
+        assert torch.equal(got["strided"], got["native"])
+        peers = [r for r in range(world) if r != rank]
+        assert got["calls"] == [[("recv", r) for r in peers] + [("send", r) for r in peers]] * 2
+        assert got["strided_call"] == ["native"]

@@ -175,6 +175,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
             spans.append((name, "zero-gather", start, time.perf_counter() - start))
         if work is None:
             done()
+        elif hasattr(work, "on_done"):  # point-to-point requests (collectives.all_gather_single on gloo)
+            work.on_done(done)
         else:  # the communication thread completes it: no wait, no host sync on this thread
             work.get_future().add_done_callback(done)
 
