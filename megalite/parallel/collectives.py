@@ -11,6 +11,7 @@ owner's own chunk last. That is the order gloo's ring adds a chunk in, and the o
 --tp-comm-overlap's ring (parallel.tp_overlap), so the two paths stay bitwise at any tp and any shard
 size, and a bucket's sums do not depend on where gloo's segments fall.
 NCCL (and anything else) keeps its own reduce-scatter, as does a collective traced by torch.compile.
+The all-gather on gloo is point-to-point too (`all_gather_single`), for the order below.
 
 The chunks travel as point-to-point messages, every receive posted before any send. gloo sends a
 message only once the peer has said its receive is posted, and says so on the same connection as its
