@@ -168,10 +168,17 @@ def all_gather_cases(rank, world):
         work.on_done(lambda: done.append(True))
         work.wait()
         work.wait()  # the callback runs once
+        work.on_done(lambda: done.append("late"))  # registered after the wait: at once
+        polled = work.poll()
+        try:
+            collectives.all_gather_single(torch.empty(world * 4, 3, dtype=torch.float64), inp)
+            mixed = None
+        except ValueError as e:
+            mixed = str(e)
         n_before = len(calls)
         strided = torch.empty(3, world * 4).t()  # not contiguous: gloo's own
         collectives.all_gather_single(strided, inp)
-        return dict(native=native, out=out, whole=whole, done=done, strided=strided.clone(),
+        return dict(native=native, out=out, whole=whole, done=done, polled=polled, mixed=mixed, strided=strided.clone(),
                     calls=calls[:n_before], strided_call=calls[n_before:])
     finally:
         dist.batch_isend_irecv, collectives._native_all_gather = real_batch, real_native
@@ -182,7 +189,8 @@ def test_gloo_all_gather_sends_its_input_to_each_peer_receives_first_and_equals_
     for rank, got in enumerate(run_ranks(all_gather_cases, world)):
         assert torch.equal(got["out"], got["native"])
         assert torch.equal(got["whole"], torch.arange(1, world + 1, dtype=torch.uint8).repeat_interleave(5))
-        assert got["done"] == [True]
+        assert got["done"] == [True, "late"] and got["polled"]
+        assert "the output is torch.float64, the input torch.float32" in got["mixed"]
         assert torch.equal(got["strided"], got["native"])
         peers = [r for r in range(world) if r != rank]
         assert got["calls"] == [[("recv", r) for r in peers] + [("send", r) for r in peers]] * 2

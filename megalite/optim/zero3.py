@@ -12,11 +12,13 @@ backward reaches its output (prefetching the layer before), and frees it once it
 reduce-scattered. Gathered at once: the chunk's rest unit and at most two layers.
 
 At a turn from one pass of a chunk to the next (`keep_at_turns`: one chunk a rank, resharding after
-forward), the units a pass ends with and the next begins with stay whole instead of being freed and gathered again: a
-forward ends with its last layer and the chunk's rest, which a backward begins with; a backward
-ends with its first layer (and, where the chunk holds the embeddings, the rest), which a forward
-begins with. The parameters do not change within a step, so the numbers are the same; what a pass
-does not begin with is freed when it begins (`begin_pass`), so no more is held at once than before.
+forward), the units a pass ends with and the next begins with stay whole instead of being freed and
+gathered again: a forward ends with its last layer and the chunk's rest, which a backward (or, for
+the rest, another forward) begins with; a backward ends with its first layer (and, where the chunk
+holds the embeddings, the rest), which a forward begins with. The parameters do not change within a
+step, so the numbers are the same. What a pass does not begin with is freed when it begins
+(`begin_pass`), so no more units are whole at once than before; but the first layer kept at a
+backward's end is whole while the embedding's gradient bucket is open (the planner's replay counts it).
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
         self.pinned = False
         self.gather_log: list[tuple[int, str]] = []  # (unit, "forward" / "backward" / ...) per gather
         # Timeline spans (name, category, start, duration) while a step records them: each gather from
-        # its launch to its completion, and each wait for one (what prefetching did not hide).
+        # its launch to its completion (on gloo, megalite's point-to-point gather is seen done when the
+        # rank next gathers or waits: `_poll`), and each wait for one (what prefetching did not hide).
         self.spans: list | None = None
         self.layer_unit_indices: set[int] = set()  # filled by attach_unit_hooks
         # Zero-bubble schedules: parameters of a unit a B is done with (their W brings the
@@ -130,6 +133,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
     def gather(self, bucket: Bucket, wait: bool = True, why: str = "forward") -> None:
         """Start the all-gather of a unit's whole parameters unless it is under way or done;
         `wait` for it (else it is a prefetch, waited for where the unit is used)."""
+        if self.spans is not None:
+            self._poll()
         unit = self.units[bucket.index]
         if unit.state != FREE and unit.fp8 and not _fp8_allowed(why):  # a save needs the model-dtype values
             self._wait(unit)
@@ -179,6 +184,12 @@ class ShardedParamBuffer(ShardedGradBuffer):
             work.on_done(done)
         else:  # the communication thread completes it: no wait, no host sync on this thread
             work.get_future().add_done_callback(done)
+
+    def _poll(self) -> None:
+        """Stamp the end of every gather in flight that is done (requests without a future)."""
+        for unit in self.units:
+            if unit.state == GATHERING and hasattr(unit.work, "poll"):
+                unit.work.poll()
 
     def _wait(self, unit: _Unit) -> None:
         if unit.state == GATHERING:

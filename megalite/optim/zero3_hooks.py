@@ -53,6 +53,7 @@ class _UnitHooks:
 
     def __init__(self, buffer: ShardedParamBuffer, chunk: nn.Module, keep_at_turns: bool):
         self.buffer, self.chunk = buffer, chunk
+        self._began = None  # the autograd graph task whose backward began_pass was called for
         layers = list(getattr(chunk, "layers", []))
         first_of = {id(p): buffer.bucket_of[id(p)] for p in buffer.params}
         self.layer_units = []
@@ -85,7 +86,9 @@ class _UnitHooks:
 
     def _on_backward_of(self, units, previous_layer: int, begins: bool = False):
         def hook(grad):
-            if begins:  # the chunk's backward begins here
+            # the chunk's backward begins here (once a backward: a chunk may return several outputs)
+            if begins and torch._C._current_graph_task_id() != self._began:
+                self._began = torch._C._current_graph_task_id()
                 self.buffer.begin_pass("backward")
             self._gather(units, why="backward")
             self._prefetch_layer(previous_layer, "backward")

@@ -75,32 +75,49 @@ def _on_gloo(group) -> bool:
 
 class _AllDone:
     """Point-to-point requests in flight, waited for as one collective's work. gloo's requests have
-    no future: `on_done(fn)` calls fn once they are waited for (a timeline span's end)."""
+    no future: `on_done(fn)` calls fn once they are seen done, by `poll()` (a timeline polls at each
+    unit's use) or at the latest by `wait()`; at once if they already were."""
 
     def __init__(self, works: list):
-        self.works, self.callbacks = works, []
+        self.works, self.callbacks, self.done = works, [], False
 
     def on_done(self, fn) -> None:
-        self.callbacks.append(fn)
+        if self.done:
+            fn()
+        else:
+            self.callbacks.append(fn)
+
+    def _finish(self) -> None:
+        self.done, self.works = True, []
+        for fn in self.callbacks:
+            fn()
+        self.callbacks = []
+
+    def poll(self) -> bool:
+        """Whether every request is done (calling the callbacks the first time it is), without waiting."""
+        if not self.done and all(work.is_completed() for work in self.works):
+            self._finish()
+        return self.done
 
     def wait(self, timeout=None) -> bool:
         for work in self.works:
             work.wait()
-        self.works = []
-        for fn in self.callbacks:
-            fn()
-        self.callbacks = []
+        if not self.done:
+            self._finish()
         return True
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """`out` = every rank's `inp` of `group`, in rank order (torch.distributed's signature); on gloo
     this rank's input sent to each peer and each peer's received into its place, receives first.
-    gloo's own all-gather posts its sends first and crosses a slow link at half its rate (module
-    docstring): measured across the 300 Mbit/s link, a 4 MiB gather took a median of 119.5 ms where
-    its bytes need 59 (scripts/gloo_exchanges.py, docs/slow-links.md (f)). A copy, so bitwise either way."""
-    if torch.compiler.is_compiling() or not _on_gloo(group) or not out.is_contiguous():
+    gloo's own all-gather posts its sends first, so its two directions can go one after the other
+    (module docstring): across the 300 Mbit/s link, 4 MiB a rank took a median of 175.6 ms with
+    gloo's, 118.7 ms with this, 117 at the link's rate (scripts/gloo_exchanges.py, 2026-12-03,
+    docs/communication.md). A copy, so bitwise either way."""
+    if torch.compiler.is_compiling() or not _on_gloo(group) or not out.is_contiguous() or out.numel() == 0:
         return _native_all_gather(out, inp, group=group, async_op=async_op)
+    if out.dtype != inp.dtype:
+        raise ValueError(f"all_gather_single: the output is {out.dtype}, the input {inp.dtype}: give both one dtype")
     n = dist.get_world_size(group)
     if out.numel() != n * inp.numel():
         raise ValueError(f"all_gather_single: the output holds {out.numel()} elements, not {n} x the "
