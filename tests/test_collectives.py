@@ -4,6 +4,8 @@ posted before any send, and sums the chunks in a ring's order (the owner's chunk
 whatever the bucket around it. An all-gather sends this rank's input to each peer, receives first."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -11,16 +13,27 @@ from megalite.parallel import collectives
 from megalite.testing import run_ranks
 
 
-def reduce_scatter_cases(rank, world):
-    calls = []
-    real_batch, real_native = dist.batch_isend_irecv, collectives._native_reduce_scatter
+@contextmanager
+def posts_logged(native_name: str):
+    """Inside: each batch of point-to-point ops megalite posts is logged as [(kind, peer), ...] in
+    posting order, and each fallback to gloo's own collective `native_name` as "native"; yields
+    (the log, the real native collective)."""
+    calls, real_batch, real_native = [], dist.batch_isend_irecv, getattr(collectives, native_name)
 
-    def batch(ops):  # each op's kind and peer, in posting order
+    def batch(ops):
         calls.append([("recv" if op.op is dist.irecv else "send", op.peer) for op in ops])
         return real_batch(ops)
     dist.batch_isend_irecv = batch
-    collectives._native_reduce_scatter = lambda *a, **k: calls.append("native") or real_native(*a, **k)
+    setattr(collectives, native_name, lambda *a, **k: calls.append("native") or real_native(*a, **k))
     try:
+        yield calls, real_native
+    finally:
+        dist.batch_isend_irecv = real_batch
+        setattr(collectives, native_name, real_native)
+
+
+def reduce_scatter_cases(rank, world):
+    with posts_logged("_native_reduce_scatter") as (calls, _):
         torch.manual_seed(rank)
         inp = torch.randn(world * 6, 3)
         gathered = [torch.empty_like(inp) for _ in range(world)]
@@ -42,8 +55,6 @@ def reduce_scatter_cases(rank, world):
         collectives.reduce_scatter_single(maxed, inp, op=dist.ReduceOp.MAX)
         return dict(out=out, shard=shard, before_wait=before_wait, gathered=gathered, half=half, maxed=maxed,
                     calls=calls[:n_before], op_call=calls[n_before:])
-    finally:
-        dist.batch_isend_irecv, collectives._native_reduce_scatter = real_batch, real_native
 
 
 def test_gloo_reduce_scatter_sends_each_chunk_to_its_owner_receives_first_and_sums_in_ring_order():
@@ -145,15 +156,7 @@ def test_pipeline_cp_ring_and_tp_ring_exchanges_post_their_receives_before_their
 
 
 def all_gather_cases(rank, world):
-    calls = []
-    real_batch, real_native = dist.batch_isend_irecv, collectives._native_all_gather
-
-    def batch(ops):
-        calls.append([("recv" if op.op is dist.irecv else "send", op.peer) for op in ops])
-        return real_batch(ops)
-    dist.batch_isend_irecv = batch
-    collectives._native_all_gather = lambda *a, **k: calls.append("native") or real_native(*a, **k)
-    try:
+    with posts_logged("_native_all_gather") as (calls, real_native):
         torch.manual_seed(rank)
         inp = torch.randn(4, 3)
         native = torch.empty(world * 4, 3)
@@ -180,8 +183,6 @@ def all_gather_cases(rank, world):
         collectives.all_gather_single(strided, inp)
         return dict(native=native, out=out, whole=whole, done=done, polled=polled, mixed=mixed, strided=strided.clone(),
                     calls=calls[:n_before], strided_call=calls[n_before:])
-    finally:
-        dist.batch_isend_irecv, collectives._native_all_gather = real_batch, real_native
 
 
 def test_gloo_all_gather_sends_its_input_to_each_peer_receives_first_and_equals_gloos_own():
