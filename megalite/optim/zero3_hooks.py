@@ -87,8 +87,9 @@ class _UnitHooks:
     def _on_backward_of(self, units, previous_layer: int, begins: bool = False):
         def hook(grad):
             # the chunk's backward begins here (once a backward: a chunk may return several outputs)
-            if begins and torch._C._current_graph_task_id() != self._began:
-                self._began = torch._C._current_graph_task_id()
+            task = torch._C._current_graph_task_id()
+            if begins and task != self._began:
+                self._began = task
                 self.buffer.begin_pass("backward")
             self._gather(units, why="backward")
             self._prefetch_layer(previous_layer, "backward")

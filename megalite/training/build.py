@@ -190,9 +190,9 @@ def _buffer(chunk, params, stage: int, cfg, deferred, common):
         buf = ShardedParamBuffer(params, units=layer_units(chunk, params, deferred),
                                  reshard_after_forward=cfg.data_parallel.zero_reshard_after_forward,
                                  keep_params_for_step=cfg.data_parallel.zero_keep_params_for_step, **common)
-        # One chunk a rank, its passes one at a time: the units at each turn stay whole
-        one_chunk = (cfg.parallel.vpp or 1) == 1 and not cfg.parallel.overlap_moe_expert_parallel_comm
-        attach_unit_hooks(chunk, buf, keep_at_turns=one_chunk)
+        # One chunk a rank (V schedules set vpp 2; pairs with stage 3 are refused): the units at each
+        # turn between its passes stay whole
+        attach_unit_hooks(chunk, buf, keep_at_turns=(cfg.parallel.vpp or 1) == 1)
         return buf
     if stage == 2:
         return ShardedGradBuffer(params, **common)

@@ -98,7 +98,7 @@ __all__ = [
     "check_layout",
     "config_from_args",
     "divisors",
-    "dp_traffic", "turn_kept",
+    "dp_traffic",
     "explain",
     "format_rejections",
     "format_table",
@@ -115,5 +115,6 @@ __all__ = [
     "stage_parameters",
     "stage_that_makes_it_fit",
     "total_parameters",
+    "turn_kept",
     "with_zero_stage",
 ]

@@ -132,8 +132,13 @@ def _turns(costs: LayoutCosts, r: int) -> str:
     if layout.zero_stage != 3 or (layout.vpp or 1) != 1 or layout.v_shape or not run.zero_reshard_after_forward \
             or run.zero_keep_params_for_step:
         return ""
-    program = build_program(layout.pp, r, costs.micro_batches, layout.vpp, layout.schedule)
-    return "".join(op.kind for op in program if op.kind in "FB")
+    return _pass_kinds(layout.pp, r, costs.micro_batches, layout.schedule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pass_kinds(p: int, r: int, m: int, schedule: str) -> str:
+    """The F and B ops of rank r's one-chunk program, in order (the planner's search asks often)."""
+    return "".join(op.kind for op in build_program(p, r, m, None, schedule) if op.kind in "FB")
 
 
 def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTime:
@@ -155,17 +160,18 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     out = DataParallelTime()
     gathers = forward_gathers(p, r, costs.micro_batches, layout.vpp, layout.schedule)
     kinds, pre = _turns(costs, r), virtual_stage(p, r, 0, layout.v_shape) == 0
-    kept = [turn_kept(kinds, [b.end - b.start for b in chunk], state.layer_buckets[c], pre) if kinds else (0, 0)
-            for c, chunk in enumerate(state.buckets)]
-    per_chunk = [dp_traffic(stage, sum(b.end - b.start for b in chunk), d, costs.micro_batches, pb, state.comm_bytes,
+    sizes = [[b.end - b.start for b in chunk] for chunk in state.buckets]
+    kept = [turn_kept(kinds, s, state.layer_buckets[c], pre) if kinds else (0, 0) for c, s in enumerate(sizes)]
+    per_chunk = [dp_traffic(stage, sum(s), d, costs.micro_batches, pb, state.comm_bytes,
                             run.zero_reshard_after_forward, run.zero_keep_params_for_step, gathers[c], kept[c][0])
-                 for c, chunk in enumerate(state.buckets)]
+                 for c, s in enumerate(sizes)]
     edp = state.edp  # expert weights: their own buffers, over the expert-data-parallel group
-    per_chunk += [dp_traffic(stage, sum(b.end - b.start for b in chunk), edp, costs.micro_batches, pb,
-                             state.comm_bytes, turn_kept=turn_kept(kinds, [b.end - b.start for b in chunk],
-                                                                   state.experts.layer_buckets[c], False)[0]
-                             if kinds else 0)
-                  for c, chunk in enumerate(state.expert_buckets) if chunk and edp > 1]
+    for c, chunk in enumerate(state.expert_buckets):
+        if chunk and edp > 1:
+            s = [b.end - b.start for b in chunk]
+            experts_kept = turn_kept(kinds, s, state.experts.layer_buckets[c], False)[0] if kinds else 0
+            per_chunk.append(dp_traffic(stage, sum(s), edp, costs.micro_batches, pb, state.comm_bytes,
+                                        turn_kept=experts_kept))
     if d > 1:  # what the turns keep is not gathered: the exposed gathers at each pass's start (zero3_exposed)
         out.gathers -= sum(n * costs.cluster.collective_latency_ms / 1e3 + (d - 1) / d * numel * pb / costs.bw_dp
                            for numel, n in kept)

@@ -142,7 +142,7 @@ def transient_peak(config, tp, pp, vpp, pp_rank, seq_length, explicit, stage, pb
             continue
         post = virtual_stage(pp, pp_rank, c, v_shape) == pp * v - 1
         replay = _Replay(chunk_buckets, stage, pb, gb, keep and stage == 3)
-        pre = v == 1 and virtual_stage(pp, pp_rank, c, v_shape) == 0  # (v == 1: the units kept at turns)
+        pre = virtual_stage(pp, pp_rank, c, v_shape) == 0
         layer_bucket = _replay_step(replay, params, layer_of, post, reshard or stage < 3,
                                     turns=v == 1 and reshard and not keep, pre=pre)
         out.layer_buckets.append(set(layer_bucket))
