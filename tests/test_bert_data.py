@@ -81,7 +81,7 @@ def bert_losses(rank, world, argv):
 
 
 def test_bert_trains_to_the_same_losses_in_every_layout():
-    argv = ["--train-iters", "8", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
+    argv = ["--train-iters", "3", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
             "--micro-batch-size", "2", "--vocab-size", "300", "--num-layers", "4", "--lr-warmup-iters", "0"]
     reference = run_ranks(bert_losses, 1, args=(argv,))[0]
     for tp, pp, dp in [(2, 2, 1), (1, 2, 2), (2, 1, 2)]:

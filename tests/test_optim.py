@@ -19,13 +19,15 @@ BASE = ["--seq-length", "32", "--log-interval", "1", "--global-batch-size", "16"
 @pytest.mark.parametrize("dp", [2, 4])
 def test_distributed_optimizer_is_bitwise_equal_to_the_plain_one(dp):
     # Small buckets so that shards cut through parameters; clipping off (its coefficient comes
-    # from a norm summed in another order, see docs/optimizer.md).
-    argv = BASE + ["--train-iters", "10", "--ddp-bucket-size", "30000", "--clip-grad", "0"]
+    # from a norm summed in another order, see docs/optimizer.md). Three steps (Adam's moments
+    # carried over two updates), two accumulated micro-batches per rank.
+    argv = ["--seq-length", "32", "--log-interval", "1", "--global-batch-size", str(4 * dp), "--micro-batch-size", "2",
+            "--train-iters", "3", "--ddp-bucket-size", "30000", "--clip-grad", "0"]
     plain = run_ranks(train_params, dp, args=(argv,))
     sharded = run_ranks(train_params, dp, args=(argv + ["--use-distributed-optimizer"],))
     for a, b in zip(plain, sharded):
         for name, p in a["params"].items():
-            assert torch.equal(p, b["params"][name]), f"{name} differs after 10 steps at dp={dp}"
+            assert torch.equal(p, b["params"][name]), f"{name} differs after 3 steps at dp={dp}"
         assert [r["loss"] for r in a["records"]] == [r["loss"] for r in b["records"]]
 
 
@@ -41,9 +43,15 @@ LAYOUT_222 = ["--tp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-bat
               "--train-iters", "2", "--log-interval", "1"]
 
 
+@pytest.fixture(scope="module")
+def single_device_222():
+    """The one-device run both 2x2x2 cases compare against (run once)."""
+    return run_ranks(train_params, 1, args=(LAYOUT_222[4:],))[0]["records"]
+
+
 @pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"]], ids=["plain", "distributed"])
-def test_global_grad_norm_at_222_equals_single_device(extra):
-    single = run_ranks(train_params, 1, args=(LAYOUT_222[4:],))[0]["records"]
+def test_global_grad_norm_at_222_equals_single_device(extra, single_device_222):
+    single = single_device_222
     parallel_run = run_ranks(train_params, 8, args=(LAYOUT_222 + extra,))
     for out in parallel_run:
         for a, b in zip(out["records"], single):
@@ -91,7 +99,9 @@ def test_bucketed_overlapped_reduction_matches_naive_and_starts_before_backward_
 
 
 def test_fp16_forced_overflow_skips_exactly_that_step_and_lowers_the_scale():
-    argv = BASE + ["--train-iters", "6", "--fp16", "--hysteresis", "1", "--initial-loss-scale", "1024"]
+    # Two micro-batches an iteration (every one of iteration 3 overflows).
+    argv = ["--seq-length", "32", "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size", "4",
+            "--train-iters", "6", "--fp16", "--hysteresis", "1", "--initial-loss-scale", "1024"]
     records, adam_steps = run_ranks(train_with_inf_at, 1, args=(argv, 3))[0]
     assert [r["skipped"] for r in records] == [0, 0, 1, 0, 0, 0]
     assert [r["loss_scale"] for r in records] == [1024, 1024, 512, 512, 512, 512]
@@ -100,12 +110,14 @@ def test_fp16_forced_overflow_skips_exactly_that_step_and_lowers_the_scale():
     assert records[-1]["loss"] < records[0]["loss"]
 
 
-# bf16 vs fp32 on the tiny GPT over 50 steps: the documented tolerance (docs/optimizer.md).
+# bf16 vs fp32 on the tiny GPT over 50 steps (global batch 8 of 32 tokens, two micro-batches):
+# the documented tolerance (docs/optimizer.md).
 BF16_TOLERANCE = 0.01
 
 
 def test_bf16_loss_curve_tracks_fp32():
-    argv = BASE + ["--train-iters", "50"]
+    argv = ["--seq-length", "32", "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size", "4",
+            "--train-iters", "50"]
     fp32 = [r["loss"] for r in run_ranks(train_params, 1, args=(argv,))[0]["records"]]
     bf16 = [r["loss"] for r in run_ranks(train_params, 1, args=(argv + ["--bf16"],))[0]["records"]]
     worst = max(abs(a - b) for a, b in zip(fp32, bf16))
@@ -114,7 +126,9 @@ def test_bf16_loss_curve_tracks_fp32():
 
 
 def test_bf16_gradient_reduction_tracks_fp32_reduction():
-    argv = BASE + ["--train-iters", "10"]
+    # dp 2, two micro-batches per rank
+    argv = ["--seq-length", "32", "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size", "2",
+            "--train-iters", "10"]
     fp32 = run_ranks(train_params, 2, args=(argv,))[0]["records"]
     bf16 = run_ranks(train_params, 2, args=(argv + ["--grad-reduce-dtype", "bf16"],))[0]["records"]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(fp32, bf16)) < 0.01
