@@ -87,26 +87,57 @@ def _scores(results) -> tuple[dict[str, float], dict]:
 
 
 @pytest.fixture(scope="module")
-def hf_scores(model_dirs):
+def task_index(model_dirs):
+    """lm-eval's task manager for the task directory (its built-in tasks and ours), built once: indexing
+    lm-eval's thousands of task files takes ~13 s of CPU in each process that does it. The pytest
+    process's adapter finds it in its per-directory cache; ranks and subprocesses load the pickle
+    returned (`_with_task_index`), so each indexes nothing. Every check of the names still runs."""
+    import pickle
+
+    from lm_eval.tasks import TaskManager
+
+    from megalite.generation import lm_eval_adapter
+
+    tasks = str(model_dirs[3])
+    manager = TaskManager(include_path=tasks)
+    path = model_dirs[3].parent / "task_manager.pickle"
+    path.write_bytes(pickle.dumps(manager))
+    lm_eval_adapter._MANAGERS[tasks] = manager
+    yield manager, str(path)
+    lm_eval_adapter._MANAGERS.pop(tasks, None)
+
+
+def _with_task_index(pickled: str, include_path: str) -> None:
+    """In a rank: the adapter's cached task manager for `include_path` is the pickled one (task_index)."""
+    import pickle
+    from pathlib import Path
+
+    from megalite.generation import lm_eval_adapter
+
+    lm_eval_adapter._MANAGERS[include_path] = pickle.loads(Path(pickled).read_bytes())
+
+
+@pytest.fixture(scope="module")
+def hf_scores(model_dirs, task_index):
     """lm-eval's own Hugging Face model on the export."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     hf_dir, _, exported, tasks = model_dirs
     lm = HFLM(pretrained=str(exported), tokenizer=str(hf_dir), batch_size=1, device="cpu", dtype="float32")
-    results = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=str(tasks)),
+    results = lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=task_index[0],
                                       log_samples=True, bootstrap_iters=0, verbosity="ERROR")
     return _scores(results)
 
 
-def _megalite_scores(rank, world, load, tokenizer, tasks, layouts):
+def _megalite_scores(rank, world, load, tokenizer, tasks, layouts, index):
     """lm-eval through MegaliteLM at each (tp, pp) of `layouts` (the rest of the ranks data-parallel)."""
     from megalite import parallel
     from megalite.data import build_tokenizer
     from megalite.generation.lm_eval_adapter import MegaliteLM, evaluate_tasks
     from megalite.tools.generate import build_stage
 
+    _with_task_index(index, tasks)
     out = {}
     for tp, pp in layouts:
         parallel.initialize_model_parallel(tp, pp)
@@ -149,28 +180,30 @@ def _assert_same(ours: tuple, theirs: tuple, what: str):
                     assert a == b, (what, task, doc, mine, hers)
 
 
-def test_scores_equal_lm_evals_hugging_face_model_on_the_export(model_dirs, hf_scores):
+def test_scores_equal_lm_evals_hugging_face_model_on_the_export(model_dirs, task_index, hf_scores):
     hf_dir, imported, _, tasks = model_dirs
     # Not all answers right nor all wrong: the comparison can tell models apart.
     metrics, answers = hf_scores
     assert 0 < metrics["colours_choice/acc"] < 1 and metrics["colours_text/word_perplexity"] > 1
     texts = [t for a in answers["colours_answer"].values() for t in _flat(a)]
     assert all(isinstance(t, str) for t in texts) and len(set(texts)) > 1, texts  # greedy texts, not all alike
-    [ours] = run_ranks(_megalite_scores, 1, args=(str(imported), str(hf_dir), str(tasks), [(1, 1)]), timeout=300)
+    [ours] = run_ranks(_megalite_scores, 1, args=(str(imported), str(hf_dir), str(tasks), [(1, 1)], task_index[1]),
+                       timeout=300)
     _assert_same(ours[(1, 1)], hf_scores, "one device")
 
 
 @pytest.mark.slow
-def test_scores_are_the_same_at_tp2_pp2_and_over_data_parallel_replicas(model_dirs, hf_scores):
+def test_scores_are_the_same_at_tp2_pp2_and_over_data_parallel_replicas(model_dirs, task_index, hf_scores):
     hf_dir, imported, _, tasks = model_dirs
-    results = run_ranks(_megalite_scores, 4, args=(str(imported), str(hf_dir), str(tasks), [(2, 2), (2, 1)]),
-                        timeout=420)
+    results = run_ranks(_megalite_scores, 4, args=(str(imported), str(hf_dir), str(tasks), [(2, 2), (2, 1)],
+                                                   task_index[1]), timeout=420)
     _assert_same(results[0][(2, 2)], hf_scores, "tp 2 x pp 2")
     _assert_same(results[0][(2, 1)], hf_scores, "tp 2 x dp 2")  # requests dealt over the two replicas
     assert results[1][(2, 2)] == results[0][(2, 2)]  # every rank of the first replica has the numbers
 
 
-def test_cli_prints_the_table_writes_json_and_refuses_in_one_line(model_dirs, hf_scores, tmp_path, capsys):
+def test_cli_prints_the_table_writes_json_and_refuses_in_one_line(model_dirs, task_index, hf_scores, tmp_path,
+                                                                  capsys):
     from megalite.tools.lm_eval import main
 
     hf_dir, imported, _, tasks = model_dirs
@@ -190,7 +223,7 @@ def test_cli_prints_the_table_writes_json_and_refuses_in_one_line(model_dirs, hf
 
 # --- during training ------------------------------------------------------------------------------
 
-def _train_and_score(rank, world, runs, tokenizer, tasks):
+def _train_and_score(rank, world, runs, tokenizer, tasks, index):
     """Each argv of `runs` trained (its losses and --metrics-file records); then the last run's saved
     checkpoint scored again from the file."""
     import pretrain_gpt
@@ -201,6 +234,7 @@ def _train_and_score(rank, world, runs, tokenizer, tasks):
     from megalite.training import pretrain
     from training_ranks import parse
 
+    _with_task_index(index, tasks)
     losses = [[r["loss"] for r in pretrain(parse(argv), pretrain_gpt.task()).records] for argv in runs]
     save = runs[-1][runs[-1].index("--save") + 1]
     if not parallel.model_parallel_is_initialized():
@@ -212,7 +246,7 @@ def _train_and_score(rank, world, runs, tokenizer, tasks):
 
 
 @pytest.mark.slow
-def test_eval_tasks_score_the_model_being_trained_and_change_no_training_number(model_dirs, tmp_path):
+def test_eval_tasks_score_the_model_being_trained_and_change_no_training_number(model_dirs, task_index, tmp_path):
     from test_sft import CONVERSATIONS
 
     hf_dir, _, _, tasks = model_dirs
@@ -222,7 +256,8 @@ def test_eval_tasks_score_the_model_being_trained_and_change_no_training_number(
             "4", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "1", "--hidden-dropout", "0.1"]
     scored = base + ["--eval-tasks", "colours_choice,colours_text", "--eval-tasks-path", str(tasks), "--metrics-file",
                      str(metrics), "--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
-    [(losses, reloaded)] = run_ranks(_train_and_score, 1, args=([base, scored], str(hf_dir), str(tasks)), timeout=400)
+    [(losses, reloaded)] = run_ranks(_train_and_score, 1, timeout=400,
+                                     args=([base, scored], str(hf_dir), str(tasks), task_index[1]))
     assert losses[0] == losses[1]  # lm-eval's seeding does not reach training's generators (dropout here)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     logged = {r["iteration"]: r for r in records if r.get("split") == "lm_eval"}
@@ -234,7 +269,19 @@ def test_eval_tasks_score_the_model_being_trained_and_change_no_training_number(
         assert math.isclose(logged[4][key], reloaded[key], rel_tol=1e-6), (key, logged[4][key], reloaded[key])
 
 
-def test_eval_tasks_refuse_unknown_tasks_before_training_in_one_line(model_dirs, tmp_path):
+# `python pretrain_gpt.py ARGS...` run as a script, its lm-eval adapter's cached task manager loaded first
+# (task_index): argv is [pickle, task directory, pretrain_gpt.py, ARGS...].
+_SCRIPT_WITH_TASK_INDEX = """import os, pickle, runpy, sys
+pickled, tasks, sys.argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+from megalite.generation import lm_eval_adapter
+with open(pickled, "rb") as f:
+    lm_eval_adapter._MANAGERS[tasks] = pickle.load(f)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_eval_tasks_refuse_unknown_tasks_before_training_in_one_line(model_dirs, task_index, tmp_path):
     import subprocess
     import sys
 
@@ -242,7 +289,8 @@ def test_eval_tasks_refuse_unknown_tasks_before_training_in_one_line(model_dirs,
 
     hf_dir, _, _, tasks = model_dirs
     root = Path(__file__).parent.parent
-    argv = [sys.executable, str(root / "pretrain_gpt.py"), "--model", "llama-tiny", "--sft-data-path",
+    argv = [sys.executable, "-c", _SCRIPT_WITH_TASK_INDEX, task_index[1], str(tasks), str(root / "pretrain_gpt.py"),
+            "--model", "llama-tiny", "--sft-data-path",
             str(CONVERSATIONS), "--tokenizer", str(hf_dir), "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", "2", "--eval-tasks", "colours_choice,colours_nope",
             "--eval-tasks-path", str(tasks)]

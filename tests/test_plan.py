@@ -578,14 +578,16 @@ def test_cli_model_too_large_fails_with_one_message(capsys):
     assert err.count("\n") == 1 and "no layout of gpt-175b fits 8 GPUs" in err
 
 
-def test_cli_as_a_module():
+def test_cli_as_a_module(capsys):
     proc = subprocess.run([sys.executable, "-m", "megalite.tools.plan", "--model", "gpt2-124m", "--gpus", "2",
                            "--global-batch-size", "8", "--json"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["best"][0]["layout"]["tp"] in (1, 2)
-    proc = subprocess.run([sys.executable, "-m", "megalite.tools.plan", "--model", "gpt2-124m", "--gpus", "2"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--global-batch-size" in proc.stderr
+    # A missing required flag: the module's main exits 2 naming it (argparse's exit, the module's exit
+    # code: `python -m` above runs sys.exit(main())); checked in this process.
+    with pytest.raises(SystemExit) as stop:
+        P.main(["--model", "gpt2-124m", "--gpus", "2"])
+    assert stop.value.code == 2 and "--global-batch-size" in capsys.readouterr().err
 
 
 def test_check_run_takes_a_pretrain_configuration():
@@ -607,16 +609,32 @@ def test_check_run_takes_a_pretrain_configuration():
     assert overlapped.exposed["tp"].exposed < plain.exposed["tp"].exposed
 
 
-def test_pretrain_plan_flag_warns_before_training(tmp_path):
-    from cli import torchrun
+def pretrain_gpt_runs(rank, world, runs):
+    """pretrain_gpt.main on each argv of `runs` in turn, one process: (exit code, stdout) of each."""
+    import contextlib
+    import io
 
-    run = torchrun("pretrain_gpt.py", 1, "--mock-data", "--train-iters", "1", "--seq-length", "32", "--plan",
-                   "--plan-gpu-memory-gib", "0.5")
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "warning: the planner predicts this layout will not fit: does not fit" in run.stdout
-    run = torchrun("pretrain_gpt.py", 1, "--mock-data", "--train-iters", "1", "--seq-length", "32", "--plan",
-                   "--plan-gpu-memory-gib", "80")
-    assert "plan: this layout needs about" in run.stdout
+    import pretrain_gpt
+
+    out = []
+    for argv in runs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = pretrain_gpt.main(argv)
+        out.append((code, printed.getvalue()))
+    return out
+
+
+def test_pretrain_plan_flag_warns_before_training(tmp_path):
+    run = ["--mock-data", "--train-iters", "1", "--seq-length", "32", "--plan", "--plan-gpu-memory-gib"]
+    # Both runs in one rank process (pretrain_gpt.main tears its process group down after each run).
+    [[(code, small), (_, roomy)]] = run_ranks(pretrain_gpt_runs, 1, args=([run + ["0.5"], run + ["80"]],),
+                                             env={"MEGALITE_QUIET": ""}, timeout=300)
+    assert code == 0, small[-2000:]
+    assert "warning: the planner predicts this layout will not fit: does not fit" in small
+    before, after = small.split("will not fit", 1)
+    assert "iter " not in before and "iter " in after  # before training, which then runs
+    assert "plan: this layout needs about" in roomy
 
 
 def test_the_printed_command_builds_the_planned_llama_model_and_tp_follows_its_groups():
