@@ -16,10 +16,11 @@ from helpers import rel_err
 from megalite import checkpoint
 from megalite.runtime import UsageError
 from megalite.testing import RankFailure, run_ranks
-from training_ranks import train_losses, train_with_inf_at
+from training_ranks import several, train_losses, train_with_inf_at
 
-# 10 iterations, saved or stopped at 5: a resume shows at any length, the steps after it are the cost.
-BASE = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
+# 6 iterations, saved or stopped at 3: a resume shows at any length (3 optimizer steps on each side of
+# it), the steps after it are the cost.
+BASE = ["--train-iters", "6", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
         "--micro-batch-size", "2"]
 
 
@@ -35,11 +36,13 @@ def unbroken():
 def test_resume_is_bitwise_exact(tmp_path):
     argv = BASE + layout(2, 1) + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                                   "--use-distributed-optimizer"]
-    whole = run_ranks(train_losses, 4, args=(argv,))[0]  # (tp, pp, dp) = (2, 1, 2)
-    first = run_ranks(train_losses, 4, args=(argv + ["--save", str(tmp_path), "--exit-interval", "5"],))[0]
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
+    # (tp, pp, dp) = (2, 1, 2): the unbroken run and the first half in one spawn; the resume in fresh processes
+    whole, first = run_ranks(several, 4, args=(train_losses, [argv, argv + ["--save", str(tmp_path),
+                                                                            "--exit-interval", "3"]]))[0]
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
     second = run_ranks(train_losses, 4, args=(argv + ["--load", str(tmp_path)],))[0]
-    assert first + second == whole, "5 + 5 resumed iterations must equal 10 unbroken ones, bit for bit"
+    assert len(whole) == 6
+    assert first + second == whole, "3 + 3 resumed iterations must equal 6 unbroken ones, bit for bit"
 
 
 # (tp, pp, extra flags) saved at 4 ranks, then loaded as (tp, pp, world, extra flags).
@@ -48,31 +51,35 @@ def test_resume_is_bitwise_exact(tmp_path):
     ((1, 2, ["--use-distributed-optimizer"]), [(2, 1, 2, [])]),
 ], ids=["from-221", "from-122-zero1"])
 def test_reshard_to_other_layouts_continues_the_unbroken_run(tmp_path, unbroken, saved, loads):
+    """The loads at the saving world size run in the saving spawn, after the save; the others in a spawn each."""
     tp, pp, extra = saved
-    run_ranks(train_losses, 4, args=(BASE + layout(tp, pp) + extra + ["--save", str(tmp_path), "--exit-interval", "5"],))
-    for tp2, pp2, world2, extra2 in loads:
-        losses = run_ranks(train_losses, world2, args=(BASE + layout(tp2, pp2) + extra2 + ["--load", str(tmp_path)],))[0]
-        assert len(losses) == 5
-        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5, (tp2, pp2, world2, losses)
+    save = BASE + layout(tp, pp) + extra + ["--save", str(tmp_path), "--exit-interval", "3"]
+    argvs = [BASE + layout(tp2, pp2) + extra2 + ["--load", str(tmp_path)] for tp2, pp2, _, extra2 in loads]
+    same_world = [argv for argv, (_, _, world2, _) in zip(argvs, loads) if world2 == 4]
+    after_save = iter(run_ranks(several, 4, args=(train_losses, [save, *same_world]))[0][1:])
+    for argv, (tp2, pp2, world2, _) in zip(argvs, loads):
+        losses = next(after_save) if world2 == 4 else run_ranks(train_losses, world2, args=(argv,))[0]
+        assert len(losses) == 3
+        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[3:])) <= 1e-5, (tp2, pp2, world2, losses)
 
 
 def test_async_save_is_committed_and_resumes(tmp_path, unbroken):
-    run_ranks(train_losses, 2, args=(BASE + ["--save", str(tmp_path), "--save-async", "--exit-interval", "5"],))
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000005"
+    run_ranks(train_losses, 2, args=(BASE + ["--save", str(tmp_path), "--save-async", "--exit-interval", "3"],))
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
     losses = run_ranks(train_losses, 2, args=(BASE + ["--load", str(tmp_path)],))[0]
-    assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5
+    assert rel_err(torch.tensor(losses), torch.tensor(unbroken[3:])) <= 1e-5
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
-    argv = BASE + layout(2, 1) + ["--save", str(tmp_path), "--save-interval", "3", "--distributed-timeout-minutes", "0.3"]
+    argv = BASE + layout(2, 1) + ["--save", str(tmp_path), "--save-interval", "2", "--distributed-timeout-minutes", "0.3"]
     with pytest.raises(RankFailure, match="exited with code 17"):
-        run_ranks(train_losses, 2, args=(argv,), timeout=120, env={"MEGALITE_TEST_CRASH_IN_SAVE": "1@6"})
-    assert (tmp_path / "latest").read_text().strip() == "iter_0000003"
-    assert (tmp_path / "iter_0000006.tmp").exists() and not (tmp_path / "iter_0000006").exists()
+        run_ranks(train_losses, 2, args=(argv,), timeout=120, env={"MEGALITE_TEST_CRASH_IN_SAVE": "1@4"})
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"
+    assert (tmp_path / "iter_0000004.tmp").exists() and not (tmp_path / "iter_0000004").exists()
     config, kind, sd = checkpoint.load_full_state_dict(tmp_path)
     assert kind == "gpt" and config.num_layers == 4 and sd["word_embeddings.weight"].shape[0] % 128 == 0
     losses = run_ranks(train_losses, 2, args=(BASE + layout(2, 1) + ["--load", str(tmp_path)],))[0]
-    assert len(losses) == 7  # resumed from iteration 3
+    assert len(losses) == 4  # resumed from iteration 2
 
 
 def test_bad_checkpoints_get_one_clear_message(tmp_path):
@@ -110,7 +117,7 @@ def test_another_model_shape_is_refused_from_the_command_line(tmp_path):
 
 
 def test_repeated_inf_gradients_stop_training_with_a_clear_message():
-    argv = BASE + ["--max-skipped-iters", "3"]
+    argv = BASE + ["--train-iters", "10", "--max-skipped-iters", "3"]
     with pytest.raises(RankFailure, match="3 iterations in a row had inf/NaN gradients"):
         run_ranks(train_with_inf_at, 1, args=(argv, 4, 10))
 

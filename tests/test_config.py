@@ -2,6 +2,7 @@
 change; --config files round-trip and are checked key by key; Megatron-LM's spellings mean what
 they mean there; bad input ends in one line."""
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -21,8 +22,15 @@ ENTRIES = {"pretrain_gpt.py": "gpt-tiny", "pretrain_bert.py": "bert-tiny"}
 NORMALIZED = {"zero_reshard_after_forward"}
 
 
+@functools.lru_cache(maxsize=None)
+def _parser(entry):
+    """One parser per entry point, built once: building one takes three parses' time, and a parse leaves
+    the parser as it was."""
+    return C.build_parser("test", ENTRIES[entry])
+
+
 def parse(argv, entry="pretrain_gpt.py"):
-    return C.build_parser("test", ENTRIES[entry]).parse_args(argv)
+    return _parser(entry).parse_args(argv)
 
 
 def resolve(entry, world, argv):
@@ -272,13 +280,33 @@ def test_conflicting_settings_name_both(argv, message):
         C.model_config(parse(argv))
 
 
-def _print_config(argv, world, entry="pretrain_gpt.py"):
+def _print_config(argv, world, entry="pretrain_gpt.py", here=None):
+    """`python entry argv --print-config` launched as rank 0 of `world`; or, given `here` (pytest's
+    monkeypatch and capsys), the entry point's main in this process with that environment: the same
+    parse, checks and printing, without a Python start-up."""
     env = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, str(ROOT / entry), *argv, "--print-config"], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env=env)
+    if here is None:
+        return subprocess.run([sys.executable, str(ROOT / entry), *argv, "--print-config"], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env=env)
+    return _main_here(entry, [*argv, "--print-config"], {k: v for k, v in env.items() if k != "PATH"}, *here)
 
 
-def test_print_config_checks_the_world_size_and_prints_a_file_config_reads(tmp_path):
+def _main_here(entry, argv, env, monkeypatch, capsys):
+    """The entry point's main(argv) in this process, with `env` set: as a finished process would say it."""
+    import importlib
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MEGALITE_QUIET", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = importlib.import_module(Path(entry).stem).main(argv)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([entry, *argv], code, out, err)
+
+
+def test_print_config_checks_the_world_size_and_prints_a_file_config_reads(tmp_path, monkeypatch, capsys):
+    """The file is printed by a launched process (stdout is the file alone); the refusal runs in this one."""
     run = _print_config(["--tp", "2", "--pp", "2", "--data-path", "/nonexistent/prefix", "--tokenizer", "x.model"], 8)
     assert run.returncode == 0, run.stderr
     assert "checked for 8 ranks (data-parallel size 2)" in run.stdout
@@ -286,7 +314,7 @@ def test_print_config_checks_the_world_size_and_prints_a_file_config_reads(tmp_p
     path.write_text(run.stdout)
     cfg = parse(["--config", str(path)])
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.data.data_path) == (2, 2, ["/nonexistent/prefix"])
-    bad = _print_config(["--tp", "3"], 8)
+    bad = _print_config(["--tp", "3"], 8, here=(monkeypatch, capsys))
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip() == ("megalite: error: --tp 3 does not divide the number of ranks (8): use a --tp among "
                                   "the divisors of 8, or launch a multiple of 3 ranks")
@@ -312,19 +340,33 @@ def test_the_configuration_page_is_generated_from_the_sections():
 LOSSES_BEFORE = json.loads((ROOT / "tests" / "fixtures" / "losses_before_config.json").read_text())["runs"]
 
 
+def _entry_main(rank, world, entry, argv):
+    """A rank of `run_ranks` running the entry point's main(argv), as a torchrun worker runs it: its exit code."""
+    import importlib
+
+    return importlib.import_module(Path(entry).stem).main(argv)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pp2vpp", "bert"])
 def test_runs_train_with_the_losses_recorded_before_the_typed_configuration(name, tmp_path):
+    """pp2vpp runs under torchrun; bert runs its entry point's main on the ranks of one spawn (same flags)."""
     from cli import losses, torchrun
     from helpers import rel_err
 
     import torch
 
+    from megalite.testing import run_ranks
+
     run = LOSSES_BEFORE[name]
     path = tmp_path / "m.jsonl"
-    done = torchrun(run["entry"], run["nproc"], "--mock-data", "--train-iters", "6", "--log-interval", "1",
-                    "--seq-length", "32", "--eval-interval", "0", *run["flags"], "--metrics-file", str(path))
-    assert done.returncode == 0, done.stderr[-3000:]
+    argv = ["--mock-data", "--train-iters", "6", "--log-interval", "1", "--seq-length", "32", "--eval-interval", "0",
+            *run["flags"], "--metrics-file", str(path)]
+    if name == "pp2vpp":
+        done = torchrun(run["entry"], run["nproc"], *argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        assert run_ranks(_entry_main, run["nproc"], args=(run["entry"], argv)) == [0] * run["nproc"]
     assert rel_err(torch.tensor(losses(path)), torch.tensor(run["losses"])) <= 1e-5
 
 
@@ -348,8 +390,13 @@ def test_an_explicit_zero_decoupled_floor_is_kept():
     assert cfg.optimizer.decoupled_min_lr == 0.0
 
 
-def test_print_config_refuses_a_world_size_that_is_not_one(tmp_path):
+def test_print_config_refuses_a_world_size_that_is_not_one(tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE=abc in a launched process; WORLD_SIZE=0 through the entry point's main in this one."""
     for world in ("abc", "0"):
-        run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--print-config"], capture_output=True,
-                             text=True, timeout=120, cwd=ROOT, env={"WORLD_SIZE": world, "PATH": "/usr/bin:/bin"})
+        if world == "abc":
+            run = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--print-config"],
+                                 capture_output=True, text=True, timeout=120, cwd=ROOT,
+                                 env={"WORLD_SIZE": world, "PATH": "/usr/bin:/bin"})
+        else:
+            run = _main_here("pretrain_gpt.py", ["--print-config"], {"WORLD_SIZE": world}, monkeypatch, capsys)
         assert run.returncode == 2 and f"WORLD_SIZE={world}" in run.stderr and "Traceback" not in run.stderr

@@ -32,14 +32,45 @@ def imported(tmp_path_factory):
     return root / "ckpt"
 
 
-def _print_config(*argv):
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
-    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv, "--print-config"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+ENV = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
 
 
-def test_load_without_shape_flags_takes_the_imported_model(imported, tmp_path):
-    run = _print_config("--load", str(imported), "--mock-data")
+def _print_config(*argv, here=None):
+    """`pretrain_gpt.py argv --print-config` launched as rank 0 of 2; or, given `here` (pytest's
+    monkeypatch and capsys), its main in this process with that environment: the same parse, checks
+    and printing, without a Python start-up."""
+    if here is None:
+        return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv, "--print-config"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, **ENV})
+    import pretrain_gpt
+
+    monkeypatch, capsys = here
+    for name in ("MEGALITE_QUIET", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = pretrain_gpt.main([*argv, "--print-config"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["pretrain_gpt.py", *argv, "--print-config"], code, out, err)
+
+
+def _entry_main(rank, world, argv):
+    """A rank of `run_ranks` running pretrain_gpt's main(argv), as a torchrun worker runs it: its exit
+    code and what it printed."""
+    import contextlib
+    import io
+
+    import pretrain_gpt
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pretrain_gpt.main(argv)
+    return code, out.getvalue()
+
+
+def test_load_without_shape_flags_takes_the_imported_model(imported, tmp_path, monkeypatch, capsys):
+    run = _print_config("--load", str(imported), "--mock-data", here=(monkeypatch, capsys))
     assert run.returncode == 0, run.stderr
     path = tmp_path / "run.toml"
     path.write_text(run.stdout)
@@ -69,12 +100,17 @@ def test_a_shape_flag_without_use_checkpoint_args_is_checked_against_the_checkpo
 
 @pytest.mark.slow
 def test_the_imported_model_trains_and_its_configuration_travels(imported, tmp_path):
+    """The fine-tuning run: pretrain_gpt's main on the 2 ranks of one spawn; the resume: launched by torchrun."""
+    from megalite.testing import run_ranks
+
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    run = torchrun("pretrain_gpt.py", 2, "--load", str(imported), "--finetune", "--mock-data", "--tp", "2",
-                   "--seq-length", "32", "--train-iters", "2", "--log-interval", "1", "--eval-interval", "0",
-                   "--metrics-file", str(metrics), "--save", str(ckpt), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert f"writing checkpoints to {ckpt}, metrics to {metrics}, configuration to {metrics}.config.toml" in run.stdout
+    ranks = run_ranks(_entry_main, 2, args=(["--load", str(imported), "--finetune", "--mock-data", "--tp", "2",
+                                             "--seq-length", "32", "--train-iters", "2", "--log-interval", "1",
+                                             "--eval-interval", "0", "--metrics-file", str(metrics), "--save",
+                                             str(ckpt)],), timeout=300, env={"MEGALITE_QUIET": ""})
+    assert [code for code, _ in ranks] == [0, 0]
+    stdout = ranks[0][1]
+    assert f"writing checkpoints to {ckpt}, metrics to {metrics}, configuration to {metrics}.config.toml" in stdout
     assert len(records(metrics)) == 2
     sidecar = build_parser("x", "gpt-tiny").parse_args(["--config", f"{metrics}.config.toml"])
     assert (sidecar.model.hidden_size, sidecar.parallel.tp, sidecar.checkpoint.finetune) == (64, 2, True)
@@ -90,9 +126,9 @@ def test_the_imported_model_trains_and_its_configuration_travels(imported, tmp_p
     assert json.loads((tmp_path / "r.jsonl").read_text().splitlines()[0])["loss"] > 0
 
 
-def test_a_resumed_rope_model_may_take_longer_sequences_and_a_retuned_base(imported, tmp_path):
+def test_a_resumed_rope_model_may_take_longer_sequences_and_a_retuned_base(imported, tmp_path, monkeypatch, capsys):
     run = _print_config("--load", str(imported), "--mock-data", "--seq-length", "512", "--rotary-base", "20000",
-                        "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1")
+                        "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1", here=(monkeypatch, capsys))
     assert run.returncode == 0, run.stderr
     path = tmp_path / "run.toml"
     path.write_text(run.stdout)

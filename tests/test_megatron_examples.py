@@ -103,28 +103,46 @@ def _without(argv: list[str], refused: dict) -> list[str]:
     return out
 
 
-def _print_config(entry, world, argv, tmp_path):
+def _print_config(entry, world, argv, tmp_path, here=None):
+    """`WORLD_SIZE=world python entry argv --print-config`, launched; or, given `here` (pytest's
+    monkeypatch and capsys), the entry point's main(argv) in this process with that environment (no
+    rank variables): the same parse, checks and printing, without a Python start-up each."""
     argv = [str(tmp_path / w) if w in ("CKPT", "TB", "CACHE", "TOKENIZER") or w.startswith("DATA/") else w
             for w in argv]
-    return subprocess.run([sys.executable, str(ROOT / entry), *argv, "--print-config"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env={"WORLD_SIZE": str(world), "PATH": "/usr/bin:/bin"})
+    if here is None:
+        return subprocess.run([sys.executable, str(ROOT / entry), *argv, "--print-config"], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT,
+                              env={"WORLD_SIZE": str(world), "PATH": "/usr/bin:/bin"})
+    import importlib
+
+    monkeypatch, capsys = here
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for name in ("RANK", "LOCAL_RANK", "MEGALITE_QUIET", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    code = importlib.import_module(Path(entry).stem).main([*argv, "--print-config"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess([entry, *argv, "--print-config"], code, out, err)
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_a_megatron_example_is_refused_only_for_what_megalite_cannot_do(name, tmp_path):
+def test_a_megatron_example_is_refused_only_for_what_megalite_cannot_do(name, tmp_path, monkeypatch, capsys):
+    """One example (gpt3_175b) is launched as a process; the others run the entry point's main in this one."""
     entry, world, argv, refused = SCRIPTS[name]
+    here = None if name == "gpt3_175b" else (monkeypatch, capsys)
     if refused:
-        run = _print_config(entry, world, argv, tmp_path)
+        run = _print_config(entry, world, argv, tmp_path, here)
         assert run.returncode == 2 and run.stdout == ""
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and next(iter(refused)) in lines[0], run.stderr
-    run = _print_config(entry, world, _without(argv, refused), tmp_path)
+    run = _print_config(entry, world, _without(argv, refused), tmp_path, here)
     if name == "bert_340m":  # 24 layers on 16 stages: Megatron-LM refuses this layout too; the line names the fix
         assert run.returncode == 2
         # named as the script spells it (megalite's own flag is --pp)
         assert "the number of layers (24) is not divisible by --pipeline-model-parallel-size (16)" in run.stderr
         assert "--pipeline-layers" in run.stderr
-        run = _print_config(entry, world, argv + ["--pipeline-layers", ",".join(["2"] * 8 + ["1"] * 8)], tmp_path)
+        run = _print_config(entry, world, argv + ["--pipeline-layers", ",".join(["2"] * 8 + ["1"] * 8)], tmp_path,
+                            here)
     assert run.returncode == 0, run.stderr
     assert "[parallel]" in run.stdout
 
@@ -168,9 +186,9 @@ def _byte_level_chars() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def _tokenizer_files_and_data(root: Path) -> dict:
-    """A tiny GPT-2 BPE (vocab.json, merges.txt) and BERT WordPiece vocabulary, and a corpus of each
-    preprocessed with Megatron-LM's tokenizer flags."""
+def _tokenizer_files_and_data(root: Path, name: str) -> dict:
+    """A tiny GPT-2 BPE (vocab.json, merges.txt) and BERT WordPiece vocabulary, and a corpus preprocessed
+    with Megatron-LM's tokenizer flags: with the BPE for gpt3_175b, with the WordPiece for bert_340m."""
     import json
     import random
 
@@ -195,12 +213,14 @@ def _tokenizer_files_and_data(root: Path) -> dict:
     with open(root / "docs.jsonl", "w") as f:
         for _ in range(300):
             f.write(json.dumps({"text": "\n".join(sentence() for _ in range(rng.randint(3, 6)))}) + "\n")
-    preprocess(["--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "prefix_text_document"),
-                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "gpt2-vocab.json"),
-                "--merge-file", str(root / "gpt2-merges.txt"), "--append-eod"])
-    preprocess(["--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "bert_text_sentence"),
-                "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "bert-vocab.txt"),
-                "--split-sentences"])
+    if name == "gpt3_175b":
+        preprocess(["--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "prefix_text_document"),
+                    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "gpt2-vocab.json"),
+                    "--merge-file", str(root / "gpt2-merges.txt"), "--append-eod"])
+    else:
+        preprocess(["--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "bert_text_sentence"),
+                    "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(root / "bert-vocab.txt"),
+                    "--split-sentences"])
     return {f"DATA/{p.name}": str(p) for p in root.iterdir()} | {
         "DATA/prefix_text_document": str(root / "prefix_text_document"),
         "DATA/bert_text_sentence": str(root / "bert_text_sentence")}
@@ -212,13 +232,29 @@ TINY = {"--rampup-batch-size": "2", "--num-layers": "2", "--hidden-size": "64", 
         "--log-interval": "1", "--eval-iters": "1"}
 
 
+def _entry_main(rank, world, entry, argv):
+    """A rank of `run_ranks` running the entry point's main(argv), as a torchrun worker runs it: its exit
+    code and what it printed."""
+    import contextlib
+    import importlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = importlib.import_module(Path(entry).stem).main(argv)
+    return code, out.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt3_175b", "bert_340m"])
 def test_the_examples_scaled_down_train_on_data_their_tokenizer_flags_made(name, tmp_path):
+    """gpt3_175b runs under torchrun; bert_340m runs its entry point's main on ranks of one spawn."""
     from cli import records, torchrun
 
+    from megalite.testing import run_ranks
+
     entry, _, argv, refused = SCRIPTS[name]
-    paths = _tokenizer_files_and_data(tmp_path)
+    paths = _tokenizer_files_and_data(tmp_path, name)
     paths.update({"CKPT": str(tmp_path / "ckpt"), "TB": str(tmp_path / "tb")})
     argv = _without(argv, refused)
     argv = [TINY[argv[i - 1]] if i and argv[i - 1] in TINY else paths.get(w, w) for i, w in enumerate(argv)]
@@ -226,13 +262,20 @@ def test_the_examples_scaled_down_train_on_data_their_tokenizer_flags_made(name,
         at = argv.index("--rampup-batch-size")
         argv[at + 1:at + 4] = ["2", "2", "16"]
     metrics = tmp_path / "m.jsonl"
-    run = torchrun(entry, 4, *argv, "--metrics-file", str(metrics), timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
+    if name == "gpt3_175b":
+        run = torchrun(entry, 4, *argv, "--metrics-file", str(metrics), timeout=400)
+        assert run.returncode == 0, run.stderr[-3000:]
+        stdout = run.stdout
+    else:
+        ranks = run_ranks(_entry_main, 4, args=(entry, [*argv, "--metrics-file", str(metrics)]), timeout=400,
+                          env={"MEGALITE_QUIET": ""})
+        assert [code for code, _ in ranks] == [0] * 4
+        stdout = ranks[0][1]
     recs = records(metrics)
     assert [r["iteration"] for r in recs] == [1, 2, 3] and all(r["skipped"] == 0 for r in recs)
     if name == "gpt3_175b":  # the ramp: 2 samples a step, then 4 after int(6 / (16 / 3)) = 1 increment
         assert [r["consumed_samples"] for r in recs] == [2, 4, 6]
-    assert "saved checkpoint iteration 3" in run.stdout
+    assert "saved checkpoint iteration 3" in stdout
 
 
 def test_the_qwen3_and_deepseek_examples_resolve_to_their_models():

@@ -1,5 +1,5 @@
 """A tiny MoE GPT (8 experts, top-2, a dense first layer, a shared expert, aux and z-losses) trains
-5 iterations to the one-device losses (fp32, <= 1e-5 relative) at every expert layout: EP 2 and 4,
+3 iterations to the one-device losses (fp32, <= 1e-5 relative) at every expert layout: EP 2 and 4,
 TP 2 (SP) x EP 2, TP 2 with ETP 1 x EP 4, PP 2 x EP 2 (interleaved too), CP 2 x EP 2, the distributed
 optimizer, ZeRO-2 and ZeRO-3 (with PP 2, with recompute), full and selective recompute, the
 all-gather dispatcher; and gradient accumulation 1 vs 4 at one global batch. Local SGD with experts
@@ -70,14 +70,16 @@ def _biases(runs):
     return out
 
 
-FIVE = ["--train-iters", "5"]  # the layout matrix: 5 steps show a layout's numbers as well as 10 (CI time)
+# The layout matrix: 3 steps (the losses after 2 updates) show a layout's numbers as well as 10 (CI time).
+THREE = ["--train-iters", "3"]
 
 
 @pytest.fixture(scope="module")
 def references():
     """The one-device runs, two at a time in one spawn: (losses, expert biases) of the matrix's
-    BASE and BIAS, and of RESUME's 10 iterations (the resume tests' unbroken run)."""
-    return dict(zip(("base", "resume", "bias"), one_device_each(losses_and_biases, [BASE + FIVE, RESUME, BIAS + FIVE])))
+    BASE and BIAS, and of RESUME's 6 iterations (the resume tests' unbroken run)."""
+    return dict(zip(("base", "resume", "bias"),
+                    one_device_each(losses_and_biases, [BASE + THREE, RESUME, BIAS + THREE])))
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def one_device(references):
 
 @pytest.mark.slow
 def test_every_expert_layout_trains_to_the_one_device_losses(one_device, references):
-    argvs = [BASE + FIVE + f for f in LAYOUTS.values()] + [BIAS + FIVE + f for f in BIAS_LAYOUTS.values()]
+    argvs = [BASE + THREE + f for f in LAYOUTS.values()] + [BIAS + THREE + f for f in BIAS_LAYOUTS.values()]
     per_rank = run_ranks(several, 4, args=(losses_and_biases, argvs), timeout=900)
     bias_losses, bias_reference = references["bias"]
     assert sorted(bias_reference) == [1, 2, 3]  # the MoE layers
@@ -96,7 +98,7 @@ def test_every_expert_layout_trains_to_the_one_device_losses(one_device, referen
         runs = [rank_runs[i] for rank_runs in per_rank]
         losses = runs[0][0] if name != "bias-pp2-ep2" else runs[-1][0]  # the last stage logs the loss
         want = bias_losses if name.startswith("bias") else one_device
-        assert len(losses) == 5 and len(want) == 5
+        assert len(losses) == 3 and len(want) == 3
         assert rel_err(torch.tensor(losses), torch.tensor(want)) <= 1e-5, (name, losses, want)
         if name.startswith("bias"):  # moved by the same steps, from the same global counts
             got = _biases(runs)
@@ -104,17 +106,17 @@ def test_every_expert_layout_trains_to_the_one_device_losses(one_device, referen
 
 
 def test_ep2_trains_to_the_one_device_losses(one_device):
-    losses = run_ranks(train_losses, 2, args=(BASE + FIVE + ["--ep", "2"],))[0]
+    losses = run_ranks(train_losses, 2, args=(BASE + THREE + ["--ep", "2"],))[0]
     assert rel_err(torch.tensor(losses), torch.tensor(one_device)) <= 1e-5, (losses, one_device)
 
 
 def _zero3_save_then_resume(rank, world, save_dir):
-    """Train at EP 2 x ZeRO-3 (experts sharded over expert data parallelism: 2 ranks) to iteration 5
+    """Train at EP 2 x ZeRO-3 (experts sharded over expert data parallelism: 2 ranks) to iteration 3
     and save; resume at EP 1 without ZeRO. Both runs' losses."""
     from training_ranks import gpt_run as run
 
-    first = run(RESUME + ["--ep", "2", "--zero-stage", "3", "--save", save_dir, "--save-interval", "5",
-                          "--exit-interval", "5"]).records
+    first = run(RESUME + ["--ep", "2", "--zero-stage", "3", "--save", save_dir, "--save-interval", "3",
+                          "--exit-interval", "3"]).records
     second = run(RESUME + ["--load", save_dir]).records
     return [r["loss"] for r in first], [r["loss"] for r in second]
 
@@ -124,14 +126,14 @@ def test_ep2_zero3_trains_to_the_one_device_losses_and_its_checkpoint_resumes_wi
     its unit is gathered, and the checkpoint is the same layout-free one."""
     unbroken = references["resume"][0]
     trained, resumed = run_ranks(_zero3_save_then_resume, 4, args=(str(tmp_path / "ckpt"),))[0]
-    assert len(trained) == 5 and rel_err(torch.tensor(trained), torch.tensor(unbroken[:5])) <= 1e-5, trained
-    assert len(resumed) == 5 and rel_err(torch.tensor(resumed), torch.tensor(unbroken[5:])) <= 1e-5
+    assert len(trained) == 3 and rel_err(torch.tensor(trained), torch.tensor(unbroken[:3])) <= 1e-5, trained
+    assert len(resumed) == 3 and rel_err(torch.tensor(resumed), torch.tensor(unbroken[3:])) <= 1e-5
 
 
 # Local SGD: plain SGD inside, a plain outer step every iteration: data parallelism's numbers
 # (tests/test_local_sgd.py), with the experts' gradients summed inside each replica only.
 LOCAL_SGD = ["--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.05", "--lr-warmup-iters", "0", "--lr-decay-style",
-             "constant", "--clip-grad", "0", "--train-iters", "6"]
+             "constant", "--clip-grad", "0", "--train-iters", "3"]
 PLAIN_OUTER = ["--local-sgd-interval", "1", "--outer-lr", "1", "--outer-momentum", "0"]
 
 
@@ -144,24 +146,25 @@ def test_local_sgd_h1_with_experts_equals_data_parallelism_with_experts_inside_e
     runs = run_ranks(several, 4, args=(train_losses, argvs))[0]
     for k, layout in enumerate(layouts):
         dp, local = runs[2 * k], runs[2 * k + 1]
-        assert len(local) == 6 and rel_err(torch.tensor(local), torch.tensor(dp)) <= 1e-5, (layout, local, dp)
+        assert len(local) == 3 and rel_err(torch.tensor(local), torch.tensor(dp)) <= 1e-5, (layout, local, dp)
 
 
 def _local_sgd_resume(rank, world, save_dir, argv):
-    """Unbroken; then to iteration 4 (mid-round of H 3) saving, and resumed from it: the losses."""
+    """Unbroken; then to iteration 3 (mid-round of H 2) saving, and resumed from it: the losses."""
     from training_ranks import gpt_run as run
 
     whole = [r["loss"] for r in run(argv).records]
-    first = [r["loss"] for r in run(argv + ["--save", save_dir, "--save-interval", "4", "--exit-interval", "4"]).records]
+    first = [r["loss"] for r in run(argv + ["--save", save_dir, "--save-interval", "3", "--exit-interval", "3"]).records]
     return whole, first + [r["loss"] for r in run(argv + ["--load", save_dir]).records]
 
 
 @pytest.mark.slow
 def test_local_sgd_with_experts_resumes_mid_round_bitwise(tmp_path):
-    argv = BASE + ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "2", "--local-sgd-interval", "3",
-                   "--train-iters", "8"]
+    """Saved at 3, mid-round of H 2: the resumed run takes the outer step at 4, and iteration 5's loss shows it."""
+    argv = BASE + ["--tp", "2", "--sequence-parallel", "--etp", "1", "--ep", "2", "--local-sgd-interval", "2",
+                   "--train-iters", "5"]
     whole, resumed = run_ranks(_local_sgd_resume, 4, args=(str(tmp_path / "ckpt"), argv))[0]
-    assert len(whole) == 8 and resumed == whole, (resumed, whole)
+    assert len(whole) == 5 and resumed == whole, (resumed, whole)
 
 
 def _nan_router(rank, world, argv):
@@ -253,16 +256,18 @@ def test_bad_moe_layouts_end_in_one_line_before_anything_starts(world, argv, mes
         C.validate(cfg, world, C.model_config(cfg))
 
 
+# 6 iterations, saved at 3: 3 optimizer steps (and expert-bias updates) on each side of the resume.
 RESUME = BASE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                 "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss"]
+                 "--moe-router-bias-update-rate", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss",
+                 "--train-iters", "6"]
 
 
 def _save_then_resume(rank, world, save_dir, save_flags, resume_runs):
-    """One spawn: train 10 iterations at `save_flags` saving at 5 (kept: --exit-interval), then for each
-    (flags) of `resume_runs` resume from it; the losses of iterations 6-10 of each."""
+    """One spawn: train 6 iterations at `save_flags` saving at 3 (kept: --exit-interval), then for each
+    (flags) of `resume_runs` resume from it; the losses of iterations 4-6 of each."""
     from training_ranks import gpt_run as run
 
-    run(RESUME + save_flags + ["--save", save_dir, "--save-interval", "5", "--exit-interval", "5"])
+    run(RESUME + save_flags + ["--save", save_dir, "--save-interval", "3", "--exit-interval", "3"])
     out = []
     for flags in resume_runs:
         out.append([r["loss"] for r in run(RESUME + flags + ["--load", save_dir]).records])
@@ -279,8 +284,8 @@ def test_a_checkpoint_saved_at_ep4_resumes_exactly_at_ep1_ep2_and_with_etp_and_t
     runs = run_ranks(_save_then_resume, 4, args=(str(tmp_path / "ckpt"), ["--ep", "4"], list(resumes.values())),
                      timeout=900)[0]
     for name, losses in zip(resumes, runs):
-        assert len(losses) == 5, (name, losses)
-        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[5:])) <= 1e-5, (name, losses, unbroken[5:])
+        assert len(losses) == 3, (name, losses)
+        assert rel_err(torch.tensor(losses), torch.tensor(unbroken[3:])) <= 1e-5, (name, losses, unbroken[3:])
 
 
 def _resume_with(rank, world, save_dir, resume_argv):
