@@ -21,6 +21,10 @@ FIRST_RTOL, LAYOUT_RTOL = 2e-5, 1e-4
 # The layout matrix (ONE, TWO) runs 3 steps: each layout's numbers show by then; the tests of bytes and
 # host syncs below count per step.
 MATRIX_ITERS = 3
+# TP and CP alone (no DP, no pipeline) split what is inside each micro-batch's GEMMs and attention:
+# they train 2 micro-batches a step, against one device's run at that batch (the "m2" references).
+# Pipelines keep BASE's 4 (dualpipev's least at pp 2), data parallelism its 2 a rank.
+M2 = ["--global-batch-size", "4"]
 ONE = {  # name -> argv, on one rank: the references
     "gpt tensorwise": BASE + TENSORWISE,
     "gpt delayed": BASE + DELAYED,
@@ -30,27 +34,31 @@ ONE = {  # name -> argv, on one rank: the references
     "deepseek tensorwise": BASE + ["--model", "deepseek-tiny"] + TENSORWISE,
     "gpt tensorwise compiled": BASE + TENSORWISE + ["--torch-compile"],
     "gpt tensorwise recompute": BASE + TENSORWISE + ["--recompute", "full"],
+    "gpt tensorwise m2": BASE + TENSORWISE + M2,
+    "gpt delayed m2": BASE + DELAYED + M2,
+    "moe tensorwise m2": BASE + MOE + TENSORWISE + M2,
+    "deepseek tensorwise m2": BASE + ["--model", "deepseek-tiny"] + TENSORWISE + M2,
 }
 TWO = [  # (name, reference, argv) on two ranks
-    ("tp2 sp", "gpt tensorwise", BASE + TENSORWISE + ["--tp", "2", "--sequence-parallel"]),
+    ("tp2 sp", "gpt tensorwise m2", BASE + TENSORWISE + ["--tp", "2", "--sequence-parallel"] + M2),
     ("pp2 1f1b", "gpt tensorwise", BASE + TENSORWISE + ["--pp", "2"]),
     ("pp2 zb-v", "gpt tensorwise", BASE + TENSORWISE + ["--pp", "2", "--pipeline-schedule", "zb-v"]),
     ("pp2 dualpipev", "gpt tensorwise", BASE + TENSORWISE + ["--pp", "2", "--pipeline-schedule", "dualpipev"]),
     ("pp2 interleaved", "gpt tensorwise", BASE + TENSORWISE + ["--pp", "2", "--vpp", "2"]),
-    ("cp2", "gpt tensorwise", BASE + TENSORWISE + ["--cp", "2"]),
+    ("cp2", "gpt tensorwise m2", BASE + TENSORWISE + ["--cp", "2"] + M2),
     ("dp2 zero2", "gpt tensorwise", BASE + TENSORWISE + ["--zero-stage", "2"]),
     ("dp2 zero3", "gpt tensorwise", BASE + TENSORWISE + ["--zero-stage", "3"]),
     ("ep2", "moe tensorwise", BASE + MOE + TENSORWISE + ["--ep", "2"]),
-    ("delayed tp2 sp", "gpt delayed", BASE + DELAYED + ["--tp", "2", "--sequence-parallel"]),
+    ("delayed tp2 sp", "gpt delayed m2", BASE + DELAYED + ["--tp", "2", "--sequence-parallel"] + M2),
     ("delayed pp2 zb-h1", "gpt delayed", BASE + DELAYED + ["--pp", "2", "--pipeline-schedule", "zb-h1"]),
-    ("delayed cp2", "gpt delayed", BASE + DELAYED + ["--cp", "2"]),
-    ("deepseek tp2 sp (MLA)", "deepseek tensorwise", BASE + ["--model", "deepseek-tiny"] + TENSORWISE +
-     ["--tp", "2", "--sequence-parallel"]),
-    ("tp2 sp etp2", "moe tensorwise", BASE + MOE + TENSORWISE + ["--tp", "2", "--sequence-parallel"]),
+    ("delayed cp2", "gpt delayed m2", BASE + DELAYED + ["--cp", "2"] + M2),
+    ("deepseek tp2 sp (MLA)", "deepseek tensorwise m2", BASE + ["--model", "deepseek-tiny"] + TENSORWISE +
+     ["--tp", "2", "--sequence-parallel"] + M2),
+    ("tp2 sp etp2", "moe tensorwise m2", BASE + MOE + TENSORWISE + ["--tp", "2", "--sequence-parallel"] + M2),
     ("delayed ep2", "moe delayed", BASE + MOE + DELAYED + ["--ep", "2"]),
     # Local SGD is another algorithm than one device's (replicas drift between outer steps): it trains.
     ("delayed dp2 local sgd", None, BASE + DELAYED + ["--local-sgd-interval", "2"]),
-    ("tp2", "gpt tensorwise", BASE + TENSORWISE + ["--tp", "2"]),
+    ("tp2", "gpt tensorwise m2", BASE + TENSORWISE + ["--tp", "2"] + M2),
     ("delayed dp2", "gpt delayed", BASE + DELAYED),
 ]
 
@@ -63,7 +71,9 @@ def _losses(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def losses():
-    steps = ["--train-iters", str(MATRIX_ITERS)]
+    # Training losses are what the matrix compares: no validation pass after the last step (it would
+    # move none of them, and the compiled reference would compile the model a second time for it).
+    steps = ["--train-iters", str(MATRIX_ITERS), "--eval-interval", "0"]
     # The one-device references (one rank, the compiled one most of its time) beside the two-rank
     # matrix: about 10 s less than one after the other on 2 cores.
     one, two = side_by_side(
@@ -116,7 +126,7 @@ def test_fp8_amax_reductions_send_the_bytes_the_formula_says(losses):
     # tensorwise at TP 2 (no SP): per layer and micro-batch, the forward reduces the column layers'
     # weights (qkv, fc1) and the row layers' inputs and weights (proj, fc2): 6 amaxes; the backward
     # the column layers' output gradients: 2. Each a 4-byte all-reduce over 2 ranks: 2 (n-1)/n x 4 = 4.
-    micro_batches, layers = 8 // 2, 4
+    micro_batches, layers = 4 // 2, 4  # tp2's M2
     for per_rank in fp8_bytes["tp2"]:
         assert per_rank == [(6 + 2) * 4 * layers * micro_batches] * MATRIX_ITERS, per_rank
     # delayed at DP 2: one all-reduce a step of 3 amaxes for each of the 4 layers' 4 GEMMs
@@ -139,7 +149,8 @@ def _syncs(rank, world, cases):
 
 @pytest.mark.slow
 def test_no_fp8_recipe_adds_a_host_sync():
-    quiet = ["--log-interval", "4", "--eval-interval", "0", "--bf16"]
+    # two micro-batches a step (--global-batch-size 4): a step's first and a later one run all its code
+    quiet = ["--log-interval", "4", "--eval-interval", "0", "--bf16", "--global-batch-size", "4"]
     cases = [BASE + ["--fp8-format", "hybrid", "--fp8-recipe", r, "--tp", "2", "--sequence-parallel"] + quiet
              for r in ("tensorwise", "delayed", "mxfp8")]  # (blockwise: mxfp8's tiled code, other sizes)
     for rank, per_case in enumerate(run_ranks(_syncs, 2, args=(cases,), timeout=600)):
@@ -157,7 +168,9 @@ def _save_resume(rank, world, save_dir, expert_dir):
     out = []
     for where, model, at_save, at_load in ((save_dir, [], ["--tp", "2", "--sequence-parallel"], ["--pp", "2"]),
                                            (expert_dir, MOE, ["--ep", "2"], ["--tp", "2", "--sequence-parallel"])):
-        common = BASE[2:] + DELAYED + model
+        # half BASE's batch: 2 micro-batches a step (1 a rank at EP 2, whose dense layers are DP 2); the
+        # histories and scales saved and loaded are one a layer, whatever the batch
+        common = BASE[2:] + DELAYED + model + ["--global-batch-size", "4"]
         saved = gpt_run(["--train-iters", "2", *common, *at_save, "--save", str(where), "--save-interval", "2"])
         loaded = gpt_run(["--train-iters", "2", *common, *at_load, "--load", str(where)])
         resumed = gpt_run(["--train-iters", "4", *common, *at_load, "--load", str(where)])
@@ -188,6 +201,11 @@ def test_delayed_scaling_resumed_at_another_layout_continues_with_its_histories(
                 assert torch.allclose(torch.tensor(resumed), torch.tensor(whole), rtol=LAYOUT_RTOL, atol=0)
 
 
+# As many micro-batches a step as BASE's, each of 32 tokens, not 2 x 128: the gathers and their bytes
+# depend on the weights and the passes, not on the tokens.
+SMALL_BATCHES = ["--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "32"]
+
+
 def _param_gather(rank, world, save_dir):
     """ZeRO-3 with and without --fp8-param-gather (bf16 model, delayed scaling): losses, each step's
     data-parallel bytes, what the gathers were, and the checkpoint each run saved."""
@@ -199,7 +217,7 @@ def _param_gather(rank, world, save_dir):
     for name, extra in (("bf16 gather", []), ("fp8 gather", ["--fp8-param-gather"])):
         where = save_dir / name.replace(" ", "_")
         run = gpt_run(BASE + DELAYED + ["--bf16", "--zero-stage", "3", "--save", str(where), "--save-interval", "4",
-                                        "--eval-interval", "0", *extra])
+                                        "--eval-interval", "0", *SMALL_BATCHES, *extra])
         bufs = [b for b in run.buffers if isinstance(b, ShardedParamBuffer)]
         units = [(u.whole.nbytes, b.fp8_plans[i].chunk_bytes if i in b.fp8_plans else None,
                   sum(1 for j, why in b.gather_log if j == i and _fp8_allowed(why)))

@@ -15,6 +15,14 @@ from training_ranks import parse, placed_params, whole_params
 # get right (a third adds time, not coverage).
 BASE = ["--train-iters", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--log-interval", "1",
         "--seq-length", "32", "--lr-warmup-iters", "0"]
+# Every pipeline below runs 2p micro-batches a step (the least dualpipev takes; 1F1B's warm-up, steady
+# state and cool-down all run): BASE's 8 at pp 4 and at pp 2 with DP 2, a global batch of 4 (HALF) at
+# pp 2 without DP; without a pipeline, 2 (B and W of each, and a gradient accumulated over both).
+HALF = ["--global-batch-size", "4"]
+# BERT on the synthetic stream with a vocabulary of 1000 instead of WordPiece's 30522 (padded like it, to
+# a multiple of 128 x TP): the same MLM head, tied embedding and padding, with 30 times smaller
+# embedding GEMMs and Adam steps.
+BERT_VOCAB = ["--vocab-size", "1000"]
 
 
 def train_recording_split(rank, world, case, placed=False):
@@ -53,7 +61,7 @@ def train_recording_split(rank, world, case, placed=False):
     weight_grad.WeightGrads.run = counting_run
     try:
         if entry == "bert":
-            run = pretrain(parse(BASE + argv + ["--model", "bert-tiny"]), pretrain_bert.task())
+            run = pretrain(parse(BASE + argv + ["--model", "bert-tiny"] + BERT_VOCAB), pretrain_bert.task())
         else:
             run = pretrain(parse(BASE + argv), pretrain_gpt.task())
     finally:
@@ -74,23 +82,23 @@ def _both(rank, world, cases):
 
 
 CASES = {  # world size -> (name, entry, argv)
-    2: [("gpt pp2", "gpt", ["--pp", "2"]),
-        ("gpt pp2 untied", "gpt", ["--pp", "2", "--untie-embeddings-and-output-weights"]),
-        ("gpt pp1 dp2 zero2 (no pipeline: B and W back to back)", "gpt", ["--zero-stage", "2"]),
-        ("bert pp2", "bert", ["--pp", "2"]),
-        ("llama pp2", "gpt", ["--pp", "2", "--model", "llama-tiny"]),
+    2: [("gpt pp2", "gpt", ["--pp", "2"] + HALF),
+        ("gpt pp2 untied", "gpt", ["--pp", "2", "--untie-embeddings-and-output-weights"] + HALF),
+        ("gpt pp1 dp2 zero2 (no pipeline: B and W back to back)", "gpt", ["--zero-stage", "2"] + HALF),
+        ("bert pp2", "bert", ["--pp", "2"] + HALF),
+        ("llama pp2", "gpt", ["--pp", "2", "--model", "llama-tiny"] + HALF),
         ("deepseek pp2 (MLA, MTP on the last stage)", "gpt", ["--pp", "2", "--model", "deepseek-tiny",
-                                                                   "--pipeline-layers", "1,2"])],
+                                                                   "--pipeline-layers", "1,2"] + HALF)],
     4: [("gpt pp4", "gpt", ["--pp", "4"]),
-        ("gpt pp2 tp2 sp", "gpt", ["--pp", "2", "--tp", "2", "--sequence-parallel"]),
+        ("gpt pp2 tp2 sp", "gpt", ["--pp", "2", "--tp", "2", "--sequence-parallel"] + HALF),
         ("gpt pp2 dp2 zero1 recompute", "gpt", ["--pp", "2", "--zero-stage", "1", "--recompute", "full"]),
         ("gpt pp2 dp2 zero3", "gpt", ["--pp", "2", "--zero-stage", "3"]),
-        ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2"]),
+        ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2"] + HALF),
         ("moe pp2 ep2", "gpt", ["--pp", "2", "--model", "moe-tiny", "--ep", "2"]),
-        # (micro-batches of 2, half as many: 4 ranks on 2 cores wait on every TP collective of each)
+        # (micro-batches of 2: 4 ranks on 2 cores wait on every TP collective of each)
         ("llama tp4: KV groups gathered over TP, full-width qk norm", "gpt",
          ["--tp", "4", "--model", "llama-tiny", "--qk-layernorm", "--qk-layernorm-full-width",
-          "--micro-batch-size", "2"])],
+          "--micro-batch-size", "2"] + HALF)],
 }
 
 
@@ -124,22 +132,22 @@ def _v_against_1f1b(rank, world, cases):
 
 NO_CLIP = ["--clip-grad", "0"]  # the global norm would sum the stages' squares in another grouping
 V_CASES = {  # world size -> (name, entry, argv, bitwise): zb-v places chunk 1 of rank r at stage 2p-1-r
-    2: [("gpt pp2: bitwise", "gpt", ["--pp", "2"] + NO_CLIP, True),
-        ("gpt pp2 clipped (rank 0 holds the first and last stage's squares)", "gpt", ["--pp", "2"], False),
+    2: [("gpt pp2: bitwise", "gpt", ["--pp", "2"] + HALF + NO_CLIP, True),
+        ("gpt pp2 clipped (rank 0 holds the first and last stage's squares)", "gpt", ["--pp", "2"] + HALF, False),
         ("gpt pp2 untied, evaluated (forward-only in a V)", "gpt",
-         ["--pp", "2", "--untie-embeddings-and-output-weights", "--eval-interval", "2", "--eval-iters", "1"] + NO_CLIP,
-         True),
-        ("bert pp2 clipped", "bert", ["--pp", "2", "--num-layers", "4"], False),
-        ("llama pp2", "gpt", ["--pp", "2", "--model", "llama-tiny"] + NO_CLIP, True),
+         ["--pp", "2", "--untie-embeddings-and-output-weights", "--eval-interval", "2", "--eval-iters", "1"] + HALF
+         + NO_CLIP, True),
+        ("bert pp2 clipped", "bert", ["--pp", "2", "--num-layers", "4"] + HALF, False),
+        ("llama pp2", "gpt", ["--pp", "2", "--model", "llama-tiny"] + HALF + NO_CLIP, True),
         ("deepseek pp2 (MLA, MTP in rank 0's second chunk)", "gpt",
-         ["--pp", "2", "--model", "deepseek-tiny", "--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]"] + NO_CLIP,
-         True)],
+         ["--pp", "2", "--model", "deepseek-tiny", "--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]"] + HALF
+         + NO_CLIP, True)],
     4: [("gpt pp4", "gpt", ["--pp", "4", "--num-layers", "8"] + NO_CLIP, True),
-        ("gpt pp2 tp2 sp", "gpt", ["--pp", "2", "--tp", "2", "--sequence-parallel"] + NO_CLIP, True),
+        ("gpt pp2 tp2 sp", "gpt", ["--pp", "2", "--tp", "2", "--sequence-parallel"] + HALF + NO_CLIP, True),
         ("gpt pp2 dp2 zero1 recompute", "gpt", ["--pp", "2", "--zero-stage", "1", "--recompute", "full"] + NO_CLIP,
          True),
         ("gpt pp2 dp2 zero3", "gpt", ["--pp", "2", "--zero-stage", "3"] + NO_CLIP, True),
-        ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2", "--num-layers", "4"] + NO_CLIP, True),
+        ("bert pp2 tp2", "bert", ["--pp", "2", "--tp", "2", "--num-layers", "4"] + HALF + NO_CLIP, True),
         ("moe pp2 ep2", "gpt", ["--pp", "2", "--model", "moe-tiny", "--ep", "2"] + NO_CLIP, True)],
 }
 
