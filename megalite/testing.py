@@ -65,7 +65,10 @@ _PRELOAD = ["torch", "torch._dynamo", "megalite", "megalite.arguments", "megalit
 _PRELOAD_IF_LOADED = ["pytest"]
 
 
-def _context():
+def process_context():
+    """The multiprocessing context ranks start from: the one fork server, its imports preloaded. Other
+    processes a test starts should come from it too: a fork server started without the preload list
+    would serve every later `run_ranks` without it (there is one per session)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD + [m for m in _PRELOAD_IF_LOADED if m in sys.modules])
     return ctx
@@ -75,7 +78,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 180.0, bac
               env: dict | None = None) -> list:
     """Run fn(rank, world_size, *args) on `world_size` ranks, with `env` added to their environment;
     return the per-rank results."""
-    ctx = _context()
+    ctx = process_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="megalite-ranks-") as tmp:
         store = os.path.join(tmp, "store")

@@ -1,7 +1,6 @@
 """megalite.ops on the CPU: the PyTorch paths against float64 references, the model's fused
 backends against its explicit ones, and the build logic (cache names, lock, failures, no compiler).
 The CUDA kernels themselves are checked on the GPU by tests/test_gpu.py against the same references."""
-import multiprocessing as mp
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ import torch
 from helpers import fresh_seed
 from megalite import ops
 from megalite.ops import build
+from megalite.testing import process_context
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,7 +284,7 @@ def _rank_build(cache, counter, fail, queue, barrier):
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_many_ranks_build_once_and_share_the_result(tmp_path, fail):
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # separate processes, as ranks are, without each importing torch anew
     queue, barrier = ctx.Queue(), ctx.Barrier(3)
     counter = tmp_path / "count"
     procs = [ctx.Process(target=_rank_build, args=(str(tmp_path / "cache"), str(counter), fail, queue, barrier))
@@ -319,13 +319,15 @@ def test_half_written_library_is_rebuilt(tmp_path):
     assert module == "library" and status and counter.read_text().count("built") == 1
 
 
-def test_fused_backend_on_cpu_is_a_clear_cli_error():
-    from cli import torchrun
-    r = torchrun("pretrain_gpt.py", 1, "--model", "gpt-tiny", "--mock-data", "--train-iters", "1",
-                 "--global-batch-size", "2", "--micro-batch-size", "2", "--attention-backend", "fused", timeout=120)
-    assert r.returncode != 0
-    assert "--attention-backend fused needs megalite's CUDA kernels" in r.stderr
-    assert "no CUDA" in r.stderr or "has no CUDA support" in r.stderr
+def test_fused_backend_on_cpu_is_a_clear_cli_error(capsys):
+    import pretrain_gpt
+    code = pretrain_gpt.main(["--model", "gpt-tiny", "--mock-data", "--train-iters", "1", "--global-batch-size", "2",
+                              "--micro-batch-size", "2", "--attention-backend", "fused"])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("megalite: error:")]
+    assert "--attention-backend fused needs megalite's CUDA kernels" in line
+    assert "no CUDA" in line or "has no CUDA support" in line
 
 
 def test_wheel_ships_the_kernel_sources(tmp_path):

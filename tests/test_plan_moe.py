@@ -114,7 +114,7 @@ def test_predicted_expert_states_equal_what_megalite_allocates(flags, tp, pp, dp
 def test_expert_gradient_traffic_equals_a_real_step_at_each_zero_stage():
     """Stages 0-2 at EP 2 on 4 ranks (dense gradients over dp 4, expert gradients over edp 2): the
     bytes each rank's buffers send in one training step; stage 2's transient peak an upper bound."""
-    from test_plan import held_at_each_zero_stage
+    from test_plan_zero import held_at_each_zero_stage
 
     argv = model_flags(TINY, "moe-tiny") + RUN + ["--global-batch-size", "16", "--eval-iters", "0",
                                                   "--log-interval", "1", "--ep", "2"]
