@@ -5,7 +5,6 @@ at its full shapes (docs/BENCHMARKS.md)."""
 import json
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,23 +15,33 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "benchmark_moe_layer.py"
 
 
+def _bench():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark_moe_layer
+
+    return benchmark_moe_layer
+
+
 @pytest.mark.parametrize("compare, names", [("layer", ("megalite", "plain")), ("grouped", ("grouped", "loop"))])
-def test_the_quick_run_times_both_sides_and_reports_the_median_of_its_rounds(tmp_path, compare, names):
+def test_the_quick_run_times_both_sides_and_reports_the_median_of_its_rounds(tmp_path, capsys, compare, names):
+    # In this process (the script's main, as its command line calls it): a launch would import torch anew.
     out = tmp_path / "result.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--compare", compare, "--json", str(out)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    threads = torch.get_num_threads()
+    try:
+        returned = _bench().main(["--quick", "--compare", compare, "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the script times on one thread
+    printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    rounds = [float(r) for r in re.findall(r"ratio (\d+\.\d+)\n", run.stdout)]
+    assert returned == result
+    rounds = [float(r) for r in re.findall(r"ratio (\d+\.\d+)\n", printed)]
     assert len(rounds) == 2 and (result["a"], result["b"]) == names
     assert result["ratio_median"] == pytest.approx(statistics.median(rounds), rel=1e-3)
     assert result["a_ms"] > 0 and result["b_ms"] > 0
 
 
 def test_the_plain_moe_equals_megalites_layer_in_outputs_and_gradients():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import benchmark_moe_layer as bench
-
+    bench = _bench()
     layer = bench.megalite_layer(32, 4, 32, 2).train()
     plain = bench.PlainMoE(layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight, 2)
     x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))

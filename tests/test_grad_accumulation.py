@@ -18,6 +18,7 @@ from megalite.optim.buffers import ParamAndGradBuffer
 from megalite.parallel import grad_accumulation, tp_overlap
 from megalite.parallel.layers import ColumnParallelLinear
 from megalite.testing import count_host_syncs, run_ranks
+from training_ranks import side_by_side
 
 LLAMA = dict(gated_linear_unit=True, activation="silu", normalization="rmsnorm", position_embedding_type="rope",
              num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)
@@ -101,12 +102,37 @@ def _fused_equals_autograd(rank, world, model_kw, micro_batches, kind="gpt", mem
             "hooks": hooks, "params": sum(q.grad is not None for q in reference.parameters())}
 
 
+def _each_fused(rank, world, names):
+    """_fused_equals_autograd for each model in turn, in one process, each from no model-parallel state.
+    The TP 2 cases write the step's first gradient as a GPU does (one overwriting GEMM), the rest
+    as a CPU does at size (write_gemm: a memset, then a GEMM that adds)."""
+    out = {}
+    for name in names:
+        parallel.destroy_model_parallel()
+        out[name] = _fused_equals_autograd(rank, world, MODELS[name], 3, name.split("-")[0], world == 1)
+    return out
+
+
+# Fused weight writes per micro-batch: the 2 layers' linears and the output layer (tied for GPT and
+# BERT, whose masked-LM dense and pooler keep autograd's path); the lookups are the embedding writes.
+COMPILED = {"gpt": 9, "llama": 11, "bert": 9, "llama-recompute-full": 11, "gpt-recompute-selective": 9}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """name -> rank 0's result, eager (the MODELS) and compiled (the COMPILED): the eager TP 1 and TP 2
+    cases each in one spawn, beside the one-rank spawn that compiles every model in turn (it leaves a
+    core idle)."""
+    by_tp = {tp: [n for n in MODELS if (2 if n.endswith("tp2") else 1) == tp] for tp in (1, 2)}
+    compiled, *eager = side_by_side(
+        lambda: run_ranks(_all_compiled, 1, args=(list(COMPILED),), timeout=600)[0],
+        *(lambda tp=tp: run_ranks(_each_fused, tp, args=(by_tp[tp],), timeout=600)[0] for tp in by_tp))
+    return {"eager": {k: v for got in eager for k, v in got.items()}, "compiled": compiled}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_gemm_written_weight_gradients_equal_autograds_bitwise(name):
-    tp = 2 if name.endswith("tp2") else 1
-    # The TP 2 cases write the step's first gradient as a GPU does (one overwriting GEMM), the rest
-    # as a CPU does at size (write_gemm: a memset, then a GEMM that adds).
-    out = run_ranks(_fused_equals_autograd, tp, args=(MODELS[name], 3, name.split("-")[0], tp == 1))[0]
+def test_gemm_written_weight_gradients_equal_autograds_bitwise(models, name):
+    out = models["eager"][name]
     assert out["differ"] == [], f"gradients differ from autograd's: {out['differ']}"
     linears_per_layer = 5 if name.startswith("llama") else 4  # qkv|q,kv, proj, fc1, fc2
     # The output layer fuses, and the embedding's lookups: untied (llama) or tied (gpt, bert).
@@ -381,15 +407,22 @@ def _compiled(rank, world, name):
     return worst, len(graphs), counting.calls, counting.embedding_calls
 
 
-# Fused weight writes per micro-batch: the 2 layers' linears and the output layer (tied for GPT and
-# BERT, whose masked-LM dense and pooler keep autograd's path); the lookups are the embedding writes.
-@pytest.mark.parametrize("name,writes", [("gpt", 9), ("llama", 11), ("bert", 9), ("llama-recompute-full", 11),
-                                         ("gpt-recompute-selective", 9)])
-def test_compiled_code_writes_every_fused_gradient_from_its_graph(name, writes):
+def _all_compiled(rank, world, names):
+    """_compiled for each model in turn, in one process (each starts from a reset dynamo and no
+    model-parallel state): the first compilation pays for dynamo's and AOTAutograd's warm-up, the others do not."""
+    out = {}
+    for name in names:
+        parallel.destroy_model_parallel()
+        out[name] = _compiled(rank, world, name)
+    return out
+
+
+@pytest.mark.parametrize("name,writes", list(COMPILED.items()))
+def test_compiled_code_writes_every_fused_gradient_from_its_graph(models, name, writes):
     """Every weight fuses (the eager size floor does not apply): each use writes the buffer from
     inside the one graph, recomputed layers too (their writes come once, from the backward). Leaving
     the graph for the fused uses made 5 graphs for GPT, 4 for Llama."""
-    worst, graphs, calls, embedding_calls = run_ranks(_compiled, 1, args=(name,))[0]
+    worst, graphs, calls, embedding_calls = models["compiled"][name]
     assert worst <= 1e-6
     assert graphs == 1
     assert calls == 3 * writes and embedding_calls == 3

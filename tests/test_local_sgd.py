@@ -37,12 +37,35 @@ def several(rank, world, fn, argvs):
     return [fn(rank, world, argv) for argv in argvs]
 
 
-@pytest.mark.parametrize("inside", [[], ["--tp", "2"], ["--cp", "2"]], ids=["dp2", "tp2xdp2", "cp2xdp2"])
-def test_h1_with_a_plain_outer_step_equals_data_parallelism(inside):
-    argv = BASE + SGD + ["--train-iters", "6", *inside]
-    world = 4 if inside else 2
-    (dp_losses, dp_params), (ls_losses, ls_params) = run_ranks(
-        several, world, args=(losses_and_params, [argv, argv + PLAIN_OUTER]))[0]
+def by_world(fn, cases: dict) -> dict:
+    """name -> each rank's results of fn over the case's argvs: (world, argvs) by name, every case of
+    one world size in one spawn."""
+    out = {}
+    for world in sorted({w for w, _ in cases.values()}):
+        names = [n for n, (w, _) in cases.items() if w == world]
+        flat = [argv for n in names for argv in cases[n][1]]
+        per_rank = run_ranks(several, world, args=(fn, flat), timeout=600)
+        at = 0
+        for n in names:
+            k = len(cases[n][1])
+            out[n] = [runs[at:at + k] for runs in per_rank]
+            at += k
+    return out
+
+
+INSIDE = {"dp2": [], "tp2xdp2": ["--tp", "2"], "cp2xdp2": ["--cp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def h1_runs():
+    # 3 steps: the last two losses and the final weights follow averaged updates, more repeat them.
+    argvs = {n: BASE + SGD + ["--train-iters", "3", *inside] for n, inside in INSIDE.items()}
+    return by_world(losses_and_params, {n: (4 if INSIDE[n] else 2, [a, a + PLAIN_OUTER]) for n, a in argvs.items()})
+
+
+@pytest.mark.parametrize("inside", list(INSIDE))
+def test_h1_with_a_plain_outer_step_equals_data_parallelism(h1_runs, inside):
+    (dp_losses, dp_params), (ls_losses, ls_params) = h1_runs[inside][0]
     assert rel_err(torch.tensor(ls_losses), torch.tensor(dp_losses)) <= 1e-5, (ls_losses, dp_losses)
     assert rel_err(ls_params, dp_params) <= 1e-5
 
@@ -65,16 +88,26 @@ def replica_trace(rank, world, argv):
     return [r["loss"] for r in run.records], trace
 
 
-@pytest.mark.parametrize("extra,world", [([], 2), (["--bf16"], 2), (["--pp", "2"], 4)], ids=["fp32", "bf16", "pp2xdp2"])
-def test_replicas_agree_right_after_each_outer_step_and_differ_between(extra, world):
-    argv = BASE + ["--train-iters", "8", "--lr", "3e-3", "--local-sgd-interval", "4", *extra]
-    traces = run_ranks(replica_trace, world, args=(argv,))
+REPLICAS = {"fp32": (2, []), "bf16": (2, ["--bf16"]), "pp2xdp2": (4, ["--pp", "2"])}
+H = 2  # rounds of 2 inner steps, 2 rounds: apart after each round's first step, together after its last
+
+
+@pytest.fixture(scope="module")
+def replica_traces():
+    argv = BASE + ["--train-iters", str(2 * H), "--lr", "3e-3", "--local-sgd-interval", str(H)]
+    return by_world(replica_trace, {n: (world, [argv + extra]) for n, (world, extra) in REPLICAS.items()})
+
+
+@pytest.mark.parametrize("name", list(REPLICAS))
+def test_replicas_agree_right_after_each_outer_step_and_differ_between(replica_traces, name):
+    world = REPLICAS[name][0]
+    traces = [runs[0] for runs in replica_traces[name]]
     (losses, a), (_, b) = traces[0], traces[1]  # dp ranks 0 and 1 of pipeline stage 0
     if world == 4:  # and of the last stage
         assert [due for due, _ in traces[2][1]] == [due for due, _ in a]
-        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(traces[2][1][3::4], traces[3][1][3::4]))
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(traces[2][1][H - 1::H], traces[3][1][H - 1::H]))
     for step, ((due, pa), (_, pb)) in enumerate(zip(a, b), start=1):
-        if step % 4 == 0:
+        if step % H == 0:
             assert due == [0] and torch.equal(pa, pb), f"step {step}: replicas must hold the outer parameters"
         else:
             assert due == [] and not torch.equal(pa, pb), f"step {step}: replicas train apart between outer steps"
@@ -107,15 +140,21 @@ def _outer_delta(rank, world, argv):
     return events
 
 
+@pytest.fixture(scope="module")
+def outer_events():
+    """dtype -> each rank's events (tp 2 x dp 2), both dtypes in one spawn. 4 steps in rounds of 2:
+    two outer steps, and inner steps before and between them. The log line (an all-reduce of the
+    loss over DP) only after the last step: --log-interval 4."""
+    argv = BASE + ["--train-iters", "4", "--log-interval", "4", "--local-sgd-interval", "2", "--tp", "2"]
+    return by_world(_outer_delta, {d: (4, [argv + ["--outer-grad-dtype", d]]) for d in ("fp32", "bf16")})
+
+
 @pytest.mark.parametrize("dtype,size", [("fp32", 4), ("bf16", 2)])
-def test_inner_steps_send_nothing_across_replicas_and_the_outer_step_one_all_reduce(dtype, size):
-    # The log line (an all-reduce of the loss over DP) only after the last step: --log-interval 6.
-    argv = BASE + ["--train-iters", "6", "--log-interval", "6", "--local-sgd-interval", "3",
-                   "--outer-grad-dtype", dtype, "--tp", "2"]
-    for events in run_ranks(_outer_delta, 4, args=(argv,)):  # tp 2 x dp 2
+def test_inner_steps_send_nothing_across_replicas_and_the_outer_step_one_all_reduce(outer_events, dtype, size):
+    for (events,) in outer_events[dtype]:
         steps = [e for e in events if e[0] == "step"]
         numel = steps[0][2]
-        assert [s[1] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert [s[1] for s in steps] == [1, 2, 3, 4]
         sent_before_last_step = events[:events.index(steps[-1])]
         inner = [e for e in sent_before_last_step if e[0] == "inner"]
         # TP collectives run inside a replica (group of 2 TP ranks); none of them is data parallel:
@@ -130,16 +169,31 @@ def _traced_resume(rank, world, argv):
     return [r["loss"] for r in gpt_run(argv).records]
 
 
-@pytest.mark.parametrize("extra", [[], ["--local-sgd-async", "--local-sgd-fragments", "2", "--outer-grad-dtype",
-                                        "bf16"]], ids=["sync", "async-streaming-bf16"])
-def test_resume_is_bitwise_exact_mid_round_and_at_a_round_boundary(tmp_path, extra):
-    argv = BASE + ["--train-iters", "12", "--local-sgd-interval", "4"] + extra
-    stops = (6, 8)  # mid-round, and right after an outer step
-    argvs = [argv] + [a for stop in stops for a in (
-        argv + ["--save", str(tmp_path / str(stop)), "--exit-interval", str(stop)],
-        argv + ["--load", str(tmp_path / str(stop))])]
-    whole, *parts = run_ranks(several, 2, args=(_traced_resume, argvs))[0]
-    for stop, first, second in zip(stops, parts[::2], parts[1::2]):
+RESUMES = {"sync": [], "async-streaming-bf16": ["--local-sgd-async", "--local-sgd-fragments", "2",
+                                               "--outer-grad-dtype", "bf16"]}
+# Rounds of 2 over 6 steps: a stop at 3 (mid-round, after one outer step; streaming: fragment 1
+# mid-round) and at 4 (right after an outer step); each resumed run meets another outer step.
+STOPS = (3, 4)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """case -> rank 0's losses: the unbroken run, then per stop the saving run and the resumed one;
+    both cases in one spawn."""
+    cases = {}
+    for name, extra in RESUMES.items():
+        tmp = tmp_path_factory.mktemp(name)
+        argv = BASE + ["--train-iters", "6", "--local-sgd-interval", "2"] + extra
+        cases[name] = (2, [argv] + [a for stop in STOPS for a in (
+            argv + ["--save", str(tmp / str(stop)), "--exit-interval", str(stop)],
+            argv + ["--load", str(tmp / str(stop))])])
+    return {name: runs[0] for name, runs in by_world(_traced_resume, cases).items()}
+
+
+@pytest.mark.parametrize("extra", list(RESUMES))
+def test_resume_is_bitwise_exact_mid_round_and_at_a_round_boundary(resumed, extra):
+    whole, *parts = resumed[extra]
+    for stop, first, second in zip(STOPS, parts[::2], parts[1::2]):
         assert first + second == whole, f"stopped at {stop}: resumed losses must equal the unbroken run's bit for bit"
 
 
@@ -175,10 +229,25 @@ def _hand(asynchronous, momentum, rounds):
     return out
 
 
+def _drives(rank, world, calls):
+    return [_drive(rank, world, *args) for args in calls]
+
+
+# (asynchronous, momentum, steps[, fragments, dtype]) of each hand-driven run below.
+DRIVES = [(a, m, 8) for m in (0.0, 0.9) for a in (False, True)] + [(False, 0.0, 4, 2), (False, 0.0, 2, 1, torch.bfloat16)]
+
+
+@pytest.fixture(scope="module")
+def driven():
+    """DRIVES' entry -> each rank's trace, every run in one spawn."""
+    per_rank = run_ranks(_drives, 2, args=(DRIVES,))
+    return {args: [runs[i] for runs in per_rank] for i, args in enumerate(DRIVES)}
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_outer_nesterov_steps_match_a_hand_computation(asynchronous, momentum):
-    trace = run_ranks(_drive, 2, args=(asynchronous, momentum, 8))
+def test_outer_nesterov_steps_match_a_hand_computation(driven, asynchronous, momentum):
+    trace = driven[(asynchronous, momentum, 8)]
     expected = _hand(asynchronous, momentum, 4)
     for rank_trace in trace:
         outer_after_rounds = [t[1] for t in rank_trace[1::2]]
@@ -190,8 +259,8 @@ def test_outer_nesterov_steps_match_a_hand_computation(asynchronous, momentum):
         assert expected[0] == 0.0 and trace[0][1][1].abs().max() == 0
 
 
-def test_streaming_fragments_synchronize_in_turn_with_a_fraction_of_the_bytes():
-    trace = run_ranks(_drive, 2, args=(False, 0.0, 4, 2))[0]
+def test_streaming_fragments_synchronize_in_turn_with_a_fraction_of_the_bytes(driven):
+    trace = driven[(False, 0.0, 4, 2)][0]
     # Fragment 0 (3 elements) at odd steps, fragment 1 (5 elements) at even steps: H / F = 1 apart.
     assert [t[0] for t in trace] == [[0], [1], [0], [1]]
     assert [t[2] for t in trace] == [3 * 4, 5 * 4, 3 * 4, 5 * 4]
@@ -201,8 +270,8 @@ def test_streaming_fragments_synchronize_in_turn_with_a_fraction_of_the_bytes():
     assert torch.allclose(trace[1][1][3:], torch.full((5,), -1.5))
 
 
-def test_bf16_pseudo_gradients_halve_the_bytes():
-    trace = run_ranks(_drive, 2, args=(False, 0.0, 2, 1, torch.bfloat16))[0]
+def test_bf16_pseudo_gradients_halve_the_bytes(driven):
+    trace = driven[(False, 0.0, 2, 1, torch.bfloat16)][0]
     assert trace[1][2] == 8 * 2 and torch.allclose(trace[1][1], torch.full((8,), -1.5))
 
 
@@ -282,15 +351,19 @@ def test_a_local_sgd_checkpoint_refuses_another_layout_unless_its_optimizer_stat
 def test_warmup_steps_are_data_parallel_then_rounds_of_h_follow():
     # AdamW (not a linear map): the warmup steps average gradients, so they are data parallelism's
     # steps; after them the replicas part, and meet every H steps counted from the warmup's end.
-    argv = BASE + ["--train-iters", "9", "--lr", "3e-3"]
-    dp_losses, _ = run_ranks(losses_and_params, 2, args=(argv,))[0]
-    traces = run_ranks(replica_trace, 2, args=(argv + ["--local-sgd-interval", "4", "--local-sgd-warmup-iters", "3"],))
-    (losses, a), (_, b) = traces
-    assert rel_err(torch.tensor(losses[:4]), torch.tensor(dp_losses[:4])) <= 1e-5, (losses, dp_losses)
-    assert losses[4:] != dp_losses[4:]
+    # 2 warmup steps, then two rounds of 2 (apart after each round's first step), in one spawn with
+    # the data-parallel run (no local SGD: its trace is empty).
+    argv = BASE + ["--train-iters", "6", "--lr", "3e-3"]
+    warmup = 2
+    traces = run_ranks(several, 2, args=(replica_trace, [argv, argv + ["--local-sgd-interval", "2",
+                                                                        "--local-sgd-warmup-iters", str(warmup)]]))
+    (dp_losses, _), (losses, a) = traces[0]
+    (_, b) = traces[1][1]
+    assert rel_err(torch.tensor(losses[:warmup + 1]), torch.tensor(dp_losses[:warmup + 1])) <= 1e-5, (losses, dp_losses)
+    assert losses[warmup + 1:] != dp_losses[warmup + 1:]
     for step, ((due, pa), (_, pb)) in enumerate(zip(a, b), start=1):
-        together = step <= 3 or (step - 3) % 4 == 0
-        assert due == ([0] if step > 3 and together else []), step
+        together = step <= warmup or (step - warmup) % 2 == 0
+        assert due == ([0] if step > warmup and together else []), step
         assert torch.equal(pa, pb) == together, f"step {step}"
 
 
@@ -314,9 +387,10 @@ def _resume_notes(rank, world, argvs):
 def test_resuming_local_sgd_state_under_other_settings_says_what_it_drops(tmp_path):
     """Issue #34: without local SGD, without --local-sgd-async, or with another interval, a resume of an
     async local-SGD checkpoint (a round's average pending) says in one line what it drops or changes."""
-    argv = BASE + ["--train-iters", "7", "--local-sgd-interval", "2", "--local-sgd-async"]
-    resume = BASE + ["--train-iters", "7", "--load", str(tmp_path)]
-    notes = run_ranks(_resume_notes, 2, args=([argv + ["--save", str(tmp_path), "--exit-interval", "5"],
+    # Saved at step 3: mid-round, the first round's average pending (async: applied at step 4).
+    argv = BASE + ["--train-iters", "4", "--local-sgd-interval", "2", "--local-sgd-async"]
+    resume = BASE + ["--train-iters", "4", "--load", str(tmp_path)]
+    notes = run_ranks(_resume_notes, 2, args=([argv + ["--save", str(tmp_path), "--exit-interval", "3"],
                                                resume, resume + ["--local-sgd-interval", "2"],
                                                resume + ["--local-sgd-interval", "4", "--local-sgd-async"],
                                                argv + ["--load", str(tmp_path)]],))[0]

@@ -22,10 +22,17 @@ from helpers import wait_for
 from slurm_cluster import SLURM, SlurmTestCluster, in_ci, job_env, job_log, require_slurm
 
 PORT = 29500  # inside a fresh namespace every port is free
-MODEL = ["--mock-data", "--log-interval", "1", "--seq-length", "32"]
+# Global batch 8: 4 micro-batches a step at pp 2 (1F1B reaches its steady state), half the default's
+# compute; validation on one batch (the default's four cost as much as several steps).
+MODEL = ["--mock-data", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8", "--eval-iters", "1"]
 LAYOUT = ["--tp", "2", "--pp", "2"]
-ITERS = ["--train-iters", "6"]
+ITERS = ["--train-iters", "4"]  # the losses after three optimizer steps must match too
 TOL = 1e-5  # relative, fp32
+# --distributed-timeout-minutes of the runs that lose a host: 12 s. The longest a rank waits on another
+# in a healthy run here is start-up skew, the first step's pipeline fill or a peer's checkpoint
+# report, each 1-3 s on a loaded 2-core machine (a whole first step of 8 micro-batches took 4.3 s at
+# load 8); a loss is seen only after this wait (the partition always, a host killed while saving too).
+LOST_HOST_TIMEOUT_MIN = "0.2"
 
 
 def _env(**extra) -> dict:
@@ -49,19 +56,33 @@ def hosts():
                     f"uid {os.geteuid()}; .ci/setup_netns.sh installs iproute2)")
 
 
-def _train_single(tmp: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = _env()
-    env.pop("OMP_NUM_THREADS")  # one process: let it use the cores
-    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp)
+def _entry_main(rank, world, argv):
+    """A rank of `run_ranks` running pretrain_gpt.main(argv): its exit code and stderr."""
+    import contextlib
+    import io
+
+    import pretrain_gpt
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = pretrain_gpt.main(argv)
+    return code, err.getvalue()
+
+
+def _train_single(*args: str, timeout: float = 180) -> tuple[int, str]:
+    """pretrain_gpt.main(args) on one rank of `run_ranks` (forked from its warm fork server: no
+    interpreter start-up); the single-process runs are references, their launch is not under test."""
+    from megalite.testing import run_ranks
+
+    return run_ranks(_entry_main, 1, args=(list(args),), timeout=timeout)[0]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The single-process run that the multi-host runs must reproduce: (train, valid) records."""
     tmp = tmp_path_factory.mktemp("reference")
-    run = _train_single(tmp, *MODEL, *ITERS, "--metrics-file", str(tmp / "m.jsonl"))
-    assert run.returncode == 0, run.stderr[-3000:]
+    code, err = _train_single(*MODEL, *ITERS, "--metrics-file", str(tmp / "m.jsonl"))
+    assert code == 0, err[-3000:]
     return records(tmp / "m.jsonl"), records(tmp / "m.jsonl", "valid")
 
 
@@ -121,7 +142,7 @@ def test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint(hosts, t
     from megalite import checkpoint
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    long_run = [*MODEL, *LAYOUT, "--train-iters", "100000", "--distributed-timeout-minutes", "0.25",
+    long_run = [*MODEL, *LAYOUT, "--train-iters", "100000", "--distributed-timeout-minutes", LOST_HOST_TIMEOUT_MIN,
                 "--save", str(ckpt), "--save-interval", "2"]
     procs = _launch(hosts, tmp_path, [*long_run, "--metrics-file", str(metrics)])
     logs = lambda: f"{_output(tmp_path, 0)}\n{_output(tmp_path, 1)}"  # noqa: E731
@@ -158,9 +179,9 @@ def test_a_host_that_dies_ends_the_job_and_leaves_a_loadable_checkpoint(hosts, t
     config, kind, state = checkpoint.load_full_state_dict(ckpt)
     assert kind == "gpt" and state and all(math.isfinite(float(t.float().abs().sum())) for t in state.values())
     resumed = tmp_path / "resumed.jsonl"
-    run = _train_single(tmp_path, *MODEL, "--train-iters", "100000", "--load", str(ckpt),
-                        "--exit-interval", str(saved + 2), "--metrics-file", str(resumed))
-    assert run.returncode == 0, run.stderr[-3000:]
+    code, err = _train_single(*MODEL, "--train-iters", "100000", "--load", str(ckpt),
+                              "--exit-interval", str(saved + 2), "--metrics-file", str(resumed))
+    assert code == 0, err[-3000:]
     after = records(resumed)
     assert [r["iteration"] for r in after] == [saved + 1, saved + 2], after
     # Where the two-host run logged those iterations before it died, the resumed run matches them.
@@ -175,14 +196,14 @@ def test_a_partitioned_host_times_out(hosts, tmp_path):
     # collective and pipeline transfer must be bounded by --distributed-timeout-minutes.
     metrics = tmp_path / "m.jsonl"
     procs = _launch(hosts, tmp_path, [*MODEL, *LAYOUT, "--train-iters", "100000", "--distributed-timeout-minutes",
-                                      "0.25", "--metrics-file", str(metrics)])
+                                      LOST_HOST_TIMEOUT_MIN, "--metrics-file", str(metrics)])
     wait_for(lambda: metrics.exists() and len(records(metrics)) >= 3, 150,
               lambda: f"no 3 iterations in 150 s\n{_output(tmp_path, 0)}", procs)
     hosts[1].unplug()
     try:
         procs[0].wait(timeout=90)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"host0 still running 90 s after host1 was cut off (limit 15 s)\n{_output(tmp_path, 0)}")
+        pytest.fail(f"host0 still running 90 s after host1 was cut off (limit 12 s)\n{_output(tmp_path, 0)}")
     assert procs[0].returncode != 0
     err = (tmp_path / "host0.err").read_text(errors="replace")
     lines = [x for x in err.splitlines() if x.startswith("megalite: error: rank ")]

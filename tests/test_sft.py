@@ -227,22 +227,34 @@ def test_an_imported_model_fine_tuned_100_steps_exports_and_answers_in_the_train
     assert words[:5] == ["you", "like", "green", ".", "<"], after
 
 
-def test_eval_prompts_print_greedy_samples_at_each_validation(tokenizer_dir, tmp_path):
-    import subprocess
-    import sys
+def _entry_main(rank, world, argv):
+    """A rank of `run_ranks` running pretrain_gpt.main(argv), as a torchrun worker runs it: its exit
+    code, stdout and stderr."""
+    import contextlib
+    import io
 
+    import pretrain_gpt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pretrain_gpt.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_eval_prompts_print_greedy_samples_at_each_validation(tokenizer_dir, tmp_path):
+    # The entry point's main on a rank of run_ranks (forked from its warm fork server) rather than a
+    # `python pretrain_gpt.py` each: the same parse, run and one-line error, without two start-ups.
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("i like red cars and blue cars .\n\nyou like\n")
-    root = Path(__file__).parent.parent
-    argv = [sys.executable, str(root / "pretrain_gpt.py"), "--model", "llama-tiny", "--sft-data-path", str(CONVERSATIONS),
+    argv = ["--model", "llama-tiny", "--sft-data-path", str(CONVERSATIONS),
             "--tokenizer", str(tokenizer_dir), "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size",
             "4", "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
             "--eval-prompts", str(prompts)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = [line for line in out.stdout.splitlines() if "sample at iteration" in line]
+    [(code, stdout, stderr)] = run_ranks(_entry_main, 1, args=(argv,), timeout=300, env={"MEGALITE_QUIET": ""})
+    assert code == 0, stderr[-2000:]
+    lines = [line for line in stdout.splitlines() if "sample at iteration" in line]
     assert [line.split(":")[1].strip() for line in lines] == ["sample at iteration 2"] * 2 + ["sample at iteration 4"] * 2
     assert "'i like red cars and blue cars .' ->" in lines[0] and "'you like' ->" in lines[1]
-    bad = subprocess.run(argv[:-1] + [str(tmp_path / "missing.txt")], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    assert bad.returncode != 0 and "--eval-prompts: the prompts file" in bad.stderr and "Traceback" not in bad.stderr
+    [(code, _, stderr)] = run_ranks(_entry_main, 1, args=(argv[:-1] + [str(tmp_path / "missing.txt")],),
+                                    timeout=300, env={"MEGALITE_QUIET": ""})
+    assert code != 0 and "--eval-prompts: the prompts file" in stderr and "Traceback" not in stderr

@@ -18,7 +18,10 @@ SHELL_SCRIPTS = [SLURM / "local_cluster.sh", SLURM / "cluster_common.sh", SLURM 
                  SLURM / "pretrain_gpt.sbatch", SLURM / "pretrain_bert.sbatch",
                  ROOT / ".ci" / "setup_slurm.sh"]
 CPUS = len(os.sched_getaffinity(0))
-TRAIN = ["--mock-data", "--tp", "2", "--log-interval", "1", "--seq-length", "32"]
+# Global batch 4 (2 micro-batches a step at tp 2, dp 1) and validation on one batch: a quarter of the
+# defaults' compute a step; what these tests prove is the launch, restart and requeue around it.
+TRAIN = ["--mock-data", "--tp", "2", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "4",
+         "--eval-iters", "1"]
 
 
 class Cluster(SlurmTestCluster):

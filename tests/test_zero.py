@@ -10,7 +10,7 @@ import torch
 
 from helpers import rel_err
 from megalite.testing import counting_collectives, ring_bytes, run_ranks
-from training_ranks import gpt_run, parse, whole_params
+from training_ranks import gpt_run, parse, several, whole_params
 
 BASE = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
 STAGES = (0, 1, 2, 3)
@@ -41,13 +41,30 @@ def train_at_each_stage(rank, world, argv, stages=STAGES):
     return train_variants(rank, world, argv, {stage: ["--zero-stage", str(stage)] for stage in stages})
 
 
+def once_each(fn, cases: dict) -> dict:
+    """key -> each rank's fn(rank, world, argv) for cases' key -> (world, argv): one spawn per world size."""
+    out = {}
+    for world in sorted({w for w, _ in cases.values()}):
+        keys = [k for k, (w, _) in cases.items() if w == world]
+        per_rank = run_ranks(several, world, args=(fn, [cases[k][1] for k in keys]), timeout=900)
+        out.update(zip(keys, map(list, zip(*per_rank))))  # key -> [rank 0's result, rank 1's, ...]
+    return out
+
+
 # The layout matrix runs 3 steps: the third runs on weights two sharded updates made, which is where a
-# stage goes wrong (more add time, not coverage).
+# stage goes wrong (more add time, not coverage). It compares training only: no validation pass
+# (stage 3's gathers under evaluation run in the memory tests' runs below).
+MATRIX = ["--train-iters", "3", "--eval-interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def by_layout():
+    return once_each(train_at_each_stage, {n: (ranks, BASE + flags + MATRIX) for n, (ranks, flags) in LAYOUTS.items()})
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_zero_stage_trains_like_plain_data_parallelism(layout):
-    ranks, flags = LAYOUTS[layout]
-    results = run_ranks(train_at_each_stage, ranks, args=(BASE + flags + ["--train-iters", "3"],), timeout=600)
-    for by_stage in results:
+def test_every_zero_stage_trains_like_plain_data_parallelism(by_layout, layout):
+    for by_stage in by_layout[layout]:
         plain = by_stage[0]
         for stage in (1, 2, 3):
             for a, b in zip(by_stage[stage]["losses"], plain["losses"]):
@@ -62,7 +79,8 @@ def test_every_zero_stage_trains_like_plain_data_parallelism(layout):
 def test_stage_3_gather_options_train_the_same_through_interleaved_pipelines():
     # Interleaved 1F1B holds several micro-batches in flight: layers kept from forward to backward
     # are counted per micro-batch, and kept for the step they are gathered once.
-    argv = BASE + ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "16", "--train-iters", "4"]
+    # Global batch 16: 4 micro-batches a rank reach the steady phase (2 are all warm-up and cool-down).
+    argv = BASE + ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--global-batch-size", "16", *MATRIX]
     variants = {"plain": ["--zero-stage", "0"], "default": ["--zero-stage", "3"],
                 "keep-to-backward": ["--zero-stage", "3", "--zero-reshard-after-forward", "false"],
                 "keep-for-step": ["--zero-stage", "3", "--zero-keep-params-for-step"],
@@ -75,12 +93,21 @@ def test_stage_3_gather_options_train_the_same_through_interleaved_pipelines():
             assert by_variant[key]["losses"] == reference, key  # the same reductions, gathered otherwise
 
 
-@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16"], ["--bf16", "--grad-reduce-dtype", "bf16"]],
-                         ids=["bf16", "fp16", "bf16-reduce"])
-def test_zero_stages_keep_mixed_precision_training_with_tied_embeddings_across_stages(precision):
-    # pp 2 ties the word embedding over the first and last stage; fp16 scales the loss dynamically.
-    argv = BASE + ["--pp", "2", "--train-iters", "6", *precision]
-    for by_stage in run_ranks(train_at_each_stage, 4, args=(argv,), timeout=600):
+PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "bf16-reduce": ["--bf16", "--grad-reduce-dtype", "bf16"]}
+
+
+@pytest.fixture(scope="module")
+def by_precision():
+    """pp 2 ties the word embedding over the first and last stage; fp16 scales the loss dynamically
+    (from 2^16: none of these steps overflows; test_optim.py forces one). 3 steps, as the layout
+    matrix (the third on weights two sharded updates made); validation kept (pp 2, stage 3)."""
+    return once_each(train_at_each_stage, {n: (4, BASE + ["--pp", "2", "--train-iters", "3", *flags])
+                                           for n, flags in PRECISIONS.items()})
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_zero_stages_keep_mixed_precision_training_with_tied_embeddings_across_stages(by_precision, precision):
+    for by_stage in by_precision[precision]:
         plain = by_stage[0]["losses"]
         for stage in (1, 2, 3):
             # bf16 parameters round the masters' last-bit differences (another summation order).
@@ -92,8 +119,9 @@ def test_one_micro_batch_per_step_makes_stages_1_2_and_3_bitwise_equal():
     # dp 2 x micro-batch 2 = global batch 4: one micro-batch, so stage 2's per-backward reduction is
     # stage 1's one reduction; two ranks sum commutatively, so stage 3's units change nothing either.
     # Clipping off: stage 3's pieces cut the global norm's sum of squares elsewhere (docs/optimizer.md).
+    # 3 steps: the last loss and the weights carry two updates through Adam's moments, bit for bit.
     argv = ["--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2", "--log-interval", "1",
-            "--train-iters", "5", "--clip-grad", "0"]
+            "--train-iters", "3", "--clip-grad", "0"]
     results = run_ranks(train_at_each_stage, 2, args=(argv, (1, 2, 3)))
     for by_stage in results:
         for stage in (2, 3):
@@ -117,11 +145,19 @@ def held_bytes(rank, world, argv):
 
 
 MEMORY = BASE + ["--train-iters", "2", "--num-layers", "4", "--bf16", "--grad-reduce-dtype", "bf16"]
+HELD = [(2, ["--zero-stage", "3"]), (2, ["--zero-stage", "3", "--zero-reshard-after-forward", "false"]),
+        *((4, ["--zero-stage", str(s)]) for s in STAGES)]
+
+
+@pytest.fixture(scope="module")
+def held():
+    """(dp, flags as a tuple) -> each rank's held_bytes."""
+    return once_each(held_bytes, {(dp, tuple(flags)): (dp, MEMORY + flags) for dp, flags in HELD})
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_stage_3_holds_2_plus_2_plus_12_bytes_per_parameter_over_dp_and_two_gathered_layers(dp):
-    for got in run_ranks(held_bytes, dp, args=(MEMORY + ["--zero-stage", "3"],)):
+def test_stage_3_holds_2_plus_2_plus_12_bytes_per_parameter_over_dp_and_two_gathered_layers(held, dp):
+    for got in held[(dp, ("--zero-stage", "3"))]:
         stored, shard = got["stored"], got["padded"] // dp
         # bf16 parameter shard, bf16 gradient shard, fp32 master + Adam's two moments for owned elements.
         assert stored["params"] == 2 * shard and stored["grads"] == 2 * shard
@@ -165,16 +201,14 @@ def test_after_training_stage_3_parameters_are_empty_until_gathered_whole():
         assert outside == 0 and inside == (512, 128) and total > 0
 
 
-def test_keeping_gathered_layers_until_backward_holds_every_layer():
-    dp = 2
-    kept = run_ranks(held_bytes, dp, args=(MEMORY + ["--zero-stage", "3", "--zero-reshard-after-forward", "false"],))
-    for got in kept:
+def test_keeping_gathered_layers_until_backward_holds_every_layer(held):
+    for got in held[(2, ("--zero-stage", "3", "--zero-reshard-after-forward", "false"))]:
         assert got["stored"]["peak_gathered"] == sum(got["other_units"]) + sum(got["layer_units"])
 
 
-def test_stored_state_falls_stage_by_stage():
+def test_stored_state_falls_stage_by_stage(held):
     dp = 4
-    per_stage = {s: run_ranks(held_bytes, dp, args=(MEMORY + ["--zero-stage", str(s)],))[0] for s in STAGES}
+    per_stage = {s: held[(dp, ("--zero-stage", str(s)))][0] for s in STAGES}
     state = {s: g["stored"]["params"] + g["stored"]["grads"] + g["optimizer"] for s, g in per_stage.items()}
     real = per_stage[0]["real"]
     # bf16 parameters, fp32 gradients below stage 2 (bf16 shards from stage 2), fp32 master + Adam.
@@ -197,12 +231,13 @@ def step_traffic(rank, world, argv):
             "layers": sorted(getattr(buf, "layer_unit_indices", ()))}
 
 
-def traffic(stage: int, micro_batches: int, *extra) -> tuple[Fraction, int, dict]:
+def traffic(*cases: tuple) -> list[tuple[Fraction, int, dict]]:
+    """(sent, padded, what step_traffic saw on rank 0) for each (stage, micro_batches, *extra), all in one spawn."""
     dp = 2
-    argv = ["--seq-length", "32", "--micro-batch-size", "2", "--log-interval", "1", "--num-layers", "3",
-            "--eval-iters", "0", "--global-batch-size", str(2 * dp * micro_batches), "--zero-stage", str(stage), *extra]
-    got = run_ranks(step_traffic, dp, args=(argv,))[0]
-    return got["sent"], got["padded"], got
+    argvs = [["--seq-length", "32", "--micro-batch-size", "2", "--log-interval", "1", "--num-layers", "3",
+              "--eval-iters", "0", "--global-batch-size", str(2 * dp * micro_batches), "--zero-stage", str(stage),
+              *extra] for stage, micro_batches, *extra in cases]
+    return [(got["sent"], got["padded"], got) for got in run_ranks(several, dp, args=(step_traffic, argvs))[0]]
 
 
 def turns_kept(got: dict, m: int) -> int:
@@ -217,8 +252,7 @@ def turns_kept(got: dict, m: int) -> int:
 
 def test_stage_2_sends_what_stage_1_sends_and_stage_3_half_again_plain_data_parallelism_less_the_turns():
     per_element = {}
-    for stage in STAGES:
-        sent, padded, got = traffic(stage, 1)
+    for stage, (sent, padded, got) in zip(STAGES, traffic(*((stage, 1) for stage in STAGES))):
         per_element[stage] = sent / padded
     ring = Fraction(1, 2)  # (n - 1) / n at dp 2; fp32 everywhere: 4 bytes an element
     assert per_element[0] == 2 * ring * 4  # one all-reduce of the gradients
@@ -238,8 +272,8 @@ def test_traffic_per_step_with_micro_batches_follows_each_stages_formula():
         (3, "--zero-reshard-after-forward", "false"): lambda got: 2 * m * ring,
         (3, "--zero-keep-params-for-step"): lambda got: (1 + m) * ring,  # one gather a step
     }
-    for (stage, *extra), per_element in expected.items():
-        sent, padded, got = traffic(stage, m, *extra)
+    for ((stage, *extra), per_element), (sent, padded, got) in zip(
+            expected.items(), traffic(*((stage, m, *extra) for stage, *extra in expected))):
         assert sent / padded == per_element(got), (stage, extra)
 
 
