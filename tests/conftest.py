@@ -37,7 +37,14 @@ SLOW = {
 }
 
 
+# Tests that use machine-wide things (network namespaces and their lock, the local Slurm): under
+# `-n 2 --dist loadgroup` one pytest-xdist worker runs them all, one after another.
+MACHINE_WIDE = {"test_multinode.py", "test_slurm.py", "test_slow_links.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.nodeid.split("/")[-1].split("::")[0] in MACHINE_WIDE:
+            item.add_marker(pytest.mark.xdist_group("machine"))
         if item.nodeid.split("/")[-1].split("[")[0] in SLOW:
             item.add_marker(pytest.mark.slow)

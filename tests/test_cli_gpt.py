@@ -70,6 +70,20 @@ def test_bad_layouts_exit_with_one_clear_message(nproc, args, message, launched,
     assert 'pretrain_gpt.py", line' not in stderr
 
 
+def test_a_bad_layout_is_refused_before_the_embedded_corpus_is_built(monkeypatch, capsys, tmp_path):
+    """No data flags and an empty cache: the layout's refusal comes first, nothing is built."""
+    import pretrain_gpt
+
+    monkeypatch.setenv("MEGALITE_CACHE", str(tmp_path))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = pretrain_gpt.main(["--tp", "4"])
+    stderr = capsys.readouterr().err
+    assert code == 2 and "--tp 4 does not divide the number of ranks (2)" in stderr, stderr[-2000:]
+    assert "building the embedded corpus" not in stderr and not any(tmp_path.iterdir())
+
+
 def test_default_run_trains_on_the_embedded_corpus(tmp_path):
     """No data flags: the standard library's sources, tokenized once into the cache. On 2 ranks, pp 2
     (the data defaults are what is tested here; the layout matrices cover tp x pp), for 20 iterations:

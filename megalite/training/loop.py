@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megalite import faults, ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.config import model_config, validate
 from megalite.config.batch_schedule import batch_schedule, check_schedule_layout
 from megalite.pipeline.partition import V_SCHEDULES
 from megalite.pipeline.schedules import build_program, forward_only_kind
@@ -87,6 +88,9 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     _, world_size, _ = env_world()
     check_task_flags(cfg, task)
     cfg = adopt_checkpoint_shape(cfg)  # --load without shape flags: the checkpoint's model
+    # The layout before the data: a refusal should not first build the embedded corpus (seconds to a
+    # minute, once a machine). What the data sets (the vocabulary size) only refines the model here.
+    validate(cfg, world_size, model_config(cfg), machine=False)
     if task.prepare is not None:
         cfg = task.prepare(cfg)
     config, dp, device = setup(cfg, world_size)
