@@ -56,25 +56,14 @@ def hosts():
                     f"uid {os.geteuid()}; .ci/setup_netns.sh installs iproute2)")
 
 
-def _entry_main(rank, world, argv):
-    """A rank of `run_ranks` running pretrain_gpt.main(argv): its exit code and stderr."""
-    import contextlib
-    import io
-
-    import pretrain_gpt
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = pretrain_gpt.main(argv)
-    return code, err.getvalue()
-
-
 def _train_single(*args: str, timeout: float = 180) -> tuple[int, str]:
     """pretrain_gpt.main(args) on one rank of `run_ranks` (forked from its warm fork server: no
     interpreter start-up); the single-process runs are references, their launch is not under test."""
     from megalite.testing import run_ranks
+    from training_ranks import entry_main
 
-    return run_ranks(_entry_main, 1, args=(list(args),), timeout=timeout)[0]
+    code, _, err = run_ranks(entry_main, 1, args=(list(args),), timeout=timeout)[0]
+    return code, err
 
 
 @pytest.fixture(scope="module")

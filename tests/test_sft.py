@@ -18,6 +18,7 @@ from megalite.data.sft import SFTDataset, conversation, read_records
 from megalite.models import GPTModel
 from megalite.models.presets import preset
 from megalite.testing import run_ranks
+from training_ranks import entry_main
 from megalite.training.batches import context_parallel_share
 from megalite.training.task import gpt_forward_step
 
@@ -227,20 +228,6 @@ def test_an_imported_model_fine_tuned_100_steps_exports_and_answers_in_the_train
     assert words[:5] == ["you", "like", "green", ".", "<"], after
 
 
-def _entry_main(rank, world, argv):
-    """A rank of `run_ranks` running pretrain_gpt.main(argv), as a torchrun worker runs it: its exit
-    code, stdout and stderr."""
-    import contextlib
-    import io
-
-    import pretrain_gpt
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = pretrain_gpt.main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_eval_prompts_print_greedy_samples_at_each_validation(tokenizer_dir, tmp_path):
     # The entry point's main on a rank of run_ranks (forked from its warm fork server) rather than a
     # `python pretrain_gpt.py` each: the same parse, run and one-line error, without two start-ups.
@@ -250,11 +237,11 @@ def test_eval_prompts_print_greedy_samples_at_each_validation(tokenizer_dir, tmp
             "--tokenizer", str(tokenizer_dir), "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size",
             "4", "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
             "--eval-prompts", str(prompts)]
-    [(code, stdout, stderr)] = run_ranks(_entry_main, 1, args=(argv,), timeout=300, env={"MEGALITE_QUIET": ""})
+    [(code, stdout, stderr)] = run_ranks(entry_main, 1, args=(argv,), timeout=300, env={"MEGALITE_QUIET": ""})
     assert code == 0, stderr[-2000:]
     lines = [line for line in stdout.splitlines() if "sample at iteration" in line]
     assert [line.split(":")[1].strip() for line in lines] == ["sample at iteration 2"] * 2 + ["sample at iteration 4"] * 2
     assert "'i like red cars and blue cars .' ->" in lines[0] and "'you like' ->" in lines[1]
-    [(code, _, stderr)] = run_ranks(_entry_main, 1, args=(argv[:-1] + [str(tmp_path / "missing.txt")],),
+    [(code, _, stderr)] = run_ranks(entry_main, 1, args=(argv[:-1] + [str(tmp_path / "missing.txt")],),
                                     timeout=300, env={"MEGALITE_QUIET": ""})
     assert code != 0 and "--eval-prompts: the prompts file" in stderr and "Traceback" not in stderr

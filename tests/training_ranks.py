@@ -9,6 +9,19 @@ from megalite.training import pretrain
 import pretrain_gpt
 
 
+def entry_main(rank, world, argv, entry="pretrain_gpt"):
+    """A rank of `run_ranks` running an entry point's main(argv), as a torchrun worker runs it: its
+    exit code, stdout and stderr."""
+    import contextlib
+    import importlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = importlib.import_module(entry).main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
 def parse(argv):
     """Tests train on the synthetic stream unless they name data. On it, a run that says nothing of
     validation validates on one global batch, not the default four: the same code at each layout, a
