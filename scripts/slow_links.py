@@ -354,6 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", default=None, help="hidden suite: the dimensions to run, e.g. zero3,tp (default: all)")
     ap.add_argument("--dim-scale", action="append", default=[], metavar="DIM=K",
                     help="hidden suite: K times the tokens a step for DIM (communication closer to compute)")
+    ap.add_argument("--dim-flags", action="append", default=[], metavar="DIM=FLAGS",
+                    help="hidden suite: pretrain_gpt.py flags after DIM's own, e.g. 'cp=--seq-length 4096'")
     ap.add_argument("--bucket", type=int, default=200_000, help="suites: --ddp-bucket-size (elements)")
     ap.add_argument("--interval", type=int, default=16, help="diloco suite: --local-sgd-interval")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="diloco suite")

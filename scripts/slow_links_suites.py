@@ -227,16 +227,28 @@ def _dim_scales(a) -> dict[str, int]:
     return scales
 
 
+def _dim_flags(a) -> dict[str, str]:
+    """--dim-flags DIM=FLAGS: pretrain_gpt.py flags after DIM's own (the last of a flag wins), both runs."""
+    extra: dict[str, str] = {}
+    for item in getattr(a, "dim_flags", None) or []:
+        dim, _, flags = item.partition("=")
+        if dim not in HIDDEN or not flags.strip():
+            raise SystemExit(f"--dim-flags {item!r}: expected DIM=FLAGS with DIM one of {', '.join(HIDDEN)}")
+        extra[dim] = f"{extra.get(dim, '')} {flags.strip()}".strip()
+    return extra
+
+
 def hidden_runs(a, b: int) -> list[str]:
     """Each dimension across the link and on bare veths (rate=off), two hosts one rank each, the pair
     adjacent in every round. Every layout trains 2b sequences of --seq-length tokens a step (cp: the
     same tokens as sequences of CP_SEQ), times its --dim-scale, with megalite's default overlap
-    settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions."""
+    settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions; --dim-flags adds
+    a dimension's own flags after these (a longer sequence for cp, a wider model for tp)."""
     dims = HIDDEN if not getattr(a, "dims", None) else tuple(a.dims.split(","))
     unknown = [d for d in dims if d not in HIDDEN]
     if unknown:
         raise SystemExit(f"--dims: unknown {', '.join(unknown)} (the dimensions are {', '.join(HIDDEN)})")
-    scales = _dim_scales(a)
+    scales, extra = _dim_scales(a), _dim_flags(a)
 
     def flags(d: str) -> str:
         mb, s = b * scales.get(d, 1), a.seq_length
@@ -254,7 +266,7 @@ def hidden_runs(a, b: int) -> list[str]:
                 "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",
                 # the all-gathers and reduce-scatters pipelined with the GEMMs (megalite.parallel.tp_overlap)
                 "tp": f"--tp 2 --sequence-parallel --tp-comm-overlap --micro-batch-size {mb} --global-batch-size {g}"}[d]
-    return [f"{d}-{where}={setting}{flags(d)}" for d in dims
+    return [f"{d}-{where}={setting}{flags(d)}{' ' + extra[d] if d in extra else ''}" for d in dims
             for where, setting in (("across", ""), ("bare", "rate=off "))]
 
 

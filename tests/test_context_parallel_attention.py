@@ -115,6 +115,57 @@ def test_bytes_the_ring_sends_equal_the_analytical_volume(cp):
     assert expected["forward"] == (cp - 1) * 2 * B * groups * (seq // cp) * D * 4
 
 
+def _backward_order(rank, world):
+    """The ring backward's events in order: ("start", kind, n) when transfer n starts, ("wait", n)
+    when it is waited for, ("block", rows) for each block of attention computed."""
+    events, started = [], []
+    start, wait, block = cp_attn._start_exchange, cp_attn._wait, cp_attn._block_backward
+
+    def starting(send, recv, next_rank, prev_rank, group, tag):
+        requests = start(send, recv, next_rank, prev_rank, group, tag)
+        started.append(requests)
+        events.append(("start", "kv" if tag < cp_attn._GRAD_TAG else "grad", len(started) - 1))
+        return requests
+
+    def waiting(requests):
+        wait(requests)
+        if requests:
+            events.append(("wait", next(i for i, r in enumerate(started) if r is requests)))
+
+    def computing(q, *args, **kwargs):
+        events.append(("block", q.shape[3]))
+        return block(q, *args, **kwargs)
+
+    group = dist.new_group(list(range(world)))
+    q, k, v, d_out = _inputs(4, 2, 8 * world)
+    local = [split_for_context_parallel(t, 2, rank, world).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group, list(range(world)))
+    cp_attn._start_exchange, cp_attn._wait, cp_attn._block_backward = starting, waiting, computing
+    try:
+        out.backward(split_for_context_parallel(d_out, 2, rank, world))
+    finally:
+        cp_attn._start_exchange, cp_attn._wait, cp_attn._block_backward = start, wait, block
+    return events
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_transfer_of_the_ring_backward_has_a_block_of_attention_to_hide_behind(cp):
+    """Each K/V and dK/dV transfer of the backward has a block computed between its start and its
+    wait, the last dK/dV too: the own block runs in two halves of its rows, the second after the
+    last dK/dV leaves. Both halves together are the own block's rows."""
+    local = 8 * cp // cp
+    for events in run_ranks(_backward_order, cp):
+        starts = {e[2]: i for i, e in enumerate(events) if e[0] == "start"}
+        waits = {e[1]: i for i, e in enumerate(events) if e[0] == "wait"}
+        assert sorted(starts) == sorted(waits) and len(starts) == 2 * (cp - 1), events
+        for n, at in starts.items():
+            assert any(e[0] == "block" for e in events[at:waits[n]]), (n, events)
+        assert [e[1] for e in events if e[0] == "start"].count("grad") == cp - 1
+        blocks = [e[1] for e in events if e[0] == "block"]
+        assert len(blocks) == cp + 1 and blocks[0] + blocks[-1] == local, events  # the own block's two halves
+        assert events[-1][0] == "wait" and events[-2] == ("block", local // 2), events
+
+
 def test_cp_size_one_is_plain_attention():
     q, k, v, d_out = _inputs(4, 2, 12)
     expected = _reference(q, k, v, d_out, True)

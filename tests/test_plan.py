@@ -164,13 +164,15 @@ def test_exposed_ring_time_is_what_the_compute_does_not_hide():
                      P.Cluster(gpus=16, gpus_per_node=4, inter_node_gbps=1), 8, 8192)
     stage, costs = pred.stages[0], pred.costs
     assert stage.ring_mb > stage.compute_mb  # a slow link across nodes
-    # 7 ring steps a layer each way, each behind one attention block (backward: two blocks' time)
+    # 7 ring steps a layer each way, each transfer behind one attention block: forward the K/V block,
+    # backward the K/V block and then the dK/dV block, each behind one block's backward
     fwd, bwd = costs.ring_step_bytes
     block = costs.core / 64 / costs.rate
     lat = 5e-5
-    per_layer = 7 * (max(0, lat + fwd / 1e9 - block) + max(0, lat + bwd / 1e9 - 2 * block))
+    per_layer = 7 * (max(0, lat + fwd / 1e9 - block) + max(0, lat + fwd / 1e9 - block)
+                     + max(0, lat + (bwd - fwd) / 1e9 - block))
     assert pred.time.cp_comm == pytest.approx(pred.micro_batches * stage.n_layers * per_layer)
-    assert stage.ring_mb == pytest.approx(stage.n_layers * (7 * 2 * lat + (fwd + bwd) * 7 / 1e9))
+    assert stage.ring_mb == pytest.approx(stage.n_layers * (7 * 3 * lat + (fwd + bwd) * 7 / 1e9))
     parts = pred.time
     assert parts.total == pytest.approx(parts.compute + parts.imbalance + parts.tp_comm + parts.pp_comm
                                         + parts.bubble + parts.dp_comm + parts.optimizer + parts.cp_comm)

@@ -20,6 +20,7 @@ from slurm_cluster import in_ci
 sys.path.insert(0, str(ROOT / "scripts"))
 import slow_links  # noqa: E402
 import slow_links_suites  # noqa: E402
+from megalite import arguments  # noqa: E402
 
 RATE = 80  # Mbit/s each way: 10 MB/s, about 0.37 s for one all-reduce of gpt-tiny's fp32 gradients
 MODEL = ["--mock-data", "--model", "gpt-tiny", "--seq-length", "32", "--log-interval", "1", "--eval-iters", "0"]
@@ -213,9 +214,25 @@ def test_the_hidden_suite_runs_the_dimensions_asked_for_each_scaled_to_its_own_t
     assert "--micro-batch-size 2 --global-batch-size 32" in flags["ep-bare"]  # 8 micro-batches a rank, not 4 bigger
     assert "--micro-batch-size 16 --global-batch-size 32 --zero-stage 3" in flags["zero3-across"]
     assert "--seq-length 256 --micro-batch-size 16 --global-batch-size 16" in flags["cp-bare"]  # 4 x 1,024 tokens
-    for bad in (dict(dims="zero3,fsdp"), dict(dim_scale=["tp=0"]), dict(dim_scale=["xp=2"])):
+    for bad in (dict(dims="zero3,fsdp"), dict(dim_scale=["tp=0"]), dict(dim_scale=["xp=2"]),
+                dict(dim_flags=["fsdp=--num-layers 8"]), dict(dim_flags=["cp="])):
         with pytest.raises(SystemExit):
             slow_links_suites.suite_runs(slow_links.argparse.Namespace(**{**vars(a), **bad}))
+
+
+def test_a_dimensions_own_flags_come_after_its_suite_flags_in_both_of_its_runs():
+    a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
+                                      micro_batch_size=None, bucket=200_000, dims="cp,tp", dim_scale=[],
+                                      dim_flags=["cp=--seq-length 4096 --micro-batch-size 1", "cp=--global-batch-size 1",
+                                                 "tp=--hidden-size 1024"])
+    specs = [slow_links.parse_run(t, 2, 1, 300.0) for t in slow_links_suites.suite_runs(a)[1]]
+    flags = {s.name: s.flags for s in specs}
+    for where in ("across", "bare"):
+        cp = flags[f"cp-{where}"]
+        assert cp[-6:] == ["--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "1"]
+        args = arguments.build_parser("t", default_model="gpt-tiny").parse_args(cp)
+        assert (args.model.seq_length, args.training.micro_batch_size, args.parallel.cp) == (4096, 1, 2)  # last wins
+        assert flags[f"tp-{where}"][-2:] == ["--hidden-size", "1024"] and "--tp-comm-overlap" in flags[f"tp-{where}"]
 
 
 def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2():

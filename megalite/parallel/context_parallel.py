@@ -83,10 +83,10 @@ def _block_forward(q, k, v, scale, causal, allowed=None):
     return torch.einsum("bgrqk,bgkd->bgrqd", probs, v), lse
 
 
-def _masked_scores(q, k, scale, causal, allowed):
+def _masked_scores(q, k, scale, causal, allowed, offset=0):
     scores = torch.einsum("bgrqd,bgkd->bgrqk", q, k) * scale
     if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
+        scores = scores.masked_fill(_future(scores, offset), float("-inf"))
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return scores
@@ -97,9 +97,10 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def _block_backward(q, k, v, d_out, lse, delta, scale, causal, allowed=None):
-    """(dq, dk, dv) of one block, its probabilities recomputed from the final log-sum-exp."""
-    scores = _masked_scores(q, k, scale, causal, allowed)
+def _block_backward(q, k, v, d_out, lse, delta, scale, causal, allowed=None, offset=0):
+    """(dq, dk, dv) of one block, its probabilities recomputed from the final log-sum-exp; under
+    `causal`, query row i is key `offset + i` (rows from the middle of the diagonal block)."""
+    scores = _masked_scores(q, k, scale, causal, allowed, offset)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     dv = torch.einsum("bgrqk,bgrqd->bgkd", probs, d_out)
     d_probs = torch.einsum("bgrqd,bgkd->bgrqk", d_out, v)
@@ -109,9 +110,9 @@ def _block_backward(q, k, v, d_out, lse, delta, scale, causal, allowed=None):
     return dq, dk, dv
 
 
-def _future(scores: torch.Tensor) -> torch.Tensor:
+def _future(scores: torch.Tensor, offset: int = 0) -> torch.Tensor:
     sq, sk = scores.shape[-2:]
-    return torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + offset)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -208,6 +209,9 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_result):
+        """The ring again, with both transfers behind compute: the own (diagonal) block's backward is
+        cut in two halves of its query rows. The first runs while the first K/V block arrives, the
+        second while the last dK/dV block travels home, which otherwise had nothing to hide behind."""
         q, k, v, result, lse = ctx.saved_tensors
         ring, causal, scale, query_starts, live = ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live
         groups, local = k.shape[1], q.shape[2]
@@ -215,25 +219,40 @@ class _RingAttention(torch.autograd.Function):
         d_out = _grouped(d_result, groups).float()
         delta = (d_out * _grouped(result, groups).float()).sum(-1)  # rowsum(dO * O)
         dq = torch.zeros_like(qg)
-        kv = torch.stack([k, v]).contiguous()
-        own_dkv = None
+        own_kv = kv = torch.stack([k, v]).contiguous()
+        own_dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
+
+        def block(step, block_kv, rows, keys, diagonal, offset=0):
+            """This block's dq added in place; its (dK, dV) rows `keys` of a zeroed [2, ...] fp32 tensor."""
+            allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
+            block_dq, block_dk, block_dv = _block_backward(
+                qg[:, :, :, rows], block_kv[0, :, :, keys].float(), block_kv[1, :, :, keys].float(),
+                d_out[:, :, :, rows], lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal and allowed is None,
+                allowed, offset)
+            dq[:, :, :, rows] += block_dq
+            return block_dk, block_dv
+
+        def own_half(part):
+            rows, keys, diagonal = _block_plan(ring.rank, ring.rank, local, causal)
+            half = local // 2
+            rows = slice(0, half) if part == 0 else slice(half, local)
+            if live is None or live[0]:
+                dk, dv = block(0, own_kv, rows, keys, diagonal, offset=rows.start)
+                own_dkv[0, :, :, keys] += dk
+                own_dkv[1, :, :, keys] += dv
+
         travelling, grad_requests = None, None  # dK/dV of the block held, on its way back to its owner
         for step in range(ring.size):
             incoming = torch.empty_like(kv) if step < ring.size - 1 else None
             requests = _start_exchange(kv, incoming, ring.next, ring.prev, ring.group, _KV_TAG + step) \
                 if incoming is not None else None
-            rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
-            dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
-            if live is None or live[step]:  # a masked block's gradients are zeros: they still travel home
-                allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
-                block_dq, block_dk, block_dv = _block_backward(
-                    qg[:, :, :, rows], kv[0, :, :, keys].float(), kv[1, :, :, keys].float(), d_out[:, :, :, rows],
-                    lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal and allowed is None, allowed)
-                dq[:, :, :, rows] += block_dq
-                dkv[0, :, :, keys], dkv[1, :, :, keys] = block_dk, block_dv
             if step == 0:
-                own_dkv = dkv  # the owner adds its own part when its block's gradient comes home
+                own_half(0)  # the own block's first query rows: behind the first K/V block's arrival
             else:
+                rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
+                dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
+                if live is None or live[step]:  # a masked block's gradients are zeros: they still travel home
+                    dkv[0, :, :, keys], dkv[1, :, :, keys] = block(step, kv, rows, keys, diagonal)
                 _wait(grad_requests)
                 if travelling is not None:
                     dkv += travelling
@@ -241,6 +260,7 @@ class _RingAttention(torch.autograd.Function):
                 grad_requests = _start_exchange(dkv, travelling, ring.next, ring.prev, ring.group, _GRAD_TAG + step)
             _wait(requests)
             kv = incoming
+        own_half(1)  # the own block's last query rows: behind the last dK/dV block's trip home
         if ring.size > 1:
             _wait(grad_requests)
             own_dkv += travelling  # every other rank's part of this rank's dK/dV

@@ -9,7 +9,8 @@ rate). What megalite overlaps, and so each dimension's formula (docs/planner.md,
 communication"):
 - tp: all exposed, except with --tp-comm-overlap under sequence parallelism, where each layer
   collective is a ring of t-1 shard transfers, each behind one shard GEMM (tp_overlap.py);
-- cp: each ring step behind one attention block (backward: twice the block's forward);
+- cp: each ring transfer behind one attention block (backward: the K/V block and the dK/dV block
+  each behind one block's backward, half the own block's at the ends; context_parallel.py);
 - ep: all exposed (the dispatcher waits for its all-to-alls), or with the
   --overlap-moe-expert-parallel-comm option the pairs of megalite.parallel.lanes played
   (pair_play.py): each exchange behind the other pass's compute up to its next exchange, the first
@@ -86,21 +87,25 @@ def ring_steps(costs: LayoutCosts) -> tuple[int, int]:
 
 
 def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
-    """The ring on `stage`: a forward step sends a K/V block, a backward step K/V and dK/dV as one
-    batch; each step's transfer hides behind one attention block, the attention core of this rank's
-    queries against one of the cp blocks of keys (forward), twice that in backward."""
+    """The ring on `stage`: a forward step sends a K/V block behind one attention block, the
+    attention core of this rank's queries against one of the cp blocks of keys. A backward step
+    sends the K/V block again and then the held block's dK/dV, each behind one block's backward
+    (twice the block's forward over half its rows: the other blocks, and the own block cut in two
+    halves, one at each end of the ring: megalite.parallel.context_parallel)."""
     layout, m = costs.layout, costs.micro_batches
     if layout.cp == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
     lat, fwd_steps, bwd_steps = _latency(costs), *ring_steps(costs)
     fwd_bytes, bwd_bytes = costs.ring_step_bytes
     block = costs.core / (layout.tp * layout.cp * layout.cp) / costs.rate
-    f_step, b_step = lat + fwd_bytes / costs.bw_cp, lat + bwd_bytes / costs.bw_cp
-    per_layer = fwd_steps * f_step + bwd_steps * b_step
-    exposed_layer = fwd_steps * max(0.0, f_step - block) + bwd_steps * max(0.0, b_step - 2 * block)
+    f_step = lat + fwd_bytes / costs.bw_cp
+    kv_step, dkv_step = f_step, lat + (bwd_bytes - fwd_bytes) / costs.bw_cp  # the backward's two transfers
+    per_layer = fwd_steps * f_step + bwd_steps * (kv_step + dkv_step)
+    exposed_layer = (fwd_steps * max(0.0, f_step - block)
+                     + bwd_steps * (max(0.0, kv_step - block) + max(0.0, dkv_step - block)))
     layers = stage.n_layers
-    return Exposure(m * layers * (fwd_steps + bwd_steps), m * layers * costs.ring_bytes, m * layers * per_layer,
-                    m * layers * exposed_layer, f"each step behind one attention block ({block * 1e3:.3f} ms forward)")
+    return Exposure(m * layers * (fwd_steps + 2 * bwd_steps), m * layers * costs.ring_bytes, m * layers * per_layer,
+                    m * layers * exposed_layer, f"each transfer behind one attention block ({block * 1e3:.3f} ms forward)")
 
 
 def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:

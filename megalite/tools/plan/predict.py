@@ -191,7 +191,8 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     output = output_layer_bytes(config, layout, run, costs.vocab) + mtp if last else 0.0
     overhead = costs.cluster.overhead_gib * GIB
     compute_mb = flops_mb / costs.rate
-    steps = sum(ring_steps(costs))  # each with its start-up
+    fwd_steps, bwd_steps = ring_steps(costs)
+    steps = fwd_steps + 2 * bwd_steps  # transfers, each with its start-up: a backward step sends K/V, then dK/dV
     ring_mb = n_layers * (costs.ring_bytes / costs.bw_cp + steps * costs.cluster.collective_latency_ms / 1e3) \
         if layout.cp > 1 else 0.0
     return StageResult(
