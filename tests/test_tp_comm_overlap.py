@@ -37,8 +37,9 @@ def _pair(seed: int, overlap: bool):
 
 def _logging_ring(log: list):
     """Wrap the ring's steps and the GEMMs so a run leaves its order of events: X a transfer posted,
-    W one waited for, G a GEMM."""
+    W one waited for, G a GEMM, D a layer's weight gradients."""
     exchange, wait, mm, addmm = tp_overlap._exchange, tp_overlap._wait, torch.mm, torch.addmm
+    weight_grads = tp_overlap._grads_of_weight
 
     def logged(tag, fn):
         def call(*a, **k):
@@ -47,8 +48,10 @@ def _logging_ring(log: list):
         return call
     tp_overlap._exchange, tp_overlap._wait = logged("X", exchange), logged("W", wait)
     torch.mm, torch.addmm = logged("G", mm), logged("G", addmm)
+    tp_overlap._grads_of_weight = logged("D", weight_grads)
     return lambda: (setattr(tp_overlap, "_exchange", exchange), setattr(tp_overlap, "_wait", wait),
-                    setattr(torch, "mm", mm), setattr(torch, "addmm", addmm))
+                    setattr(torch, "mm", mm), setattr(torch, "addmm", addmm),
+                    setattr(tp_overlap, "_grads_of_weight", weight_grads))
 
 
 def _layer_matrix(rank, world, seed):
@@ -93,6 +96,9 @@ def test_layers_at_tp_2_and_4_give_bitwise_the_plain_numbers_with_transfers_behi
             # transfers each; every transfer is posted, then a GEMM runs, then it is waited for.
             assert events.count("X") == events.count("W") == 4 * (tp - 1), events
             assert "XW" not in events and events.startswith("XG"), events
+            # The column layer's backward (the last ring) computes its weight gradients while its
+            # last partial sum travels; the row layer's need the whole gathered gradient, after its ring.
+            assert events.count("D") == 2 and events.rindex("X") < events.rindex("D") < events.rindex("W"), events
 
 
 def _gpt_gradients(overlap: bool, seed: int):

@@ -14,7 +14,8 @@ passes a shard on to its neighbour: every step's transfer hides behind a GEMM.
   (its own first) while sending that shard on to the next rank and receiving the next one.
 - GEMM + reduce-scatter (`reduce_scatter_rows`): a shard's partial sums travel from the rank before
   its owner backwards round the ring to the owner; each rank adds its own partial, multiplied while
-  the previous step's sum was in flight.
+  the previous step's sum was in flight. In a column layer's backward the weight's gradient GEMM,
+  which needs neither, runs while the last sum travels (else that sum had only one shard's GEMM).
 
 Numbers. A GEMM over some rows is not bitwise those rows of the GEMM over all rows: BLAS libraries
 pick kernels by shape (torch 2.13's MKL on a CPU, fp32: every 1-row shard, about half the shapes
@@ -79,10 +80,12 @@ def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
     return full
 
 
-def reduce_scatter_rows(partial: torch.Tensor, group, overlap: bool, make: Callable[[int], None]) -> torch.Tensor:
+def reduce_scatter_rows(partial: torch.Tensor, group, overlap: bool, make: Callable[[int], None],
+                        meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
     """This rank's shard of the sum over the group of every rank's `partial` (n shards of rows, rank
     order), which `make(d)` fills shard by shard: all first, then one reduce-scatter, or (`overlap`)
-    each shard made while the previous one's running sum is in flight."""
+    each shard made while the previous one's running sum is in flight. `meanwhile()`, work that
+    needs neither, runs while the last running sum travels (after the reduce-scatter without overlap)."""
     n, me, g = _size(group), _rank(group), _group(group)
     rows = partial.shape[0] // n
     count_sequence_collective(group, partial.nbytes)
@@ -91,6 +94,8 @@ def reduce_scatter_rows(partial: torch.Tensor, group, overlap: bool, make: Calla
             make(d)
         out = partial.new_empty((rows, *partial.shape[1:]))
         lanes.collective(reduce_scatter_single, out, partial, group=g, kind="sp")
+        if meanwhile is not None:
+            meanwhile()
         return out
     shard = lambda d: partial[d * rows:(d + 1) * rows]  # noqa: E731
     received = partial.new_empty((rows, *partial.shape[1:]))
@@ -103,6 +108,8 @@ def reduce_scatter_rows(partial: torch.Tensor, group, overlap: bool, make: Calla
             shard(d).add_(received)
         works = _exchange(shard(d), (me - 1) % n, received, (me + 1) % n, g)
     make(me)  # its own shard last: the sum arrives complete but for this rank's part
+    if meanwhile is not None:
+        meanwhile()
     _wait(works)
     return shard(me) + received  # a new tensor: the output must not keep the whole partial alive
 
@@ -164,12 +171,18 @@ class _GatherLinear(torch.autograd.Function):
             ctx.used = None
             return (None,) * 7
         full, weight = ctx.saved_tensors
-        dx = None
+        dx, grads = None, []
+
+        def weight_grads():  # needs neither dx nor its reduce-scatter: runs while the last sum travels
+            grads.extend(_grads_of_weight(ctx, dy, full))
         if ctx.needs_input_grad[0]:
             rows = full.shape[0] // _size(ctx.group)
             partial = dy.new_empty((full.shape[0], weight.shape[1]))
-            dx = reduce_scatter_rows(partial, ctx.group, ctx.overlap, _shard_gemm(dy, weight, partial, rows))
-        dw, db = _grads_of_weight(ctx, dy, full)
+            dx = reduce_scatter_rows(partial, ctx.group, ctx.overlap, _shard_gemm(dy, weight, partial, rows),
+                                     weight_grads)
+        else:
+            weight_grads()
+        dw, db = grads
         return dx, dw, db, None, None, None, None
 
 
