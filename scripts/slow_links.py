@@ -130,8 +130,15 @@ def _env(threads: int, ifname: str | None) -> dict:
     return env
 
 
+def pinned_cpus(node_rank: int, nproc: int) -> str:
+    """The CPUs (taskset list) of host `node_rank` under --pin: nproc of them a host, in turn, wrapping
+    round the CPUs this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ",".join(str(cpus[(node_rank * nproc + i) % len(cpus)]) for i in range(nproc))
+
+
 def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, port: int, threads: int,
-           timeout: float) -> tuple[list[dict], str | None]:
+           timeout: float, pin: bool = False) -> tuple[list[dict], str | None]:
     """One torchrun per host of the run; returns rank 0's training records, then {"wire_bytes": what
     the hosts sent on their links during the run, start-up and all}, then {"valid": the last
     validation record} if there was one; and an error, if any."""
@@ -157,6 +164,8 @@ def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, p
                                    net[0].addr]
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(spec.nproc),
                "--master_port", str(port), str(ROOT / "pretrain_gpt.py"), *flags, "--metrics-file", str(own)]
+        if pin:  # the host's processes (its ranks, their gloo threads, torchrun) on CPUs of their own
+            cmd = ["taskset", "-c", pinned_cpus(node_rank, spec.nproc), *cmd]
         with open(workdir / f"host{node_rank}.out", "w") as out, open(workdir / f"host{node_rank}.err", "w") as err:
             procs.append(host.popen(cmd, env=_env(threads, host.ifname), stdout=out, stderr=err, cwd=workdir))
     deadline = time.monotonic() + timeout
@@ -342,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc-per-node", type=int, default=1)
     ap.add_argument("--rate-mbit", type=float, default=200.0, help="each host's link, each direction (0: no limit)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
+    ap.add_argument("--pin", action="store_true",
+                    help="each host's processes on CPUs of their own (taskset: host i on CPU i with one rank a host)")
     ap.add_argument("--common", default="", help="pretrain_gpt.py flags of every run (before the run's own)")
     ap.add_argument("--run", action="append", default=[], metavar="NAME=[SETTINGS] FLAGS")
     ap.add_argument("--suite", choices=SUITES)
@@ -407,7 +418,7 @@ def main(argv=None) -> int:
                       f"link {link}: pretrain_gpt.py {shlex.join(flags)}",
                       file=sys.stderr)
                 records, error = launch(net, s, flags, workdir / s.name / f"round{round_}", port, a.threads,
-                                        a.timeout)
+                                        a.timeout, pin=getattr(a, "pin", False))
                 if error:
                     r.error = error
                     print(f"    {s.name} failed: {error}", file=sys.stderr)

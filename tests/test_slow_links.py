@@ -235,6 +235,12 @@ def test_a_dimensions_own_flags_come_after_its_suite_flags_in_both_of_its_runs()
         assert flags[f"tp-{where}"][-2:] == ["--hidden-size", "1024"] and "--tp-comm-overlap" in flags[f"tp-{where}"]
 
 
+def test_pinned_hosts_take_cpus_of_their_own_in_turn(monkeypatch):
+    monkeypatch.setattr(slow_links.os, "sched_getaffinity", lambda pid: {0, 1, 5})
+    assert [slow_links.pinned_cpus(h, 1) for h in range(4)] == ["0", "1", "5", "0"]  # one rank a host
+    assert [slow_links.pinned_cpus(h, 2) for h in range(2)] == ["0,1", "5,0"]
+
+
 def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2():
     a = slow_links.argparse.Namespace(suite="pairs", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
                                       micro_batch_size=None, bucket=200_000)
