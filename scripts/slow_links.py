@@ -131,8 +131,7 @@ def _env(threads: int, ifname: str | None) -> dict:
 
 
 def pinned_cpus(node_rank: int, nproc: int) -> str:
-    """The CPUs (taskset list) of host `node_rank` under --pin: nproc of them a host, in turn, wrapping
-    round the CPUs this process may use."""
+    """Host `node_rank`'s CPUs under --pin (a taskset list): nproc a host, in turn, round the usable ones."""
     cpus = sorted(os.sched_getaffinity(0))
     return ",".join(str(cpus[(node_rank * nproc + i) % len(cpus)]) for i in range(nproc))
 
@@ -164,8 +163,7 @@ def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, p
                                    net[0].addr]
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(spec.nproc),
                "--master_port", str(port), str(ROOT / "pretrain_gpt.py"), *flags, "--metrics-file", str(own)]
-        if pin:  # the host's processes (its ranks, their gloo threads, torchrun) on CPUs of their own
-            cmd = ["taskset", "-c", pinned_cpus(node_rank, spec.nproc), *cmd]
+        cmd = ["taskset", "-c", pinned_cpus(node_rank, spec.nproc), *cmd] if pin else cmd  # ranks, gloo, torchrun
         with open(workdir / f"host{node_rank}.out", "w") as out, open(workdir / f"host{node_rank}.err", "w") as err:
             procs.append(host.popen(cmd, env=_env(threads, host.ifname), stdout=out, stderr=err, cwd=workdir))
     deadline = time.monotonic() + timeout
@@ -351,8 +349,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc-per-node", type=int, default=1)
     ap.add_argument("--rate-mbit", type=float, default=200.0, help="each host's link, each direction (0: no limit)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
-    ap.add_argument("--pin", action="store_true",
-                    help="each host's processes on CPUs of their own (taskset: host i on CPU i with one rank a host)")
+    ap.add_argument("--pin", action="store_true", help="each host's processes on CPUs of their own (taskset)")
     ap.add_argument("--common", default="", help="pretrain_gpt.py flags of every run (before the run's own)")
     ap.add_argument("--run", action="append", default=[], metavar="NAME=[SETTINGS] FLAGS")
     ap.add_argument("--suite", choices=SUITES)
