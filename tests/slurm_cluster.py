@@ -28,6 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def job_port() -> str:
+    """A free rendezvous port for a test job. The scripts' default, 20000 + job id, repeats in every
+    test cluster (job ids start at 1), so a port still held on the machine would fail the job
+    (seen once in CI: EADDRINUSE on 20001)."""
+    return str(free_port())
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() not in ("", "0", "false")
 
@@ -108,7 +115,7 @@ class SlurmTestCluster:
         (workdir / "logs").mkdir()
         try:
             job = self.run("sbatch", "--wait", *sbatch_args, timeout=timeout, cwd=workdir,
-                           env={"RUN_DIR": str(workdir / "run"), **(env or {})})
+                           env={"RUN_DIR": str(workdir / "run"), "MASTER_PORT": job_port(), **(env or {})})
         except subprocess.TimeoutExpired:
             pytest.fail(f"sbatch --wait ran past {timeout:.0f} s\n{job_log(workdir)}\n{self.daemon_logs()}")
         detail = f"{job.stdout}\n{job.stderr}\n{job_log(workdir)}"

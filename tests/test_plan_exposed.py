@@ -59,13 +59,15 @@ def test_tp_exchanges_are_sps_gathers_and_scatters_each_with_its_latency():
 def test_cp_ring_steps_hide_behind_one_attention_block_each():
     pred = _predict(P.Layout(cp=2, micro_batch_size=4), 4, seq=256)
     costs, x = pred.costs, pred.exposed["cp"]
-    assert x.exchanges == 4 * (1 + 1)  # 4 layers: one forward step, one backward step (cp - 1 each)
+    # 4 layers: one forward step (a K/V transfer), one backward step (K/V, then dK/dV) (cp - 1 each)
+    assert x.exchanges == 4 * (1 + 2)
     fwd, bwd = costs.ring_step_bytes
     assert fwd == 2 * 4 * 4 * 128 * 32 * 4 and bwd == 2 * fwd  # K/V of 4 heads x 32 dims, 128 tokens; + dK/dV
     block = 4 * 4 * 256 * 256 * 128 / 4 / 1e12  # the attention core over cp^2 blocks
-    want = 4 * (max(0, LAT + fwd / BW - block) + max(0, LAT + bwd / BW - 2 * block))
+    # each transfer behind one block (backward: one block's backward, half of it the own block's halves)
+    want = 4 * (2 * max(0, LAT + fwd / BW - block) + max(0, LAT + (bwd - fwd) / BW - block))
     assert x.exposed == pytest.approx(want) and pred.time.cp_comm == pytest.approx(want)
-    assert x.comm == pytest.approx(4 * (2 * LAT + (fwd + bwd) / BW))
+    assert x.comm == pytest.approx(4 * (3 * LAT + (fwd + bwd) / BW))
 
 
 def test_ep_dispatch_is_exposed_unless_the_overlap_option_pairs_it_with_a_backward():

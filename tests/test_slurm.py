@@ -12,7 +12,7 @@ import pytest
 
 from cli import ROOT
 from helpers import wait_for
-from slurm_cluster import SLURM, SlurmTestCluster, free_port, job_log, require_slurm
+from slurm_cluster import SLURM, SlurmTestCluster, free_port, job_log, job_port, require_slurm
 
 SHELL_SCRIPTS = [SLURM / "local_cluster.sh", SLURM / "cluster_common.sh", SLURM / "two_node_cluster.sh",
                  SLURM / "pretrain_gpt.sbatch", SLURM / "pretrain_bert.sbatch",
@@ -98,7 +98,8 @@ def test_usr1_stops_the_ranks_and_requeues_the_job(cluster, tmp_path):
     metrics = tmp_path / "m.jsonl"
     sub = cluster.run("sbatch", "--parsable", "-N", "1", "--cpus-per-task", str(CPUS),
                       str(SLURM / "pretrain_gpt.sbatch"), *TRAIN, "--train-iters", "100000",
-                      "--metrics-file", str(metrics), cwd=tmp_path, env={"RUN_DIR": str(tmp_path / "run")})
+                      "--metrics-file", str(metrics), cwd=tmp_path,
+                      env={"RUN_DIR": str(tmp_path / "run"), "MASTER_PORT": job_port()})
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]
     try:
