@@ -415,7 +415,7 @@ def main(argv=None) -> int:
                       f"link {link}: pretrain_gpt.py {shlex.join(flags)}",
                       file=sys.stderr)
                 records, error = launch(net, s, flags, workdir / s.name / f"round{round_}", port, a.threads,
-                                        a.timeout, pin=getattr(a, "pin", False))
+                                        a.timeout, pin=a.pin)
                 if error:
                     r.error = error
                     print(f"    {s.name} failed: {error}", file=sys.stderr)

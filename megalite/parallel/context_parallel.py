@@ -223,7 +223,7 @@ class _RingAttention(torch.autograd.Function):
         own_dkv = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)
 
         def block(step, block_kv, rows, keys, diagonal, offset=0):
-            """This block's dq added in place; its (dK, dV) rows `keys` of a zeroed [2, ...] fp32 tensor."""
+            """This block's dq added into dq's `rows`; returns its (dK, dV) for key rows `keys` (fp32)."""
             allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
             block_dq, block_dk, block_dv = _block_backward(
                 qg[:, :, :, rows], block_kv[0, :, :, keys].float(), block_kv[1, :, :, keys].float(),
@@ -232,14 +232,14 @@ class _RingAttention(torch.autograd.Function):
             dq[:, :, :, rows] += block_dq
             return block_dk, block_dv
 
+        _, own_keys, own_diagonal = _block_plan(ring.rank, ring.rank, local, causal)
+
         def own_half(part):
-            rows, keys, diagonal = _block_plan(ring.rank, ring.rank, local, causal)
-            half = local // 2
-            rows = slice(0, half) if part == 0 else slice(half, local)
+            rows = slice(0, local // 2) if part == 0 else slice(local // 2, local)
             if live is None or live[0]:
-                dk, dv = block(0, own_kv, rows, keys, diagonal, offset=rows.start)
-                own_dkv[0, :, :, keys] += dk
-                own_dkv[1, :, :, keys] += dv
+                dk, dv = block(0, own_kv, rows, own_keys, own_diagonal, offset=rows.start)
+                own_dkv[0, :, :, own_keys] += dk
+                own_dkv[1, :, :, own_keys] += dv
 
         travelling, grad_requests = None, None  # dK/dV of the block held, on its way back to its owner
         for step in range(ring.size):

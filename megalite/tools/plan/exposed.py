@@ -86,6 +86,13 @@ def ring_steps(costs: LayoutCosts) -> tuple[int, int]:
     return steps * (2 if costs.layout.recompute == "full" else 1), steps
 
 
+def ring_transfers(costs: LayoutCosts) -> int:
+    """Transfers of context parallelism's ring per attention layer and micro-batch: one a forward
+    step (K/V), two a backward step (K/V, then dK/dV)."""
+    fwd_steps, bwd_steps = ring_steps(costs)
+    return fwd_steps + 2 * bwd_steps
+
+
 def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     """The ring on `stage`: a forward step sends a K/V block behind one attention block, the
     attention core of this rank's queries against one of the cp blocks of keys. A backward step
@@ -104,7 +111,7 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     exposed_layer = (fwd_steps * max(0.0, f_step - block)
                      + bwd_steps * (max(0.0, kv_step - block) + max(0.0, dkv_step - block)))
     layers = stage.n_layers
-    return Exposure(m * layers * (fwd_steps + 2 * bwd_steps), m * layers * costs.ring_bytes, m * layers * per_layer,
+    return Exposure(m * layers * ring_transfers(costs), m * layers * costs.ring_bytes, m * layers * per_layer,
                     m * layers * exposed_layer, f"each transfer behind one attention block ({block * 1e3:.3f} ms forward)")
 
 

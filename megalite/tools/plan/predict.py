@@ -14,7 +14,7 @@ from megalite.tools.plan.comm import dp_exposed
 from megalite.tools.plan.command import launch_command
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.experts import moe_layers
-from megalite.tools.plan.exposed import Exposure, cp_exposure, ep_exposure, exposed_comm, ring_steps, tp_exposure
+from megalite.tools.plan.exposed import Exposure, cp_exposure, ep_exposure, exposed_comm, ring_transfers, tp_exposure
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
 from megalite.tools.plan.json_forms import prediction_json
 from megalite.tools.plan.memory import Memory, over
@@ -191,8 +191,7 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     output = output_layer_bytes(config, layout, run, costs.vocab) + mtp if last else 0.0
     overhead = costs.cluster.overhead_gib * GIB
     compute_mb = flops_mb / costs.rate
-    fwd_steps, bwd_steps = ring_steps(costs)
-    steps = fwd_steps + 2 * bwd_steps  # transfers, each with its start-up: a backward step sends K/V, then dK/dV
+    steps = ring_transfers(costs)  # each with its start-up
     ring_mb = n_layers * (costs.ring_bytes / costs.bw_cp + steps * costs.cluster.collective_latency_ms / 1e3) \
         if layout.cp > 1 else 0.0
     return StageResult(
