@@ -378,6 +378,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         ap.error("network namespaces need root: run as root (sudo)")
+    if a.pin and not any(os.access(os.path.join(d, "taskset"), os.X_OK) for d in os.get_exec_path()):
+        ap.error("--pin runs each host under taskset, which is not installed: install util-linux or drop --pin")
     rate = a.rate_mbit or None
     common, run_texts = (suite_runs(a) if a.suite else ([], []))
     a.common_flags = [*common, *shlex.split(a.common)]
@@ -412,8 +414,7 @@ def main(argv=None) -> int:
                 flags = [*a.common_flags, *s.flags]
                 link = f"{s.rate_mbit:g} Mbit/s" if s.rate_mbit else "unlimited"
                 print(f"[{round_ + 1}/{a.repeat}] {s.name}: {s.hosts} host(s) x {s.nproc}{' solo' if s.solo else ''}, "
-                      f"link {link}: pretrain_gpt.py {shlex.join(flags)}",
-                      file=sys.stderr)
+                      f"link {link}: pretrain_gpt.py {shlex.join(flags)}", file=sys.stderr)
                 records, error = launch(net, s, flags, workdir / s.name / f"round{round_}", port, a.threads,
                                         a.timeout, pin=a.pin)
                 if error:
@@ -435,8 +436,7 @@ def main(argv=None) -> int:
     if a.json:
         out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": len(os.sched_getaffinity(0)),
                "rate_mbit": rate, "links": {str(k): v for k, v in links.items()}, "common": a.common_flags,
-               "suite": a.suite,
-               "derived": derived,
+               "suite": a.suite, "derived": derived,
                "runs": {n: {"hosts": r.spec.hosts, "nproc": r.spec.nproc, "rate_mbit": r.spec.rate_mbit,
                             "flags": r.spec.flags, "error": r.error, "rounds": r.rounds,
                             **{k: r.figure(k) for k in ("step_ms", "tokens_per_s", "loss", "valid_loss", "comm_bytes",

@@ -241,6 +241,14 @@ def test_pinned_hosts_take_cpus_of_their_own_in_turn(monkeypatch):
     assert [slow_links.pinned_cpus(h, 2) for h in range(2)] == ["0,1", "5,0"]
 
 
+def test_pin_without_taskset_is_refused_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(slow_links.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(slow_links.os, "get_exec_path", lambda: [])
+    with pytest.raises(SystemExit):
+        slow_links.main(["--pin", "--suite", "hidden"])
+    assert "--pin runs each host under taskset, which is not installed" in capsys.readouterr().err
+
+
 def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2():
     a = slow_links.argparse.Namespace(suite="pairs", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
                                       micro_batch_size=None, bucket=200_000)
