@@ -54,6 +54,44 @@ def test_async_save_is_committed_as_soon_as_every_rank_wrote(tmp_path):
     assert sorted(meta["files"]) == ["rank_00000.safetensors", "rank_00001.safetensors"]
 
 
+def a_second_checkpointer_waits_for_its_own_file(rank, world, directory):
+    """Two Checkpointers of one directory in one process save the same iteration: the second one's
+    writer is held until its committer had a second to (wrongly) take the first save's reports."""
+    import threading
+
+    from megalite.checkpoint import save as save_module
+
+    parallel.initialize_model_parallel()
+    first = checkpoint.Checkpointer(directory, async_save=True)
+    first.save([_chunk()], None, 1, _meta(1, world))
+    first.close()
+    release, write_rank = threading.Event(), save_module.write_rank
+
+    def held_write(*args, **kwargs):
+        release.wait()
+        return write_rank(*args, **kwargs)
+
+    save_module.write_rank = held_write
+    second = checkpoint.Checkpointer(directory, async_save=True)
+    second.save([_chunk()], None, 1, _meta(1, world))
+    tmp = os.path.join(directory, "iter_0000001.tmp")
+    committed_before_the_file = _wait(lambda: not os.path.exists(tmp), timeout=1.0)
+    release.set()
+    second.close()
+    save_module.write_rank = write_rank
+    return committed_before_the_file
+
+
+def test_a_save_commits_on_its_own_ranks_reports_never_an_earlier_saves(tmp_path):
+    # The reports live in the job's rendezvous store, which outlives a Checkpointer: keyed by
+    # directory, iteration and a per-Checkpointer count, the first save's reports once passed for
+    # the second's, which then committed (or failed with ENOENT) before its file was written.
+    assert run_ranks(a_second_checkpointer_waits_for_its_own_file, 2, args=(str(tmp_path),)) == [False, False]
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000001"
+    reader = checkpoint.CheckpointReader(tmp_path)
+    assert torch.equal(reader.full_tensor("weight"), _chunk().weight.detach())
+
+
 def save_twice_second_fails(rank, world, directory, async_save):
     parallel.initialize_model_parallel()
     saver = checkpoint.Checkpointer(directory, async_save=async_save)

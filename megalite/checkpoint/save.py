@@ -2,10 +2,11 @@
 background) and has rank 0 commit once every rank's file is out.
 
 Each rank writes `iter_N.tmp/rank_RRRRR.safetensors` (inline, or from a background thread with
---save-async) and reports success or its error in the rendezvous store under a key of this
-directory, iteration and save. Rank 0 (a background thread with --save-async) waits for every
-rank's report and commits: metadata, rename to `iter_N`, `latest` last; or, if any rank failed,
-removes the partial directory and records the one-line failure, which `poll()` shows every rank.
+--save-async) and reports success or its error in the rendezvous store under a key of this save's
+token (unique: no earlier save's report can pass for it). Rank 0 (a background thread with
+--save-async) waits for every rank's report and commits: metadata, rename to `iter_N`, `latest`
+last; or, if any rank failed, removes the partial directory and records the one-line failure,
+which `poll()` shows every rank.
 No collective runs after the save's start, so the training loop never waits for the disk.
 The files and the commit themselves are `atomic`'s; the state written is `rank_state`'s.
 """
@@ -273,8 +274,9 @@ class Checkpointer:
         # Recorded for people and tools only: any stage loads a checkpoint of any other.
         metadata = {**metadata, "layout": {**metadata.get("layout", {}), "zero_stage": stage}, "save": token}
         self._saves += 1
-        # The directory as given: every rank got the same string, whatever its node mounts.
-        job = _Save(iteration, metadata, f"megalite/checkpoint/{self.directory}/{iteration}/{self._saves}/")
+        # Keyed by the save's token: a key of an earlier save in this store (another Checkpointer of
+        # this directory and iteration in the process) must never pass for this save's report.
+        job = _Save(iteration, metadata, f"megalite/checkpoint/{token}/")
         self._pending = job
         path = tmp / rank_file_name(self._rank)
         if self.async_save:
