@@ -6,7 +6,7 @@ import pytest
 from megalite.models import preset
 from megalite.tools import plan as P
 from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
-from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts
+from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts, ring_pair_items
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
 from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
 
@@ -68,6 +68,30 @@ def test_cp_ring_steps_hide_behind_one_attention_block_each():
     want = 4 * (2 * max(0, LAT + fwd / BW - block) + max(0, LAT + (bwd - fwd) / BW - block))
     assert x.exposed == pytest.approx(want) and pred.time.cp_comm == pytest.approx(want)
     assert x.comm == pytest.approx(4 * (3 * LAT + (fwd + bwd) / BW))
+
+
+def test_cp_ring_in_pairs_also_hides_behind_the_other_pass():
+    layout = P.Layout(cp=2, micro_batch_size=1)
+    alone = _predict(layout, 4, seq=256)
+    paired = _predict(layout, 4, seq=256, overlap_moe_ep_comm=True)
+    costs, stage = paired.costs, paired.stages[paired.slow_stage]
+    fwd, bwd = costs.ring_step_bytes
+    block = 1 * 4 * 256 * 256 * 128 / 4 / 1e12
+    f_left, kv_left, dkv_left = (max(0.0, LAT + b / BW - block) for b in (fwd, fwd, bwd - fwd))
+    forward, backward = ring_pair_items(costs, stage, block, LAT + fwd / BW, (LAT + fwd / BW, LAT + (bwd - fwd) / BW))
+    # per layer: one forward transfer, the K/V and dK/dV backward; each item the compute up to its
+    # block's end, then what of its transfer is left
+    assert [x for _, x in forward] == pytest.approx([f_left] * 4 + [0.0])
+    assert [x for _, x in backward] == pytest.approx([kv_left, dkv_left] * 4 + [0.0])
+    assert backward[1][0] == pytest.approx(block)
+    assert sum(c for c, _ in forward + backward) == pytest.approx(stage.compute_mb)
+    # 4 micro-batches: 3 pairs, the first forward and the last backward alone (what they leave exposed)
+    want = alone_exposed(forward) + alone_exposed(backward) + 3 * pair_exposed(forward, backward)
+    assert alone_exposed(forward) + alone_exposed(backward) == pytest.approx(alone.exposed["cp"].exposed / 4)
+    x = paired.exposed["cp"]
+    assert x.exposed == pytest.approx(want) and paired.time.cp_comm == pytest.approx(want)
+    assert 0 < x.exposed < alone.exposed["cp"].exposed and x.comm == alone.exposed["cp"].comm
+    assert "other pass" in x.behind
 
 
 def test_ep_dispatch_is_exposed_unless_the_overlap_option_pairs_it_with_a_backward():

@@ -10,7 +10,8 @@ communication"):
 - tp: all exposed, except with --tp-comm-overlap under sequence parallelism, where each layer
   collective is a ring of t-1 shard transfers, each behind one shard GEMM (tp_overlap.py);
 - cp: each ring transfer behind one attention block (backward: the K/V block and the dK/dV block
-  each behind one block's backward, half the own block's at the ends; context_parallel.py);
+  each behind one block's backward, half the own block's at the ends; context_parallel.py); with
+  --overlap-moe-expert-parallel-comm, what is left also behind the other pass of a pair;
 - ep: all exposed (the dispatcher waits for its all-to-alls), or with the
   --overlap-moe-expert-parallel-comm option the pairs of megalite.parallel.lanes played
   (pair_play.py): each exchange behind the other pass's compute up to its next exchange, the first
@@ -93,12 +94,14 @@ def ring_transfers(costs: LayoutCosts) -> int:
     return fwd_steps + 2 * bwd_steps
 
 
-def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
-    """The ring on `stage`: a forward step sends a K/V block behind one attention block, the
-    attention core of this rank's queries against one of the cp blocks of keys. A backward step
-    sends the K/V block again and then the held block's dK/dV, each behind one block's backward
-    (twice the block's forward over half its rows: the other blocks, and the own block cut in two
-    halves, one at each end of the ring: megalite.parallel.context_parallel)."""
+def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:
+    """The ring on `stage` (pipeline rank `rank`): a forward step sends a K/V block behind one
+    attention block, the attention core of this rank's queries against one of the cp blocks of
+    keys. A backward step sends the K/V block again and then the held block's dK/dV, each behind one
+    block's backward (twice the block's forward over half its rows: the other blocks, and the own
+    block cut in two halves, one at each end of the ring: megalite.parallel.context_parallel). With
+    --overlap-moe-expert-parallel-comm each ring wait hands the turn to the other pass of a pair as
+    an all-to-all's does: the pairs played (pair_play.py) with `ring_pair_items`, as ep_exposure's."""
     layout, m = costs.layout, costs.micro_batches
     if layout.cp == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
@@ -111,8 +114,38 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     exposed_layer = (fwd_steps * max(0.0, f_step - block)
                      + bwd_steps * (max(0.0, kv_step - block) + max(0.0, dkv_step - block)))
     layers = stage.n_layers
+    exposed, behind = m * layers * exposed_layer, f"each transfer behind one attention block ({block * 1e3:.3f} ms forward)"
+    counts = pass_counts(costs, rank) if costs.run.overlap_moe_ep_comm else None
+    if counts is not None:
+        pairs, lone_f, lone_b = counts
+        forward, backward = ring_pair_items(costs, stage, block, f_step, (kv_step, dkv_step))
+        exposed = (lone_f * alone_exposed(forward) + lone_b * alone_exposed(backward)
+                   + pairs * pair_exposed(forward, backward)) / layout.v
+        behind += ", then the other pass's compute up to its next exchange (pairs)"
     return Exposure(m * layers * ring_transfers(costs), m * layers * costs.ring_bytes, m * layers * per_layer,
-                    m * layers * exposed_layer, f"each transfer behind one attention block ({block * 1e3:.3f} ms forward)")
+                    exposed, behind)
+
+
+def ring_pair_items(costs: LayoutCosts, stage: StageResult, block: float, f_step: float,
+                    bwd_step: tuple[float, float]) -> tuple[list, list]:
+    """One micro-batch's forward and backward on `stage` as pair_play.py items for the ring. A ring
+    transfer starts before its attention block and is waited for after it, which plays as the
+    block's compute and then the rest of the transfer; per layer the rest of the layer's compute
+    (projections, MLP, the last block, its share of the output layer) comes before the first of its
+    transfers, the forward's recomputed steps (full recomputation) before the backward's."""
+    n, (fwd_steps, bwd_steps) = stage.n_layers, ring_steps(costs)
+    f = stage.compute_mb / n * costs.fwd / (costs.fwd + costs.bwd)
+    b = stage.compute_mb / n - f
+    recomputed = fwd_steps - (costs.layout.cp - 1)
+
+    def layer(compute: float, transfers: list[float]) -> list:
+        items = [(block, max(0.0, x - block)) for x in transfers]
+        rest = max(0.0, compute - block * len(items))
+        return [(rest + items[0][0], items[0][1])] + items[1:]
+
+    forward = layer(f, [f_step] * (costs.layout.cp - 1))
+    backward = layer(b, [f_step] * recomputed + list(bwd_step) * bwd_steps)
+    return forward * n + [(0.0, 0.0)], backward * n + [(0.0, 0.0)]
 
 
 def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:
@@ -263,7 +296,7 @@ def exposed_comm(pred: Prediction) -> dict[str, Exposure]:
     """Every dimension's exposure in one step of `pred` (those with no exchanges left out; tp, cp,
     ep and pp on its slowest stage, dp on the stage with the most exposed data-parallel time)."""
     costs, slow = pred.costs, pred.stages[pred.slow_stage]
-    out = {"tp": tp_exposure(costs, slow), "cp": cp_exposure(costs, slow),
+    out = {"tp": tp_exposure(costs, slow), "cp": cp_exposure(costs, slow, pred.slow_stage),
            "ep": ep_exposure(costs, slow, pred.slow_stage),
            "pp": pp_exposure(costs, slow), "dp": dp_exposure(pred)}
     return {k: x for k, x in out.items() if x.exchanges or x.exposed}

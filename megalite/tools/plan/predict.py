@@ -274,7 +274,7 @@ def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTi
                  / (costs.cluster.hbm_gbps * 1e9))
     pp_comm, dp_comm = m * costs.pp_mb, dp_parts[dp_stage].total
     # what megalite overlaps, and what of it the compute hides (exposed.py)
-    tp_comm, cp_comm = (f(costs, T).exposed for f in (tp_exposure, cp_exposure))
+    tp_comm, cp_comm = tp_exposure(costs, T).exposed, cp_exposure(costs, T, slow).exposed
     ep_comm = ep_exposure(costs, T, slow).exposed
     total = compute + imbalance + tp_comm + pp_comm + bubble + dp_comm + optimizer + cp_comm + ep_comm
     return (StepTime(compute, imbalance, tp_comm, pp_comm, bubble, dp_comm, optimizer, total, cp_comm, ep_comm), slow,

@@ -333,7 +333,9 @@ def _explain_time(pred: Prediction) -> list[str]:
         out.append(f"  cp comm      ring of cp={lay.cp}: {K.ring_bytes / 2 ** 20:.1f} MiB sent per layer and micro-batch "
                    f"(K/V blocks forward and backward, dK/dV in fp32) x {Sc.n_layers} layers / {K.bw_cp / 1e9:g} GB/s "
                    f"+ {K.cluster.collective_latency_ms:g} ms a ring step = {Sc.ring_mb * 1e3:.3f} ms per micro-batch, "
-                   f"each transfer behind one attention block (exposed.cp_exposure), x {m}: {T.cp_comm:.3f} s")
+                   f"each transfer behind one attention block"
+                   f"{' and then the other pass of a pair' if pred.run.overlap_moe_ep_comm else ''} "
+                   f"(exposed.cp_exposure), x {m}: {T.cp_comm:.3f} s")
     if pred.dp_parts[pred.dp_stage].traffic and pred.config.is_moe and pred.stages[pred.dp_stage].state.edp > 1:
         out.append(f"               (expert weights' buffers over edp={lay.edp} at {K.bw_edp / 1e9:g} GB/s, "
                    f"on the same stream)")
