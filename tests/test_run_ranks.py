@@ -1,0 +1,30 @@
+"""megalite.testing.run_ranks: every rank's result in rank order; a process group that failed to
+initialize (gloo's connect flakes under load) spawns the ranks once more, a failure of the ranks'
+own code never does."""
+import pytest
+import torch.distributed as dist
+
+from megalite.testing import RankFailure, run_ranks
+
+
+def _world(rank, world):
+    return rank, dist.get_world_size()
+
+
+def _fail_and_count(rank, world, log):
+    with open(log, "a") as f:
+        f.write(f"{rank}\n")
+    raise ValueError(f"boom on rank {rank}")
+
+
+def test_a_failed_initialization_spawns_the_ranks_again(capfd):
+    assert run_ranks(_world, 2, env={"MEGALITE_TEST_FAIL_INIT": "0,1"}) == [(0, 2), (1, 2)]
+    assert "_world: the process group failed to initialize on 2 rank(s); spawning the ranks again" \
+        in capfd.readouterr().err
+
+
+def test_a_failure_in_the_ranks_code_is_not_retried(tmp_path):
+    log = tmp_path / "calls"
+    with pytest.raises(RankFailure, match="boom on rank 1"):
+        run_ranks(_fail_and_count, 2, args=(str(log),))
+    assert sorted(log.read_text().split()) == ["0", "1"]  # one spawn
