@@ -38,13 +38,27 @@ SLOW = {
 
 
 # Tests that use machine-wide things (network namespaces and their lock, the local Slurm): under
-# `-n 2 --dist loadgroup` one pytest-xdist worker runs them all, one after another.
+# `-n 2 --dist loadgroup` one pytest-xdist worker runs them all, one after another. So does each
+# module's tests that share a module fixture.
 MACHINE_WIDE = {"test_multinode.py", "test_slurm.py", "test_slow_links.py"}
+
+
+def _uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return any(defs and defs[-1].scope == "module" for defs in (info.name2fixturedefs.values() if info else ()))
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.split("/")[-1].split("::")[0] in MACHINE_WIDE:
+        module = item.nodeid.split("/")[-1].split("::")[0]
+        if module in MACHINE_WIDE:
             item.add_marker(pytest.mark.xdist_group("machine"))
+        elif _uses_a_module_fixture(item):
+            # A module fixture (one spawn of ranks shared by an equality matrix's cases) runs once per
+            # worker that runs one of its tests: its tests on one worker, or both workers pay for it.
+            item.add_marker(pytest.mark.xdist_group(f"fixture:{module}"))
         if item.nodeid.split("/")[-1].split("[")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+    # The groups first (each a long unit one worker takes whole), the single tests after them: they
+    # even out the two workers' ends. A stable sort: a module's tests keep their order.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
