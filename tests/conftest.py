@@ -48,6 +48,7 @@ def _uses_a_module_fixture(item) -> bool:
     return any(defs and defs[-1].scope == "module" for defs in (info.name2fixturedefs.values() if info else ()))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the groups into the nodeids' "@group"
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.nodeid.split("/")[-1].split("::")[0]
