@@ -340,13 +340,6 @@ def test_the_configuration_page_is_generated_from_the_sections():
 LOSSES_BEFORE = json.loads((ROOT / "tests" / "fixtures" / "losses_before_config.json").read_text())["runs"]
 
 
-def _entry_main(rank, world, entry, argv):
-    """A rank of `run_ranks` running the entry point's main(argv), as a torchrun worker runs it: its exit code."""
-    import importlib
-
-    return importlib.import_module(Path(entry).stem).main(argv)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pp2vpp", "bert"])
 def test_runs_train_with_the_losses_recorded_before_the_typed_configuration(name, tmp_path):
@@ -355,6 +348,8 @@ def test_runs_train_with_the_losses_recorded_before_the_typed_configuration(name
     from helpers import rel_err
 
     import torch
+
+    from training_ranks import entry_main
 
     from megalite.testing import run_ranks
 
@@ -366,7 +361,8 @@ def test_runs_train_with_the_losses_recorded_before_the_typed_configuration(name
         done = torchrun(run["entry"], run["nproc"], *argv)
         assert done.returncode == 0, done.stderr[-3000:]
     else:
-        assert run_ranks(_entry_main, run["nproc"], args=(run["entry"], argv)) == [0] * run["nproc"]
+        ranks = run_ranks(entry_main, run["nproc"], args=(argv, Path(run["entry"]).stem))
+        assert [code for code, *_ in ranks] == [0] * run["nproc"]
     assert rel_err(torch.tensor(losses(path)), torch.tensor(run["losses"])) <= 1e-5
 
 

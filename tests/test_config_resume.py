@@ -55,20 +55,6 @@ def _print_config(*argv, here=None):
     return subprocess.CompletedProcess(["pretrain_gpt.py", *argv, "--print-config"], code, out, err)
 
 
-def _entry_main(rank, world, argv):
-    """A rank of `run_ranks` running pretrain_gpt's main(argv), as a torchrun worker runs it: its exit
-    code and what it printed."""
-    import contextlib
-    import io
-
-    import pretrain_gpt
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = pretrain_gpt.main(argv)
-    return code, out.getvalue()
-
-
 def test_load_without_shape_flags_takes_the_imported_model(imported, tmp_path, monkeypatch, capsys):
     run = _print_config("--load", str(imported), "--mock-data", here=(monkeypatch, capsys))
     assert run.returncode == 0, run.stderr
@@ -101,14 +87,16 @@ def test_a_shape_flag_without_use_checkpoint_args_is_checked_against_the_checkpo
 @pytest.mark.slow
 def test_the_imported_model_trains_and_its_configuration_travels(imported, tmp_path):
     """The fine-tuning run: pretrain_gpt's main on the 2 ranks of one spawn; the resume: launched by torchrun."""
+    from training_ranks import entry_main
+
     from megalite.testing import run_ranks
 
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    ranks = run_ranks(_entry_main, 2, args=(["--load", str(imported), "--finetune", "--mock-data", "--tp", "2",
+    ranks = run_ranks(entry_main, 2, args=(["--load", str(imported), "--finetune", "--mock-data", "--tp", "2",
                                              "--seq-length", "32", "--train-iters", "2", "--log-interval", "1",
                                              "--eval-interval", "0", "--metrics-file", str(metrics), "--save",
                                              str(ckpt)],), timeout=300, env={"MEGALITE_QUIET": ""})
-    assert [code for code, _ in ranks] == [0, 0]
+    assert [code for code, *_ in ranks] == [0, 0]
     stdout = ranks[0][1]
     assert f"writing checkpoints to {ckpt}, metrics to {metrics}, configuration to {metrics}.config.toml" in stdout
     assert len(records(metrics)) == 2

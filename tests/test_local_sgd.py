@@ -13,7 +13,7 @@ from megalite.optim import ParamAndGradBuffer
 from megalite.optim.local_sgd import LocalSGD, split_fragments
 from megalite.runtime import UsageError
 from megalite.testing import RankFailure, counting_collectives, ring_bytes, run_ranks
-from training_ranks import gpt_run, parse, train_losses
+from training_ranks import gpt_run, parse, several, train_losses
 
 BASE = ["--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
 # Plain SGD with a constant lr and no clipping: the inner optimizer is then a linear map of the
@@ -30,11 +30,6 @@ def final_params(run) -> torch.Tensor:
 def losses_and_params(rank, world, argv):
     run = gpt_run(argv)
     return [r["loss"] for r in run.records], final_params(run)
-
-
-def several(rank, world, fn, argvs):
-    """fn(rank, world, argv) for each argv in turn, in one set of ranks (one spawn, one process group)."""
-    return [fn(rank, world, argv) for argv in argvs]
 
 
 def by_world(fn, cases: dict) -> dict:

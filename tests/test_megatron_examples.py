@@ -232,24 +232,12 @@ TINY = {"--rampup-batch-size": "2", "--num-layers": "2", "--hidden-size": "64", 
         "--log-interval": "1", "--eval-iters": "1"}
 
 
-def _entry_main(rank, world, entry, argv):
-    """A rank of `run_ranks` running the entry point's main(argv), as a torchrun worker runs it: its exit
-    code and what it printed."""
-    import contextlib
-    import importlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = importlib.import_module(Path(entry).stem).main(argv)
-    return code, out.getvalue()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt3_175b", "bert_340m"])
 def test_the_examples_scaled_down_train_on_data_their_tokenizer_flags_made(name, tmp_path):
     """gpt3_175b runs under torchrun; bert_340m runs its entry point's main on ranks of one spawn."""
     from cli import records, torchrun
+    from training_ranks import entry_main
 
     from megalite.testing import run_ranks
 
@@ -267,9 +255,9 @@ def test_the_examples_scaled_down_train_on_data_their_tokenizer_flags_made(name,
         assert run.returncode == 0, run.stderr[-3000:]
         stdout = run.stdout
     else:
-        ranks = run_ranks(_entry_main, 4, args=(entry, [*argv, "--metrics-file", str(metrics)]), timeout=400,
+        ranks = run_ranks(entry_main, 4, args=([*argv, "--metrics-file", str(metrics)], Path(entry).stem), timeout=400,
                           env={"MEGALITE_QUIET": ""})
-        assert [code for code, _ in ranks] == [0] * 4
+        assert [code for code, *_ in ranks] == [0] * 4
         stdout = ranks[0][1]
     recs = records(metrics)
     assert [r["iteration"] for r in recs] == [1, 2, 3] and all(r["skipped"] == 0 for r in recs)
