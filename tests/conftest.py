@@ -60,6 +60,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(f"fixture:{module}"))
         if item.nodeid.split("/")[-1].split("[")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
-    # The groups first (each a long unit one worker takes whole), the single tests after them: they
-    # even out the two workers' ends. A stable sort: a module's tests keep their order.
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

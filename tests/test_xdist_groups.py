@@ -37,7 +37,8 @@ def test_a_module_fixture_runs_once_under_two_workers(tmp_path):
     setups = tmp_path / "setups"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
                            "-m", "not gpu", str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env={**os.environ, "SETUPS": str(setups)})
+                          cwd=tmp_path, env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+                                                         "SETUPS": str(setups)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "12 passed" in done.stdout
     assert len(setups.read_text().split()) == 1, setups.read_text()
