@@ -23,8 +23,18 @@ def test_a_failed_initialization_spawns_the_ranks_again(capfd):
         in capfd.readouterr().err
 
 
-def test_a_failure_in_the_ranks_code_is_not_retried(tmp_path):
+def test_one_ranks_failed_initialization_spawns_every_rank_again(tmp_path, capfd):
+    # rank 1's code fails too, but that spawn proved nothing: rank 0 never joined its process group
     log = tmp_path / "calls"
     with pytest.raises(RankFailure, match="boom on rank 1"):
-        run_ranks(_fail_and_count, 2, args=(str(log),))
-    assert sorted(log.read_text().split()) == ["0", "1"]  # one spawn
+        run_ranks(_fail_and_count, 2, args=(str(log),), env={"MEGALITE_TEST_FAIL_INIT": "0"})
+    assert "failed to initialize on 1 rank(s); spawning the ranks again" in capfd.readouterr().err
+    assert sorted(log.read_text().split()) == ["0", "1"]  # the second spawn (rank 0 could not start the first)
+
+
+def test_a_failure_in_the_ranks_code_is_not_retried(tmp_path):
+    # one rank: a process group of one connects to nobody, so gloo cannot flake here
+    log = tmp_path / "calls"
+    with pytest.raises(RankFailure, match="boom on rank 0"):
+        run_ranks(_fail_and_count, 1, args=(str(log),))
+    assert log.read_text().split() == ["0"]  # one spawn
