@@ -117,10 +117,8 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     exposed, behind = m * layers * exposed_layer, f"each transfer behind one attention block ({block * 1e3:.3f} ms forward)"
     counts = pass_counts(costs, rank) if costs.run.overlap_moe_ep_comm else None
     if counts is not None:
-        pairs, lone_f, lone_b = counts
         forward, backward = ring_pair_items(costs, stage, block, f_step, (kv_step, dkv_step))
-        exposed = (lone_f * alone_exposed(forward) + lone_b * alone_exposed(backward)
-                   + pairs * pair_exposed(forward, backward)) / layout.v
+        exposed = _played(counts, forward, backward, layout.v)
         behind += ", then the other pass's compute up to its next exchange (pairs)"
     return Exposure(m * layers * ring_transfers(costs), m * layers * costs.ring_bytes, m * layers * per_layer,
                     exposed, behind)
@@ -165,12 +163,18 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     counts = pass_counts(costs, rank)
     if counts is None:  # a schedule without pairs: nothing overlapped
         return Exposure(m * layers * costs.ep_exchanges, sent, comm, comm, "nothing (this schedule has no pairs)")
-    pairs, lone_f, lone_b = counts
     forward, backward = pair_items(costs, stage)
-    exposed = (lone_f * alone_exposed(forward) + lone_b * alone_exposed(backward)
-               + pairs * pair_exposed(forward, backward)) / costs.layout.v
+    exposed = _played(counts, forward, backward, costs.layout.v)
     return Exposure(m * layers * costs.ep_exchanges, sent, comm, exposed,
                     "the other lane's compute up to its next exchange (a forward beside a backward)")
+
+
+def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int) -> float:
+    """Exposed seconds of a rank's paired program (`pass_counts`): the lone passes wait for all of
+    their exchanges, each pair is played (pair_play.py); a pass runs one of the rank's v chunks."""
+    pairs, lone_f, lone_b = counts
+    return (lone_f * alone_exposed(forward) + lone_b * alone_exposed(backward)
+            + pairs * pair_exposed(forward, backward)) / v
 
 
 def pass_counts(costs: LayoutCosts, rank: int) -> tuple[int, int, int] | None:
