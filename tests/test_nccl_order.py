@@ -6,7 +6,8 @@ import torch
 
 from megalite import parallel
 from megalite.pipeline import p2p
-from megalite.pipeline.replay import Exchange, Message, ScheduleError, check_nccl_order, check_schedule, exchange_plan
+from megalite.pipeline.replay import (Exchange, Message, ScheduleError, check_nccl_order, check_schedule, exchange_plan,
+                                      posts_receives_early)
 from megalite.pipeline.partition import stage_rank, virtual_stage
 from megalite.pipeline.schedules import build_program, exchange_plans, is_v_shaped, run_schedule
 from megalite.testing import run_ranks
@@ -77,7 +78,7 @@ def _step(model, batch):
     return y.sum() if model.post_process else y
 
 
-def posted_exchanges(rank, world, m, v, kind="1f1b"):
+def posted_exchanges(rank, world, m, v, kind="1f1b", extra_warmup=0):
     """What run_schedule hands to p2p.exchange, next to the plan the replay checks."""
     parallel.initialize_model_parallel(1, world)
     posted = []
@@ -91,23 +92,38 @@ def posted_exchanges(rank, world, m, v, kind="1f1b"):
     v_shape = is_v_shaped(kind)
     chunks = [_Stage(last=virtual_stage(world, rank, c, v_shape) == world * v - 1) for c in range(v)]
     batches = [{"x": torch.full((2, 3, 4), float(i))} for i in range(m)]
-    program = build_program(world, rank, m, v if v > 1 else None, kind)
-    plan = exchange_plans(world, m, v if v > 1 else None, kind)[rank]
+    program = build_program(world, rank, m, v if v > 1 else None, kind, extra_warmup=extra_warmup)
+    plan = exchange_plans(world, m, v if v > 1 else None, kind, extra_warmup=extra_warmup)[rank]
+    early = posts_receives_early(world, v, kind)  # as TrainStep.exchange_plan hands it over
     with torch.set_grad_enabled(not kind.startswith("forward-only")):  # evaluation keeps nothing for backward
         run_schedule(program, chunks, batches, _step, torch.tensor(1.0), (2, 3, 4), torch.float32, v_shape=v_shape,
-                     plan=plan if v_shape else None)
+                     plan=plan if early else None)
     planned = [([stage_rank(world, s.dst, v_shape) for s in x.sends], [(r, stage_rank(world, r.src, v_shape))
                                                                       for r in x.recvs])
                for x in plan if x.sends or x.recvs]
-    if not v_shape:  # what the executor derives from the program alone
+    if not early:  # what the executor derives from the program alone
         assert list(plan) == exchange_plan(program, world, rank, v)
     return posted, planned
 
 
-@pytest.mark.parametrize("world,m,v,kind", [(2, 4, 2, "1f1b"), (3, 2, 1, "1f1b"), (3, 5, 1, "zb-h1"),
-                                            (3, 7, 2, "zb-v"), (2, 3, 2, "forward-only-v"), (3, 7, 2, "dualpipev")],
-                         ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "zb-h1-pp3", "zb-v-pp3", "forward-only-v-pp2",
-                              "dualpipev-pp3"])
-def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v, kind):
-    for posted, planned in run_ranks(posted_exchanges, world, args=(m, v, kind)):
+@pytest.mark.parametrize("world,m,v,kind,extra", [
+    (2, 4, 2, "1f1b", 0), (3, 2, 1, "1f1b", 0), (3, 5, 1, "1f1b", 1), (3, 5, 1, "zb-h1", 0), (3, 5, 1, "zb-h1", 1),
+    (3, 7, 2, "zb-v", 0), (2, 3, 2, "forward-only-v", 0), (3, 7, 2, "dualpipev", 0), (2, 3, 1, "forward-only", 0)],
+    ids=["interleaved-pp2", "1f1b-pp3-m-below-p", "1f1b-pp3-one-forward-ahead", "zb-h1-pp3", "zb-h1-pp3-ahead",
+         "zb-v-pp3", "forward-only-v-pp2", "dualpipev-pp3", "forward-only-pp2"])
+def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v, kind, extra):
+    for posted, planned in run_ranks(posted_exchanges, world, args=(m, v, kind, extra)):
         assert posted == planned
+
+
+def test_one_chunk_programs_post_each_receive_at_the_first_exchange_point_after_its_send():
+    # 1F1B at pp 2, one forward ahead: stage 1 posts micro-batch 1's activation before its first
+    # backward, not after it (gloo moves a message's bytes once the receive is posted)
+    stage1 = exchange_plans(2, 4, None, "1f1b", extra_warmup=1)[1]
+    assert [(x.index, [(m.kind, m.micro_batch) for m in x.recvs]) for x in stage1][:3] == \
+        [(0, [("F", 0)]), (2, [("F", 1)]), (4, [("F", 2)])]
+    late = exchange_plan(build_program(2, 1, 4, extra_warmup=1), 2, 1, 1)
+    assert [(x.index, [(m.kind, m.micro_batch) for m in x.recvs]) for x in late][:3] == \
+        [(0, [("F", 0)]), (2, []), (4, [("F", 1)])]
+    assert not posts_receives_early(2, 2, "1f1b") and not posts_receives_early(2, 1, "1f1b", paired=True)
+    assert posts_receives_early(2, 1, "zb-h1") and not posts_receives_early(1, 1, "1f1b")

@@ -9,6 +9,7 @@ from torch import nn
 from helpers import rel_err
 from megalite import parallel
 from megalite.pipeline.schedules import build_program, program_1f1b, program_interleaved, run_schedule
+from megalite.pipeline.executor import SENDS_IN_FLIGHT
 from megalite.testing import run_ranks
 from training_ranks import parse, train_and_check_tied_embeddings, train_losses
 
@@ -292,12 +293,12 @@ def test_sent_activations_are_freed_and_gradients_stay_bitwise_equal(p, m, v):
     freed = run_ranks(live_activations, p, args=(m, v, True))
     activation = 2 * 3 * 4 * 4  # bytes of one (2, 3, 4) fp32 output
     # Without freeing, stage 0 holds the outputs of every micro-batch in flight (1F1B: p - 1 before
-    # its p-th forward); freed, only the one whose send may still be draining survives (the batch
-    # holds it until the next exchange point), and the last stage sends none.
+    # its p-th forward); freed, only those whose sends may still be draining survive (a batch's
+    # sends are waited for SENDS_IN_FLIGHT exchange points later), and the last stage sends none.
     if v is None:
-        assert kept[0][0] == (p - 1) * activation
+        assert kept[0][0] == (p - 1) * activation and SENDS_IN_FLIGHT < p - 1
     assert all(peak > 0 for peak, *_ in kept[:-1])
-    assert all(peak <= activation for peak, *_ in freed) and (v is not None or freed[-1][0] == 0)
+    assert all(peak <= SENDS_IN_FLIGHT * activation for peak, *_ in freed) and (v is not None or freed[-1][0] == 0)
     for (_, held_kept, grads_kept, loss_kept), (_, held_freed, grads_freed, loss_freed) in zip(kept, freed):
         assert held_freed <= held_kept
         assert all(torch.equal(a, b) for a, b in zip(grads_kept, grads_freed)), "freeing must not change gradients"
@@ -305,13 +306,14 @@ def test_sent_activations_are_freed_and_gradients_stay_bitwise_equal(p, m, v):
     assert freed[0][1] < kept[0][1], "the executor's own count of held bytes must fall too"
 
 
-def test_zb_h1_holds_a_sent_activation_one_exchange_interval_at_most():
-    """ZB-H1 waits for a batch only where a pass reads it: a sent output lives until the next
-    exchange point, so at most one per stage survives into the next forward; the numbers equal 1F1B's."""
+def test_zb_h1_holds_a_sent_activation_for_sends_in_flight_exchange_intervals_at_most():
+    """ZB-H1 waits for a receive only where a pass reads it and for a batch's sends SENDS_IN_FLIGHT
+    exchange points later: at most that many sent outputs per stage survive into the next forward;
+    the numbers equal 1F1B's."""
     p, m = 4, 8
     freed = run_ranks(live_activations, p, args=(m, None, True, "zb-h1"))
     one_f_one_b = run_ranks(live_activations, p, args=(m, None, True))
     activation = 2 * 3 * 4 * 4
-    assert all(peak <= activation for peak, *_ in freed)
+    assert all(peak <= SENDS_IN_FLIGHT * activation for peak, *_ in freed)
     for (_, _, grads, loss), (_, _, grads_1f1b, loss_1f1b) in zip(freed, one_f_one_b):
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_1f1b)) and torch.equal(loss, loss_1f1b)

@@ -35,6 +35,18 @@ def test_a_pipeline_step_played_with_transfers_exposes_those_on_its_path():
     assert 0 < v < 4 * 0.1 * 2
 
 
+def test_a_slower_last_stage_gives_the_others_slack_that_hides_the_steady_states_transfers():
+    # the last stage also runs the output layer: per micro-batch 3 more than rank 0's 3, which
+    # covers a round trip of 2 x 0.5, so only the fill's activation and the drain's gradient lie on
+    # the path (rank 1 is the bottleneck: its first forward and rank 0's last backward wait)
+    assert exposed_transfers(2, 4, None, "1f1b", [1.0, 2.0], [2.0, 4.0], [0.0, 0.0], 0.5) == pytest.approx(1.0)
+    # the same stages with a uniform pipeline's costs (the slowest everywhere): a round trip per two
+    assert exposed_transfers(2, 4, None, "1f1b", 2.0, 4.0, 0.0, 0.5) == pytest.approx(2.0)
+    # one cost a virtual stage, or the play refuses
+    with pytest.raises(ValueError, match="virtual stages"):
+        played_step(2, 4, None, "1f1b", [1.0], [2.0], [0.0], 0.0)
+
+
 def test_tp_exchanges_are_sps_gathers_and_scatters_each_with_its_latency():
     layout = P.Layout(tp=2, dp=1, micro_batch_size=8, sequence_parallel=True)
     pred = _predict(layout, 16)  # 2 micro-batches
@@ -173,10 +185,13 @@ def test_pp_exposes_the_transfers_on_the_schedules_path():
     msg = 64 * 4 * 128 * 4
     assert x.exchanges == 8 and x.bytes == 8 * msg
     assert x.comm == pytest.approx(8 * (LAT + msg / BW)) and pred.time.pp_comm == pytest.approx(x.comm)
-    slow = pred.stages[pred.slow_stage]
-    f = slow.compute_mb * costs.fwd / (costs.fwd + costs.bwd)
-    assert x.exposed == pytest.approx(exposed_transfers(2, 4, None, "1f1b", f, slow.compute_mb - f, 0.0,
+    # each stage at its own passes: rank 0's layers (stage_result's compute_mb), rank 1's with the output layer
+    first, last = pred.stages[0].compute_mb, pred.stages[1].compute_mb
+    assert last > first and pred.slow_stage == 1
+    f = [c * costs.fwd / (costs.fwd + costs.bwd) for c in (first, last)]
+    assert x.exposed == pytest.approx(exposed_transfers(2, 4, None, "1f1b", f, [first - f[0], last - f[1]], [0.0, 0.0],
                                                         LAT + msg / BW))
+    assert x.exposed < exposed_transfers(2, 4, None, "1f1b", f[1], last - f[1], 0.0, LAT + msg / BW)
     # the tied embedding, summed over its two stages after the schedule: exposed, on the dp row
     assert pred.exposed["dp"].exchanges == 1 and pred.exposed["dp"].exposed == pytest.approx(LAT + 1024 * 128 * 4 / BW)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from megalite.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, check_numbers, opt
 from megalite.pipeline.partition import V_SCHEDULES
+from megalite.pipeline.programs import check_extra_warmup
 
 _SEED = (lambda v: 0 <= v < 2 ** 63, "in [0, 2**63)")
 
@@ -61,6 +62,10 @@ class ParallelConfig:
     pipeline_pass_costs: str = opt(
         "1,1,1", "F,B,W: the relative costs of a forward, an input-gradient and a weight-gradient pass that "
                  "zb-v orders its passes for (docs/pipeline.md: read them off --timeline)", metavar="F,B,W")
+    pipeline_extra_warmup: int = opt(
+        0, "1: one more forward before the first backward on every pipeline stage but the last (1f1b, zb-h1): one "
+           "more micro-batch's activations held, and no steady-state boundary transfer shorter than a pass on the "
+           "schedule's path (slow pipeline links; the same numbers; docs/pipeline.md)", choices=(0, 1))
     pipeline_layers: list[int] | None = opt(
         None, "explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)", metavar="N,N,...")
     sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
@@ -99,6 +104,9 @@ class ParallelConfig:
                              "drop --vpp, or use --pipeline-schedule interleaved")
         pass_costs(self.pipeline_pass_costs)
         kind = self.pipeline_schedule
+        if self.pipeline_extra_warmup and self.pp == 1:
+            raise ValueError("--pipeline-extra-warmup 1 runs a pipeline stage ahead of the next: it needs --pp 2 or more")
+        check_extra_warmup(self.pipeline_extra_warmup, kind, self.vpp, self.overlap_moe_expert_parallel_comm)
         if kind in V_SCHEDULES:
             if self.pp == 1:
                 raise ValueError(f"--pipeline-schedule {kind} places two model chunks per rank in a V over the "

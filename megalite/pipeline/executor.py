@@ -28,6 +28,7 @@ class ScheduleStats:
 
 
 _TAGS = {"F": p2p.FORWARD_TAG, "B": p2p.BACKWARD_TAG}
+SENDS_IN_FLIGHT = 2  # exchange points' batches whose sends may still drain when the next is posted
 
 
 class _Receives:
@@ -129,6 +130,7 @@ def run_schedule(
 
     # Which messages go out and come in at each exchange point, in posting order: the same plan
     # megalite.pipeline.replay checks against NCCL's untagged, in-order matching.
+    early = plan is not None  # receives posted before the exchange point that reads them
     if plan is None:
         plan = exchange_plan(program, p, r, len(model_chunks), v_shape)
     plan = {x.index: x for x in plan}
@@ -139,7 +141,7 @@ def run_schedule(
     last_grad_op = {op.chunk: i for i, op in enumerate(program) if op.kind == ("W" if split else "B")}
     weight_work: dict[tuple, weight_grad.WeightGrads] = {}  # (chunk, mb) -> what its B deferred
     received: dict[Message, p2p.Posted] = {}  # posted receives, by message: each waited for when read
-    in_flight: list[p2p.Posted] = []  # the batch posted at the last exchange point, its sends not yet waited for
+    in_flight: list[p2p.Posted] = []  # the batches posted at the last exchange points, their sends not yet waited for
     outbox: dict[Message, torch.Tensor] = {}  # produced, not yet sent
     stash: dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) kept for the backward
     start = time.perf_counter()
@@ -151,14 +153,17 @@ def run_schedule(
         sends = [p2p.Send(outbox.pop(m), rank_of(m.dst), _TAGS[m.kind]) for m in x.sends]
         recvs = [p2p.Recv(m, rank_of(m.src), _TAGS[m.kind]) for m in x.recvs]
         with rec.span("send/recv", "p2p"):
-            # Post this point's batch. Its sends drain while the next pass computes: the batch
-            # before is waited for now, so a sent activation is held one interval longer at most. A
-            # split program waits for its receives only where a pass reads them, so passes that
-            # read nothing (W) run while they are on their way; other programs wait for them at
-            # once, as their next pass reads them anyway.
+            # Post this point's batch. Its sends drain while the next passes compute: those of the
+            # batches before the last SENDS_IN_FLIGHT are waited for now, so a sent activation is
+            # held that many intervals longer at most (a transfer may take longer than one pass
+            # across a slow link). A split program, or one whose plan posts receives early, waits
+            # for its receives only where a pass reads them, so the passes before run while they
+            # are on their way; other programs wait for them at once, as their next pass reads
+            # them anyway.
             posted = p2p.exchange(sends, recvs, tensor_shape, dtype, device, wait=False)
-            wait_all()
-            if not split:
+            while len(in_flight) >= SENDS_IN_FLIGHT:
+                in_flight.pop(0).wait_sent()
+            if not (split or early):
                 posted.wait_received()
             in_flight.append(posted)
             received.update({m: posted for m in posted.buffers})
@@ -179,7 +184,7 @@ def run_schedule(
         if not posted.received:  # (in an overlapped pair, the other lane computes meanwhile)
             with rec.span("wait for a receive", "p2p"):
                 lanes.wait(_Receives(posted), "pp")
-        return posted.buffers[message]
+        return posted.buffers.pop(message)  # (the batch, still draining its sends, keeps no reference)
 
     def produce(message: Message, tensor: torch.Tensor) -> None:
         if is_local(message, p, v_shape):

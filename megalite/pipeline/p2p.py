@@ -37,29 +37,39 @@ class Recv:
 
 class Posted:
     """One exchange point's batch, in flight: its received tensors (by key) are valid after
-    `wait_received` (or `wait`), and its sent tensors are kept alive until `wait`."""
+    `wait_received` (or `wait`), and its sent tensors are kept alive until `wait_sent` (or `wait`).
+    Where the backend gives each op its own request (gloo) the two are waited for apart, so the
+    sends drain while the rank computes; a batch completed as one (NCCL's group) is waited for whole."""
 
     def __init__(self, works, buffers: dict[tuple, torch.Tensor], sent: list[torch.Tensor]):
-        self.works, self.buffers, self.sent = works, buffers, sent
+        self.buffers, self.sent = buffers, sent
+        self.whole = len(works) != len(sent) + len(buffers)
+        self.recv_works = works if self.whole else works[:len(buffers)]  # (posted first: `exchange`)
+        self.send_works = [] if self.whole else works[len(buffers):]
         self.received = not buffers
 
     def wait_received(self) -> None:
-        """Wait for the receives only, where the backend gives each op its own request (gloo: the
-        sends then drain while the rank computes, until `wait`); a batch completed as one (NCCL's
-        group) is waited for whole."""
         if self.received:
             return
-        if len(self.works) != len(self.sent) + len(self.buffers):
+        if self.whole:
             self.wait()
             return
-        for work in self.works[:len(self.buffers)]:
+        for work in self.recv_works:
             work.wait()
-        self.works, self.received = self.works[len(self.buffers):], True
+        self.recv_works, self.received = [], True
+
+    def wait_sent(self) -> None:
+        if self.whole:
+            self.wait()
+            return
+        for work in self.send_works:
+            work.wait()
+        self.send_works, self.sent = [], []
 
     def wait(self) -> None:
-        for work in self.works:
+        for work in (*self.recv_works, *self.send_works):
             work.wait()
-        self.works, self.sent, self.received = [], [], True
+        self.recv_works, self.send_works, self.sent, self.received = [], [], [], True
 
 
 def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device, wait: bool = True):
@@ -72,7 +82,10 @@ def exchange(sends: list[Send], recvs: list[Recv], shape, dtype, device, wait: b
     faults.point("p2p")
     group = state.get_pipeline_model_parallel_group()
     buffers = {r.key: torch.empty(shape, dtype=dtype, device=device) for r in recvs}
-    sent = [s.tensor.contiguous() for s in sends]
+    # Aliases of their own (detach: the same storage, another tensor): the executor frees a sent
+    # output's data at once (`executor._free_data` swaps the tensor's storage), and the alias keeps
+    # the bytes a send in flight reads alive until the batch's sends are waited for.
+    sent = [s.tensor.detach().contiguous() for s in sends]
     # The receives first, then the sends (`Posted.wait_received` tells them apart by position): gloo
     # sends a posted receive's "ready" notice on the connection the data takes, so a receive posted
     # after a send waits behind that send's bytes, and the peer's send behind it: both directions

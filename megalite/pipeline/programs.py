@@ -45,8 +45,17 @@ def program_no_pipelining(m: int) -> list[Op]:
     return out
 
 
-def program_1f1b(p: int, r: int, m: int) -> list[Op]:
-    warmup = min(p - r - 1, m)
+def _warmup(p: int, r: int, m: int, extra: int) -> int:
+    """Forwards before the first backward: 1F1B's p-r-1, plus `extra` on every stage but the last
+    (--pipeline-extra-warmup). The extra ones keep a stage a round trip ahead, so its next forward
+    never waits for its own backward's gradient to arrive: the steady state's transfers leave the
+    schedule's path at the cost of `extra` more micro-batches' activations. The last stage gains
+    nothing by them: its backwards need no transfer."""
+    return min(p - r - 1 + (extra if r < p - 1 else 0), m)
+
+
+def program_1f1b(p: int, r: int, m: int, extra: int = 0) -> list[Op]:
+    warmup = _warmup(p, r, m, extra)
     out = [_x()]
     for i in range(warmup):
         out += [Op("F", 0, i), _x()]
@@ -111,13 +120,14 @@ def program_interleaved(p: int, r: int, m: int, v: int, paired: bool = False) ->
     return out
 
 
-def program_zb_h1(p: int, r: int, m: int) -> list[Op]:
+def program_zb_h1(p: int, r: int, m: int, extra: int = 0) -> list[Op]:
     """ZB-H1 (Qi et al. 2023, section 2.1): 1F1B's order of forwards and input-gradient passes B,
     with each weight-gradient pass W run later: stage r holds back r of them (the last stage the
     most), so its B's start as soon as the next stage's arrive, and the W's held back fill the
     drain that 1F1B leaves idle. Every stage then has at most p micro-batches forwarded and not
-    yet through W: 1F1B's first-stage peak, on every stage."""
-    warmup = min(p - r - 1, m)
+    yet through W: 1F1B's first-stage peak, on every stage (with `extra` warm-up forwards, that many
+    more on every stage but the last)."""
+    warmup = _warmup(p, r, m, extra)
     held = min(r, m)  # W's this stage runs late
     out = [_x()]
     for i in range(warmup):
@@ -324,13 +334,22 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")  # --pipeline-
 PAIRED_SCHEDULES = ("1f1b", "interleaved", "dualpipev")  # those with overlapped pairs (--overlap-moe-expert-parallel-comm)
 
 
+EXTRA_WARMUP_SCHEDULES = ("1f1b", "zb-h1")  # those --pipeline-extra-warmup applies to
+
+
 def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b",
-                  costs: tuple = (1, 1, 1), paired: bool = False) -> list[Op]:
+                  costs: tuple = (1, 1, 1), paired: bool = False, extra_warmup: int = 0) -> list[Op]:
     """Rank r's program for `kind` ("1f1b"; "interleaved" needs v > 1, which also picks it from
     "1f1b"; "zb-h1"; "zb-v", two chunks per rank in a V, v None or 2, ordered for a chunk's F, B
     and W `costs`; "gpipe"; "forward-only") at p stages and m micro-batches. A V schedule's
     forward-only program is `forward_only_kind`'s. `paired`: 1f1b and interleaved with their
-    steady-state forwards and backwards in overlapped pairs (dualpipev has its own pairs)."""
+    steady-state forwards and backwards in overlapped pairs (dualpipev has its own pairs).
+    `extra_warmup`: 1f1b (one chunk a rank, unpaired) and zb-h1 with that many more warm-up
+    forwards on every stage but the last (`_warmup`)."""
+    if extra_warmup:
+        check_extra_warmup(extra_warmup, kind, v, paired)
+        if p > 1:
+            return (program_zb_h1 if kind == "zb-h1" else program_1f1b)(p, r, m, extra_warmup)
     if paired and kind not in PAIRED_SCHEDULES:
         raise ValueError(f"the {kind} schedule has no overlapped forward/backward pairs: choose --pipeline-schedule "
                          f"1f1b, interleaved or dualpipev, or drop --overlap-moe-expert-parallel-comm")
@@ -359,6 +378,21 @@ def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1
     if paired:
         return program_1f1b_paired(p, r, m)
     return {"1f1b": program_1f1b, "gpipe": program_gpipe}[kind](p, r, m)
+
+
+def check_extra_warmup(extra: int, kind: str, v: int | None, paired: bool) -> None:
+    """--pipeline-extra-warmup's one-line refusal where it is not built. At most one: with two, a
+    stage's batch that sends its second extra activation would wait for the next stage's batch
+    that receives it, which also sends a gradient the first stage has not yet posted a receive
+    for (a deadlock under NCCL's blocking batches: replay.check_nccl_order); one is enough to take
+    every steady-state transfer shorter than a pass off the path."""
+    if extra not in (0, 1):
+        raise ValueError(f"--pipeline-extra-warmup {extra}: 0 or 1 (with 2 or more the pipeline's exchange "
+                         "batches would wait on each other under NCCL's matching)")
+    if extra and (kind not in EXTRA_WARMUP_SCHEDULES or (v and v > 1) or paired):
+        raise ValueError(f"--pipeline-extra-warmup {extra}: the extra warm-up forward is built for "
+                         f"--pipeline-schedule {' and '.join(EXTRA_WARMUP_SCHEDULES)} with one model chunk a rank "
+                         "and without --overlap-moe-expert-parallel-comm: drop the flag or change the schedule")
 
 
 def forward_only_kind(kind: str) -> str:

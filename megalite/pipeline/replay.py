@@ -179,15 +179,28 @@ def _matched(waiter, sent, received, rank) -> bool:
     return True
 
 
+def posts_receives_early(p: int, v: int | None, kind: str, paired: bool = False) -> bool:
+    """Whether `exchange_plans` posts the program's receives early: the V programs, and 1f1b and
+    zb-h1 with one chunk a rank and no pairs. gloo sends a message's bytes only once the receiver
+    has posted its receive, so a receive posted where it is read puts the whole transfer on the
+    receiver's path however early the sender sent it (measured across the emulated link:
+    docs/slow-links.md (f), "Pipeline transfers"). Interleaved and paired programs keep theirs."""
+    if is_v_shaped(kind):
+        return True
+    return p > 1 and kind in ("1f1b", "zb-h1") and not (v and v > 1) and not paired
+
+
 @functools.lru_cache(maxsize=16)
-def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", costs: tuple = (1, 1, 1)) -> list:
+def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", costs: tuple = (1, 1, 1),
+                   extra_warmup: int = 0) -> list:
     """Every rank's exchange plan for `kind` (what `run_schedule` posts at each exchange point and
-    `megalite.pipeline.replay.check_nccl_order` checks): V programs post each receive early, in the
-    order of the sends on its pair of ranks (`early_exchange_plans`), others where it is read."""
+    `megalite.pipeline.replay.check_nccl_order` checks): where `posts_receives_early`, each receive
+    at the first exchange point after its send on an ideal machine, in the order of the sends on
+    its pair of ranks (`early_exchange_plans`); others where it is read."""
     v_shape = is_v_shaped(kind)
     chunks = 2 if v_shape else (v if v and v > 1 else 1)
-    programs = [build_program(p, r, m, v, kind, costs) for r in range(p)]
-    if not v_shape:
+    programs = [build_program(p, r, m, v, kind, costs, extra_warmup=extra_warmup) for r in range(p)]
+    if not posts_receives_early(p, v, kind):
         return tuple(tuple(exchange_plan(prog, p, r, chunks)) for r, prog in enumerate(programs))
     reach = _play(programs, p, v_shape, *costs)[1]
     plans = early_exchange_plans(programs, reach, p, chunks, v_shape)
@@ -195,6 +208,6 @@ def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", cos
     return tuple(tuple(plan) for plan in plans)
 
 
-def check_schedule(p: int, m: int, v: int | None = None, kind: str = "1f1b") -> int:
+def check_schedule(p: int, m: int, v: int | None = None, kind: str = "1f1b", extra_warmup: int = 0) -> int:
     """check_nccl_order for the plans `exchange_plans` gives every rank; returns the messages."""
-    return check_nccl_order(exchange_plans(p, m, v, kind), p, is_v_shaped(kind))
+    return check_nccl_order(exchange_plans(p, m, v, kind, extra_warmup=extra_warmup), p, is_v_shaped(kind))

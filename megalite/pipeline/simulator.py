@@ -88,17 +88,22 @@ def predicted_idle(p: int, m: int, kind: str, f: float, b: float, w: float, v: i
     return sum(end - x for x in busy) / (p * end)
 
 
-def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float, transfer: float = 0):
+def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
     """Run the programs on the ideal machine: each rank's row of cells (see `simulate`; whole time
     units only) and the time it reaches each position of its program (and its end). An overlapped
     pair ("O", then an F and a B with its W) starts once both passes' inputs are in and ends
     together, after F + B + W (DualPipe's F&B, here not overlapped). A message between two ranks
-    arrives `transfer` after the pass that makes it ends (megalite.tools.plan.pipeline_play)."""
+    arrives `transfer` after the pass that makes it ends (megalite.tools.plan.pipeline_play).
+    f, b and w are each one cost for every virtual stage, or a sequence of one cost per virtual
+    stage (the last stage also runs the output layer: the others wait for it)."""
     chunks = max(op.chunk for prog in programs for op in prog) + 1
     last = p * chunks - 1
     split = any(op.kind == "W" for prog in programs for op in prog)
-    cost = {"F": f, "B": b if split else b + w, "W": w}
-    cells = all(isinstance(c, int) for c in (f, b, w))  # rows of cells for whole time units only
+    f, b, w = (list(c) if isinstance(c, (list, tuple)) else [c] * (last + 1) for c in (f, b, w))
+    if not len(f) == len(b) == len(w) == last + 1:
+        raise ValueError(f"pass costs for {len(f)}, {len(b)}, {len(w)} virtual stages; the programs have {last + 1}")
+    stage_cost = [{"F": fs, "B": bs if split else bs + ws, "W": ws} for fs, bs, ws in zip(f, b, w)]
+    cells = all(isinstance(c, int) for c in (*f, *b, *w))  # rows of cells for whole time units only
     done: dict[tuple, tuple] = {}  # (kind, virtual stage, micro-batch) -> (finish time, rank)
     clock, pos = [0] * p, [0] * p
     rows = [[] for _ in range(p)]
@@ -135,13 +140,14 @@ def _play(programs, p: int, v_shape: bool, f: float, b: float, w: float, transfe
             if cells:
                 rows[r] += ["."] * (begin - clock[r])
             reach[r] += [clock[r]] * lead
-            for op in group:
+            cost = [stage_cost[virtual_stage(p, r, op.chunk, v_shape)][op.kind] for op in group]
+            for op, c in zip(group, cost):
                 letter = "abcdefghij"[op.micro_batch % 10]
                 mark = {"F": str(op.micro_batch % 10), "B": letter, "W": letter.upper()}[op.kind]
                 if cells:
-                    rows[r] += [mark] * cost[op.kind]
+                    rows[r] += [mark] * c
                 reach[r].append(clock[r])
-            clock[r] = begin + sum(cost[op.kind] for op in group)
+            clock[r] = begin + sum(cost)
             for op in group:
                 done[(op.kind, virtual_stage(p, r, op.chunk, v_shape), op.micro_batch)] = (clock[r], r)
             pos[r] += lead + len(group)

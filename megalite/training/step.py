@@ -15,6 +15,7 @@ from megalite.models.fp8 import close_delayed_scaling
 from megalite.models.moe import losses as moe_losses
 from megalite.models.moe.router import expert_bias_routers, update_expert_biases
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer, finalize_grads
+from megalite.pipeline.replay import posts_receives_early
 from megalite.pipeline.schedules import Op, ScheduleStats, build_program, exchange_plans, is_v_shaped, run_schedule
 from megalite.runtime import set_phase
 from megalite.training.build import tied_embedding_group
@@ -51,6 +52,7 @@ class TrainStep:
     delayed_fp8: bool = False  # FP8 delayed scaling: its amaxes reduced over `amax_group` each step
     overlap_pairs: bool = False  # --overlap-moe-expert-parallel-comm: forwards beside backwards, on two lanes
     amax_group: object = field(init=False)
+    extra_warmup: int = 0  # --pipeline-extra-warmup: one more forward ahead on every stage but the last
 
     def __post_init__(self):
         self.params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
@@ -69,7 +71,7 @@ class TrainStep:
             vpp = len(self.chunks) if len(self.chunks) > 1 else None
             self.programs[m] = build_program(parallel.get_pipeline_model_parallel_world_size(),
                                              parallel.get_pipeline_model_parallel_rank(), m, vpp, self.schedule,
-                                             self.pass_costs, paired=self.overlap_pairs)
+                                             self.pass_costs, paired=self.overlap_pairs, extra_warmup=self.extra_warmup)
         self.program = self.programs[m]
 
     @classmethod
@@ -81,15 +83,15 @@ class TrainStep:
         seq = cfg.model.seq_length // cfg.parallel.cp  # this rank's share of each sequence
         seq = seq // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq
         schedule, costs = cfg.parallel.pipeline_schedule, pass_costs(cfg.parallel.pipeline_pass_costs)
-        paired = cfg.parallel.overlap_moe_expert_parallel_comm
+        paired, extra = cfg.parallel.overlap_moe_expert_parallel_comm, cfg.parallel.pipeline_extra_warmup
         program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
-                                schedule, costs, paired=paired)
+                                schedule, costs, paired=paired, extra_warmup=extra)
         return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
                    buffers,
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
                    cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs,
                    delayed_fp8=cfg.precision.fp8_format is not None and cfg.precision.fp8_recipe == "delayed",
-                   overlap_pairs=paired)
+                   overlap_pairs=paired, extra_warmup=extra)
 
     @property
     def v_shape(self) -> bool:
@@ -98,11 +100,12 @@ class TrainStep:
 
     def exchange_plan(self, kind: str, m: int):
         """This rank's exchange plan for a `kind` program at m micro-batches where it is not the
-        program's own (V programs post receives early: `exchange_plans`), else None."""
-        if not is_v_shaped(kind):
+        program's own (V programs, 1f1b and zb-h1 post receives early: `exchange_plans`), else None."""
+        p, v = parallel.get_pipeline_model_parallel_world_size(), len(self.chunks)
+        if not posts_receives_early(p, v, kind, self.overlap_pairs):
             return None
-        return exchange_plans(parallel.get_pipeline_model_parallel_world_size(), m, len(self.chunks),
-                              kind, self.pass_costs)[parallel.get_pipeline_model_parallel_rank()]
+        return exchange_plans(p, m, v, kind, self.pass_costs,
+                              self.extra_warmup)[parallel.get_pipeline_model_parallel_rank()]
 
     @property
     def micro_batches(self) -> int:

@@ -14,10 +14,10 @@ from megalite.tools.plan.inputs import DTYPE_BYTES, Layout, Run
 
 
 @functools.lru_cache(maxsize=4096)
-def in_flight_chunks(p: int, r: int, m: int, vpp: int | None, schedule: str = "1f1b") -> int:
+def in_flight_chunks(p: int, r: int, m: int, vpp: int | None, schedule: str = "1f1b", extra_warmup: int = 0) -> int:
     """Micro-batches (of one model chunk each) whose activations pipeline rank r holds at its peak,
     read off the schedule program megalite runs (zb-h1: forwarded and not yet through W)."""
-    return peak_in_flight(build_program(p, r, m, vpp, schedule))
+    return peak_in_flight(build_program(p, r, m, vpp, schedule, extra_warmup=extra_warmup))
 
 
 def stored_activations(config: TransformerConfig, layout: Layout, run: Run, layers: int,

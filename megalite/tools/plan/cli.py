@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predict pretrain_gpt.py's pairs: each forward but the first beside another micro-batch's "
                         "backward, each all-to-all behind the other pass's compute up to its next exchange "
                         "(pair_play.py)")
+    g.add_argument("--pipeline-extra-warmup", type=int, choices=(0, 1), default=0,
+                   help="predict pretrain_gpt.py's flag: one more forward ahead on every stage but the last, where "
+                        "the layout's schedule has it (1f1b with one chunk a rank, zb-h1): one more micro-batch's "
+                        "activations, the steady state's boundary transfers off the path")
     g = ap.add_argument_group("restrict the search")
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
@@ -288,7 +292,8 @@ def compare(config: TransformerConfig, cluster: Cluster, args, seq: int, spec: s
 
 def overlap_of(args) -> dict:
     """Run's overlap options from the planner's flags."""
-    return {"tp_comm_overlap": args.tp_comm_overlap, "overlap_moe_ep_comm": args.overlap_moe_expert_parallel_comm}
+    return {"tp_comm_overlap": args.tp_comm_overlap, "overlap_moe_ep_comm": args.overlap_moe_expert_parallel_comm,
+            "pipeline_extra_warmup": args.pipeline_extra_warmup}
 
 
 def summary(pred) -> str:

@@ -7,7 +7,7 @@ import shlex
 
 from megalite.models.config import TransformerConfig
 from megalite.models.presets import PRESETS
-from megalite.tools.plan.inputs import GPT_PRESETS
+from megalite.tools.plan.inputs import GPT_PRESETS, extra_warmup_of
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
@@ -112,6 +112,8 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
         parts += ["--vpp", str(lay.vpp)]
     if lay.schedule != "1f1b":
         parts += ["--pipeline-schedule", lay.schedule]
+    if extra_warmup_of(lay, run):  # predicted with it: the run should have it
+        parts += ["--pipeline-extra-warmup", "1"]
     if run.pipeline_layers:
         parts += ["--pipeline-layers", ",".join(map(str, run.pipeline_layers))]
     parts += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(run.global_batch_size),

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from megalite.tools.plan.costs import LayoutCosts
+from megalite.pipeline.partition import layers_of
 from megalite.pipeline.programs import PAIRED_SCHEDULES, build_program
+from megalite.tools.plan.experts import moe_layers
+from megalite.tools.plan.inputs import extra_warmup_of
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
 
@@ -237,17 +240,27 @@ def h_rows(config) -> float:
 def pp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     """Pipeline boundary transfers: per micro-batch and chunk one activation forward and one
     gradient backward, each latency + message / bandwidth; exposed: the schedule played with them
-    (pipeline_play.py) at the slowest stage's passes, a chunk's forward its share of the layers'
-    forward FLOPs (split backwards: the rest halved between B and W)."""
+    (pipeline_play.py), each virtual stage at its own passes: its layers' forward FLOPs and the
+    rest backward (split backwards: the rest halved between B and W), the last stage's with the
+    output layer's. So the stages before the last have its output layer's time as slack, which
+    hides a transfer as the idle time of a uniform pipeline would not (`stage` is unused: kept for
+    the other exposures' signature)."""
     layout, m, p, v = costs.layout, costs.micro_batches, costs.layout.pp, costs.layout.v
     if p == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
     transfer = _latency(costs) + costs.msg / costs.bw_pp
-    chunk = stage.compute_mb / v
-    f = chunk * costs.fwd / (costs.fwd + costs.bwd)
     split = layout.schedule in ("zb-h1", "zb-v", "dualpipev")
-    b, w = ((chunk - f) / 2, (chunk - f) / 2) if split else (chunk - f, 0.0)
-    exposed = exposed_transfers(p, m, layout.vpp, layout.schedule, f, b, w, transfer)
+    f, b, w = [], [], []
+    for vs, n in enumerate(costs.layer_counts):
+        head = 3 * costs.logits_fwd + costs.mtp_fwd + costs.mtp_bwd if vs == len(costs.layer_counts) - 1 else 0.0
+        chunk = (costs.layers_flops(n, moe_layers(costs.config, layers_of(costs.layer_counts, vs))) + head) \
+            / layout.tp / layout.cp / costs.rate
+        f.append(chunk * costs.fwd / (costs.fwd + costs.bwd))
+        rest = chunk - f[-1]
+        b.append(rest / 2 if split else rest)
+        w.append(rest / 2 if split else 0.0)
+    ahead = extra_warmup_of(layout, costs.run)
+    exposed = exposed_transfers(p, m, layout.vpp, layout.schedule, f, b, w, transfer, ahead)
     return Exposure(2 * v * m, 2 * v * m * costs.msg, m * costs.pp_mb, max(0.0, exposed),
                     "the other stages' passes (non-blocking sends; what lies on the schedule's path)")
 

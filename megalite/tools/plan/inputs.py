@@ -176,6 +176,9 @@ class Run:
     # --overlap-moe-expert-parallel-comm (one micro-batch's all-to-alls behind another's backward)
     tp_comm_overlap: bool = False
     overlap_moe_ep_comm: bool = False
+    # --pipeline-extra-warmup: one more forward ahead on every stage but the last, where the layout's
+    # schedule has it (1f1b with one chunk a rank and no pairs, zb-h1: `extra_warmup_of`)
+    pipeline_extra_warmup: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -374,3 +377,11 @@ def active_parameters(config: TransformerConfig, seq_length: int, mtp: bool = Tr
     idle = experts // config.num_moe_experts * (config.num_moe_experts - config.moe_router_topk)
     moe_layers = sum(config.is_moe_layer(n) for n in range(config.num_layers + (config.mtp_num_layers if mtp else 0)))
     return total - idle * moe_layers
+
+
+def extra_warmup_of(layout: Layout, run: Run) -> int:
+    """The run's --pipeline-extra-warmup where the layout's schedule is built with it, else 0 (a
+    search over layouts applies the option to those it fits)."""
+    fits = (layout.pp > 1 and layout.schedule in ("1f1b", "zb-h1") and not (layout.vpp and layout.vpp > 1)
+            and not run.overlap_moe_ep_comm)
+    return run.pipeline_extra_warmup if fits else 0

@@ -6,7 +6,10 @@ played minus the same step with free transfers: only the exchanges on the schedu
 count, the others hide behind the receiver's other passes.
 
 Sends are taken as posted without blocking the sender (megalite posts each exchange point's batch
-with `batch_isend_irecv`), and two messages never queue behind each other on one link (in 1F1B a
+with `batch_isend_irecv`), a message as moving once it is sent (one-chunk and V programs post
+their receives early: `replay.posts_receives_early`; gloo moves bytes only to a posted receive, so
+interleaved programs, which post where they read, can expose more than this plays), and two
+messages never queue behind each other on one link (in 1F1B a
 rank's sends alternate between its two neighbours, and at pp 2 go one way only). The chunks that
 meet at the tip of a V (zb-v, dualpipev) hand over on the same rank, at no cost. An overlapped pair
 ("O") runs its passes one after the other, as `megalite.pipeline.simulator` plays it."""
@@ -16,18 +19,20 @@ from megalite.pipeline.programs import build_program, is_v_shaped
 from megalite.pipeline.simulator import _play
 
 
-def played_step(p: int, m: int, v: int | None, kind: str, f: float, b: float, w: float, transfer: float) -> float:
+def played_step(p: int, m: int, v: int | None, kind: str, f, b, w, transfer: float, extra_warmup: int = 0) -> float:
     """Seconds of one step of `kind` ("1f1b", interleaved with v > 1, "zb-h1", "zb-v", "dualpipev")
     over p ranks and m micro-batches, a chunk's forward costing f, its input-gradient pass b and its
-    weight-gradient pass w (a program that does not split its backward runs b + w as one), each
-    message between two ranks arriving `transfer` seconds after its pass ends."""
-    programs = [build_program(p, r, m, v if v and v > 1 else None, kind) for r in range(p)]
+    weight-gradient pass w (a program that does not split its backward runs b + w as one; each one
+    number, or one per virtual stage), each message between two ranks arriving `transfer` seconds
+    after its pass ends; `extra_warmup`: --pipeline-extra-warmup's programs."""
+    programs = [build_program(p, r, m, v if v and v > 1 else None, kind, extra_warmup=extra_warmup) for r in range(p)]
     return max(times[-1] for times in _play(programs, p, is_v_shaped(kind), f, b, w, transfer)[1])
 
 
-def exposed_transfers(p: int, m: int, v: int | None, kind: str, f: float, b: float, w: float,
-                      transfer: float) -> float:
+def exposed_transfers(p: int, m: int, v: int | None, kind: str, f, b, w, transfer: float,
+                      extra_warmup: int = 0) -> float:
     """What the boundary transfers add to the step: played with them minus played without."""
     if p == 1:
         return 0.0
-    return played_step(p, m, v, kind, f, b, w, transfer) - played_step(p, m, v, kind, f, b, w, 0.0)
+    return (played_step(p, m, v, kind, f, b, w, transfer, extra_warmup)
+            - played_step(p, m, v, kind, f, b, w, 0.0, extra_warmup))

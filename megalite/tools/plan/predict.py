@@ -15,7 +15,7 @@ from megalite.tools.plan.command import launch_command
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.exposed import Exposure, cp_exposure, ep_exposure, exposed_comm, ring_transfers, tp_exposure
-from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt
+from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt, extra_warmup_of
 from megalite.tools.plan.json_forms import prediction_json
 from megalite.tools.plan.memory import Memory, over
 from megalite.tools.plan.states import StateBytes, rank_state_bytes
@@ -178,7 +178,8 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
-    chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp, layout.schedule)
+    chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp, layout.schedule,
+                                        extra_warmup_of(layout, run))
     per_chunk = n_layers / v
     layers = round(per_chunk) or 1
     stored_chunk, transient = stored_activations(config, layout, run, layers, costs.act_bytes / 2.0,  # 16-bit formula
