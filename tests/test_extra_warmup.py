@@ -114,3 +114,25 @@ def test_it_trains_bitwise_like_the_schedule_without_it(trained, index):
         assert params_ahead.keys() == params.keys()
         for name, p in params.items():
             assert torch.equal(params_ahead[name], p), (rank, name)
+
+
+def test_the_planner_counts_the_extra_micro_batch_and_carries_the_flag_where_the_schedule_has_it():
+    from megalite.tools import plan as P
+    from megalite.training.plan_check import check_run
+
+    argv = ["--pp", "2", "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "64"]
+    cluster = P.Cluster(gpus=2, gpus_per_node=1, inter_node_gbps=0.05, peak_tflops=0.1, efficiency=1)
+    _, plain = check_run(parse(argv), 2, gpu_memory_bytes=80 * P.GIB, cluster=cluster)
+    _, ahead = check_run(parse([*argv, "--pipeline-extra-warmup", "1"]), 2, gpu_memory_bytes=80 * P.GIB, cluster=cluster)
+    assert ahead.run.pipeline_extra_warmup == 1 and plain.run.pipeline_extra_warmup == 0
+    assert [ahead.stages[r].chunks_in_flight for r in (0, 1)] == [3, 1]
+    assert [plain.stages[r].chunks_in_flight for r in (0, 1)] == [2, 1]
+    assert ahead.exposed["pp"].exposed < plain.exposed["pp"].exposed
+    assert "--pipeline-extra-warmup 1" in ahead.command() and "--pipeline-extra-warmup" not in plain.command()
+    # a search applies it only where the layout's schedule has it: an interleaved layout plays without it
+    run = P.Run(8, 64, "fp32", pipeline_extra_warmup=1)
+    interleaved = P.predict(ahead.config, P.Layout(pp=2, vpp=2, micro_batch_size=1), cluster, run=run)
+    assert interleaved.stages[0].chunks_in_flight == P.predict(
+        ahead.config, P.Layout(pp=2, vpp=2, micro_batch_size=1), cluster,
+        run=P.Run(8, 64, "fp32")).stages[0].chunks_in_flight
+    assert "--pipeline-extra-warmup" not in interleaved.command()

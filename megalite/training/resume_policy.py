@@ -63,7 +63,8 @@ _TABLE = {
         num_layers_at_start_in_bf16 num_layers_at_end_in_bf16
         local_sgd_interval outer_lr outer_momentum outer_grad_dtype local_sgd_async local_sgd_fragments
         local_sgd_warmup_iters""",
-    FREE: """tp pp vpp num_layers_per_virtual_pipeline_stage pipeline_schedule pipeline_pass_costs pipeline_layers
+    FREE: """tp pp vpp num_layers_per_virtual_pipeline_stage pipeline_schedule pipeline_pass_costs pipeline_extra_warmup
+        pipeline_layers
         sequence_parallel tp_comm_overlap overlap_moe_expert_parallel_comm cp cp_comm_type expert_model_parallel_size expert_tensor_parallel_size
         distributed_timeout_minutes
         init_method_std recompute recompute_method recompute_num_layers attention_backend torch_compile norm_backend
