@@ -15,8 +15,11 @@ MOE = ["--model", "moe-tiny"]
 # Tensor parallelism sums a row-parallel GEMM's parts in another order, and a value that lands on the
 # other side of an FP8 rounding boundary moves by one FP8 step, and the steps after compound it:
 # layouts agree to these, while FP8 itself moves the first loss (a forward of the same weights) by
-# several times more (checked below).
-FIRST_RTOL, LAYOUT_RTOL = 2e-5, 1e-4
+# several times more (checked below). How far the compounding gets by the third step depends on the
+# CPU's kernels: on one with AVX-512 FP16 and AMX (2026-12-04) cp 2 with tensorwise scaling was 1.07e-4
+# from one device's loss at step 3 (4e-5 at step 2), with megalite's code of the day before, which
+# kept within 1e-4 on the machines before it.
+FIRST_RTOL, LAYOUT_RTOL = 2e-5, 2e-4
 
 # The layout matrix (ONE, TWO) runs 3 steps: each layout's numbers show by then; the tests of bytes and
 # host syncs below count per step.
