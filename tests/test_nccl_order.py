@@ -116,14 +116,18 @@ def test_executor_posts_exactly_the_plan_the_replay_checks(world, m, v, kind, ex
         assert posted == planned
 
 
-def test_one_chunk_programs_post_each_receive_at_the_first_exchange_point_after_its_send():
+def test_one_chunk_programs_post_their_receives_before_the_pass_before_the_one_that_reads_them():
     # 1F1B at pp 2, one forward ahead: stage 1 posts micro-batch 1's activation before its first
-    # backward, not after it (gloo moves a message's bytes once the receive is posted)
+    # backward, not after it (gloo moves a message's bytes once the receive is posted), and stage 0
+    # each gradient but the first before the forward that precedes its backward
     stage1 = exchange_plans(2, 4, None, "1f1b", extra_warmup=1)[1]
     assert [(x.index, [(m.kind, m.micro_batch) for m in x.recvs]) for x in stage1][:3] == \
         [(0, [("F", 0)]), (2, [("F", 1)]), (4, [("F", 2)])]
     late = exchange_plan(build_program(2, 1, 4, extra_warmup=1), 2, 1, 1)
     assert [(x.index, [(m.kind, m.micro_batch) for m in x.recvs]) for x in late][:3] == \
         [(0, [("F", 0)]), (2, []), (4, [("F", 1)])]
+    stage0 = exchange_plans(2, 4, None, "1f1b", extra_warmup=1)[0]  # X F0 X F1 X F2 X B0 X F3 X B1 X B2 X B3 X
+    assert [(x.index, [(m.kind, m.micro_batch) for m in x.recvs]) for x in stage0 if x.recvs] == \
+        [(6, [("B", 0)]), (8, [("B", 1)]), (12, [("B", 2)]), (14, [("B", 3)])]
     assert not posts_receives_early(2, 2, "1f1b") and not posts_receives_early(2, 1, "1f1b", paired=True)
     assert posts_receives_early(2, 1, "zb-h1") and not posts_receives_early(1, 1, "1f1b")

@@ -95,7 +95,8 @@ def exchange_plan(program, p: int, r: int, num_chunks: int, v_shape: bool = Fals
     return plan
 
 
-def early_exchange_plans(programs, times, p: int, num_chunks: int, v_shape: bool = False) -> list[list[Exchange]]:
+def early_exchange_plans(programs, times, p: int, num_chunks: int, v_shape: bool = False,
+                         lead: int = 0) -> list[list[Exchange]]:
     """Every rank's exchange plan (`exchange_plan`'s sends), with each receive posted at the first
     exchange point of the receiver that comes after the sender posts it on an ideal machine
     (`times[r][i]`: when rank r reaches position i of its program), and no later than the pass
@@ -103,7 +104,9 @@ def early_exchange_plans(programs, times, p: int, num_chunks: int, v_shape: bool
     each side (the V's activations and gradients) stays right under NCCL's in-order matching: on
     each pair the receives are posted in the order of the sends, a receive moving earlier where
     one sent after it is needed first. Posting early also keeps a sender from waiting on a
-    receive posted only when its pass comes."""
+    receive posted only when its pass comes. `lead`: each gradient's receive that many exchange
+    points earlier still (posted before its send: gloo then moves the bytes the moment they are
+    sent; the activations' receives already come a pass before they are read)."""
     plans = [exchange_plan(prog, p, r, num_chunks, v_shape) for r, prog in enumerate(programs)]
     sent_at = {m: times[r][x.index] for r, plan in enumerate(plans) for x in plan for m in x.sends}
     order: dict[tuple[int, int], list[Message]] = {}  # (from rank, to rank) -> sends, in posting order
@@ -117,7 +120,8 @@ def early_exchange_plans(programs, times, p: int, num_chunks: int, v_shape: bool
         at = {}
         for last, x in enumerate(plan):  # the point before the pass that reads it, or the first after its send
             for m in x.recvs:
-                at[m] = min(bisect.bisect_left(reached, sent_at[m]), last)
+                ahead = lead if m.kind == "B" else 0
+                at[m] = max(0, min(bisect.bisect_left(reached, sent_at[m]) - ahead, last))
         for (src, dst), msgs in order.items():  # sends' order: a message is received no later than one after it
             if dst != r:
                 continue
@@ -203,9 +207,17 @@ def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", cos
     if not posts_receives_early(p, v, kind):
         return tuple(tuple(exchange_plan(prog, p, r, chunks)) for r, prog in enumerate(programs))
     reach = _play(programs, p, v_shape, *costs)[1]
-    plans = early_exchange_plans(programs, reach, p, chunks, v_shape)
-    check_nccl_order(plans, p, v_shape)  # every rank builds the same plans: each checks them once
-    return tuple(tuple(plan) for plan in plans)
+    # One-chunk programs post each receive one exchange point before the ideal machine's send, where
+    # NCCL's blocking batches allow it, else at it; the V programs at it.
+    for lead in ((1, 0) if not v_shape else (0,)):
+        plans = early_exchange_plans(programs, reach, p, chunks, v_shape, lead)
+        try:
+            check_nccl_order(plans, p, v_shape)  # every rank builds the same plans: each checks them once
+        except ScheduleError:
+            if lead == 0:
+                raise
+            continue
+        return tuple(tuple(plan) for plan in plans)
 
 
 def check_schedule(p: int, m: int, v: int | None = None, kind: str = "1f1b", extra_warmup: int = 0) -> int:
