@@ -337,6 +337,13 @@ PAIRED_SCHEDULES = ("1f1b", "interleaved", "dualpipev")  # those with overlapped
 EXTRA_WARMUP_SCHEDULES = ("1f1b", "zb-h1")  # those --pipeline-extra-warmup applies to
 
 
+def is_one_chunk_program(p: int, kind: str, v: int | None, paired: bool = False) -> bool:
+    """A pipelined 1f1b or zb-h1 program with one model chunk a rank and no overlapped pairs: what
+    --pipeline-extra-warmup is built for, and (with the V programs) what posts receives early
+    (`replay.posts_receives_early`)."""
+    return p > 1 and kind in EXTRA_WARMUP_SCHEDULES and not (v and v > 1) and not paired
+
+
 def build_program(p: int, r: int, m: int, v: int | None = None, kind: str = "1f1b",
                   costs: tuple = (1, 1, 1), paired: bool = False, extra_warmup: int = 0) -> list[Op]:
     """Rank r's program for `kind` ("1f1b"; "interleaved" needs v > 1, which also picks it from
@@ -389,7 +396,7 @@ def check_extra_warmup(extra: int, kind: str, v: int | None, paired: bool) -> No
     if extra not in (0, 1):
         raise ValueError(f"--pipeline-extra-warmup {extra}: 0 or 1 (with 2 or more the pipeline's exchange "
                          "batches would wait on each other under NCCL's matching)")
-    if extra and (kind not in EXTRA_WARMUP_SCHEDULES or (v and v > 1) or paired):
+    if extra and not is_one_chunk_program(2, kind, v, paired):  # (--pp 1 is refused by the configuration)
         raise ValueError(f"--pipeline-extra-warmup {extra}: the extra warm-up forward is built for "
                          f"--pipeline-schedule {' and '.join(EXTRA_WARMUP_SCHEDULES)} with one model chunk a rank "
                          "and without --overlap-moe-expert-parallel-comm: drop the flag or change the schedule")

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 
 from megalite.pipeline.partition import stage_rank, virtual_stage
-from megalite.pipeline.programs import build_program, is_v_shaped
+from megalite.pipeline.programs import build_program, is_one_chunk_program, is_v_shaped
 from megalite.pipeline.simulator import _play
 
 
@@ -189,9 +189,7 @@ def posts_receives_early(p: int, v: int | None, kind: str, paired: bool = False)
     has posted its receive, so a receive posted where it is read puts the whole transfer on the
     receiver's path however early the sender sent it (measured across the emulated link:
     docs/slow-links.md (f), "Pipeline transfers"). Interleaved and paired programs keep theirs."""
-    if is_v_shaped(kind):
-        return True
-    return p > 1 and kind in ("1f1b", "zb-h1") and not (v and v > 1) and not paired
+    return is_v_shaped(kind) or is_one_chunk_program(p, kind, v, paired)
 
 
 @functools.lru_cache(maxsize=16)
@@ -199,16 +197,17 @@ def exchange_plans(p: int, m: int, v: int | None = None, kind: str = "1f1b", cos
                    extra_warmup: int = 0) -> list:
     """Every rank's exchange plan for `kind` (what `run_schedule` posts at each exchange point and
     `megalite.pipeline.replay.check_nccl_order` checks): where `posts_receives_early`, each receive
-    at the first exchange point after its send on an ideal machine, in the order of the sends on
-    its pair of ranks (`early_exchange_plans`); others where it is read."""
+    at the first exchange point after its send on an ideal machine (a one-chunk program's gradients
+    one point earlier), in the order of the sends on its pair of ranks (`early_exchange_plans`);
+    others where it is read."""
     v_shape = is_v_shaped(kind)
     chunks = 2 if v_shape else (v if v and v > 1 else 1)
     programs = [build_program(p, r, m, v, kind, costs, extra_warmup=extra_warmup) for r in range(p)]
     if not posts_receives_early(p, v, kind):
         return tuple(tuple(exchange_plan(prog, p, r, chunks)) for r, prog in enumerate(programs))
     reach = _play(programs, p, v_shape, *costs)[1]
-    # One-chunk programs post each receive one exchange point before the ideal machine's send, where
-    # NCCL's blocking batches allow it, else at it; the V programs at it.
+    # One-chunk programs post each gradient's receive one exchange point before the ideal machine's
+    # send, where NCCL's blocking batches allow it, else at it; the V programs at it.
     for lead in ((1, 0) if not v_shape else (0,)):
         plans = early_exchange_plans(programs, reach, p, chunks, v_shape, lead)
         try:

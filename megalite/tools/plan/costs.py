@@ -76,6 +76,12 @@ class LayoutCosts:
         return m * d * ((L - n) * (self.fwd + self.bwd) + n * (self.moe_fwd + self.moe_bwd) + 3 * self.logits_fwd
                         + self.mtp_fwd + self.mtp_bwd)
 
+    @property
+    def head_flops(self) -> float:
+        """What the last virtual stage runs besides its layers, per micro-batch, all TP ranks
+        together: the output layer's forward and backward, and multi-token prediction's."""
+        return 3 * self.logits_fwd + self.mtp_fwd + self.mtp_bwd
+
     def layers_flops(self, layers: int, moe_layers: int) -> float:
         """Forward and backward FLOPs of `layers` layers (`moe_layers` of them MoE) of one
         micro-batch, all TP ranks together."""

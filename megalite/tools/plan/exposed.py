@@ -252,7 +252,7 @@ def pp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     split = layout.schedule in ("zb-h1", "zb-v", "dualpipev")
     f, b, w = [], [], []
     for vs, n in enumerate(costs.layer_counts):
-        head = 3 * costs.logits_fwd + costs.mtp_fwd + costs.mtp_bwd if vs == len(costs.layer_counts) - 1 else 0.0
+        head = costs.head_flops if vs == len(costs.layer_counts) - 1 else 0.0
         chunk = (costs.layers_flops(n, moe_layers(costs.config, layers_of(costs.layer_counts, vs))) + head) \
             / layout.tp / layout.cp / costs.rate
         f.append(chunk * costs.fwd / (costs.fwd + costs.bwd))

@@ -11,6 +11,7 @@ from megalite.checkpoint.layout import VOCAB_PARAMS
 from megalite.models import PRESETS, GPTModel, TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, virtual_stage
+from megalite.pipeline.programs import is_one_chunk_program
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -382,6 +383,5 @@ def active_parameters(config: TransformerConfig, seq_length: int, mtp: bool = Tr
 def extra_warmup_of(layout: Layout, run: Run) -> int:
     """The run's --pipeline-extra-warmup where the layout's schedule is built with it, else 0 (a
     search over layouts applies the option to those it fits)."""
-    fits = (layout.pp > 1 and layout.schedule in ("1f1b", "zb-h1") and not (layout.vpp and layout.vpp > 1)
-            and not run.overlap_moe_ep_comm)
+    fits = is_one_chunk_program(layout.pp, layout.schedule, layout.vpp, run.overlap_moe_ep_comm)
     return run.pipeline_extra_warmup if fits else 0

@@ -160,7 +160,7 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
     n_moe = _rank_moe_layers(costs, r)
     first, last = 0 in stages, p * v - 1 in stages  # in a V rank 0 holds both
     # CP ranks share each sequence's work evenly (causal load balancing)
-    head = 3 * costs.logits_fwd + costs.mtp_fwd + costs.mtp_bwd if last else 0.0  # output layer and MTP
+    head = costs.head_flops if last else 0.0  # output layer and MTP
     flops_mb = (costs.layers_flops(n_layers, n_moe) + head) / t / layout.cp
     edges = first + last + (costs.mtp_ar if last else 0)
     collectives = (n_layers - n_moe) * costs.ar_per_layer + n_moe * costs.moe_ar_per_layer + edges if t > 1 else 0
