@@ -18,12 +18,14 @@ from training_ranks import parse, train_params
 S, B, H, FFN = 16, 2, 24, 40
 
 
-def _pair(seed: int, overlap: bool):
-    """A column-parallel -> gelu -> row-parallel pair under SP: its output, input gradient, weight
-    gradients and the bytes it counted (forward and backward)."""
+def _pair(seed: int, overlap: bool, pieces: int = 1):
+    """A column-parallel -> gelu -> row-parallel pair under SP (each shard's GEMMs in `pieces`): its
+    output, input gradient, weight gradients and the bytes it counted (forward and backward)."""
     torch.manual_seed(seed)
-    col = parallel.ColumnParallelLinear(H, FFN, sequence_parallel=True, tp_comm_overlap=overlap)
-    row = parallel.RowParallelLinear(FFN, H, sequence_parallel=True, tp_comm_overlap=overlap)
+    col = parallel.ColumnParallelLinear(H, FFN, sequence_parallel=True, tp_comm_overlap=overlap,
+                                        tp_comm_overlap_splits=pieces)
+    row = parallel.RowParallelLinear(FFN, H, sequence_parallel=True, tp_comm_overlap=overlap,
+                                     tp_comm_overlap_splits=pieces)
     gen = torch.Generator().manual_seed(seed + 1)
     x_full, gy_full = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
     x = tp_slice(x_full, 0).clone().requires_grad_()
@@ -58,14 +60,15 @@ def _layer_matrix(rank, world, seed):
     from megalite.testing import count_host_syncs
 
     out = {}
-    for tp in (2, 4):
+    # 3 pieces of a tp-4 shard's 8 rows: 2, 3 and 3 (uneven on purpose)
+    for tp, pieces in ((2, 1), (4, 1), (2, 3), (4, 3)):
         parallel.initialize_model_parallel(tp)
-        plain = _pair(seed, False)
+        plain = _pair(seed, False, pieces)
         log: list = []
         restore = _logging_ring(log)
         try:
             with count_host_syncs() as syncs:
-                overlapped = _pair(seed, True)
+                overlapped = _pair(seed, True, pieces)
         finally:
             restore()
         # The per-shard GEMMs compute the layer pair's function (to rounding: not one GEMM over all rows).
@@ -77,7 +80,7 @@ def _layer_matrix(rank, world, seed):
                          what=f"tp {tp} output")
         same = [k for k in ("y", "dx") if torch.equal(plain[k], overlapped[k])]
         same += sorted(k for k, g in plain["grads"].items() if torch.equal(g, overlapped["grads"][k]))
-        out[tp] = {"same": same, "bytes": (plain["bytes"], overlapped["bytes"]), "events": "".join(log),
+        out[tp, pieces] = {"same": same, "bytes": (plain["bytes"], overlapped["bytes"]), "events": "".join(log),
                    "syncs": syncs.calls, "grads": sorted(plain["grads"])}
         parallel.destroy_model_parallel()
     return out
@@ -85,17 +88,21 @@ def _layer_matrix(rank, world, seed):
 
 def test_layers_at_tp_2_and_4_give_bitwise_the_plain_numbers_with_transfers_behind_gemms():
     for rank, out in enumerate(run_ranks(_layer_matrix, 4, args=(fresh_seed(),))):
-        for tp, r in out.items():
-            assert r["same"] == ["y", "dx", *r["grads"]], (rank, tp, r["same"])
+        for (tp, pieces), r in out.items():
+            assert r["same"] == ["y", "dx", *r["grads"]], (rank, tp, pieces, r["same"])
             plain, overlapped = r["bytes"]
             # Two gathers and two reduce-scatters of [S, B, H] fp32, (tp-1)/tp of each sent.
             assert plain == overlapped == {"sp": 4 * S * B * H * 4 * (tp - 1) // tp}, (plain, overlapped)
             assert r["syncs"] == []
             events = r["events"]
             # Four rings (gather and reduce-scatter forward, their conjugates backward) of tp-1
-            # transfers each; every transfer is posted, then a GEMM runs, then it is waited for.
-            assert events.count("X") == events.count("W") == 4 * (tp - 1), events
+            # transfers a piece each; every transfer is posted, then a GEMM runs, then it is waited for.
+            assert events.count("X") == events.count("W") == 4 * (tp - 1) * pieces, events
             assert "XW" not in events and events.startswith("XG"), events
+            # The first gather: each own piece sent, then multiplied; then each piece that arrives
+            # waited for and multiplied (and passed on) before the next piece is waited for.
+            ring = ("XG" * pieces + "WXG" * pieces * (tp - 2) + "WG" * pieces)
+            assert events.startswith(ring), (tp, pieces, events[:len(ring)])
             # The column layer's backward (the last ring) computes its weight gradients while its
             # last partial sum travels; the row layer's need the whole gathered gradient, after its ring.
             assert events.count("D") == 2 and events.rindex("X") < events.rindex("D") < events.rindex("W"), events
@@ -123,7 +130,9 @@ def _gpt_and_training(rank, world, seed, argv, sync_argv):
     parallel.initialize_model_parallel(world)
     grads = [_gpt_gradients(overlap, seed) for overlap in (False, True)]
     parallel.destroy_model_parallel()
-    runs = _trainings(rank, world, [argv, argv + ["--tp-comm-overlap"]], fuse=False)
+    splits = ["--tp-comm-overlap-splits", "3"]
+    runs = _trainings(rank, world, [argv, argv + ["--tp-comm-overlap"], argv + splits,
+                                    argv + splits + ["--tp-comm-overlap"]], fuse=False)
     with count_host_syncs(label=lambda: runtime._PHASE[0]) as seen:
         train_params(rank, world, sync_argv)
     steady = seen.during(lambda phase: phase.startswith(("iteration 2:", "iteration 3:")))
@@ -151,9 +160,14 @@ def test_a_tiny_gpt_trains_bitwise_alike_with_and_without_overlap_and_makes_no_h
         (loss_a, grads_a), (loss_b, grads_b) = grads
         assert torch.equal(loss_a, loss_b)
         assert [n for n, g in grads_a.items() if not torch.equal(g, grads_b[n])] == []
-        _assert_same_training(*runs)
+        _assert_same_training(*runs[:2])
+        _assert_same_training(*runs[2:])  # --tp-comm-overlap-splits 3, without and with the overlap
         assert runs[0]["records"][0]["comm_bytes"]["sp"] > 0
-        assert runs[0]["transfers"] == 0 < runs[1]["transfers"]
+        assert runs[0]["transfers"] == runs[2]["transfers"] == 0 < runs[1]["transfers"]
+        assert runs[3]["transfers"] == 3 * runs[1]["transfers"]  # a transfer a piece
+        # Other pieces, other GEMM shapes: the same function, to rounding
+        for a, b in zip(runs[0]["records"], runs[2]["records"]):
+            assert_rel_close(torch.tensor(b["loss"]), torch.tensor(a["loss"]), what="splits loss")
         assert runs[0]["routes"] == runs[1]["routes"] == {(False, False)}  # autograd takes the gradients
         assert steady == [], f"rank {rank}: {steady[:10]}"
 
@@ -206,6 +220,25 @@ def test_a_layout_without_sequence_parallel_shards_is_refused_in_one_line(argv):
         model_config(parse(argv + ["--tp-comm-overlap"]))
     assert str(e.value) == ("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters "
                             "with the GEMMs: it needs --tp 2 or more and --sequence-parallel")
+
+
+def test_splits_without_sequence_parallel_shards_or_below_one_are_refused_in_one_line():
+    from megalite.config import model_config
+
+    with pytest.raises(UsageError) as e:
+        model_config(parse(["--tp", "2", "--tp-comm-overlap-splits", "2"]))
+    assert str(e.value) == ("--tp-comm-overlap-splits cuts each sequence shard's GEMMs and transfers into pieces: "
+                            "it needs --tp 2 or more and --sequence-parallel, and a value >= 1")
+    with pytest.raises(UsageError, match="^--tp-comm-overlap-splits must be an integer >= 1, got 0$"):
+        model_config(parse(["--tp", "2", "--sequence-parallel", "--tp-comm-overlap-splits", "0"]))
+    with pytest.raises(ValueError, match="tp_comm_overlap_splits .* needs sequence_parallel=True"):
+        parallel.ColumnParallelLinear(8, 8, tp_comm_overlap_splits=2, device="cpu")
+
+
+def test_pieces_are_near_equal_runs_of_a_shards_rows():
+    assert tp_overlap.piece_cuts(8, 3) == [slice(0, 2), slice(2, 5), slice(5, 8)]
+    assert tp_overlap.piece_cuts(2, 4) == [slice(0, 1), slice(1, 2)]  # never an empty piece
+    assert tp_overlap.piece_cuts(5, 1) == [slice(0, 5)]
 
 
 def test_the_layers_refuse_overlap_without_sequence_parallelism():

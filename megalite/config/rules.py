@@ -12,7 +12,7 @@ from megalite.config.run import ConfigError, RunConfig
 from megalite.config.batch_schedule import batch_schedule
 from megalite.config.fields import in_user_spelling
 from megalite.errors import UsageError
-from megalite.models.config import TP_COMM_OVERLAP_NEEDS, TransformerConfig
+from megalite.models.config import TP_COMM_OVERLAP_NEEDS, TP_COMM_SPLITS_NEEDS, TransformerConfig
 from megalite.models.presets import PRESETS, preset
 from megalite.pipeline.partition import V_SCHEDULES
 
@@ -272,6 +272,8 @@ def _model_config(config: RunConfig) -> TransformerConfig:
     p = config.parallel
     if p.tp_comm_overlap and (p.tp == 1 or not p.sequence_parallel):  # (resolve turns SP off at --tp 1)
         raise UsageError(TP_COMM_OVERLAP_NEEDS)
+    if p.tp_comm_overlap_splits < 1 or (p.tp_comm_overlap_splits > 1 and (p.tp == 1 or not p.sequence_parallel)):
+        raise UsageError(TP_COMM_SPLITS_NEEDS)
     m = config.model
     overrides = _model_overrides(m)
     moe_given = {k: v for k, v in _moe_fields(config.moe).items()
@@ -286,6 +288,7 @@ def _model_config(config: RunConfig) -> TransformerConfig:
     try:
         built = preset(m.model, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                        sequence_parallel=p.sequence_parallel, tp_comm_overlap=p.tp_comm_overlap,
+                       tp_comm_overlap_splits=p.tp_comm_overlap_splits,
                        recompute=m.recompute,
                        attention_backend="sdpa" if m.attention_backend == "auto" else m.attention_backend,
                        norm_backend=m.norm_backend, recompute_method=m.recompute_method,

@@ -72,6 +72,11 @@ class ParallelConfig:
     tp_comm_overlap: bool = opt(False, "pipeline sequence parallelism's all-gathers and reduce-scatters with the "
                                        "linear layers' GEMMs, shard by shard (needs --sequence-parallel; the same "
                                        "numbers; docs/communication.md)")
+    tp_comm_overlap_splits: int = opt(
+        1, "each sequence shard's GEMMs and (with --tp-comm-overlap) its transfers in N row pieces, so a shard's "
+           "GEMM runs beside the tail of its own transfer (needs --sequence-parallel; with or without "
+           "--tp-comm-overlap the same GEMMs, so the same numbers; docs/communication.md)", metavar="N",
+        check=POSITIVE_INT)
     overlap_moe_expert_parallel_comm: bool = opt(
         False, "run each steady-state forward beside a backward of another micro-batch, handing over at every "
                "collective, so that one's expert all-to-alls (and TP/SP, CP exchanges) are in flight while the "

@@ -145,7 +145,7 @@ class ParallelAttention(nn.Module):
         self.heads_per_rank = config.num_attention_heads // tp
         h, d, sp, dtype = config.hidden_size, config.head_dim, config.sequence_parallel, config.params_dtype
         column = dict(init_method=init_method, bias=config.qkv_bias, sequence_parallel=sp, params_dtype=dtype,
-                      device=device, tp_comm_overlap=config.tp_comm_overlap)
+                      device=device, **config.tp_comm_options())
         if config.num_query_groups is None:
             self.qkv = ColumnParallelLinear(h, 3 * config.num_attention_heads * d, **column)
         else:
@@ -161,7 +161,7 @@ class ParallelAttention(nn.Module):
         self.rotary = rotary_embedding(config)
         self.proj = RowParallelLinear(
             config.num_attention_heads * d, h, init_method=output_init_method, bias=config.add_bias_linear,
-            sequence_parallel=sp, params_dtype=dtype, device=device, tp_comm_overlap=config.tp_comm_overlap,
+            sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
         )
 
     def _qk_norm(self, size: int, device) -> nn.Module:

@@ -10,6 +10,8 @@ import torch
 
 TP_COMM_OVERLAP_NEEDS = ("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with "
                          "the GEMMs: it needs --tp 2 or more and --sequence-parallel")
+TP_COMM_SPLITS_NEEDS = ("--tp-comm-overlap-splits cuts each sequence shard's GEMMs and transfers into pieces: it "
+                        "needs --tp 2 or more and --sequence-parallel, and a value >= 1")
 
 
 @dataclass
@@ -37,6 +39,10 @@ class TransformerConfig:
     # Sequence parallelism's all-gathers and reduce-scatters pipelined with the linear layers' GEMMs
     # (megalite.parallel.tp_overlap): when communication runs, not the numbers.
     tp_comm_overlap: bool = False
+    # Each sequence shard's GEMMs in this many row pieces, overlapped or not (the same numbers either
+    # way); overlapped, each piece travels on as soon as it is there, so a shard's GEMM runs beside
+    # its own transfer's tail.
+    tp_comm_overlap_splits: int = 1
     # Context parallelism (the size is the process groups'): p2p rings keys and values, a2a exchanges
     # heads for the sequence (megalite.parallel.context_parallel).
     cp_comm_type: str = "p2p"
@@ -197,6 +203,10 @@ class TransformerConfig:
             raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
         self.moe_layer_freq = moe_layer_pattern(self.moe_layer_freq, self.num_layers)
 
+    def tp_comm_options(self) -> dict:
+        """The parallel linear layers' arguments for sequence parallelism's communication."""
+        return {"tp_comm_overlap": self.tp_comm_overlap, "tp_comm_overlap_splits": self.tp_comm_overlap_splits}
+
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
@@ -308,6 +318,8 @@ class TransformerConfig:
             raise ValueError("sequence parallelism needs a tensor-parallel size > 1 (got --tp 1)")
         if self.tp_comm_overlap and (tp == 1 or not self.sequence_parallel):
             raise ValueError(TP_COMM_OVERLAP_NEEDS)
+        if self.tp_comm_overlap_splits < 1 or (self.tp_comm_overlap_splits > 1 and (tp == 1 or not self.sequence_parallel)):
+            raise ValueError(TP_COMM_SPLITS_NEEDS)
 
     def _check_query_groups(self, tp: int) -> None:
         """GQA: each rank holds whole key/value groups (G % tp == 0), or its query heads share one group

@@ -74,7 +74,7 @@ class MultiLatentAttention(nn.Module):
         self.heads_per_rank = heads // tp
         self.nope, self.rope, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         column = dict(init_method=init_method, bias=False, sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device, tp_comm_overlap=config.tp_comm_overlap)
+                      params_dtype=config.params_dtype, device=device, **config.tp_comm_options())
         q_width = heads * (self.nope + self.rope)
         if config.q_lora_rank is None:
             self.q = ColumnParallelLinear(h, q_width, **column)
@@ -89,7 +89,7 @@ class MultiLatentAttention(nn.Module):
         self.proj = RowParallelLinear(heads * self.v_dim, h, init_method=output_init_method,
                                       bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                                       params_dtype=config.params_dtype, device=device,
-                                      tp_comm_overlap=config.tp_comm_overlap)
+                                      **config.tp_comm_options())
 
     def _latent_norm(self, size: int, device) -> nn.Module:
         c = self.config

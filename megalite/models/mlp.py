@@ -42,11 +42,11 @@ class ParallelMLP(nn.Module):
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, self.fc1_width * config.ffn_hidden_size, bias=bias,
             init_method=self._fc1_init(init_method), sequence_parallel=sp, params_dtype=dtype, device=device,
-            partition_blocks=self.fc1_width, tp_comm_overlap=config.tp_comm_overlap,
+            partition_blocks=self.fc1_width, **config.tp_comm_options(),
         )
         self.fc2 = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, bias=bias, init_method=output_init_method,
-            sequence_parallel=sp, params_dtype=dtype, device=device, tp_comm_overlap=config.tp_comm_overlap,
+            sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
         )
         self.activation = activation_function(config)
 

@@ -50,7 +50,7 @@ class MTPModule(nn.Module):
         self.eh_proj = ColumnParallelLinear(2 * h, h, bias=False, gather_output=not config.sequence_parallel,
                                             init_method=init, sequence_parallel=config.sequence_parallel,
                                             params_dtype=config.params_dtype, device=device,
-                                            tp_comm_overlap=config.tp_comm_overlap)
+                                            **config.tp_comm_options())
         self.layer = TransformerLayer(config, config.num_layers + depth - 1, seed, device)
         self.final_layernorm = norm_layer(config, device)
 

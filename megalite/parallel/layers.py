@@ -126,13 +126,18 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, partition_dim: int, bias: bool,
                  init_method: InitMethod | None, sequence_parallel: bool, params_dtype: torch.dtype, device,
-                 blocks: int = 1, tp_comm_overlap: bool = False):
+                 blocks: int = 1, tp_comm_overlap: bool = False, tp_comm_overlap_splits: int = 1):
         super().__init__()
         if tp_comm_overlap and not sequence_parallel:
             raise ValueError(f"{type(self).__name__}: tp_comm_overlap pipelines sequence parallelism's all-gather "
                              f"and reduce-scatter with the GEMM: it needs sequence_parallel=True")
+        if tp_comm_overlap_splits < 1 or (tp_comm_overlap_splits > 1 and not sequence_parallel):
+            raise ValueError(f"{type(self).__name__}: tp_comm_overlap_splits cuts each sequence shard's GEMM into "
+                             f"that many pieces: it needs sequence_parallel=True and a value >= 1 "
+                             f"(got {tp_comm_overlap_splits})")
         self.input_size, self.output_size = input_size, output_size
         self.sequence_parallel, self.tp_comm_overlap = sequence_parallel, tp_comm_overlap
+        self.tp_comm_overlap_splits = tp_comm_overlap_splits
         self.partition_dim = partition_dim
         self.fp8: FP8Linear | None = None  # `use_fp8`: the GEMMs in FP8
         device = default_device(device)
@@ -170,7 +175,8 @@ class _ParallelLinear(nn.Module):
     def _per_shard(self) -> bool:
         """The forward's GEMMs run one sequence shard at a time, their collectives pipelined with them
         under `tp_comm_overlap` (megalite.parallel.tp_overlap; overlapped or not, the same GEMMs, so
-        the same numbers). FP8 GEMMs and compiled layers keep one GEMM over the whole sequence."""
+        the same numbers), each shard in `tp_comm_overlap_splits` row pieces. FP8 GEMMs and compiled
+        layers keep one GEMM over the whole sequence."""
         return (self.sequence_parallel and self.fp8 is None and not torch.compiler.is_compiling()
                 and state.get_tensor_model_parallel_world_size() > 1)
 
@@ -182,13 +188,14 @@ class ColumnParallelLinear(_ParallelLinear):
     dim 0, and all-gathered here). Output is this rank's slice of the features unless
     `gather_output`. `partition_blocks` > 1: the output features are that many equal blocks
     (gate, up), each split over TP, so this rank's output is its part of each block, in order.
-    `tp_comm_overlap` (with `sequence_parallel`): the all-gather runs shard by shard beside the GEMM.
+    `tp_comm_overlap` (with `sequence_parallel`): the all-gather runs shard by shard beside the GEMM;
+    `tp_comm_overlap_splits`: in that many pieces a shard.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
                  init_method: InitMethod | None = None, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device=None, partition_blocks: int = 1,
-                 tp_comm_overlap: bool = False):
+                 tp_comm_overlap: bool = False, tp_comm_overlap_splits: int = 1):
         output_size_per_partition = _per_rank(output_size, "output_size")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel cannot be combined")
@@ -199,12 +206,14 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("ColumnParallelLinear: gather_output needs partition_blocks=1 (the gathered "
                              "features would interleave the blocks' parts)")
         super().__init__(input_size, output_size, 0, bias, init_method, sequence_parallel, params_dtype, device,
-                         blocks=partition_blocks, tp_comm_overlap=tp_comm_overlap)
+                         blocks=partition_blocks, tp_comm_overlap=tp_comm_overlap,
+                         tp_comm_overlap_splits=tp_comm_overlap_splits)
         self.output_size_per_partition, self.gather_output = output_size_per_partition, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._per_shard():
-            return tp_overlap.gather_linear(x, self.weight, self.bias, self.tp_comm_overlap)
+            return tp_overlap.gather_linear(x, self.weight, self.bias, self.tp_comm_overlap,
+                                            pieces=self.tp_comm_overlap_splits)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, output_grad_is_parallel=True)
         else:
@@ -222,24 +231,27 @@ class RowParallelLinear(_ParallelLinear):
     Input is this rank's slice of the features (`input_is_parallel`) or is split here. The
     partial products are summed over TP (all-reduce, or reduce-scatter along the sequence with
     `sequence_parallel`); the whole bias is added once, after the sum. `tp_comm_overlap` (with
-    `sequence_parallel`): the reduce-scatter runs shard by shard beside the GEMM.
+    `sequence_parallel`): the reduce-scatter runs shard by shard beside the GEMM;
+    `tp_comm_overlap_splits`: in that many pieces a shard.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
                  init_method: InitMethod | None = None, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None, tp_comm_overlap: bool = False):
+                 params_dtype: torch.dtype = torch.float32, device=None, tp_comm_overlap: bool = False,
+                 tp_comm_overlap_splits: int = 1):
         input_size_per_partition = _per_rank(input_size, "input_size")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         super().__init__(input_size, output_size, 1, bias, init_method, sequence_parallel, params_dtype, device,
-                         tp_comm_overlap=tp_comm_overlap)
+                         tp_comm_overlap=tp_comm_overlap, tp_comm_overlap_splits=tp_comm_overlap_splits)
         self.input_size_per_partition, self.input_is_parallel = input_size_per_partition, input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
         if self._per_shard():
-            y = tp_overlap.linear_reduce_scatter(x, self.weight, self.tp_comm_overlap)
+            y = tp_overlap.linear_reduce_scatter(x, self.weight, self.tp_comm_overlap,
+                                                 pieces=self.tp_comm_overlap_splits)
             return y + weight_grad.defer_delivery(self.bias) if self.bias is not None else y
         y = self.gemm(x)
         if self.sequence_parallel:

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "next H steps")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="predict sequence parallelism's collectives pipelined with the GEMMs (pretrain_gpt.py's flag)")
+    g.add_argument("--tp-comm-overlap-splits", type=int, default=1, metavar="N",
+                   help="with --tp-comm-overlap: each sequence shard's GEMMs and transfers in N pieces "
+                        "(pretrain_gpt.py's flag)")
     g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="predict pretrain_gpt.py's pairs: each forward but the first beside another micro-batch's "
                         "backward, each all-to-all behind the other pass's compute up to its next exchange "
@@ -292,7 +295,8 @@ def compare(config: TransformerConfig, cluster: Cluster, args, seq: int, spec: s
 
 def overlap_of(args) -> dict:
     """Run's overlap options from the planner's flags."""
-    return {"tp_comm_overlap": args.tp_comm_overlap, "overlap_moe_ep_comm": args.overlap_moe_expert_parallel_comm,
+    return {"tp_comm_overlap": args.tp_comm_overlap, "tp_comm_overlap_splits": args.tp_comm_overlap_splits,
+            "overlap_moe_ep_comm": args.overlap_moe_expert_parallel_comm,
             "pipeline_extra_warmup": args.pipeline_extra_warmup}
 
 

@@ -122,6 +122,8 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
         parts.append("--sequence-parallel")
         if run.tp_comm_overlap:  # predicted with it: the run should have it
             parts.append("--tp-comm-overlap")
+            if run.tp_comm_overlap_splits > 1:
+                parts += ["--tp-comm-overlap-splits", str(run.tp_comm_overlap_splits)]
     if lay.zero_stage == 1:
         parts.append("--use-distributed-optimizer")
     elif lay.zero_stage >= 2:

@@ -8,7 +8,8 @@ docs/slow-links.md's emulated link). Compute per pass is the planner's (FLOPs ov
 rate). What megalite overlaps, and so each dimension's formula (docs/planner.md, "Exposed
 communication"):
 - tp: all exposed, except with --tp-comm-overlap under sequence parallelism, where each layer
-  collective is a ring of t-1 shard transfers, each behind one shard GEMM (tp_overlap.py);
+  collective is a ring of t-1 shard transfers, each behind one shard GEMM, or with
+  --tp-comm-overlap-splits k in k pieces, each piece multiplied as it arrives (tp_overlap.py);
 - cp: each ring transfer behind one attention block (backward: the K/V block and the dK/dV block
   each behind one block's backward, half the own block's at the ends; context_parallel.py); with
   --overlap-moe-expert-parallel-comm, what is left also behind the other pass of a pair;
@@ -61,8 +62,12 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     """Tensor parallelism on `stage` over the step's m micro-batches. A collective is an all-reduce
     (one exchange, 2(t-1)/t of s*b*h sent) or, with SP, an all-gather and a reduce-scatter ((t-1)/t
     each). With --tp-comm-overlap (SP only) each layer exchange is t-1 ring steps of a 1/t shard, each
-    behind the GEMM of one shard of its linear: an average linear of the layer, a quarter of its
-    dense FLOPs over t ranks, over t shards."""
+    behind the GEMM of one shard of its linear (G: an average linear of the layer, a quarter of its
+    dense FLOPs over t ranks, over t shards). With --tp-comm-overlap-splits k each shard travels and
+    is multiplied in k pieces, a piece passed on and multiplied as soon as it arrives: the t shard
+    GEMMs (t G) then end at the latest when the last piece has arrived, (t-1) shard transfers after
+    the start (T each, k exchanges' latency in it), plus one piece's GEMM (G / k). So a layer exchange
+    exposes max(0, (t-1) T + G / k - t G); at k = 1 that is (t-1) (T - G), one step's rest each."""
     layout, m, t = costs.layout, costs.micro_batches, costs.layout.tp
     if t == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
@@ -74,13 +79,17 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     if not (sp and costs.run.tp_comm_overlap):
         return Exposure(m * n * per, sent, comm, comm, "nothing (megalite waits for each)")
     layer_colls = stage.tp_collectives - stage.tp_edge_collectives
+    k = costs.run.tp_comm_overlap_splits
     shard_gemm = (costs.fwd - costs.core) / 4 / t / t / costs.rate
-    step = lat + costs.ar_bytes / t / costs.bw_tp
-    overlapped = layer_colls * 2 * (t - 1) * max(0.0, step - shard_gemm)
+    step = k * lat + costs.ar_bytes / t / costs.bw_tp  # one shard's transfer, in k pieces
+    overlapped = layer_colls * 2 * max(0.0, (t - 1) * step + shard_gemm / k - t * shard_gemm)
     exposed = m * (overlapped + stage.tp_edge_collectives * costs.ar_time)
     comm = m * (layer_colls * 2 * (t - 1) * step + stage.tp_edge_collectives * costs.ar_time)
-    return Exposure(m * (layer_colls * 2 * (t - 1) + stage.tp_edge_collectives * per), sent, comm, exposed,
-                    f"each shard transfer behind one shard GEMM ({shard_gemm * 1e3:.3f} ms)")
+    behind = f"each shard transfer behind one shard GEMM ({shard_gemm * 1e3:.3f} ms)"
+    if k > 1:
+        behind = f"each shard's {k} pieces behind the shard GEMMs, each piece multiplied as it arrives"
+    return Exposure(m * (layer_colls * 2 * (t - 1) * k + stage.tp_edge_collectives * per), sent, comm, exposed,
+                    behind)
 
 
 def ring_steps(costs: LayoutCosts) -> tuple[int, int]:

@@ -176,6 +176,7 @@ class Run:
     # Overlaps the planner predicts (exposed.py): --tp-comm-overlap (under sequence parallelism), and
     # --overlap-moe-expert-parallel-comm (one micro-batch's all-to-alls behind another's backward)
     tp_comm_overlap: bool = False
+    tp_comm_overlap_splits: int = 1  # --tp-comm-overlap-splits: pieces a sequence shard (exposed.tp_exposure)
     overlap_moe_ep_comm: bool = False
     # --pipeline-extra-warmup: one more forward ahead on every stage but the last, where the layout's
     # schedule has it (1f1b with one chunk a rank and no pairs, zb-h1: `extra_warmup_of`)
@@ -275,7 +276,7 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
     key = (repr(config), positions(config, seq_length), pre, post)
     if key not in _STAGES:
         config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False,
-                         tp_comm_overlap=False)  # (an option of SP's collectives: no parameters of its own)
+                         tp_comm_overlap=False, tp_comm_overlap_splits=1)  # (an option of SP's collectives: no parameters of its own)
         examples = example_layers(config)
         with torch.device("meta"), _ShapesOnly():
             model = GPTModel(config, pre, post, layer_numbers=examples, seed=0, device="meta")
