@@ -35,6 +35,17 @@ def test_a_pipeline_step_played_with_transfers_exposes_those_on_its_path():
     assert 0 < v < 4 * 0.1 * 2
 
 
+def test_a_ranks_messages_leave_one_at_a_time_in_the_order_it_made_them():
+    # pp 2, 2 micro-batches, f = b = 1, a transfer of 3: rank 0 runs F0 F1 back to back, so F1's
+    # activation leaves only once F0's has arrived (at 4), and reaches rank 1 at 7, not 5. Played:
+    # rank 1 F0 [4, 5] B0 [5, 6] (arrives at 9), F1 [7, 8] B1 [8, 9] (at 12); rank 0 B0 [9, 10],
+    # B1 [12, 13]: 13 against 6 with free transfers. Without the queue it was 12.
+    assert played_step(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 3.0) == pytest.approx(13.0)
+    assert exposed_transfers(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 3.0) == pytest.approx(7.0)
+    # transfers shorter than the passes between a rank's sends never queue
+    assert exposed_transfers(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 0.5) == pytest.approx(1.0)
+
+
 def test_a_slower_last_stage_gives_the_others_slack_that_hides_the_steady_states_transfers():
     # the last stage also runs the output layer: per micro-batch 3 more than rank 0's 3, which
     # covers a round trip of 2 x 0.5, so only the fill's activation and the drain's gradient lie on

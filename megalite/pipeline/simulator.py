@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.pipeline.partition import V_SCHEDULES, virtual_stage
+from megalite.pipeline.partition import V_SCHEDULES, stage_rank, virtual_stage
 from megalite.pipeline.programs import SCHEDULES, build_program, is_v_shaped
 
 
@@ -93,7 +93,9 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
     units only) and the time it reaches each position of its program (and its end). An overlapped
     pair ("O", then an F and a B with its W) starts once both passes' inputs are in and ends
     together, after F + B + W (DualPipe's F&B, here not overlapped). A message between two ranks
-    arrives `transfer` after the pass that makes it ends (megalite.tools.plan.pipeline_play).
+    takes `transfer` on its sender's link, which carries one message at a time in the order the
+    sender made them: it arrives `transfer` after the pass that makes it ends or after the sender's
+    message before it arrives, whichever is later (megalite.tools.plan.pipeline_play).
     f, b and w are each one cost for every virtual stage, or a sequence of one cost per virtual
     stage (the last stage also runs the output layer: the others wait for it)."""
     chunks = max(op.chunk for prog in programs for op in prog) + 1
@@ -105,6 +107,14 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
     stage_cost = [{"F": fs, "B": bs if split else bs + ws, "W": ws} for fs, bs, ws in zip(f, b, w)]
     cells = all(isinstance(c, int) for c in (*f, *b, *w))  # rows of cells for whole time units only
     done: dict[tuple, tuple] = {}  # (kind, virtual stage, micro-batch) -> (finish time, rank)
+    arrival: dict[tuple, float] = {}  # the same key -> when its output is at the pass that reads it
+    link_free = [0] * p  # when each rank's link has sent its last message
+
+    def consumer(op, vs: int) -> int | None:
+        """The virtual stage that reads this pass's output from another one (None: none)."""
+        if op.kind == "F":
+            return vs + 1 if vs < last else None
+        return vs - 1 if op.kind == "B" and vs > 0 else None
     clock, pos = [0] * p, [0] * p
     rows = [[] for _ in range(p)]
     reach = [[] for _ in range(p)]
@@ -135,7 +145,7 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
             deps = [needs(r, op) for op in group if op.kind != "W"]
             if any(d is not None and d not in done for d in deps):
                 continue
-            arrivals = [done[d][0] + (transfer if done[d][1] != r else 0) for d in deps if d is not None]
+            arrivals = [arrival[d] for d in deps if d is not None]
             begin = max([clock[r], *arrivals])
             if cells:
                 rows[r] += ["."] * (begin - clock[r])
@@ -148,8 +158,14 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
                     rows[r] += [mark] * c
                 reach[r].append(clock[r])
             clock[r] = begin + sum(cost)
-            for op in group:
-                done[(op.kind, virtual_stage(p, r, op.chunk, v_shape), op.micro_batch)] = (clock[r], r)
+            for op in group:  # in program order: the order its messages take the link
+                vs = virtual_stage(p, r, op.chunk, v_shape)
+                key, to = (op.kind, vs, op.micro_batch), consumer(op, vs)
+                done[key] = (clock[r], r)
+                if to is None or stage_rank(p, to, v_shape) == r:
+                    arrival[key] = clock[r]
+                else:
+                    link_free[r] = arrival[key] = max(clock[r], link_free[r]) + transfer
             pos[r] += lead + len(group)
             progressed = True
         if not progressed and any(pos[r] < len(programs[r]) for r in range(p)):

@@ -8,9 +8,12 @@ count, the others hide behind the receiver's other passes.
 Sends are taken as posted without blocking the sender (megalite posts each exchange point's batch
 with `batch_isend_irecv`), a message as moving once it is sent (one-chunk and V programs post
 their receives early: `replay.posts_receives_early`; gloo moves bytes only to a posted receive, so
-interleaved programs, which post where they read, can expose more than this plays), and two
-messages never queue behind each other on one link (in 1F1B a
-rank's sends alternate between its two neighbours, and at pp 2 go one way only). The chunks that
+interleaved programs, which post where they read, can expose more than this plays). A rank's
+messages leave over one link (a node's NIC; a host's egress on docs/slow-links.md's emulated link),
+one at a time in the order it made them: a message made while the one before is still on the wire
+waits for it. That is what a warm-up's back-to-back forwards meet when a transfer is longer than a
+forward (--pipeline-extra-warmup adds one), and why the messages of a step played without the
+queue arrived earlier than the real ones. The chunks that
 meet at the tip of a V (zb-v, dualpipev) hand over on the same rank, at no cost. An overlapped pair
 ("O") runs its passes one after the other, as `megalite.pipeline.simulator` plays it."""
 from __future__ import annotations
