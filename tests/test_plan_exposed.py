@@ -1,6 +1,8 @@
 """The planner's per-exchange latency and its exposed communication per dimension
 (megalite.tools.plan.exposed): exchange counts and exposed seconds of hand-computed cases, the
 pipeline played with transfers, the calibration the slow-links suite uses, and the CLI's section."""
+from dataclasses import replace
+
 import pytest
 
 from megalite.models import preset
@@ -70,26 +72,30 @@ def test_tp_exchanges_are_sps_gathers_and_scatters_each_with_its_latency():
     assert costs.ar_time == pytest.approx(2 * LAT + full / BW)
     assert x.comm == x.exposed == pytest.approx(36 * (2 * LAT + full / BW))  # nothing overlapped
     assert pred.time.tp_comm == pytest.approx(x.exposed)
-    # --tp-comm-overlap: a layer exchange is one ring step of half the tensor, behind half a linear's GEMM
+    # --tp-comm-overlap: a layer exchange is one ring step of half the tensor, behind half a linear's
+    # GEMM; of the 32 a micro-batch, the 8 column layers' backward reduce-scatters (QKV and fc1) also
+    # behind the layer's weight GEMM (2 shard GEMMs)
     over = _predict(layout, 16, tp_comm_overlap=True)
     shard_gemm = (costs.fwd - costs.core) / 4 / 4 / 1e12
     step = LAT + full / 2 / BW
-    want = 2 * (16 * 2 * max(0.0, step - shard_gemm) + 2 * (2 * LAT + full / BW))
+    edges = 2 * (2 * LAT + full / BW)
+    want = 2 * (24 * max(0.0, step - shard_gemm) + 8 * max(0.0, step - 3 * shard_gemm) + edges)
     assert over.exposed["tp"].exposed == pytest.approx(want) and over.time.tp_comm == pytest.approx(want)
     assert over.exposed["tp"].exposed < x.exposed and "--tp-comm-overlap" in over.command()
     # --tp-comm-overlap-splits 4: each half travels and is multiplied in 4 pieces (4 latencies), the
     # remote half's GEMMs beside its transfer's tail: max(0, T + G/4 - 2G) a layer exchange
     split = _predict(layout, 16, tp_comm_overlap=True, tp_comm_overlap_splits=4)
     step4 = 4 * LAT + full / 2 / BW
-    want4 = 2 * (16 * 2 * max(0.0, step4 + shard_gemm / 4 - 2 * shard_gemm) + 2 * (2 * LAT + full / BW))
+    rest4 = step4 + shard_gemm / 4 - 2 * shard_gemm
+    want4 = 2 * (24 * max(0.0, rest4) + 8 * max(0.0, rest4 - 2 * shard_gemm) + edges)
     assert split.exposed["tp"].exposed == pytest.approx(want4)
     assert split.exposed["tp"].exchanges == 2 * (16 * 2 * 4 + 2 * 2)
     assert "--tp-comm-overlap --tp-comm-overlap-splits 4" in split.command()
 
 
 def test_tp_pieces_hide_a_shard_transfer_behind_up_to_both_shard_gemms():
-    # tp 2, no latency: a shard transfer T = 1.5 shard GEMMs G. One piece: T - G exposed; k pieces:
-    # T + G/k - 2G, so 4 pieces hide 1.5 - 0.25 = 1.25 G of the 1.5 G where one piece hid G
+    # tp 2, no latency, a shard transfer T and a shard GEMM G. One piece: T - G exposed; k pieces:
+    # T + G/k - 2G (the column layers' backward reduce-scatters 2G less: their weight GEMMs)
     fast = P.Cluster(gpus=2, gpus_per_node=1, inter_node_gbps=1, peak_tflops=1, efficiency=1, collective_latency_ms=0)
     layout = P.Layout(tp=2, dp=1, micro_batch_size=8, sequence_parallel=True)
 
@@ -100,9 +106,17 @@ def test_tp_pieces_hide_a_shard_transfer_behind_up_to_both_shard_gemms():
     costs = one.costs
     g, t = (costs.fwd - costs.core) / 16 / 1e12, 64 * 8 * 128 * 4 / 2 / 1e9
     edge = 2 * 2 * costs.ar_time  # the embedding's and output layer's collectives, not pipelined
-    assert one.exposed["tp"].exposed - edge == pytest.approx(2 * 32 * max(0.0, t - g))
-    assert four.exposed["tp"].exposed - edge == pytest.approx(2 * 32 * max(0.0, t + g / 4 - 2 * g))
+    assert t > 3 * g  # every exchange exposes something
+    assert one.exposed["tp"].exposed - edge == pytest.approx(2 * (24 * (t - g) + 8 * (t - 3 * g)))
+    rest = t + g / 4 - 2 * g
+    assert four.exposed["tp"].exposed - edge == pytest.approx(2 * (24 * rest + 8 * (rest - 2 * g)))
     assert four.exposed["tp"].exposed < one.exposed["tp"].exposed
+    # a zero-bubble schedule defers the weight GEMMs to W passes: no such cover
+    pp2 = dict(tp=2, pp=2, dp=1, micro_batch_size=8, sequence_parallel=True)
+    zb, plain = (P.predict(TINY, P.Layout(**pp2, schedule=s), replace(fast, gpus=4),
+                           run=P.Run(16, 64, "fp32", 200_000, tp_comm_overlap=True)).exposed["tp"].exposed
+                 for s in ("zb-h1", "1f1b"))
+    assert zb > plain
 
 
 def test_cp_ring_steps_hide_behind_one_attention_block_each():

@@ -67,7 +67,10 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     is multiplied in k pieces, a piece passed on and multiplied as soon as it arrives: the t shard
     GEMMs (t G) then end at the latest when the last piece has arrived, (t-1) shard transfers after
     the start (T each, k exchanges' latency in it), plus one piece's GEMM (G / k). So a layer exchange
-    exposes max(0, (t-1) T + G / k - t G); at k = 1 that is (t-1) (T - G), one step's rest each."""
+    exposes max(0, (t-1) T + G / k - t G); at k = 1 that is (t-1) (T - G), one step's rest each.
+    A column layer's backward (QKV's, and fc1's in a dense layer) also runs its weight's GEMM (t G)
+    while its last sums travel (tp_overlap.reduce_scatter_rows' `meanwhile`), unless a zero-bubble
+    schedule defers it to a W pass: that exchange exposes t G less."""
     layout, m, t = costs.layout, costs.micro_batches, costs.layout.tp
     if t == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
@@ -82,7 +85,11 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     k = costs.run.tp_comm_overlap_splits
     shard_gemm = (costs.fwd - costs.core) / 4 / t / t / costs.rate
     step = k * lat + costs.ar_bytes / t / costs.bw_tp  # one shard's transfer, in k pieces
-    overlapped = layer_colls * 2 * max(0.0, (t - 1) * step + shard_gemm / k - t * shard_gemm)
+    rest = (t - 1) * step + shard_gemm / k - t * shard_gemm
+    split = layout.pp > 1 and layout.schedule in ("zb-h1", "zb-v", "dualpipev")
+    beside_weight = 0 if split else 2 * (stage.n_layers - stage.moe_layers) + stage.moe_layers
+    overlapped = ((layer_colls * 2 - beside_weight) * max(0.0, rest)
+                  + beside_weight * max(0.0, rest - t * shard_gemm))
     exposed = m * (overlapped + stage.tp_edge_collectives * costs.ar_time)
     comm = m * (layer_colls * 2 * (t - 1) * step + stage.tp_edge_collectives * costs.ar_time)
     behind = f"each shard transfer behind one shard GEMM ({shard_gemm * 1e3:.3f} ms)"
