@@ -98,10 +98,10 @@ def test_layers_at_tp_2_and_4_give_bitwise_the_plain_numbers_with_transfers_behi
             # Four rings (gather and reduce-scatter forward, their conjugates backward) of tp-1
             # transfers a piece each; every transfer is posted, then a GEMM runs, then it is waited for.
             assert events.count("X") == events.count("W") == 4 * (tp - 1) * pieces, events
-            assert "XW" not in events and events.startswith("XG"), events
-            # The first gather: each own piece sent, then multiplied; then each piece that arrives
-            # waited for and multiplied (and passed on) before the next piece is waited for.
-            ring = ("XG" * pieces + "WXG" * pieces * (tp - 2) + "WG" * pieces)
+            assert "XW" not in events and events.startswith("X" * pieces + "G"), events
+            # The first gather: the own shard's pieces all sent, then multiplied; then each piece that
+            # arrives waited for and multiplied (and passed on) before the next piece is waited for.
+            ring = ("X" * pieces + "G" * pieces + "WXG" * pieces * (tp - 2) + "WG" * pieces)
             assert events.startswith(ring), (tp, pieces, events[:len(ring)])
             # The column layer's backward (the last ring) computes its weight gradients while its
             # last partial sum travels; the row layer's need the whole gathered gradient, after its ring.

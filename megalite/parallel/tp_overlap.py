@@ -89,14 +89,21 @@ def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
     piece = lambda j, cut: full[_rows_of(j, rows, cut)]  # noqa: E731
     full[_rows_of(me, rows, slice(0, rows))].copy_(local)
     arriving: dict = {}  # (shard, piece) -> the exchange that receives it
+
+    def pass_on(j: int, p: int, cut: slice) -> None:
+        arriving[((j - 1) % n, p)] = _exchange(piece(j, cut), (me + 1) % n, piece((j - 1) % n, cut), (me - 1) % n, g)
+    # Its own shard's pieces all go out before its GEMMs: each post between two GEMMs costs a switch
+    # to the communication thread on a CPU (measured: 4 pieces of 256 rows, 31-33 ms a gather posted
+    # one by one between the GEMMs, 27-28 ms posted first, 27.5 ms with no overlap at all)
+    for p, cut in enumerate(cuts):
+        pass_on(me, p, cut)
     for i in range(n):
         j = (me - i) % n  # the shard this rank holds at step i: its own, then its left neighbour's, ...
         for p, cut in enumerate(cuts):
             if i:
                 _wait(arriving.pop((j, p)))
-            if i < n - 1:
-                arriving[((j - 1) % n, p)] = _exchange(piece(j, cut), (me + 1) % n, piece((j - 1) % n, cut),
-                                                       (me - 1) % n, g)
+                if i < n - 1:
+                    pass_on(j, p, cut)
             if use is not None:
                 use(_rows_of(j, rows, cut))
     return full
