@@ -14,6 +14,10 @@ def _world(rank, world):
 def _fail_and_count(rank, world, log):
     with open(log, "a") as f:
         f.write(f"{rank}\n")
+    if world > 1:  # every rank past its initialization before any fails: a rank that raised and exited
+        # at once closed its sockets while its peer was still connecting, and the peer's initialization
+        # failed instead of its code (seen once in a clean-clone CI run, 2026-12-04)
+        dist.barrier()
     raise ValueError(f"boom on rank {rank}")
 
 
