@@ -272,7 +272,7 @@ def _model_config(config: RunConfig) -> TransformerConfig:
     p = config.parallel
     if p.tp_comm_overlap and (p.tp == 1 or not p.sequence_parallel):  # (resolve turns SP off at --tp 1)
         raise UsageError(TP_COMM_OVERLAP_NEEDS)
-    if p.tp_comm_overlap_splits < 1 or (p.tp_comm_overlap_splits > 1 and (p.tp == 1 or not p.sequence_parallel)):
+    if p.tp_comm_overlap_splits > 1 and (p.tp == 1 or not p.sequence_parallel):  # (below 1: check_sections)
         raise UsageError(TP_COMM_SPLITS_NEEDS)
     m = config.model
     overrides = _model_overrides(m)

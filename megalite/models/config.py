@@ -318,7 +318,8 @@ class TransformerConfig:
             raise ValueError("sequence parallelism needs a tensor-parallel size > 1 (got --tp 1)")
         if self.tp_comm_overlap and (tp == 1 or not self.sequence_parallel):
             raise ValueError(TP_COMM_OVERLAP_NEEDS)
-        if self.tp_comm_overlap_splits < 1 or (self.tp_comm_overlap_splits > 1 and (tp == 1 or not self.sequence_parallel)):
+        splits = self.tp_comm_overlap_splits
+        if splits < 1 or (splits > 1 and (tp == 1 or not self.sequence_parallel)):
             raise ValueError(TP_COMM_SPLITS_NEEDS)
 
     def _check_query_groups(self, tp: int) -> None:

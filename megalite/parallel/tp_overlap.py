@@ -26,7 +26,8 @@ pick kernels by shape (torch 2.13's MKL on a CPU, fp32: every 1-row shard, about
 tried with 2- to 12-row shards, some with 128-row ones; cuBLAS chooses by shape too). So with
 sequence parallelism both paths, overlapped or not, run the same per-piece GEMMs on the same
 operands at the same offsets (the pieces are the layer's, not the overlap's), and the weight
-gradient stays one GEMM over the whole sequence. The gathers move bits; the ring adds a shard's partials from the rank before the owner backwards to the owner, the order
+gradient stays one GEMM over the whole sequence. The gathers move bits; the ring adds a shard's
+partials from the rank before the owner backwards to the owner, the order
 megalite's gloo reduce-scatter adds in (parallel.collectives): bitwise at any tp on gloo, and at tp 2
 on any backend (two terms commute). Bytes are counted as the plain collectives count them ("sp").
 """
@@ -90,8 +91,9 @@ def gather_rows(local: torch.Tensor, full: torch.Tensor, group, overlap: bool,
     full[_rows_of(me, rows, slice(0, rows))].copy_(local)
     arriving: dict = {}  # (shard, piece) -> the exchange that receives it
 
-    def pass_on(j: int, p: int, cut: slice) -> None:
-        arriving[((j - 1) % n, p)] = _exchange(piece(j, cut), (me + 1) % n, piece((j - 1) % n, cut), (me - 1) % n, g)
+    def pass_on(j: int, p: int, cut: slice) -> None:  # piece p of shard j on, shard j-1's in
+        left = (j - 1) % n
+        arriving[(left, p)] = _exchange(piece(j, cut), (me + 1) % n, piece(left, cut), (me - 1) % n, g)
     # Its own shard's pieces all go out before its GEMMs: each post between two GEMMs costs a switch
     # to the communication thread on a CPU (measured: 4 pieces of 256 rows, 31-33 ms a gather posted
     # one by one between the GEMMs, 27-28 ms posted first, 27.5 ms with no overlap at all)

@@ -106,8 +106,8 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
         raise ValueError(f"pass costs for {len(f)}, {len(b)}, {len(w)} virtual stages; the programs have {last + 1}")
     stage_cost = [{"F": fs, "B": bs if split else bs + ws, "W": ws} for fs, bs, ws in zip(f, b, w)]
     cells = all(isinstance(c, int) for c in (*f, *b, *w))  # rows of cells for whole time units only
-    done: dict[tuple, tuple] = {}  # (kind, virtual stage, micro-batch) -> (finish time, rank)
-    arrival: dict[tuple, float] = {}  # the same key -> when its output is at the pass that reads it
+    # (kind, virtual stage, micro-batch) of each pass done -> when its output is at the pass that reads it
+    arrival: dict[tuple, float] = {}
     link_free = [0] * p  # when each rank's link has sent its last message
 
     def consumer(op, vs: int) -> int | None:
@@ -143,7 +143,7 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
             else:
                 group, lead = [prog[pos[r]]], 0
             deps = [needs(r, op) for op in group if op.kind != "W"]
-            if any(d is not None and d not in done for d in deps):
+            if any(d is not None and d not in arrival for d in deps):
                 continue
             arrivals = [arrival[d] for d in deps if d is not None]
             begin = max([clock[r], *arrivals])
@@ -161,7 +161,6 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
             for op in group:  # in program order: the order its messages take the link
                 vs = virtual_stage(p, r, op.chunk, v_shape)
                 key, to = (op.kind, vs, op.micro_batch), consumer(op, vs)
-                done[key] = (clock[r], r)
                 if to is None or stage_rank(p, to, v_shape) == r:
                     arrival[key] = clock[r]
                 else:

@@ -54,6 +54,11 @@ class Exposure:
         return 1.0 - self.exposed / self.comm if self.comm > 0 else None
 
 
+def _splits_backward(layout) -> bool:
+    """A zero-bubble schedule: weight gradients in W passes of their own, not in the backward."""
+    return layout.pp > 1 and layout.schedule in ("zb-h1", "zb-v", "dualpipev")
+
+
 def _latency(costs: LayoutCosts) -> float:
     return costs.cluster.collective_latency_ms / 1e3
 
@@ -86,7 +91,7 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     shard_gemm = (costs.fwd - costs.core) / 4 / t / t / costs.rate
     step = k * lat + costs.ar_bytes / t / costs.bw_tp  # one shard's transfer, in k pieces
     rest = (t - 1) * step + shard_gemm / k - t * shard_gemm
-    split = layout.pp > 1 and layout.schedule in ("zb-h1", "zb-v", "dualpipev")
+    split = _splits_backward(layout)
     beside_weight = 0 if split else 2 * (stage.n_layers - stage.moe_layers) + stage.moe_layers
     overlapped = ((layer_colls * 2 - beside_weight) * max(0.0, rest)
                   + beside_weight * max(0.0, rest - t * shard_gemm))
@@ -265,7 +270,7 @@ def pp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     if p == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
     transfer = _latency(costs) + costs.msg / costs.bw_pp
-    split = layout.schedule in ("zb-h1", "zb-v", "dualpipev")
+    split = _splits_backward(layout)
     f, b, w = [], [], []
     for vs, n in enumerate(costs.layer_counts):
         head = costs.head_flops if vs == len(costs.layer_counts) - 1 else 0.0

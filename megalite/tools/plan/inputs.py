@@ -275,8 +275,9 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
     # Built alone at tp = 1: the shape only (sequence parallelism would need tp > 1).
     key = (repr(config), positions(config, seq_length), pre, post)
     if key not in _STAGES:
+        # (the overlap and its pieces are options of SP's collectives: no parameters of their own)
         config = replace(config, max_position_embeddings=positions(config, seq_length), sequence_parallel=False,
-                         tp_comm_overlap=False, tp_comm_overlap_splits=1)  # (an option of SP's collectives: no parameters of its own)
+                         tp_comm_overlap=False, tp_comm_overlap_splits=1)
         examples = example_layers(config)
         with torch.device("meta"), _ShapesOnly():
             model = GPTModel(config, pre, post, layer_numbers=examples, seed=0, device="meta")
