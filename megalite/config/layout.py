@@ -179,6 +179,9 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     if d.zero_stage == 3 and config.model.torch_compile:
         raise UsageError("--zero-stage 3 gathers parameters in module hooks, which --torch-compile does not "
                          "trace here: drop --torch-compile, or use --zero-stage 2")
+    if d.overlap_param_gather and d.zero_stage in (1, 2) and config.model.torch_compile:
+        raise UsageError("--overlap-param-gather waits for each bucket's gather in module hooks, which "
+                         "--torch-compile does not trace here: drop one of them")
     if p.overlap_moe_expert_parallel_comm:
         _check_overlapped_pairs(config)
     if p.sequence_parallel and config.model.seq_length % tp:

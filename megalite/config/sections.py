@@ -320,6 +320,9 @@ class DataParallelConfig:
                                  choices=("fp32", "bf16"), sets={"--grad-reduce-in-bf16": "bf16"})
     overlap_grad_reduce: bool = opt(True, "ZeRO stages 0-1: start each bucket's reduction as soon as backward "
                                           "fills it (true), or reduce every bucket after the last backward (false)")
+    overlap_param_gather: bool = opt(False, "ZeRO stages 1-2: all-gather the updated parameters beside the next "
+                                            "forward, each bucket waited for before the first layer that reads it "
+                                            "(stage 3 gathers layer by layer always)")
 
     def check(self) -> None:
         check_numbers(self)
@@ -329,6 +332,9 @@ class DataParallelConfig:
         if not self.overlap_grad_reduce and stage >= 2:
             raise ValueError(f"--overlap-grad-reduce false applies to ZeRO stages 0-1 (stage {stage} "
                              f"reduce-scatters during every backward): drop it, or use --zero-stage 0 or 1")
+        if self.overlap_param_gather and stage == 0:
+            raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather, "
+                             "which plain data parallelism does not have: add --use-distributed-optimizer, or drop it")
 
 
 @dataclass

@@ -110,6 +110,11 @@ class ParamAndGradBuffer:
         # rows are still to be added (add_tied_output_grad, add_tied_lookup_grad).
         self._tied_pending: set[int] = set()
         self.sync_enabled = False
+        # The update's parameter gathers, in the order posted, and how many were waited for
+        # (all at once unless `overlap_param_gather`: megalite.optim.param_gather waits in the forward).
+        self.overlap_param_gather = False
+        self._gathers: list = []
+        self._gathered = 0
 
         # first_bucket_numel: None, the ramp of bucket_plan; >= bucket_numel, equal buckets
         layout = plan_layout([(p.numel(), bool(deferred(p))) for p in params], bucket_numel, dp_size, units,
@@ -184,7 +189,9 @@ class ParamAndGradBuffer:
         return [p.main_grad for p in self.params if keep(p)]
 
     def pin(self) -> None:
-        """Keep whole parameters on this rank until `unpin` (ZeRO-3; always so below it)."""
+        """Keep whole parameters on this rank until `unpin` (ZeRO-3; always so below it, once the
+        update's gathers are waited for)."""
+        self.finish_param_gather()
 
     def unpin(self) -> None:
         """Undo `pin`."""
@@ -339,14 +346,41 @@ class ParamAndGradBuffer:
         return lo, lo + self.numel_of[id(p)]
 
     def all_gather_params(self) -> None:
-        """After each DP rank updated its shard of every bucket, give every rank the whole."""
+        """After each DP rank updated its shard of every bucket, give every rank the whole: each
+        bucket's all-gather posted in the order the forward reads them (the layout's reverse).
+        `overlap_param_gather`: return without waiting; the next forward's hooks wait for each
+        bucket before its parameters are read (megalite.optim.param_gather), and
+        `finish_param_gather` for all of them where something else reads the parameters."""
         if self.dp_size == 1:
             return
+        self.finish_param_gather()  # (a forward always waited for the last step's: none left here)
         works = []
-        for bucket in self.buckets:
+        for bucket in reversed(self.buckets):
             lo, hi = self.owned_range(bucket)
             full = self.param_data[bucket.start:bucket.end]
             traffic.gather_or_scatter("dp", full.nbytes, self.dp_size)
             works.append(_all_gather_single(full, full[lo:hi], group=self.dp_group, async_op=True))
-        for w in works:
-            w.wait()
+        self._gathers, self._gathered = works, 0
+        if not self.overlap_param_gather:
+            self.finish_param_gather()
+
+    @property
+    def gathers_pending(self) -> int:
+        """How many of the last update's bucket gathers are still to be waited for."""
+        return len(self._gathers) - self._gathered
+
+    def wait_param_gather(self, count: int) -> None:
+        """Wait for the first `count` bucket gathers in the order they were posted (forward order)."""
+        while self._gathered < min(count, len(self._gathers)):
+            self._gathers[self._gathered].wait()
+            self._gathered += 1
+        if self._gathered == len(self._gathers):
+            self._gathers, self._gathered = [], 0
+
+    def finish_param_gather(self) -> None:
+        """Every bucket's parameters whole again (a save, an evaluation, the end of training)."""
+        self.wait_param_gather(len(self._gathers))
+
+    def gather_position(self, bucket: Bucket) -> int:
+        """How many gathers `all_gather_params` posts up to and including `bucket`'s."""
+        return len(self.buckets) - bucket.index

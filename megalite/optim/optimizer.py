@@ -95,6 +95,12 @@ class MegaliteOptimizer:
         them after): for a checkpoint save or an export. Collective: every DP rank enters it."""
         return whole_parameters(self.buffers)
 
+    def finish_param_gather(self) -> None:
+        """Wait for the update's parameter gathers still in flight (--overlap-param-gather leaves
+        them to the next forward): before anything else reads the parameters."""
+        for buf in self.buffers:
+            buf.finish_param_gather()
+
     def unit_storage_keys(self) -> list[int]:
         """ZeRO-3: the storage keys of every gathered unit of every buffer (none below stage 3)."""
         return [k for buf in self.buffers if buf.zero_stage == 3 for k in buf.unit_storage_keys()]

@@ -15,6 +15,7 @@ from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.optimizer import sgd
 from megalite.parallel import lanes
+from megalite.optim.param_gather import attach_gather_waits
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
@@ -195,8 +196,12 @@ def _buffer(chunk, params, stage: int, cfg, deferred, common):
         attach_unit_hooks(chunk, buf, keep_at_turns=(cfg.parallel.vpp or 1) == 1)
         return buf
     if stage == 2:
-        return ShardedGradBuffer(params, **common)
-    return ParamAndGradBuffer(params, reduce_scatter=stage == 1, **common)
+        buf = ShardedGradBuffer(params, **common)
+    else:
+        buf = ParamAndGradBuffer(params, reduce_scatter=stage == 1, **common)
+    if stage >= 1 and cfg.data_parallel.overlap_param_gather:
+        attach_gather_waits(chunk, buf)  # the update's gathers wait for the next forward
+    return buf
 
 
 def lr_schedules(cfg) -> tuple[LRSchedule, LRSchedule | None]:

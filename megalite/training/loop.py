@@ -167,9 +167,12 @@ def pretrain(cfg, task: Task) -> TrainingRun:
             progress.after_step(iteration, result, optimizer, loss_scale, lr, consumed,
                                 loss_terms(task, batches, device), logged_tokens, record_spans)
         except TrainingStopped:
+            optimizer.finish_param_gather()  # no gather left in flight when the ranks stop
             checkpoints.abandon()  # every rank stops at this iteration together
             raise
         t = cfg.training
+        if _due(t.eval_interval, iteration, t.train_iters):
+            optimizer.finish_param_gather()  # --overlap-param-gather: what follows reads every parameter
         if valid_data is not None and t.eval_iters and _due(t.eval_interval, iteration, t.train_iters):
             set_phase(f"iteration {iteration}: validation")
             progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, valid_data, device),
@@ -191,6 +194,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     checkpoints.close()
     samples_log.close()
     progress.close()
+    optimizer.finish_param_gather()  # the returned parameters are whole (below ZeRO-3)
     for buf in buffers:  # ZeRO-3: read the returned parameters inside run.optimizer.whole_parameters()
         buf.park()
     if not progress.records and not stop_reason and start.iteration < cfg.training.train_iters:

@@ -73,7 +73,7 @@ _TABLE = {
         exit_interval exit_duration_in_mins no_exit_signal_handler
         max_skipped_iters plan plan_gpu_memory_gib use_apex_adam no_tf32
         use_distributed_optimizer zero_stage zero_reshard_after_forward zero_keep_params_for_step ddp_bucket_size
-        grad_reduce_dtype overlap_grad_reduce
+        grad_reduce_dtype overlap_grad_reduce overlap_param_gather
         save load save_interval save_async no_load_optim no_load_rng finetune use_checkpoint_args
         override_opt_param_scheduler use_checkpoint_opt_param_scheduler
         log_interval metrics_file sample_log tensorboard_dir log_params_norm timeline timeline_iters no_progress_bar peak_tflops
