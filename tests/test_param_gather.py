@@ -41,6 +41,7 @@ class _Phase:
 
 def _lazy_gathers(log):
     def gather(out, shard, group=None, async_op=False):
+        log.append("posted in the update" if _Phase.updating else "posted later")
         work = _LazyGather(out, shard, group, log)
         return work if async_op else work.wait()
     buffers_module._all_gather_single = gather
@@ -114,10 +115,11 @@ def test_overlapped_parameter_gathers_train_bitwise_like_gathers_after_the_updat
     for plain, overlapped in trained[case]:
         assert plain["losses"] == overlapped["losses"]
         assert [n for n, p in plain["params"].items() if not torch.equal(p, overlapped["params"][n])] == []
-        # Without the flag every gather is waited for in the update; with it, after (the forward).
-        assert set(plain["waited"]) == {"in the update"}
-        assert overlapped["waited"].get("in the update", 0) == 0
-        assert overlapped["waited"] == {"later": plain["waited"]["in the update"]}
+        # Without the flag every gather is posted and waited for in the update; with it, both after
+        # (posted as the next step's schedule begins, waited for in its forward).
+        n = plain["waited"]["in the update"]
+        assert plain["waited"] == {"posted in the update": n, "in the update": n}
+        assert overlapped["waited"] == {"posted later": n, "later": n}
 
 
 def _control(rank, world, argv):

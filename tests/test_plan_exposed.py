@@ -284,3 +284,34 @@ def test_cli_prints_the_exposed_section(capsys):
     assert "--tp-comm-overlap" in out[:out.index("exposed communication")]
     pred = P.predict(TINY, P.Layout(dp=2, micro_batch_size=8), SLOW, 16, 64)
     assert "dp" in format_exposed(pred) and set(pred.to_dict()["exposed_comm"]) == {"dp"}
+
+
+def test_the_overlapped_parameter_gather_exposes_only_what_arrives_after_its_layer_begins():
+    layout = P.Layout(dp=2, micro_batch_size=8, zero_stage=1)
+    after, overlapped = _predict(layout, 16), _predict(layout, 16, overlap_param_gather=True)
+    state = after.stages[0].state
+    buckets = [b for chunk in state.buckets for b in chunk]
+    # after the update: every bucket's gather, each with its latency (fp32: 4 bytes, half the elements sent)
+    whole = sum(LAT + (b.end - b.start) * 4 / 2 / BW for b in buckets)
+    assert after.dp_parts[0].all_gather == pytest.approx(whole)
+    # overlapped: the embeddings' bucket (posted first) is read before the first layer; each later
+    # one is late by what its arrival exceeds the forward's progress to its first layer, the
+    # largest lateness what the forward waits in all
+    forward = 4 * after.costs.fwd / after.costs.rate
+    arrived, late = 0.0, 0.0
+    for b, ready in reversed(list(zip(buckets, state.bucket_ready[0]))):
+        arrived += LAT + (b.end - b.start) * 4 / 2 / BW
+        late = max(late, arrived - forward * (1 - ready))
+    assert overlapped.dp_parts[0].all_gather == pytest.approx(late) and 0 < late < whole
+    assert late >= LAT + (buckets[-1].end - buckets[-1].start) * 2 / BW  # at least the embeddings' bucket
+    assert overlapped.exposed["dp"].exposed == pytest.approx(after.exposed["dp"].exposed - whole + late)
+    assert "parameter gathers" in overlapped.exposed["dp"].behind
+    # pp 2: each stage's gathers (the last stage's tied copy among them) hide behind its forward
+    four = replace(SLOW, gpus=4)
+    pp = [P.predict(TINY, P.Layout(pp=2, dp=2, micro_batch_size=4, zero_stage=1), four,
+                    run=P.Run(16, 64, "fp32", 200_000, overlap_param_gather=o)) for o in (False, True)]
+    for stage in (0, 1):
+        assert 0 < pp[1].dp_parts[stage].all_gather < pp[0].dp_parts[stage].all_gather
+    from megalite.tools.plan.command import launch_command  # the printed command carries the flag
+    assert "--overlap-param-gather" in launch_command(overlapped)
+    assert "--overlap-param-gather" not in launch_command(after)

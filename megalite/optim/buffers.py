@@ -113,6 +113,7 @@ class ParamAndGradBuffer:
         # The update's parameter gathers, in the order posted, and how many were waited for
         # (all at once unless `overlap_param_gather`: megalite.optim.param_gather waits in the forward).
         self.overlap_param_gather = False
+        self._gather_due = False  # updated shards whose gathers are not posted yet
         self._gathers: list = []
         self._gathered = 0
 
@@ -347,13 +348,24 @@ class ParamAndGradBuffer:
 
     def all_gather_params(self) -> None:
         """After each DP rank updated its shard of every bucket, give every rank the whole: each
-        bucket's all-gather posted in the order the forward reads them (the layout's reverse).
-        `overlap_param_gather`: return without waiting; the next forward's hooks wait for each
-        bucket before its parameters are read (megalite.optim.param_gather), and
-        `finish_param_gather` for all of them where something else reads the parameters."""
+        bucket's all-gather, posted in the order the forward reads them (the layout's reverse).
+        `overlap_param_gather`: posted only when the next step begins (`start_param_gather`: after
+        the step's bookkeeping collectives, which on gloo would otherwise queue behind them on the
+        same connections and hold the host) and waited for by the forward's hooks before each
+        bucket's parameters are read (megalite.optim.param_gather), or by `finish_param_gather`
+        where something else reads the parameters."""
         if self.dp_size == 1:
             return
         self.finish_param_gather()  # (a forward always waited for the last step's: none left here)
+        self._gather_due = True
+        if not self.overlap_param_gather:
+            self.finish_param_gather()
+
+    def start_param_gather(self) -> None:
+        """Post the update's bucket gathers, if not yet posted (forward order)."""
+        if not self._gather_due:
+            return
+        self._gather_due = False
         works = []
         for bucket in reversed(self.buckets):
             lo, hi = self.owned_range(bucket)
@@ -361,16 +373,15 @@ class ParamAndGradBuffer:
             traffic.gather_or_scatter("dp", full.nbytes, self.dp_size)
             works.append(_all_gather_single(full, full[lo:hi], group=self.dp_group, async_op=True))
         self._gathers, self._gathered = works, 0
-        if not self.overlap_param_gather:
-            self.finish_param_gather()
 
     @property
-    def gathers_pending(self) -> int:
-        """How many of the last update's bucket gathers are still to be waited for."""
-        return len(self._gathers) - self._gathered
+    def gathers_pending(self) -> bool:
+        """Whether any of the last update's bucket gathers is still to be posted or waited for."""
+        return self._gather_due or self._gathered < len(self._gathers)
 
     def wait_param_gather(self, count: int) -> None:
-        """Wait for the first `count` bucket gathers in the order they were posted (forward order)."""
+        """Wait for the first `count` bucket gathers in the order they are posted (forward order)."""
+        self.start_param_gather()
         while self._gathered < min(count, len(self._gathers)):
             self._gathers[self._gathered].wait()
             self._gathered += 1
@@ -379,6 +390,7 @@ class ParamAndGradBuffer:
 
     def finish_param_gather(self) -> None:
         """Every bucket's parameters whole again (a save, an evaluation, the end of training)."""
+        self.start_param_gather()
         self.wait_param_gather(len(self._gathers))
 
     def gather_position(self, bucket: Bucket) -> int:

@@ -95,6 +95,11 @@ class MegaliteOptimizer:
         them after): for a checkpoint save or an export. Collective: every DP rank enters it."""
         return whole_parameters(self.buffers)
 
+    def start_param_gather(self) -> None:
+        """--overlap-param-gather: post the update's parameter gathers (a step's start)."""
+        for buf in self.buffers:
+            buf.start_param_gather()
+
     def finish_param_gather(self) -> None:
         """Wait for the update's parameter gathers still in flight (--overlap-param-gather leaves
         them to the next forward): before anything else reads the parameters."""

@@ -4,9 +4,11 @@ run beside the next forward instead of after the update.
 After the update each DP rank holds new values for its shard of every bucket only. Without the
 overlap, `ParamAndGradBuffer.all_gather_params` posts every bucket's gather and waits for all of
 them before the step returns: the whole buffer crosses the link with nothing to hide behind. With
-it, the gathers are posted in the order the forward reads the buckets (the layout's reverse, as
-parameters are laid out last-defined first) and the step returns at once; these hooks wait, in the
-next forward, for the buckets up to the one that holds what is about to run:
+it, the step returns at once; the next step posts the gathers when its schedule begins (after its
+token count's all-reduce: on gloo a small collective posted behind them would wait for their bytes on
+the same connections, and hold the host), in the order the forward reads the buckets (the layout's
+reverse, as parameters are laid out last-defined first); these hooks wait, in that forward, for the
+buckets up to the one that holds what is about to run:
 
 - the chunk's pre-hook, for the buckets of the parameters defined before its first layer (the
   embeddings);

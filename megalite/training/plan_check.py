@@ -38,4 +38,5 @@ def check_run(cfg: RunConfig, world_size: int, gpu_memory_bytes: float | None = 
                         fp8_layers=len(prec.fp8_layers(config.num_layers)), tp_comm_overlap=p.tp_comm_overlap,
                         overlap_moe_ep_comm=p.overlap_moe_expert_parallel_comm,
                         pipeline_extra_warmup=p.pipeline_extra_warmup,
-                        tp_comm_overlap_splits=p.tp_comm_overlap_splits)
+                        tp_comm_overlap_splits=p.tp_comm_overlap_splits,
+                        overlap_param_gather=d.overlap_param_gather)

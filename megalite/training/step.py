@@ -123,6 +123,9 @@ class TrainStep:
         replicas = 1 if self.local_sgd is not None else parallel.get_data_parallel_world_size()
         moe_losses.set_batch(self.micro_batches * self.tensor_shape[1] * replicas, self.tensor_shape[1],
                              self.optimizer.loss_scaler.scale)
+        # --overlap-param-gather: the last update's gathers go now, behind this step's bookkeeping
+        # collectives (the batch's token count), and the forward waits for each as it reads it.
+        self.optimizer.start_param_gather()
         stats = run_schedule(self.program, self.chunks, micro_batches, self.forward_step, num_tokens,
                              self.tensor_shape, self.dtype, record_spans=record_spans, v_shape=self.v_shape,
                              plan=self.exchange_plan(self.schedule, self.micro_batches),

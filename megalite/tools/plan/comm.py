@@ -11,6 +11,7 @@ from megalite.pipeline.partition import layers_of, virtual_stage
 from megalite.pipeline.schedules import build_program
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.experts import expert_group_crosses_nodes, moe_layers
+from megalite.tools.plan.gather_play import overlapped_gather_seconds
 from megalite.tools.plan.inputs import DTYPE_BYTES, Cluster, Layout
 from megalite.tools.plan.overlap import link_schedule, ready_times
 from megalite.tools.plan.states import StateBytes
@@ -150,7 +151,7 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     backward has completed it and the stream is free, and pays the cluster's collective latency
     (overlap.py: the small first buckets of megalite.optim.bucket_plan start early). The tied embedding (pp > 1) is reduced after the schedule: over the
     embedding group, then over dp like the other buckets. Stage 1 all-gathers the updated parameters
-    after the step. Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
+    after the step (with --overlap-param-gather, behind the next forward: gather_play.py). Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
     stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
     layout, run = costs.layout, costs.run
     if run.local_sgd_interval:
@@ -184,12 +185,15 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
         _bucket_reduction_exposed(costs, state, r, out)
     expert_padded = sum(b.end - b.start for chunk in state.expert_buckets for b in chunk)
     latency = costs.cluster.collective_latency_ms / 1e3  # one per bucket's all-gather
-    if 1 <= stage <= 2 and d > 1:
-        out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp \
-            + latency * sum(1 for chunk in state.buckets for b in chunk if not b.deferred)
-    if 1 <= stage <= 2 and edp > 1:
-        out.all_gather += (edp - 1) / edp * expert_padded * pb / costs.bw_edp \
-            + latency * sum(len(chunk) for chunk in state.expert_buckets)
+    if 1 <= stage <= 2 and run.overlap_param_gather:  # behind the next forward (gather_play.py)
+        out.all_gather = overlapped_gather_seconds(costs, state, r)
+    elif 1 <= stage <= 2:
+        if d > 1:
+            out.all_gather = (d - 1) / d * (state.padded_numel - expert_padded) * pb / costs.bw_dp \
+                + latency * sum(len(chunk) for chunk in state.buckets)  # (the tied copy's bucket too)
+        if edp > 1:
+            out.all_gather += (edp - 1) / edp * expert_padded * pb / costs.bw_edp \
+                + latency * sum(len(chunk) for chunk in state.expert_buckets)
     out.total = out.overlapped + out.embedding + out.all_gather + out.gathers
     return out
 

@@ -302,6 +302,8 @@ def dp_exposure(pred: Prediction) -> Exposure:
     behind = {0: "backward (buckets as they fill)", 1: "backward (buckets as they fill)",
               2: "each backward (buckets as they fill)",
               3: "the neighbouring layer's compute (prefetched gathers)"}[layout.zero_stage]
+    if 1 <= layout.zero_stage <= 2 and pred.run.overlap_param_gather:
+        behind += "; the next forward (parameter gathers)"
     if pred.run.local_sgd_interval:
         behind = "the next inner steps (async)" if pred.run.local_sgd_async else "nothing (the outer all-reduce)"
     elif layout.dp_cp == 1 and state.edp == 1:
@@ -313,7 +315,8 @@ def dp_exchanges(pred: Prediction) -> int:
     """Data-parallel collectives a step on the dp stage: per bucket (stage 3: unit) an all-reduce
     (stage 0), a reduce-scatter and an all-gather (1), a reduce-scatter per backward and one
     all-gather (2), per gathering forward and re-gathering backward an all-gather and per backward a
-    reduce-scatter (3); the tied embedding's two all-reduces after the schedule (pp > 1)."""
+    reduce-scatter (3); the tied embedding's two all-reduces after the schedule (pp > 1), and at
+    stages 1-2 the all-gather of its updated shard."""
     layout, run, m = pred.layout, pred.run, pred.micro_batches
     state = pred.stages[pred.dp_stage].state
     if run.local_sgd_interval:
@@ -327,6 +330,8 @@ def dp_exchanges(pred: Prediction) -> int:
     deferred = any(b.deferred for chunk in state.buckets for b in chunk)
     if deferred and layout.pp > 1 and not layout.v_shape:
         per_step += 1 + (layout.dp_cp > 1)
+    if deferred and layout.zero_stage in (1, 2) and layout.dp_cp > 1:  # its shard is gathered with the others
+        per_step += 1
     return per_step
 
 
