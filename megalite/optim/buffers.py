@@ -357,6 +357,9 @@ class ParamAndGradBuffer:
         if self.dp_size == 1:
             return
         self.finish_param_gather()  # (a forward always waited for the last step's: none left here)
+        for bucket in self.buckets:  # counted in the step whose update they carry, wherever they go
+            traffic.gather_or_scatter("dp", (bucket.end - bucket.start) * self.param_data.element_size(),
+                                      self.dp_size)
         self._gather_due = True
         if not self.overlap_param_gather:
             self.finish_param_gather()
@@ -370,7 +373,6 @@ class ParamAndGradBuffer:
         for bucket in reversed(self.buckets):
             lo, hi = self.owned_range(bucket)
             full = self.param_data[bucket.start:bucket.end]
-            traffic.gather_or_scatter("dp", full.nbytes, self.dp_size)
             works.append(_all_gather_single(full, full[lo:hi], group=self.dp_group, async_op=True))
         self._gathers, self._gathered = works, 0
 
