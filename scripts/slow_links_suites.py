@@ -351,6 +351,10 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
         row["predicted"] = got
         row["predicted_exposed_ms"] = got["exposed_ms"]
         row["predicted_over_measured"] = got["exposed_ms"] / row["exposed_ms"] if row["exposed_ms"] > 0 else None
+        if "bound_exposed_ms" in got:  # the least any order of the passes exposes, less the bare links' play
+            bare_ms = sum(d["exposed_bare_ms"] for d in got["dimensions"].values())
+            row["bound_exposed_ms"] = got["bound_exposed_ms"]["exposed"] - bare_ms
+            row["bound_hidden"] = 1 - row["bound_exposed_ms"] / row["comm_ms"]
 
 
 def _pct(x: float | None) -> str:
@@ -383,6 +387,14 @@ def hidden_report(derived: dict) -> str:
             why.append(f"{dim}: n/a: {row['error']}")
         if "predicted_error" in row:
             why.append(f"{dim}: no prediction: {row['predicted_error']}")
+        if "bound_hidden" in row:
+            parts = row["predicted"]["bound_exposed_ms"]
+            why.append(f"{dim}: no order of these passes hides more than {_pct(row['bound_hidden'])} (at least "
+                       f"{row['bound_exposed_ms']:.0f} ms exposed: the pairs {parts['pairs']:.0f}, the first forward "
+                       f"{parts['first_forward']:.0f}, the last backward with the DP reduction "
+                       f"{parts['last_backward']:.0f}"
+                       + (f", the gathers after the update {parts['after_update']:.0f}" if "after_update" in parts else "")
+                       + "; megalite.tools.plan.ep_bound)")
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(x, widths)) + " |" for x in [head, *rows]]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -315,3 +315,29 @@ def test_the_overlapped_parameter_gather_exposes_only_what_arrives_after_its_lay
     from megalite.tools.plan.command import launch_command  # the printed command carries the flag
     assert "--overlap-param-gather" in launch_command(overlapped)
     assert "--overlap-param-gather" not in launch_command(after)
+
+
+def test_the_ep_bound_is_the_longest_of_the_cpu_the_link_and_each_lanes_chain():
+    from megalite.tools.plan.ep_bound import alone_phase_bound, ep_bound_of, ep_step_bound, pair_bound
+
+    forward = [(2.0, 5.0), (6.0, 5.0)]  # compute 8, link 10: its chain 18
+    backward = [(4.0, 5.0), (11.0, 5.0)]  # compute 15, link 10: its chain 25
+    # the CPU 23, the link 20, the chains 18 and 25: the backward's chain decides, 2 beyond the compute
+    assert pair_bound(forward, backward) == 2.0
+    assert pair_bound([(10.0, 1.0)], [(10.0, 1.0)]) == 0.0  # compute-bound: all hideable
+    assert pair_bound([(1.0, 10.0)], [(1.0, 10.0)]) == 18.0  # link-bound: the link's 20 less the CPU's 2
+    # alone: its own exchanges, or the link's bytes with the reduction's if longer
+    assert alone_phase_bound(backward, 0.0) == 10.0 and alone_phase_bound(backward, 30.0) == 25.0
+    got = ep_step_bound(3, forward, backward, 30.0, 0.0)
+    assert got == {"pairs": 6.0, "first_forward": 10.0, "last_backward": 25.0, "exposed": 41.0}
+    # a run's: pp 1 with pairs at stage 0 or 1; none for other layouts
+    moe = preset("moe-tiny")
+    run = P.Run(16, 64, "fp32", 200_000, overlap_moe_ep_comm=True)
+    pred = P.predict(moe, P.Layout(dp=2, ep=2, micro_batch_size=2), SLOW, run=run)
+    bound = ep_bound_of(pred)
+    assert bound["exposed"] == pytest.approx(bound["pairs"] + bound["first_forward"] + bound["last_backward"])
+    assert 0 < bound["exposed"] <= pred.exposed["ep"].exposed + pred.exposed["dp"].exposed
+    assert ep_bound_of(P.predict(moe, P.Layout(dp=2, ep=2, micro_batch_size=2), SLOW,
+                                 run=P.Run(16, 64, "fp32", 200_000))) is None  # no pairs
+    after = ep_bound_of(P.predict(moe, P.Layout(dp=2, ep=2, micro_batch_size=2, zero_stage=1), SLOW, run=run))
+    assert after["after_update"] > 0  # the distributed optimizer's gathers, with nothing beside them

@@ -330,6 +330,8 @@ def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, ca
     assert slow_links_rederive.main([str(saved), "--json", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1].startswith("overlap: dp n/a, zero3 n/a, ep ")
+    # ep's pairs: the least any order of the passes exposes, beside the measured share
+    assert any(line.startswith("ep: no order of these passes hides more than ") for line in printed)
     results, rates = slow_links_rederive.load(str(saved))
     assert set(rates) == {300.0, None} and results["ep-bare"].spec.rate_mbit is None
     direct = slow_links_suites.derive(a, results, rates)["dimensions"]
@@ -337,6 +339,7 @@ def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, ca
     for dim in ("ep", "pp"):
         assert again[dim]["predicted_exposed_ms"] == pytest.approx(direct[dim]["predicted_exposed_ms"])
         assert again[dim]["predicted_exposed_ms"] > 0
+    assert 0 < again["ep"]["bound_exposed_ms"] < again["ep"]["predicted_exposed_ms"] and "bound_hidden" not in again["pp"]
     assert slow_links_rederive.main([str(saved), "--exchange-latency-ms", "0.3", "--json", str(out)]) == 0
     lower = json.loads(out.read_text())["derived"]["dimensions"]
     assert lower["ep"]["predicted_exposed_ms"] < again["ep"]["predicted_exposed_ms"]

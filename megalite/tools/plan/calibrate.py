@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.models.config import TransformerConfig
+from megalite.tools.plan.ep_bound import ep_bound_of
 from megalite.tools.plan.inputs import Cluster, Layout, Run
 from megalite.tools.plan.predict import Prediction, predict
 
@@ -50,5 +51,9 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
     dims = {dim: {"exposed_across_ms": x.exposed * 1e3, "exposed_bare_ms": b[dim].exposed * 1e3 if dim in b else 0.0,
                   "comm_ms": x.comm * 1e3, "exchanges": x.exchanges, "bytes": x.bytes}
             for dim, x in a.items()}
-    return {"exposed_ms": (_exposed(across) - _exposed(on_bare)) * 1e3, "tflops": tflops,
-            "compute_ms": compute_at_1 / tflops * 1e3, "dimensions": dims}
+    out = {"exposed_ms": (_exposed(across) - _exposed(on_bare)) * 1e3, "tflops": tflops,
+           "compute_ms": compute_at_1 / tflops * 1e3, "dimensions": dims}
+    bound = ep_bound_of(across)  # the least any schedule of the step's passes exposes (ep_bound.py)
+    if bound is not None:
+        out["bound_exposed_ms"] = {k: v * 1e3 for k, v in bound.items()}
+    return out
