@@ -295,13 +295,13 @@ def test_the_overlapped_parameter_gather_exposes_only_what_arrives_after_its_lay
     whole = sum(LAT + (b.end - b.start) * 4 / 2 / BW for b in buckets)
     assert after.dp_parts[0].all_gather == pytest.approx(whole)
     # overlapped: the embeddings' bucket (posted first) is read before the first layer; each later
-    # one is late by what its arrival exceeds the forward's progress to its first layer, the
-    # largest lateness what the forward waits in all
+    # one is late by what its arrival exceeds the forward's progress to the first layer that holds
+    # any of its parameters, the largest lateness what the forward waits in all
     forward = 4 * after.costs.fwd / after.costs.rate
     arrived, late = 0.0, 0.0
-    for b, ready in reversed(list(zip(buckets, state.bucket_ready[0]))):
+    for b, at in reversed(list(zip(buckets, state.bucket_needed[0]))):
         arrived += LAT + (b.end - b.start) * 4 / 2 / BW
-        late = max(late, arrived - forward * (1 - ready))
+        late = max(late, arrived - forward * at)
     assert overlapped.dp_parts[0].all_gather == pytest.approx(late) and 0 < late < whole
     assert late >= LAT + (buckets[-1].end - buckets[-1].start) * 2 / BW  # at least the embeddings' bucket
     assert overlapped.exposed["dp"].exposed == pytest.approx(after.exposed["dp"].exposed - whole + late)
@@ -341,3 +341,18 @@ def test_the_ep_bound_is_the_longest_of_the_cpu_the_link_and_each_lanes_chain():
                                  run=P.Run(16, 64, "fp32", 200_000))) is None  # no pairs
     after = ep_bound_of(P.predict(moe, P.Layout(dp=2, ep=2, micro_batch_size=2, zero_stage=1), SLOW, run=run))
     assert after["after_update"] > 0  # the distributed optimizer's gathers, with nothing beside them
+
+
+def test_a_bucket_is_needed_when_the_forward_reaches_the_first_layer_holding_any_of_it():
+    from megalite.optim.bucket_plan import BucketLayout
+    from megalite.tools.plan.overlap import needed_fractions
+
+    # parameters in definition order: an embedding, two layers of 30 and 10 elements (two params
+    # each), a final norm; buckets in backward order (the layout's)
+    numels, layer_of = [5, 20, 10, 6, 4, 2], [None, 0, 0, 1, 1, None]
+    bucket = lambda *members: BucketLayout(members, (), 0, 0, False)  # noqa: E731
+    buckets = [bucket(5, 4), bucket(3, 2), bucket(1, 0)]
+    # the norm is needed after the layers, but its bucket holds layer 1's second weight: at layer 1's start
+    # (3/4 of the forward); layer 0's second and layer 1's first: at layer 0's start; the embedding's: at 0
+    assert needed_fractions(buckets, numels, layer_of) == [0.75, 0.0, 0.0]
+    assert needed_fractions([bucket(5)], numels, layer_of) == [1.0]

@@ -4,10 +4,10 @@ played against the next forward (megalite.optim.param_gather).
 The model: every chunk's buckets are posted as the next step begins (time 0), buffer by buffer as the
 optimizer publishes them (chunk by chunk, each chunk's dense buffer then its expert buffer), each
 buffer's buckets in forward order, and they cross one stream one after another, each paying the
-collective latency. A bucket is needed when the forward reaches the first layer that reads it: at
-`1 - ready` of the chunk's layer forward (`ready` is overlap.py's fraction of the layer backward done
-when the bucket fills, the same weights read the other way), after the chunk's first forward has
-begun, which on virtual stage s is s one-chunk forwards into the step (the pipeline's fill). The
+collective latency. A bucket is needed when the forward reaches the first layer that holds any of
+its parameters (megalite waits for all of a layer's buckets before the layer): at
+overlap.needed_fractions of the chunk's layer forward, after the chunk's first forward has begun,
+which on virtual stage s is s one-chunk forwards into the step (the pipeline's fill). The
 forward waits for what is late; what the waits add is exposed: the largest lateness of any bucket
 (each wait shifts the rest of the forward with it).
 
@@ -43,13 +43,13 @@ def overlapped_gather_seconds(costs: LayoutCosts, state: StateBytes, r: int) -> 
     for c in range(layout.v):
         forward = _chunk_forward_seconds(costs, c, r)
         begin = virtual_stage(p, r, c, layout.v_shape) * forward
-        for buckets, ready, size, per_elem in (
-                (state.buckets[c], state.bucket_ready[c], d, (d - 1) / d * pb / costs.bw_dp if d > 1 else 0.0),
-                (state.expert_buckets[c], state.expert_ready[c], edp,
+        for buckets, needed, size, per_elem in (
+                (state.buckets[c], state.bucket_needed[c], d, (d - 1) / d * pb / costs.bw_dp if d > 1 else 0.0),
+                (state.expert_buckets[c], state.expert_needed[c], edp,
                  (edp - 1) / edp * pb / costs.bw_edp if edp > 1 else 0.0)):
             if size == 1 or not buckets:
                 continue
-            for bucket, done in reversed(list(zip(buckets, ready))):  # forward order: the layout's reverse
+            for bucket, at in reversed(list(zip(buckets, needed))):  # forward order: the layout's reverse
                 clock += latency + (bucket.end - bucket.start) * per_elem
-                lateness = max(lateness, clock - (begin + forward * (1.0 - done)))
+                lateness = max(lateness, clock - (begin + forward * at))
     return lateness

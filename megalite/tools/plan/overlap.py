@@ -32,6 +32,32 @@ def ready_fractions(buckets: list[BucketLayout], numels: list[int], layer_of: li
     return out
 
 
+def needed_fractions(buckets: list[BucketLayout], numels: list[int], layer_of: list[int | None]) -> list[float]:
+    """Per bucket, the fraction of its chunk's layer forward done when the forward first needs it:
+    at the start of the first layer (in forward order) that holds any of its parameters, since
+    megalite.optim.param_gather waits for a layer's buckets, all of them, before the layer runs.
+    Parameters outside the layers are needed before the first layer if defined before it (the
+    embeddings: 0), else after the last (the final norm, the output layer: 1). Weights as in
+    `ready_fractions`."""
+    weight = {}
+    for n, layer in zip(numels, layer_of, strict=True):
+        if layer is not None:
+            weight[layer] = weight.get(layer, 0) + n
+    total = sum(weight.values())
+    before = {}  # layer -> its forward's start, as a fraction
+    done = 0
+    for layer in sorted(weight):
+        before[layer] = done / total if total else 0.0
+        done += weight[layer]
+    first_layer_param = next((k for k, layer in enumerate(layer_of) if layer is not None), len(layer_of))
+    out = []
+    for bucket in buckets:
+        at = [before[layer_of[k]] if layer_of[k] is not None else (0.0 if k < first_layer_param else 1.0)
+              for k in bucket.members]
+        out.append(min(at) if at else 1.0)
+    return out
+
+
 def ready_times(fractions: list[float], begin: float, head: float, layers: float) -> list[float]:
     """Seconds at which each bucket is complete, for a backward starting at `begin` that spends
     `head` seconds before the layers and `layers` seconds on them."""

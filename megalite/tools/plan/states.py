@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout, plan_layout
 from megalite.tools.plan.inputs import DTYPE_BYTES, ZERO_STAGES, positions, rank_parameter_layers, rank_parameters
-from megalite.tools.plan.overlap import ready_fractions
+from megalite.tools.plan.overlap import needed_fractions, ready_fractions
 from megalite.tools.plan.zero_replay import chunk_units, transient_peak
 
 
@@ -29,6 +29,7 @@ class StateBytes:
     buckets: list[list[BucketLayout]] = field(default_factory=list)  # per chunk, as plan_layout lays them out
     # per chunk and bucket: the fraction of the chunk's layer backward done when it is complete (overlap.py)
     bucket_ready: list[list[float]] = field(default_factory=list)
+    bucket_needed: list[list[float]] = field(default_factory=list)  # per chunk: overlap.needed_fractions
     zero_stage: int = 0
     # Stages 2-3, the step's peak beyond the stored state (buffer.stored_bytes()["peak_transient"]):
     # whole-bucket gradients waiting for their reduce-scatter, and (stage 3) gathered units.
@@ -55,6 +56,11 @@ class StateBytes:
     def expert_ready(self) -> list[list[float]]:
         """Per chunk, the expert buckets' `bucket_ready`."""
         return self.experts.bucket_ready if self.experts is not None else [[] for _ in self.buckets]
+
+    @property
+    def expert_needed(self) -> list[list[float]]:
+        """Per chunk, the expert buckets' `bucket_needed`."""
+        return self.experts.bucket_needed if self.experts is not None else [[] for _ in self.buckets]
 
 
 def rank_state_bytes(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int = 1, vpp: int | None = None,
@@ -139,8 +145,8 @@ def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_d
                  v_shape=False) -> StateBytes:
     """rank_state_bytes of one buffer per chunk: every parameter (experts None), or the dense ones
     or the expert ones alone, reduced and sharded over `dp` ranks."""
-    buckets, ready = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp,
-                                   stage == 3, ep, etp, experts, v_shape)
+    buckets, ready, needed = _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, ddp_bucket_size, dp,
+                                           stage == 3, ep, etp, experts, v_shape)
     pb = DTYPE_BYTES[dtype]
     gb = DTYPE_BYTES[grad_dtype] if stage >= 2 else 4
     reals = [sum(b.real_numel for b in chunk) for chunk in buckets]
@@ -171,7 +177,8 @@ def _state_bytes(config, tp, pp, vpp, pp_rank, dp, dp_rank, dtype, stage, grad_d
                       optimizer=optimizer, build_peak=build, buckets=buckets, zero_stage=stage,
                       transient=replay.peak_total, transient_grads=replay.peak["grads"],
                       transient_gathered=replay.peak["gathered"], layer_buckets=replay.layer_buckets,
-                      grad_bytes=gb, comm_bytes=DTYPE_BYTES[grad_dtype], bucket_ready=ready)
+                      grad_bytes=gb, comm_bytes=DTYPE_BYTES[grad_dtype], bucket_ready=ready,
+                      bucket_needed=needed)
 
 
 def _stage(zero_stage: int | None, distributed_optimizer: bool) -> int:
@@ -209,11 +216,12 @@ _TRANSIENT_CACHE: dict = {}
 
 
 def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_numel, dp, units=False, ep=1,
-                  etp=None, experts=None, v_shape=False) -> tuple[list, list]:
+                  etp=None, experts=None, v_shape=False) -> tuple[list, list, list]:
     """plan_layout of every chunk of one rank (ZeRO-3: its units), cached (the planner asks for the
     same ones often); `experts`: of the expert buffer (True), the dense one (False), or all (None).
     With them, per chunk and bucket, the fraction of the chunk's layer backward done when the bucket
-    is complete (overlap.ready_fractions)."""
+    is complete (overlap.ready_fractions), and the fraction of its forward done when the bucket is
+    first needed (overlap.needed_fractions)."""
     key = (repr(config), positions(config, seq_length), tp, pp, vpp, pp_rank, explicit, bucket_numel, dp, units,
            ep, etp, experts, v_shape)
     if key not in _BUCKET_CACHE:
@@ -228,5 +236,6 @@ def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_num
         else:
             layouts = [plan_layout(c, bucket_numel, dp) for c in chunks]
         ready = [ready_fractions(b, [n for n, _ in c], ls) for b, c, ls in zip(layouts, chunks, layers)]
-        _BUCKET_CACHE[key] = (layouts, ready)
+        needed = [needed_fractions(b, [n for n, _ in c], ls) for b, c, ls in zip(layouts, chunks, layers)]
+        _BUCKET_CACHE[key] = (layouts, ready, needed)
     return _BUCKET_CACHE[key]
