@@ -90,6 +90,8 @@ CASES = {
     "moe-ep2-pairs-zero1": (2, [*MOE, "--model", "moe-tiny", "--ep", "2", "--use-distributed-optimizer",
                                 "--overlap-moe-expert-parallel-comm"]),
     "llama-mtp-dp2-zero1": (2, ["--model", "llama-tiny", "--mtp-num-layers", "1", "--use-distributed-optimizer"]),
+    # multi-latent attention, DeepSeek's MoE (shared expert, expert bias): their parts' own waits
+    "deepseek-ep2-zero1": (2, ["--model", "deepseek-tiny", "--ep", "2", "--use-distributed-optimizer"]),
     "gpt-pp2-dp2-tied-zero1": (4, ["--pp", "2", "--use-distributed-optimizer"]),
     "gpt-pp2-vpp2-dp2-zero1": (4, ["--pp", "2", "--vpp", "2", "--use-distributed-optimizer"]),
     "llama-tp2-sp-dp2-zero2": (4, ["--model", "llama-tiny", "--tp", "2", "--sequence-parallel", "--zero-stage", "2"]),
@@ -159,20 +161,28 @@ def _waits_of_one_forward(rank, world):
     with torch.no_grad():
         chunk(torch.zeros(2, 16, dtype=torch.long), torch.arange(16).expand(2, 16))
     position = {n: buf.gather_position(buf.bucket_of[id(p)]) for n, p in chunk.named_parameters()}
-    layers = [[position[f"layers.{i}.{n}"] for n, _ in layer.named_parameters()] for i, layer in enumerate(chunk.layers)]
-    return waits, position, layers, len(buf.buckets)
+    parts = [[[position[f"layers.{i}.{name}.{n}"] for n, _ in part.named_parameters()]
+              for name, part in layer.named_children()] for i, layer in enumerate(chunk.layers)]
+    return waits, position, parts, len(buf.buckets)
 
 
-def test_gathers_are_posted_in_forward_order_and_each_layer_waits_for_its_own():
+def test_gathers_are_posted_in_forward_order_and_each_part_of_a_layer_waits_for_its_own():
     waits, position, layers, buckets = run_ranks(_waits_of_one_forward, 1)[0]
     assert buckets > 3
     assert position["word_embeddings.weight"] == 1  # defined first: posted first
     counts = [w for w in waits if w != "all"]
-    # The chunk's pre-hook waits for the embeddings' buckets, each layer's for its own and those before.
-    before = max(position["word_embeddings.weight"], position["position_embeddings.weight"])
-    assert counts == [before, *(max([before, *(q for layer in layers[:i + 1] for q in layer)])
-                                for i in range(len(layers)))]
-    assert counts[1] < counts[-1] <= buckets  # the first layer runs while later buckets still travel
+    # The chunk's pre-hook waits for the embeddings' buckets; each layer's (it has no parameters of
+    # its own) for those before; then each of its parts (norm, attention, norm, MLP) for its own.
+    count = max(position["word_embeddings.weight"], position["position_embeddings.weight"])
+    expected = [count]
+    for parts in layers:
+        expected.append(count)
+        for part in parts:
+            count = max(count, *part)
+            expected.append(count)
+    assert counts == expected
+    # the attention of layer 0 runs while the MLP's buckets travel
+    assert max(layers[0][1]) < max(layers[0][3]) <= buckets
     assert waits[len(counts):] == ["all", "all"]  # the last layer's post-hook, then the chunk's
 
 

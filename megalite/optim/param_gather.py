@@ -12,7 +12,9 @@ buckets up to the one that holds what is about to run:
 
 - the chunk's pre-hook, for the buckets of the parameters defined before its first layer (the
   embeddings);
-- layer i's pre-hook, for those of layer i (and every one posted before them);
+- the pre-hooks of layer i's parts (its norms, attention and MLP, which the layer calls as
+  modules), each for the buckets of that part's parameters and every one posted before them: the
+  attention computes while the MLP's buckets still travel;
 - the last layer's post-hook, and the chunk's post-hook, for all the rest (the final norm, the
   output layer, heads, multi-token prediction): those are read by the chunk's own code, not
   always through their modules' forward, so the waits are by position, never by module.
@@ -42,16 +44,23 @@ def attach_gather_waits(chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
         if id(p) in in_layers:
             break
         before = max(before, position.get(id(p), 0))
-    needed = []  # per layer: gathers to have waited for before it runs (never fewer than the one before)
+    def last(module: nn.Module, recurse: bool = True) -> int:
+        return max((position[id(p)] for p in module.parameters(recurse=recurse) if id(p) in position), default=0)
+
+    count = before  # gathers waited for so far, in forward order (never fewer than before)
     for layer in layers:
-        needed.append(max([before, *needed[-1:], *(position[id(p)] for p in layer.parameters() if id(p) in position)]))
-    everything = len(buffer.buckets)
+        # the layer's own parameters at its start; each part of it (norm, attention, MLP: the layer
+        # calls each as a module) waits for its whole subtree's buckets as it begins
+        count = max(count, last(layer, recurse=False))
+        layer.register_forward_pre_hook(partial(_wait, buffer, count))
+        for part in layer.children():
+            if last(part):
+                count = max(count, last(part))
+                part.register_forward_pre_hook(partial(_wait, buffer, count))
     if not layers:  # a chunk with no layers: everything before it runs
-        before = everything
+        before = len(buffer.buckets)
     chunk.register_forward_pre_hook(lambda module, args: buffer.wait_param_gather(before))
     chunk.register_forward_hook(lambda module, args, out: buffer.finish_param_gather())
-    for layer, count in zip(layers, needed):
-        layer.register_forward_pre_hook(partial(_wait, buffer, count))
     if layers:
         layers[-1].register_forward_hook(lambda module, args, out: buffer.finish_param_gather())
 
