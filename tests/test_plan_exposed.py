@@ -356,3 +356,7 @@ def test_a_bucket_is_needed_when_the_forward_reaches_the_first_layer_holding_any
     # (3/4 of the forward); layer 0's second and layer 1's first: at layer 0's start; the embedding's: at 0
     assert needed_fractions(buckets, numels, layer_of) == [0.75, 0.0, 0.0]
     assert needed_fractions([bucket(5)], numels, layer_of) == [1.0]
+    # with the layers' parts (each its own module, waited for as it begins): layer 0's second weight
+    # is in its second part, which starts after the first's 20 elements (half the forward's 40)
+    parts = [None, 0, 1, 0, 1, None]
+    assert needed_fractions(buckets, numels, layer_of, parts) == [0.75 + 0.15, 0.5, 0.0]

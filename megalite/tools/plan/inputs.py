@@ -223,6 +223,7 @@ class CountedParameter:
     vocab_rows: bool  # word embedding or untied output layer: its rows are padded per tp (pad_vocab_size)
     tied: bool  # the tied word embedding: with pp > 1 its gradient bucket is deferred (summed over stages)
     expert: bool = False  # `expert_parallel`: whole experts over EP, each expert split over ETP
+    part: int | None = None  # the part of its layer that holds it (the layer's children: norm, attention, MLP...)
 
     def per_rank(self, config: TransformerConfig, tp: int, ep: int = 1, etp: int | None = None) -> int:
         if self.expert:
@@ -284,9 +285,10 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
             model = GPTModel(config, pre, post, layer_numbers=examples, seed=0, device="meta")
         # The stage's own layers; multi-token prediction's layers (after the final norm) are the tail's
         layer_of = {id(p): m.layer_number for m in model.layers for p in m.parameters()}
+        part_of = {id(p): k for m in model.layers for k, part in enumerate(m.children()) for p in part.parameters()}
         counted = [(layer_of.get(id(p)), CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
                                                           name in VOCAB_PARAMS, getattr(p, "tied_embedding", False),
-                                                          getattr(p, "expert_parallel", False)))
+                                                          getattr(p, "expert_parallel", False), part_of.get(id(p))))
                    for name, p in model.named_parameters()]
         first = next(i for i, (layer, _) in enumerate(counted) if layer is not None)
         last = max(i for i, (layer, _) in enumerate(counted) if layer is not None)
@@ -358,6 +360,19 @@ def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int 
     for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers, v_shape):
         layers = [i for i, n in enumerate(numbers) for _ in kept(stage.layer_params(config, n))]
         chunks.append([None] * len(kept(stage.head)) + layers + [None] * len(kept(stage.tail)))
+    return chunks
+
+
+def rank_parameter_parts(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
+                         seq_length: int, pipeline_layers=None, *,
+                         experts: bool | None = None, v_shape: bool = False) -> list[list[int | None]]:
+    """Aligned with `rank_parameters`: for every layer parameter the part of its layer that holds it
+    (`CountedParameter.part`), None outside the layers."""
+    chunks = []
+    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers, v_shape):
+        kept = lambda params: [x for x in params if experts is None or x.expert == experts]  # noqa: E731
+        parts = [x.part for n in numbers for x in kept(stage.layer_params(config, n))]
+        chunks.append([None] * len(kept(stage.head)) + parts + [None] * len(kept(stage.tail)))
     return chunks
 
 

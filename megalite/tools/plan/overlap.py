@@ -32,27 +32,29 @@ def ready_fractions(buckets: list[BucketLayout], numels: list[int], layer_of: li
     return out
 
 
-def needed_fractions(buckets: list[BucketLayout], numels: list[int], layer_of: list[int | None]) -> list[float]:
+def needed_fractions(buckets: list[BucketLayout], numels: list[int], layer_of: list[int | None],
+                     part_of: list[int | None] | None = None) -> list[float]:
     """Per bucket, the fraction of its chunk's layer forward done when the forward first needs it:
-    at the start of the first layer (in forward order) that holds any of its parameters, since
-    megalite.optim.param_gather waits for a layer's buckets, all of them, before the layer runs.
+    at the start of the first part of a layer (in forward order: a layer's norms, attention and MLP,
+    `part_of`; without it, the whole layer) that holds any of its parameters, since
+    megalite.optim.param_gather waits for each part's buckets, all of them, before the part runs.
     Parameters outside the layers are needed before the first layer if defined before it (the
     embeddings: 0), else after the last (the final norm, the output layer: 1). Weights as in
     `ready_fractions`."""
-    weight = {}
-    for n, layer in zip(numels, layer_of, strict=True):
+    parts = part_of if part_of is not None else [0 if layer is not None else None for layer in layer_of]
+    weight: dict = {}
+    for n, layer, part in zip(numels, layer_of, parts, strict=True):
         if layer is not None:
-            weight[layer] = weight.get(layer, 0) + n
+            weight[(layer, part)] = weight.get((layer, part), 0) + n
     total = sum(weight.values())
-    before = {}  # layer -> its forward's start, as a fraction
-    done = 0
-    for layer in sorted(weight):
-        before[layer] = done / total if total else 0.0
-        done += weight[layer]
+    before, done = {}, 0  # (layer, part) -> its start, as a fraction of the chunk's layer forward
+    for key in sorted(weight):
+        before[key] = done / total if total else 0.0
+        done += weight[key]
     first_layer_param = next((k for k, layer in enumerate(layer_of) if layer is not None), len(layer_of))
     out = []
     for bucket in buckets:
-        at = [before[layer_of[k]] if layer_of[k] is not None else (0.0 if k < first_layer_param else 1.0)
+        at = [before[(layer_of[k], parts[k])] if layer_of[k] is not None else (0.0 if k < first_layer_param else 1.0)
               for k in bucket.members]
         out.append(min(at) if at else 1.0)
     return out

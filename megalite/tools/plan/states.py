@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 
 from megalite.models.config import TransformerConfig
 from megalite.optim.buffers import BucketLayout, plan_layout
-from megalite.tools.plan.inputs import DTYPE_BYTES, ZERO_STAGES, positions, rank_parameter_layers, rank_parameters
+from megalite.tools.plan.inputs import (DTYPE_BYTES, ZERO_STAGES, positions, rank_parameter_layers, rank_parameter_parts,
+                                        rank_parameters)
 from megalite.tools.plan.overlap import needed_fractions, ready_fractions
 from megalite.tools.plan.zero_replay import chunk_units, transient_peak
 
@@ -236,6 +237,8 @@ def _rank_buckets(config, tp, pp, vpp, pp_rank, seq_length, explicit, bucket_num
         else:
             layouts = [plan_layout(c, bucket_numel, dp) for c in chunks]
         ready = [ready_fractions(b, [n for n, _ in c], ls) for b, c, ls in zip(layouts, chunks, layers)]
-        needed = [needed_fractions(b, [n for n, _ in c], ls) for b, c, ls in zip(layouts, chunks, layers)]
+        parts = rank_parameter_parts(config, tp, pp, vpp, pp_rank, seq_length, explicit, experts=experts,
+                                     v_shape=v_shape)
+        needed = [needed_fractions(b, [n for n, _ in c], ls, ps) for b, c, ls, ps in zip(layouts, chunks, layers, parts)]
         _BUCKET_CACHE[key] = (layouts, ready, needed)
     return _BUCKET_CACHE[key]
