@@ -321,8 +321,8 @@ class DataParallelConfig:
     overlap_grad_reduce: bool = opt(True, "ZeRO stages 0-1: start each bucket's reduction as soon as backward "
                                           "fills it (true), or reduce every bucket after the last backward (false)")
     overlap_param_gather: bool = opt(False, "ZeRO stages 1-2: all-gather the updated parameters beside the next "
-                                            "forward, each bucket waited for before the first layer that reads it "
-                                            "(stage 3 gathers layer by layer always)")
+                                            "forward, each bucket waited for before the part of a layer that reads "
+                                            "it (stage 3 gathers layer by layer always)")
 
     def check(self) -> None:
         check_numbers(self)

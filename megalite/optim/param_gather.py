@@ -34,7 +34,8 @@ from megalite.optim.buffers import ParamAndGradBuffer
 
 
 def attach_gather_waits(chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
-    """Let `buffer`'s gathers overlap `chunk`'s next forward, waiting before each layer (see above)."""
+    """Let `buffer`'s gathers overlap `chunk`'s next forward, each part of a layer waiting for its own
+    buckets as it begins (see above)."""
     buffer.overlap_param_gather = True
     position = {id(p): buffer.gather_position(buffer.bucket_of[id(p)]) for p in buffer.params}
     layers = list(getattr(chunk, "layers", []))
@@ -44,6 +45,7 @@ def attach_gather_waits(chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
         if id(p) in in_layers:
             break
         before = max(before, position.get(id(p), 0))
+
     def last(module: nn.Module, recurse: bool = True) -> int:
         return max((position[id(p)] for p in module.parameters(recurse=recurse) if id(p) in position), default=0)
 

@@ -14,8 +14,8 @@ from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, Me
 from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.optimizer import sgd
-from megalite.parallel import lanes
 from megalite.optim.param_gather import attach_gather_waits
+from megalite.parallel import lanes
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
