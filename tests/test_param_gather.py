@@ -195,3 +195,13 @@ def test_the_flag_without_a_distributed_optimizer_or_with_compile_is_refused_in_
     code = pretrain_gpt.main(["--mock-data", "--train-iters", "1", *argv])
     err = capsys.readouterr().err
     assert code != 0 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_at_stage_3_the_flag_is_a_note_and_the_printed_configuration_says_false(capsys):
+    import pretrain_gpt
+    assert pretrain_gpt.main(["--mock-data", "--zero-stage", "3", FLAG, "--print-config"]) == 0
+    captured = capsys.readouterr()
+    assert "overlap_param_gather = false" in captured.out
+    assert "--overlap-param-gather (--zero-stage 3 gathers each layer beside the layer before it, always)" in captured.err
+    assert pretrain_gpt.main(["--mock-data", "--use-distributed-optimizer", FLAG, "--print-config"]) == 0
+    assert "overlap_param_gather = true" in capsys.readouterr().out

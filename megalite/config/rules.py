@@ -84,6 +84,10 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if prec.fp8_param_gather and stage < 3:  # megalite gathers FP8 weights in ZeRO-3's gathers; numbers alike
         prec = dataclasses.replace(prec, fp8_param_gather=False)
         ignored = (*ignored, "--fp8-param-gather (FP8 weights travel as FP8 in --zero-stage 3's gathers only)")
+    if d.overlap_param_gather and stage == 3:  # stage 3 gathers each layer beside the one before, always
+        d = dataclasses.replace(d, overlap_param_gather=False)
+        ignored = (*ignored, "--overlap-param-gather (--zero-stage 3 gathers each layer beside the layer before "
+                             "it, always)")
     resolved = dataclasses.replace(
         config,
         model=dataclasses.replace(m, model=name, seq_length=seq),
