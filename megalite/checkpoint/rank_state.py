@@ -56,6 +56,8 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
     """This rank's slices: ([(key, tensor)], structure). The tensors are the live ones (no copies):
     write them before training goes on, or snapshot them. `replica`: state of this rank's own that
     no other rank holds (local SGD's replicas), stored as it is under "replica"."""
+    if hasattr(optimizer, "finish_param_gather"):  # --overlap-param-gather: the update's gathers in first
+        optimizer.finish_param_gather()
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def add(key: str, t: torch.Tensor) -> str:

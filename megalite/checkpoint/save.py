@@ -261,8 +261,6 @@ class Checkpointer:
         # ZeRO-3 parameters are whole only while their unit is gathered: the snapshot copies each one
         # then, one unit at a time (never the whole model at once).
         stage = _zero_stage(optimizer)
-        if hasattr(optimizer, "finish_param_gather"):  # --overlap-param-gather: the update's gathers in
-            optimizer.finish_param_gather()
         if stage == 3:
             unit_keys = optimizer.unit_storage_keys()
             with optimizer.non_layer_units_gathered():  # the embeddings' padding is cut off while whole

@@ -61,7 +61,7 @@ def attach_gather_waits(chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
                 part.register_forward_pre_hook(partial(_wait, buffer, count))
     if not layers:  # a chunk with no layers: everything before it runs
         before = len(buffer.buckets)
-    chunk.register_forward_pre_hook(lambda module, args: buffer.wait_param_gather(before))
+    chunk.register_forward_pre_hook(partial(_wait, buffer, before))
     chunk.register_forward_hook(lambda module, args, out: buffer.finish_param_gather())
     if layers:
         layers[-1].register_forward_hook(lambda module, args, out: buffer.finish_param_gather())

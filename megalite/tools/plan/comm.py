@@ -150,9 +150,10 @@ def dp_exposed(costs: LayoutCosts, state: StateBytes, r: int) -> DataParallelTim
     does, so with interleaving the later chunks' buckets have more time. Each bucket starts once
     backward has completed it and the stream is free, and pays the cluster's collective latency
     (overlap.py: the small first buckets of megalite.optim.bucket_plan start early). The tied embedding (pp > 1) is reduced after the schedule: over the
-    embedding group, then over dp like the other buckets. Stage 1 all-gathers the updated parameters
-    after the step (with --overlap-param-gather, behind the next forward: gather_play.py). Stages 2-3 reduce-scatter in every backward, which waits for them at its end;
-    stage 3 also all-gathers each unit before it is used (see zero3_exposed)."""
+    embedding group, then over dp like the other buckets. Stages 1-2 all-gather the updated
+    parameters after the step (with --overlap-param-gather, behind the next forward: gather_play.py).
+    Stages 2-3 reduce-scatter in every backward, which waits for them at its end; stage 3 also
+    all-gathers each unit before it is used (see zero3_exposed)."""
     layout, run = costs.layout, costs.run
     if run.local_sgd_interval:
         return local_sgd_exposed(costs, state, r)

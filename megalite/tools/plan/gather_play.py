@@ -4,12 +4,12 @@ played against the next forward (megalite.optim.param_gather).
 The model: every chunk's buckets are posted as the next step begins (time 0), buffer by buffer as the
 optimizer publishes them (chunk by chunk, each chunk's dense buffer then its expert buffer), each
 buffer's buckets in forward order, and they cross one stream one after another, each paying the
-collective latency. A bucket is needed when the forward reaches the first layer that holds any of
-its parameters (megalite waits for all of a layer's buckets before the layer): at
-overlap.needed_fractions of the chunk's layer forward, after the chunk's first forward has begun,
-which on virtual stage s is s one-chunk forwards into the step (the pipeline's fill). The
-forward waits for what is late; what the waits add is exposed: the largest lateness of any bucket
-(each wait shifts the rest of the forward with it).
+collective latency. A bucket is needed when the forward reaches the first part of a layer (its
+norms, attention, MLP) that holds any of its parameters (megalite waits for all of a part's buckets
+before the part): at overlap.needed_fractions of the chunk's layer forward, after the chunk's first
+forward has begun, which on virtual stage s is s one-chunk forwards into the step (the pipeline's
+fill). The forward waits for what is late; what the waits add is exposed: the largest lateness of
+any bucket (each wait shifts the rest of the forward with it).
 
 Not modelled: the first forward's other traffic on the same link (a pipeline's activations, MoE's
 all-to-alls), and a stage's forwards of other micro-batches, which come after the first.
