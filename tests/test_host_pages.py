@@ -32,7 +32,9 @@ def test_a_large_flat_buffer_starts_on_a_huge_page_and_is_advised_before_its_fir
 def _vm_flags_at(address: int) -> set[str]:
     """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
     inside = False
-    for line in open("/proc/self/smaps").read().splitlines():
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for line in lines:
         m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             inside = int(m.group(1), 16) <= address < int(m.group(2), 16)
@@ -49,9 +51,27 @@ def test_the_kernel_holds_a_large_buffer_as_advised_huge():
     t = host_pages.zeros_flat(1 << 22, torch.float32, "cpu")  # 16 MiB
     assert "hg" in _vm_flags_at(t.data_ptr()), _vm_flags_at(t.data_ptr())
     assert not t.any()
-    if not os.environ.get("THP_MEM_ALLOC_ENABLE"):  # (PyTorch's switch advises all its large allocations)
-        plain = torch.zeros(1 << 22)  # a plain tensor of the same size is not advised
-        assert "hg" not in _vm_flags_at(plain.data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.skipif(bool(os.environ.get("THP_MEM_ALLOC_ENABLE")), reason="PyTorch's switch advises every large allocation")
+def test_the_advice_goes_with_the_buffer_and_never_reaches_later_allocations():
+    """Each buffer is its own mapping, unmapped when freed. Carved from the allocator's heap (as once),
+    the advice stayed on the heap after the buffer was freed and a later plain tensor there was huge
+    too: CI caught it when a test ran after others had freed their buffers, the heap's glibc mmap
+    threshold having risen past 16 MiB."""
+    for _ in range(8):  # frees of large plain blocks raise glibc's mmap threshold; then buffers come and go
+        plain = torch.empty(1 << 23)
+        del plain
+        buffer = host_pages.zeros_flat(1 << 22, torch.float32, "cpu")
+        address = buffer.data_ptr()
+        view = buffer[10:20]
+        del buffer
+        assert "hg" in _vm_flags_at(address)  # a view keeps the mapping
+        del view
+        assert _vm_flags_at(address) == set()  # unmapped with its last tensor
+    later = [torch.zeros(1 << 22) for _ in range(8)]
+    assert ["hg" in _vm_flags_at(t.data_ptr()) for t in later] == [False] * 8
 
 
 def test_small_buffers_and_other_devices_are_plain_tensors():

@@ -6,12 +6,15 @@ time by several per cent from one process to another. Linux can back a range wit
 asked (`madvise(MADV_HUGEPAGE)`; most distributions set transparent huge pages to "madvise"), which
 is what PyTorch's own `THP_MEM_ALLOC_ENABLE=1` does for every large allocation. megalite asks for
 its flat buffers only: the request is made before the first write, so the pages are huge from the
-first fault. Other devices, other systems and small buffers get a plain `torch.empty`.
+first fault. Each buffer is a mapping of its own, unmapped when the tensor is freed: memory taken from
+the allocator's heap would keep the advice after the buffer is gone and hand it to whatever is
+allocated there next. Other devices, other systems and small buffers get a plain `torch.empty`.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import sys
 
@@ -44,10 +47,11 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device | str) -> to
     if not huge_pages_apply(device, numel * itemsize):
         return torch.empty(numel, dtype=dtype, device=device)
     spare = HUGE_PAGE // itemsize
-    raw = torch.empty(numel + spare, dtype=dtype, device=device)
+    # An anonymous mapping is zeroed and page-aligned; the tensor keeps it alive and its release unmaps it.
+    raw = torch.frombuffer(mmap.mmap(-1, (numel + spare) * itemsize), dtype=dtype)
     skip = (-raw.data_ptr()) % HUGE_PAGE // itemsize
     flat = raw[skip:skip + numel]
-    end = raw.data_ptr() + raw.numel() * itemsize  # advise nothing past the allocation
+    end = raw.data_ptr() + raw.numel() * itemsize  # advise nothing past the mapping
     length = (end - flat.data_ptr()) // 4096 * 4096
     # A refusal (THP "never", an old kernel) leaves ordinary pages: the buffer works either way.
     _madvise()(flat.data_ptr(), length, _MADV_HUGEPAGE)
