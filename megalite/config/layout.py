@@ -115,6 +115,22 @@ def _check_experts(config: RunConfig, model: TransformerConfig, dp: int) -> None
                          f"its own part of the sequence): add --sequence-parallel")
     if config.local_sgd.local_sgd_interval:
         _check_experts_under_local_sgd(model, p.tp * p.cp, ep, etp)
+    _check_dispatch_chunks(config, model, ep)
+
+
+def _check_dispatch_chunks(config: RunConfig, model: TransformerConfig, ep: int) -> None:
+    chunks, flag = config.parallel.moe_dispatch_chunks, f"--moe-dispatch-chunks {config.parallel.moe_dispatch_chunks}"
+    if chunks == 1:
+        return
+    local = model.num_moe_experts // ep
+    why = ("the allgather dispatcher has no all-to-all to cut: use --moe-token-dispatcher-type alltoall"
+           if model.moe_token_dispatcher_type == "allgather" else
+           "at --ep 1 no rows travel: give --ep > 1" if ep == 1 else
+           f"groups are of whole experts, and a rank holds {local}: give at most {local}" if chunks > local else
+           "posts exchanges that the compiled layers do not trace here: drop --torch-compile"
+           if config.model.torch_compile else None)
+    if why:
+        raise UsageError(f"{flag}: {why}")
 
 
 def _check_experts_under_local_sgd(model: TransformerConfig, replica_ranks: int, ep: int, etp: int) -> None:
@@ -174,6 +190,8 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     _check_batches(config, dp)
     if model.is_moe:
         _check_experts(config, model, dp)
+    elif p.moe_dispatch_chunks > 1:
+        raise UsageError("--moe-dispatch-chunks: for mixture-of-experts models only: add --num-experts N, or drop it")
     if machine:
         _check_installed(config)
     if d.zero_stage == 3 and config.model.torch_compile:

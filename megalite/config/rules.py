@@ -293,7 +293,7 @@ def _model_config(config: RunConfig) -> TransformerConfig:
         built = preset(m.model, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                        sequence_parallel=p.sequence_parallel, tp_comm_overlap=p.tp_comm_overlap,
                        tp_comm_overlap_splits=p.tp_comm_overlap_splits,
-                       recompute=m.recompute,
+                       moe_dispatch_chunks=p.moe_dispatch_chunks, recompute=m.recompute,
                        attention_backend="sdpa" if m.attention_backend == "auto" else m.attention_backend,
                        norm_backend=m.norm_backend, recompute_method=m.recompute_method,
                        recompute_num_layers=m.recompute_num_layers, cp_comm_type=p.cp_comm_type,

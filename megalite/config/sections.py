@@ -82,6 +82,10 @@ class ParallelConfig:
                "collective, so that one's expert all-to-alls (and TP/SP, CP exchanges) are in flight while the "
                "other computes (1f1b at any --pp, interleaved, dualpipev's pairs; the same numbers; one more "
                "micro-batch in flight; docs/communication.md)")
+    moe_dispatch_chunks: int = opt(
+        1, "each MoE layer's experts in N groups, each group's rows sent, computed and sent back on their own, so "
+           "one group's experts compute while the next group's rows travel (the all-to-all dispatcher at --ep > 1; "
+           "the same numbers; docs/communication.md)", metavar="N", check=POSITIVE_INT)
     cp: int = opt(1, "context-parallel size: each sequence split over N ranks (ring attention; "
                      "docs/context-parallel.md)", flags=("--cp", "--context-parallel-size"), check=POSITIVE_INT)
     cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p) or heads "

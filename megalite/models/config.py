@@ -116,6 +116,9 @@ class TransformerConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: int | None = None  # a dense MLP every token also takes
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w)
+    # The all-to-all dispatcher's exchanges a group of local experts at a time, pipelined with the
+    # groups' GEMMs (megalite.models.moe.chunked): when communication runs, not the numbers.
+    moe_dispatch_chunks: int = 1
     # Multi-token prediction (DeepSeek-V3; megalite.models.mtp): this many sequential modules on the
     # last stage, their losses weighted by mtp_loss_scaling_factor / mtp_num_layers.
     mtp_num_layers: int = 0

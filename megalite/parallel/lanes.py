@@ -134,6 +134,7 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> None:
         try:
             pair.begin(me)
             fn()
+            flush()  # (a pass waits for what it posts: nothing is left here)
         except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
             errors[me] = e
         finally:
@@ -203,6 +204,84 @@ class _All:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+
+class Posted:
+    """A collective posted to this lane's queue (`post`); `wait()` for its result."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, kind: str):
+        self.call, self.kind = (fn, args, kwargs), kind
+        self.work: _Once | None = None  # once launched
+        self.launched: float | None = None
+        self.done = False
+
+    def wait(self) -> None:
+        _wait_posted(self)
+
+
+def _queue() -> list[Posted]:
+    q = getattr(_local, "queue", None)
+    if q is None:
+        q = _local.queue = []
+    return q
+
+
+def post(fn: Callable, *args, kind: str, **kwargs) -> Posted:
+    """Post the torch.distributed collective `fn(*args, **kwargs)` and return at once. A lane's posts
+    go on the link one at a time, in order (as on one NCCL stream): each is launched when the one
+    before it has been waited for, so the second of two rides the link alone instead of sharing it
+    with the first (gloo runs two launched collectives side by side). Inside a pair, a wait hands
+    the turn over, as `collective` does. Launches happen only at a post or a wait, never on a
+    clock, so every rank launches in the same order."""
+    posted = Posted(fn, args, kwargs, kind)
+    if torch.compiler.is_compiling():
+        fn(*args, **kwargs)
+        posted.done = True
+        return posted
+    q = _queue()
+    q.append(posted)
+    if len(q) == 1:
+        _launch(posted)
+    return posted
+
+
+def _launch(posted: Posted) -> None:
+    pair = getattr(_local, "pair", None)
+    if pair is not None:
+        pair.drain_other(_local.lane)
+    fn, args, kwargs = posted.call
+    posted.launched = time.perf_counter()
+    posted.work = _Once(fn(*args, async_op=True, **kwargs))
+    posted.call = None
+    if pair is not None:
+        pair.in_flight[_local.lane] = posted.work
+
+
+def _wait_posted(posted: Posted) -> None:
+    """Wait for `posted` and for every post before it, launching each in turn."""
+    q = _queue()
+    while not posted.done:
+        head = q[0]
+        if head.work is None:
+            _launch(head)
+        pair = getattr(_local, "pair", None)
+        if pair is not None:
+            pair.hand_over(_local.lane, head.kind)
+            if pair.in_flight.get(_local.lane) is head.work:
+                pair.in_flight.pop(_local.lane)
+        head.work.wait()
+        head.done = True
+        _record(head.kind, head.launched)
+        q.pop(0)
+        if q:
+            _launch(q[0])
+
+
+def flush() -> None:
+    """Wait for everything this lane has posted."""
+    q = _queue()
+    if q:
+        q[-1].wait()
 
 
 def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.models.moe.capacity import count_per_expert, padded_slots
+from megalite.models.moe.chunked import dispatch_in_chunks, expert_groups
 from megalite.parallel import lanes, state, traffic
 from megalite.parallel.mappings import (
     all_gather_single,
@@ -85,10 +86,11 @@ def _gather_counts(counts: torch.Tensor, group) -> torch.Tensor:
 
 
 class AllToAllDispatcher:
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, chunks: int = 1):
         self.num_experts = num_experts
         self.ep, self.etp = state.get_expert_model_parallel_world_size(), state.get_expert_tensor_parallel_world_size()
         self.local = num_experts // self.ep
+        self.chunks = min(chunks, self.local) if self.ep > 1 else 1  # (over one rank nothing travels)
 
     def __call__(self, tokens, weights, indices, experts, pad_to: int | None = None):
         """tokens [T, hidden], weights [T, k], indices [T, k] -> [T, hidden]. `pad_to`: every
@@ -111,6 +113,9 @@ class AllToAllDispatcher:
         me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
         mine = range(me_ep * local, (me_ep + 1) * local)
         # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
+        if self.chunks > 1 and not torch.compiler.is_compiling():
+            y = self._in_chunks(rows, table, experts)
+            return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
         send = [sum(table[me_ep * etp + me_etp][j * local:(j + 1) * local]) for j in range(ep)]
         recv = [sum(table[j * etp + me_etp][e] for e in mine) for j in range(ep)]
         rows = all_to_all_rows(rows, state.get_expert_model_parallel_group(), recv, send)
@@ -126,6 +131,38 @@ class AllToAllDispatcher:
         y = reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
         y = all_to_all_rows(y, state.get_expert_model_parallel_group(), send, recv)
         return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
+
+    def _in_chunks(self, rows: torch.Tensor, table, experts) -> torch.Tensor:
+        """The exchanges and experts above, a group of local experts at a time (megalite.models.moe.chunked):
+        rows in expert order in, their outputs in the same order out."""
+        ep, etp, local = self.ep, self.etp, self.local
+        me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
+        groups = expert_groups(local, self.chunks)
+        mine = table[me_ep * etp + me_etp]
+        starts = [0]
+        for n in mine:
+            starts.append(starts[-1] + n)
+        # the rows, grouped by chunk, then destination, then expert (each row once: an exact permutation)
+        order = [torch.arange(starts[j * local + lo], starts[j * local + hi]) for lo, hi in groups for j in range(ep)]
+        order = torch.cat(order).to(rows.device)
+        send = [[sum(mine[j * local + lo:j * local + hi]) for j in range(ep)] for lo, hi in groups]
+        recv = [[sum(table[j * etp + me_etp][me_ep * local + e] for e in range(lo, hi)) for j in range(ep)]
+                for lo, hi in groups]
+
+        def compute(g: int, received: torch.Tensor) -> torch.Tensor:
+            lo, hi = groups[g]
+            block = [[[table[j * etp + q][me_ep * local + e] for e in range(lo, hi)] for j in range(ep)]
+                     for q in range(etp)]
+            peer_rows = [sum(sum(b) for b in block[q]) for q in range(etp)]
+            received = gather_rows_v(received, state.get_expert_tensor_parallel_group(), peer_rows)
+            perm, per_expert = self._by_expert(block, received.device)
+            y = experts(received.index_select(0, perm), per_expert, (lo, hi))
+            y = y.index_select(0, torch.argsort(perm))
+            return reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
+
+        y = dispatch_in_chunks(rows.index_select(0, order), state.get_expert_model_parallel_group(), send, recv,
+                               compute)
+        return y.index_select(0, torch.argsort(order))
 
     @staticmethod
     def _by_expert(block, device):
@@ -175,5 +212,8 @@ class AllGatherDispatcher:
         return reduce_scatter_to_sequence_parallel_region(out, group) if size > 1 else out
 
 
-def make_dispatcher(kind: str, num_experts: int):
-    return {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}[kind](num_experts)
+def make_dispatcher(kind: str, num_experts: int, chunks: int = 1):
+    """`chunks` (the all-to-all's): its exchanges a group of local experts at a time."""
+    if kind == "allgather":
+        return AllGatherDispatcher(num_experts)
+    return AllToAllDispatcher(num_experts, chunks)

@@ -146,12 +146,19 @@ class GroupedMLP(nn.Module):
             p.partition_blocks = blocks
         return p
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, hidden] sorted by local expert (counts[e] rows each) -> [N, hidden], partial over ETP."""
-        h = self._linear(x, self.fc1_weight, counts, self.fc1_fp8)
+    def forward(self, x: torch.Tensor, counts: list[int], experts: tuple[int, int] | None = None) -> torch.Tensor:
+        """x [N, hidden] sorted by local expert (counts[e] rows each) -> [N, hidden], partial over ETP.
+        `experts` (lo, hi): the rows are those of local experts lo..hi-1 only (counts has hi - lo
+        entries): their slices of the weights, the same GEMMs."""
+        fc1, fc2, fp8_1, fp8_2 = self.fc1_weight, self.fc2_weight, self.fc1_fp8, self.fc2_fp8
+        if experts is not None and experts != (0, self.num_local_experts):
+            lo, hi = experts
+            fc1, fc2 = fc1[lo:hi], fc2[lo:hi]
+            fp8_1, fp8_2 = fp8_1 and fp8_1[lo:hi], fp8_2 and fp8_2[lo:hi]
+        h = self._linear(x, fc1, counts, fp8_1)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.activation(gate) * up
         else:
             h = self.activation(h)
-        return self._linear(h, self.fc2_weight, counts, self.fc2_fp8)
+        return self._linear(h, fc2, counts, fp8_2)

@@ -31,7 +31,8 @@ class MoELayer(nn.Module):
         self.config = config
         self.router = TopKRouter(config, init_method, device)
         self.experts = GroupedMLP(config, init_method, output_init_method, device)
-        self.dispatcher = make_dispatcher(config.moe_token_dispatcher_type, config.num_moe_experts)
+        self.dispatcher = make_dispatcher(config.moe_token_dispatcher_type, config.num_moe_experts,
+                                          config.moe_dispatch_chunks)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = config.replace(ffn_hidden_size=config.moe_shared_expert_intermediate_size)
