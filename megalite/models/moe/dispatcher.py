@@ -148,6 +148,7 @@ class AllToAllDispatcher:
         send = [[sum(mine[j * local + lo:j * local + hi]) for j in range(ep)] for lo, hi in groups]
         recv = [[sum(table[j * etp + me_etp][me_ep * local + e] for e in range(lo, hi)) for j in range(ep)]
                 for lo, hi in groups]
+        shared = experts.shared_gradients(len(groups))
 
         def compute(g: int, received: torch.Tensor) -> torch.Tensor:
             lo, hi = groups[g]
@@ -156,7 +157,7 @@ class AllToAllDispatcher:
             peer_rows = [sum(sum(b) for b in block[q]) for q in range(etp)]
             received = gather_rows_v(received, state.get_expert_tensor_parallel_group(), peer_rows)
             perm, per_expert = self._by_expert(block, received.device)
-            y = experts(received.index_select(0, perm), per_expert, (lo, hi))
+            y = experts(received.index_select(0, perm), per_expert, (lo, hi, shared))
             y = y.index_select(0, torch.argsort(perm))
             return reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
 

@@ -41,6 +41,41 @@ def _offsets(counts: list[int], device) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device, non_blocking=True)
 
 
+def _multiply(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    if _grouped_mm_applies(x, weight):
+        return torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
+        if ye.shape[0]:
+            torch.mm(xe, weight[e].t(), out=ye)
+    return out
+
+
+def _input_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    if _grouped_mm_applies(x, weight):
+        return torch.nn.functional.grouped_mm(grad, weight, offs=_offsets(counts, x.device))
+    grad_x = grad.new_empty(x.shape)
+    for e, (ge, gxe) in enumerate(zip(grad.split(counts), grad_x.split(counts))):
+        if ge.shape[0]:
+            torch.mm(ge, weight[e], out=gxe)
+    return grad_x
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """dW[e] = grad[rows of e]^T x[rows of e], into `out` when given (shaped like weight)."""
+    if _grouped_mm_applies(x, weight):
+        grad_w = torch.nn.functional.grouped_mm(grad.t(), x, offs=_offsets(counts, x.device))
+        return grad_w if out is None else out.copy_(grad_w)
+    grad_w = torch.empty_like(weight) if out is None else out
+    for e, (ge, xe) in enumerate(zip(grad.split(counts), x.split(counts))):
+        if ge.shape[0]:
+            torch.mm(ge.t(), xe, out=grad_w[e])
+        else:  # an expert no token reached: a zero gradient
+            grad_w[e].zero_()
+    return grad_w
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ weight[e]^T for each expert e (weight [E, out, in])."""
 
@@ -48,46 +83,62 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, counts):
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.used = counts, weight
-        if _grouped_mm_applies(x, weight):
-            return torch.nn.functional.grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
-        out = x.new_empty((x.shape[0], weight.shape[1]))
-        for e, (xe, ye) in enumerate(zip(x.split(counts), out.split(counts))):
-            if ye.shape[0]:
-                torch.mm(xe, weight[e].t(), out=ye)
-        return out
+        return _multiply(x, weight, counts)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         counts, grad = ctx.counts, grad.contiguous()
-        grad_x = grad_w = None
-        if _grouped_mm_applies(x, weight):
-            offs = _offsets(counts, x.device)
-            if ctx.needs_input_grad[0]:
-                grad_x = torch.nn.functional.grouped_mm(grad, weight, offs=offs)
-            grad_w = weight_grad.give(ctx.used, ctx.needs_input_grad[1],
-                                      lambda: torch.nn.functional.grouped_mm(grad.t(), x, offs=offs), (grad,))
-            return grad_x, grad_w, None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.new_empty(x.shape)
-            for e, (ge, gxe) in enumerate(zip(grad.split(counts), grad_x.split(counts))):
-                if ge.shape[0]:
-                    torch.mm(ge, weight[e], out=gxe)
-
-        def weight_gradient():
-            grad_w = torch.empty_like(weight)
-            for e, (ge, xe) in enumerate(zip(grad.split(counts), x.split(counts))):
-                if ge.shape[0]:
-                    torch.mm(ge.t(), xe, out=grad_w[e])
-                else:  # an expert no token reached: a zero gradient
-                    grad_w[e].zero_()
-            return grad_w
-        return grad_x, weight_grad.give(ctx.used, ctx.needs_input_grad[1], weight_gradient, (grad,)), None
+        grad_x = _input_gradient(grad, x, weight, counts) if ctx.needs_input_grad[0] else None
+        return grad_x, weight_grad.give(ctx.used, ctx.needs_input_grad[1],
+                                        lambda: _weight_gradient(grad, x, weight, counts), (grad,)), None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x [sum(counts), in] sorted by expert, weight [E, out, in] -> [sum(counts), out]."""
     return _GroupedLinear.apply(x, weight, list(counts))
+
+
+class SharedGradient:
+    """One weight's gradient over the groups of a chunked dispatch (megalite.models.moe.chunked): each
+    group's backward fills its experts' slice of one tensor, and the last of them to run hands the
+    whole tensor to autograd (the others hand over nothing). Handing each group's slice over alone
+    would make autograd build a zero-filled full-size gradient per group and add them up."""
+
+    def __init__(self, groups: int):
+        self.left, self.tensor = groups, None
+
+    def fill(self, weight: torch.Tensor, lo: int, hi: int, compute) -> torch.Tensor | None:
+        if self.tensor is None:
+            self.tensor = torch.empty_like(weight)
+        compute(self.tensor[lo:hi])
+        self.left -= 1
+        if self.left:
+            return None
+        whole, self.tensor = self.tensor, None
+        return whole
+
+
+class _GroupedLinearOfGroup(torch.autograd.Function):
+    """`_GroupedLinear` over local experts lo..hi-1 of `weight` (their slice, the same GEMMs); the
+    weight's gradient through `shared`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, lo, hi, shared):
+        part = weight[lo:hi]
+        ctx.save_for_backward(x, part)
+        ctx.counts, ctx.used, ctx.group = counts, weight, (lo, hi, shared)
+        return _multiply(x, part, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, part = ctx.saved_tensors
+        (lo, hi, shared), counts, grad = ctx.group, ctx.counts, grad.contiguous()
+        grad_x = _input_gradient(grad, x, part, counts) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad.give(
+            ctx.used, ctx.needs_input_grad[1],
+            lambda: shared.fill(ctx.used, lo, hi, lambda out: _weight_gradient(grad, x, part, counts, out)), (grad,))
+        return grad_x, grad_w, None, None, None, None
 
 
 class GroupedMLP(nn.Module):
@@ -134,8 +185,17 @@ class GroupedMLP(nn.Module):
         self.fc1_fp8 = [FP8Linear(recipe, amax_groups("expert_fc1"), device) for _ in range(self.num_local_experts)]
         self.fc2_fp8 = [FP8Linear(recipe, amax_groups("expert_fc2"), device) for _ in range(self.num_local_experts)]
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int], states) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, counts: list[int], states, group=None) -> torch.Tensor:
+        if group is not None:
+            lo, hi, shared = group
+            if states is None:
+                return _GroupedLinearOfGroup.apply(x, weight, list(counts), lo, hi, shared)
+            weight, states = weight[lo:hi], states[lo:hi]  # (FP8: autograd adds each group's slice up)
         return grouped_linear(x, weight, counts) if states is None else fp8_grouped_linear(x, weight, counts, states)
+
+    def shared_gradients(self, groups: int) -> tuple[SharedGradient, SharedGradient]:
+        """fc1's and fc2's gradients over one chunked dispatch of `groups` groups."""
+        return SharedGradient(groups), SharedGradient(groups)
 
     @staticmethod
     def _parameter(shard: torch.Tensor, config, device, dim: int, blocks: int) -> nn.Parameter:
@@ -146,19 +206,18 @@ class GroupedMLP(nn.Module):
             p.partition_blocks = blocks
         return p
 
-    def forward(self, x: torch.Tensor, counts: list[int], experts: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: list[int], group=None) -> torch.Tensor:
         """x [N, hidden] sorted by local expert (counts[e] rows each) -> [N, hidden], partial over ETP.
-        `experts` (lo, hi): the rows are those of local experts lo..hi-1 only (counts has hi - lo
-        entries): their slices of the weights, the same GEMMs."""
-        fc1, fc2, fp8_1, fp8_2 = self.fc1_weight, self.fc2_weight, self.fc1_fp8, self.fc2_fp8
-        if experts is not None and experts != (0, self.num_local_experts):
-            lo, hi = experts
-            fc1, fc2 = fc1[lo:hi], fc2[lo:hi]
-            fp8_1, fp8_2 = fp8_1 and fp8_1[lo:hi], fp8_2 and fp8_2[lo:hi]
-        h = self._linear(x, fc1, counts, fp8_1)
+        `group` (lo, hi, `shared_gradients`): the rows are those of local experts lo..hi-1 only
+        (counts has hi - lo entries): their slices of the weights, the same GEMMs."""
+        g1 = g2 = None
+        if group is not None:
+            lo, hi, (shared1, shared2) = group
+            g1, g2 = (lo, hi, shared1), (lo, hi, shared2)
+        h = self._linear(x, self.fc1_weight, counts, self.fc1_fp8, g1)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.activation(gate) * up
         else:
             h = self.activation(h)
-        return self._linear(h, fc2, counts, fp8_2)
+        return self._linear(h, self.fc2_weight, counts, self.fc2_fp8, g2)
