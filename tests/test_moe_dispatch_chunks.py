@@ -87,6 +87,19 @@ def test_each_group_computes_while_the_next_groups_rows_travel():
         assert events == layer * (3 * 2 * 2), events
 
 
+def test_inside_an_overlapped_pair_the_exchanges_are_whole():
+    # 2 micro-batches a rank: the first forward alone, one pair (the second forward beside the first
+    # backward), the last backward alone. A forward run alone sends each of 3 MoE layers' rows and
+    # outputs in 2 groups (4 exchanges a layer), and its micro-batch's backward does the same (its
+    # graph was built so); a forward in a pair sends them whole (2 a layer), the other lane hiding
+    # them (there the groups cost more than they hide: docs/communication.md), and so does its
+    # backward, alone at the end, in place (no wait of its own).
+    argv = EP2 + chunks(2) + ["--train-iters", "1", "--overlap-moe-expert-parallel-comm"]
+    for events in run_ranks(_events, 2, args=(argv,)):
+        assert events.count("L") == 3 * (4 + 4 + 2 + 2), events
+        assert events.count("W") == 3 * (4 + 4 + 2), events
+
+
 def _trainings(rank, world, runs, seed):
     return [train_params(rank, world, argv + ["--seed", str(seed)]) for argv in runs]
 

@@ -317,19 +317,26 @@ def test_the_overlapped_parameter_gather_exposes_only_what_arrives_after_its_lay
     assert "--overlap-param-gather" not in launch_command(after)
 
 
-def test_the_ep_bound_is_the_longest_of_the_cpu_the_link_and_each_lanes_chain():
+def test_the_ep_bound_is_the_best_order_of_a_pairs_items():
     from megalite.tools.plan.ep_bound import alone_phase_bound, ep_bound_of, ep_step_bound, pair_bound
+    from megalite.tools.plan.pair_play import played_pair
 
     forward = [(2.0, 5.0), (6.0, 5.0)]  # compute 8, link 10: its chain 18
     backward = [(4.0, 5.0), (11.0, 5.0)]  # compute 15, link 10: its chain 25
-    # the CPU 23, the link 20, the chains 18 and 25: the backward's chain decides, 2 beyond the compute
-    assert pair_bound(forward, backward) == 2.0
-    assert pair_bound([(10.0, 1.0)], [(10.0, 1.0)]) == 0.0  # compute-bound: all hideable
-    assert pair_bound([(1.0, 10.0)], [(1.0, 10.0)]) == 18.0  # link-bound: the link's 20 less the CPU's 2
+    # The CPU 23, the link 20, the chains 18 and 25 allow 2 beyond the compute, but no order gets there:
+    # the backward's chain runs uninterrupted only if the forward's 6 fits in its one 5-second gap.
+    # The best order exposes 6, which megalite's lanes also reach.
+    assert pair_bound(forward, backward) == 6.0 == played_pair(forward, backward) - 23.0
+    assert pair_bound([(10.0, 1.0)], [(10.0, 1.0)]) == 1.0  # compute-bound: only the last exchange sticks out
+    assert pair_bound([(1.0, 10.0)], [(1.0, 10.0)]) == 19.0  # link-bound: the link's 20 after the first compute
+    # Where the turn rules cost something: the forward's second compute fits inside the backward's
+    # 4-second one split in two (the lanes run an item to its exchange): 10 against the lanes' 11.
+    short, long = [(1.0, 2.0), (1.0, 2.0)], [(1.0, 2.0), (4.0, 2.0)]
+    assert pair_bound(short, long) == 3.0 and played_pair(short, long) == 11.0
     # alone: its own exchanges, or the link's bytes with the reduction's if longer
     assert alone_phase_bound(backward, 0.0) == 10.0 and alone_phase_bound(backward, 30.0) == 25.0
     got = ep_step_bound(3, forward, backward, 30.0, 0.0)
-    assert got == {"pairs": 6.0, "first_forward": 10.0, "last_backward": 25.0, "exposed": 41.0}
+    assert got == {"pairs": 18.0, "first_forward": 10.0, "last_backward": 25.0, "exposed": 53.0}
     # a run's: pp 1 with pairs at stage 0 or 1; none for other layouts
     moe = preset("moe-tiny")
     run = P.Run(16, 64, "fp32", 200_000, overlap_moe_ep_comm=True)

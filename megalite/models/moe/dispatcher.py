@@ -113,7 +113,9 @@ class AllToAllDispatcher:
         me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
         mine = range(me_ep * local, (me_ep + 1) * local)
         # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
-        if self.chunks > 1 and not torch.compiler.is_compiling():
+        # Inside an overlapped pair the other lane's compute hides the exchanges: there the groups'
+        # extra exchanges and hand-overs cost more than they hide (docs/communication.md)
+        if self.chunks > 1 and lanes.lane() is None and not torch.compiler.is_compiling():
             y = self._in_chunks(rows, table, experts)
             return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
         send = [sum(table[me_ep * etp + me_etp][j * local:(j + 1) * local]) for j in range(ep)]

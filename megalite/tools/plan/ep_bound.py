@@ -3,11 +3,17 @@ the planner's own costs: a bound to set beside the measured hidden share and the
 megalite's pairs (pair_play.py), for a run at pp 1 with --overlap-moe-expert-parallel-comm.
 
 Three facts bound it, whatever the order of the work:
-- a pair of passes (one micro-batch's forward beside another's backward) takes at least the
-  longest of the CPU's work (both lanes' compute: one device computes one thing at a time), the
-  link's (both lanes' exchanges: one link), and each lane's own chain (a lane's compute and
-  exchanges one after another: each exchange needs what came before it, and what follows needs
-  it);
+- a pair of passes (one micro-batch's forward beside another's backward) takes at least as long as
+  the best order of its two lanes' items (`best_pair_seconds`): the two lanes' compute items and
+  exchanges interleaved in every way that keeps each lane's own order (an exchange needs its lane's
+  compute before it, and the lane's next compute needs the exchange), one CPU computing one item
+  at a time, one link carrying one exchange at a time in launch order, a launch never holding the
+  CPU, and each compute item splittable in two so the other lane may run in between. It is found
+  exactly (a search over the interleavings, keeping only the states no other state beats in every
+  clock, and dropping any whose least possible end passes the lanes' own play). The longest of the
+  CPU's work, the link's and each lane's chain is a lower bound of it, and where the items do not
+  fit into each other's gaps (the forward's short attention segment against the backward's
+  longer exchange, say) it lies well below;
 - a pass that runs alone (the step's first forward, its last backward) waits for every exchange
   of its own;
 - the data-parallel reduction of the accumulated gradients can start only in the last backward
@@ -20,7 +26,7 @@ What is exposed is what those phases take beyond the compute in them.
 """
 from __future__ import annotations
 
-from megalite.tools.plan.pair_play import Items
+from megalite.tools.plan.pair_play import Items, played_pair
 
 
 def _cpu(items: Items) -> float:
@@ -31,11 +37,59 @@ def _link(items: Items) -> float:
     return sum(item[1] for item in items)
 
 
+def _halves(items: Items) -> list[tuple[float, float]]:
+    """(compute, exchange) segments, each compute item split in two (the other lane may run between)."""
+    out = []
+    for compute, exchange, *_ in items:
+        out += [(compute / 2, 0.0), (compute / 2, exchange)] if compute > 0 else [(0.0, exchange)]
+    return out
+
+
+def best_pair_seconds(forward: Items, backward: Items) -> float:
+    """The shortest the pair takes in any order of its items (see the module docstring). An
+    exchange run in place (the counts') counts as an ordinary one: that only allows more orders."""
+    lanes = (_halves(forward), _halves(backward))
+    rest = []  # per lane, the compute and the link seconds from item i on
+    for seq in lanes:
+        cpu, link = [0.0] * (len(seq) + 1), [0.0] * (len(seq) + 1)
+        for i in range(len(seq) - 1, -1, -1):
+            cpu[i], link[i] = cpu[i + 1] + seq[i][0], link[i + 1] + seq[i][1]
+        rest.append((cpu, link))
+    (cf, lf), (cb, lb) = rest
+    best = played_pair(forward, backward) * (1 + 1e-12)  # megalite's own order: a schedule, so an upper bound
+    # states (CPU free, link free, forward lane ready, backward lane ready) by items done in each lane
+    front = {(0, 0): [(0.0, 0.0, 0.0, 0.0)]}
+    nf, nb = len(lanes[0]), len(lanes[1])
+    for done in range(nf + nb):
+        for i in range(max(0, done - nb), min(done, nf) + 1):
+            for state in front.pop((i, done - i), ()):
+                for lane, at in ((0, (i, done - i)), (1, (i, done - i))):
+                    k = at[lane]
+                    if k == len(lanes[lane]):
+                        continue
+                    compute, exchange = lanes[lane][k]
+                    cpu, link = state[0], state[1]
+                    end = max(cpu, state[2 + lane]) + compute
+                    link, ready = (max(end, link) + exchange,) * 2 if exchange > 0 else (link, end)
+                    new = (end, link, ready, state[3]) if lane == 0 else (end, link, state[2], ready)
+                    ni, nj = (i + 1, done - i) if lane == 0 else (i, done - i + 1)
+                    least = max(end + cf[ni] + cb[nj], link + lf[ni] + lb[nj], new[2] + cf[ni] + lf[ni],
+                                new[3] + cb[nj] + lb[nj])
+                    if least >= best:
+                        continue
+                    if ni == nf and nj == nb:
+                        best = least
+                        continue
+                    cell = front.setdefault((ni, nj), [])
+                    if any(all(a <= b for a, b in zip(other, new)) for other in cell):
+                        continue
+                    cell[:] = [other for other in cell if not all(b <= a for a, b in zip(other, new))] + [new]
+    return best
+
+
 def pair_bound(forward: Items, backward: Items) -> float:
-    """The least a pair of these passes can expose (see the module docstring)."""
-    cpu = _cpu(forward) + _cpu(backward)
-    chains = (_cpu(forward) + _link(forward), _cpu(backward) + _link(backward))
-    return max(cpu, _link(forward) + _link(backward), *chains) - cpu
+    """The least a pair of these passes can expose: its best order beyond both lanes' compute."""
+    return best_pair_seconds(forward, backward) - _cpu(forward) - _cpu(backward)
 
 
 def alone_phase_bound(items: Items, reduction: float) -> float:
