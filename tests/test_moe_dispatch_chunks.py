@@ -4,7 +4,8 @@ travel, forward and backward. Claims: groups are whole experts; one spawn of ran
 exchange in flight beside the other group's GEMMs, one on the link at a time; training is bitwise the
 unchunked run (losses, gradient norms, bytes counted, every weight) at EP 2 with dropout, uneven
 groups with padded capacity, overlapped pairs, full recomputation, DeepSeek-V3 (MLA, sigmoid routing),
-FP8, TP 2 x ETP 2 with SP, and PP 2 x EP 2 under DualPipeV's pairs (its weight gradients deferred);
+FP8, ZeRO-3, TP 2 x ETP 2 with SP, and PP 2 x EP 2 under DualPipeV's pairs and ZB-H1 (weight
+gradients deferred);
 no host sync is added; what it cannot do is refused in one line."""
 import pytest
 import torch
@@ -127,6 +128,7 @@ TWO_RANKS = {  # name: (the unchunked run, the chunked one)
     "ep2-recompute": (EP2 + ["--recompute", "full"], EP2 + ["--recompute", "full"] + chunks(4)),
     "deepseek-ep2": (DEEPSEEK, DEEPSEEK + chunks(2)),
     "ep2-fp8": (EP2 + ["--fp8-format", "hybrid"], EP2 + ["--fp8-format", "hybrid"] + chunks(2)),
+    "ep2-zero3": (EP2 + ["--zero-stage", "3"], EP2 + ["--zero-stage", "3"] + chunks(2)),
 }
 
 
@@ -147,6 +149,7 @@ FOUR_RANKS = {
     "tp2-sp-etp2-ep2": ["--tp", "2", "--sequence-parallel", "--ep", "2", "--global-batch-size", "8"],
     "pp2-ep2-dualpipev-pairs": ["--pp", "2", "--pipeline-schedule", "dualpipev", "--ep", "2", "--global-batch-size",
                                 "16", "--overlap-moe-expert-parallel-comm"],
+    "pp2-ep2-zb-h1": ["--pp", "2", "--pipeline-schedule", "zb-h1", "--ep", "2", "--global-batch-size", "16"],
 }
 
 
