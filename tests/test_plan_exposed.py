@@ -367,3 +367,52 @@ def test_a_bucket_is_needed_when_the_forward_reaches_the_first_layer_holding_any
     # is in its second part, which starts after the first's 20 elements (half the forward's 40)
     parts = [None, 0, 1, 0, 1, None]
     assert needed_fractions(buckets, numels, layer_of, parts) == [0.75 + 0.15, 0.5, 0.0]
+
+
+def test_a_pass_alone_in_groups_hides_each_groups_exchange_behind_the_next_groups_experts():
+    from megalite.tools.plan.chunk_play import chunked_alone_exposed, pass_ops, played_alone
+    from megalite.tools.plan.exposed import EpParts
+
+    # the FIFO queue by hand: two posts, each launched when the one before it is waited for
+    ops = [("post", "a", 2.0), ("post", "b", 2.0), ("wait", "a"), ("compute", 3.0), ("wait", "b")]
+    assert played_alone(ops) == 5.0  # a's 2, then b's 2 beside the 3 of compute
+    assert played_alone([("compute", 1.0), ("in place", 2.0), ("compute", 1.0)]) == 4.0
+    # a layer: attention 1, counts 0.5 in place, two exchanges of 4 (latency 0.5) each way, experts 4
+    e = EpParts(1, 0.5, 4.0, 1, 1.0, 4.0, 2.0, 8.0, 1, 1)
+    assert chunked_alone_exposed(e, 1, "F") == 0.5 + 4.0 + 4.0  # whole: every exchange waited for
+    # 2 groups: each exchange 0.5 + 1.75 = 2.25; the first group's rows, then its experts (2) beside the
+    # second group's rows (2.25), then the second's experts (2) beside the first's outputs (2.25), then
+    # the second's outputs: 0.5 + 2.25 + 0.25 + 0.25 + 2.25 exposed
+    assert chunked_alone_exposed(e, 2, "F") == pytest.approx(5.5)
+    # backward: the outputs' gradients of group 1 then 0; group 1's experts (4) beside group 0's
+    # gradients (2.25), group 0's experts (4) beside group 1's rows' (2.25), then group 0's rows'
+    assert chunked_alone_exposed(e, 2, "B") == pytest.approx(2.25 + 2.25)
+    assert [op[0] for op in pass_ops(e, 2, "B")][:3] == ["post", "post", "wait"]
+
+
+def test_the_planner_predicts_groups_where_the_dispatcher_makes_them():
+    from megalite.tools.plan.command import launch_command
+    from megalite.tools.plan.exposed import dispatch_groups
+
+    moe = preset("moe-tiny")
+    layout = P.Layout(dp=2, ep=2, micro_batch_size=2)
+    narrow = P.Cluster(gpus=2, gpus_per_node=1, inter_node_gbps=0.1, peak_tflops=0.01, efficiency=1,
+                       collective_latency_ms=0.05)  # bytes, not latency, decide each exchange; compute as long
+    whole = P.predict(moe, layout, narrow, run=P.Run(16, 64, "fp32", 200_000))
+    grouped = P.predict(moe, layout, narrow, run=P.Run(16, 64, "fp32", 200_000, moe_dispatch_chunks=2))
+    assert dispatch_groups(grouped.costs) == 2 and dispatch_groups(whole.costs) == 1
+    a, b = whole.exposed["ep"], grouped.exposed["ep"]
+    assert b.bytes == a.bytes and b.exchanges > a.exchanges and b.comm > a.comm  # more latencies
+    assert b.exposed < 0.8 * a.exposed and a.exposed == a.comm  # whole: every exchange waited for
+    # where each exchange is mostly latency (1 ms), the groups' extra latencies cost more than they hide
+    assert (P.predict(moe, layout, SLOW, run=replace(grouped.run, moe_dispatch_chunks=2)).exposed["ep"].exposed
+            > P.predict(moe, layout, SLOW, run=whole.run).exposed["ep"].exposed)
+    assert "--moe-dispatch-chunks 2" in launch_command(grouped) and "chunks" not in launch_command(whole)
+    # more groups than local experts: the dispatcher makes one group an expert
+    many = P.predict(moe, layout, narrow, run=P.Run(16, 64, "fp32", 200_000, moe_dispatch_chunks=64))
+    assert dispatch_groups(many.costs) == moe.num_moe_experts // 2
+    # with pairs only the forwards alone go in groups
+    paired = P.Run(16, 64, "fp32", 200_000, overlap_moe_ep_comm=True)
+    p1 = P.predict(moe, layout, narrow, run=paired).exposed["ep"]
+    p2 = P.predict(moe, layout, narrow, run=replace(paired, moe_dispatch_chunks=2)).exposed["ep"]
+    assert p2.exposed < p1.exposed and p2.exchanges > p1.exchanges

@@ -130,6 +130,8 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
         parts += ["--zero-stage", str(lay.zero_stage)]
     if 1 <= lay.zero_stage <= 2 and run.overlap_param_gather:  # predicted with it: the run should have it
         parts.append("--overlap-param-gather")
+    if run.moe_dispatch_chunks > 1 and lay.ep > 1:
+        parts += ["--moe-dispatch-chunks", str(run.moe_dispatch_chunks)]
     if lay.zero_stage == 3 and not run.zero_reshard_after_forward:
         parts += ["--zero-reshard-after-forward", "false"]
     if lay.zero_stage == 3 and run.zero_keep_params_for_step:

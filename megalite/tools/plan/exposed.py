@@ -16,7 +16,8 @@ communication"):
 - ep: all exposed (the dispatcher waits for its all-to-alls), or with the
   --overlap-moe-expert-parallel-comm option the pairs of megalite.parallel.lanes played
   (pair_play.py): each exchange behind the other pass's compute up to its next exchange, the first
-  forward and the last backward alone;
+  forward and the last backward alone; with --moe-dispatch-chunks a pass alone played with its
+  layers' experts in groups (chunk_play.py);
 - pp: the schedule played with each boundary transfer (pipeline_play.py): what lies on its path;
 - dp: the gradient buckets during backward, ZeRO-3's gathers prefetched behind the layer before
   (comm.py's model, which `dp_exposed` works out for the step time)."""
@@ -30,6 +31,7 @@ from megalite.pipeline.partition import layers_of
 from megalite.pipeline.programs import PAIRED_SCHEDULES, build_program
 from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.inputs import extra_warmup_of
+from megalite.tools.plan.chunk_play import chunked_alone_exposed
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
 
@@ -182,15 +184,37 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
         return Exposure(0, 0.0, 0.0, 0.0, "")
     comm = m * layers * costs.ep_time
     sent = m * layers * (costs.ep_bytes + costs.etp_bytes)
+    groups = dispatch_groups(costs)
+    counts = pass_counts(costs, rank) if costs.run.overlap_moe_ep_comm else None
+    if groups > 1:  # each group's exchange pays the latency (the passes in pairs excepted: they go whole)
+        e = ep_parts(costs, stage)
+        # micro-batches sent in groups: all, or those whose forward runs alone (a pass: 1/v of the layers)
+        chunked = m if counts is None else counts[1] / costs.layout.v
+        extra = round(chunked * layers * 2 * (e.half_f + e.half_b) * (groups - 1))
+        comm, exchanges = comm + extra * e.lat, m * layers * costs.ep_exchanges + extra
+        if counts is None:
+            exposed = m * (chunked_alone_exposed(e, groups, "F") + chunked_alone_exposed(e, groups, "B"))
+            return Exposure(exchanges, sent, comm, exposed, "each group's experts beside the next group's exchange")
+    else:
+        exchanges = m * layers * costs.ep_exchanges
     if not costs.run.overlap_moe_ep_comm:
-        return Exposure(m * layers * costs.ep_exchanges, sent, comm, comm, "nothing (megalite waits for each)")
-    counts = pass_counts(costs, rank)
+        return Exposure(exchanges, sent, comm, comm, "nothing (megalite waits for each)")
     if counts is None:  # a schedule without pairs: nothing overlapped
-        return Exposure(m * layers * costs.ep_exchanges, sent, comm, comm, "nothing (this schedule has no pairs)")
+        return Exposure(exchanges, sent, comm, comm, "nothing (this schedule has no pairs)")
     forward, backward = pair_items(costs, stage)
     exposed = _played(counts, forward, backward, costs.layout.v)
-    return Exposure(m * layers * costs.ep_exchanges, sent, comm, exposed,
+    if groups > 1:  # a forward alone goes in groups (its backward, in a pair, is played whole)
+        exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward)) / costs.layout.v
+    return Exposure(exchanges, sent, comm, exposed,
                     "the other lane's compute up to its next exchange (a forward beside a backward)")
+
+
+def dispatch_groups(costs: LayoutCosts) -> int:
+    """The groups a MoE layer's exchanges go in (--moe-dispatch-chunks, as the dispatcher takes it)."""
+    config, layout = costs.config, costs.layout
+    if layout.ep == 1 or config.moe_token_dispatcher_type == "allgather":
+        return 1
+    return max(1, min(costs.run.moe_dispatch_chunks, config.num_moe_experts // layout.ep))
 
 
 def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int) -> float:
@@ -217,14 +241,29 @@ def pass_counts(costs: LayoutCosts, rank: int) -> tuple[int, int, int] | None:
     return (pairs, sum(op.kind == "F" for op in program) - pairs, sum(op.kind == "B" for op in program) - pairs)
 
 
-def pair_items(costs: LayoutCosts, stage: StageResult) -> tuple[list, list]:
-    """One micro-batch's forward and backward on `stage` as pair_play.py items (compute seconds on
-    one rank, then an exchange's seconds). Per MoE layer the forward computes its attention and
-    router, all-gathers the counts (in place, the turn kept), dispatches, runs the experts, combines; the backward runs the
-    combine's exchanges, the experts' backward, the dispatch's, then the attention's backward
-    (full recomputation: the recomputed forward's exchanges with the combine's). The stage's dense
-    layers and output layer are spread evenly over its MoE layers. Every exchange pays the latency,
-    the bytes (costs.ep_time's) spread evenly over those that carry rows."""
+@dataclass(frozen=True)
+class EpParts:
+    """A MoE layer's work on one rank, per micro-batch (seconds): its forward's attention and router
+    (and its share of the stage's other layers) `pre_f` and experts `e_f`, the backward's `pre_b` and
+    `e_b`; `x` an exchange that carries rows, `lat` the counts' (latency only), `counts` the counts'
+    exchanges a layer (forward, and the recomputed forward's), `half_f` / `half_b` the forward's /
+    backward's exchanges each way (dispatch side, combine side); `layers` on the stage."""
+    layers: int
+    lat: float
+    x: float
+    counts: int
+    pre_f: float
+    e_f: float
+    pre_b: float
+    e_b: float
+    half_f: int
+    half_b: int
+
+
+def ep_parts(costs: LayoutCosts, stage: StageResult) -> EpParts:
+    """The stage's dense layers and output layer are spread evenly over its MoE layers. Every
+    exchange pays the latency, the bytes (costs.ep_time's) spread evenly over those that carry rows
+    (full recomputation: the recomputed forward's with the backward's)."""
     config, layout, n = costs.config, costs.layout, stage.ep_layers
     lat, per_rank = _latency(costs), layout.tp * layout.cp * costs.rate
     passes = 6 if layout.recompute == "full" else 4
@@ -238,18 +277,28 @@ def pair_items(costs: LayoutCosts, stage: StageResult) -> tuple[list, list]:
     moe_f, moe_b = costs.moe_fwd / per_rank, costs.moe_bwd / per_rank
     other = max(0.0, stage.flops_mb / costs.rate - n * (moe_f + moe_b)) / n  # dense layers, output layer
     other_f = other * costs.fwd / (costs.fwd + costs.bwd)
-    pre_f, e_f = moe_f - experts + other_f, experts
-    pre_b, e_b = (moe_f - experts) * moe_b / moe_f + other - other_f, experts * moe_b / moe_f
     half_f = carrying * 2 // passes // 2  # the forward's dispatch (or combine) exchanges
-    half_b = (carrying - 2 * half_f) // 2
+    return EpParts(n, lat, x, counts, moe_f - experts + other_f, experts,
+                   (moe_f - experts) * moe_b / moe_f + other - other_f, experts * moe_b / moe_f,
+                   half_f, (carrying - 2 * half_f) // 2)
+
+
+def pair_items(costs: LayoutCosts, stage: StageResult) -> tuple[list, list]:
+    """One micro-batch's forward and backward on `stage` as pair_play.py items (compute seconds on
+    one rank, then an exchange's seconds; `ep_parts`). Per MoE layer the forward computes its
+    attention and router, all-gathers the counts (in place, the turn kept), dispatches, runs the
+    experts, combines; the backward runs the combine's exchanges, the experts' backward, the
+    dispatch's, then the attention's backward."""
+    e = ep_parts(costs, stage)
+    x, half_f, half_b = e.x, e.half_f, e.half_b
     # the counts' all-gather runs in place (lanes.collective(hand_over=False))
-    layer_f = ([(pre_f, lat, False)] if counts else []) + [(0.0 if counts else pre_f, x)] \
-        + [(0.0, x)] * (half_f - 1) + [(e_f, x)] + [(0.0, x)] * (half_f - 1)
-    extra = [(0.0, lat, False)] * (counts - 1)  # the recomputed forward's counts
-    layer_b = [(pre_b, x)] + extra + [(0.0, x)] * (half_b - 1) + [(e_b, x)] + [(0.0, x)] * (half_b - 1)
+    layer_f = ([(e.pre_f, e.lat, False)] if e.counts else []) + [(0.0 if e.counts else e.pre_f, x)] \
+        + [(0.0, x)] * (half_f - 1) + [(e.e_f, x)] + [(0.0, x)] * (half_f - 1)
+    extra = [(0.0, e.lat, False)] * (e.counts - 1)  # the recomputed forward's counts
+    layer_b = [(e.pre_b, x)] + extra + [(0.0, x)] * (half_b - 1) + [(e.e_b, x)] + [(0.0, x)] * (half_b - 1)
     # per layer the backward's attention (and its share of the rest) is computed before the layer's
     # first exchange, not after its last: the same compute, the pattern shifted by one segment
-    return layer_f * n + [(0.0, 0.0)], layer_b * n + [(0.0, 0.0)]
+    return layer_f * e.layers + [(0.0, 0.0)], layer_b * e.layers + [(0.0, 0.0)]
 
 
 def h_rows(config) -> float:
