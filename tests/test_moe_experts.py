@@ -119,3 +119,30 @@ def test_two_moe_models_in_one_process_keep_their_figures_apart():
     assert four.figures is None and eight.figures is None  # taken: the next log line starts anew
     assert len(a["moe_load_imbalance_per_layer"]) == 1 and a["moe_load_imbalance"] >= 1.0
     assert b["moe_load_imbalance"] >= 1.0 and a["moe_dropped_fraction"] == b["moe_dropped_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 0, 16, 0], [4, 4, 4, 4]], ids=["uneven", "one", "even"])
+def test_a_grouped_linear_by_groups_of_experts_equals_the_whole_bitwise(counts):
+    # The chunked dispatcher's GEMMs (megalite.models.moe.chunked): each group of experts multiplies
+    # its rows with its slice of the weights; the weight's gradient is filled group by group into one
+    # tensor, handed over by the group whose backward runs last, groups without rows included.
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(sum(counts), 8, generator=g), torch.randn(4, 12, 8, generator=g)
+    grad = torch.randn(sum(counts), 12, generator=g)
+    for loop in (False, True):
+        original = E._grouped_mm_applies
+        if loop:
+            E._grouped_mm_applies = lambda a, b: False
+        try:
+            whole = _run(lambda a, b: E.grouped_linear(a, b, counts), x, w, grad)
+            groups, shared = [(0, 2), (2, 3), (3, 4)], E.SharedGradient(3)
+
+            def by_groups(a, b):
+                rows = a.split([sum(counts[lo:hi]) for lo, hi in groups])
+                return torch.cat([E._GroupedLinearOfGroup.apply(r, b, counts[lo:hi], lo, hi, shared)
+                                  for r, (lo, hi) in zip(rows, groups)])
+            grouped = _run(by_groups, x, w, grad)
+        finally:
+            E._grouped_mm_applies = original
+        assert all(torch.equal(a, b) for a, b in zip(whole, grouped))
+        assert shared.left == 0 and shared.tensor is None

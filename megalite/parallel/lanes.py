@@ -11,6 +11,10 @@ groups, its Python state and the global RNG without races. The two passes share 
 writes gradients, the other reads weights), so each computes what it computes run alone: the
 numbers are bitwise those of running them one after the other.
 
+A pass may also post exchanges and wait for them later (`post`, for the MoE dispatcher's groups):
+a lane's posts go on the link one at a time, in order, each launched when the one before it has
+been waited for; inside a pair each wait hands the turn over like a collective.
+
 Module state a pass sets for itself (the virtual pipeline rank, a backward's deferred weight
 gradients) is swapped at each hand-over (`register_lane_local`). A lane's collectives are drawn
 on the timeline while in flight (`recording`).

@@ -112,12 +112,12 @@ class AllToAllDispatcher:
         ep, etp, local = self.ep, self.etp, self.local
         me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
         mine = range(me_ep * local, (me_ep + 1) * local)
-        # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
         # Inside an overlapped pair the other lane's compute hides the exchanges: there the groups'
         # extra exchanges and hand-overs cost more than they hide (docs/communication.md)
         if self.chunks > 1 and lanes.lane() is None and not torch.compiler.is_compiling():
             y = self._in_chunks(rows, table, experts)
             return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
+        # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
         send = [sum(table[me_ep * etp + me_etp][j * local:(j + 1) * local]) for j in range(ep)]
         recv = [sum(table[j * etp + me_etp][e] for e in mine) for j in range(ep)]
         rows = all_to_all_rows(rows, state.get_expert_model_parallel_group(), recv, send)
