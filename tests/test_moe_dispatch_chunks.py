@@ -15,7 +15,7 @@ from megalite.errors import UsageError
 from megalite.models.moe.chunked import expert_groups
 from megalite.testing import run_ranks
 from test_moe_training import MOE  # the tiny MoE GPT: 8 experts, a dense first layer, shared expert, aux and z-losses
-from training_ranks import parse, train_params
+from training_ranks import parse, steady_host_syncs, train_params
 
 BASE = ["--train-iters", "2", "--log-interval", "1", "--seq-length", "32", "--micro-batch-size", "2",
         "--eval-interval", "0", "--hidden-dropout", "0.1", *MOE]
@@ -161,22 +161,10 @@ def test_chunked_dispatch_trains_bitwise_like_one_exchange_on_four_ranks():
             _assert_same(by_rank[2 * i], by_rank[2 * i + 1], etp_padding="etp2" in name)
 
 
-def _host_syncs(rank, world, argvs):
-    from megalite import runtime
-    from megalite.testing import count_host_syncs
-
-    counts = []
-    for argv in argvs:
-        with count_host_syncs(label=lambda: runtime._PHASE[0]) as seen:
-            train_params(rank, world, argv)
-        counts.append(len(seen.during(lambda phase: phase.startswith(("iteration 2:", "iteration 3:")))))
-    return counts
-
-
 def test_chunks_add_no_host_sync():
     # dropless routing's one host copy of the counts per MoE layer stays the only one
     argv = EP2 + ["--train-iters", "3", "--log-interval", "3"]
-    for plain, chunked in run_ranks(_host_syncs, 2, args=([argv, argv + chunks(2)],)):
+    for plain, chunked in run_ranks(steady_host_syncs, 2, args=([argv, argv + chunks(2)],)):
         assert chunked == plain > 0
 
 

@@ -20,7 +20,7 @@ from megalite.pipeline.programs import build_program, peak_in_flight
 from megalite.pipeline.replay import check_nccl_order, exchange_plan, incoming, outgoing
 from megalite.testing import run_ranks
 from test_moe_training import MOE  # the tiny MoE GPT: a dense first layer, shared expert, aux and z-losses
-from training_ranks import parse, train_params
+from training_ranks import parse, steady_host_syncs, train_params
 
 BASE = ["--train-iters", "2", "--log-interval", "1", "--seq-length", "32", "--micro-batch-size", "2",
         "--eval-interval", "0", "--hidden-dropout", "0.1", *MOE]
@@ -199,25 +199,13 @@ def test_the_timeline_draws_the_second_lane_and_the_all_to_alls_in_flight(layout
                for e in comm for pid, start, end in backward)
 
 
-def _host_syncs(rank, world, argvs):
-    from megalite import runtime
-    from megalite.testing import count_host_syncs
-
-    counts = []
-    for argv in argvs:
-        with count_host_syncs(label=lambda: runtime._PHASE[0]) as seen:
-            train_params(rank, world, argv)
-        counts.append(len(seen.during(lambda phase: phase.startswith(("iteration 2:", "iteration 3:")))))
-    return counts
-
-
 def test_pairing_adds_no_host_sync():
     # A dense model's steady steps make none, paired or not; dropless routing's one host copy of the
     # counts per layer stays one.
     dense = ["--train-iters", "4", "--log-interval", "4", "--seq-length", "32", "--micro-batch-size", "2",
              "--global-batch-size", "8", "--eval-interval", "0"]
     moe = BASE + ["--ep", "2", "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "4"]
-    for counts in run_ranks(_host_syncs, 2, args=([dense, dense + [FLAG], moe, moe + [FLAG]],)):
+    for counts in run_ranks(steady_host_syncs, 2, args=([dense, dense + [FLAG], moe, moe + [FLAG]],)):
         assert counts[0] == counts[1] == 0 and counts[2] == counts[3] > 0, counts
 
 

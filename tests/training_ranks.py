@@ -84,6 +84,19 @@ def train_params(rank, world, argv):
             "adam_steps": max(adam_steps) if adam_steps else 0}
 
 
+def steady_host_syncs(rank, world, argvs):
+    """Per run, the host syncs of its iterations 2 and 3 (after the first step's one-time work)."""
+    from megalite import runtime
+    from megalite.testing import count_host_syncs
+
+    counts = []
+    for argv in argvs:
+        with count_host_syncs(label=lambda: runtime._PHASE[0]) as seen:
+            train_params(rank, world, argv)
+        counts.append(len(seen.during(lambda phase: phase.startswith(("iteration 2:", "iteration 3:")))))
+    return counts
+
+
 def train_with_inf_at(rank, world, argv, bad_iteration, through=None):
     """Train, making every micro-batch loss of iterations bad_iteration..through (default just
     that one) infinite (a forced overflow)."""
