@@ -124,8 +124,8 @@ def test_two_moe_models_in_one_process_keep_their_figures_apart():
 @pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 0, 16, 0], [4, 4, 4, 4]], ids=["uneven", "one", "even"])
 def test_a_grouped_linear_by_groups_of_experts_equals_the_whole_bitwise(counts):
     # The chunked dispatcher's GEMMs (megalite.models.moe.chunked): each group of experts multiplies
-    # its rows with its slice of the weights; the weight's gradient is filled group by group into one
-    # tensor, handed over by the group whose backward runs last, groups without rows included.
+    # its rows with its slice of the weights; the group whose backward runs last computes the whole
+    # weight's gradient from every group's rows, groups without rows included.
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(sum(counts), 8, generator=g), torch.randn(4, 12, 8, generator=g)
     grad = torch.randn(sum(counts), 12, generator=g)
@@ -145,4 +145,4 @@ def test_a_grouped_linear_by_groups_of_experts_equals_the_whole_bitwise(counts):
         finally:
             E._grouped_mm_applies = original
         assert all(torch.equal(a, b) for a, b in zip(whole, grouped))
-        assert shared.left == 0 and shared.tensor is None
+        assert shared.left == 0 and shared.parts == []

@@ -61,13 +61,11 @@ def _input_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, c
     return grad_x
 
 
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """dW[e] = grad[rows of e]^T x[rows of e], into `out` when given (shaped like weight)."""
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """dW[e] = grad[rows of e]^T x[rows of e]."""
     if _grouped_mm_applies(x, weight):
-        grad_w = torch.nn.functional.grouped_mm(grad.t(), x, offs=_offsets(counts, x.device))
-        return grad_w if out is None else out.copy_(grad_w)
-    grad_w = torch.empty_like(weight) if out is None else out
+        return torch.nn.functional.grouped_mm(grad.t(), x, offs=_offsets(counts, x.device))
+    grad_w = torch.empty_like(weight)
     for e, (ge, xe) in enumerate(zip(grad.split(counts), x.split(counts))):
         if ge.shape[0]:
             torch.mm(ge.t(), xe, out=grad_w[e])
@@ -101,22 +99,25 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> 
 
 class SharedGradient:
     """One weight's gradient over the groups of a chunked dispatch (megalite.models.moe.chunked): each
-    group's backward fills its experts' slice of one tensor, and the last of them to run hands the
-    whole tensor to autograd (the others hand over nothing). Handing each group's slice over alone
-    would make autograd build a zero-filled full-size gradient per group and add them up."""
+    group's backward leaves its rows and their output gradients here, and the last group to run
+    computes the whole weight's gradient from all of them at once: the rows joined in expert order
+    are the unchunked layer's, so this is the unchunked GEMM, bit for bit (the others hand autograd
+    nothing). Handing each group's slice to autograd instead made it build and add a zero-filled
+    full-size gradient per group; filling a slice per group cost a copy of the weight."""
 
     def __init__(self, groups: int):
-        self.left, self.tensor = groups, None
+        self.left, self.parts = groups, []
 
-    def fill(self, weight: torch.Tensor, lo: int, hi: int, compute) -> torch.Tensor | None:
-        if self.tensor is None:
-            self.tensor = torch.empty_like(weight)
-        compute(self.tensor[lo:hi])
+    def add(self, weight: torch.Tensor, lo: int, x: torch.Tensor, grad: torch.Tensor,
+            counts: list[int]) -> torch.Tensor | None:
+        self.parts.append((lo, x, grad, counts))
         self.left -= 1
         if self.left:
             return None
-        whole, self.tensor = self.tensor, None
-        return whole
+        parts, self.parts = sorted(self.parts, key=lambda part: part[0]), []
+        x = torch.cat([part[1] for part in parts])
+        grad = torch.cat([part[2] for part in parts])
+        return _weight_gradient(grad, x, weight, [n for part in parts for n in part[3]])
 
 
 class _GroupedLinearOfGroup(torch.autograd.Function):
@@ -127,17 +128,17 @@ class _GroupedLinearOfGroup(torch.autograd.Function):
     def forward(ctx, x, weight, counts, lo, hi, shared):
         part = weight[lo:hi]
         ctx.save_for_backward(x, part)
-        ctx.counts, ctx.used, ctx.group = counts, weight, (lo, hi, shared)
+        ctx.counts, ctx.used, ctx.group = counts, weight, (lo, shared)
         return _multiply(x, part, counts)
 
     @staticmethod
     def backward(ctx, grad):
         x, part = ctx.saved_tensors
-        (lo, hi, shared), counts, grad = ctx.group, ctx.counts, grad.contiguous()
+        (lo, shared), counts, grad = ctx.group, ctx.counts, grad.contiguous()
         grad_x = _input_gradient(grad, x, part, counts) if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad.give(
-            ctx.used, ctx.needs_input_grad[1],
-            lambda: shared.fill(ctx.used, lo, hi, lambda out: _weight_gradient(grad, x, part, counts, out)), (grad,))
+        used = ctx.used
+        grad_w = weight_grad.give(used, ctx.needs_input_grad[1], lambda: shared.add(used, lo, x, grad, counts),
+                                  (grad,))
         return grad_x, grad_w, None, None, None, None
 
 
