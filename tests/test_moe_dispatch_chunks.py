@@ -6,7 +6,7 @@ unchunked run (losses, gradient norms, bytes counted, every weight) at EP 2 with
 groups with padded capacity, overlapped pairs, full recomputation, DeepSeek-V3 (MLA, sigmoid routing),
 FP8, ZeRO-3, TP 2 x ETP 2 with SP, and PP 2 x EP 2 under DualPipeV's pairs and ZB-H1 (weight
 gradients deferred);
-no host sync is added; what it cannot do is refused in one line."""
+no host sync is added; what it cannot do is refused in one line; posts a failed pass left are dropped."""
 import pytest
 import torch
 
@@ -183,3 +183,23 @@ def test_what_cannot_be_chunked_is_refused_in_one_line(argv, named):
         validate(config, 2, model_config(config), machine=False)
     message = str(e.value)
     assert "\n" not in message and "--moe-dispatch-chunks" in message and named in message, message
+
+
+def test_posts_a_failed_pass_left_are_dropped_never_launched():
+    from megalite.parallel import lanes
+
+    launched = []
+
+    class Work:
+        def wait(self):
+            pass
+
+    def exchange(name, async_op=False):
+        launched.append(name)
+        return Work()
+
+    lanes.post(exchange, "first", kind="ep")
+    lanes.post(exchange, "left behind", kind="ep")  # queued behind the first, which is never waited for
+    lanes.drop_posts()  # (run_schedule does, as each schedule begins)
+    lanes.post(exchange, "next", kind="ep").wait()
+    assert launched == ["first", "next"]

@@ -281,6 +281,12 @@ def _wait_posted(posted: Posted) -> None:
             _launch(q[0])
 
 
+def drop_posts() -> None:
+    """Forget this lane's posts not yet waited for: left by a pass that raised, they must never be
+    launched (every rank's next collectives would not match)."""
+    _queue().clear()
+
+
 def flush() -> None:
     """Wait for everything this lane has posted."""
     q = _queue()
