@@ -56,8 +56,8 @@ def attach_gather_waits(chunk: nn.Module, buffer: ParamAndGradBuffer) -> None:
         count = max(count, last(layer, recurse=False))
         layer.register_forward_pre_hook(partial(_wait, buffer, count))
         for part in layer.children():
-            if last(part):
-                count = max(count, last(part))
+            if reads := last(part):
+                count = max(count, reads)
                 part.register_forward_pre_hook(partial(_wait, buffer, count))
     if not layers:  # a chunk with no layers: everything before it runs
         before = len(buffer.buckets)

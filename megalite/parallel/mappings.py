@@ -218,17 +218,29 @@ def _count_ep(nbytes_sent: int) -> None:
         traffic.record("ep", nbytes_sent)
 
 
-def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """Rows of `x` sent to each rank of `group` (input_splits[r] rows to rank r, in rank order), rows
-    received from each (output_splits[r]). Bytes counted: the rows that leave this rank."""
+def _rows_exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
+    """(the all-to-all's arguments, its receiving buffer) for rows of `x` sent to each rank of `group`
+    (input_splits[r] rows to rank r, in rank order) and received from each (output_splits[r]).
+    Bytes counted: the rows that leave this rank."""
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     row = x.element_size() * math.prod(x.shape[1:])
-    me = dist.get_rank(group)
-    _count_ep(row * (sum(input_splits) - input_splits[me]))
-    lanes.collective(dist.all_to_all_single, out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                     group=group, kind="ep")
+    _count_ep(row * (sum(input_splits) - input_splits[dist.get_rank(group)]))
+    kwargs = dict(output_split_sizes=list(output_splits), input_split_sizes=list(input_splits), group=group, kind="ep")
+    return (dist.all_to_all_single, out, x), kwargs, out
+
+
+def _all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    args, kwargs, out = _rows_exchange(x, output_splits, input_splits, group)
+    lanes.collective(*args, **kwargs)
     return out
+
+
+def post_rows(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
+    """`_all_to_all_rows` posted to the lane's queue (`lanes.post`): the receiving buffer, filled once
+    the returned post is waited for."""
+    args, kwargs, out = _rows_exchange(x, output_splits, input_splits, group)
+    return out, lanes.post(*args, **kwargs)
 
 
 class _AllToAllRows(torch.autograd.Function):

@@ -23,31 +23,15 @@ themselves travel through the `_Chunks`, so a function never reads a buffer befo
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
-from megalite.parallel import lanes, traffic
+from megalite.parallel.mappings import post_rows
 
 
 def expert_groups(local: int, chunks: int) -> list[tuple[int, int]]:
     """[lo, hi) local experts of each of `chunks` groups, as even as integers allow."""
     bounds = [round(i * local / chunks) for i in range(chunks + 1)]
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
-
-
-def _post_rows(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
-    """Post an all-to-all of rows (input_splits[r] rows to rank r, output_splits[r] from it): the
-    receiving buffer and the posted exchange. Bytes counted: the rows that leave this rank."""
-    x = x.contiguous()
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    if not torch.compiler.is_compiling():
-        me = dist.get_rank(group)
-        traffic.record("ep", x.element_size() * math.prod(x.shape[1:]) * (sum(input_splits) - input_splits[me]))
-    posted = lanes.post(dist.all_to_all_single, out, x, output_split_sizes=list(output_splits),
-                        input_split_sizes=list(input_splits), group=group, kind="ep")
-    return out, posted
 
 
 class _Chunks:
@@ -69,7 +53,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.chunks = chunks
         out = []
         for g, piece in enumerate(rows.split([sum(s) for s in chunks.send])):
-            buffer, chunks.rows_in[g] = _post_rows(piece, chunks.group, chunks.recv[g], chunks.send[g])
+            buffer, chunks.rows_in[g] = post_rows(piece, chunks.group, chunks.recv[g], chunks.send[g])
             out.append(buffer)
         return tuple(out)
 
@@ -95,7 +79,7 @@ class _Arrive(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         chunks, g = ctx.chunks, ctx.g
-        chunks.grads_home[g] = _post_rows(grad, chunks.group, chunks.send[g], chunks.recv[g])
+        chunks.grads_home[g] = post_rows(grad, chunks.group, chunks.send[g], chunks.recv[g])
         return grad, None, None  # (of the right shape; _Dispatch takes the posted gradient)
 
 
@@ -103,7 +87,7 @@ class _Leave(torch.autograd.Function):
     @staticmethod
     def forward(ctx, outputs, chunks: _Chunks, g: int):
         ctx.chunks, ctx.g = chunks, g
-        buffer, chunks.outputs_home[g] = _post_rows(outputs, chunks.group, chunks.send[g], chunks.recv[g])
+        buffer, chunks.outputs_home[g] = post_rows(outputs, chunks.group, chunks.send[g], chunks.recv[g])
         return buffer
 
     @staticmethod
@@ -129,7 +113,7 @@ class _Return(torch.autograd.Function):
         pieces = grad.split([sum(s) for s in chunks.send])
         # autograd runs the group built last first (the highest sequence number): post in that order
         for g in reversed(range(len(pieces))):
-            chunks.grads_out[g] = _post_rows(pieces[g], chunks.group, chunks.recv[g], chunks.send[g])
+            chunks.grads_out[g] = post_rows(pieces[g], chunks.group, chunks.recv[g], chunks.send[g])
         return (None, *pieces)  # (of the right shapes; each _Leave takes its posted gradient)
 
 

@@ -109,62 +109,59 @@ class AllToAllDispatcher:
         sent = _Rows(indices, self.num_experts, pad_to, counts_on_host)
         table = gathered.get("table") or [[pad_to] * self.num_experts for _ in range(size)]
         rows = sent.take(tokens)
-        ep, etp, local = self.ep, self.etp, self.local
-        me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
-        mine = range(me_ep * local, (me_ep + 1) * local)
         # Inside an overlapped pair the other lane's compute hides the exchanges: there the groups'
         # extra exchanges and hand-overs cost more than they hide (docs/communication.md)
         if self.chunks > 1 and lanes.lane() is None and not torch.compiler.is_compiling():
             y = self._in_chunks(rows, table, experts)
             return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
-        # Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination.
-        send = [sum(table[me_ep * etp + me_etp][j * local:(j + 1) * local]) for j in range(ep)]
-        recv = [sum(table[j * etp + me_etp][e] for e in mine) for j in range(ep)]
+        send, recv, block = self._sizes(table, 0, self.local)
         rows = all_to_all_rows(rows, state.get_expert_model_parallel_group(), recv, send)
-        # The ETP peers' received rows, then every row in (local expert, ETP peer, source) order.
-        # block[q][j][e]: rows from source EP rank j, received by ETP peer q, for local expert e.
-        block = [[[table[j * etp + q][me_ep * local + e] for e in range(local)] for j in range(ep)]
-                 for q in range(etp)]
-        peer_rows = [sum(sum(b) for b in block[q]) for q in range(etp)]
-        rows = gather_rows_v(rows, state.get_expert_tensor_parallel_group(), peer_rows)
-        perm, per_expert = self._by_expert(block, rows.device)
-        y = experts(rows.index_select(0, perm), per_expert)
-        y = y.index_select(0, torch.argsort(perm))  # back to (peer, source, expert) order
-        y = reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
+        y = self._experts(rows, block, experts)
         y = all_to_all_rows(y, state.get_expert_model_parallel_group(), send, recv)
         return _combine(y, sent.weights(weights), sent.token, tokens.shape[0])
+
+    def _sizes(self, table, lo: int, hi: int):
+        """For local experts lo..hi-1: the rows this rank sends each EP rank, receives from each, and
+        block[q][j][e], the rows from source EP rank j received by ETP peer q for local expert lo + e.
+        Each EP rank's experts are contiguous, so rows sorted by expert are grouped by destination."""
+        ep, etp, local = self.ep, self.etp, self.local
+        me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
+        send = [sum(table[me_ep * etp + me_etp][j * local + lo:j * local + hi]) for j in range(ep)]
+        block = [[[table[j * etp + q][me_ep * local + e] for e in range(lo, hi)] for j in range(ep)]
+                 for q in range(etp)]
+        return send, [sum(per_expert) for per_expert in block[me_etp]], block
+
+    def _experts(self, rows: torch.Tensor, block, experts, *group) -> torch.Tensor:
+        """Received rows in (source, expert) order -> their experts' outputs in the same order: the
+        ETP peers' rows gathered, every row put in (local expert, ETP peer, source) order, the experts,
+        then back, partial sums reduce-scattered over ETP. `group`: the experts' (lo, hi, shared)."""
+        peer_rows = [sum(sum(b) for b in block[q]) for q in range(self.etp)]
+        rows = gather_rows_v(rows, state.get_expert_tensor_parallel_group(), peer_rows)
+        perm, per_expert = self._by_expert(block, rows.device)
+        y = experts(rows.index_select(0, perm), per_expert, *group)
+        y = y.index_select(0, torch.argsort(perm))  # back to (peer, source, expert) order
+        return reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
 
     def _in_chunks(self, rows: torch.Tensor, table, experts) -> torch.Tensor:
         """The exchanges and experts above, a group of local experts at a time (megalite.models.moe.chunked):
         rows in expert order in, their outputs in the same order out."""
         ep, etp, local = self.ep, self.etp, self.local
-        me_ep, me_etp = state.get_expert_model_parallel_rank(), state.get_expert_tensor_parallel_rank()
         groups = expert_groups(local, self.chunks)
-        mine = table[me_ep * etp + me_etp]
+        mine = table[state.get_expert_model_parallel_rank() * etp + state.get_expert_tensor_parallel_rank()]
         starts = [0]
         for n in mine:
             starts.append(starts[-1] + n)
         # the rows, grouped by chunk, then destination, then expert (each row once: an exact permutation)
         order = [torch.arange(starts[j * local + lo], starts[j * local + hi]) for lo, hi in groups for j in range(ep)]
         order = torch.cat(order).to(rows.device)
-        send = [[sum(mine[j * local + lo:j * local + hi]) for j in range(ep)] for lo, hi in groups]
-        recv = [[sum(table[j * etp + me_etp][me_ep * local + e] for e in range(lo, hi)) for j in range(ep)]
-                for lo, hi in groups]
+        sizes = [self._sizes(table, lo, hi) for lo, hi in groups]
         shared = experts.shared_gradients(len(groups))
 
         def compute(g: int, received: torch.Tensor) -> torch.Tensor:
-            lo, hi = groups[g]
-            block = [[[table[j * etp + q][me_ep * local + e] for e in range(lo, hi)] for j in range(ep)]
-                     for q in range(etp)]
-            peer_rows = [sum(sum(b) for b in block[q]) for q in range(etp)]
-            received = gather_rows_v(received, state.get_expert_tensor_parallel_group(), peer_rows)
-            perm, per_expert = self._by_expert(block, received.device)
-            y = experts(received.index_select(0, perm), per_expert, (lo, hi, shared))
-            y = y.index_select(0, torch.argsort(perm))
-            return reduce_scatter_rows_v(y, state.get_expert_tensor_parallel_group(), peer_rows)
+            return self._experts(received, sizes[g][2], experts, (*groups[g], shared))
 
-        y = dispatch_in_chunks(rows.index_select(0, order), state.get_expert_model_parallel_group(), send, recv,
-                               compute)
+        y = dispatch_in_chunks(rows.index_select(0, order), state.get_expert_model_parallel_group(),
+                               [send for send, _, _ in sizes], [recv for _, recv, _ in sizes], compute)
         return y.index_select(0, torch.argsort(order))
 
     @staticmethod

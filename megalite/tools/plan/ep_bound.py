@@ -62,8 +62,9 @@ def best_pair_seconds(forward: Items, backward: Items) -> float:
     nf, nb = len(lanes[0]), len(lanes[1])
     for done in range(nf + nb):
         for i in range(max(0, done - nb), min(done, nf) + 1):
-            for state in front.pop((i, done - i), ()):
-                for lane, at in ((0, (i, done - i)), (1, (i, done - i))):
+            at = (i, done - i)
+            for state in front.pop(at, ()):
+                for lane in (0, 1):
                     k = at[lane]
                     if k == len(lanes[lane]):
                         continue

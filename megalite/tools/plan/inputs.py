@@ -349,19 +349,27 @@ def rank_layer_numbers(config: TransformerConfig, pp: int, vpp: int | None, pp_r
     return [layers_of(counts, virtual_stage(pp, pp_rank, c, v_shape)) for c in range(vpp or 1)]
 
 
-def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
-                          seq_length: int, pipeline_layers=None, *,
-                          experts: bool | None = None, v_shape: bool = False) -> list[list[int | None]]:
-    """Aligned with `rank_parameters`: for every parameter the transformer layer (of its chunk, from
-    0) that holds it, None for the embeddings, final norm and output layer (ZeRO-3's units)."""
+def _rank_parameter_tags(config, pp, vpp, pp_rank, seq_length, pipeline_layers, experts, v_shape,
+                         tag) -> list[list[int | None]]:
+    """Aligned with `rank_parameters`: tag(layer of the chunk from 0, parameter) for every layer
+    parameter, None for the embeddings, final norm and output layer."""
     def kept(params):
         return [x for x in params if experts is None or x.expert == experts]
 
     chunks = []
     for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers, v_shape):
-        layers = [i for i, n in enumerate(numbers) for _ in kept(stage.layer_params(config, n))]
-        chunks.append([None] * len(kept(stage.head)) + layers + [None] * len(kept(stage.tail)))
+        tags = [tag(i, x) for i, n in enumerate(numbers) for x in kept(stage.layer_params(config, n))]
+        chunks.append([None] * len(kept(stage.head)) + tags + [None] * len(kept(stage.tail)))
     return chunks
+
+
+def rank_parameter_layers(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
+                          seq_length: int, pipeline_layers=None, *,
+                          experts: bool | None = None, v_shape: bool = False) -> list[list[int | None]]:
+    """Aligned with `rank_parameters`: for every parameter the transformer layer (of its chunk, from
+    0) that holds it, None for the embeddings, final norm and output layer (ZeRO-3's units)."""
+    return _rank_parameter_tags(config, pp, vpp, pp_rank, seq_length, pipeline_layers, experts, v_shape,
+                                lambda layer, _: layer)
 
 
 def rank_parameter_parts(config: TransformerConfig, tp: int, pp: int, vpp: int | None, pp_rank: int,
@@ -369,12 +377,8 @@ def rank_parameter_parts(config: TransformerConfig, tp: int, pp: int, vpp: int |
                          experts: bool | None = None, v_shape: bool = False) -> list[list[int | None]]:
     """Aligned with `rank_parameters`: for every layer parameter the part of its layer that holds it
     (`CountedParameter.part`), None outside the layers."""
-    chunks = []
-    for stage, numbers in _rank_stages(config, pp, vpp, pp_rank, seq_length, pipeline_layers, v_shape):
-        kept = lambda params: [x for x in params if experts is None or x.expert == experts]  # noqa: E731
-        parts = [x.part for n in numbers for x in kept(stage.layer_params(config, n))]
-        chunks.append([None] * len(kept(stage.head)) + parts + [None] * len(kept(stage.tail)))
-    return chunks
+    return _rank_parameter_tags(config, pp, vpp, pp_rank, seq_length, pipeline_layers, experts, v_shape,
+                                lambda _, x: x.part)
 
 
 def total_parameters(config: TransformerConfig, seq_length: int, mtp: bool = True) -> int:
