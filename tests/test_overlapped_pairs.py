@@ -109,9 +109,9 @@ def test_an_exchange_run_in_place_keeps_the_turn():
 _HEAP_PROBE = """
 import ctypes, sys
 import torch
-from megalite.parallel import lanes
+from megalite.parallel import host_heap, lanes
 if sys.argv[1] == "one":
-    assert lanes.share_one_heap()
+    assert host_heap.share_one_heap()
 torch.set_num_threads(1)
 def passes():  # small blocks, which glibc serves from the allocating thread's heap (not mmap)
     kept = [torch.ones(1000) for _ in range(200)]

@@ -416,3 +416,52 @@ def test_the_planner_predicts_groups_where_the_dispatcher_makes_them():
     p1 = P.predict(moe, layout, narrow, run=paired).exposed["ep"]
     p2 = P.predict(moe, layout, narrow, run=replace(paired, moe_dispatch_chunks=2)).exposed["ep"]
     assert p2.exposed < p1.exposed and p2.exchanges > p1.exchanges
+
+
+def test_a_backwards_weight_gradients_lent_to_the_waits_fill_them_piece_by_piece():
+    from megalite.tools.plan.pair_play import alone_played
+
+    # alone: the backward computes 2 (1 of it W, lent in two pieces of 0.5), exchanges 3 (filled by
+    # both pieces: 2 of the 3 exposed), computes 4 (2 lent: run when it ends)
+    assert alone_played([(2.0, 3.0), (4.0, 0.0)], wgrad=0.5) == pytest.approx(1 + 3 + 2 + 2)
+    assert alone_exposed([(2.0, 3.0), (4.0, 0.0)], wgrad=0.5) == pytest.approx(2.0)
+    assert alone_exposed([(2.0, 3.0), (4.0, 0.0)]) == 3.0
+    # a piece begun runs to its end, past the exchange: 1 piece of 2 against an exchange of 1
+    assert alone_played([(8.0, 1.0)], wgrad=0.5) == pytest.approx(4 + 2 + 2)
+    # the counts' exchange (in place) is waited for at once: nothing fills it
+    assert alone_played([(2.0, 3.0, False)], wgrad=0.5) == pytest.approx(1 + 3 + 1)
+    # a pair. Without: F 0-1, its exchange 1-3; B 1-5, its exchange 5-7; F 5-6, drains B's (idle 6-7),
+    # exchange 7-9; B 7-8, ends; F waits (idle 8-9), 9-10. With half of B's compute lent: B 1-3 (two
+    # pieces of 1 lent), exchange 3-5; F 3-4, drains B's filling a piece 4-5, exchange 5-7; B 5-5.5
+    # and its W left (1.5) 5.5-7; F 7-8
+    forward, backward = [(1.0, 2.0), (1.0, 2.0), (1.0, 0.0)], [(4.0, 2.0), (1.0, 0.0)]
+    assert played_pair(forward, backward) == played_pair(forward, backward, 0.0) == pytest.approx(10.0)
+    assert played_pair(forward, backward, 0.5) == pytest.approx(8.0)
+    assert pair_exposed(forward, backward, 0.5) == pytest.approx(0.0)
+
+
+def test_the_planner_plays_delayed_weight_gradients_where_megalite_runs_them():
+    from megalite.tools.plan.command import launch_command
+    from megalite.tools.plan.ep_bound import pair_bound
+    from megalite.tools.plan.exposed import wgrad_share
+
+    moe = preset("moe-tiny")
+    layout = P.Layout(dp=2, ep=2, micro_batch_size=2)
+    narrow = P.Cluster(gpus=2, gpus_per_node=1, inter_node_gbps=0.1, peak_tflops=0.01, efficiency=1,
+                       collective_latency_ms=0.05)  # compute about as long as the exchanges
+    for paired in (False, True):
+        run = P.Run(16, 64, "fp32", 200_000, overlap_moe_ep_comm=paired)
+        plain = P.predict(moe, layout, narrow, run=run)
+        delayed = P.predict(moe, layout, narrow, run=replace(run, delay_wgrad_compute=True))
+        assert wgrad_share(plain.costs) == 0 and 0.3 < wgrad_share(delayed.costs) <= 0.5
+        a, b = plain.exposed["ep"], delayed.exposed["ep"]
+        assert b.comm == a.comm and 0 < b.exposed < a.exposed, (paired, a.exposed, b.exposed)
+        assert "--delay-wgrad-compute" in launch_command(delayed) and "wgrad" not in launch_command(plain)
+    # refused at ZeRO-2: nothing lent, nothing printed
+    zero2 = P.predict(moe, replace(layout, zero_stage=2, distributed_optimizer=True), narrow,
+                      run=P.Run(16, 64, "fp32", 200_000, delay_wgrad_compute=True))
+    assert wgrad_share(zero2.costs) == 0 and "--delay-wgrad-compute" not in launch_command(zero2)
+    # the pair's bound once W may run anywhere: no more than with W in place, never below zero
+    forward, backward = pair_items(delayed.costs, delayed.stages[0])
+    share = wgrad_share(delayed.costs)
+    assert 0 <= pair_bound(forward, backward, share) <= pair_bound(forward, backward)

@@ -202,6 +202,8 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
                          "--torch-compile does not trace here: drop one of them")
     if p.overlap_moe_expert_parallel_comm:
         _check_overlapped_pairs(config)
+    if p.delay_wgrad_compute:
+        _check_delayed_weight_gradients(config)
     if p.sequence_parallel and config.model.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({config.model.seq_length}) divisible by "
                          f"--tp ({tp})")
@@ -231,3 +233,16 @@ def _check_overlapped_pairs(config: RunConfig) -> None:
     for name, on, reason in refused:
         if on:
             raise UsageError(f"{flag} with {name} is not supported ({reason}): drop one")
+
+
+def _check_delayed_weight_gradients(config: RunConfig) -> None:
+    """--delay-wgrad-compute does a backward's weight-gradient work while exchanges are in flight;
+    where that work would launch collectives of its own, or is not split out, it is refused."""
+    flag, why = "--delay-wgrad-compute", None
+    if config.data_parallel.zero_stage >= 2:
+        why = (f"--zero-stage {config.data_parallel.zero_stage} reduce-scatters each backward's gradients as they "
+               "arrive, so work moved into a wait would reorder a rank's collectives: use --zero-stage 0 or 1")
+    elif config.model.torch_compile:
+        why = "compiled layers keep their weight gradients inside the backward: drop --torch-compile"
+    if why:
+        raise UsageError(f"{flag}: {why}")

@@ -82,6 +82,10 @@ class ParallelConfig:
                "collective, so that one's expert all-to-alls (and TP/SP, CP exchanges) are in flight while the "
                "other computes (1f1b at any --pp, interleaved, dualpipev's pairs; the same numbers; one more "
                "micro-batch in flight; docs/communication.md)")
+    delay_wgrad_compute: bool = opt(
+        False, "do each backward's weight-gradient GEMMs while its (and, with --overlap-moe-expert-parallel-comm, "
+               "the other pass's) exchanges are in flight, instead of where autograd meets them (the same numbers; "
+               "docs/communication.md)")
     moe_dispatch_chunks: int = opt(
         1, "each MoE layer's experts in N groups, each group's rows sent, computed and sent back on their own, so "
            "one group's experts compute while the next group's rows travel (the all-to-all dispatcher at --ep > 1; "

@@ -56,6 +56,10 @@ class _SumOnWait:
             self.works, self.chunks = None, None
         return True
 
+    def is_completed(self) -> bool:
+        """Whether every message is in (the sum is still `wait`'s to do)."""
+        return self.works is None or all(work.is_completed() for work in self.works)
+
 
 def exchange_receives_first(recvs: list[tuple[torch.Tensor, int]], sends: list[tuple[torch.Tensor, int]],
                             group) -> list:
@@ -105,6 +109,8 @@ class _AllDone:
         if not self.done:
             self._finish()
         return True
+
+    is_completed = poll
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):

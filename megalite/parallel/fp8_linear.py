@@ -128,7 +128,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             return scaled_mm(fp8.quantize(dy.t(), "grad"), fp8.quantize(saved_x.t(), "input"), dtype)
 
         dw = weight_grad.give(used_w, ctx.needs_input_grad[1], weight_gradient, (dy,))
-        db = weight_grad.give(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
+        db = weight_grad.give_cheap(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
         return dx, dw, db, None, None
 
 

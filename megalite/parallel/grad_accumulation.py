@@ -168,8 +168,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = _LinearIntoMainGradTraced.apply(x.reshape(-1, x.shape[-1]), weight, bias, weight.grad_key)
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
-    if weight_grad.splitting():  # a zero-bubble schedule: W later (into main_grad the usual way then)
-        return weight_grad.linear(x, weight, bias)
+    if weight_grad.splitting() and (not tied or weight_grad.splitting_cheap()):
+        return weight_grad.linear(x, weight, bias)  # W later (into main_grad the usual way then)
     buffer = _buffer_of(weight) if into_main_grad else None
     # F.linear adds a bias to a 3-D input in the GEMM (addmm) only when the input is contiguous.
     if buffer is None or bias is not None and x.dim() > 2 and not (x.dim() == 3 and x.is_contiguous()):
@@ -190,7 +190,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = Fa
         if into_main_grad and _may_fuse(weight):
             return _EmbeddingIntoMainGradTraced.apply(ids, weight, weight.grad_key)
         return F.embedding(ids, weight)
-    if weight_grad.splitting():
+    if weight_grad.splitting() and weight_grad.splitting_cheap():
+        # (--delay-wgrad-compute leaves the table's scatter where it is: memory-bound, and a split one
+        # would build a vocabulary-sized zeroed table)
         return weight_grad.embedding(ids, weight)
     buffer = _buffer_of(weight) if into_main_grad else None
     if buffer is None:

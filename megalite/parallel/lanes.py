@@ -15,6 +15,11 @@ A pass may also post exchanges and wait for them later (`post`, for the MoE disp
 a lane's posts go on the link one at a time, in order, each launched when the one before it has
 been waited for; inside a pair each wait hands the turn over like a collective.
 
+While a lane waits for an exchange still in flight it may do weight-gradient work a backward has
+recorded (`set_filler`: megalite.parallel.weight_grad's, under --delay-wgrad-compute), one item at
+a time, until the exchange is done. That work launches no collective, so it does not change the
+order of any rank's collectives, only what the CPU does while it would wait.
+
 Module state a pass sets for itself (the virtual pipeline rank, a backward's deferred weight
 gradients) is swapped at each hand-over (`register_lane_local`). A lane's collectives are drawn
 on the timeline while in flight (`recording`).
@@ -25,7 +30,6 @@ not yet run side by side (a second stream needs every tensor that crosses lanes 
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from typing import Callable
@@ -36,32 +40,45 @@ _local = threading.local()
 _lane_locals: list[tuple[Callable[[], object], Callable[[object], None]]] = []
 _spans: list | None = None  # where in-flight collectives are drawn while a step records spans
 _handovers: list | None = None  # (lane, kind) at each hand-over, for tests (`log_handovers`)
+_filler: tuple[Callable[[], bool], Callable[[], bool]] | None = None  # (any work lent?, run one item)
+
+
+def set_filler(ready: Callable[[], bool], run_one: Callable[[], bool]) -> None:
+    """Work to do while an exchange is in flight: `ready()` says whether there is any now,
+    `run_one()` does one item of it and says whether it did."""
+    global _filler
+    _filler = (ready, run_one)
+
+
+def _fill_while(work) -> None:
+    """Do lent work (`set_filler`) while `work` is in flight; a piece of it that tried to launch a
+    collective would change the order of this rank's collectives, so that raises."""
+    done = getattr(work, "is_completed", None)
+    if _filler is None or done is None or not _filler[0]():
+        return
+    start = time.perf_counter()
+    _local.filling = True
+    try:
+        while not done() and _filler[1]():
+            pass
+    finally:
+        _local.filling = False
+    if _spans is not None:
+        row = 3 if lane() == "F" else None
+        _spans.append(("W while waiting", "weight-grad", start, time.perf_counter() - start)
+                      + ((row,) if row else ()))
+
+
+def _check_not_filling() -> None:
+    if getattr(_local, "filling", False):
+        raise RuntimeError("weight-gradient work done while an exchange was in flight launched a collective; "
+                           "drop --delay-wgrad-compute and report it")
 
 
 def register_lane_local(get: Callable[[], object], put: Callable[[object], None]) -> None:
     """Module state that belongs to the pass that set it: saved when a lane hands the turn over,
     put back when it gets it again."""
     _lane_locals.append((get, put))
-
-
-M_ARENA_MAX = -8  # glibc's malloc.h
-
-
-def share_one_heap() -> bool:
-    """On the CPU, make every thread allocate from the process's main heap (glibc's mallopt
-    M_ARENA_MAX = 1). Call before any thread but the main one allocates (megalite.training.build.setup
-    does with --overlap-moe-expert-parallel-comm, before the process group starts gloo's threads). Otherwise
-    the forward lane's thread gets a heap of its own, which glibc grows by mapping fresh pages and
-    shrinks by unmapping them as each pass's activations come and go: measured 2026-12-03, 141k more
-    page faults and 3.5 s more system time over 6 steps of 2 ranks, the pairs 10-15% slower than
-    plain on bare links; with one heap, as many faults as plain and no slower. Only one lane computes
-    at a time, and gloo's threads allocate little, so the shared heap's lock is hardly contended.
-    Returns whether the C library took it (False where there is no mallopt)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
-        return False
-    return bool(mallopt(M_ARENA_MAX, 1))
 
 
 def lane() -> str | None:
@@ -88,6 +105,7 @@ class _Pair:
         connection the second would queue behind the first and delay the lane that needs it)."""
         work = self.in_flight.pop(_other(me), None)
         if work is not None:
+            _fill_while(work)
             work.wait()
 
     def _save(self, me: str) -> None:
@@ -163,12 +181,14 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> None:
 def wait(work, kind: str, launched: float | None = None) -> None:
     """Wait for a collective launched with `async_op=True` (`work`), handing the turn to the other
     lane of an overlapped pair first. `kind`: its traffic kind ("ep", "tp", "sp", "cp", ...)."""
+    _check_not_filling()
     pair = getattr(_local, "pair", None)
     if pair is not None:
         work = _Once(work)  # the other lane may wait for it first (`drain_other`)
         pair.in_flight[_local.lane] = work
         pair.hand_over(_local.lane, kind)
         pair.in_flight.pop(_local.lane, None)
+    _fill_while(work)
     work.wait()
     _record(kind, launched)
 
@@ -200,6 +220,9 @@ class _Once:
             self.work.wait()
             self.done = True
 
+    def is_completed(self) -> bool:
+        return self.done or self.work.is_completed()
+
 
 class _All:
     def __init__(self, works):
@@ -208,6 +231,9 @@ class _All:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 class Posted:
@@ -237,6 +263,7 @@ def post(fn: Callable, *args, kind: str, **kwargs) -> Posted:
     with the first (gloo runs two launched collectives side by side). Inside a pair, a wait hands
     the turn over, as `collective` does. Launches happen only at a post or a wait, never on a
     clock, so every rank launches in the same order."""
+    _check_not_filling()
     posted = Posted(fn, args, kwargs, kind)
     if torch.compiler.is_compiling():
         fn(*args, **kwargs)
@@ -273,6 +300,7 @@ def _wait_posted(posted: Posted) -> None:
             pair.hand_over(_local.lane, head.kind)
             if pair.in_flight.get(_local.lane) is head.work:
                 pair.in_flight.pop(_local.lane)
+        _fill_while(head.work)
         head.work.wait()
         head.done = True
         _record(head.kind, head.launched)
@@ -304,13 +332,15 @@ def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs)
     if torch.compiler.is_compiling():
         fn(*args, **kwargs)
         return
+    _check_not_filling()
     pair = getattr(_local, "pair", None)
     if pair is not None:
         pair.drain_other(_local.lane)
         if not hand_over:
             pair = None
-    launched = time.perf_counter() if _spans is not None or pair is not None else None
-    if pair is None:
+    fill = pair is None and hand_over and _filler is not None and _filler[0]()  # alone, with work to do meanwhile
+    launched = time.perf_counter() if _spans is not None or pair is not None or fill else None
+    if pair is None and not fill:
         fn(*args, **kwargs)
         _record(kind, launched)
     else:

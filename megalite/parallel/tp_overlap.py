@@ -160,7 +160,7 @@ def _grads_of_weight(ctx, dy: torch.Tensor, x: torch.Tensor):
     ctx.used = None
     if ctx.split:
         return (weight_grad.give(used_w, need_w, lambda: dy.t().mm(x), (dy,)),
-                weight_grad.give(used_b, need_b, lambda: dy.sum(0), (dy,)))
+                weight_grad.give_cheap(used_b, need_b, lambda: dy.sum(0), (dy,)))
     if ctx.buffer is not None:
         dw = ctx.buffer.add_weight_grad(used_w, dy, x)
     else:

@@ -23,6 +23,15 @@ Outside `deferred()` the split ops return their weight gradients at once, comput
 native backward computes them (the same GEMMs on the same operands): bitwise today's numbers.
 Each parameter's gradients accumulate over micro-batches in the order their W runs; a schedule
 that runs W in micro-batch order gives 1F1B's sums bit for bit.
+
+`--delay-wgrad-compute` (Megatron-Core's flag) also does W's work while a pass waits for an
+exchange: a backward recorded with `deferred(uses_of=..., fill=True)` lends its recorded items to
+`megalite.parallel.lanes`, which runs them one at a time while a collective is in flight
+(`fill_one`), on whichever lane waits. An item goes early only if its parameter receives exactly
+one weight gradient in the backward (learned from the model chunk's last whole backward,
+`_uses`): that gradient is then accumulated alone, as the whole W would accumulate it. The rest
+(a tied embedding's two parts, a chunked dispatch's groups) wait for `run`. So the numbers are
+W's, whenever each item runs.
 """
 from __future__ import annotations
 
@@ -36,8 +45,12 @@ import torch.nn.functional as F
 from megalite.parallel import lanes
 
 _split = False  # forwards build ops whose weight gradients can be deferred
+_split_cheap = True  # ... the cheap ones too (norms, biases), not only the GEMMs'
 _pending: "WeightGrads | None" = None  # the backward running now defers weight gradients here
 _waiting: "weakref.WeakSet[WeightGrads]" = weakref.WeakSet()  # recorded and not yet run (for memory figures)
+_fill: "WeightGrads | None" = None  # whose items a wait for an exchange may run now (--delay-wgrad-compute)
+# per model chunk: how many weight gradients each parameter (by id) received in its last whole backward
+_uses: "weakref.WeakKeyDictionary[object, dict[int, int]]" = weakref.WeakKeyDictionary()
 
 
 def splitting() -> bool:
@@ -50,27 +63,42 @@ def deferring() -> bool:
     return _pending is not None
 
 
+def splitting_cheap() -> bool:
+    """The split ops defer the cheap weight gradients too (`split_ops(cheap=True)`)."""
+    return _split_cheap
+
+
 @contextmanager
-def split_ops(enabled: bool = True):
+def split_ops(enabled: bool = True, cheap: bool = True):
     """Forwards inside build ops whose backward can defer weight gradients (and recomputations
-    inside a backward rebuild the same ops)."""
-    global _split
-    before, _split = _split, enabled
+    inside a backward rebuild the same ops). cheap=False: only the GEMMs' (and the embedding's)
+    weight gradients are deferred; norms and biases get theirs in the backward, natively
+    (--delay-wgrad-compute: there is nothing to gain from moving them, and each deferred item
+    costs an autograd call)."""
+    global _split, _split_cheap
+    before, _split = (_split, _split_cheap), enabled
+    _split_cheap = cheap
     try:
         yield
     finally:
-        _split = before
+        _split, _split_cheap = before
 
 
 @contextmanager
-def deferred():
+def deferred(uses_of: object = None, fill: bool = False):
     """Backwards inside record their split ops' weight-gradient work in the yielded `WeightGrads`
-    instead of doing it."""
-    global _pending
+    instead of doing it. `uses_of`: the model chunk the backward runs through (its parameters' use
+    counts are learned when the work runs); `fill`: waits for exchanges may run the recorded items
+    meanwhile (see the module docstring). Only with no other recorded work waiting: a parameter's
+    gradients must accumulate in micro-batch order."""
+    global _pending, _fill
     if _pending is not None:
         raise RuntimeError("deferred() does not nest: a backward is already deferring its weight gradients")
-    grads = WeightGrads()
+    grads = WeightGrads(uses_of)
     _pending = grads
+    if fill and uses_of is not None and uses_of in _uses:
+        grads.early = {leaf for leaf, n in _uses[uses_of].items() if n == 1}
+        _fill = grads
     try:
         yield grads
     finally:
@@ -100,34 +128,109 @@ class WeightGrads:
     """The weight-gradient work of one deferred backward: (the tensor an op used, the thunk that
     computes its gradient), in the order the backward met them."""
 
-    def __init__(self):
+    def __init__(self, uses_of: object = None):
         self.items: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
         self.leaves: set[int] = set()
-        self.held: list[torch.Tensor] = []  # output gradients the thunks keep (inputs are saved tensors)
+        self.held: list[tuple] = []  # per item, the output gradients its thunk keeps (inputs are saved tensors)
+        self.leaf_of_item: list[int | None] = []  # per item, its parameter's id
+        self.uses_of = uses_of
+        self.early: set[int] = set()  # parameters whose one item may run while an exchange is in flight
+        self.ran_early: list[int] = []  # the parameters whose item did
+        self.next = 0  # items before this index are not early candidates any more
         _waiting.add(self)
 
     def add(self, used: torch.Tensor, thunk: Callable[[], torch.Tensor], held: tuple = ()) -> None:
         self.items.append((used, thunk))
-        self.held += held
+        self.held.append(held)
         leaf = _leaf_of(used)
+        self.leaf_of_item.append(None if leaf is None else id(leaf))
         if leaf is not None:
             self.leaves.add(id(leaf))
 
     def __len__(self) -> int:
         return len(self.items)
 
+    def fill_one(self) -> bool:
+        """Run the next recorded item whose parameter has no other (see the module docstring) and
+        hand its gradient to autograd now; False when there is none. Called by
+        megalite.parallel.lanes while a collective is in flight."""
+        i = self.next
+        while i < len(self.items) and self.leaf_of_item[i] not in self.early:
+            i += 1
+        self.next = i  # (the items skipped wait for `run`; the one taken leaves its place to the next)
+        if i == len(self.items):
+            return False
+        (used, thunk), leaf = self.items.pop(i), self.leaf_of_item.pop(i)
+        self.held.pop(i)
+        self.ran_early.append(leaf)
+        global _pending
+        pending, _pending = _pending, None  # (the parameter's hooks see a W, not a deferring B)
+        try:
+            with torch.enable_grad():
+                root = _Deliver.apply(used, thunk)
+            torch.autograd.backward([root])
+        finally:
+            _pending = pending
+        return True
+
     def run(self) -> None:
         """Compute every recorded gradient and hand it to autograd, in one backward: parameters
         accumulate and their hooks run as in a plain backward (ZeRO's end-of-backward callback once).
         Autograd runs a leaf's accumulation as soon as its gradient is ready, so one weight
         gradient is alive at a time; the thunks run in the order recorded."""
-        items, self.items, self.held = self.items, [], []
+        global _fill
+        if _fill is self:
+            _fill = None
+        if self.uses_of is not None:
+            # --delay-wgrad-compute: each parameter with one item gets its gradient alone, as while
+            # filling (one backward each: measured 2026-12-05 on the CPU, 27 ms a micro-batch of the
+            # tiny MoE's W against 37 in one backward); the others below, together
+            counts: dict[int | None, int] = {}
+            for leaf in self.leaf_of_item:
+                counts[leaf] = counts.get(leaf, 0) + 1
+            self.early, self.next = {leaf for leaf, n in counts.items() if n == 1 and leaf is not None}, 0
+            while self.fill_one():
+                pass
+        items, leaves, self.items, self.held, self.leaf_of_item = self.items, self.leaf_of_item, [], [], []
+        self._learn(leaves)
         if not items:
             return
         with torch.enable_grad():
             # Autograd runs the most recently built node first: build them last-recorded first.
             roots = [_Deliver.apply(used, thunk) for used, thunk in reversed(items)]
         torch.autograd.backward(roots)
+
+    def _learn(self, leaves: list[int | None]) -> None:
+        """Count each parameter's items over the whole backward (those run early and the rest) for
+        the chunk's next backwards; a parameter that ran early must have had no other."""
+        if self.uses_of is None:
+            return
+        counts: dict[int, int] = {}
+        for leaf in self.ran_early + [leaf for leaf in leaves if leaf is not None]:
+            counts[leaf] = counts.get(leaf, 0) + 1
+        twice = [leaf for leaf in self.ran_early if counts[leaf] > 1]
+        if twice:
+            raise RuntimeError(f"--delay-wgrad-compute: {len(twice)} parameter(s) ran their weight gradient early "
+                               "but received another in the same backward (the model's uses changed from one "
+                               "backward to the next); drop --delay-wgrad-compute and report it")
+        _uses[self.uses_of] = counts
+
+
+def fill_one() -> bool:
+    """Run one item of the backward lent for filling (`deferred(fill=True)`), if any; False when
+    there is nothing to run (megalite.parallel.lanes calls it while an exchange is in flight)."""
+    return _fill is not None and _fill.fill_one()
+
+
+def forget_fill() -> None:
+    """Lend no backward for filling any more: one that raised must not be run later by a wait."""
+    global _fill
+    _fill = None
+
+
+def can_fill() -> bool:
+    """Whether a backward's recorded items are lent for filling now."""
+    return _fill is not None
 
 
 class _Deliver(torch.autograd.Function):
@@ -156,11 +259,20 @@ def give(used: torch.Tensor | None, needed: bool, thunk: Callable[[], torch.Tens
     return thunk()
 
 
+def give_cheap(used: torch.Tensor | None, needed: bool, thunk: Callable[[], torch.Tensor],
+               held: tuple = ()) -> torch.Tensor | None:
+    """`give` for a cheap gradient (a bias's): computed now unless the split ops defer the cheap ones
+    too (`split_ops(cheap=...)`)."""
+    if _split_cheap or used is None or not needed:
+        return give(used, needed, thunk, held)
+    return thunk()
+
+
 def held_bytes() -> int:
     """Bytes of the distinct storages of the output gradients that recorded, not yet run, W work
     keeps (the inputs it keeps are saved tensors, which saved-tensor hooks see)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for work in list(_waiting) for t in work.held}
+                for work in list(_waiting) for held in work.held for t in held}
     return sum(storages.values())
 
 
@@ -181,7 +293,7 @@ class _SplitLinear(torch.autograd.Function):
         ctx.used = None
         dx = dy.mm(weight) if ctx.needs_input_grad[0] else None
         dw = give(used_w, ctx.needs_input_grad[1], lambda: dy.t().mm(x), (dy,))
-        db = give(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
+        db = give_cheap(used_b, ctx.needs_input_grad[2], lambda: dy.sum(0), (dy,))
         return dx, dw, db
 
 
@@ -237,7 +349,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def defer_delivery(weight: torch.Tensor | None) -> torch.Tensor | None:
     """`weight` for an op with a native backward: under `split_ops` its gradient reaches the
     parameter when W runs (computed in B: for cheap uses, norms and lone biases)."""
-    if weight is None or not splitting() or not weight.requires_grad:
+    if weight is None or not splitting() or not _split_cheap or not weight.requires_grad:
         return weight
     return _DeferDelivery.apply(weight)
 
@@ -249,3 +361,4 @@ def _set_pending(pending: "WeightGrads | None") -> None:
 
 # A backward deferring its weight gradients on one lane of an overlapped pair defers only its own.
 lanes.register_lane_local(lambda: _pending, _set_pending)
+lanes.set_filler(can_fill, fill_one)

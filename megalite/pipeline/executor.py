@@ -40,6 +40,10 @@ class _Receives:
     def wait(self) -> None:
         self.posted.wait_received()
 
+    def is_completed(self) -> bool:
+        posted = self.posted
+        return posted.received or all(work.is_completed() for work in posted.recv_works)
+
 
 def _free_data(out: torch.Tensor | None) -> None:
     """Release an output's storage but keep its autograd graph and shape: a 1-element tensor
@@ -104,6 +108,7 @@ def run_schedule(
     v_shape: bool = False,
     plan: Sequence | None = None,
     overlap_pairs: bool = False,
+    delay_wgrad: bool = False,
 ) -> ScheduleStats:
     """Run one rank's program. `forward_step(chunk, batch)` returns the summed loss on the last
     virtual stage and the hidden states elsewhere; the loss is divided by `num_tokens` (the whole
@@ -114,9 +119,14 @@ def run_schedule(
     `v_shape`: the two chunks sit in a V (`V_SCHEDULES`); `plan`: this rank's exchange plan where
     it is not `exchange_plan`'s (`exchange_plans` gives every rank's). `overlap_pairs`: the passes of
     each overlapped pair ("O") run on two lanes (megalite.parallel.lanes), each one's collectives in
-    flight while the other computes; else one after the other."""
+    flight while the other computes; else one after the other. `delay_wgrad` (--delay-wgrad-compute):
+    a backward records its weight-gradient work (megalite.parallel.weight_grad) and lends it to the
+    waits for exchanges that follow, and runs what is left when the backward ends (or at its W) -
+    except a chunk's last backward while its gradients reduce as they come (`on_last_backward`),
+    whose buckets must see every gradient in it."""
     device = num_tokens.device
     lanes.drop_posts()  # (what a pass that raised left posted is never launched)
+    weight_grad.forget_fill()  # (nor is the weight-gradient work it lent run)
     p = state.get_pipeline_model_parallel_world_size()
     r = state.get_pipeline_model_parallel_rank()
     last_virtual = p * len(model_chunks) - 1
@@ -140,6 +150,8 @@ def run_schedule(
     split = any(op.kind == "W" for op in program)
     # Where each chunk's last gradient work of the step starts: its buckets may reduce from there.
     last_grad_op = {op.chunk: i for i, op in enumerate(program) if op.kind == ("W" if split else "B")}
+    # --delay-wgrad-compute: the backwards whose buckets reduce as their gradients come run whole
+    syncing = {(program[i].chunk, program[i].micro_batch) for i in last_grad_op.values()} if on_last_backward else set()
     weight_work: dict[tuple, weight_grad.WeightGrads] = {}  # (chunk, mb) -> what its B deferred
     received: dict[Message, p2p.Posted] = {}  # posted receives, by message: each waited for when read
     in_flight: list[p2p.Posted] = []  # the batches posted at the last exchange points, their sends not yet waited for
@@ -227,10 +239,16 @@ def run_schedule(
                     on_last_backward(op.chunk)
                 x, out = stash.pop(key)
                 grad = got
-                if split:  # input gradients now; the weights' work waits for this pass's W
-                    with weight_grad.deferred() as work:
+                # --delay-wgrad-compute lends the weights' work to the waits for exchanges (with no
+                # older work still waiting: each parameter's gradients accumulate in micro-batch order)
+                fill = delay_wgrad and key not in syncing and not weight_work
+                if split or fill:  # input gradients now; the weights' work waits for this pass's W
+                    with weight_grad.deferred(model_chunks[op.chunk] if delay_wgrad else None, fill) as work:
                         out.backward(grad)
-                    weight_work[key] = work
+                    if split:
+                        weight_work[key] = work
+                    else:
+                        work.run()
                 else:
                     out.backward(grad)
                 if vs != 0:
@@ -242,7 +260,7 @@ def run_schedule(
                     on_last_backward(op.chunk)
                 weight_work.pop(key).run()
 
-    with weight_grad.split_ops(split), lanes.recording(stats.spans if record_spans else None):
+    with weight_grad.split_ops(split or delay_wgrad, cheap=split), lanes.recording(stats.spans if record_spans else None):
         i = 0
         while i < len(program):
             op = program[i]

@@ -15,7 +15,7 @@ from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.optimizer import sgd
 from megalite.optim.param_gather import attach_gather_waits
-from megalite.parallel import lanes
+from megalite.parallel import host_heap
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
@@ -55,7 +55,9 @@ def setup(cfg, world_size: int):
     data-parallel size, device)."""
     device = select_device()  # first: validation may build the fused kernels on the current GPU
     if device.type == "cpu" and cfg.parallel.overlap_moe_expert_parallel_comm:
-        lanes.share_one_heap()  # before gloo's threads: the forward lane's own heap costs page faults
+        host_heap.share_one_heap()  # before gloo's threads: the forward lane's own heap costs page faults
+    if device.type == "cpu" and cfg.parallel.delay_wgrad_compute:
+        host_heap.keep_freed_memory()  # memory held until W runs, then freed: no fresh pages each micro-batch
     config = model_config(cfg)
     dp = validate(cfg, world_size, config)
     set_tf32(not cfg.precision.no_tf32)

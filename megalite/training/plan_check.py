@@ -39,4 +39,5 @@ def check_run(cfg: RunConfig, world_size: int, gpu_memory_bytes: float | None = 
                         overlap_moe_ep_comm=p.overlap_moe_expert_parallel_comm,
                         pipeline_extra_warmup=p.pipeline_extra_warmup,
                         tp_comm_overlap_splits=p.tp_comm_overlap_splits,
-                        overlap_param_gather=d.overlap_param_gather, moe_dispatch_chunks=p.moe_dispatch_chunks)
+                        overlap_param_gather=d.overlap_param_gather, moe_dispatch_chunks=p.moe_dispatch_chunks,
+                        delay_wgrad_compute=p.delay_wgrad_compute)

@@ -66,6 +66,7 @@ _TABLE = {
     FREE: """tp pp vpp num_layers_per_virtual_pipeline_stage pipeline_schedule pipeline_pass_costs pipeline_extra_warmup
         pipeline_layers
         sequence_parallel tp_comm_overlap tp_comm_overlap_splits overlap_moe_expert_parallel_comm
+        delay_wgrad_compute
         moe_dispatch_chunks cp cp_comm_type expert_model_parallel_size expert_tensor_parallel_size
         distributed_timeout_minutes
         init_method_std recompute recompute_method recompute_num_layers attention_backend torch_compile norm_backend

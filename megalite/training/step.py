@@ -51,6 +51,7 @@ class TrainStep:
     routers: list = field(init=False)  # the routers balanced by an expert bias after each step
     delayed_fp8: bool = False  # FP8 delayed scaling: its amaxes reduced over `amax_group` each step
     overlap_pairs: bool = False  # --overlap-moe-expert-parallel-comm: forwards beside backwards, on two lanes
+    delay_wgrad: bool = False  # --delay-wgrad-compute: weight gradients while exchanges are in flight
     amax_group: object = field(init=False)
     extra_warmup: int = 0  # --pipeline-extra-warmup: one more forward ahead on every stage but the last
 
@@ -91,7 +92,7 @@ class TrainStep:
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
                    cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs,
                    delayed_fp8=cfg.precision.fp8_format is not None and cfg.precision.fp8_recipe == "delayed",
-                   overlap_pairs=paired, extra_warmup=extra)
+                   overlap_pairs=paired, extra_warmup=extra, delay_wgrad=cfg.parallel.delay_wgrad_compute)
 
     @property
     def v_shape(self) -> bool:
@@ -131,7 +132,7 @@ class TrainStep:
                              plan=self.exchange_plan(self.schedule, self.micro_batches),
                              loss_scale=self.optimizer.loss_scaler.scale,
                              on_last_backward=self._enable_sync if self.overlap_grad_reduce else None,
-                             overlap_pairs=self.overlap_pairs)
+                             overlap_pairs=self.overlap_pairs, delay_wgrad=self.delay_wgrad)
         t = time.perf_counter()
         set_phase(f"{label}: gradient reduction")
         finalize_grads(self.buffers, self.embedding_group)

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-dispatch-chunks", type=int, default=1, metavar="N",
                    help="predict pretrain_gpt.py's flag: a MoE layer's exchanges and experts in N groups, each "
                         "group's GEMMs beside the next group's exchange, in the passes outside pairs (exposed.py)")
+    g.add_argument("--delay-wgrad-compute", action="store_true",
+                   help="predict pretrain_gpt.py's flag: each backward's weight-gradient work done while "
+                        "exchanges are in flight (pair_play.py)")
     g.add_argument("--pipeline-extra-warmup", type=int, choices=(0, 1), default=0,
                    help="predict pretrain_gpt.py's flag: one more forward ahead on every stage but the last, where "
                         "the layout's schedule has it (1f1b with one chunk a rank, zb-h1): one more micro-batch's "
@@ -304,7 +307,7 @@ def overlap_of(args) -> dict:
     return {"tp_comm_overlap": args.tp_comm_overlap, "tp_comm_overlap_splits": args.tp_comm_overlap_splits,
             "overlap_moe_ep_comm": args.overlap_moe_expert_parallel_comm,
             "overlap_param_gather": args.overlap_param_gather, "moe_dispatch_chunks": args.moe_dispatch_chunks,
-            "pipeline_extra_warmup": args.pipeline_extra_warmup}
+            "pipeline_extra_warmup": args.pipeline_extra_warmup, "delay_wgrad_compute": args.delay_wgrad_compute}
 
 
 def summary(pred) -> str:

@@ -132,6 +132,8 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
         parts.append("--overlap-param-gather")
     if run.moe_dispatch_chunks > 1 and lay.ep > 1:
         parts += ["--moe-dispatch-chunks", str(run.moe_dispatch_chunks)]
+    if run.delay_wgrad_compute and lay.zero_stage < 2:  # (refused with ZeRO-2 and -3)
+        parts.append("--delay-wgrad-compute")
     if lay.zero_stage == 3 and not run.zero_reshard_after_forward:
         parts += ["--zero-reshard-after-forward", "false"]
     if lay.zero_stage == 3 and run.zero_keep_params_for_step:

@@ -88,9 +88,17 @@ def best_pair_seconds(forward: Items, backward: Items) -> float:
     return best
 
 
-def pair_bound(forward: Items, backward: Items) -> float:
-    """The least a pair of these passes can expose: its best order beyond both lanes' compute."""
-    return best_pair_seconds(forward, backward) - _cpu(forward) - _cpu(backward)
+def pair_bound(forward: Items, backward: Items, wgrad: float = 0.0) -> float:
+    """The least a pair of these passes can expose: its best order beyond both lanes' compute.
+    `wgrad` (--delay-wgrad-compute): that share of the backward's compute may run anywhere in the
+    pair, so the bound is the longest of the CPU's work, the link's and each lane's chain without
+    it (a lower bound, not the best order: the search above keeps each item whole in its lane)."""
+    cpu = _cpu(forward) + _cpu(backward)
+    if wgrad <= 0:
+        return best_pair_seconds(forward, backward) - cpu
+    chain_f = _cpu(forward) + _link(forward)
+    chain_b = _cpu(backward) * (1 - wgrad) + _link(backward)
+    return max(cpu, _link(forward) + _link(backward), chain_f, chain_b) - cpu
 
 
 def alone_phase_bound(items: Items, reduction: float) -> float:
@@ -99,12 +107,13 @@ def alone_phase_bound(items: Items, reduction: float) -> float:
     return max(_cpu(items) + _link(items), _link(items) + reduction) - _cpu(items)
 
 
-def ep_step_bound(pairs: int, forward: Items, backward: Items, reduce_s: float, gather_s: float) -> dict:
+def ep_step_bound(pairs: int, forward: Items, backward: Items, reduce_s: float, gather_s: float,
+                  wgrad: float = 0.0) -> dict:
     """Seconds at least exposed in a pp-1 step of `pairs` pairs, one forward and one backward alone:
     {"pairs", "first_forward", "last_backward", "exposed"}. `reduce_s`: the DP reduction's seconds
     on the link in the last backward's phase; `gather_s`: the gathers' in the first forward's (0
     unless they were moved there)."""
-    out = {"pairs": pairs * pair_bound(forward, backward),
+    out = {"pairs": pairs * pair_bound(forward, backward, wgrad),
            "first_forward": alone_phase_bound(forward, gather_s),
            "last_backward": alone_phase_bound(backward, reduce_s)}
     out["exposed"] = sum(out.values())
@@ -116,7 +125,7 @@ def ep_bound_of(pred) -> dict | None:
     for other layouts): its pairs' items (exposed.pair_items), and its data-parallel bytes at the
     link's rate with a latency a bucket. Stage 1 without --overlap-param-gather adds the gathers
     after the update, which nothing can hide."""
-    from megalite.tools.plan.exposed import pair_items, pass_counts
+    from megalite.tools.plan.exposed import pair_items, pass_counts, wgrad_share
 
     costs, layout = pred.costs, pred.layout
     if layout.pp != 1 or not costs.run.overlap_moe_ep_comm or layout.zero_stage > 1:
@@ -132,7 +141,8 @@ def ep_bound_of(pred) -> dict | None:
     reduce_s = (traffic.get("all_reduce", 0.0) + traffic.get("reduce_scatter", 0.0)) / costs.bw_dp + buckets * latency
     gather_s = traffic.get("all_gather", 0.0) / costs.bw_dp + buckets * latency if traffic.get("all_gather") else 0.0
     overlapped = costs.run.overlap_param_gather
-    out = ep_step_bound(counts[0], forward, backward, reduce_s, gather_s if overlapped else 0.0)
+    out = ep_step_bound(counts[0], forward, backward, reduce_s, gather_s if overlapped else 0.0,
+                        wgrad_share(costs))
     if gather_s and not overlapped:
         out["after_update"] = gather_s
         out["exposed"] += gather_s

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megalite.metrics import layer_forward_flops
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.pipeline.partition import layers_of
 from megalite.pipeline.programs import PAIRED_SCHEDULES, build_program
@@ -197,12 +198,17 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
             return Exposure(exchanges, sent, comm, exposed, "each group's experts beside the next group's exchange")
     else:
         exchanges = m * layers * costs.ep_exchanges
-    if not costs.run.overlap_moe_ep_comm:
-        return Exposure(exchanges, sent, comm, comm, "nothing (megalite waits for each)")
-    if counts is None:  # a schedule without pairs: nothing overlapped
-        return Exposure(exchanges, sent, comm, comm, "nothing (this schedule has no pairs)")
+    wgrad = wgrad_share(costs) if groups == 1 else 0.0  # (weight gradients beside groups: not played)
+    if not costs.run.overlap_moe_ep_comm or counts is None:
+        if wgrad:  # every backward but each chunk's last fills its own waits with its weight gradients
+            forward, backward = pair_items(costs, stage)  # (a micro-batch through all v chunks)
+            exposed = (m * alone_exposed(forward) + (m - 1) * alone_exposed(backward, wgrad)
+                       + alone_exposed(backward))
+            return Exposure(exchanges, sent, comm, exposed, "the backward's own weight gradients")
+        why = "megalite waits for each" if not costs.run.overlap_moe_ep_comm else "this schedule has no pairs"
+        return Exposure(exchanges, sent, comm, comm, f"nothing ({why})")
     forward, backward = pair_items(costs, stage)
-    exposed = _played(counts, forward, backward, costs.layout.v)
+    exposed = _played(counts, forward, backward, costs.layout.v, wgrad)
     if groups > 1:  # a forward alone goes in groups (its backward, in a pair, is played whole)
         exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward)) / costs.layout.v
     return Exposure(exchanges, sent, comm, exposed,
@@ -217,12 +223,26 @@ def dispatch_groups(costs: LayoutCosts) -> int:
     return max(1, min(costs.run.moe_dispatch_chunks, config.num_moe_experts // layout.ep))
 
 
-def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int) -> float:
+def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int, wgrad: float = 0.0) -> float:
     """Exposed seconds of a rank's paired program (`pass_counts`): the lone passes wait for all of
-    their exchanges, each pair is played (pair_play.py); a pass runs one of the rank's v chunks."""
+    their exchanges, each pair is played (pair_play.py); a pass runs one of the rank's v chunks.
+    `wgrad` (`wgrad_share`): the pairs' backwards, and the lone ones but each chunk's last (whose
+    buckets reduce as their gradients come), lend their weight gradients to the waits."""
     pairs, lone_f, lone_b = counts
-    return (lone_f * alone_exposed(forward) + lone_b * alone_exposed(backward)
-            + pairs * pair_exposed(forward, backward)) / v
+    filled = max(0, lone_b - v) if wgrad else 0
+    return (lone_f * alone_exposed(forward) + (lone_b - filled) * alone_exposed(backward)
+            + filled * alone_exposed(backward, wgrad) + pairs * pair_exposed(forward, backward, wgrad)) / v
+
+
+def wgrad_share(costs: LayoutCosts) -> float:
+    """--delay-wgrad-compute: the share of a backward's compute that is weight-gradient work lent to
+    the waits: each weight GEMM's gradient is as large as its forward, so a MoE layer's GEMM FLOPs
+    forward (`layer_forward_flops`' dense part) over its backward's. 0 without the flag, or at ZeRO
+    stages 2-3, where megalite refuses it."""
+    if not costs.run.delay_wgrad_compute or costs.layout.zero_stage >= 2 or not costs.moe_bwd:
+        return 0.0
+    dense, _ = layer_forward_flops(costs.config, costs.run.seq_length, costs.layout.micro_batch_size, moe=True)
+    return min(0.5, dense / costs.moe_bwd)
 
 
 def pass_counts(costs: LayoutCosts, rank: int) -> tuple[int, int, int] | None:

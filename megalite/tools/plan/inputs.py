@@ -180,6 +180,7 @@ class Run:
     overlap_moe_ep_comm: bool = False
     overlap_param_gather: bool = False  # ZeRO stages 1-2: the update's gathers behind the next forward (gather_play)
     moe_dispatch_chunks: int = 1  # --moe-dispatch-chunks: a MoE layer's exchanges in groups of experts (exposed.py)
+    delay_wgrad_compute: bool = False  # --delay-wgrad-compute: weight gradients while exchanges fly (pair_play)
     # --pipeline-extra-warmup: one more forward ahead on every stage but the last, where the layout's
     # schedule has it (1f1b with one chunk a rank and no pairs, zb-h1: `extra_warmup_of`)
     pipeline_extra_warmup: int = 0

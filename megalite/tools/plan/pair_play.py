@@ -16,23 +16,29 @@ from __future__ import annotations
 Items = list[tuple]  # (compute seconds, then an exchange of this many seconds (0: none)[, hand over: True])
 
 
-def played_pair(forward: Items, backward: Items) -> float:
-    """Seconds from the pair's start until both lanes are done."""
+def played_pair(forward: Items, backward: Items, wgrad: float = 0.0) -> float:
+    """Seconds from the pair's start until both lanes are done. `wgrad` (--delay-wgrad-compute): the
+    share of each backward item's compute that is weight-gradient work lent to the waits (`_Filler`)."""
     # a lane whose last item launches an exchange still waits for it before it ends
     lanes = {k: [(*item, True)[:3] for item in v] + ([(0.0, 0.0, True)] if v and v[-1][1] > 0 else [])
              for k, v in (("F", forward), ("B", backward))}
     pending = {"F": 0.0, "B": 0.0}  # when each lane's exchange in flight is done
+    filler = _Filler()
     now, turn = 0.0, "F"
     while lanes["F"] or lanes["B"]:
         other = "B" if turn == "F" else "F"
         if not lanes[turn]:
             turn = other
             continue
-        now = max(now, pending[turn])  # its own exchange first
+        now = max(filler.fill(now, pending[turn]), pending[turn])  # its own exchange first
         compute, exchange, hand_over = lanes[turn].pop(0)
+        if turn == "B":
+            compute = filler.lend(compute, wgrad)
         now += compute
         if exchange > 0 or not hand_over:
-            now = max(now, pending[other])  # the other lane's exchange drained
+            now = max(filler.fill(now, pending[other]), pending[other])  # the other lane's exchange drained
+        if turn == "B" and not lanes["B"]:
+            now = filler.finish(now)  # the backward's W: what no wait took
         if not hand_over:  # run in place: the lane keeps the turn
             now += exchange
             continue
@@ -45,11 +51,54 @@ def played_pair(forward: Items, backward: Items) -> float:
     return max(now, pending["F"], pending["B"])
 
 
-def pair_exposed(forward: Items, backward: Items) -> float:
+class _Filler:
+    """A backward's weight-gradient work lent to the waits (megalite.parallel.weight_grad under
+    --delay-wgrad-compute): `wgrad` of each backward item's compute, in two pieces (a layer's weight
+    GEMMs are a few), recorded as the item runs. A lane that would wait for an exchange runs the
+    pieces, in order, until it is done; a piece begun runs to its end, past it if it must. What is
+    left runs when the backward ends."""
+
+    def __init__(self):
+        self.pieces: list[float] = []
+
+    def lend(self, compute: float, wgrad: float) -> float:
+        """The compute a backward item does in place; its weight-gradient share is lent."""
+        if wgrad <= 0 or compute <= 0:
+            return compute
+        self.pieces += [compute * wgrad / 2] * 2
+        return compute * (1 - wgrad)
+
+    def fill(self, now: float, until: float) -> float:
+        while now < until and self.pieces:
+            now += self.pieces.pop(0)
+        return now
+
+    def finish(self, now: float) -> float:
+        now += sum(self.pieces)
+        self.pieces.clear()
+        return now
+
+
+def alone_played(items: Items, wgrad: float = 0.0) -> float:
+    """Seconds a pass run alone takes: each exchange waited for, meanwhile (a backward, `wgrad` > 0)
+    the weight-gradient work lent so far (`_Filler`)."""
+    filler, now = _Filler(), 0.0
+    for compute, exchange, *hand_over in items:
+        now += filler.lend(compute, wgrad)
+        in_place = hand_over and not hand_over[0]  # (the counts' all-gather: waited for at once)
+        now = max(now if in_place else filler.fill(now, now + exchange), now + exchange)
+    return filler.finish(now)
+
+
+def pair_exposed(forward: Items, backward: Items, wgrad: float = 0.0) -> float:
     """What the exchanges add to the pair: played minus the two lanes' compute."""
-    return played_pair(forward, backward) - sum(item[0] for item in forward) - sum(item[0] for item in backward)
+    return (played_pair(forward, backward, wgrad) - sum(item[0] for item in forward)
+            - sum(item[0] for item in backward))
 
 
-def alone_exposed(items: Items) -> float:
-    """A lane run alone waits for each of its exchanges: all of them exposed."""
-    return sum(item[1] for item in items)
+def alone_exposed(items: Items, wgrad: float = 0.0) -> float:
+    """A lane run alone waits for each of its exchanges: all of them exposed, but what the weight-
+    gradient work lent to the waits covers (`alone_played`)."""
+    if wgrad <= 0:
+        return sum(item[1] for item in items)
+    return alone_played(items, wgrad) - sum(item[0] for item in items)

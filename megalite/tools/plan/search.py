@@ -117,7 +117,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     schedules to try (zb-h1 only where pp > 1 and vpp 1, zb-v and dualpipev where pp > 1 and vpp 2: two
     chunks in a V; dualpipev with at least 2 x pp micro-batches). overlap: Run's overlap options
     (tp_comm_overlap, tp_comm_overlap_splits, overlap_moe_ep_comm, overlap_param_gather, moe_dispatch_chunks,
-    pipeline_extra_warmup)."""
+    pipeline_extra_warmup, delay_wgrad_compute)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
@@ -350,14 +350,14 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  schedule: str = "1f1b", fp8_layers: int = 0, tp_comm_overlap: bool = False,
                  overlap_moe_ep_comm: bool = False, pipeline_extra_warmup: int = 0,
                  tp_comm_overlap_splits: int = 1, overlap_param_gather: bool = False,
-                 moe_dispatch_chunks: int = 1) -> tuple[bool, Prediction]:
+                 moe_dispatch_chunks: int = 1, delay_wgrad_compute: bool = False) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer. ep, etp:
     the expert layout of a MoE model (etp None: tp). tp_comm_overlap, tp_comm_overlap_splits,
     overlap_moe_ep_comm, overlap_param_gather: the run's --tp-comm-overlap, --tp-comm-overlap-splits,
     --overlap-moe-expert-parallel-comm and --overlap-param-gather (what the exposed time assumes);
-    moe_dispatch_chunks: its --moe-dispatch-chunks;
+    moe_dispatch_chunks, delay_wgrad_compute: its --moe-dispatch-chunks and --delay-wgrad-compute;
     pipeline_extra_warmup: its --pipeline-extra-warmup (the pipeline's transfers and memory)."""
     gpus = tp * cp * pp * dp
     base = cluster or Cluster(gpus=gpus)
@@ -374,6 +374,7 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
               fp8_layers=fp8_layers, tp_comm_overlap=tp_comm_overlap, tp_comm_overlap_splits=tp_comm_overlap_splits,
               overlap_moe_ep_comm=overlap_moe_ep_comm, overlap_param_gather=overlap_param_gather,
               moe_dispatch_chunks=moe_dispatch_chunks, pipeline_extra_warmup=pipeline_extra_warmup,
+              delay_wgrad_compute=delay_wgrad_compute,
               **(local_sgd or {}))
     pred = predict(config, layout, cluster, run=run)
     return pred.fits, pred
