@@ -168,8 +168,8 @@ def memory_rank(rank, world, model, schedules):
         deferred = weight_grad.deferred
 
         @contextlib.contextmanager
-        def sampled_after_b():  # right after a B: what its W keeps, with the W's held back before it
-            with deferred() as work:
+        def sampled_after_b(*args, **kwargs):  # right after a B: what its W keeps, with the W's held back before it
+            with deferred(*args, **kwargs) as work:
                 yield work
             saved.sample()
 
