@@ -31,6 +31,21 @@ def parse(argv):
     return arguments.build_parser("test", default_model="gpt-tiny").parse_args(argv)
 
 
+def refusal(argv, world: int) -> str:
+    """The UsageError validating `argv` at `world` ranks ends with, checked to be one line."""
+    from megalite.config import model_config, validate
+    from megalite.errors import UsageError
+
+    config = parse(argv)
+    try:
+        validate(config, world, model_config(config), machine=False)
+    except UsageError as e:
+        message = str(e)
+        assert "\n" not in message, message
+        return message
+    raise AssertionError(f"accepted: {argv}")
+
+
 def gpt_run(argv):
     return pretrain(parse(argv), pretrain_gpt.task())
 
