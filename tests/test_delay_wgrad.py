@@ -14,7 +14,7 @@ from helpers import fresh_seed
 from megalite.parallel import host_heap, lanes, weight_grad
 from megalite.testing import run_ranks
 from test_moe_dispatch_chunks import DEEPSEEK, EP2, _assert_same, chunks
-from training_ranks import parse, refusal, steady_host_syncs, train_params
+from training_ranks import paired_runs, parse, refusal, steady_host_syncs, train_params
 
 DELAY = ["--delay-wgrad-compute"]
 
@@ -144,9 +144,7 @@ TWO_RANKS = {  # name: the run without the flag (with it: + DELAY)
 
 @pytest.fixture(scope="module")
 def two_rank_runs():
-    runs = [argv for base in TWO_RANKS.values() for argv in (base, base + DELAY)]
-    results = run_ranks(_trainings, 2, args=(runs, fresh_seed()), timeout=600)
-    return {name: [(r[2 * i], r[2 * i + 1]) for r in results] for i, name in enumerate(TWO_RANKS)}
+    return paired_runs(_trainings, 2, {name: (base, base + DELAY) for name, base in TWO_RANKS.items()}, fresh_seed())
 
 
 @pytest.mark.parametrize("name", TWO_RANKS)

@@ -14,7 +14,7 @@ from helpers import fresh_seed
 from megalite.models.moe.chunked import expert_groups
 from megalite.testing import run_ranks
 from test_moe_training import MOE  # the tiny MoE GPT: 8 experts, a dense first layer, shared expert, aux and z-losses
-from training_ranks import refusal, steady_host_syncs, train_params
+from training_ranks import paired_runs, refusal, steady_host_syncs, train_params
 
 BASE = ["--train-iters", "2", "--log-interval", "1", "--seq-length", "32", "--micro-batch-size", "2",
         "--eval-interval", "0", "--hidden-dropout", "0.1", *MOE]
@@ -133,9 +133,7 @@ TWO_RANKS = {  # name: (the unchunked run, the chunked one)
 
 @pytest.fixture(scope="module")
 def two_rank_runs():
-    runs = [argv for pair in TWO_RANKS.values() for argv in pair]
-    results = run_ranks(_trainings, 2, args=(runs, fresh_seed()), timeout=600)
-    return {name: [(r[2 * i], r[2 * i + 1]) for r in results] for i, name in enumerate(TWO_RANKS)}
+    return paired_runs(_trainings, 2, TWO_RANKS, fresh_seed())
 
 
 @pytest.mark.parametrize("name", TWO_RANKS)

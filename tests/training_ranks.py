@@ -31,6 +31,16 @@ def parse(argv):
     return arguments.build_parser("test", default_model="gpt-tiny").parse_args(argv)
 
 
+def paired_runs(fn, world: int, pairs: dict, *args) -> dict:
+    """One spawn of ranks for an equality matrix: `fn(rank, world, runs, *args)` trains every run of
+    `pairs` (name -> (argv, argv)) and returns one result per run; by name, each rank's two results."""
+    from megalite.testing import run_ranks
+
+    runs = [argv for pair in pairs.values() for argv in pair]
+    results = run_ranks(fn, world, args=(runs, *args), timeout=600)
+    return {name: [(r[2 * i], r[2 * i + 1]) for r in results] for i, name in enumerate(pairs)}
+
+
 def refusal(argv, world: int) -> str:
     """The UsageError validating `argv` at `world` ranks ends with, checked to be one line."""
     from megalite.config import model_config, validate

@@ -126,13 +126,12 @@ def _leaf_of(t: torch.Tensor) -> torch.Tensor | None:
 
 class WeightGrads:
     """The weight-gradient work of one deferred backward: (the tensor an op used, the thunk that
-    computes its gradient), in the order the backward met them."""
+    computes its gradient, the output gradients the thunk keeps, its parameter's id), in the order
+    the backward met them."""
 
     def __init__(self, uses_of: object = None):
-        self.items: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self.items: list[tuple[torch.Tensor, Callable[[], torch.Tensor], tuple, int | None]] = []
         self.leaves: set[int] = set()
-        self.held: list[tuple] = []  # per item, the output gradients its thunk keeps (inputs are saved tensors)
-        self.leaf_of_item: list[int | None] = []  # per item, its parameter's id
         self.uses_of = uses_of
         self.early: set[int] = set()  # parameters whose one item may run while an exchange is in flight
         self.ran_early: list[int] = []  # the parameters whose item did
@@ -140,10 +139,8 @@ class WeightGrads:
         _waiting.add(self)
 
     def add(self, used: torch.Tensor, thunk: Callable[[], torch.Tensor], held: tuple = ()) -> None:
-        self.items.append((used, thunk))
-        self.held.append(held)
         leaf = _leaf_of(used)
-        self.leaf_of_item.append(None if leaf is None else id(leaf))
+        self.items.append((used, thunk, held, None if leaf is None else id(leaf)))
         if leaf is not None:
             self.leaves.add(id(leaf))
 
@@ -155,13 +152,12 @@ class WeightGrads:
         hand its gradient to autograd now; False when there is none. Called by
         megalite.parallel.lanes while a collective is in flight."""
         i = self.next
-        while i < len(self.items) and self.leaf_of_item[i] not in self.early:
+        while i < len(self.items) and self.items[i][3] not in self.early:
             i += 1
         self.next = i  # (the items skipped wait for `run`; the one taken leaves its place to the next)
         if i == len(self.items):
             return False
-        (used, thunk), leaf = self.items.pop(i), self.leaf_of_item.pop(i)
-        self.held.pop(i)
+        used, thunk, _, leaf = self.items.pop(i)
         self.ran_early.append(leaf)
         global _pending
         pending, _pending = _pending, None  # (the parameter's hooks see a W, not a deferring B)
@@ -182,31 +178,26 @@ class WeightGrads:
         if _fill is self:
             _fill = None
         if self.uses_of is not None:
+            counts = self._learn()
             # --delay-wgrad-compute: each parameter with one item gets its gradient alone, as while
             # filling (one backward each: measured 2026-12-05 on the CPU, 27 ms a micro-batch of the
             # tiny MoE's W against 37 in one backward); the others below, together
-            counts: dict[int | None, int] = {}
-            for leaf in self.leaf_of_item:
-                counts[leaf] = counts.get(leaf, 0) + 1
-            self.early, self.next = {leaf for leaf, n in counts.items() if n == 1 and leaf is not None}, 0
+            self.early, self.next = {leaf for leaf, n in counts.items() if n == 1}, 0
             while self.fill_one():
                 pass
-        items, leaves, self.items, self.held, self.leaf_of_item = self.items, self.leaf_of_item, [], [], []
-        self._learn(leaves)
+        items, self.items = self.items, []
         if not items:
             return
         with torch.enable_grad():
             # Autograd runs the most recently built node first: build them last-recorded first.
-            roots = [_Deliver.apply(used, thunk) for used, thunk in reversed(items)]
+            roots = [_Deliver.apply(used, thunk) for used, thunk, *_ in reversed(items)]
         torch.autograd.backward(roots)
 
-    def _learn(self, leaves: list[int | None]) -> None:
-        """Count each parameter's items over the whole backward (those run early and the rest) for
+    def _learn(self) -> dict[int, int]:
+        """Each parameter's items over the whole backward (those run early and the rest), kept for
         the chunk's next backwards; a parameter that ran early must have had no other."""
-        if self.uses_of is None:
-            return
         counts: dict[int, int] = {}
-        for leaf in self.ran_early + [leaf for leaf in leaves if leaf is not None]:
+        for leaf in self.ran_early + [item[3] for item in self.items if item[3] is not None]:
             counts[leaf] = counts.get(leaf, 0) + 1
         twice = [leaf for leaf in self.ran_early if counts[leaf] > 1]
         if twice:
@@ -214,6 +205,7 @@ class WeightGrads:
                                "but received another in the same backward (the model's uses changed from one "
                                "backward to the next); drop --delay-wgrad-compute and report it")
         _uses[self.uses_of] = counts
+        return counts
 
 
 def fill_one() -> bool:
@@ -272,7 +264,7 @@ def held_bytes() -> int:
     """Bytes of the distinct storages of the output gradients that recorded, not yet run, W work
     keeps (the inputs it keeps are saved tensors, which saved-tensor hooks see)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for work in list(_waiting) for held in work.held for t in held}
+                for work in list(_waiting) for _, _, held, _ in work.items for t in held}
     return sum(storages.values())
 
 

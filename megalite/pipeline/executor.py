@@ -151,7 +151,8 @@ def run_schedule(
     # Where each chunk's last gradient work of the step starts: its buckets may reduce from there.
     last_grad_op = {op.chunk: i for i, op in enumerate(program) if op.kind == ("W" if split else "B")}
     # --delay-wgrad-compute: the backwards whose buckets reduce as their gradients come run whole
-    syncing = {(program[i].chunk, program[i].micro_batch) for i in last_grad_op.values()} if on_last_backward else set()
+    syncing = {(program[i].chunk, program[i].micro_batch) for i in last_grad_op.values()} \
+        if on_last_backward else set()
     weight_work: dict[tuple, weight_grad.WeightGrads] = {}  # (chunk, mb) -> what its B deferred
     received: dict[Message, p2p.Posted] = {}  # posted receives, by message: each waited for when read
     in_flight: list[p2p.Posted] = []  # the batches posted at the last exchange points, their sends not yet waited for

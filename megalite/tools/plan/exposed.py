@@ -200,10 +200,9 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
         exchanges = m * layers * costs.ep_exchanges
     wgrad = wgrad_share(costs) if groups == 1 else 0.0  # (weight gradients beside groups: not played)
     if not costs.run.overlap_moe_ep_comm or counts is None:
-        if wgrad:  # every backward but each chunk's last fills its own waits with its weight gradients
-            forward, backward = pair_items(costs, stage)  # (a micro-batch through all v chunks)
-            exposed = (m * alone_exposed(forward) + (m - 1) * alone_exposed(backward, wgrad)
-                       + alone_exposed(backward))
+        if wgrad:  # every pass alone: each backward but each chunk's last fills its waits with its own W
+            v = costs.layout.v
+            exposed = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad)
             return Exposure(exchanges, sent, comm, exposed, "the backward's own weight gradients")
         why = "megalite waits for each" if not costs.run.overlap_moe_ep_comm else "this schedule has no pairs"
         return Exposure(exchanges, sent, comm, comm, f"nothing ({why})")
