@@ -210,15 +210,15 @@ def test_the_pairs_and_lone_passes_come_from_the_ranks_paired_program():
 
 
 def test_a_pair_hides_each_exchange_behind_the_other_lanes_next_compute_only():
-    # the forward computes 1 then exchanges 3; the backward computes 2 (hiding 2 of the 3), exchanges
-    # 1 after draining the forward's; the forward waits for nothing and computes 1 (hiding it)
+    # the forward computes 1 then exchanges 3; the backward computes 2 (hiding 2 of the 3), its
+    # exchange of 1 launched when the forward's is done; the forward computes 1 (hiding it)
     assert played_pair([(1.0, 3.0), (1.0, 0.0)], [(2.0, 1.0)]) == pytest.approx(1 + 3 + 1 + 0)
     assert pair_exposed([(1.0, 3.0), (1.0, 0.0)], [(2.0, 1.0)]) == pytest.approx(1.0)
     # compute longer than every exchange: all hidden but the backward's last (nothing after it)
     assert pair_exposed([(5.0, 1.0), (5.0, 0.0)], [(5.0, 1.0), (5.0, 0.0)]) == pytest.approx(0.0)
     assert pair_exposed([(5.0, 1.0), (5.0, 0.0)], [(5.0, 1.0)]) == pytest.approx(0.0)
     # two exchanges back to back on one lane (nothing computed between): the second waits for the
-    # first's drain, so the other lane's compute hides only one of them
+    # first, so the other lane's compute hides only one of them
     assert pair_exposed([(0.0, 2.0), (0.0, 2.0), (0.0, 0.0)], [(2.0, 0.0)]) == pytest.approx(2.0)
     # an exchange run in place (the counts): the lane keeps the turn and waits for it
     assert played_pair([(1.0, 2.0, False), (0.0, 3.0)], [(4.0, 0.0)]) == pytest.approx(1 + 2 + 4)
@@ -430,10 +430,10 @@ def test_a_backwards_weight_gradients_lent_to_the_waits_fill_them_piece_by_piece
     assert alone_played([(8.0, 1.0)], wgrad=0.5) == pytest.approx(4 + 2 + 2)
     # the counts' exchange (in place) is waited for at once: nothing fills it
     assert alone_played([(2.0, 3.0, False)], wgrad=0.5) == pytest.approx(1 + 3 + 1)
-    # a pair. Without: F 0-1, its exchange 1-3; B 1-5, its exchange 5-7; F 5-6, drains B's (idle 6-7),
-    # exchange 7-9; B 7-8, ends; F waits (idle 8-9), 9-10. With half of B's compute lent: B 1-3 (two
-    # pieces of 1 lent), exchange 3-5; F 3-4, drains B's filling a piece 4-5, exchange 5-7; B 5-5.5
-    # and its W left (1.5) 5.5-7; F 7-8
+    # a pair. Without: F 0-1, its exchange 1-3; B 1-5, its exchange 5-7; F 5-6, its exchange queued
+    # behind B's (7-9); B waits (idle 6-7), 7-8, ends; F waits (idle 8-9), 9-10. With half of B's
+    # compute lent: B 1-3 (two pieces of 1 lent), exchange 3-5; F 3-4, its exchange queued (5-7); B
+    # waits for its own filling a piece 4-5, 5-5.5 and its W left (1.5) 5.5-7; F 7-8
     forward, backward = [(1.0, 2.0), (1.0, 2.0), (1.0, 0.0)], [(4.0, 2.0), (1.0, 0.0)]
     assert played_pair(forward, backward) == played_pair(forward, backward, 0.0) == pytest.approx(10.0)
     assert played_pair(forward, backward, 0.5) == pytest.approx(8.0)

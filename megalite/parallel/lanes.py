@@ -11,6 +11,12 @@ groups, its Python state and the global RNG without races. The two passes share 
 writes gradients, the other reads weights), so each computes what it computes run alone: the
 numbers are bitwise those of running them one after the other.
 
+The link carries one lane's exchange at a time (the second of two would share it with the first
+and delay the lane that waits for the first). On gloo a pair's collectives go through
+megalite.parallel.link, whose thread launches each the moment the one before it is done, in the
+order the lanes submitted them, while the lanes compute or do lent work; elsewhere a lane about to
+launch waits for the other lane's exchange itself (`_Pair.drain_other`).
+
 A pass may also post exchanges and wait for them later (`post`, for the MoE dispatcher's groups):
 a lane's posts go on the link one at a time, in order, each launched when the one before it has
 been waited for; inside a pair each wait hands the turn over like a collective.
@@ -35,6 +41,8 @@ import time
 from typing import Callable
 
 import torch
+
+from megalite.parallel import link
 
 _local = threading.local()
 _lane_locals: list[tuple[Callable[[], object], Callable[[object], None]]] = []
@@ -98,15 +106,22 @@ class _Pair:
         self.finished: set[str] = set()
         self.saved: dict[str, list] = {}
         self.in_flight: dict[str, object] = {}  # lane -> the collective it handed over on
+        self.link = _link_applies()  # collectives go through megalite.parallel.link
 
-    def drain_other(self, me: str) -> None:
+    def drain_other(self, me: str, submitting: bool = False) -> None:
         """Wait for the other lane's collective still in flight before launching one: the link
         then carries one lane's exchange while the other lane computes, never two at once (on one
-        connection the second would queue behind the first and delay the lane that needs it)."""
-        work = self.in_flight.pop(_other(me), None)
-        if work is not None:
+        connection the second would queue behind the first and delay the lane that needs it).
+        `submitting` to megalite.parallel.link: the link's own wait for nothing (it orders them);
+        launching past the link: for the link to be free too."""
+        work = self.in_flight.get(_other(me))
+        if work is not None and not (submitting and isinstance(work, link.Submitted)):
+            self.in_flight.pop(_other(me))
             _fill_while(work)
             work.wait()
+        if self.link and not submitting:
+            _fill_while(_LinkFree())
+            link.wait_idle()
 
     def _save(self, me: str) -> None:
         self.saved[me] = [get() for get, _ in _lane_locals]
@@ -178,19 +193,31 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> None:
             raise errors[me]
 
 
+def _link_applies() -> bool:
+    """The pair's collectives go through megalite.parallel.link: on gloo (see its docstring)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+class _LinkFree:
+    def is_completed(self) -> bool:
+        return link.idle()
+
+
 def wait(work, kind: str, launched: float | None = None) -> None:
     """Wait for a collective launched with `async_op=True` (`work`), handing the turn to the other
     lane of an overlapped pair first. `kind`: its traffic kind ("ep", "tp", "sp", "cp", ...)."""
     _check_not_filling()
     pair = getattr(_local, "pair", None)
     if pair is not None:
-        work = _Once(work)  # the other lane may wait for it first (`drain_other`)
+        if not isinstance(work, link.Submitted):
+            work = _Once(work)  # the other lane may wait for it first (`drain_other`)
         pair.in_flight[_local.lane] = work
         pair.hand_over(_local.lane, kind)
         pair.in_flight.pop(_local.lane, None)
     _fill_while(work)
     work.wait()
-    _record(kind, launched)
+    _record(kind, getattr(work, "launched", None) or launched)
 
 
 def _record(kind: str, launched: float | None) -> None:
@@ -334,6 +361,16 @@ def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs)
         return
     _check_not_filling()
     pair = getattr(_local, "pair", None)
+    if pair is not None and pair.link:  # the link launches it when the exchanges before it are done
+        pair.drain_other(_local.lane, submitting=True)
+        submitted = link.submit(fn, *args, **kwargs)
+        if hand_over:
+            wait(submitted, kind)
+        else:  # (few bytes: the turn kept; lent work while the exchanges before it drain)
+            _fill_while(submitted)
+            submitted.wait()
+            _record(kind, submitted.launched)
+        return
     if pair is not None:
         pair.drain_other(_local.lane)
         if not hand_over:

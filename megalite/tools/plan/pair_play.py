@@ -1,12 +1,13 @@
 """An overlapped pair (`megalite.parallel.lanes`) played with its exchanges: one micro-batch's
 forward and another's backward, each a list of (compute seconds, exchange seconds[, hand over])
 items: compute, then launch an exchange; hand over False: an exchange run in place, the turn kept
-(`lanes.collective(hand_over=False)`, for the few bytes of the MoE counts). The rules are the lanes': one lane computes at a time and keeps the turn
-until it launches an exchange, then hands the turn over; before launching, a lane waits for the
-other lane's exchange still in flight (`_Pair.drain_other`: the link carries one at a time); a lane
-given the turn back waits for its own exchange first. So each exchange hides behind the other
-lane's next compute item only, and what sticks out of it is exposed; once one lane is done, the
-other's exchanges are all exposed. The forward lane starts.
+(`lanes.collective(hand_over=False)`, for the few bytes of the MoE counts). The rules are the
+lanes': one lane computes at a time and keeps the turn until it submits an exchange, then hands
+the turn over; the link carries one exchange at a time, each launched the moment the one before it
+is done (megalite.parallel.link; a CUDA device's one NCCL stream), whatever the lanes are doing;
+a lane given the turn back waits for its own exchange first. So each exchange hides behind the
+other lane's next compute item only, and what sticks out of it is exposed; once one lane is done,
+the other's exchanges are all exposed. The forward lane starts.
 
 `megalite.tools.plan.exposed.ep_exposure` builds the items of a stage's MoE layers (per layer the
 forward's attention and router, the counts' all-gather, the dispatch, the experts, the combine;
@@ -35,16 +36,15 @@ def played_pair(forward: Items, backward: Items, wgrad: float = 0.0) -> float:
         if turn == "B":
             compute = filler.lend(compute, wgrad)
         now += compute
-        if exchange > 0 or not hand_over:
-            now = max(filler.fill(now, pending[other]), pending[other])  # the other lane's exchange drained
         if turn == "B" and not lanes["B"]:
             now = filler.finish(now)  # the backward's W: what no wait took
-        if not hand_over:  # run in place: the lane keeps the turn
-            now += exchange
+        if not hand_over:  # run in place: the lane keeps the turn (and waits for it)
+            done = max(now, pending[other]) + exchange  # (launched once the other lane's is done)
+            now = max(filler.fill(now, done), done)
             continue
         launched = exchange > 0
-        if launched:
-            pending[turn] = now + exchange
+        if launched:  # on the link once the other lane's exchange is done; the lane goes on
+            pending[turn] = max(now, pending[other]) + exchange
         # the turn passes at a launched exchange, or when the lane ends (`_Pair.end`)
         if (launched or not lanes[turn]) and lanes[other]:
             turn = other
