@@ -215,6 +215,11 @@ def wait(work, kind: str, launched: float | None = None) -> None:
         pair.in_flight[_local.lane] = work
         pair.hand_over(_local.lane, kind)
         pair.in_flight.pop(_local.lane, None)
+    _await(work, kind, launched)
+
+
+def _await(work, kind: str, launched: float | None = None) -> None:
+    """Wait for `work` here, doing lent work while it is in flight; drawn from its launch."""
     _fill_while(work)
     work.wait()
     _record(kind, getattr(work, "launched", None) or launched)
@@ -327,10 +332,8 @@ def _wait_posted(posted: Posted) -> None:
             pair.hand_over(_local.lane, head.kind)
             if pair.in_flight.get(_local.lane) is head.work:
                 pair.in_flight.pop(_local.lane)
-        _fill_while(head.work)
-        head.work.wait()
+        _await(head.work, head.kind, head.launched)
         head.done = True
-        _record(head.kind, head.launched)
         q.pop(0)
         if q:
             _launch(q[0])
@@ -367,9 +370,7 @@ def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs)
         if hand_over:
             wait(submitted, kind)
         else:  # (few bytes: the turn kept; lent work while the exchanges before it drain)
-            _fill_while(submitted)
-            submitted.wait()
-            _record(kind, submitted.launched)
+            _await(submitted, kind)
         return
     if pair is not None:
         pair.drain_other(_local.lane)
