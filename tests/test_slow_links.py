@@ -254,7 +254,9 @@ def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2
                                       micro_batch_size=None, bucket=200_000)
     common, texts = slow_links_suites.suite_runs(a)
     specs = [slow_links.parse_run(t, 4, 1, 300.0) for t in texts]
-    assert [s.name for s in specs] == ["1f1b", "1f1b-paired", "zb-v", "dualpipev", "dualpipev-paired"]
+    assert [s.name for s in specs] == ["1f1b", "1f1b-paired", "zb-v", "dualpipev", "dualpipev-paired",
+                                       "1f1b-paired-dw", "zb-v-dw", "dualpipev-paired-dw"]
+    assert all("--delay-wgrad-compute" in s.flags for s in specs[5:])
     line = " ".join(common)
     assert "--pp 2 --expert-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 32" in line
     runs = {name: _result(name, 300.0, steps) for name, steps in
@@ -263,7 +265,15 @@ def test_the_pairs_suite_compares_dualpipev_paired_with_zb_v_and_1f1b_at_pp2_ep2
     derived = slow_links_suites.derive(a, runs, {})
     assert derived["step_ms"]["dualpipev-paired"] == 440 and derived["vs_1f1b"]["zb-v"] == 470 / 480
     assert derived["dualpipev_paired_below_zb_v_and_1f1b"] is True
-    assert slow_links_suites.report(a, derived).startswith("pairs: 1f1b 480 ms, 1f1b-paired 450 ms")
+    # the medians: 1F1B 490, DualPipeV paired 450
+    assert derived["median_ms"]["1f1b"] == 490 and derived["median_ms"]["dualpipev-paired"] == 450
+    assert derived["dualpipev_paired_below_zb_v_and_1f1b_by_median"] is True
+    assert slow_links_suites.report(a, derived).startswith("pairs (best / median ms): 1f1b 480 / 490, "
+                                                           "1f1b-paired 450 / 450")
+    runs["1f1b"] = _result("1f1b", 300.0, [430, 520, 530])  # one fast round: below by best, not by median
+    derived = slow_links_suites.derive(a, runs, {})
+    assert derived["dualpipev_paired_below_zb_v_and_1f1b"] is False
+    assert derived["dualpipev_paired_below_zb_v_and_1f1b_by_median"] is True
 
 
 def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_dimension():
