@@ -11,11 +11,12 @@ groups, its Python state and the global RNG without races. The two passes share 
 writes gradients, the other reads weights), so each computes what it computes run alone: the
 numbers are bitwise those of running them one after the other.
 
-The link carries one lane's exchange at a time (the second of two would share it with the first
-and delay the lane that waits for the first). On gloo a pair's collectives go through
-megalite.parallel.link, whose thread launches each the moment the one before it is done, in the
-order the lanes submitted them, while the lanes compute or do lent work; elsewhere a lane about to
-launch waits for the other lane's exchange itself (`_Pair.drain_other`).
+On gloo the two lanes' exchanges run side by side: a lane launches its collective the moment it
+reaches it, whatever the other lane's is doing, and goes on (gloo's two worker threads a process
+group run both; on one connection they share the link). So an exchange whose peer rank is late
+holds up only the lane that waits for it, not the other lane's next exchange. Elsewhere a lane
+about to launch first waits for the other lane's exchange (`_Pair.drain_other`), so that the link
+carries one at a time.
 
 A pass may also post exchanges and wait for them later (`post`, for the MoE dispatcher's groups):
 a lane's posts go on the link one at a time, in order, each launched when the one before it has
@@ -41,8 +42,6 @@ import time
 from typing import Callable
 
 import torch
-
-from megalite.parallel import link
 
 _local = threading.local()
 _lane_locals: list[tuple[Callable[[], object], Callable[[object], None]]] = []
@@ -106,22 +105,19 @@ class _Pair:
         self.finished: set[str] = set()
         self.saved: dict[str, list] = {}
         self.in_flight: dict[str, object] = {}  # lane -> the collective it handed over on
-        self.link = _link_applies()  # collectives go through megalite.parallel.link
+        self.side_by_side = _side_by_side_applies()  # the lanes' collectives in flight at once
 
-    def drain_other(self, me: str, submitting: bool = False) -> None:
+    def drain_other(self, me: str, side_by_side: bool = False) -> None:
         """Wait for the other lane's collective still in flight before launching one: the link
         then carries one lane's exchange while the other lane computes, never two at once (on one
         connection the second would queue behind the first and delay the lane that needs it).
-        `submitting` to megalite.parallel.link: the link's own wait for nothing (it orders them);
-        launching past the link: for the link to be free too."""
+        `side_by_side` (a collective launched beside the other lane's, on gloo): only for work
+        that is not such a collective (a pipeline receive)."""
         work = self.in_flight.get(_other(me))
-        if work is not None and not (submitting and isinstance(work, link.Submitted)):
+        if work is not None and not (side_by_side and isinstance(work, _Beside)):
             self.in_flight.pop(_other(me))
             _fill_while(work)
             work.wait()
-        if self.link and not submitting:
-            _fill_while(_LinkFree())
-            link.wait_idle()
 
     def _save(self, me: str) -> None:
         self.saved[me] = [get() for get, _ in _lane_locals]
@@ -193,15 +189,12 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None]) -> None:
             raise errors[me]
 
 
-def _link_applies() -> bool:
-    """The pair's collectives go through megalite.parallel.link: on gloo (see its docstring)."""
+def _side_by_side_applies() -> bool:
+    """A pair's collectives may be in flight at once: on gloo (CPU tensors: whichever thread waits,
+    the results are in memory when `wait()` returns). A CUDA collective's `wait()` orders the
+    waiting thread's stream, and one NCCL stream runs them one at a time anyway."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-
-
-class _LinkFree:
-    def is_completed(self) -> bool:
-        return link.idle()
 
 
 def wait(work, kind: str, launched: float | None = None) -> None:
@@ -210,7 +203,7 @@ def wait(work, kind: str, launched: float | None = None) -> None:
     _check_not_filling()
     pair = getattr(_local, "pair", None)
     if pair is not None:
-        if not isinstance(work, link.Submitted):
+        if not isinstance(work, _Once):
             work = _Once(work)  # the other lane may wait for it first (`drain_other`)
         pair.in_flight[_local.lane] = work
         pair.hand_over(_local.lane, kind)
@@ -254,6 +247,10 @@ class _Once:
 
     def is_completed(self) -> bool:
         return self.done or self.work.is_completed()
+
+
+class _Beside(_Once):
+    """A pair's collective launched beside the other lane's (`_Pair.side_by_side`)."""
 
 
 class _All:
@@ -364,13 +361,14 @@ def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs)
         return
     _check_not_filling()
     pair = getattr(_local, "pair", None)
-    if pair is not None and pair.link:  # the link launches it when the exchanges before it are done
-        pair.drain_other(_local.lane, submitting=True)
-        submitted = link.submit(fn, *args, **kwargs)
+    if pair is not None and pair.side_by_side:  # launched now, beside the other lane's exchange
+        pair.drain_other(_local.lane, side_by_side=True)
+        launched = time.perf_counter()
+        work = _Beside(fn(*args, async_op=True, **kwargs))
         if hand_over:
-            wait(submitted, kind)
-        else:  # (few bytes: the turn kept; lent work while the exchanges before it drain)
-            _await(submitted, kind)
+            wait(work, kind, launched)
+        else:  # (few bytes: the turn kept; lent work while it is in flight)
+            _await(work, kind, launched)
         return
     if pair is not None:
         pair.drain_other(_local.lane)

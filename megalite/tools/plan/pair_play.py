@@ -2,12 +2,13 @@
 forward and another's backward, each a list of (compute seconds, exchange seconds[, hand over])
 items: compute, then launch an exchange; hand over False: an exchange run in place, the turn kept
 (`lanes.collective(hand_over=False)`, for the few bytes of the MoE counts). The rules are the
-lanes': one lane computes at a time and keeps the turn until it submits an exchange, then hands
-the turn over; the link carries one exchange at a time, each launched the moment the one before it
-is done (megalite.parallel.link; a CUDA device's one NCCL stream), whatever the lanes are doing;
-a lane given the turn back waits for its own exchange first. So each exchange hides behind the
-other lane's next compute item only, and what sticks out of it is exposed; once one lane is done,
-the other's exchanges are all exposed. The forward lane starts.
+lanes': one lane computes at a time and keeps the turn until it launches an exchange, then hands
+the turn over, whatever the other lane's exchange is doing; the link carries one exchange at a
+time, in launch order (a CUDA device's one NCCL stream; on gloo the two lanes' exchanges fly side
+by side and share the link, which keeps it as busy: the play gives the earlier exchange the whole
+rate first); a lane given the turn back waits for its own exchange first. So each exchange hides
+behind the other lane's next compute item only, and what sticks out of it is exposed; once one
+lane is done, the other's exchanges are all exposed. The forward lane starts.
 
 `megalite.tools.plan.exposed.ep_exposure` builds the items of a stage's MoE layers (per layer the
 forward's attention and router, the counts' all-gather, the dispatch, the experts, the combine;
