@@ -108,11 +108,11 @@ class _Pair:
         self.side_by_side = _side_by_side_applies()  # the lanes' collectives in flight at once
 
     def drain_other(self, me: str, side_by_side: bool = False) -> None:
-        """Wait for the other lane's collective still in flight before launching one: the link
-        then carries one lane's exchange while the other lane computes, never two at once (on one
-        connection the second would queue behind the first and delay the lane that needs it).
-        `side_by_side` (a collective launched beside the other lane's, on gloo): only for work
-        that is not such a collective (a pipeline receive)."""
+        """Wait for the other lane's collective still in flight before launching one, so the link
+        carries one lane's exchange while the other lane computes. `side_by_side` (on gloo: the
+        lanes' collectives fly side by side): only for other work in flight, a pipeline receive or
+        a posted exchange, which is still waited for first (as it was before the two flew side by
+        side: not measured otherwise)."""
         work = self.in_flight.get(_other(me))
         if work is not None and not (side_by_side and isinstance(work, _Beside)):
             self.in_flight.pop(_other(me))
