@@ -101,6 +101,33 @@ def _launch(net: netns.Network, tmp: Path, train_args: list[str]) -> list[subpro
     return procs
 
 
+def _still_running(root: int) -> str:
+    """The processes under `root` (torchrun and its ranks) with each thread's state and kernel wait
+    channel: where a host that outlived its ranks' lines is stuck, for the failure message."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    lines, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            cmd = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))[:160]
+            threads = []
+            for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+                name = (task / "comm").read_text().strip()
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                threads.append(f"{name}:{state}:{(task / 'wchan').read_text().strip() or '-'}")
+        except OSError:
+            continue
+        lines.append(f"{pid} {cmd}\n    threads {', '.join(threads)}")
+    return "----- still running -----\n" + "\n".join(lines)
+
+
 def _output(tmp: Path, i: int, tail: int = 4000) -> str:
     parts = []
     for kind in ("out", "err"):
@@ -192,7 +219,8 @@ def test_a_partitioned_host_times_out(hosts, tmp_path):
     try:
         procs[0].wait(timeout=90)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"host0 still running 90 s after host1 was cut off (limit 12 s)\n{_output(tmp_path, 0)}")
+        pytest.fail(f"host0 still running 90 s after host1 was cut off (limit 12 s)\n{_output(tmp_path, 0)}\n"
+                    f"{_still_running(procs[0].pid)}")
     assert procs[0].returncode != 0
     err = (tmp_path / "host0.err").read_text(errors="replace")
     lines = [x for x in err.splitlines() if x.startswith("megalite: error: rank ")]
