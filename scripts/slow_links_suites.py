@@ -421,9 +421,9 @@ def pairs_comparison(results: dict[str, RunResult]) -> dict:
     """Each schedule's step (best round, and the median of the rounds: on four ranks sharing two
     cores one round can be set by the machine) and its ratio to 1F1B's, and whether DualPipeV with
     its pairs overlapped is below ZB-V's and 1F1B's by each."""
-    rounds = {name: [x["step_ms"] for x in r.rounds if x.get("step_ms") is not None] for name, r in results.items()}
-    t = {name: min(v) for name, v in rounds.items() if v}
-    med = {name: statistics.median(v) for name, v in rounds.items() if v}
+    t = {name: r.figure("step_ms") for name, r in results.items() if r.rounds}
+    med = {name: statistics.median(x["step_ms"] for x in r.rounds if x.get("step_ms") is not None)
+           for name, r in results.items() if name in t and t[name] is not None}
     out = {"step_ms": t, "median_ms": med, "vs_1f1b": {n: _ratio(v, t.get("1f1b")) for n, v in t.items()}}
     if all(n in t for n in ("dualpipev-paired", "zb-v", "1f1b")):
         for key, x in (("", t), ("_by_median", med)):

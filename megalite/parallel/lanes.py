@@ -215,7 +215,7 @@ def _await(work, kind: str, launched: float | None = None) -> None:
     """Wait for `work` here, doing lent work while it is in flight; drawn from its launch."""
     _fill_while(work)
     work.wait()
-    _record(kind, getattr(work, "launched", None) or launched)
+    _record(kind, launched)
 
 
 def _record(kind: str, launched: float | None) -> None:
