@@ -166,6 +166,9 @@ class MoEConfig:
     moe_router_enable_expert_bias: bool = opt(False, "aux-loss-free balancing: a per-expert bias on selection only "
                                                      "(sigmoid scores)", shape=True)
     moe_router_bias_update_rate: float = opt(1e-3, "the expert bias's step per optimizer step", check=NON_NEGATIVE)
+    moe_router_force_load_balancing: bool = opt(False, "benchmarking: route by standard-normal logits hashed from "
+                                                       "each token (even loads in expectation), the gradient "
+                                                       "straight through to the router's")
     moe_token_dispatcher_type: str = opt("alltoall", "how tokens reach the experts' ranks (Megatron-LM's flex, "
                                                      "DeepEP's fused all-to-all: the all-to-all, with a note)",
                                          choices=("alltoall", "allgather", "flex"))

@@ -240,7 +240,8 @@ MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim"
 MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
                "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
                "moe_router_group_topk", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-               "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_token_dispatcher_type",
+               "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+               "moe_router_force_load_balancing", "moe_token_dispatcher_type",
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 

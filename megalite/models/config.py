@@ -109,6 +109,7 @@ class TransformerConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a bias on selection only
+    moe_router_force_load_balancing: bool = False  # benchmarking: logits hashed from each token (moe/balanced.py)
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
     moe_expert_capacity_factor: float | None = None  # None: dropless

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalite.models.config import TransformerConfig
+from megalite.models.moe.balanced import force_balanced
 from megalite.models.moe.capacity import count_per_expert
 from megalite.models.rng import is_recomputing
 from megalite.parallel import state, traffic
@@ -89,6 +90,8 @@ class TopKRouter(nn.Module):
     def forward(self, tokens: torch.Tensor):
         """tokens [T, hidden] -> (weights [T, k] fp32, indices [T, k], scores [T, E], logits [T, E])."""
         logits = self.logits(tokens)
+        if self.config.moe_router_force_load_balancing:  # benchmarking: even loads (balanced.py)
+            logits = force_balanced(logits, tokens)
         weights, indices, scores = route(logits, self.config, self.expert_bias)
         if self.expert_bias is not None and self.training and torch.is_grad_enabled() and not is_recomputing():
             self.tokens_per_expert += count_per_expert(indices, self.config.num_moe_experts)
