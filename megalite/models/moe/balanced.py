@@ -22,28 +22,23 @@ import torch
 
 _P = 2 ** 31 - 1
 _ROUNDS = ((1_103_515_245, 12_345), (2_147_483_629, 7_777_777), (1_664_525, 1_013_904_223))
-_coefficients: dict[tuple[int, str], torch.Tensor] = {}
+_fixed: dict[tuple, torch.Tensor] = {}  # the hash's constants, drawn once (the same on every rank and run)
 
 
-def _coefficients_for(width: int, device: torch.device) -> torch.Tensor:
-    key = (width, str(device))
-    if key not in _coefficients:  # fixed: the same on every rank and run
-        g = torch.Generator().manual_seed(0x6D6C)
-        _coefficients[key] = torch.randint(1, _P, (width,), generator=g, dtype=torch.int64).to(device)
-    return _coefficients[key]
-
-
-def _salts(experts: int, device: torch.device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0x6578)
-    return torch.randint(0, _P, (experts,), generator=g, dtype=torch.int64).to(device)
+def _constants(kind: str, n: int, low: int, seed: int, device: torch.device) -> torch.Tensor:
+    key = (kind, n, str(device))
+    if key not in _fixed:
+        g = torch.Generator().manual_seed(seed)
+        _fixed[key] = torch.randint(low, _P, (n,), generator=g, dtype=torch.int64).to(device)
+    return _fixed[key]
 
 
 def hashed_logits(tokens: torch.Tensor, experts: int) -> torch.Tensor:
     """[T, experts] fp32 standard-normal values, each a function of its token's signs (`tokens`
     [T, hidden]; an element >= 0, -0.0 included, counts as positive) and the expert alone."""
     signs = (tokens.detach() >= 0).to(torch.int64)
-    key = (signs * _coefficients_for(tokens.shape[-1], tokens.device)).sum(-1) % _P
-    x = key[:, None] ^ _salts(experts, tokens.device)[None, :]
+    key = (signs * _constants("coefficients", tokens.shape[-1], 1, 0x6D6C, tokens.device)).sum(-1) % _P
+    x = key[:, None] ^ _constants("salts", experts, 0, 0x6578, tokens.device)[None, :]
     for a, b in _ROUNDS:
         x = (x * a + b) % _P
         x = x ^ (x >> 16)
