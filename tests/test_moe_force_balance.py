@@ -8,9 +8,9 @@ import torch
 from helpers import rel_err
 from megalite.models.config import TransformerConfig
 from megalite.models.moe.balanced import hashed_logits
-from megalite.models.moe.router import TopKRouter
+from megalite.models.moe.router import TopKRouter, route
 from megalite.testing import run_ranks
-from training_ranks import train_losses
+from training_ranks import one_device_each, several, train_losses
 
 from test_moe_training import BASE, THREE
 
@@ -72,7 +72,6 @@ def test_the_gradient_goes_straight_through_to_the_routers_weight():
     (weights.sum() + (scores * target).sum()).backward()
     # by hand: the same loss on the hashed logits as a leaf, its gradient times the tokens
     leaf = hashed_logits(tokens, 8).requires_grad_()
-    from megalite.models.moe.router import route
     w, i, s = route(leaf, router.config)
     assert torch.equal(i, indices)
     (w.sum() + (s * target).sum()).backward()
@@ -81,8 +80,10 @@ def test_the_gradient_goes_straight_through_to_the_routers_weight():
 
 def test_training_with_forced_balancing_gives_the_one_device_losses_at_ep2_tp2_and_pp2_ep2():
     forced = BASE + THREE + ["--moe-router-force-load-balancing"]
-    one, unforced = (run_ranks(train_losses, 1, args=(argv,))[0] for argv in (forced, BASE + THREE))
+    one, unforced = one_device_each(train_losses, [forced, BASE + THREE])  # one spawn
     assert rel_err(torch.tensor(one), torch.tensor(unforced)) > 1e-4, (one, unforced)  # the flag routes otherwise
-    for layout, ranks in ((["--ep", "2"], 2), (["--tp", "2", "--sequence-parallel"], 2), (["--pp", "2", "--ep", "2"], 4)):
-        losses = run_ranks(train_losses, ranks, args=(forced + layout,))[-1]  # (the last stage logs the loss)
+    layouts = [["--ep", "2"], ["--tp", "2", "--sequence-parallel"]]
+    at_two = run_ranks(several, 2, args=(train_losses, [forced + layout for layout in layouts]))[0]
+    at_four = run_ranks(train_losses, 4, args=(forced + ["--pp", "2", "--ep", "2"],))[-1]  # the last stage logs
+    for layout, losses in zip([*layouts, ["--pp", "2", "--ep", "2"]], [*at_two, at_four]):
         assert rel_err(torch.tensor(losses), torch.tensor(one)) <= 1e-5, (layout, losses, one)
