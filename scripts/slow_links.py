@@ -14,21 +14,17 @@ of its own at the same time: compute alone, with the share of the CPU the talkin
 `timeline=1` (--timeline on every iteration: rank 0's time by kind of span, e.g. the wait for the
 gradients' reduction, in the JSON).
 FLAGS go to pretrain_gpt.py after --common. Suites are the measurements of docs/slow-links.md,
-their runs and derived ratios built in:
+their runs and derived ratios built in (scripts/slow_links_suites.py):
 
-    sudo python scripts/slow_links.py --suite overlap --rate-mbit 300 --repeat 3
-    sudo python scripts/slow_links.py --suite bf16 | planner | diloco | moe | hidden
+    sudo python scripts/slow_links.py --suite overlap --rate-mbit 300 --repeat 3   # bf16 planner diloco moe hidden pairs
 
-(the suites' runs and derivations: scripts/slow_links_suites.py).
-
-Step time is the median of `ms_per_iter` over the iterations after --warmup (logged every
-iteration; robust to a spell of other work on the machine), tokens/s the mean over them (all the
-time, every step: a DiLoCo outer step counts); each from the best of --repeat rounds (the runs
-interleaved round by round; other work on a shared machine only adds time), the range over the
-rounds shown beside it. Bytes: megalite's own
-count (`comm_bytes` of the metrics records, rank 0) and what the hosts' interfaces sent during the
-whole run (`wire`, headers and start-up included). torchrun uses the static rendezvous at host 0
-(docs/multinode.md says why not c10d here) and GLOO_SOCKET_IFNAME=ml0.
+Step time is the median of `ms_per_iter` over the iterations after --warmup (robust to a spell of
+other work on the machine), tokens/s the mean over them (a DiLoCo outer step counts); each from the
+best of --repeat rounds (the runs interleaved round by round; other work on a shared machine only
+adds time), the range over the rounds beside it. Bytes: megalite's own count (`comm_bytes` of the
+metrics records, rank 0) and what the hosts' interfaces sent in the whole run (`wire`, headers and
+start-up included). torchrun uses the static rendezvous at host 0 (docs/multinode.md says why not
+c10d here) and GLOO_SOCKET_IFNAME=ml0.
 """
 from __future__ import annotations
 
@@ -47,12 +43,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's megalite (planner), tests/netns.py
 import netns  # noqa: E402
+from slow_links_probe import _env, measure_link  # noqa: E402  (beside this file)
 from slow_links_suites import SUITES, derive, report, suite_runs  # noqa: E402  (beside this file)
 
 TIMINGS = ("step_ms", "step_ms_mean", "tokens_per_s", "ms_per_iter")
 PORT = 29500  # every run gets the next one: a fresh namespace has every port free, TIME_WAIT aside
-_DROP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
 
 
 @dataclass
@@ -119,15 +114,6 @@ def pretrain_flags() -> set[str]:
 
 def missing_flags(flags: list[str], known: set[str]) -> list[str]:
     return [f.split("=")[0] for f in flags if f.startswith("--") and f.split("=")[0] not in known]
-
-
-def _env(threads: int, ifname: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
-    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-    if ifname:
-        env["GLOO_SOCKET_IFNAME"] = ifname
-    return env
 
 
 def pinned_cpus(node_rank: int, nproc: int) -> str:
@@ -206,62 +192,6 @@ def timeline_ms(path: Path, rank: int = 0) -> dict[int, dict[str, float]]:
 def read_records(path: Path, split: str = "train") -> list[dict]:
     """The records of a --metrics-file: training ones, or split="valid" for the validation ones."""
     return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("split", "train") == split]
-
-
-_ALLREDUCE = """
-import os, sys, time, datetime, torch, torch.distributed as dist
-rank, addr, port, numel, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=int(sys.argv[6]),
-                        timeout=datetime.timedelta(seconds=60))
-x = torch.ones(numel)
-dist.all_reduce(x)  # connections made, buffers touched
-times = []
-for _ in range(rounds):
-    dist.barrier()
-    t = time.perf_counter()
-    dist.all_reduce(x)
-    times.append(time.perf_counter() - t)
-assert x[0].item() == dist.get_world_size() ** (rounds + 1), x[0].item()
-print(" ".join(map(repr, times)))
-dist.destroy_process_group()
-"""
-
-
-def allreduce_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int = 29400,
-                      timeout: float = 120) -> list[float]:
-    """Seconds of each of `rounds` plain gloo all-reduces of `nbytes` (fp32) over every host, one
-    rank a host (torch.distributed, no megalite), as host 0 timed them. A ring all-reduce sends
-    2 (n-1)/n of the bytes from each rank: nbytes for two hosts."""
-    n = len(net)
-    procs = [h.popen([sys.executable, "-c", _ALLREDUCE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
-                      str(n)], env=_env(1, h.ifname), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, h in enumerate(net.hosts)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, (_out, err) in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError(f"all-reduce probe failed (exit {p.returncode}): {err.strip()[-800:]}")
-    return [float(x) for x in outs[0][0].split()]
-
-
-def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 << 20) -> dict:
-    """The links at `rate_mbit` (None: unlimited) as one TCP stream and as gloo's all-reduce see them
-    (bytes/s; the all-reduce's "bus bandwidth" is the planner's link bandwidth)."""
-    net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
-    tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
-    bus = nbytes / statistics.median(allreduce_seconds(net, nbytes))
-    latency = statistics.median(allreduce_seconds(net, 4, rounds=30))  # one fp32: start-up alone
-    what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
-    share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
-    print(f"link, {what}: one TCP stream host1 -> host0 {tcp / 1e6:.2f} MB/s{share}; gloo all-reduce of "
-          f"{nbytes >> 20} MiB: bus bandwidth {bus / 1e6:.2f} MB/s; of 4 bytes: {latency * 1e3:.3f} ms", file=sys.stderr)
-    return {"tcp": tcp, "bus": bus, "latency": latency}
 
 
 def comm_total(record: dict) -> float | None:

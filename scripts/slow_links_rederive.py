@@ -2,7 +2,7 @@
 derivation and report with this checkout's code (the planner's predictions above all), from the
 runs' recorded step times, bytes and links. No root, no runs.
 
-    python scripts/slow_links_rederive.py hidden.json [--exchange-latency-ms 3.8] [--json out.json]
+    python scripts/slow_links_rederive.py hidden.json [--exchange-latency-ms 3.8] [--link-burst-kib 0] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("saved", help="a --json written by scripts/slow_links.py with --suite")
     ap.add_argument("--exchange-latency-ms", type=float, default=None,
                     help="hidden suite: the planner's per-exchange latency (default: each link's, as measured)")
+    ap.add_argument("--link-burst-kib", type=float, default=None,
+                    help="hidden suite: the planner's tbf bucket of the limited links (default: the suite's, "
+                         "2 ms of the rate; 0: none)")
     ap.add_argument("--json", default=None, help="write the saved results with the new derivation here")
     a = ap.parse_args(argv)
     saved = json.loads(Path(a.saved).read_text())

@@ -316,7 +316,8 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     """Beside each measured dimension of `derived` (hidden_overlap's), the planner's prediction of what
     the link adds to its step (megalite.tools.plan.calibrate): its layout from the run's flags, every
     group across the link, the links' measured one-stream rate and per-exchange latency (the small
-    all-reduce of measure_link, or --exchange-latency-ms), the compute fitted to the bare run's step.
+    all-reduce of measure_link, or --exchange-latency-ms), their tbf bucket (measure_link's, or
+    --link-burst-kib), the compute fitted to the bare run's step.
     A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
     "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
     "predicted_error"."""
@@ -324,14 +325,18 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     from megalite.tools.plan import Cluster
     from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
     from megalite.training.plan_check import check_run
+    from netns_tools import LinkLimit
 
     parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
     common = getattr(a, "common_flags", None) or suite_runs(a)[0]
-    override = getattr(a, "exchange_latency_ms", None)
+    override, burst_kib = getattr(a, "exchange_latency_ms", None), getattr(a, "link_burst_kib", None)
 
     def measured(rate):
         link = links[rate]
-        return MeasuredLink(link["tcp"], override / 1e3 if override is not None else link.get("latency", 0.0))
+        # a --json saved before measure_link measured the bucket: the suite's configured one
+        burst = link.get("burst", LinkLimit(rate).burst_bytes if rate else 0.0)
+        burst = burst if burst_kib is None or rate is None else burst_kib * 1024
+        return MeasuredLink(link["tcp"], override / 1e3 if override is not None else link.get("latency", 0.0), burst)
 
     derived["exchange_latency_ms"] = {str(k): (override if override is not None else v.get("latency", 0.0) * 1e3)
                                       for k, v in links.items()}

@@ -19,6 +19,7 @@ from slurm_cluster import in_ci
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import slow_links  # noqa: E402
+import slow_links_probe  # noqa: E402
 import slow_links_suites  # noqa: E402
 from megalite import arguments  # noqa: E402
 
@@ -51,8 +52,15 @@ def test_the_link_carries_the_configured_rate(net):
         assert 0.5 * rate <= got <= 1.1 * rate, f"host{sender} -> host{receiver}: {got / 1e6:.2f} MB/s at {RATE} Mbit/s"
     # A plain torch.distributed (gloo) all-reduce between the hosts: 2 MiB sent by each rank.
     nbytes = 2 << 20
-    bus = nbytes / statistics.median(slow_links.allreduce_seconds(net, nbytes, rounds=3))
+    bus = nbytes / statistics.median(slow_links_probe.allreduce_seconds(net, nbytes, rounds=3))
     assert 0.4 * rate <= bus <= 1.1 * rate, f"all-reduce bus bandwidth {bus / 1e6:.2f} MB/s at {RATE} Mbit/s"
+    # The token bucket: an all-to-all of 32 KiB each way after the link idled is faster than one
+    # right after the last (by median: after idling some still take the full time)
+    idle, busy = (statistics.median(slow_links_probe.allreduce_seconds(net, 1 << 16, rounds=15, idle_s=idle,
+                                                                       op="all_to_all")) for idle in (0.02, 0.0))
+    assert idle < 0.85 * busy, f"after idling {idle * 1e3:.2f} ms, back to back {busy * 1e3:.2f} ms"
+    burst = slow_links_probe.measure_link(net, RATE)["burst"]  # by trimmed mean: at most the bucket
+    assert 0 <= burst <= 1.5 * netns.LinkLimit(RATE).burst_bytes, f"bucket measured {burst:.0f} B"
     # The limit is what holds the rate down: without it the same veths are many times faster.
     net.limit(None)
     try:
@@ -314,6 +322,16 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     a.exchange_latency_ms = 0.3
     lower = slow_links_suites.derive(a, runs, links)["dimensions"]
     assert all(lower[d]["predicted_exposed_ms"] < dims[d]["predicted_exposed_ms"] for d in dims)
+    # the limited link's token bucket: measure_link's "burst" (a --json saved before it was measured:
+    # the suite's configured bucket, as above), or --link-burst-kib; only ep's plays carry it
+    a.exchange_latency_ms, a.link_burst_kib = None, 0.0
+    flat = slow_links_suites.derive(a, runs, links)["dimensions"]
+    assert flat["ep"]["predicted_exposed_ms"] > dims["ep"]["predicted_exposed_ms"]
+    assert all(flat[d]["predicted_exposed_ms"] == pytest.approx(dims[d]["predicted_exposed_ms"]) for d in dims if d != "ep")
+    a.link_burst_kib = None
+    measured = {**links, 300.0: {**links[300.0], "burst": 0.0}}
+    assert (slow_links_suites.derive(a, runs, measured)["dimensions"]["ep"]["predicted_exposed_ms"]
+            == pytest.approx(flat["ep"]["predicted_exposed_ms"]))
 
 
 def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, capsys):

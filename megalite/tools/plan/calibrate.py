@@ -20,12 +20,14 @@ from megalite.tools.plan.predict import Prediction, predict
 class MeasuredLink:
     bytes_per_s: float  # one transfer's rate (the suite's one-TCP-stream figure)
     latency_s: float  # what one small exchange costs (the suite's small all-reduce)
+    burst_bytes: float = 0.0  # the link's token bucket (tc-tbf's burst: Cluster.link_burst_kib)
 
 
 def _cluster(layout: Layout, link: MeasuredLink, tflops: float) -> Cluster:
     gbps = link.bytes_per_s / 1e9
     return Cluster(gpus=layout.gpus, gpus_per_node=1, gpu_memory_gib=1e6, intra_node_gbps=gbps, inter_node_gbps=gbps,
-                   peak_tflops=tflops, efficiency=1.0, hbm_gbps=1e9, collective_latency_ms=link.latency_s * 1e3)
+                   peak_tflops=tflops, efficiency=1.0, hbm_gbps=1e9, collective_latency_ms=link.latency_s * 1e3,
+                   link_burst_kib=link.burst_bytes / 1024)
 
 
 def _exposed(pred: Prediction) -> float:

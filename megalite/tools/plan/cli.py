@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--collective-latency-ms", type=float, default=0.05,
                    help="start-up of every exchange: a collective, an all-to-all, a batch of pipeline sends, a "
                         "ring step (per gradient bucket)")
+    g.add_argument("--link-burst-kib", type=float, default=0.0,
+                   help="a link's token bucket: KiB that cross at once after it idles (tc-tbf's burst; 0: none)")
     g = ap.add_argument_group("training run")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--seq-length", type=int, help="default: the preset's positions")
@@ -148,7 +150,7 @@ def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
                           intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                           peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
                           overhead_gib=args.overhead_gib, fp8_speedup=args.fp8_speedup,
-                          collective_latency_ms=args.collective_latency_ms)
+                          collective_latency_ms=args.collective_latency_ms, link_burst_kib=args.link_burst_kib)
         Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend,
             grad_reduce_dtype=args.grad_reduce_dtype, **(local_sgd_of(args) or {}))
     except ValueError as e:

@@ -124,8 +124,9 @@ def ep_bound_of(pred) -> dict | None:
     """`ep_step_bound` for a prediction of a pp-1 run with overlapped pairs at ZeRO stage 0 or 1 (None
     for other layouts): its pairs' items (exposed.pair_items), and its data-parallel bytes at the
     link's rate with a latency a bucket. Stage 1 without --overlap-param-gather adds the gathers
-    after the update, which nothing can hide."""
-    from megalite.tools.plan.exposed import pair_items, pass_counts, wgrad_share
+    after the update, which nothing can hide. A link with a token bucket (`Cluster.link_burst_kib`):
+    every exchange as short as the bucket could make it."""
+    from megalite.tools.plan.exposed import link_bucket, pair_items, pass_counts, wgrad_share
 
     costs, layout = pred.costs, pred.layout
     if layout.pp != 1 or not costs.run.overlap_moe_ep_comm or layout.zero_stage > 1:
@@ -136,6 +137,10 @@ def ep_bound_of(pred) -> dict | None:
         return None
     forward, backward = pair_items(costs, stage)
     part, latency = pred.dp_parts[0], costs.cluster.collective_latency_ms / 1e3
+    burst = link_bucket(costs).burst
+    if burst:  # a link's bucket saves at most its burst on an exchange: each at its fastest
+        forward, backward = ([(c, x - min(burst, max(0.0, x - latency)), *rest) for c, x, *rest in items]
+                             for items in (forward, backward))
     buckets = sum(len(chunk) for chunk in stage.state.buckets) if layout.dp_cp > 1 else 0
     traffic = part.traffic or {}
     reduce_s = (traffic.get("all_reduce", 0.0) + traffic.get("reduce_scatter", 0.0)) / costs.bw_dp + buckets * latency

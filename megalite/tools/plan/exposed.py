@@ -33,7 +33,7 @@ from megalite.pipeline.programs import PAIRED_SCHEDULES, build_program
 from megalite.tools.plan.experts import moe_layers
 from megalite.tools.plan.inputs import extra_warmup_of
 from megalite.tools.plan.chunk_play import chunked_alone_exposed
-from megalite.tools.plan.pair_play import alone_exposed, pair_exposed
+from megalite.tools.plan.pair_play import Bucket, alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
 
 # predict imports this module, so its types are named here, not imported: a stage is a
@@ -200,14 +200,15 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
         exchanges = m * layers * costs.ep_exchanges
     wgrad = wgrad_share(costs) if groups == 1 else 0.0  # (weight gradients beside groups: not played)
     if not costs.run.overlap_moe_ep_comm or counts is None:
-        if wgrad:  # every pass alone: each backward but each chunk's last fills its waits with its own W
-            v = costs.layout.v
-            exposed = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad)
-            return Exposure(exchanges, sent, comm, exposed, "the backward's own weight gradients")
         why = "megalite waits for each" if not costs.run.overlap_moe_ep_comm else "this schedule has no pairs"
+        if wgrad or link_bucket(costs).burst:  # every pass alone: each backward but each chunk's last fills
+            v = costs.layout.v                # its waits with its own W; a bucket shortens some exchanges
+            exposed = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad, link_bucket(costs))
+            return Exposure(exchanges, sent, comm, exposed,
+                            "the backward's own weight gradients" if wgrad else f"nothing ({why})")
         return Exposure(exchanges, sent, comm, comm, f"nothing ({why})")
     forward, backward = pair_items(costs, stage)
-    exposed = _played(counts, forward, backward, costs.layout.v, wgrad)
+    exposed = _played(counts, forward, backward, costs.layout.v, wgrad, link_bucket(costs))
     if groups > 1:  # a forward alone goes in groups (its backward, in a pair, is played whole)
         exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward)) / costs.layout.v
     return Exposure(exchanges, sent, comm, exposed,
@@ -222,15 +223,23 @@ def dispatch_groups(costs: LayoutCosts) -> int:
     return max(1, min(costs.run.moe_dispatch_chunks, config.num_moe_experts // layout.ep))
 
 
-def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int, wgrad: float = 0.0) -> float:
+def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int, wgrad: float = 0.0,
+            bucket: Bucket = Bucket()) -> float:
     """Exposed seconds of a rank's paired program (`pass_counts`): the lone passes wait for all of
     their exchanges, each pair is played (pair_play.py); a pass runs one of the rank's v chunks.
     `wgrad` (`wgrad_share`): the pairs' backwards, and the lone ones but each chunk's last (whose
-    buckets reduce as their gradients come), lend their weight gradients to the waits."""
+    buckets reduce as their gradients come), lend their weight gradients to the waits; `bucket`: the
+    link's token bucket (`link_bucket`)."""
     pairs, lone_f, lone_b = counts
     filled = max(0, lone_b - v) if wgrad else 0
-    return (lone_f * alone_exposed(forward) + (lone_b - filled) * alone_exposed(backward)
-            + filled * alone_exposed(backward, wgrad) + pairs * pair_exposed(forward, backward, wgrad)) / v
+    return (lone_f * alone_exposed(forward, 0.0, bucket) + (lone_b - filled) * alone_exposed(backward, 0.0, bucket)
+            + filled * alone_exposed(backward, wgrad, bucket) + pairs * pair_exposed(forward, backward, wgrad, bucket)) / v
+
+
+def link_bucket(costs: LayoutCosts) -> Bucket:
+    """The links' token bucket (`Cluster.link_burst_kib`) in seconds of the EP group's rate."""
+    kib = costs.cluster.link_burst_kib
+    return Bucket(kib * 1024 / costs.bw_ep, _latency(costs)) if kib > 0 and costs.bw_ep > 0 else Bucket()
 
 
 def wgrad_share(costs: LayoutCosts) -> float:

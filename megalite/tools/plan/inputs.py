@@ -38,6 +38,9 @@ class Cluster:
     # per gradient bucket): tens of microseconds on NVLink / InfiniBand; 3-4 ms on docs/slow-links.md's
     # emulated link.
     collective_latency_ms: float = 0.05
+    # A link's token bucket: bytes that cross at full speed once it has idled (tc-tbf's burst on the
+    # emulated link, 2 ms of its rate; 0 on a real fabric). The ep plays carry exchanges through it.
+    link_burst_kib: float = 0.0
 
     def __post_init__(self):
         for name in ("gpus", "gpus_per_node"):
@@ -49,7 +52,7 @@ class Cluster:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.efficiency > 1:
             raise ValueError(f"efficiency is a fraction of peak (0-1], got {self.efficiency}")
-        for name in ("overhead_gib", "collective_latency_ms"):
+        for name in ("overhead_gib", "collective_latency_ms", "link_burst_kib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

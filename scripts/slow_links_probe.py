@@ -1,0 +1,107 @@
+"""The links of scripts/slow_links.py measured before its runs: one TCP stream's rate, gloo's
+all-reduce bus bandwidth, an exchange's start-up, and the bytes a limited link's token bucket lets
+through at once once it has idled (the planner's `Cluster.link_burst_kib`). Needs the hosts of
+tests/netns.py (root)."""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+
+import netns  # (tests/, on the path slow_links.py sets)
+
+_DROP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+
+
+def _env(threads: int, ifname: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return env
+
+
+_ALLREDUCE = """
+import os, sys, time, datetime, torch, torch.distributed as dist
+rank, addr, port, numel, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+idle, op = float(sys.argv[7]), sys.argv[8]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=int(sys.argv[6]),
+                        timeout=datetime.timedelta(seconds=60))
+x, y = torch.ones(numel), torch.empty(numel)
+exchange = (lambda: dist.all_to_all_single(y, x)) if op == "all_to_all" else (lambda: dist.all_reduce(x))
+exchange()  # connections made, buffers touched
+times = []
+for _ in range(rounds):
+    time.sleep(idle)  # the link idles: a token bucket refills
+    dist.barrier()
+    t = time.perf_counter()
+    exchange()
+    times.append(time.perf_counter() - t)
+assert op != "all_reduce" or x[0].item() == dist.get_world_size() ** (rounds + 1), x[0].item()
+print(" ".join(map(repr, times)))
+dist.destroy_process_group()
+"""
+
+
+def allreduce_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int = 29400,
+                      timeout: float = 120, idle_s: float = 0.0, op: str = "all_reduce") -> list[float]:
+    """Seconds of each of `rounds` plain gloo all-reduces (op="all_to_all": all-to-alls) of `nbytes`
+    (fp32) over every host, one rank a host (torch.distributed, no megalite), as host 0 timed them,
+    each after `idle_s` of sleep and a barrier. A ring all-reduce sends 2 (n-1)/n of the bytes from
+    each rank, an all-to-all (n-1)/n."""
+    n = len(net)
+    procs = [h.popen([sys.executable, "-c", _ALLREDUCE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
+                      str(n), str(idle_s), op], env=_env(1, h.ifname), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+             for i, h in enumerate(net.hosts)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (_out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"all-reduce probe failed (exit {p.returncode}): {err.strip()[-800:]}")
+    return [float(x) for x in outs[0][0].split()]
+
+
+def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 << 20) -> dict:
+    """The links at `rate_mbit` (None: unlimited) as one TCP stream and as gloo's all-reduce see them
+    (bytes/s; the all-reduce's "bus bandwidth" is the planner's link bandwidth); the start-up of an
+    exchange; the bytes a limited link's bucket lets through at once once it idles (`bucket_seconds`
+    at the TCP rate)."""
+    net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
+    tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
+    bus = nbytes / statistics.median(allreduce_seconds(net, nbytes))
+    latency = statistics.median(allreduce_seconds(net, 4, rounds=30))  # one fp32: start-up alone
+    saved = bucket_seconds(net) if rate_mbit else 0.0
+    what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
+    share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
+    print(f"link, {what}: one TCP stream host1 -> host0 {tcp / 1e6:.2f} MB/s{share}; gloo all-reduce of "
+          f"{nbytes >> 20} MiB: bus bandwidth {bus / 1e6:.2f} MB/s; of 4 bytes: {latency * 1e3:.3f} ms; "
+          f"bucket {saved * tcp / 1e3:.0f} kB", file=sys.stderr)
+    return {"tcp": tcp, "bus": bus, "latency": latency, "burst": saved * tcp}
+
+
+def bucket_seconds(net: netns.Network, probes: int = 3, rounds: int = 40) -> float:
+    """What all-to-alls of 256 KiB (an ep exchange's size in docs/slow-links.md) save after 20 ms
+    of sleep over those right after the last one: by mean, since a step's exchanges add up (after
+    idling a fifth to a half of them still take the full time), pooled over `probes` pairs of
+    fresh connections (what one connection saves varies from one to the next: 4-45 kB)."""
+    busy, idle = [], []
+    for _ in range(probes):
+        busy += allreduce_seconds(net, 1 << 18, rounds=rounds, op="all_to_all")
+        idle += allreduce_seconds(net, 1 << 18, rounds=rounds, idle_s=0.02, op="all_to_all")
+    return max(0.0, _trimmed_mean(busy) - _trimmed_mean(idle))
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    """The mean without the tenth at each end (a rare exchange that stalls for tens of ms)."""
+    cut = len(values) // 10
+    return statistics.mean(sorted(values)[cut:len(values) - cut])
