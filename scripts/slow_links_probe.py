@@ -93,7 +93,7 @@ def bucket_seconds(net: netns.Network, probes: int = 3, rounds: int = 40) -> flo
     """What all-to-alls of 256 KiB (an ep exchange's size in docs/slow-links.md) save after 20 ms
     of sleep over those right after the last one: by mean, since a step's exchanges add up (after
     idling a fifth to a half of them still take the full time), pooled over `probes` pairs of
-    fresh connections (what one connection saves varies from one to the next: 4-45 kB)."""
+    fresh connections (what one connection saves varies from one to the next: 4-46 kB)."""
     busy, idle = [], []
     for _ in range(probes):
         busy += allreduce_seconds(net, 1 << 18, rounds=rounds, op="all_to_all")

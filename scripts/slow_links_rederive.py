@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--exchange-latency-ms", type=float, default=None,
                     help="hidden suite: the planner's per-exchange latency (default: each link's, as measured)")
     ap.add_argument("--link-burst-kib", type=float, default=None,
-                    help="hidden suite: the planner's tbf bucket of the limited links (default: the suite's, "
-                         "2 ms of the rate; 0: none)")
+                    help="hidden suite: the planner's tbf bucket of the limited links (default: the one measured "
+                         "before the runs; a --json without it: the configured 2 ms of the rate; 0: none)")
     ap.add_argument("--json", default=None, help="write the saved results with the new derivation here")
     a = ap.parse_args(argv)
     saved = json.loads(Path(a.saved).read_text())

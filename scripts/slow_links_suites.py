@@ -317,7 +317,7 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     the link adds to its step (megalite.tools.plan.calibrate): its layout from the run's flags, every
     group across the link, the links' measured one-stream rate and per-exchange latency (the small
     all-reduce of measure_link, or --exchange-latency-ms), their tbf bucket (measure_link's, or
-    --link-burst-kib), the compute fitted to the bare run's step.
+    slow_links_rederive.py's --link-burst-kib), the compute fitted to the bare run's step.
     A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
     "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
     "predicted_error"."""

@@ -10,7 +10,7 @@ import pytest
 from megalite.models import preset
 from megalite.tools import plan as P
 from megalite.tools.plan.ep_bound import ep_bound_of
-from megalite.tools.plan.exposed import link_bucket
+from megalite.tools.plan.exposed import link_bucket, pair_items, pass_counts
 from megalite.tools.plan.pair_play import Bucket, Link, alone_exposed, pair_exposed, played_pair
 
 MOE = preset("moe-tiny")
@@ -63,8 +63,10 @@ def test_the_planner_carries_ep_exchanges_through_the_links_bucket():
     big = P.predict(MOE, layout, replace(NARROW, link_burst_kib=16.0), run=RUN)
     assert link_bucket(big.costs).burst == pytest.approx(16 * 1024 / big.costs.bw_ep)
     # the bound (ep_bound.py) stays below the play: each exchange as short as the bucket could make it
-    bound = ep_bound_of(big)
-    assert bound is not None and bound["pairs"] <= ep_bound_of(plain)["pairs"]
+    bound, (forward, backward) = ep_bound_of(big), pair_items(big.costs, big.stages[0])
+    pairs = pass_counts(big.costs, 0)[0]
+    assert 0 < bound["pairs"] <= pairs * pair_exposed(forward, backward, bucket=link_bucket(big.costs)) * (1 + 1e-9)
+    assert bound["pairs"] < ep_bound_of(plain)["pairs"]  # (and below the bound without the bucket)
     # every pass alone (no pairs) is played with the bucket too
     alone = P.predict(MOE, layout, replace(NARROW, link_burst_kib=16.0), run=replace(RUN, overlap_moe_ep_comm=False))
     assert alone.exposed["ep"].exposed < alone.exposed["ep"].comm

@@ -210,7 +210,8 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     forward, backward = pair_items(costs, stage)
     exposed = _played(counts, forward, backward, costs.layout.v, wgrad, link_bucket(costs))
     if groups > 1:  # a forward alone goes in groups (its backward, in a pair, is played whole)
-        exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward)) / costs.layout.v
+        exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward, 0.0, link_bucket(costs))
+                                ) / costs.layout.v
     return Exposure(exchanges, sent, comm, exposed,
                     "the other lane's compute up to its next exchange (a forward beside a backward)")
 
