@@ -5,10 +5,10 @@
 With no --data-path it trains on the embedded corpus (standard-library sources, one sentence per
 line); --mock-data uses a synthetic stream.
 """
-import sys
 
 import torch
 
+from megalite import runtime
 from megalite.data import data_tokenizer
 from megalite.data.bert_dataset import build_bert_datasets
 from megalite.data.synthetic import SyntheticBERT
@@ -68,4 +68,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runtime.exit_process(main())

@@ -5,8 +5,8 @@
 With no --data-path it trains on the embedded corpus (the Python standard library's sources,
 tokenized once into a cache); --mock-data uses a synthetic token stream.
 """
-import sys
 
+from megalite import runtime
 from megalite.data import build_gpt_datasets
 from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
@@ -49,4 +49,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    runtime.exit_process(main())
