@@ -24,7 +24,7 @@ def _env(threads: int, ifname: str | None) -> dict:
     return env
 
 
-_ALLREDUCE = """
+_EXCHANGE = """
 import os, sys, time, datetime, torch, torch.distributed as dist
 rank, addr, port, numel, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 idle, op = float(sys.argv[7]), sys.argv[8]
@@ -47,14 +47,14 @@ dist.destroy_process_group()
 """
 
 
-def allreduce_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int = 29400,
-                      timeout: float = 120, idle_s: float = 0.0, op: str = "all_reduce") -> list[float]:
+def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int = 29400,
+                   timeout: float = 120, idle_s: float = 0.0, op: str = "all_reduce") -> list[float]:
     """Seconds of each of `rounds` plain gloo all-reduces (op="all_to_all": all-to-alls) of `nbytes`
     (fp32) over every host, one rank a host (torch.distributed, no megalite), as host 0 timed them,
     each after `idle_s` of sleep and a barrier. A ring all-reduce sends 2 (n-1)/n of the bytes from
     each rank, an all-to-all (n-1)/n."""
     n = len(net)
-    procs = [h.popen([sys.executable, "-c", _ALLREDUCE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
+    procs = [h.popen([sys.executable, "-c", _EXCHANGE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
                       str(n), str(idle_s), op], env=_env(1, h.ifname), stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True)
              for i, h in enumerate(net.hosts)]
@@ -67,7 +67,7 @@ def allreduce_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: in
                 p.communicate()
     for p, (_out, err) in zip(procs, outs):
         if p.returncode != 0:
-            raise RuntimeError(f"all-reduce probe failed (exit {p.returncode}): {err.strip()[-800:]}")
+            raise RuntimeError(f"{op} probe failed (exit {p.returncode}): {err.strip()[-800:]}")
     return [float(x) for x in outs[0][0].split()]
 
 
@@ -78,8 +78,8 @@ def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 <<
     at the TCP rate)."""
     net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
     tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
-    bus = nbytes / statistics.median(allreduce_seconds(net, nbytes))
-    latency = statistics.median(allreduce_seconds(net, 4, rounds=30))  # one fp32: start-up alone
+    bus = nbytes / statistics.median(exchange_seconds(net, nbytes))
+    latency = statistics.median(exchange_seconds(net, 4, rounds=30))  # one fp32: start-up alone
     saved = bucket_seconds(net) if rate_mbit else 0.0
     what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
     share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
@@ -96,8 +96,8 @@ def bucket_seconds(net: netns.Network, probes: int = 3, rounds: int = 40) -> flo
     fresh connections (what one connection saves varies from one to the next: 4-46 kB)."""
     busy, idle = [], []
     for _ in range(probes):
-        busy += allreduce_seconds(net, 1 << 18, rounds=rounds, op="all_to_all")
-        idle += allreduce_seconds(net, 1 << 18, rounds=rounds, idle_s=0.02, op="all_to_all")
+        busy += exchange_seconds(net, 1 << 18, rounds=rounds, op="all_to_all")
+        idle += exchange_seconds(net, 1 << 18, rounds=rounds, idle_s=0.02, op="all_to_all")
     return max(0.0, _trimmed_mean(busy) - _trimmed_mean(idle))
 
 

@@ -199,19 +199,20 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     else:
         exchanges = m * layers * costs.ep_exchanges
     wgrad = wgrad_share(costs) if groups == 1 else 0.0  # (weight gradients beside groups: not played)
+    bucket, v = link_bucket(costs), costs.layout.v
     if not costs.run.overlap_moe_ep_comm or counts is None:
         why = "megalite waits for each" if not costs.run.overlap_moe_ep_comm else "this schedule has no pairs"
-        if wgrad or link_bucket(costs).burst:  # every pass alone: each backward but each chunk's last fills
-            v = costs.layout.v                # its waits with its own W; a bucket shortens some exchanges
-            exposed = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad, link_bucket(costs))
-            return Exposure(exchanges, sent, comm, exposed,
-                            "the backward's own weight gradients" if wgrad else f"nothing ({why})")
-        return Exposure(exchanges, sent, comm, comm, f"nothing ({why})")
+        if not wgrad and not bucket.burst:
+            return Exposure(exchanges, sent, comm, comm, f"nothing ({why})")
+        # every pass alone: each backward but each chunk's last fills its waits with its own W; a
+        # bucket shortens the exchanges after compute
+        exposed = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad, bucket)
+        behind = "the backward's own weight gradients" if wgrad else f"nothing ({why})"
+        return Exposure(exchanges, sent, comm, exposed, behind)
     forward, backward = pair_items(costs, stage)
-    exposed = _played(counts, forward, backward, costs.layout.v, wgrad, link_bucket(costs))
+    exposed = _played(counts, forward, backward, v, wgrad, bucket)
     if groups > 1:  # a forward alone goes in groups (its backward, in a pair, is played whole)
-        exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward, 0.0, link_bucket(costs))
-                                ) / costs.layout.v
+        exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward, 0.0, bucket)) / v
     return Exposure(exchanges, sent, comm, exposed,
                     "the other lane's compute up to its next exchange (a forward beside a backward)")
 
