@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     with netns.hosts(a.hosts, tag="l") as net:
         if a.hosts > 1:
             for r in sorted({s.rate_mbit for s in specs if s.hosts > 1 and not s.solo}, key=lambda x: x or 1e12):
-                links[r] = measure_link(net, r)
+                links[r] = measure_link(net, r, cpus=[pinned_cpus(i, 1) for i in range(a.hosts)] if a.pin else None)
         for round_ in range(a.repeat):
             for s in specs:
                 r = results[s.name]

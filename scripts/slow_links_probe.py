@@ -36,7 +36,9 @@ exchange = (lambda: dist.all_to_all_single(y, x)) if op == "all_to_all" else (la
 exchange()  # connections made, buffers touched
 times = []
 for _ in range(rounds):
-    time.sleep(idle)  # the link idles: a token bucket refills
+    start = time.perf_counter()
+    while time.perf_counter() - start < idle:  # the link idles (a token bucket refills) while the rank
+        pass  # computes, as in a run: a core that slept wakes late (pinned: 5-6 ms exchanges)
     dist.barrier()
     t = time.perf_counter()
     exchange()
@@ -48,13 +50,16 @@ dist.destroy_process_group()
 
 
 def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int = 29400,
-                   timeout: float = 120, idle_s: float = 0.0, op: str = "all_reduce") -> list[float]:
+                   timeout: float = 120, idle_s: float = 0.0, op: str = "all_reduce",
+                   cpus: list[str] | None = None) -> list[float]:
     """Seconds of each of `rounds` plain gloo all-reduces (op="all_to_all": all-to-alls) of `nbytes`
     (fp32) over every host, one rank a host (torch.distributed, no megalite), as host 0 timed them,
     each after `idle_s` of sleep and a barrier. A ring all-reduce sends 2 (n-1)/n of the bytes from
-    each rank, an all-to-all (n-1)/n."""
+    each rank, an all-to-all (n-1)/n. `cpus`: host i's rank on cpus[i] (a taskset list), as --pin
+    puts a run's ranks."""
     n = len(net)
-    procs = [h.popen([sys.executable, "-c", _EXCHANGE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
+    pin = (lambda i: ["taskset", "-c", cpus[i]]) if cpus else (lambda i: [])
+    procs = [h.popen([*pin(i), sys.executable, "-c", _EXCHANGE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
                       str(n), str(idle_s), op], env=_env(1, h.ifname), stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True)
              for i, h in enumerate(net.hosts)]
@@ -71,34 +76,38 @@ def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int
     return [float(x) for x in outs[0][0].split()]
 
 
-def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 << 20) -> dict:
+def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 << 20,
+                 cpus: list[str] | None = None) -> dict:
     """The links at `rate_mbit` (None: unlimited) as one TCP stream and as gloo's all-reduce see them
     (bytes/s; the all-reduce's "bus bandwidth" is the planner's link bandwidth); the start-up of an
-    exchange; the bytes a limited link's bucket lets through at once once it idles (`bucket_seconds`
-    at the TCP rate)."""
+    exchange; the bytes a limited link's bucket lets through at once once it idles (`bucket_bytes`,
+    its ranks on `cpus` as the runs' under --pin)."""
     net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
     tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
     bus = nbytes / statistics.median(exchange_seconds(net, nbytes))
     latency = statistics.median(exchange_seconds(net, 4, rounds=30))  # one fp32: start-up alone
-    saved = bucket_seconds(net) if rate_mbit else 0.0
+    burst = bucket_bytes(net, tcp, latency, cpus=cpus) if rate_mbit else 0.0
     what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
     share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
     print(f"link, {what}: one TCP stream host1 -> host0 {tcp / 1e6:.2f} MB/s{share}; gloo all-reduce of "
           f"{nbytes >> 20} MiB: bus bandwidth {bus / 1e6:.2f} MB/s; of 4 bytes: {latency * 1e3:.3f} ms; "
-          f"bucket {saved * tcp / 1e3:.0f} kB", file=sys.stderr)
-    return {"tcp": tcp, "bus": bus, "latency": latency, "burst": saved * tcp}
+          f"bucket {burst / 1e3:.0f} kB", file=sys.stderr)
+    return {"tcp": tcp, "bus": bus, "latency": latency, "burst": burst}
 
 
-def bucket_seconds(net: netns.Network, probes: int = 3, rounds: int = 40) -> float:
-    """What all-to-alls of 256 KiB (an ep exchange's size in docs/slow-links.md) save after 20 ms
-    of sleep over those right after the last one: by mean, since a step's exchanges add up (after
-    idling a fifth to a half of them still take the full time), pooled over `probes` pairs of
-    fresh connections (what one connection saves varies from one to the next: 4-46 kB)."""
-    busy, idle = [], []
-    for _ in range(probes):
-        busy += exchange_seconds(net, 1 << 18, rounds=rounds, op="all_to_all")
-        idle += exchange_seconds(net, 1 << 18, rounds=rounds, idle_s=0.02, op="all_to_all")
-    return max(0.0, _trimmed_mean(busy) - _trimmed_mean(idle))
+def bucket_bytes(net: netns.Network, rate: float, latency: float, probes: int = 12, rounds: int = 40,
+                 cpus: list[str] | None = None) -> float:
+    """The bucket the planner's link (megalite.tools.plan.pair_play.Link) needs to give all-to-alls of
+    256 KiB (an ep exchange's size in docs/slow-links.md: 128 KiB cross each way) after 20 ms of idle
+    link their mean time here: an exchange after idling takes `latency` plus the bytes the bucket
+    does not hold at `rate`, so the bucket is the bytes less what the rate carried in that time. By
+    trimmed mean (a step's exchanges add up; after idling a third to a half of them still take the
+    full time), pooled over `probes` pairs of fresh connections (what one saves varies from one to
+    the next: 0-50 kB); the ranks on `cpus`, as the runs' under --pin."""
+    crossing = 1 << 17
+    idle = [t for _ in range(probes)
+            for t in exchange_seconds(net, 2 * crossing, rounds=rounds, idle_s=0.02, op="all_to_all", cpus=cpus)]
+    return min(float(crossing), max(0.0, crossing - (_trimmed_mean(idle) - latency) * rate))
 
 
 def _trimmed_mean(values: list[float]) -> float:

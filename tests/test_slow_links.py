@@ -249,6 +249,32 @@ def test_pinned_hosts_take_cpus_of_their_own_in_turn(monkeypatch):
     assert [slow_links.pinned_cpus(h, 2) for h in range(2)] == ["0,1", "5,0"]
 
 
+def test_the_bucket_is_what_the_planners_link_needs_for_the_mean_exchange_after_idling(monkeypatch):
+    """bucket_bytes: all-to-alls of 128 KiB each way after 20 ms of idle link, pooled over fresh
+    connections (each a call of exchange_seconds), the ranks pinned as asked; the bucket is the
+    bytes less what the rate carried in the trimmed mean time less the start-up, so that the
+    planner's Link gives that time back."""
+    from megalite.tools.plan.pair_play import Bucket, Link
+
+    calls = []
+
+    def fake(net, nbytes, rounds=5, idle_s=0.0, op="all_reduce", cpus=None, **kw):
+        calls.append((nbytes, rounds, idle_s, op, cpus))
+        return [2.5e-3] * 9 + [40e-3]  # one stall, trimmed away
+    monkeypatch.setattr(slow_links_probe, "exchange_seconds", fake)
+    rate, latency = 35.8e6, 0.2e-3
+    burst = slow_links_probe.bucket_bytes(None, rate, latency, probes=3, rounds=10, cpus=["0", "1"])
+    assert calls == [(1 << 18, 10, 0.02, "all_to_all", ["0", "1"])] * 3
+    assert burst == pytest.approx((1 << 17) - (2.5e-3 - latency) * rate)
+    seconds = latency + (1 << 17) / rate  # the planner's exchange: start-up and bytes at the rate
+    assert Link(Bucket(burst / rate, latency)).carry(0.0, seconds) == pytest.approx(2.5e-3)
+    # slower than the bytes at the rate: no bucket; faster than the start-up: at most the bytes
+    monkeypatch.setattr(slow_links_probe, "exchange_seconds", lambda *a, **k: [9e-3] * 10)
+    assert slow_links_probe.bucket_bytes(None, rate, latency) == 0.0
+    monkeypatch.setattr(slow_links_probe, "exchange_seconds", lambda *a, **k: [1e-4] * 10)
+    assert slow_links_probe.bucket_bytes(None, rate, latency) == 1 << 17
+
+
 def test_pin_without_taskset_is_refused_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(slow_links.os, "geteuid", lambda: 0)
     monkeypatch.setattr(slow_links.os, "get_exec_path", lambda: [])
