@@ -399,6 +399,53 @@ def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, ca
     assert lower["ep"]["predicted_exposed_ms"] < again["ep"]["predicted_exposed_ms"]
 
 
+def test_saved_runs_of_the_hidden_suite_are_pooled_per_dimension(tmp_path, capsys):
+    """slow_links_rederive.py with several --json: per dimension the mean measured exposure (and its
+    standard error) against the mean prediction, each run's own ratio, how many are within 20%."""
+    import slow_links_rederive
+
+    a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=12,
+                                      micro_batch_size=None, bucket=200_000, exchange_latency_ms=None, dims="ep")
+    common, texts = slow_links_suites.suite_runs(a)
+    links = {"300.0": {"tcp": 35.82e6, "bus": 35.70e6, "latency": 0.3e-3}, "None": {"tcp": 1096e6, "bus": 895e6,
+                                                                                    "latency": 1e-4}}
+    paths = []
+    for i, across in enumerate((330.0, 360.0, 420.0)):  # the same bare step, three readings across the link
+        runs = {}
+        for text in texts:
+            spec = slow_links.parse_run(text, 2, 1, 300.0)
+            step = across if spec.name == "ep-across" else 162.9
+            runs[spec.name] = {"hosts": 2, "nproc": 1, "rate_mbit": spec.rate_mbit, "flags": spec.flags,
+                               "error": None, "rounds": [{"step_ms": step, "tokens_per_s": 1e3, "comm_bytes": 5847424,
+                                                          "comm_bytes_by_kind": {"ep": 5847424}}]}
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"suite": "hidden", "common": common, "links": links, "runs": runs}))
+    singles = []
+    for path in paths:
+        assert slow_links_rederive.main([str(path), "--json", str(tmp_path / "one.json")]) == 0
+        singles.append(json.loads((tmp_path / "one.json").read_text())["derived"]["dimensions"]["ep"])
+    capsys.readouterr()
+    out = tmp_path / "pooled.json"
+    assert slow_links_rederive.main([*map(str, paths), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["pooled"]
+    measured = [s["exposed_ms"] for s in singles]
+    predicted = [s["predicted_exposed_ms"] for s in singles]
+    assert measured == pytest.approx([330.0 - 162.9, 360.0 - 162.9, 420.0 - 162.9])
+    assert row["dimension"] == "ep" and row["runs"] == 3
+    assert row["measured_ms"] == pytest.approx(statistics.mean(measured))
+    assert row["measured_se_ms"] == pytest.approx(statistics.stdev(measured) / 3 ** 0.5)
+    assert row["predicted_over_measured"] == pytest.approx(statistics.mean(predicted) / statistics.mean(measured))
+    assert row["per_run"] == pytest.approx([p / m for p, m in zip(predicted, measured)])
+    assert row["within_20"] == sum(0.8 <= p / m <= 1.2 for p, m in zip(predicted, measured))
+    assert f"| ep | 3 | {row['measured_ms']:.0f} ± " in printed
+    # another suite's --json is not pooled
+    other = tmp_path / "moe.json"
+    other.write_text(json.dumps({"suite": "moe", "common": common, "links": links, "runs": {}}))
+    with pytest.raises(SystemExit):
+        slow_links_rederive.main([str(paths[0]), str(other)])
+
+
 def test_gloo_exchanges_overlap_times_a_block_beside_each_exchange_in_flight(tmp_path):
     """scripts/gloo_exchanges.py --overlap: per kind the block alone, the exchange alone, the block
     with the exchange in flight, launch to done; the tax and the hidden share worked out of them."""
