@@ -54,7 +54,7 @@ def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int
                    cpus: list[str] | None = None) -> list[float]:
     """Seconds of each of `rounds` plain gloo all-reduces (op="all_to_all": all-to-alls) of `nbytes`
     (fp32) over every host, one rank a host (torch.distributed, no megalite), as host 0 timed them,
-    each after `idle_s` of sleep and a barrier. A ring all-reduce sends 2 (n-1)/n of the bytes from
+    each after `idle_s` of the ranks computing (a spin: the link idles) and a barrier. A ring all-reduce sends 2 (n-1)/n of the bytes from
     each rank, an all-to-all (n-1)/n. `cpus`: host i's rank on cpus[i] (a taskset list), as --pin
     puts a run's ranks."""
     n = len(net)

@@ -45,7 +45,10 @@ def load(path: str) -> tuple[dict[str, RunResult], dict]:
 
 def rederived(a, path: str) -> tuple[dict, dict, dict]:
     """(saved, runs, derived) of one --json, worked out again with `a`'s overrides."""
-    saved = json.loads(Path(path).read_text())
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not a saved run of scripts/slow_links.py --json ({e})") from None
     if saved.get("suite") not in DERIVED:
         raise SystemExit(f"{path}: suite {saved.get('suite')!r}: only {', '.join(DERIVED)} are derived from what a "
                          "--json holds (run the others again)")

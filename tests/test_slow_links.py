@@ -444,6 +444,10 @@ def test_saved_runs_of_the_hidden_suite_are_pooled_per_dimension(tmp_path, capsy
     other.write_text(json.dumps({"suite": "moe", "common": common, "links": links, "runs": {}}))
     with pytest.raises(SystemExit):
         slow_links_rederive.main([str(paths[0]), str(other)])
+    assert "only runs of the hidden suite are pooled" in capsys.readouterr().err
+    # a file that is not a saved run: one line naming it
+    with pytest.raises(SystemExit, match="missing.json: not a saved run of scripts/slow_links.py --json"):
+        slow_links_rederive.main([str(paths[0]), str(tmp_path / "missing.json")])
 
 
 def test_gloo_exchanges_overlap_times_a_block_beside_each_exchange_in_flight(tmp_path):
