@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # slow_links imports this module: the types only
     from slow_links import RunResult, RunSpec
 
+from slow_links_predict import hidden_predictions  # (beside this file)
+
 SUITES = ("overlap", "bf16", "planner", "diloco", "moe", "hidden", "pairs")
 
 
@@ -215,6 +217,7 @@ def planner_comparison(a, results: dict[str, RunResult], links: dict) -> dict:
 # ---- hidden: how much of each parallel dimension's communication compute hides ----------------------------------
 
 HIDDEN = ("dp", "zero3", "ep", "pp", "cp", "tp")  # the final line's order
+NOISY = 0.10  # a run's rounds further apart than this: too noisy to judge the planner on alone
 CP_SEQ = 256  # context parallelism halves the sequence: long enough that each rank's half is a real block
 
 
@@ -299,6 +302,10 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
                    comm_bytes=across.figure("comm_bytes"),
                    comm_bytes_by_kind=across.rounds[-1].get("comm_bytes_by_kind") or {})  # the same every round
         row["exposed_ms"] = row["step_across_ms"] - row["step_bare_ms"]
+        spreads = [max(steps) / min(steps) - 1 for steps in
+                   ([r["step_ms"] for r in run.rounds if r.get("step_ms")] for run in (across, bare)) if len(steps) > 1]
+        if spreads:  # how steady the machine was: the further apart of the two runs' rounds
+            row["rounds_spread"] = max(spreads)
         rate = links.get(across.spec.rate_mbit, {}).get("tcp") if across.spec.rate_mbit else None
         if not rate:
             row["error"] = "no limited link measured for it (--rate-mbit 0?)"
@@ -310,57 +317,6 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
             if bare.spec.rate_mbit in links:  # the same bytes at the bare veths' rate: what `bare` spends on them
                 row["comm_ms_bare"] = row["comm_bytes"] / links[bare.spec.rate_mbit]["tcp"] * 1e3
     return out
-
-
-def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: dict) -> None:
-    """Beside each measured dimension of `derived` (hidden_overlap's), the planner's prediction of what
-    the link adds to its step (megalite.tools.plan.calibrate): its layout from the run's flags, every
-    group across the link, the links' measured one-stream rate and per-exchange latency (the small
-    all-reduce of measure_link, or --exchange-latency-ms), their tbf bucket (measure_link's, or
-    slow_links_rederive.py's --link-burst-kib), the compute fitted to the bare run's step.
-    A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
-    "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
-    "predicted_error"."""
-    from megalite import arguments
-    from megalite.tools.plan import Cluster
-    from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
-    from megalite.training.plan_check import check_run
-    from netns_tools import LinkLimit
-
-    parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
-    common = getattr(a, "common_flags", None) or suite_runs(a)[0]
-    override, burst_kib = getattr(a, "exchange_latency_ms", None), getattr(a, "link_burst_kib", None)
-
-    def measured(rate):
-        link = links[rate]
-        # a --json saved before measure_link measured the bucket: the suite's configured one
-        burst = link.get("burst", LinkLimit(rate).burst_bytes if rate else 0.0)
-        burst = burst if burst_kib is None or rate is None else burst_kib * 1024
-        return MeasuredLink(link["tcp"], override / 1e3 if override is not None else link.get("latency", 0.0), burst)
-
-    derived["exchange_latency_ms"] = {str(k): (override if override is not None else v.get("latency", 0.0) * 1e3)
-                                      for k, v in links.items()}
-    for dim, row in derived.get("dimensions", {}).items():
-        across, bare = results.get(f"{dim}-across"), results.get(f"{dim}-bare")
-        if "comm_ms" not in row or across.spec.rate_mbit not in links or bare.spec.rate_mbit not in links:
-            continue
-        try:
-            args = parser.parse_args([*common, *across.spec.flags])
-            _, pred = check_run(args, across.spec.hosts * across.spec.nproc, gpu_memory_bytes=1e15,
-                                cluster=Cluster(gpus=across.spec.hosts * across.spec.nproc, gpus_per_node=1))
-            # the run's --tp-comm-overlap and --overlap-moe-expert-parallel-comm come with its flags
-            got = predicted_link_cost(pred.config, pred.layout, pred.run, measured(across.spec.rate_mbit),
-                                      measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3)
-        except (ValueError, SystemExit) as e:
-            row["predicted_error"] = f"the planner: {e}"
-            continue
-        row["predicted"] = got
-        row["predicted_exposed_ms"] = got["exposed_ms"]
-        row["predicted_over_measured"] = got["exposed_ms"] / row["exposed_ms"] if row["exposed_ms"] > 0 else None
-        if "bound_exposed_ms" in got:  # the least any order of the passes exposes, less the bare links' play
-            bare_ms = sum(d["exposed_bare_ms"] for d in got["dimensions"].values())
-            row["bound_exposed_ms"] = got["bound_exposed_ms"]["exposed"] - bare_ms
-            row["bound_hidden"] = 1 - row["bound_exposed_ms"] / row["comm_ms"]
 
 
 def _pct(x: float | None) -> str:
@@ -393,6 +349,10 @@ def hidden_report(derived: dict) -> str:
             why.append(f"{dim}: n/a: {row['error']}")
         if "predicted_error" in row:
             why.append(f"{dim}: no prediction: {row['predicted_error']}")
+        if row.get("rounds_spread", 0) > NOISY:
+            why.append(f"{dim}: a run's rounds are {_pct(row['rounds_spread'])} apart: on a machine this noisy one "
+                       "run's exposure scatters by as much as the planner's 20%; pool several runs "
+                       "(scripts/slow_links_rederive.py A.json B.json ...)")
         if "bound_hidden" in row:
             parts = row["predicted"]["bound_exposed_ms"]
             why.append(f"{dim}: no order of these passes hides more than {_pct(row['bound_hidden'])} (at least "

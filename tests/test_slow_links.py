@@ -180,6 +180,16 @@ def test_hidden_is_one_minus_exposed_over_the_counted_bytes_at_the_tcp_rate_uncl
     assert [r.split("|")[1].strip() for r in report[2:8]] == list(slow_links_suites.HIDDEN)
     assert [c.strip() for c in report[2].split("|")[2:8]] == \
         ["180.0", "100.0", "3,600,000 (dp 3,599,980; metrics 20)", "100.0", "80.0", "20%"]
+    # a run whose rounds are more than 10% apart (across or bare) is flagged: it cannot judge the planner alone
+    assert dims["zero3"]["rounds_spread"] == pytest.approx(0.3) and "rounds_spread" not in dims["ep"]
+    assert dims["dp"]["rounds_spread"] == pytest.approx(250 / 180 - 1)
+    noisy = [line for line in report if "rounds are" in line]
+    assert noisy == ["dp: a run's rounds are 39% apart: on a machine this noisy one run's exposure "
+                     "scatters by as much as the planner's 20%; pool several runs "
+                     "(scripts/slow_links_rederive.py A.json B.json ...)",
+                     "zero3: a run's rounds are 30% apart: on a machine this noisy one run's exposure "
+                     "scatters by as much as the planner's 20%; pool several runs "
+                     "(scripts/slow_links_rederive.py A.json B.json ...)"]
 
     # Without a limited link (or without megalite's byte count) there is nothing to divide by: n/a, said why.
     derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, {None: links[None]})
