@@ -18,6 +18,7 @@ from megalite.errors import TrainingStopped, UsageError  # noqa: F401 - re-expor
 
 # What this rank is doing, so that a collective's time-out can say where it hung.
 _PHASE = ["start-up"]
+LOST_PEER = 4  # the exit code of a rank that lost contact with another (docs/multinode.md)
 
 
 def set_phase(name: str) -> None:
@@ -153,8 +154,9 @@ def start_heartbeat() -> None:
                 seen_at, last_beat = time.monotonic(), value
             elif time.monotonic() - seen_at > timeout and not _heartbeat_stop.is_set():
                 _fail(f"megalite: error: rank {rank} lost contact with another rank in {_PHASE[0]} (lost: rank "
-                      f"{neighbour}, no heartbeat for {timeout:.0f} s); limit: MEGALITE_HEARTBEAT_TIMEOUT_S", 4, True)
-                os._exit(4)
+                      f"{neighbour}, no heartbeat for {timeout:.0f} s); limit: MEGALITE_HEARTBEAT_TIMEOUT_S",
+                      LOST_PEER, True)
+                os._exit(LOST_PEER)
 
     threading.Thread(target=beat, daemon=True, name="megalite-heartbeat").start()
 
@@ -325,21 +327,21 @@ def run_main(fn, *args) -> int:
             raise
         first_error = _recorded_first_error()
         if first_error is not None:  # another rank's error stopped it: that line is the cause, said there
-            code = _fail(first_error["line"], 4, _shows(first_error, first_error["line"], False))
+            code = _fail(first_error["line"], LOST_PEER, _shows(first_error, first_error["line"], False))
         else:
-            code = _fail(_lost_line(e, what), 4, True)
+            code = _fail(_lost_line(e, what), LOST_PEER, True)
     finally:
-        _tear_down(code, bounded=code == 4)
+        _tear_down(code, bounded=code == LOST_PEER)
     return code
 
 
 def exit_process(code: int) -> None:
-    """End a rank's process with `code` (what run_main returned). After a lost peer (4) without
+    """End a rank's process with `code` (what run_main returned). After a lost peer (LOST_PEER) without
     Python's shut-down: the groups' transfers to the dead host may still be pending, and the
     interpreter's exit (the groups' destructors) can wait them out one time-out after another (CI
     saw both ranks of the surviving host print their line, tear down, then not exit in 90 s). The
     line is printed, files are closed (`fn` has returned), so nothing is left to run."""
-    if code == 4:
+    if code == LOST_PEER:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

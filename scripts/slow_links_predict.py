@@ -22,10 +22,9 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
     from megalite.training.plan_check import check_run
     from netns_tools import LinkLimit
-
-    parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
     from slow_links_suites import suite_runs  # (that module imports this one)
 
+    parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
     common = getattr(a, "common_flags", None) or suite_runs(a)[0]
     override, burst_kib = getattr(a, "exchange_latency_ms", None), getattr(a, "link_burst_kib", None)
 

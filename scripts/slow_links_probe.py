@@ -37,8 +37,10 @@ exchange()  # connections made, buffers touched
 times = []
 for _ in range(rounds):
     start = time.perf_counter()
-    while time.perf_counter() - start < idle:  # the link idles (a token bucket refills) while the rank
-        pass  # computes, as in a run: a core that slept wakes late (pinned: 5-6 ms exchanges)
+    # the link idles (a token bucket refills) while the rank computes, as in a run: a spin, since a
+    # pinned core that slept wakes late (5-6 ms exchanges)
+    while time.perf_counter() - start < idle:
+        pass
     dist.barrier()
     t = time.perf_counter()
     exchange()
@@ -54,12 +56,11 @@ def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int
                    cpus: list[str] | None = None) -> list[float]:
     """Seconds of each of `rounds` plain gloo all-reduces (op="all_to_all": all-to-alls) of `nbytes`
     (fp32) over every host, one rank a host (torch.distributed, no megalite), as host 0 timed them,
-    each after `idle_s` of the ranks computing (a spin: the link idles) and a barrier. A ring all-reduce sends 2 (n-1)/n of the bytes from
-    each rank, an all-to-all (n-1)/n. `cpus`: host i's rank on cpus[i] (a taskset list), as --pin
-    puts a run's ranks."""
+    each after `idle_s` of the ranks computing (a spin: the link idles) and a barrier. A ring
+    all-reduce sends 2 (n-1)/n of the bytes from each rank, an all-to-all (n-1)/n. `cpus`: host i's
+    rank on cpus[i] (a taskset list), as --pin puts a run's ranks."""
     n = len(net)
-    pin = (lambda i: ["taskset", "-c", cpus[i]]) if cpus else (lambda i: [])
-    procs = [h.popen([*pin(i), sys.executable, "-c", _EXCHANGE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
+    procs = [h.popen([*(["taskset", "-c", cpus[i]] if cpus else []), sys.executable, "-c", _EXCHANGE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
                       str(n), str(idle_s), op], env=_env(1, h.ifname), stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, text=True)
              for i, h in enumerate(net.hosts)]

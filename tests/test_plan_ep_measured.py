@@ -38,4 +38,3 @@ def test_the_ep_prediction_is_within_20_percent_of_the_days_mean_measured_exposu
     assert row["runs"] == 4 and 0.8 <= row["predicted_over_measured"] <= 1.2, row
     # without the bucket the planner was over (the link's burst crosses at once after compute)
     assert _pooled(suite, 0.0)["predicted_over_measured"] > 1.2
-

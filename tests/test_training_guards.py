@@ -293,6 +293,7 @@ def test_a_rank_that_lost_a_peer_exits_even_when_the_interpreters_exit_would_han
     peer the entry points end the process without Python's shut-down (runtime.exit_process)."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from megalite.runtime import _free_port
 
@@ -305,8 +306,6 @@ def test_a_rank_that_lost_a_peer_exits_even_when_the_interpreters_exit_would_han
     ok = _HANGING_EXIT.replace("threading.Event().wait", "lambda: None").replace(
         "runtime.run_main(lose)", "runtime.run_main(lambda: None)")
     assert subprocess.run([sys.executable, "-c", ok, str(_free_port())], timeout=60).returncode == 0
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent  # every entry point ends through it
     for entry in ("pretrain_gpt.py", "pretrain_bert.py", "megalite/tools/generate.py", "megalite/tools/lm_eval.py"):
         assert "exit_process(main())" in (root / entry).read_text(), entry
