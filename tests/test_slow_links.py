@@ -55,9 +55,11 @@ def test_the_link_carries_the_configured_rate(net):
     bus = nbytes / statistics.median(slow_links_probe.exchange_seconds(net, nbytes, rounds=3))
     assert 0.4 * rate <= bus <= 1.1 * rate, f"all-reduce bus bandwidth {bus / 1e6:.2f} MB/s at {RATE} Mbit/s"
     # The token bucket: an all-to-all of 32 KiB each way after the link idled is faster than one
-    # right after the last (by median: after idling some still take the full time)
-    idle, busy = (statistics.median(slow_links_probe.exchange_seconds(net, 1 << 16, rounds=15, idle_s=idle,
-                                                                      op="all_to_all")) for idle in (0.02, 0.0))
+    # right after the last (by lower quartile: after idling, a seventh to a half of the calls still take
+    # the full time, so the median can land on either side)
+    idle, busy = (statistics.quantiles(slow_links_probe.exchange_seconds(net, 1 << 16, rounds=15, idle_s=idle,
+                                                                         op="all_to_all"), n=4)[0]
+                  for idle in (0.02, 0.0))
     assert idle < 0.85 * busy, f"after idling {idle * 1e3:.2f} ms, back to back {busy * 1e3:.2f} ms"
     burst = slow_links_probe.measure_link(net, RATE)["burst"]  # by trimmed mean: at most the bucket
     assert 0 <= burst <= 1.5 * netns.LinkLimit(RATE).burst_bytes, f"bucket measured {burst:.0f} B"
