@@ -81,9 +81,18 @@ class RunResult:
         values = [r["spans_ms"].get(kind, 0.0) for r in self.rounds if "spans_ms" in r]
         return statistics.median(values) if values else None
 
+    def steps(self) -> list[float]:
+        """Each round's step time (rounds that recorded one)."""
+        return [r["step_ms"] for r in self.rounds if r.get("step_ms") is not None]
+
     def spread(self) -> str:
-        steps = [r["step_ms"] for r in self.rounds if r.get("step_ms") is not None]
+        steps = self.steps()
         return f"{min(steps):.0f}-{max(steps):.0f}" if len(steps) > 1 else ""
+
+    def spread_ratio(self) -> float | None:
+        """How far apart the rounds are: the slowest over the fastest, less 1 (None: one round)."""
+        steps = self.steps()
+        return max(steps) / min(steps) - 1 if len(steps) > 1 else None
 
 
 def parse_run(text: str, default_hosts: int, default_nproc: int, default_rate: float | None) -> RunSpec:

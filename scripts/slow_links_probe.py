@@ -60,9 +60,9 @@ def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int
     all-reduce sends 2 (n-1)/n of the bytes from each rank, an all-to-all (n-1)/n. `cpus`: host i's
     rank on cpus[i] (a taskset list), as --pin puts a run's ranks."""
     n = len(net)
-    procs = [h.popen([*(["taskset", "-c", cpus[i]] if cpus else []), sys.executable, "-c", _EXCHANGE, str(i), net[0].addr, str(port), str(nbytes // 4), str(rounds),
-                      str(n), str(idle_s), op], env=_env(1, h.ifname), stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True)
+    procs = [h.popen([*(["taskset", "-c", cpus[i]] if cpus else []), sys.executable, "-c", _EXCHANGE, str(i),
+                      net[0].addr, str(port), str(nbytes // 4), str(rounds), str(n), str(idle_s), op],
+                     env=_env(1, h.ifname), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, h in enumerate(net.hosts)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]

@@ -302,8 +302,7 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
                    comm_bytes=across.figure("comm_bytes"),
                    comm_bytes_by_kind=across.rounds[-1].get("comm_bytes_by_kind") or {})  # the same every round
         row["exposed_ms"] = row["step_across_ms"] - row["step_bare_ms"]
-        spreads = [max(steps) / min(steps) - 1 for steps in
-                   ([r["step_ms"] for r in run.rounds if r.get("step_ms")] for run in (across, bare)) if len(steps) > 1]
+        spreads = [s for s in (across.spread_ratio(), bare.spread_ratio()) if s is not None]
         if spreads:  # how steady the machine was: the further apart of the two runs' rounds
             row["rounds_spread"] = max(spreads)
         rate = links.get(across.spec.rate_mbit, {}).get("tcp") if across.spec.rate_mbit else None

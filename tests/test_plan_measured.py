@@ -23,9 +23,16 @@ RUNS = sorted(DAY.glob("ep-*.json"))
 SUITE = sorted(DAY.glob("suite-*.json"))  # the whole hidden suite, each run with its measured bucket
 
 
-def _pooled(paths: list[Path], burst_kib: float | None) -> dict:
+def _pooled_rows(paths: list[Path], burst_kib: float | None) -> dict[str, dict]:
+    """Per dimension the pooled row of these saved runs, with this checkout's planner (burst_kib None:
+    each run's measured bucket)."""
     a = argparse.Namespace(exchange_latency_ms=None, link_burst_kib=burst_kib)
-    (row,) = slow_links_rederive.pooled([slow_links_rederive.rederived(a, str(p))[2] for p in paths])
+    rows = slow_links_rederive.pooled([slow_links_rederive.rederived(a, str(p))[2] for p in paths])
+    return {r["dimension"]: r for r in rows}
+
+
+def _pooled(paths: list[Path], burst_kib: float | None) -> dict:
+    (row,) = _pooled_rows(paths, burst_kib).values()  # ep runs: one dimension
     return row
 
 
@@ -49,9 +56,7 @@ def test_the_ep_prediction_is_within_20_percent_of_the_days_mean_measured_exposu
 
 
 def test_the_whole_suite_pooled_per_dimension():
-    rows = {r["dimension"]: r for r in slow_links_rederive.pooled(
-        [slow_links_rederive.rederived(argparse.Namespace(exchange_latency_ms=None, link_burst_kib=None), str(p))[2]
-         for p in SUITE])}
+    rows = _pooled_rows(SUITE, None)
     assert len(SUITE) == 4 and set(rows) == {"dp", "zero3", "ep", "pp", "cp", "tp"}
     assert all(r["runs"] == 4 for r in rows.values())
     for dim in ("ep", "cp"):
