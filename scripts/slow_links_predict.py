@@ -2,10 +2,31 @@
 measured exposure, what megalite's planner predicts for the same run on the links as measured."""
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # slow_links imports the suites, which import this module: the types only
     from slow_links import RunResult
+
+
+def _last(words: list[str], flag: str, default: int) -> int:
+    """The value argparse takes for `flag` from `words`: the last given."""
+    given = [words[i + 1] for i, w in enumerate(words[:-1]) if w == flag]
+    return int(given[-1]) if given else default
+
+
+def reference_run(dim: str, flags: str) -> str | None:
+    """The run `dim`'s compute rate is fitted to (megalite.tools.plan.calibrate.Reference), where its
+    bare run's exchanges cost the ranks time of their own that covers no transfer: tp's pieces at one
+    piece a shard (on the bare veths); dp and ZeRO-3 on one rank with one rank's work (half the global
+    batch, no ZeRO: no reduction, gather or release). None where the bare run is the reference."""
+    words = shlex.split(flags)
+    if dim == "tp" and _last(words, "--tp-comm-overlap-splits", 1) > 1:
+        return f"tp-ref=rate=off {flags} --tp-comm-overlap-splits 1"
+    if dim in ("dp", "zero3"):
+        half = _last(words, "--global-batch-size", 2) // 2
+        return f"{dim}-ref=hosts=1 rate=off {flags} --global-batch-size {half}" + (" --zero-stage 0" if dim == "zero3" else "")
+    return None
 
 
 def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: dict) -> None:
@@ -13,13 +34,14 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     the link adds to its step (megalite.tools.plan.calibrate): its layout from the run's flags, every
     group across the link, the links' measured one-stream rate and per-exchange latency (the small
     all-reduce of measure_link, or --exchange-latency-ms), their tbf bucket (measure_link's, or
-    slow_links_rederive.py's --link-burst-kib), the compute fitted to the bare run's step.
+    slow_links_rederive.py's --link-burst-kib), the compute fitted to the bare run's step, or to the
+    dimension's reference run where it has one (`<dim>-ref`: slow_links_suites.reference_run).
     A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
     "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
     "predicted_error"."""
     from megalite import arguments
     from megalite.tools.plan import Cluster
-    from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
+    from megalite.tools.plan.calibrate import MeasuredLink, Reference, predicted_link_cost
     from megalite.training.plan_check import check_run
     from netns_tools import LinkLimit
     from slow_links_suites import suite_runs  # (that module imports this one)
@@ -35,19 +57,29 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
         burst = burst if burst_kib is None or rate is None else burst_kib * 1024
         return MeasuredLink(link["tcp"], override / 1e3 if override is not None else link.get("latency", 0.0), burst)
 
+    def planned(spec):
+        world = spec.hosts * spec.nproc
+        args = parser.parse_args([*common, *spec.flags])
+        return check_run(args, world, gpu_memory_bytes=1e15, cluster=Cluster(gpus=world, gpus_per_node=1))[1]
+
     derived["exchange_latency_ms"] = {str(k): (override if override is not None else v.get("latency", 0.0) * 1e3)
                                       for k, v in links.items()}
     for dim, row in derived.get("dimensions", {}).items():
         across, bare = results.get(f"{dim}-across"), results.get(f"{dim}-bare")
         if "comm_ms" not in row or across.spec.rate_mbit not in links or bare.spec.rate_mbit not in links:
             continue
+        ref = results.get(f"{dim}-ref")
         try:
-            args = parser.parse_args([*common, *across.spec.flags])
-            _, pred = check_run(args, across.spec.hosts * across.spec.nproc, gpu_memory_bytes=1e15,
-                                cluster=Cluster(gpus=across.spec.hosts * across.spec.nproc, gpus_per_node=1))
+            pred = planned(across.spec)
+            reference = None
+            if "step_reference_ms" in row:  # the compute fitted to the reference run (reference_run)
+                of_ref = planned(ref.spec)
+                reference = Reference(of_ref.layout, of_ref.run, row["step_reference_ms"] / 1e3,
+                                      measured(ref.spec.rate_mbit) if ref.spec.rate_mbit in links
+                                      else MeasuredLink(1e18, 0.0))  # one rank: no link
             # the run's --tp-comm-overlap and --overlap-moe-expert-parallel-comm come with its flags
             got = predicted_link_cost(pred.config, pred.layout, pred.run, measured(across.spec.rate_mbit),
-                                      measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3)
+                                      measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3, reference)
         except (ValueError, SystemExit) as e:
             row["predicted_error"] = f"the planner: {e}"
             continue

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # slow_links imports this module: the types only
     from slow_links import RunResult, RunSpec
 
-from slow_links_predict import hidden_predictions  # (beside this file)
+from slow_links_predict import hidden_predictions, reference_run  # (beside this file)
 
 SUITES = ("overlap", "bf16", "planner", "diloco", "moe", "hidden", "pairs")
 
@@ -247,7 +247,8 @@ def hidden_runs(a, b: int) -> list[str]:
     adjacent in every round. Every layout trains 2b sequences of --seq-length tokens a step (cp: the
     same tokens as sequences of CP_SEQ), times its --dim-scale, with megalite's default overlap
     settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions; --dim-flags adds
-    a dimension's own flags after these (a longer sequence for cp, a wider model for tp)."""
+    a dimension's own flags after these (a longer sequence for cp, a wider model for tp). After the
+    pair, where it has one, the dimension's reference run (reference_run), `<dim>-ref`."""
     dims = HIDDEN if not getattr(a, "dims", None) else tuple(a.dims.split(","))
     unknown = [d for d in dims if d not in HIDDEN]
     if unknown:
@@ -270,8 +271,13 @@ def hidden_runs(a, b: int) -> list[str]:
                 "cp": f"--cp 2 --seq-length {cp_seq} --micro-batch-size {cp_b} --global-batch-size {cp_b}",
                 # the all-gathers and reduce-scatters pipelined with the GEMMs (megalite.parallel.tp_overlap)
                 "tp": f"--tp 2 --sequence-parallel --tp-comm-overlap --micro-batch-size {mb} --global-batch-size {g}"}[d]
-    return [f"{d}-{where}={setting}{flags(d)}{' ' + extra[d] if d in extra else ''}" for d in dims
-            for where, setting in (("across", ""), ("bare", "rate=off "))]
+    out = []
+    for d in dims:
+        own = f"{flags(d)}{' ' + extra[d] if d in extra else ''}"
+        out += [f"{d}-across={own}", f"{d}-bare=rate=off {own}"]
+        ref = reference_run(d, own)
+        out += [ref] if ref else []
+    return out
 
 
 def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
@@ -302,6 +308,9 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
                    comm_bytes=across.figure("comm_bytes"),
                    comm_bytes_by_kind=across.rounds[-1].get("comm_bytes_by_kind") or {})  # the same every round
         row["exposed_ms"] = row["step_across_ms"] - row["step_bare_ms"]
+        ref = results.get(f"{dim}-ref")
+        if ref is not None and ref.figure("step_ms") is not None:  # the planner's compute reference
+            row["step_reference_ms"] = ref.figure("step_ms")
         spreads = [s for s in (across.spread_ratio(), bare.spread_ratio()) if s is not None]
         if spreads:  # how steady the machine was: the further apart of the two runs' rounds
             row["rounds_spread"] = max(spreads)
@@ -352,6 +361,10 @@ def hidden_report(derived: dict) -> str:
             why.append(f"{dim}: a run's rounds are {_pct(row['rounds_spread'])} apart: on a machine this noisy one "
                        "run's exposure scatters by as much as the planner's 20%; pool several runs "
                        "(scripts/slow_links_rederive.py A.json B.json ...)")
+        own = row.get("predicted", {}).get("own_ms")
+        if own is not None:
+            why.append(f"{dim}: compute fitted to {dim}-ref ({row['step_reference_ms']:.0f} ms a step, reference_run); "
+                       f"the bare step's {own:.0f} ms beyond the planner's are its exchanges' own cost, covering no transfer")
         if "bound_hidden" in row:
             parts = row["predicted"]["bound_exposed_ms"]
             why.append(f"{dim}: no order of these passes hides more than {_pct(row['bound_hidden'])} (at least "
@@ -367,7 +380,7 @@ def hidden_report(derived: dict) -> str:
         lines.append("predicted: megalite.tools.plan at each link's measured rate and per-exchange latency ("
                      + ", ".join(f"{'bare' if k == 'None' else k + ' Mbit/s'} {v:.3f} ms"
                                  for k, v in derived["exchange_latency_ms"].items())
-                     + "), compute fitted to each bare step; predicted / measured of the exposed ms")
+                     + "), compute fitted to each bare step or reference run; predicted / measured of the exposed ms")
     return "\n".join([*lines, *why, overlap_line(derived)])
 
 

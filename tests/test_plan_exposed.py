@@ -7,7 +7,7 @@ import pytest
 
 from megalite.models import preset
 from megalite.tools import plan as P
-from megalite.tools.plan.calibrate import MeasuredLink, predicted_link_cost
+from megalite.tools.plan.calibrate import MeasuredLink, Reference, predicted_link_cost
 from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts, ring_pair_items
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
 from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
@@ -269,6 +269,28 @@ def test_the_calibration_is_zero_on_equal_links_and_fits_the_bare_step():
     assert got["dimensions"]["dp"]["exchanges"] >= 1 and got["exposed_ms"] > 0
     assert got["compute_ms"] + got["dimensions"]["dp"]["exposed_bare_ms"] == pytest.approx(72.9, rel=0.02)
     assert predicted_link_cost(TINY, layout, run, bare, bare, 0.0729)["exposed_ms"] == pytest.approx(0.0)
+
+
+def test_a_reference_run_fits_the_compute_and_the_exchanges_own_cost_covers_no_transfer():
+    # dp 2 with a one-rank reference of a rank's work: the bare step's 30 ms beyond it (gloo's
+    # reductions on the rank's own core) is no compute, so less of the reduction is covered
+    layout, run = P.Layout(tp=1, dp=2, micro_batch_size=8), P.Run(16, 64, "fp32", 200_000)
+    link, bare = MeasuredLink(35.8e6, 3.8e-3), MeasuredLink(1e9, 1e-4)
+    ref = Reference(P.Layout(tp=1, dp=1, micro_batch_size=8), P.Run(8, 64, "fp32", 200_000), 0.0729, bare)
+    fitted = predicted_link_cost(TINY, layout, run, link, bare, 0.1029)
+    got = predicted_link_cost(TINY, layout, run, link, bare, 0.1029, ref)
+    assert got["compute_ms"] == pytest.approx(72.9, rel=1e-3)  # one rank: no link exposes anything
+    assert got["own_ms"] == pytest.approx(102.9 - 72.9 - got["dimensions"]["dp"]["exposed_bare_ms"])
+    assert got["exposed_ms"] > fitted["exposed_ms"] and "own_ms" not in fitted
+    # a reference that is the bare run itself fits as the bare run does
+    same = Reference(layout, run, 0.1029, bare)
+    assert predicted_link_cost(TINY, layout, run, link, bare, 0.1029, same)["tflops"] == pytest.approx(fitted["tflops"])
+    # tp in four pieces a shard, fitted to its one-piece run: the pieces' cost is not GEMM time
+    tp = P.Layout(tp=2, micro_batch_size=8, sequence_parallel=True)
+    one, four = (P.Run(16, 64, "fp32", 200_000, tp_comm_overlap=True, tp_comm_overlap_splits=k) for k in (1, 4))
+    at_one = predicted_link_cost(TINY, tp, four, link, bare, 0.2, Reference(tp, one, 0.15, bare))
+    assert at_one["own_ms"] == pytest.approx(50, rel=0.05)
+    assert at_one["exposed_ms"] > predicted_link_cost(TINY, tp, four, link, bare, 0.2)["exposed_ms"]
 
 
 def test_cli_prints_the_exposed_section(capsys):

@@ -210,9 +210,19 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
                                       micro_batch_size=None, bucket=200_000)
     common, texts = slow_links_suites.suite_runs(a)
     specs = [slow_links.parse_run(t, 2, 1, 300.0) for t in texts]
-    assert [s.name for s in specs] == [f"{d}-{w}" for d in slow_links_suites.HIDDEN for w in ("across", "bare")]
-    assert [s.rate_mbit for s in specs] == [300.0, None] * 6 and {(s.hosts, s.nproc) for s in specs} == {(2, 1)}
+    # dp and ZeRO-3 each with a reference run: one rank, one rank's work (the planner's compute fit);
+    # tp at one piece a shard is its own reference
+    refs = {"dp": ["dp-ref"], "zero3": ["zero3-ref"]}
+    assert [s.name for s in specs] == [n for d in slow_links_suites.HIDDEN
+                                       for n in (f"{d}-across", f"{d}-bare", *refs.get(d, []))]
+    pairs = [s for s in specs if not s.name.endswith("-ref")]
+    assert [s.rate_mbit for s in pairs] == [300.0, None] * 6 and {(s.hosts, s.nproc) for s in pairs} == {(2, 1)}
     flags = {s.name: " ".join(s.flags) for s in specs}
+    for ref in (s for s in specs if s.name.endswith("-ref")):
+        assert (ref.hosts, ref.nproc, ref.rate_mbit) == (1, 1, None), ref.name
+        args = arguments.build_parser("t", default_model="gpt-tiny").parse_args(ref.flags)
+        assert (args.training.micro_batch_size, args.training.global_batch_size) == (8, 8), ref.name  # a rank's work
+    assert flags["zero3-ref"].endswith("--global-batch-size 8 --zero-stage 0")
     for name, wants in {"dp": "--micro-batch-size 8 --global-batch-size 16", "zero3": "--zero-stage 3",
                         "ep": "--num-experts 8 --moe-router-topk 2", "pp": "--pp 2 --micro-batch-size 4",
                         "cp": "--cp 2 --seq-length 256 --micro-batch-size 4 --global-batch-size 4",
@@ -230,7 +240,8 @@ def test_the_hidden_suite_runs_the_dimensions_asked_for_each_scaled_to_its_own_t
                                       dim_scale=["zero3=2", "cp=4", "ep=2"])
     specs = [slow_links.parse_run(t, 2, 1, 300.0) for t in slow_links_suites.suite_runs(a)[1]]
     flags = {s.name: " ".join(s.flags) for s in specs}
-    assert list(flags) == ["zero3-across", "zero3-bare", "cp-across", "cp-bare", "ep-across", "ep-bare"]
+    assert list(flags) == ["zero3-across", "zero3-bare", "zero3-ref", "cp-across", "cp-bare", "ep-across", "ep-bare"]
+    assert flags["zero3-ref"].startswith(flags["zero3-bare"]) and "--global-batch-size 16 " in flags["zero3-ref"]
     assert "--micro-batch-size 2 --global-batch-size 32" in flags["ep-bare"]  # 8 micro-batches a rank, not 4 bigger
     assert "--micro-batch-size 16 --global-batch-size 32 --zero-stage 3" in flags["zero3-across"]
     assert "--seq-length 256 --micro-batch-size 16 --global-batch-size 16" in flags["cp-bare"]  # 4 x 1,024 tokens
@@ -253,6 +264,12 @@ def test_a_dimensions_own_flags_come_after_its_suite_flags_in_both_of_its_runs()
         args = arguments.build_parser("t", default_model="gpt-tiny").parse_args(cp)
         assert (args.model.seq_length, args.training.micro_batch_size, args.parallel.cp) == (4096, 1, 2)  # last wins
         assert flags[f"tp-{where}"][-2:] == ["--hidden-size", "1024"] and "--tp-comm-overlap" in flags[f"tp-{where}"]
+    assert "tp-ref" not in flags  # one piece a shard: the bare run is the reference
+    # in pieces, tp's reference is the bare run at one piece: the pieces' own cost is no GEMM time
+    a.dim_flags.append("tp=--tp-comm-overlap-splits 4")
+    specs = {s.name: s for s in map(lambda t: slow_links.parse_run(t, 2, 1, 300.0), slow_links_suites.suite_runs(a)[1])}
+    ref = specs["tp-ref"]
+    assert (ref.hosts, ref.rate_mbit) == (2, None) and ref.flags == [*specs["tp-bare"].flags, "--tp-comm-overlap-splits", "1"]
 
 
 def test_pinned_hosts_take_cpus_of_their_own_in_turn(monkeypatch):
@@ -334,7 +351,7 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     for text in texts:
         spec = slow_links.parse_run(text, 2, 1, 300.0)
         dim, where = spec.name.split("-")
-        step = quiet[dim][0 if where == "across" else 1]
+        step = {"across": quiet[dim][0], "bare": quiet[dim][1], "ref": 0.8 * quiet[dim][1]}[where]
         runs[spec.name] = slow_links.RunResult(spec, [{"step_ms": step, "comm_bytes": quiet[dim][2],
                                                        "comm_bytes_by_kind": {dim: quiet[dim][2]}}])
     links = {300.0: {"tcp": 35.82e6, "bus": 35.70e6, "latency": 3.8e-3}, None: {"tcp": 1096e6, "bus": 895e6,
@@ -345,9 +362,15 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     for dim, row in dims.items():
         assert row["predicted_exposed_ms"] > 0, dim
         assert row["predicted_over_measured"] == pytest.approx(row["predicted_exposed_ms"] / row["exposed_ms"])
-        # calibrated on the bare run: its compute plus what the bare links expose is its step
         bare = sum(d["exposed_bare_ms"] for d in row["predicted"]["dimensions"].values())
-        assert row["predicted"]["compute_ms"] + bare == pytest.approx(row["step_bare_ms"], rel=0.02), dim
+        if dim in ("dp", "zero3"):  # calibrated on the reference: one rank's step, no link
+            assert row["step_reference_ms"] == pytest.approx(0.8 * row["step_bare_ms"]), dim
+            assert row["predicted"]["compute_ms"] == pytest.approx(row["step_reference_ms"], rel=0.05), dim
+            own = row["step_bare_ms"] - row["predicted"]["compute_ms"] - bare  # the exchanges' own cost
+            assert row["predicted"]["own_ms"] == pytest.approx(own) and own > 0.1 * row["step_bare_ms"], dim
+        else:  # calibrated on the bare run: its compute plus what the bare links expose is its step
+            assert "step_reference_ms" not in row and "own_ms" not in row["predicted"], dim
+            assert row["predicted"]["compute_ms"] + bare == pytest.approx(row["step_bare_ms"], rel=0.02), dim
     assert set(dims["ep"]["predicted"]["dimensions"]) == {"ep", "dp"}  # the dense layers' reduction too
     assert set(dims["pp"]["predicted"]["dimensions"]) == {"pp", "dp"}  # the tied embedding's
     assert dims["tp"]["predicted"]["dimensions"]["tp"]["exchanges"] == 72

@@ -5,7 +5,14 @@ predicted from the links' measured rate and per-exchange latency and the compute
 Every group is taken to cross the link (one rank a host: `gpus_per_node=1`). The compute rate is
 fitted so that the planner's step at the bare links is the bare run's measured step (its compute,
 bubble included, plus what the bare links expose), then the same layout is predicted at each link;
-the link's cost is the difference of the two exposures (exposed.py), dimension by dimension."""
+the link's cost is the difference of the two exposures (exposed.py), dimension by dimension.
+
+A layout's exchanges can cost its ranks time of their own besides the link's: tp's pieces
+(--tp-comm-overlap-splits k) run k GEMMs of a k-th of the rows each and post k times the messages,
+and gloo's reductions, ZeRO-3's gathers and releases take the rank's own core. Fitted to the bare
+step, that time would count as compute that covers transfers; it covers none (docs/slow-links.md (f),
+"tp's gap"). A `Reference` run without that cost (tp at one piece; dp and ZeRO-3 on one rank with the
+same work a rank) fits the rate instead."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +30,16 @@ class MeasuredLink:
     burst_bytes: float = 0.0  # the link's token bucket (tc-tbf's burst: Cluster.link_burst_kib)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The run the compute rate is fitted to, where it is not the bare run itself: its layout and run
+    (the same model), its measured step and the link it ran on."""
+    layout: Layout
+    run: Run
+    step_s: float
+    link: MeasuredLink
+
+
 def _cluster(layout: Layout, link: MeasuredLink, tflops: float) -> Cluster:
     gbps = link.bytes_per_s / 1e9
     return Cluster(gpus=layout.gpus, gpus_per_node=1, gpu_memory_gib=1e6, intra_node_gbps=gbps, inter_node_gbps=gbps,
@@ -34,19 +51,33 @@ def _exposed(pred: Prediction) -> float:
     return sum(x.exposed for x in pred.exposed.values())
 
 
-def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, link: MeasuredLink,
-                        bare: MeasuredLink, step_bare_s: float) -> dict:
-    """What the link adds to a step of `layout` against the bare links, predicted: {"exposed_ms":
-    the difference of the two exposures, "tflops": the fitted rate, "dimensions": per dimension
-    its exposed ms across and bare, communication ms across, exchanges}. The rate: the compute
-    part of the planner's step (free links: compute, imbalance, bubble) at 1 TFLOP/s, over the bare
-    step less what the bare links expose (twice, the second time with the first fit's exposure)."""
+def fitted_tflops(config: TransformerConfig, layout: Layout, run: Run, link: MeasuredLink, step_s: float) -> float:
+    """The compute rate at which the planner's step of `layout` on `link` is `step_s`: the compute part
+    of its step (free links: compute, imbalance, bubble) at 1 TFLOP/s, over the step less what `link`
+    exposes (twice, the second time with the first fit's exposure)."""
     free = predict(config, layout, _cluster(layout, MeasuredLink(1e18, 0.0), 1.0), run=run).time
     compute_at_1 = free.compute + free.imbalance + free.bubble  # seconds at 1 TFLOP/s
-    tflops = compute_at_1 / step_bare_s
+    tflops = compute_at_1 / step_s
     for _ in range(2):
-        on_bare = predict(config, layout, _cluster(layout, bare, tflops), run=run)
-        tflops = compute_at_1 / max(step_bare_s - _exposed(on_bare), 0.1 * step_bare_s)
+        exposed = _exposed(predict(config, layout, _cluster(layout, link, tflops), run=run))
+        tflops = compute_at_1 / max(step_s - exposed, 0.1 * step_s)
+    return tflops
+
+
+def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, link: MeasuredLink,
+                        bare: MeasuredLink, step_bare_s: float, reference: Reference | None = None) -> dict:
+    """What the link adds to a step of `layout` against the bare links, predicted: {"exposed_ms":
+    the difference of the two exposures, "tflops": the fitted rate, "compute_ms": the layout's compute
+    at it, "dimensions": per dimension its exposed ms across and bare, communication ms across,
+    exchanges}. The rate is fitted to the bare step (fitted_tflops), or to `reference`'s step; then
+    "own_ms" is what the bare step took beyond the planner's at that rate: the exchanges' own cost,
+    which covers no transfer."""
+    if reference is None:
+        tflops = fitted_tflops(config, layout, run, bare, step_bare_s)
+    else:
+        tflops = fitted_tflops(config, reference.layout, reference.run, reference.link, reference.step_s)
+    free = predict(config, layout, _cluster(layout, MeasuredLink(1e18, 0.0), 1.0), run=run).time
+    compute_at_1 = free.compute + free.imbalance + free.bubble
     on_bare = predict(config, layout, _cluster(layout, bare, tflops), run=run)
     across = predict(config, layout, _cluster(layout, link, tflops), run=run)
     a, b = across.exposed, on_bare.exposed
@@ -55,6 +86,8 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
             for dim, x in a.items()}
     out = {"exposed_ms": (_exposed(across) - _exposed(on_bare)) * 1e3, "tflops": tflops,
            "compute_ms": compute_at_1 / tflops * 1e3, "dimensions": dims}
+    if reference is not None:
+        out["own_ms"] = (step_bare_s - compute_at_1 / tflops - _exposed(on_bare)) * 1e3
     bound = ep_bound_of(across)  # the least any schedule of the step's passes exposes (ep_bound.py)
     if bound is not None:
         out["bound_exposed_ms"] = {k: v * 1e3 for k, v in bound.items()}
