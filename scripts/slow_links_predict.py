@@ -25,7 +25,8 @@ def reference_run(dim: str, flags: str) -> str | None:
         return f"tp-ref=rate=off {flags} --tp-comm-overlap-splits 1"
     if dim in ("dp", "zero3"):
         half = _last(words, "--global-batch-size", 2) // 2
-        return f"{dim}-ref=hosts=1 rate=off {flags} --global-batch-size {half}" + (" --zero-stage 0" if dim == "zero3" else "")
+        no_zero = " --zero-stage 0" if dim == "zero3" else ""
+        return f"{dim}-ref=hosts=1 rate=off {flags} --global-batch-size {half}{no_zero}"
     return None
 
 

@@ -364,7 +364,8 @@ def hidden_report(derived: dict) -> str:
         own = row.get("predicted", {}).get("own_ms")
         if own is not None:
             why.append(f"{dim}: compute fitted to {dim}-ref ({row['step_reference_ms']:.0f} ms a step, reference_run); "
-                       f"the bare step's {own:.0f} ms beyond the planner's are its exchanges' own cost, covering no transfer")
+                       f"the bare step's {own:.0f} ms beyond the planner's are its exchanges' own cost, "
+                       "covering no transfer")
         if "bound_hidden" in row:
             parts = row["predicted"]["bound_exposed_ms"]
             why.append(f"{dim}: no order of these passes hides more than {_pct(row['bound_hidden'])} (at least "
