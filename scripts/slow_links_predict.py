@@ -36,7 +36,7 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     group across the link, the links' measured one-stream rate and per-exchange latency (the small
     all-reduce of measure_link, or --exchange-latency-ms), their tbf bucket (measure_link's, or
     slow_links_rederive.py's --link-burst-kib), the compute fitted to the bare run's step, or to the
-    dimension's reference run where it has one (`<dim>-ref`: slow_links_suites.reference_run).
+    dimension's reference run where it has one (`<dim>-ref`: reference_run).
     A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
     "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
     "predicted_error"."""
