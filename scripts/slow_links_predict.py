@@ -69,11 +69,11 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
         across, bare = results.get(f"{dim}-across"), results.get(f"{dim}-bare")
         if "comm_ms" not in row or across.spec.rate_mbit not in links or bare.spec.rate_mbit not in links:
             continue
-        ref = results.get(f"{dim}-ref")
         try:
             pred = planned(across.spec)
             reference = None
             if "step_reference_ms" in row:  # the compute fitted to the reference run (reference_run)
+                ref = results[f"{dim}-ref"]
                 of_ref = planned(ref.spec)
                 reference = Reference(of_ref.layout, of_ref.run, row["step_reference_ms"] / 1e3,
                                       measured(ref.spec.rate_mbit) if ref.spec.rate_mbit in links

@@ -51,12 +51,18 @@ def _exposed(pred: Prediction) -> float:
     return sum(x.exposed for x in pred.exposed.values())
 
 
-def fitted_tflops(config: TransformerConfig, layout: Layout, run: Run, link: MeasuredLink, step_s: float) -> float:
-    """The compute rate at which the planner's step of `layout` on `link` is `step_s`: the compute part
-    of its step (free links: compute, imbalance, bubble) at 1 TFLOP/s, over the step less what `link`
-    exposes (twice, the second time with the first fit's exposure)."""
+def _compute_at_1(config: TransformerConfig, layout: Layout, run: Run) -> float:
+    """The compute part of the planner's step of `layout` (free links: compute, imbalance, bubble),
+    in seconds at 1 TFLOP/s."""
     free = predict(config, layout, _cluster(layout, MeasuredLink(1e18, 0.0), 1.0), run=run).time
-    compute_at_1 = free.compute + free.imbalance + free.bubble  # seconds at 1 TFLOP/s
+    return free.compute + free.imbalance + free.bubble
+
+
+def _fitted_tflops(config: TransformerConfig, layout: Layout, run: Run, link: MeasuredLink, step_s: float,
+                   compute_at_1: float) -> float:
+    """The compute rate at which the planner's step of `layout` on `link` is `step_s`: its compute at
+    1 TFLOP/s over the step less what `link` exposes (twice, the second time with the first fit's
+    exposure)."""
     tflops = compute_at_1 / step_s
     for _ in range(2):
         exposed = _exposed(predict(config, layout, _cluster(layout, link, tflops), run=run))
@@ -69,15 +75,16 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
     """What the link adds to a step of `layout` against the bare links, predicted: {"exposed_ms":
     the difference of the two exposures, "tflops": the fitted rate, "compute_ms": the layout's compute
     at it, "dimensions": per dimension its exposed ms across and bare, communication ms across,
-    exchanges}. The rate is fitted to the bare step (fitted_tflops), or to `reference`'s step; then
+    exchanges}. The rate is fitted to the bare step (_fitted_tflops), or to `reference`'s step; then
     "own_ms" is what the bare step took beyond the planner's at that rate: the exchanges' own cost,
     which covers no transfer."""
+    compute_at_1 = _compute_at_1(config, layout, run)
     if reference is None:
-        tflops = fitted_tflops(config, layout, run, bare, step_bare_s)
+        tflops = _fitted_tflops(config, layout, run, bare, step_bare_s, compute_at_1)
     else:
-        tflops = fitted_tflops(config, reference.layout, reference.run, reference.link, reference.step_s)
-    free = predict(config, layout, _cluster(layout, MeasuredLink(1e18, 0.0), 1.0), run=run).time
-    compute_at_1 = free.compute + free.imbalance + free.bubble
+        ref = reference
+        tflops = _fitted_tflops(config, ref.layout, ref.run, ref.link, ref.step_s,
+                                _compute_at_1(config, ref.layout, ref.run))
     on_bare = predict(config, layout, _cluster(layout, bare, tflops), run=run)
     across = predict(config, layout, _cluster(layout, link, tflops), run=run)
     a, b = across.exposed, on_bare.exposed
