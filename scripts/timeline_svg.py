@@ -31,6 +31,7 @@ CATEGORY_COLOURS = {
     "grad-reduce": "#b07aa1",
     "zero-gather": "#76b7b2",
     "zero-wait": "#9c755f",
+    "zero-reduce-wait": "#7f5539",
     "optimizer": "#ff9d9a",
 }
 LEGEND_LABELS = {"p2p": "p2p / send-recv"}

@@ -329,6 +329,10 @@ def test_stage_3_prefetches_the_next_layer_keeps_the_units_at_each_turn_and_draw
     assert len(gathers) == 2 * len(step) and all(e["tid"] == 1 for e in gathers)  # both ranks
     assert any("all-gathers" in name for name in rows)
     assert any(e.get("cat") == "zero-wait" for e in events)
+    # each wait for a gradient reduce-scatter too: per backward one per unit (the last two in flight
+    # are landed at its end), on the compute row
+    reduce_waits = [e for e in events if e.get("cat") == "zero-reduce-wait" and e["pid"] == 0]
+    assert len(reduce_waits) == 2 * 4 and all(e["tid"] == 0 for e in reduce_waits)
 
 
 # -- the command line ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ whole gradients between micro-batches (DeepSpeed's stage 2 pays the same).
 from __future__ import annotations
 
 import bisect
+import time
 import warnings
 
 import torch
@@ -28,6 +29,9 @@ class ShardedGradBuffer(ParamAndGradBuffer):
 
     def __init__(self, params, **kwargs):
         kwargs["reduce_scatter"] = True
+        # Timeline spans (name, category, start, duration) while a step records them: each wait for a
+        # reduce-scatter (what the rest of the backward did not hide; stage 3 adds its gathers').
+        self.spans: list | None = None
         super().__init__(params, **kwargs)
 
     def _allocate(self) -> None:
@@ -131,7 +135,10 @@ class ShardedGradBuffer(ParamAndGradBuffer):
 
     def _land(self, bucket: Bucket, out: torch.Tensor, work) -> None:
         if work is not None:
+            start = time.perf_counter()
             work.wait()
+            if self.spans is not None:
+                self.spans.append(("wait for a reduce-scatter", "zero-reduce-wait", start, time.perf_counter() - start))
         base = bucket.start // self.dp_size
         self.grad_shard[base:base + out.numel()].add_(out)
         self._transient(-bucket.grad.nbytes)

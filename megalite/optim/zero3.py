@@ -58,10 +58,9 @@ class ShardedParamBuffer(ShardedGradBuffer):
         self.keep_params_for_step = keep_params_for_step
         self.pinned = False
         self.gather_log: list[tuple[int, str]] = []  # (unit, "forward" / "backward" / ...) per gather
-        # Timeline spans (name, category, start, duration) while a step records them: each gather from
-        # its launch to its completion (on gloo, megalite's point-to-point gather is seen done when the
-        # rank next gathers or waits: `_poll`), and each wait for one (what prefetching did not hide).
-        self.spans: list | None = None
+        # Timeline spans (ShardedGradBuffer's) add each gather from its launch to its completion (on
+        # gloo, megalite's point-to-point gather is seen done when the rank next gathers or waits:
+        # `_poll`), and each wait for one (what prefetching did not hide).
         self.layer_unit_indices: set[int] = set()  # filled by attach_unit_hooks
         # Zero-bubble schedules: parameters of a unit a B is done with (their W brings the
         # gradients), and units a B released whose W is still to come, by unit.
