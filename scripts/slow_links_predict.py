@@ -38,7 +38,8 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     slow_links_rederive.py's --link-burst-kib), the compute fitted to the bare run's step, or to the
     dimension's reference run where it has one (`<dim>-ref`: reference_run).
     A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
-    "predicted_exposed_ms", "predicted_over_measured" and "predicted" (the details) to each row, or
+    "predicted_exposed_ms", "predicted_over_measured", "predicted_over_waited" (where the row has the
+    timeline's waits: slow_links_waits) and "predicted" (the details) to each row, or
     "predicted_error"."""
     from megalite import arguments
     from megalite.tools.plan import Cluster
@@ -46,6 +47,7 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     from megalite.training.plan_check import check_run
     from netns_tools import LinkLimit
     from slow_links_suites import suite_runs  # (that module imports this one)
+    from slow_links_waits import predicted_over_waited
 
     parser = arguments.build_parser("slow_links", default_model="gpt-tiny")
     common = getattr(a, "common_flags", None) or suite_runs(a)[0]
@@ -87,6 +89,7 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
         row["predicted"] = got
         row["predicted_exposed_ms"] = got["exposed_ms"]
         row["predicted_over_measured"] = got["exposed_ms"] / row["exposed_ms"] if row["exposed_ms"] > 0 else None
+        predicted_over_waited(row)
         if "bound_exposed_ms" in got:  # the least any order of the passes exposes, less the bare links' play
             bare_ms = sum(d["exposed_bare_ms"] for d in got["dimensions"].values())
             row["bound_exposed_ms"] = got["bound_exposed_ms"]["exposed"] - bare_ms

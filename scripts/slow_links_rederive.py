@@ -75,17 +75,26 @@ def pooled(derived_runs: list[dict]) -> list[dict]:
                     "measured_se_ms": se, "predicted_ms": statistics.mean(predicted),
                     "predicted_over_measured": statistics.mean(predicted) / statistics.mean(measured),
                     "per_run": ratios, "within_20": sum(0.8 <= r <= 1.2 for r in ratios)})
+        waited = [r["waited_ms"] for r in rows if "waited_ms" in r]
+        if waited:  # the timeline's waits (slow_links_waits), in the runs that recorded them
+            with_waits = [r["predicted_exposed_ms"] for r in rows if "waited_ms" in r]
+            out[-1].update(waited_runs=len(waited), waited_ms=statistics.mean(waited),
+                           predicted_over_waited=statistics.mean(with_waits) / statistics.mean(waited)
+                           if statistics.mean(waited) > 0 else None)
     return out
 
 
 def pooled_report(rows: list[dict]) -> str:
     lines = ["| dimension | runs | measured exposed ms (mean ± s.e.) | predicted ms (mean) | predicted / measured, "
-             "pooled | per run | runs within 20% |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "pooled | per run | runs within 20% | waited ms (runs) | predicted / waited |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         se = f" ± {r['measured_se_ms']:.0f}" if r["measured_se_ms"] is not None else ""
+        waited = f"{r['waited_ms']:.0f} ({r['waited_runs']})" if "waited_ms" in r else "-"
+        over = f"{r['predicted_over_waited']:.2f}" if r.get("predicted_over_waited") is not None else "-"
         lines.append(f"| {r['dimension']} | {r['runs']} | {r['measured_ms']:.0f}{se} | {r['predicted_ms']:.0f} | "
                      f"{r['predicted_over_measured']:.2f} | {', '.join(f'{x:.2f}' for x in r['per_run'])} | "
-                     f"{r['within_20']} of {r['runs']} |")
+                     f"{r['within_20']} of {r['runs']} | {waited} | {over} |")
     return "\n".join(lines)
 
 

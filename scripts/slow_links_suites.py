@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # slow_links imports this module: the types only
     from slow_links import RunResult, RunSpec
 
 from slow_links_predict import hidden_predictions, reference_run  # (beside this file)
+from slow_links_waits import WAIT_KINDS, add_waits, waits_lines
 
 SUITES = ("overlap", "bf16", "planner", "diloco", "moe", "hidden", "pairs")
 
@@ -248,7 +249,8 @@ def hidden_runs(a, b: int) -> list[str]:
     same tokens as sequences of CP_SEQ), times its --dim-scale, with megalite's default overlap
     settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions; --dim-flags adds
     a dimension's own flags after these (a longer sequence for cp, a wider model for tp). After the
-    pair, where it has one, the dimension's reference run (reference_run), `<dim>-ref`."""
+    pair, where it has one, the dimension's reference run (reference_run), `<dim>-ref`. dp's and ZeRO-3's
+    pair record their timelines: their waits (slow_links_waits)."""
     dims = HIDDEN if not getattr(a, "dims", None) else tuple(a.dims.split(","))
     unknown = [d for d in dims if d not in HIDDEN]
     if unknown:
@@ -274,7 +276,8 @@ def hidden_runs(a, b: int) -> list[str]:
     out = []
     for d in dims:
         own = f"{flags(d)}{' ' + extra[d] if d in extra else ''}"
-        out += [f"{d}-across={own}", f"{d}-bare=rate=off {own}"]
+        timeline = "timeline=1 " if d in WAIT_KINDS else ""  # its waits: slow_links_waits
+        out += [f"{d}-across={timeline}{own}", f"{d}-bare=rate=off {timeline}{own}"]
         ref = reference_run(d, own)
         out += [ref] if ref else []
     return out
@@ -308,6 +311,7 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
                    comm_bytes=across.figure("comm_bytes"),
                    comm_bytes_by_kind=across.rounds[-1].get("comm_bytes_by_kind") or {})  # the same every round
         row["exposed_ms"] = row["step_across_ms"] - row["step_bare_ms"]
+        add_waits(row, dim, across, bare)
         ref = results.get(f"{dim}-ref")
         if ref is not None and ref.figure("step_ms") is not None:  # the planner's compute reference
             row["step_reference_ms"] = ref.figure("step_ms")
@@ -382,7 +386,7 @@ def hidden_report(derived: dict) -> str:
                      + ", ".join(f"{'bare' if k == 'None' else k + ' Mbit/s'} {v:.3f} ms"
                                  for k, v in derived["exchange_latency_ms"].items())
                      + "), compute fitted to each bare step or reference run; predicted / measured of the exposed ms")
-    return "\n".join([*lines, *why, overlap_line(derived)])
+    return "\n".join([*lines, *why, *waits_lines(derived), overlap_line(derived)])
 
 
 # ---- pairs: DualPipeV's overlapped pairs against ZB-V and 1F1B, pp 2 x ep 2 across the links -------------------------

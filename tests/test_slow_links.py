@@ -207,6 +207,49 @@ def test_hidden_is_one_minus_exposed_over_the_counted_bytes_at_the_tcp_rate_uncl
     assert slow_links_suites.overlap_line(derived).startswith("overlap: dp n/a, zero3 -200%, ")
 
 
+def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner_is_held_to_them_too():
+    """slow_links_waits: per dimension with its waits on the timeline (dp, ZeRO-3), rank 0's waits in
+    the best round across less bare; the rest of the step's difference is compute that ran longer."""
+    import slow_links_waits
+
+    def run(name, rate, rounds):
+        return slow_links.RunResult(slow_links.RunSpec(name, [], hosts=2, nproc=1, rate_mbit=rate, timeline=True),
+                                    [{"step_ms": ms, "comm_bytes": 36e5, "comm_bytes_by_kind": {"dp": 36e5},
+                                      "spans_ms": spans} for ms, spans in rounds])
+    links = {300.0: {"tcp": 36e6, "bus": 30e6}, None: {"tcp": 900e6, "bus": 450e6}}
+    runs = [  # the best rounds' spans count (1,000 ms across, 900 bare), not the slower rounds'
+        run("zero3-across", 300.0, [(1100.0, {"zero-wait": 90.0, "zero-reduce-wait": 60.0, "forward": 400.0}),
+                                    (1000.0, {"zero-wait": 50.0, "zero-reduce-wait": 40.0, "grad-reduce": 9.0})]),
+        run("zero3-bare", None, [(900.0, {"zero-wait": 4.0, "zero-reduce-wait": 6.0})]),
+        run("dp-across", 300.0, [(500.0, {"grad-reduce": 61.0})]), run("dp-bare", None, [(450.0, {"optimizer": 5.0})]),
+        run("ep-across", 300.0, [(500.0, {"ep-comm": 61.0})]), run("ep-bare", None, [(450.0, {"ep-comm": 5.0})]),
+        _result("pp-across", 300.0, [130.0], {"pp": 1e6}), _result("pp-bare", None, [100.0])]
+    derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)
+    dims = derived["dimensions"]
+    assert (dims["zero3"]["waited_across_ms"], dims["zero3"]["waited_bare_ms"], dims["zero3"]["waited_ms"]) == \
+        (90.0, 10.0, 80.0)  # grad-reduce holds ZeRO's own landing waits: not counted twice
+    assert dims["dp"]["waited_ms"] == 61.0 and dims["zero3"]["exposed_ms"] == 100.0
+    assert "waited_ms" not in dims["ep"] and "waited_ms" not in dims["pp"]  # no waits of theirs on a timeline
+    dims["zero3"]["predicted_exposed_ms"], dims["dp"]["predicted_exposed_ms"] = 72.0, 30.0
+    for row in dims.values():
+        slow_links_waits.predicted_over_waited(row)
+    assert dims["zero3"]["predicted_over_waited"] == pytest.approx(0.9) and "predicted_over_waited" not in dims["ep"]
+    lines = [x for x in slow_links_suites.hidden_report(derived).splitlines() if " waited " in x]
+    assert lines == ["dp: waited 61 ms for its exchanges (61 across, 0 bare; timeline: grad-reduce); the other -11 ms of "
+                     "the exposure is compute that ran longer across; predicted / waited 0.49",
+                     "zero3: waited 80 ms for its exchanges (90 across, 10 bare; timeline: zero-wait, zero-reduce-wait); "
+                     "the other 20 ms of the exposure is compute that ran longer across; predicted / waited 0.90"]
+    # pooled: the mean prediction over the mean waits, in the runs that have them
+    import slow_links_rederive
+    rows = [{"dimensions": {"zero3": {**dims["zero3"], "waited_ms": w, "predicted_exposed_ms": p}}}
+            for w, p in ((80.0, 72.0), (120.0, 108.0))] + [{"dimensions": {"zero3": {
+                "exposed_ms": 100.0, "predicted_exposed_ms": 90.0}}}]
+    (row,) = slow_links_rederive.pooled(rows)
+    assert (row["runs"], row["waited_runs"]) == (3, 2) and row["waited_ms"] == 100.0
+    assert row["predicted_over_waited"] == pytest.approx(0.9)
+    assert slow_links_rederive.pooled_report([row]).splitlines()[-1].endswith("| 100 (2) | 0.90 |")
+
+
 def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
     a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
                                       micro_batch_size=None, bucket=200_000)
@@ -219,6 +262,8 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
                                        for n in (f"{d}-across", f"{d}-bare", *refs.get(d, []))]
     pairs = [s for s in specs if not s.name.endswith("-ref")]
     assert [s.rate_mbit for s in pairs] == [300.0, None] * 6 and {(s.hosts, s.nproc) for s in pairs} == {(2, 1)}
+    # dp's and ZeRO-3's pairs record their timelines (their waits: slow_links_waits), no other run does
+    assert {s.name for s in specs if s.timeline} == {"dp-across", "dp-bare", "zero3-across", "zero3-bare"}
     flags = {s.name: " ".join(s.flags) for s in specs}
     for ref in (s for s in specs if s.name.endswith("-ref")):
         assert (ref.hosts, ref.nproc, ref.rate_mbit) == (1, 1, None), ref.name

@@ -1,0 +1,59 @@
+"""The hidden suite's second reading of exposed communication, where a dimension's waits are on the
+timeline (scripts/slow_links.py --suite hidden): how long rank 0 waited for the dimension's exchanges,
+across the link less on the bare veths.
+
+The step's difference (hidden_overlap's "exposed_ms") is what the link adds to a step; the waits are
+what of it is communication the compute waited for. The rest is compute that ran longer across the
+link: on this 2-core host a transfer's packets are handled on the ranks' own cores (docs/slow-links.md
+(f), "Compute beside a transfer"). The planner predicts the waits; the suite prints both ratios.
+"""
+from __future__ import annotations
+
+# Per dimension the timeline's kinds of span that are waits for its exchanges (rank 0, each a sum per
+# steady iteration). dp: the wait for the gradients' reduction after backward; ZeRO-3: the waits for
+# its units' gathers and for its gradients' reduce-scatters (the end of each backward's among them).
+WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait")}
+
+
+def _waited(run, kinds: tuple[str, ...]) -> float | None:
+    """Rank 0's ms a steady iteration in `kinds` of span, in the round the run's step figure comes from
+    (the best: RunResult.figure); None where that round recorded no timeline."""
+    rounds = [r for r in run.rounds if r.get("step_ms") is not None]
+    if not rounds:
+        return None
+    best = min(rounds, key=lambda r: r["step_ms"])
+    spans = best.get("spans_ms")
+    return None if spans is None else sum(spans.get(k, 0.0) for k in kinds)
+
+
+def add_waits(row: dict, dim: str, across, bare) -> None:
+    """Into `row` (hidden_overlap's, per dimension): "waited_across_ms", "waited_bare_ms" and
+    "waited_ms", their difference, where the dimension's waits are on both runs' timelines."""
+    kinds = WAIT_KINDS.get(dim)
+    if kinds is None:
+        return
+    a, b = _waited(across, kinds), _waited(bare, kinds)
+    if a is not None and b is not None:
+        row.update(waited_across_ms=a, waited_bare_ms=b, waited_ms=a - b)
+
+
+def waits_lines(derived: dict) -> list[str]:
+    """The report's line for each dimension with waits: the waits' share of the exposure, and the
+    planner against them."""
+    out = []
+    for dim, row in derived.get("dimensions", {}).items():
+        if "waited_ms" not in row or "exposed_ms" not in row:
+            continue
+        line = (f"{dim}: waited {row['waited_ms']:.0f} ms for its exchanges ({row['waited_across_ms']:.0f} across, "
+                f"{row['waited_bare_ms']:.0f} bare; timeline: {', '.join(WAIT_KINDS[dim])}); the other "
+                f"{row['exposed_ms'] - row['waited_ms']:.0f} ms of the exposure is compute that ran longer across")
+        if row.get("predicted_over_waited") is not None:
+            line += f"; predicted / waited {row['predicted_over_waited']:.2f}"
+        out.append(line)
+    return out
+
+
+def predicted_over_waited(row: dict) -> None:
+    """The planner's exposure over the waits, where both are there and the waits are above noise (1 ms)."""
+    if row.get("predicted_exposed_ms") is not None and row.get("waited_ms", 0.0) > 1.0:
+        row["predicted_over_waited"] = row["predicted_exposed_ms"] / row["waited_ms"]
