@@ -183,7 +183,7 @@ def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, p
     valid = read_records(metrics, "valid") if metrics.exists() else []
     extra = [{"wire_bytes": wire}] + ([{"valid": valid[-1]}] if valid else [])
     if timeline.exists():
-        extra.append({"timeline": timeline_ms(timeline)})
+        extra.append({"timeline": timeline_ms(timeline), "waited_by_all": waited_by_all_ms(timeline)})
     return records + extra, error
 
 
@@ -195,6 +195,28 @@ def timeline_ms(path: Path, rank: int = 0) -> dict[int, dict[str, float]]:
         if e.get("ph") == "X" and e.get("pid") == rank and "iteration" in e.get("args", {}):
             kinds = out.setdefault(e["args"]["iteration"] + 1, {})
             kinds[e["cat"]] = kinds.get(e["cat"], 0.0) + e["dur"] / 1e3
+    return out
+
+
+def waited_by_all_ms(path: Path) -> dict[int, dict[str, float]]:
+    """Per recorded iteration (1-based) and kind of span: the sum over the kind's spans of the least
+    time any rank spent in the matching span (the k-th of the kind in the iteration on each rank).
+    Meant for waits of exchanges every rank takes part in, issued by every rank in one order (the
+    data-parallel ones): a rank that came to an exchange early waits for the one that came late (one
+    core slowed by other work) as well as for the transfer; the rank that came last waited for the
+    transfer alone. A kind whose count of spans differs between ranks is left out."""
+    per: dict[tuple[int, str], dict[int, list]] = {}
+    ranks = set()
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e.get("ph") == "X" and "iteration" in e.get("args", {}):
+            key = (e["args"]["iteration"] + 1, e["cat"])
+            per.setdefault(key, {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
+            ranks.add(e["pid"])
+    out: dict[int, dict[str, float]] = {}
+    for (it, kind), of_rank in per.items():
+        spans = [sorted(of_rank.get(r, [])) for r in sorted(ranks)]
+        if len({len(v) for v in spans}) == 1:
+            out.setdefault(it, {})[kind] = sum(min(v[k][1] for v in spans) for k in range(len(spans[0]))) / 1e3
     return out
 
 
@@ -229,11 +251,12 @@ def summarize(records: list[dict], warmup: int) -> dict:
            # one step's loss is one batch's: the mean over the last 16 logged steps is steadier
            "loss_last16": statistics.mean(r["loss"] for r in train[-16:]),
            "valid_loss": valid[-1]["valid_loss"] if valid else None}
-    spans = [r["timeline"] for r in records if "timeline" in r]
-    if spans:  # median ms of each kind of span per steady iteration (rank 0)
-        steady_spans = [v for it, v in spans[-1].items() if it > warmup] or list(spans[-1].values())
-        kinds = sorted({k for v in steady_spans for k in v})
-        out["spans_ms"] = {k: statistics.median(v.get(k, 0.0) for v in steady_spans) for k in kinds}
+    for key, name in (("timeline", "spans_ms"), ("waited_by_all", "waited_by_all_ms")):
+        spans = [r[key] for r in records if key in r]
+        if spans:  # median ms of each kind of span per steady iteration (rank 0; the least of all ranks)
+            steady_spans = [v for it, v in spans[-1].items() if it > warmup] or list(spans[-1].values())
+            kinds = sorted({k for v in steady_spans for k in v})
+            out[name] = {k: statistics.median(v.get(k, 0.0) for v in steady_spans) for k in kinds}
     if wire:  # the whole job's link traffic over every token it trained (start-up and evaluation included)
         trained = sum(r["tokens_per_sec"] * r["ms_per_iter"] / 1e3 for r in train) * train[-1]["iteration"] / len(train)
         out["wire_bytes"] = wire[-1]

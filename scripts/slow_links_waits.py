@@ -1,6 +1,8 @@
 """The hidden suite's second reading of exposed communication, where a dimension's waits are on the
-timeline (scripts/slow_links.py --suite hidden): how long rank 0 waited for the dimension's exchanges,
-across the link less on the bare veths.
+timeline (scripts/slow_links.py --suite hidden): how long the ranks waited for the dimension's
+exchanges, across the link less on the bare veths. Each wait is the least any rank had at it (the rank
+that came last to the exchange waited for the transfer alone; one that came early, for the other
+rank as well: on two shared cores one rank's core is slowed by other work now and then).
 
 The step's difference (hidden_overlap's "exposed_ms") is what the link adds to a step; the waits are
 what of it is communication the compute waited for. The rest is compute that ran longer across the
@@ -9,32 +11,35 @@ link: on this 2-core host a transfer's packets are handled on the ranks' own cor
 """
 from __future__ import annotations
 
-# Per dimension the timeline's kinds of span that are waits for its exchanges (rank 0, each a sum per
-# steady iteration). dp: the wait for the gradients' reduction after backward; ZeRO-3: the waits for
+# Per dimension the timeline's kinds of span that are waits for its exchanges (summed per steady
+# iteration). dp: the wait for the gradients' reduction after backward; ZeRO-3: the waits for
 # its units' gathers and for its gradients' reduce-scatters (the end of each backward's among them).
 WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait")}
 
 
-def _waited(run, kinds: tuple[str, ...]) -> float | None:
-    """Rank 0's ms a steady iteration in `kinds` of span, in the round the run's step figure comes from
-    (the best: RunResult.figure); None where that round recorded no timeline."""
+SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference
+
+
+def _best(run) -> dict | None:
+    """The round the run's step figure comes from (the best: RunResult.figure)."""
     rounds = [r for r in run.rounds if r.get("step_ms") is not None]
-    if not rounds:
-        return None
-    best = min(rounds, key=lambda r: r["step_ms"])
-    spans = best.get("spans_ms")
-    return None if spans is None else sum(spans.get(k, 0.0) for k in kinds)
+    return min(rounds, key=lambda r: r["step_ms"]) if rounds else None
 
 
 def add_waits(row: dict, dim: str, across, bare) -> None:
     """Into `row` (hidden_overlap's, per dimension): "waited_across_ms", "waited_bare_ms" and
-    "waited_ms", their difference, where the dimension's waits are on both runs' timelines."""
-    kinds = WAIT_KINDS.get(dim)
-    if kinds is None:
+    "waited_ms", their difference: the ms a steady iteration of each best round waits in the
+    dimension's kinds of span, each wait the least any rank had at it
+    (slow_links.waited_by_all_ms: "waited_by" "every rank"), or rank 0's where a --json was saved
+    before that was recorded ("rank 0"). Nothing where either run recorded no timeline."""
+    kinds, rounds = WAIT_KINDS.get(dim), (_best(across), _best(bare))
+    if kinds is None or None in rounds:
         return
-    a, b = _waited(across, kinds), _waited(bare, kinds)
-    if a is not None and b is not None:
-        row.update(waited_across_ms=a, waited_bare_ms=b, waited_ms=a - b)
+    key = next((k for k in SOURCES if all(k in r for r in rounds)), None)
+    if key is None:
+        return
+    a, b = (sum(r[key].get(k, 0.0) for k in kinds) for r in rounds)
+    row.update(waited_across_ms=a, waited_bare_ms=b, waited_ms=a - b, waited_by=SOURCES[key])
 
 
 def waits_lines(derived: dict) -> list[str]:
@@ -45,8 +50,9 @@ def waits_lines(derived: dict) -> list[str]:
         if "waited_ms" not in row or "exposed_ms" not in row:
             continue
         line = (f"{dim}: waited {row['waited_ms']:.0f} ms for its exchanges ({row['waited_across_ms']:.0f} across, "
-                f"{row['waited_bare_ms']:.0f} bare; timeline: {', '.join(WAIT_KINDS[dim])}); the other "
-                f"{row['exposed_ms'] - row['waited_ms']:.0f} ms of the exposure is compute that ran longer across")
+                f"{row['waited_bare_ms']:.0f} bare; {row['waited_by']}; timeline: {', '.join(WAIT_KINDS[dim])}); "
+                f"the other {row['exposed_ms'] - row['waited_ms']:.0f} ms of the exposure is compute that ran "
+                "longer across")
         if row.get("predicted_over_waited") is not None:
             line += f"; predicted / waited {row['predicted_over_waited']:.2f}"
         out.append(line)

@@ -228,6 +228,7 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
     dims = derived["dimensions"]
     assert (dims["zero3"]["waited_across_ms"], dims["zero3"]["waited_bare_ms"], dims["zero3"]["waited_ms"]) == \
         (90.0, 10.0, 80.0)  # grad-reduce holds ZeRO's own landing waits: not counted twice
+    assert dims["zero3"]["waited_by"] == "rank 0"  # rounds saved without every rank's waits
     assert dims["dp"]["waited_ms"] == 61.0 and dims["zero3"]["exposed_ms"] == 100.0
     assert "waited_ms" not in dims["ep"] and "waited_ms" not in dims["pp"]  # no waits of theirs on a timeline
     dims["zero3"]["predicted_exposed_ms"], dims["dp"]["predicted_exposed_ms"] = 72.0, 30.0
@@ -235,10 +236,17 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
         slow_links_waits.predicted_over_waited(row)
     assert dims["zero3"]["predicted_over_waited"] == pytest.approx(0.9) and "predicted_over_waited" not in dims["ep"]
     lines = [x for x in slow_links_suites.hidden_report(derived).splitlines() if " waited " in x]
-    assert lines == ["dp: waited 61 ms for its exchanges (61 across, 0 bare; timeline: grad-reduce); the other -11 ms of "
-                     "the exposure is compute that ran longer across; predicted / waited 0.49",
-                     "zero3: waited 80 ms for its exchanges (90 across, 10 bare; timeline: zero-wait, zero-reduce-wait); "
-                     "the other 20 ms of the exposure is compute that ran longer across; predicted / waited 0.90"]
+    assert lines == ["dp: waited 61 ms for its exchanges (61 across, 0 bare; rank 0; timeline: grad-reduce); the other "
+                     "-11 ms of the exposure is compute that ran longer across; predicted / waited 0.49",
+                     "zero3: waited 80 ms for its exchanges (90 across, 10 bare; rank 0; timeline: zero-wait, "
+                     "zero-reduce-wait); the other 20 ms of the exposure is compute that ran longer across; "
+                     "predicted / waited 0.90"]
+    # every rank's waits, each the least any rank had, where both best rounds hold them
+    for r, least in ((runs[0], {"zero-wait": 45.0, "zero-reduce-wait": 40.0}), (runs[1], {"zero-wait": 1.0})):
+        for rnd in r.rounds:
+            rnd["waited_by_all_ms"] = least
+    row = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)["dimensions"]["zero3"]
+    assert (row["waited_across_ms"], row["waited_bare_ms"], row["waited_by"]) == (85.0, 1.0, "every rank")
     # pooled: the mean prediction over the mean waits, in the runs that have them
     import slow_links_rederive
     rows = [{"dimensions": {"zero3": {**dims["zero3"], "waited_ms": w, "predicted_exposed_ms": p}}}
@@ -248,6 +256,31 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
     assert (row["runs"], row["waited_runs"]) == (3, 2) and row["waited_ms"] == 100.0
     assert row["predicted_over_waited"] == pytest.approx(0.9)
     assert slow_links_rederive.pooled_report([row]).splitlines()[-1].endswith("| 100 (2) | 0.90 |")
+
+
+def test_each_wait_on_the_timeline_counts_as_long_as_the_rank_that_waited_least(tmp_path):
+    """slow_links.waited_by_all_ms: per iteration and kind, the k-th span of each rank matched, the
+    least of them summed (the rank that came last to an exchange waited for the transfer alone); a
+    kind whose count differs between ranks is left out; summarize takes the steady iterations' median."""
+    def span(rank, it, cat, ts, dur):
+        return {"ph": "X", "pid": rank, "tid": 0, "cat": cat, "name": cat, "ts": ts, "dur": dur,
+                "args": {"iteration": it}}
+    events = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "rank 0"}}]
+    for it in range(3):
+        # rank 0 came early to the first exchange (waited 30 ms for rank 1 and 5 for the transfer), rank 1
+        # to the second; each rank's spans listed out of order
+        events += [span(0, it, "zero-wait", 2000, 5000 + 1000 * it), span(0, it, "zero-wait", 1000, 35000),
+                   span(1, it, "zero-wait", 1100, 5000), span(1, it, "zero-wait", 2100, 40000),
+                   span(0, it, "forward", 0, 90000), span(1, it, "forward", 0, 80000),
+                   span(0, it, "grad-reduce", 9000, 7000)]  # rank 1 has none: left out
+    trace = tmp_path / "timeline.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = slow_links.waited_by_all_ms(trace)
+    assert got[1] == {"zero-wait": 10.0, "forward": 80.0} and got[3]["zero-wait"] == pytest.approx(12.0)
+    records = [{"iteration": i, "ms_per_iter": 100.0, "tokens_per_sec": 10.0, "loss": 1.0} for i in (1, 2, 3)]
+    summary = slow_links.summarize(records + [{"timeline": slow_links.timeline_ms(trace), "waited_by_all": got}], 1)
+    assert summary["waited_by_all_ms"]["zero-wait"] == pytest.approx(11.5)  # iterations 2 and 3
+    assert summary["spans_ms"]["zero-wait"] == pytest.approx(41.5) and summary["spans_ms"]["grad-reduce"] == 7.0
 
 
 def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
