@@ -51,8 +51,8 @@ def waits_lines(derived: dict) -> list[str]:
             continue
         line = (f"{dim}: waited {row['waited_ms']:.0f} ms for its exchanges ({row['waited_across_ms']:.0f} across, "
                 f"{row['waited_bare_ms']:.0f} bare; {row['waited_by']}; timeline: {', '.join(WAIT_KINDS[dim])}); "
-                f"the other {row['exposed_ms'] - row['waited_ms']:.0f} ms of the exposure is compute that ran "
-                "longer across")
+                f"the step's difference is {row['exposed_ms'] - row['waited_ms']:+.0f} ms beyond them (compute "
+                "that ran longer across the link, and the rounds' noise)")
         if row.get("predicted_over_waited") is not None:
             line += f"; predicted / waited {row['predicted_over_waited']:.2f}"
         out.append(line)
