@@ -249,8 +249,8 @@ def hidden_runs(a, b: int) -> list[str]:
     same tokens as sequences of CP_SEQ), times its --dim-scale, with megalite's default overlap
     settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions; --dim-flags adds
     a dimension's own flags after these (a longer sequence for cp, a wider model for tp). After the
-    pair, where it has one, the dimension's reference run (reference_run), `<dim>-ref`. dp's and ZeRO-3's
-    pair record their timelines: their waits (slow_links_waits)."""
+    pair, where it has one, the dimension's reference run (reference_run), `<dim>-ref`. The pairs of the
+    dimensions whose waits the suite reads (slow_links_waits: dp, ZeRO-3, tp) record their timelines."""
     dims = HIDDEN if not getattr(a, "dims", None) else tuple(a.dims.split(","))
     unknown = [d for d in dims if d not in HIDDEN]
     if unknown:

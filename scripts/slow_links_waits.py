@@ -14,7 +14,10 @@ from __future__ import annotations
 # Per dimension the timeline's kinds of span that are waits for its exchanges (summed per steady
 # iteration). dp: the wait for the gradients' reduction after backward; ZeRO-3: the waits for
 # its units' gathers and for its gradients' reduce-scatters (the end of each backward's among them).
-WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait")}
+# tp: the waits for its collectives (megalite.parallel.lanes: "sp" with sequence parallelism, its
+# pieces with --tp-comm-overlap; "tp" the all-reduces). Not ep's or cp's: the suite runs them in
+# overlapped pairs, two lanes whose waits need not come in one order on every rank.
+WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait"), "tp": ("sp-wait", "tp-wait")}
 
 
 SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference

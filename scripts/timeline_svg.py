@@ -46,6 +46,8 @@ CHAR_W = 6.2  # px per character at 11 px, to size the label margin without meas
 def colour(category: str) -> str:
     if category in CATEGORY_COLOURS:
         return CATEGORY_COLOURS[category]
+    if category.endswith("-wait"):  # what compute waited for (ep-wait, sp-wait, ...): as ZeRO's waits
+        return CATEGORY_COLOURS["zero-wait"]
     return COMM_COLOUR if category.endswith("-comm") else OTHER_COLOUR
 
 

@@ -295,8 +295,8 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
                                        for n in (f"{d}-across", f"{d}-bare", *refs.get(d, []))]
     pairs = [s for s in specs if not s.name.endswith("-ref")]
     assert [s.rate_mbit for s in pairs] == [300.0, None] * 6 and {(s.hosts, s.nproc) for s in pairs} == {(2, 1)}
-    # dp's and ZeRO-3's pairs record their timelines (their waits: slow_links_waits), no other run does
-    assert {s.name for s in specs if s.timeline} == {"dp-across", "dp-bare", "zero3-across", "zero3-bare"}
+    # dp's, ZeRO-3's and tp's pairs record their timelines (their waits: slow_links_waits), no other run does
+    assert {s.name for s in specs if s.timeline} == {f"{d}-{w}" for d in ("dp", "zero3", "tp") for w in ("across", "bare")}
     flags = {s.name: " ".join(s.flags) for s in specs}
     for ref in (s for s in specs if s.name.endswith("-ref")):
         assert (ref.hosts, ref.nproc, ref.rate_mbit) == (1, 1, None), ref.name

@@ -29,7 +29,8 @@ order of any rank's collectives, only what the CPU does while it would wait.
 
 Module state a pass sets for itself (the virtual pipeline rank, a backward's deferred weight
 gradients) is swapped at each hand-over (`register_lane_local`). A lane's collectives are drawn
-on the timeline while in flight (`recording`).
+on the timeline while in flight, and each wait for one on the compute row (`<kind>-wait`: what
+nothing hid; `recording`).
 
 On a CUDA device both lanes launch onto the device's current stream: the hand-over still lets a
 lane launch its compute while the other's collective is queued, but kernels of the two lanes do
@@ -212,10 +213,23 @@ def wait(work, kind: str, launched: float | None = None) -> None:
 
 
 def _await(work, kind: str, launched: float | None = None) -> None:
-    """Wait for `work` here, doing lent work while it is in flight; drawn from its launch."""
+    """Wait for `work` here, doing lent work while it is in flight; drawn from its launch, and the
+    wait itself (what nothing hid) as a `<kind>-wait` span on the compute row."""
     _fill_while(work)
+    waited = time.perf_counter()
     work.wait()
+    _record_wait(kind, waited)
     _record(kind, launched)
+
+
+_WAITS_DRAWN_ELSEWHERE = {"pp"}  # the pipeline executor draws its receives' waits itself ("p2p")
+
+
+def _record_wait(kind: str, start: float | None) -> None:
+    """Draw the wait for a collective of `kind` from `start` to now on the compute row, while a step
+    records spans."""
+    if _spans is not None and start is not None and kind not in _WAITS_DRAWN_ELSEWHERE:
+        _spans.append((f"wait for {kind}", f"{kind}-wait", start, time.perf_counter() - start))
 
 
 def _record(kind: str, launched: float | None) -> None:
@@ -378,6 +392,7 @@ def collective(fn: Callable, *args, kind: str, hand_over: bool = True, **kwargs)
     launched = time.perf_counter() if _spans is not None or pair is not None or fill else None
     if pair is None and not fill:
         fn(*args, **kwargs)
+        _record_wait(kind, launched)  # a blocking collective: waited for from its launch
         _record(kind, launched)
     else:
         wait(fn(*args, async_op=True, **kwargs), kind, launched)
