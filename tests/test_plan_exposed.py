@@ -11,6 +11,7 @@ from megalite.tools.plan.calibrate import MeasuredLink, Reference, predicted_lin
 from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts, ring_pair_items
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
 from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
+from megalite.tools.plan.tp_linears import linear_shares
 
 TINY = preset("gpt-tiny")  # 4 layers, hidden 128, 4 heads, vocabulary 1024
 LAT = 1e-3  # 1 ms a exchange
@@ -60,6 +61,14 @@ def test_a_slower_last_stage_gives_the_others_slack_that_hides_the_steady_states
         played_step(2, 4, None, "1f1b", [1.0], [2.0], [0.0], 0.0)
 
 
+def _tp_layer(rest, gemms):
+    """One layer's exposed TP exchanges, each behind its own linear's shard GEMM (gemms: QKV, output,
+    fc1, fc2): forward all four; backward the row linears', and the column linears' beside their
+    weight GEMM (2 shard GEMMs at tp 2). `rest(g)`: what an exchange behind g leaves."""
+    return (sum(max(0.0, rest(g)) for g in gemms) + sum(max(0.0, rest(g)) for g in gemms[1::2])
+            + sum(max(0.0, rest(g) - 2 * g) for g in gemms[0::2]))
+
+
 def test_tp_exchanges_are_sps_gathers_and_scatters_each_with_its_latency():
     layout = P.Layout(tp=2, dp=1, micro_batch_size=8, sequence_parallel=True)
     pred = _predict(layout, 16)  # 2 micro-batches
@@ -75,19 +84,24 @@ def test_tp_exchanges_are_sps_gathers_and_scatters_each_with_its_latency():
     # --tp-comm-overlap: a layer exchange is one ring step of half the tensor, behind half a linear's
     # GEMM; of the 32 a micro-batch, the 8 column layers' backward reduce-scatters (QKV and fc1) also
     # behind the layer's weight GEMM (2 shard GEMMs)
+    # Each exchange is behind its own linear's GEMM: QKV 3/12 of the layer's projections, the output
+    # 1/12, each MLP projection 4/12 (tp_linears.linear_shares), not behind the average linear
     over = _predict(layout, 16, tp_comm_overlap=True)
-    shard_gemm = (costs.fwd - costs.core) / 4 / 4 / 1e12
+    assert linear_shares(pred.config) == pytest.approx((3 / 12, 1 / 12, 4 / 12, 4 / 12))
+    gemms = [share * (costs.fwd - costs.core) / 4 / 1e12 for share in linear_shares(pred.config)]
     step = LAT + full / 2 / BW
     edges = 2 * (2 * LAT + full / BW)
-    want = 2 * (24 * max(0.0, step - shard_gemm) + 8 * max(0.0, step - 3 * shard_gemm) + edges)
+
+    def layer(rest):
+        return _tp_layer(rest, gemms)
+    want = 2 * (4 * layer(lambda g: step - g) + edges)
     assert over.exposed["tp"].exposed == pytest.approx(want) and over.time.tp_comm == pytest.approx(want)
     assert over.exposed["tp"].exposed < x.exposed and "--tp-comm-overlap" in over.command()
     # --tp-comm-overlap-splits 4: each half travels and is multiplied in 4 pieces (4 latencies), the
     # remote half's GEMMs beside its transfer's tail: max(0, T + G/4 - 2G) a layer exchange
     split = _predict(layout, 16, tp_comm_overlap=True, tp_comm_overlap_splits=4)
     step4 = 4 * LAT + full / 2 / BW
-    rest4 = step4 + shard_gemm / 4 - 2 * shard_gemm
-    want4 = 2 * (24 * max(0.0, rest4) + 8 * max(0.0, rest4 - 2 * shard_gemm) + edges)
+    want4 = 2 * (4 * layer(lambda g: step4 + g / 4 - 2 * g) + edges)
     assert split.exposed["tp"].exposed == pytest.approx(want4)
     assert split.exposed["tp"].exchanges == 2 * (16 * 2 * 4 + 2 * 2)
     assert "--tp-comm-overlap --tp-comm-overlap-splits 4" in split.command()
@@ -105,11 +119,11 @@ def test_tp_pieces_hide_a_shard_transfer_behind_up_to_both_shard_gemms():
     one, four = exposed(1), exposed(4)
     costs = one.costs
     g, t = (costs.fwd - costs.core) / 16 / 1e12, 64 * 8 * 128 * 4 / 2 / 1e9
+    gemms = [4 * share * g for share in linear_shares(TINY)]  # each linear's shard GEMM (g: their mean)
     edge = 2 * 2 * costs.ar_time  # the embedding's and output layer's collectives, not pipelined
-    assert t > 3 * g  # every exchange exposes something
-    assert one.exposed["tp"].exposed - edge == pytest.approx(2 * (24 * (t - g) + 8 * (t - 3 * g)))
-    rest = t + g / 4 - 2 * g
-    assert four.exposed["tp"].exposed - edge == pytest.approx(2 * (24 * rest + 8 * (rest - 2 * g)))
+    assert t > 3 * max(gemms)  # every exchange exposes something
+    assert one.exposed["tp"].exposed - edge == pytest.approx(2 * 4 * _tp_layer(lambda x: t - x, gemms))
+    assert four.exposed["tp"].exposed - edge == pytest.approx(2 * 4 * _tp_layer(lambda x: t + x / 4 - 2 * x, gemms))
     assert four.exposed["tp"].exposed < one.exposed["tp"].exposed
     # a zero-bubble schedule defers the weight GEMMs to W passes: no such cover
     pp2 = dict(tp=2, pp=2, dp=1, micro_batch_size=8, sequence_parallel=True)

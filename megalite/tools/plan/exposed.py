@@ -35,6 +35,7 @@ from megalite.tools.plan.inputs import extra_warmup_of
 from megalite.tools.plan.chunk_play import chunked_alone_exposed
 from megalite.tools.plan.pair_play import Bucket, alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
+from megalite.tools.plan.tp_linears import linear_shares, per_exchange
 
 # predict imports this module, so its types are named here, not imported: a stage is a
 # predict.StageResult, a prediction a predict.Prediction.
@@ -70,8 +71,8 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
     """Tensor parallelism on `stage` over the step's m micro-batches. A collective is an all-reduce
     (one exchange, 2(t-1)/t of s*b*h sent) or, with SP, an all-gather and a reduce-scatter ((t-1)/t
     each). With --tp-comm-overlap (SP only) each layer exchange is t-1 ring steps of a 1/t shard, each
-    behind the GEMM of one shard of its linear (G: an average linear of the layer, a quarter of its
-    dense FLOPs over t ranks, over t shards). With --tp-comm-overlap-splits k each shard travels and
+    behind the GEMM of one shard of its own linear (G: the linear's FLOPs over t ranks, over t
+    shards; each linear's exposure apart: tp_linears.py). With --tp-comm-overlap-splits k each shard travels and
     is multiplied in k pieces, a piece passed on and multiplied as soon as it arrives: the t shard
     GEMMs (t G) then end at the latest when the last piece has arrived, (t-1) shard transfers after
     the start (T each, k exchanges' latency in it), plus one piece's GEMM (G / k). So a layer exchange
@@ -91,13 +92,14 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
         return Exposure(m * n * per, sent, comm, comm, "nothing (megalite waits for each)")
     layer_colls = stage.tp_collectives - stage.tp_edge_collectives
     k = costs.run.tp_comm_overlap_splits
-    shard_gemm = (costs.fwd - costs.core) / 4 / t / t / costs.rate
+    gemms = [share * (costs.fwd - costs.core) / t / t / costs.rate for share in linear_shares(costs.config)]
+    shard_gemm = sum(gemms) / 4
     step = k * lat + costs.ar_bytes / t / costs.bw_tp  # one shard's transfer, in k pieces
-    rest = (t - 1) * step + shard_gemm / k - t * shard_gemm
+    forward, row, column, beside = per_exchange(lambda g: (t - 1) * step + g / k - t * g, gemms, t)
     split = _splits_backward(layout)
     beside_weight = 0 if split else 2 * (stage.n_layers - stage.moe_layers) + stage.moe_layers
-    overlapped = ((layer_colls * 2 - beside_weight) * max(0.0, rest)
-                  + beside_weight * max(0.0, rest - t * shard_gemm))
+    overlapped = (layer_colls * (forward + row / 2) + max(0.0, layer_colls / 2 - beside_weight) * column
+                  + beside_weight * beside)
     exposed = m * (overlapped + stage.tp_edge_collectives * costs.ar_time)
     comm = m * (layer_colls * 2 * (t - 1) * step + stage.tp_edge_collectives * costs.ar_time)
     behind = f"each shard transfer behind one shard GEMM ({shard_gemm * 1e3:.3f} ms)"
