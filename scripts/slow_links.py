@@ -67,12 +67,17 @@ class RunResult:
     rounds: list[dict] = field(default_factory=list)  # one summary per round
     error: str | None = None
 
-    def figure(self, key: str) -> float | None:
-        """Timings from the best round (the lowest median step time: other work on the machine only
-        ever adds time), anything else the median over the rounds."""
+    def best_round(self) -> dict | None:
+        """The round with the lowest median step time (other work on the machine only ever adds
+        time); None where no round recorded a step."""
         rounds = [r for r in self.rounds if r.get("step_ms") is not None]
+        return min(rounds, key=lambda r: r["step_ms"]) if rounds else None
+
+    def figure(self, key: str) -> float | None:
+        """Timings from the best round (best_round), anything else the median over the rounds."""
         if key in TIMINGS:
-            return min(rounds, key=lambda r: r["step_ms"])[key] if rounds else None
+            best = self.best_round()
+            return best[key] if best else None
         values = [r[key] for r in self.rounds if r.get(key) is not None]
         return statistics.median(values) if values else None
 

@@ -78,9 +78,9 @@ def pooled(derived_runs: list[dict]) -> list[dict]:
         waited = [r["waited_ms"] for r in rows if "waited_ms" in r]
         if waited:  # the timeline's waits (slow_links_waits), in the runs that recorded them
             with_waits = [r["predicted_exposed_ms"] for r in rows if "waited_ms" in r]
-            out[-1].update(waited_runs=len(waited), waited_ms=statistics.mean(waited),
-                           predicted_over_waited=statistics.mean(with_waits) / statistics.mean(waited)
-                           if statistics.mean(waited) > 0 else None)
+            mean = statistics.mean(waited)
+            out[-1].update(waited_runs=len(waited), waited_ms=mean,
+                           predicted_over_waited=statistics.mean(with_waits) / mean if mean > 0 else None)
     return out
 
 

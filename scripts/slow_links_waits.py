@@ -23,19 +23,13 @@ WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait")
 SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference
 
 
-def _best(run) -> dict | None:
-    """The round the run's step figure comes from (the best: RunResult.figure)."""
-    rounds = [r for r in run.rounds if r.get("step_ms") is not None]
-    return min(rounds, key=lambda r: r["step_ms"]) if rounds else None
-
-
 def add_waits(row: dict, dim: str, across, bare) -> None:
     """Into `row` (hidden_overlap's, per dimension): "waited_across_ms", "waited_bare_ms" and
     "waited_ms", their difference: the ms a steady iteration of each best round waits in the
     dimension's kinds of span, each wait the least any rank had at it
     (slow_links.waited_by_all_ms: "waited_by" "every rank"), or rank 0's where a --json was saved
     before that was recorded ("rank 0"). Nothing where either run recorded no timeline."""
-    kinds, rounds = WAIT_KINDS.get(dim), (_best(across), _best(bare))
+    kinds, rounds = WAIT_KINDS.get(dim), (across.best_round(), bare.best_round())
     if kinds is None or None in rounds:
         return
     key = next((k for k in SOURCES if all(k in r for r in rounds)), None)
