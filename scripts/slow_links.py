@@ -205,24 +205,32 @@ def timeline_ms(path: Path, rank: int = 0) -> dict[int, dict[str, float]]:
 
 def waited_by_all_ms(path: Path) -> dict[int, dict[str, float]]:
     """Per recorded iteration (1-based) and kind of span: the sum over the kind's spans of the least
-    time any rank spent in the matching span (the k-th of the kind in the iteration on each rank).
-    Meant for waits of exchanges every rank takes part in, issued by every rank in one order (the
-    data-parallel ones): a rank that came to an exchange early waits for the one that came late (one
-    core slowed by other work) as well as for the transfer; the rank that came last waited for the
-    transfer alone. A kind whose count of spans differs between ranks is left out."""
-    per: dict[tuple[int, str], dict[int, list]] = {}
+    time any rank spent in the matching span (the k-th of its name and kind in the iteration on each
+    rank: an overlapped pair's two lanes name their waits apart, megalite.parallel.lanes, since
+    each lane's come in one order on every rank and the two lanes' interleave as timing falls).
+    Meant for waits of exchanges every rank takes part in, issued by every rank in one order: a rank
+    that came to an exchange early waits for the one that came late (one core slowed by other work)
+    as well as for the transfer; the rank that came last waited for the transfer alone. A kind with
+    a name whose count of spans differs between ranks is left out."""
+    per: dict[tuple[int, str, str], dict[int, list]] = {}
     ranks = set()
     for e in json.loads(path.read_text())["traceEvents"]:
         if e.get("ph") == "X" and "iteration" in e.get("args", {}):
-            key = (e["args"]["iteration"] + 1, e["cat"])
+            key = (e["args"]["iteration"] + 1, e["cat"], e.get("name", ""))
             per.setdefault(key, {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
             ranks.add(e["pid"])
     out: dict[int, dict[str, float]] = {}
-    for (it, kind), of_rank in per.items():
+    unmatched = set()
+    for (it, kind, _name), of_rank in per.items():
         spans = [sorted(of_rank.get(r, [])) for r in sorted(ranks)]
-        if len({len(v) for v in spans}) == 1:
-            out.setdefault(it, {})[kind] = sum(min(v[k][1] for v in spans) for k in range(len(spans[0]))) / 1e3
-    return out
+        if len({len(v) for v in spans}) != 1:
+            unmatched.add((it, kind))
+            continue
+        least = sum(min(v[k][1] for v in spans) for k in range(len(spans[0]))) / 1e3
+        out.setdefault(it, {})[kind] = out.get(it, {}).get(kind, 0.0) + least
+    for it, kind in unmatched:
+        out.get(it, {}).pop(kind, None)
+    return {it: kinds for it, kinds in out.items() if kinds}
 
 
 def read_records(path: Path, split: str = "train") -> list[dict]:

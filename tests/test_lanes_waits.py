@@ -45,3 +45,23 @@ def test_each_wait_for_a_collective_is_drawn_from_when_the_rank_came_to_it():
     # nothing is drawn when no step records spans
     lanes.wait(_DoneAt(time.perf_counter()), "sp", time.perf_counter())
     assert len(spans) == 5
+
+
+def test_each_lane_of_a_pair_names_its_waits_apart():
+    """Inside an overlapped pair each lane's waits carry the lane in their name (each lane's come in
+    one order on every rank, the two lanes' interleaved as the ranks' timing falls:
+    scripts/slow_links.py matches them lane by lane); outside a pair, the plain name."""
+    spans = []
+
+    def lane_pass(seconds):
+        def run():
+            for _ in range(2):
+                lanes.wait(_DoneAt(time.perf_counter() + seconds), "ep", time.perf_counter())
+        return run
+
+    with lanes.recording(spans):
+        lanes.run_pair(lane_pass(0.004), lane_pass(0.002))
+        lanes.wait(_DoneAt(time.perf_counter() + 0.002), "ep", time.perf_counter())
+    names = [name for name, cat, *_ in spans if cat == "ep-wait"]
+    assert sorted(names) == ["wait for ep"] + ["wait for ep (B lane)"] * 2 + ["wait for ep (F lane)"] * 2
+    assert names[-1] == "wait for ep"

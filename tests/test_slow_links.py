@@ -208,7 +208,7 @@ def test_hidden_is_one_minus_exposed_over_the_counted_bytes_at_the_tcp_rate_uncl
 
 
 def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner_is_held_to_them_too():
-    """slow_links_waits: per dimension with its waits on the timeline (dp, ZeRO-3), rank 0's waits in
+    """slow_links_waits: per dimension with its waits on the timeline (dp, ZeRO-3, ep), rank 0's waits in
     the best round across less bare; the rest of the step's difference is compute that ran longer."""
     import slow_links_waits
 
@@ -222,7 +222,8 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
                                     (1000.0, {"zero-wait": 50.0, "zero-reduce-wait": 40.0, "grad-reduce": 9.0})]),
         run("zero3-bare", None, [(900.0, {"zero-wait": 4.0, "zero-reduce-wait": 6.0})]),
         run("dp-across", 300.0, [(500.0, {"grad-reduce": 61.0})]), run("dp-bare", None, [(450.0, {"optimizer": 5.0})]),
-        run("ep-across", 300.0, [(500.0, {"ep-comm": 61.0})]), run("ep-bare", None, [(450.0, {"ep-comm": 5.0})]),
+        run("ep-across", 300.0, [(500.0, {"ep-comm": 61.0, "ep-wait": 20.0})]),
+        run("ep-bare", None, [(450.0, {"ep-comm": 5.0, "ep-wait": 2.0})]),
         _result("pp-across", 300.0, [130.0], {"pp": 1e6}), _result("pp-bare", None, [100.0])]
     derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)
     dims = derived["dimensions"]
@@ -230,12 +231,13 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
         (90.0, 10.0, 80.0)  # grad-reduce holds ZeRO's own landing waits: not counted twice
     assert dims["zero3"]["waited_by"] == "rank 0"  # rounds saved without every rank's waits
     assert dims["dp"]["waited_ms"] == 61.0 and dims["zero3"]["exposed_ms"] == 100.0
-    assert "waited_ms" not in dims["ep"] and "waited_ms" not in dims["pp"]  # no waits of theirs on a timeline
+    assert dims["ep"]["waited_ms"] == 18.0  # its waits, not its collectives in flight
+    assert "waited_ms" not in dims["pp"]  # no waits of its on a timeline
     dims["zero3"]["predicted_exposed_ms"], dims["dp"]["predicted_exposed_ms"] = 72.0, 30.0
     for row in dims.values():
         slow_links_waits.predicted_over_waited(row)
     assert dims["zero3"]["predicted_over_waited"] == pytest.approx(0.9) and "predicted_over_waited" not in dims["ep"]
-    lines = [x for x in slow_links_suites.hidden_report(derived).splitlines() if " waited " in x]
+    lines = [x for x in slow_links_suites.hidden_report(derived).splitlines() if " waited " in x and "ep:" not in x]
     noise = "(compute that ran longer across the link, and the rounds' noise)"
     assert lines == ["dp: waited 61 ms for its exchanges (61 across, 0 bare; rank 0; timeline: grad-reduce); the step's "
                      f"difference is -11 ms beyond them {noise}; predicted / waited 0.49",
@@ -283,6 +285,23 @@ def test_each_wait_on_the_timeline_counts_as_long_as_the_rank_that_waited_least(
     assert summary["spans_ms"]["zero-wait"] == pytest.approx(41.5) and summary["spans_ms"]["grad-reduce"] == 7.0
 
 
+def test_a_pairs_waits_are_matched_across_ranks_lane_by_lane(tmp_path):
+    """slow_links.waited_by_all_ms matches the k-th span of one name: the two lanes of an overlapped
+    pair come to their waits in either order on each rank, each lane's in one order."""
+    def span(rank, name, ts, dur):
+        return {"ph": "X", "pid": rank, "tid": 0, "cat": "ep-wait", "name": name, "ts": ts, "dur": dur,
+                "args": {"iteration": 0}}
+    f, b = "wait for ep (F lane)", "wait for ep (B lane)"
+    events = [span(0, f, 0, 4000), span(0, b, 100, 9000), span(0, f, 200, 1000),  # rank 0: F, B, F
+              span(1, b, 0, 7000), span(1, f, 100, 6000), span(1, f, 200, 3000)]  # rank 1: B, F, F
+    trace = tmp_path / "timeline.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    # F: min(4, 6) + min(1, 3); B: min(9, 7). In time order the k-th spans would give 4 + 6 + 1.
+    assert slow_links.waited_by_all_ms(trace) == {1: {"ep-wait": pytest.approx(12.0)}}
+    trace.write_text(json.dumps({"traceEvents": events[:-1]}))  # rank 1 lacks an F wait: the kind left out
+    assert slow_links.waited_by_all_ms(trace) == {}
+
+
 def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
     a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
                                       micro_batch_size=None, bucket=200_000)
@@ -296,7 +315,8 @@ def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths
     pairs = [s for s in specs if not s.name.endswith("-ref")]
     assert [s.rate_mbit for s in pairs] == [300.0, None] * 6 and {(s.hosts, s.nproc) for s in pairs} == {(2, 1)}
     # dp's, ZeRO-3's and tp's pairs record their timelines (their waits: slow_links_waits), no other run does
-    assert {s.name for s in specs if s.timeline} == {f"{d}-{w}" for d in ("dp", "zero3", "tp") for w in ("across", "bare")}
+    assert {s.name for s in specs if s.timeline} == {f"{d}-{w}" for d in ("dp", "zero3", "tp", "ep", "cp")
+                                                     for w in ("across", "bare")}
     flags = {s.name: " ".join(s.flags) for s in specs}
     for ref in (s for s in specs if s.name.endswith("-ref")):
         assert (ref.hosts, ref.nproc, ref.rate_mbit) == (1, 1, None), ref.name

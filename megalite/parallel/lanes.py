@@ -227,9 +227,13 @@ _WAITS_DRAWN_ELSEWHERE = {"pp"}  # the pipeline executor draws its receives' wai
 
 def _record_wait(kind: str, start: float | None) -> None:
     """Draw the wait for a collective of `kind` from `start` to now on the compute row, while a step
-    records spans."""
+    records spans; named with its lane inside a pair, since each lane's waits come in one order on
+    every rank while the two lanes' interleave as the ranks' timing falls (scripts/slow_links.py
+    matches a wait across ranks by its name and place among those of its name)."""
     if _spans is not None and start is not None and kind not in _WAITS_DRAWN_ELSEWHERE:
-        _spans.append((f"wait for {kind}", f"{kind}-wait", start, time.perf_counter() - start))
+        where = lane()
+        name = f"wait for {kind}" + (f" ({where} lane)" if where else "")
+        _spans.append((name, f"{kind}-wait", start, time.perf_counter() - start))
 
 
 def _record(kind: str, launched: float | None) -> None:
