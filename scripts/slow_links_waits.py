@@ -15,12 +15,14 @@ from __future__ import annotations
 # iteration). dp: the wait for the gradients' reduction after backward; ZeRO-3: the waits for
 # its units' gathers and for its gradients' reduce-scatters (the end of each backward's among them).
 # tp: the waits for its collectives (megalite.parallel.lanes: "sp" with sequence parallelism, its
-# pieces with --tp-comm-overlap; "tp" the all-reduces); ep and cp: their exchanges' (in the suite's
-# ep run, each lane of an overlapped pair names its waits apart: slow_links.waited_by_all_ms matches
-# them lane by lane). Not pp's: a stage's receive waits for the other stage's compute as well, and
-# the ranks' k-th receives are not one exchange.
+# pieces with --tp-comm-overlap; "tp" the all-reduces); ep and cp: their exchanges' (in overlapped
+# pairs each lane names its waits apart: slow_links.waited_by_all_ms matches them lane by lane), and
+# the data-parallel reduction their runs make as well (the dense layers' over ep's ranks, every
+# gradient's over cp's), which the planner's prediction of the run holds too. Not pp's: a stage's
+# receive waits for the other stage's compute as well, and the ranks' k-th receives are not one
+# exchange.
 WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait"), "tp": ("sp-wait", "tp-wait"),
-              "ep": ("ep-wait",), "cp": ("cp-wait",)}
+              "ep": ("ep-wait", "grad-reduce"), "cp": ("cp-wait", "grad-reduce")}
 
 
 SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference
