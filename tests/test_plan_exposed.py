@@ -8,7 +8,8 @@ import pytest
 from megalite.models import preset
 from megalite.tools import plan as P
 from megalite.tools.plan.calibrate import MeasuredLink, Reference, predicted_link_cost
-from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts, ring_pair_items
+from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts
+from megalite.tools.plan.ring_items import ring_pair_items
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
 from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
 from megalite.tools.plan.tp_linears import linear_shares

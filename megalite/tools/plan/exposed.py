@@ -35,6 +35,7 @@ from megalite.tools.plan.inputs import extra_warmup_of
 from megalite.tools.plan.chunk_play import chunked_alone_exposed
 from megalite.tools.plan.pair_play import Bucket, alone_exposed, pair_exposed
 from megalite.tools.plan.pipeline_play import exposed_transfers
+from megalite.tools.plan.ring_items import ring_pair_items, ring_step_seconds, ring_steps, ring_transfers
 from megalite.tools.plan.tp_linears import linear_shares, per_exchange
 
 # predict imports this module, so its types are named here, not imported: a stage is a
@@ -109,20 +110,6 @@ def tp_exposure(costs: LayoutCosts, stage: StageResult) -> Exposure:
                     behind)
 
 
-def ring_steps(costs: LayoutCosts) -> tuple[int, int]:
-    """Context parallelism's ring steps per attention layer and micro-batch: (forward, backward);
-    full recomputation runs the forward's again."""
-    steps = costs.layout.cp - 1
-    return steps * (2 if costs.layout.recompute == "full" else 1), steps
-
-
-def ring_transfers(costs: LayoutCosts) -> int:
-    """Transfers of context parallelism's ring per attention layer and micro-batch: one a forward
-    step (K/V), two a backward step (K/V, then dK/dV)."""
-    fwd_steps, bwd_steps = ring_steps(costs)
-    return fwd_steps + 2 * bwd_steps
-
-
 def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:
     """The ring on `stage` (pipeline rank `rank`): a forward step sends a K/V block behind one
     attention block, the attention core of this rank's queries against one of the cp blocks of
@@ -130,15 +117,13 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     block's backward (twice the block's forward over half its rows: the other blocks, and the own
     block cut in two halves, one at each end of the ring: megalite.parallel.context_parallel). With
     --overlap-moe-expert-parallel-comm each ring wait hands the turn to the other pass of a pair as
-    an all-to-all's does: the pairs played (pair_play.py) with `ring_pair_items`, as ep_exposure's."""
+    an all-to-all's does: the pairs played (pair_play.py) with `ring_items.ring_pair_items`, as
+    ep_exposure's."""
     layout, m = costs.layout, costs.micro_batches
     if layout.cp == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
-    lat, fwd_steps, bwd_steps = _latency(costs), *ring_steps(costs)
-    fwd_bytes, bwd_bytes = costs.ring_step_bytes
-    block = costs.core / (layout.tp * layout.cp * layout.cp) / costs.rate
-    f_step = lat + fwd_bytes / costs.bw_cp
-    kv_step, dkv_step = f_step, lat + (bwd_bytes - fwd_bytes) / costs.bw_cp  # the backward's two transfers
+    fwd_steps, bwd_steps = ring_steps(costs)
+    block, f_step, (kv_step, dkv_step) = ring_step_seconds(costs)
     per_layer = fwd_steps * f_step + bwd_steps * (kv_step + dkv_step)
     exposed_layer = (fwd_steps * max(0.0, f_step - block)
                      + bwd_steps * (max(0.0, kv_step - block) + max(0.0, dkv_step - block)))
@@ -151,28 +136,6 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
         behind += ", then the other pass's compute up to its next exchange (pairs)"
     return Exposure(m * layers * ring_transfers(costs), m * layers * costs.ring_bytes, m * layers * per_layer,
                     exposed, behind)
-
-
-def ring_pair_items(costs: LayoutCosts, stage: StageResult, block: float, f_step: float,
-                    bwd_step: tuple[float, float]) -> tuple[list, list]:
-    """One micro-batch's forward and backward on `stage` as pair_play.py items for the ring. A ring
-    transfer starts before its attention block and is waited for after it, which plays as the
-    block's compute and then the rest of the transfer; per layer the rest of the layer's compute
-    (projections, MLP, the last block, its share of the output layer) comes before the first of its
-    transfers, the forward's recomputed steps (full recomputation) before the backward's."""
-    n, (fwd_steps, bwd_steps) = stage.n_layers, ring_steps(costs)
-    f = stage.compute_mb / n * costs.fwd / (costs.fwd + costs.bwd)
-    b = stage.compute_mb / n - f
-    recomputed = fwd_steps - (costs.layout.cp - 1)
-
-    def layer(compute: float, transfers: list[float]) -> list:
-        items = [(block, max(0.0, x - block)) for x in transfers]
-        rest = max(0.0, compute - block * len(items))
-        return [(rest + items[0][0], items[0][1])] + items[1:]
-
-    forward = layer(f, [f_step] * (costs.layout.cp - 1))
-    backward = layer(b, [f_step] * recomputed + list(bwd_step) * bwd_steps)
-    return forward * n + [(0.0, 0.0)], backward * n + [(0.0, 0.0)]
 
 
 def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:
