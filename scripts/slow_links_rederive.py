@@ -81,20 +81,24 @@ def pooled(derived_runs: list[dict]) -> list[dict]:
             mean = statistics.mean(waited)
             out[-1].update(waited_runs=len(waited), waited_ms=mean,
                            predicted_over_waited=statistics.mean(with_waits) / mean if mean > 0 else None)
+            both = [(r["waited_ms"], r["comm_ms"]) for r in rows if "waited_ms" in r and r.get("comm_ms")]
+            if both:  # 1 - waited / communication time, pooled
+                out[-1]["hidden_by_waits"] = 1 - sum(w for w, _ in both) / sum(c for _, c in both)
     return out
 
 
 def pooled_report(rows: list[dict]) -> str:
     lines = ["| dimension | runs | measured exposed ms (mean ± s.e.) | predicted ms (mean) | predicted / measured, "
-             "pooled | per run | runs within 20% | waited ms (runs) | predicted / waited |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "pooled | per run | runs within 20% | waited ms (runs) | predicted / waited | hidden by the waits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         se = f" ± {r['measured_se_ms']:.0f}" if r["measured_se_ms"] is not None else ""
         waited = f"{r['waited_ms']:.0f} ({r['waited_runs']})" if "waited_ms" in r else "-"
         over = f"{r['predicted_over_waited']:.2f}" if r.get("predicted_over_waited") is not None else "-"
+        hidden = f"{100 * r['hidden_by_waits']:.0f}%" if r.get("hidden_by_waits") is not None else "-"
         lines.append(f"| {r['dimension']} | {r['runs']} | {r['measured_ms']:.0f}{se} | {r['predicted_ms']:.0f} | "
                      f"{r['predicted_over_measured']:.2f} | {', '.join(f'{x:.2f}' for x in r['per_run'])} | "
-                     f"{r['within_20']} of {r['runs']} | {waited} | {over} |")
+                     f"{r['within_20']} of {r['runs']} | {waited} | {over} | {hidden} |")
     return "\n".join(lines)
 
 

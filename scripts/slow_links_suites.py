@@ -326,6 +326,8 @@ def hidden_overlap(results: dict[str, RunResult], links: dict) -> dict:
         else:
             row["comm_ms"] = row["comm_bytes"] / rate * 1e3
             row["hidden"] = 1 - row["exposed_ms"] / row["comm_ms"]
+            if "waited_ms" in row:  # the same share read off the waits (slow_links_waits)
+                row["hidden_by_waits"] = 1 - row["waited_ms"] / row["comm_ms"]
             if bare.spec.rate_mbit in links:  # the same bytes at the bare veths' rate: what `bare` spends on them
                 row["comm_ms_bare"] = row["comm_bytes"] / links[bare.spec.rate_mbit]["tcp"] * 1e3
     return out

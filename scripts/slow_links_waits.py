@@ -45,8 +45,9 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
 
 
 def waits_lines(derived: dict) -> list[str]:
-    """The report's line for each dimension with waits: the waits' share of the exposure, and the
-    planner against them."""
+    """The report's line for each dimension with waits: the waits' share of the exposure, the share
+    of its communication hidden by the waits (1 - waited / communication time, beside the overlap
+    line's by the steps), and the planner against them."""
     out = []
     for dim, row in derived.get("dimensions", {}).items():
         if "waited_ms" not in row or "exposed_ms" not in row:
@@ -55,6 +56,8 @@ def waits_lines(derived: dict) -> list[str]:
                 f"{row['waited_bare_ms']:.0f} bare; {row['waited_by']}; timeline: {', '.join(WAIT_KINDS[dim])}); "
                 f"the step's difference is {row['exposed_ms'] - row['waited_ms']:+.0f} ms beyond them (compute "
                 "that ran longer across the link, and the rounds' noise)")
+        if row.get("hidden_by_waits") is not None:
+            line += f"; {100 * row['hidden_by_waits']:.0f}% hidden by the waits"
         if row.get("predicted_over_waited") is not None:
             line += f"; predicted / waited {row['predicted_over_waited']:.2f}"
         out.append(line)

@@ -240,9 +240,11 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
     lines = [x for x in slow_links_suites.hidden_report(derived).splitlines() if " waited " in x and "ep:" not in x]
     noise = "(compute that ran longer across the link, and the rounds' noise)"
     assert lines == ["dp: waited 61 ms for its exchanges (61 across, 0 bare; rank 0; timeline: grad-reduce); the step's "
-                     f"difference is -11 ms beyond them {noise}; predicted / waited 0.49",
+                     f"difference is -11 ms beyond them {noise}; 39% hidden by the waits; predicted / waited 0.49",
                      "zero3: waited 80 ms for its exchanges (90 across, 10 bare; rank 0; timeline: zero-wait, "
-                     f"zero-reduce-wait); the step's difference is +20 ms beyond them {noise}; predicted / waited 0.90"]
+                     f"zero-reduce-wait); the step's difference is +20 ms beyond them {noise}; 20% hidden by the waits; "
+                     "predicted / waited 0.90"]
+    assert dims["zero3"]["hidden_by_waits"] == pytest.approx(0.2)  # 1 - 80 / 100 ms of communication
     # every rank's waits, each the least any rank had, where both best rounds hold them
     for r, least in ((runs[0], {"zero-wait": 45.0, "zero-reduce-wait": 40.0}), (runs[1], {"zero-wait": 1.0})):
         for rnd in r.rounds:
@@ -257,7 +259,8 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
     (row,) = slow_links_rederive.pooled(rows)
     assert (row["runs"], row["waited_runs"]) == (3, 2) and row["waited_ms"] == 100.0
     assert row["predicted_over_waited"] == pytest.approx(0.9)
-    assert slow_links_rederive.pooled_report([row]).splitlines()[-1].endswith("| 100 (2) | 0.90 |")
+    assert row["hidden_by_waits"] == pytest.approx(1 - 200 / 200)  # the waits over 100 ms of communication, twice
+    assert slow_links_rederive.pooled_report([row]).splitlines()[-1].endswith("| 100 (2) | 0.90 | 0% |")
 
 
 def test_each_wait_on_the_timeline_counts_as_long_as_the_rank_that_waited_least(tmp_path):
