@@ -250,7 +250,7 @@ def hidden_runs(a, b: int) -> list[str]:
     settings (tp: with --tp-comm-overlap, not on by default). --dims picks dimensions; --dim-flags adds
     a dimension's own flags after these (a longer sequence for cp, a wider model for tp). After the
     pair, where it has one, the dimension's reference run (reference_run), `<dim>-ref`. The pairs of the
-    dimensions whose waits the suite reads (slow_links_waits: dp, ZeRO-3, tp, ep, cp) record their timelines."""
+    dimensions whose waits the suite reads (slow_links_waits: all of them) record their timelines."""
     dims = HIDDEN if not getattr(a, "dims", None) else tuple(a.dims.split(","))
     unknown = [d for d in dims if d not in HIDDEN]
     if unknown:

@@ -18,11 +18,14 @@ from __future__ import annotations
 # pieces with --tp-comm-overlap; "tp" the all-reduces); ep and cp: their exchanges' (in overlapped
 # pairs each lane names its waits apart: slow_links.waited_by_all_ms matches them lane by lane), and
 # the data-parallel reduction their runs make as well (the dense layers' over ep's ranks, every
-# gradient's over cp's), which the planner's prediction of the run holds too. Not pp's: a stage's
-# receive waits for the other stage's compute as well, and the ranks' k-th receives are not one
-# exchange.
+# gradient's over cp's), which the planner's prediction of the run holds too. pp: the executor's
+# sends and receives ("p2p"), rank 0's own (RANK_ZERO): the ranks hold different stages, so their
+# k-th receives are different exchanges, and the first stage's are what the step's end waits on (its
+# last backward waits for the last gradient); a receive also waits out the other stage's compute
+# (the schedule's bubble), which the bare run's waits hold as well.
 WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait"), "tp": ("sp-wait", "tp-wait"),
-              "ep": ("ep-wait", "grad-reduce"), "cp": ("cp-wait", "grad-reduce")}
+              "ep": ("ep-wait", "grad-reduce"), "cp": ("cp-wait", "grad-reduce"), "pp": ("p2p",)}
+RANK_ZERO = {"pp"}  # read off rank 0's timeline, not matched across ranks
 
 
 SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference
@@ -33,11 +36,13 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
     "waited_ms", their difference: the ms a steady iteration of each best round waits in the
     dimension's kinds of span, each wait the least any rank had at it
     (slow_links.waited_by_all_ms: "waited_by" "every rank"), or rank 0's where a --json was saved
-    before that was recorded ("rank 0"). Nothing where either run recorded no timeline."""
+    before that was recorded, and for the dimensions of RANK_ZERO ("rank 0"). Nothing where either
+    run recorded no timeline."""
     kinds, rounds = WAIT_KINDS.get(dim), (across.best_round(), bare.best_round())
     if kinds is None or None in rounds:
         return
-    key = next((k for k in SOURCES if all(k in r for r in rounds)), None)
+    sources = ("spans_ms",) if dim in RANK_ZERO else SOURCES
+    key = next((k for k in sources if all(k in r for r in rounds)), None)
     if key is None:
         return
     a, b = (sum(r[key].get(k, 0.0) for k in kinds) for r in rounds)
