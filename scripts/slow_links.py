@@ -219,18 +219,20 @@ def waited_by_all_ms(path: Path) -> dict[int, dict[str, float]]:
             key = (e["args"]["iteration"] + 1, e["cat"], e.get("name", ""))
             per.setdefault(key, {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
             ranks.add(e["pid"])
-    out: dict[int, dict[str, float]] = {}
+    least: dict[tuple[int, str], float] = {}
     unmatched = set()
     for (it, kind, _name), of_rank in per.items():
         spans = [sorted(of_rank.get(r, [])) for r in sorted(ranks)]
         if len({len(v) for v in spans}) != 1:
             unmatched.add((it, kind))
             continue
-        least = sum(min(v[k][1] for v in spans) for k in range(len(spans[0]))) / 1e3
-        out.setdefault(it, {})[kind] = out.get(it, {}).get(kind, 0.0) + least
-    for it, kind in unmatched:
-        out.get(it, {}).pop(kind, None)
-    return {it: kinds for it, kinds in out.items() if kinds}
+        least[it, kind] = least.get((it, kind), 0.0) + sum(min(v[k][1] for v in spans)
+                                                           for k in range(len(spans[0]))) / 1e3
+    out: dict[int, dict[str, float]] = {}
+    for (it, kind), ms in least.items():
+        if (it, kind) not in unmatched:
+            out.setdefault(it, {})[kind] = ms
+    return out
 
 
 def read_records(path: Path, split: str = "train") -> list[dict]:

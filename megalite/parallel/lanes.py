@@ -216,7 +216,7 @@ def _await(work, kind: str, launched: float | None = None) -> None:
     """Wait for `work` here, doing lent work while it is in flight; drawn from its launch, and the
     wait itself (what nothing hid) as a `<kind>-wait` span on the compute row."""
     _fill_while(work)
-    waited = time.perf_counter()
+    waited = time.perf_counter() if _spans is not None else None  # (no clock read while nothing records)
     work.wait()
     _record_wait(kind, waited)
     _record(kind, launched)
