@@ -2,6 +2,7 @@
 measured exposure, what megalite's planner predicts for the same run on the links as measured."""
 from __future__ import annotations
 
+import os
 import shlex
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,26 @@ def reference_run(dim: str, flags: str) -> str | None:
     return None
 
 
+def attention_blocks(a, dim: str, pred) -> tuple[float, float] | None:
+    """Seconds of one attention block of `pred`'s ring (forward, backward piece) for the planner's
+    attention speeds: what a saved run measured (`a.saved_derived`, re-deriving it), or, in a live
+    suite (`a.probe_compute`), measured now (slow_links_probe.attention_block_seconds, on the first
+    ranks' CPU under --pin); None: neither (the blocks at the layer's average rate)."""
+    ms = getattr(a, "saved_derived", {}).get("dimensions", {}).get(dim, {}).get("attention_block_ms")
+    if ms:
+        return ms[0] / 1e3, ms[1] / 1e3
+    if not getattr(a, "probe_compute", False):
+        return None
+    from slow_links_probe import attention_block_seconds
+
+    config, layout, tp = pred.config, pred.layout, pred.layout.tp
+    heads = config.num_attention_heads // tp
+    groups = (config.num_query_groups or config.num_attention_heads) // tp
+    cpu = str(min(os.sched_getaffinity(0))) if getattr(a, "pin", False) else None
+    return attention_block_seconds(layout.micro_batch_size, heads, groups, pred.run.seq_length // layout.cp,
+                                   config.head_dim, cpu)
+
+
 def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: dict) -> None:
     """Beside each measured dimension of `derived` (hidden_overlap's), the planner's prediction of what
     the link adds to its step (megalite.tools.plan.calibrate): its layout from the run's flags, every
@@ -40,7 +61,8 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
     A run with --overlap-moe-expert-parallel-comm is predicted with that overlap. Adds
     "predicted_exposed_ms", "predicted_over_measured", "predicted_over_waited" (where the row has the
     timeline's waits: slow_links_waits) and "predicted" (the details) to each row, or
-    "predicted_error"."""
+    "predicted_error". A run with context parallelism is predicted with its attention blocks'
+    measured seconds (attention_blocks; "attention_block_ms" in the row)."""
     from megalite import arguments
     from megalite.tools.plan import Cluster
     from megalite.tools.plan.calibrate import MeasuredLink, Reference, predicted_link_cost
@@ -80,9 +102,13 @@ def hidden_predictions(a, results: dict[str, RunResult], links: dict, derived: d
                 reference = Reference(of_ref.layout, of_ref.run, row["step_reference_ms"] / 1e3,
                                       measured(ref.spec.rate_mbit) if ref.spec.rate_mbit in links
                                       else MeasuredLink(1e18, 0.0))  # one rank: no link
+            blocks = attention_blocks(a, dim, pred) if pred.layout.cp > 1 else None
+            if blocks:
+                row["attention_block_ms"] = [x * 1e3 for x in blocks]
             # the run's --tp-comm-overlap and --overlap-moe-expert-parallel-comm come with its flags
             got = predicted_link_cost(pred.config, pred.layout, pred.run, measured(across.spec.rate_mbit),
-                                      measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3, reference)
+                                      measured(bare.spec.rate_mbit), row["step_bare_ms"] / 1e3, reference,
+                                      attention_block_s=blocks)
         except (ValueError, SystemExit) as e:
             row["predicted_error"] = f"the planner: {e}"
             continue

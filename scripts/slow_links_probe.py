@@ -11,6 +11,8 @@ import sys
 
 import netns  # (tests/, on the path slow_links.py sets)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout (its megalite)
+
 _DROP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
              "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
 
@@ -115,3 +117,50 @@ def _trimmed_mean(values: list[float]) -> float:
     """The mean without the tenth at each end (a rare exchange that stalls for tens of ms)."""
     cut = len(values) // 10
     return statistics.mean(sorted(values)[cut:len(values) - cut])
+
+
+_ATTENTION = """
+import statistics, sys, time, torch
+from megalite.parallel.context_parallel import _block_backward, _block_forward
+batch, groups, per_group, local, dim, rounds = map(int, sys.argv[1:7])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+q = torch.randn(batch, groups, per_group, local, dim)
+k, v = torch.randn(batch, groups, local, dim), torch.randn(batch, groups, local, dim)
+scale, half = dim ** -0.5, local // 2
+out, lse = _block_forward(q, k, v, scale, True)
+d_out = torch.randn_like(out)
+delta = (d_out * out).sum(-1)
+def piece(rows):
+    return _block_backward(q[:, :, :, rows], k, v, d_out[:, :, :, rows], lse[:, :, :, rows], delta[:, :, :, rows],
+                           scale, True, None, rows.start)
+work = {"forward": lambda: _block_forward(q, k, v, scale, True),
+        "backward": lambda: (piece(slice(0, half)), piece(slice(half, local)))}
+for name, run in work.items():
+    run()  # (allocations, caches)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    print(statistics.median(times) / (1 if name == "forward" else 2))
+"""
+
+
+def attention_block_seconds(batch: int, heads: int, groups: int, local: int, head_dim: int, cpu: str | None = None,
+                            rounds: int = 9) -> tuple[float, float]:
+    """(forward, backward) seconds of one attention block of context parallelism's ring as the planner
+    counts it (megalite.tools.plan.ring_items): this rank's `local` queries against its own `local`
+    keys, causal (the forward step's block), and a backward piece, half of the own block's rows (the
+    pieces the K/V and dK/dV transfers hide behind at cp 2; the mean of the two halves), in fp32, with
+    megalite's own block code on one thread (on `cpu` (a taskset list), as --pin puts a rank): the
+    planner's Cluster.attention_speed at the fitted rate (calibrate.attention_speeds)."""
+    cmd = [*(["taskset", "-c", cpu] if cpu else []), sys.executable, "-c", _ATTENTION,
+           *map(str, (batch, groups, heads // groups, local, head_dim, rounds))]
+    env = _env(1, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"attention block probe failed (exit {run.returncode}): {run.stderr.strip()[-800:]}")
+    forward, backward = map(float, run.stdout.split())
+    return forward, backward

@@ -53,6 +53,7 @@ def rederived(a, path: str) -> tuple[dict, dict, dict]:
         raise SystemExit(f"{path}: suite {saved.get('suite')!r}: only {', '.join(DERIVED)} are derived from what a "
                          "--json holds (run the others again)")
     a.suite, a.common_flags = saved["suite"], saved["common"]
+    a.saved_derived = saved.get("derived", {})  # what the run measured besides its rounds (no probe now)
     results, links = load(path)
     return saved, results, derive(a, results, links)
 

@@ -148,6 +148,33 @@ def test_cp_ring_steps_hide_behind_one_attention_block_each():
     assert x.comm == pytest.approx(4 * (3 * LAT + (fwd + bwd) / BW))
 
 
+def test_cp_blocks_take_their_flops_at_the_attention_speeds():
+    # the attention core at half the layer's average rate forward, 0.8 backward: each block takes
+    # 2x (1.25x) its FLOPs' time; the layer's compute is unchanged (the core takes more of it)
+    layout, seq = P.Layout(cp=2, micro_batch_size=4), 256
+    slow_core = replace(SLOW, attention_speed=0.5, attention_backward_speed=0.8)
+    pred = P.predict(TINY, layout, slow_core, run=P.Run(4, seq, "fp32", 200_000))
+    base = _predict(layout, 4, seq=seq)
+    fwd, bwd = pred.costs.ring_step_bytes
+    block = 4 * 4 * 256 * 256 * 128 / 4 / 1e12
+    want = 4 * (max(0, LAT + fwd / BW - block / 0.5) + max(0, LAT + fwd / BW - block / 0.8)
+                + max(0, LAT + (bwd - fwd) / BW - block / 0.8))
+    assert pred.exposed["cp"].exposed == pytest.approx(want)
+    assert pred.exposed["cp"].exposed < base.exposed["cp"].exposed
+    assert pred.time.compute == base.time.compute
+    assert "(0.067 ms forward, 0.042 backward)" in pred.exposed["cp"].behind  # 0.0336 ms / 0.5, / 0.8
+    # in pairs: the backward's pieces at their own speed, the rest of the layer shorter by as much
+    paired = P.predict(TINY, P.Layout(cp=2, micro_batch_size=1), slow_core,
+                       run=P.Run(4, seq, "fp32", 200_000, overlap_moe_ep_comm=True))
+    stage, f_step = paired.stages[paired.slow_stage], LAT + fwd / 4 / BW
+    forward, backward = ring_pair_items(paired.costs, stage, (block / 4 / 0.5, block / 4 / 0.8), f_step,
+                                        (f_step, LAT + (bwd - fwd) / 4 / BW))
+    assert backward[1][0] == pytest.approx(block / 4 / 0.8)
+    assert sum(c for c, _ in forward + backward) == pytest.approx(stage.compute_mb)
+    with pytest.raises(ValueError, match="attention_backward_speed"):
+        replace(SLOW, attention_backward_speed=0.0)
+
+
 def test_cp_ring_in_pairs_also_hides_behind_the_other_pass():
     layout = P.Layout(cp=2, micro_batch_size=1)
     alone = _predict(layout, 4, seq=256)
@@ -156,7 +183,8 @@ def test_cp_ring_in_pairs_also_hides_behind_the_other_pass():
     fwd, bwd = costs.ring_step_bytes
     block = 1 * 4 * 256 * 256 * 128 / 4 / 1e12
     f_left, kv_left, dkv_left = (max(0.0, LAT + b / BW - block) for b in (fwd, fwd, bwd - fwd))
-    forward, backward = ring_pair_items(costs, stage, block, LAT + fwd / BW, (LAT + fwd / BW, LAT + (bwd - fwd) / BW))
+    forward, backward = ring_pair_items(costs, stage, (block, block), LAT + fwd / BW,
+                                        (LAT + fwd / BW, LAT + (bwd - fwd) / BW))
     # per layer: one forward transfer, the K/V and dK/dV backward; each item the compute up to its
     # block's end, then what of its transfer is left
     assert [x for _, x in forward] == pytest.approx([f_left] * 4 + [0.0])
@@ -284,6 +312,24 @@ def test_the_calibration_is_zero_on_equal_links_and_fits_the_bare_step():
     assert got["dimensions"]["dp"]["exchanges"] >= 1 and got["exposed_ms"] > 0
     assert got["compute_ms"] + got["dimensions"]["dp"]["exposed_bare_ms"] == pytest.approx(72.9, rel=0.02)
     assert predicted_link_cost(TINY, layout, run, bare, bare, 0.0729)["exposed_ms"] == pytest.approx(0.0)
+
+
+def test_measured_attention_blocks_set_the_speeds_at_the_fitted_rate():
+    # cp 2 on the slow link: blocks measured at 2x (forward) and 1.5x (backward) their FLOPs' time at
+    # the fitted rate hide more of each ring transfer; the fitted rate and the compute are unchanged
+    layout, run = P.Layout(cp=2, micro_batch_size=1), P.Run(4, 2048, "fp32", 200_000)
+    link, bare = MeasuredLink(35.8e6, 3.8e-3), MeasuredLink(1e9, 1e-4)
+    flops = predicted_link_cost(TINY, layout, run, link, bare, 1.0)
+    block = 4 * 2048 * 2048 * 128 / 4 / (flops["tflops"] * 1e12)  # the attention core over cp^2 blocks
+    got = predicted_link_cost(TINY, layout, run, link, bare, 1.0, attention_block_s=(2 * block, 1.5 * block))
+    assert got["attention_speed"] == pytest.approx([0.5, 1 / 1.5])
+    assert got["tflops"] == flops["tflops"] and got["compute_ms"] == flops["compute_ms"]
+    assert got["dimensions"]["cp"]["exposed_across_ms"] < flops["dimensions"]["cp"]["exposed_across_ms"]
+    assert "attention_speed" not in flops
+    # no ring: the blocks change nothing
+    dp = P.Layout(dp=2, micro_batch_size=8)
+    assert "attention_speed" not in predicted_link_cost(TINY, dp, P.Run(16, 64, "fp32", 200_000), link, bare, 0.07,
+                                                        attention_block_s=(1.0, 1.0))
 
 
 def test_a_reference_run_fits_the_compute_and_the_exchanges_own_cost_covers_no_transfer():

@@ -79,6 +79,7 @@ def test_tp_is_within_20_percent_fitted_to_its_reference_or_its_bare_step_and_dp
     for path in REFERENCED:
         saved = json.loads(path.read_text())
         a.suite, a.common_flags = saved["suite"], saved["common"]  # (what rederived sets, without deriving)
+        a.saved_derived = saved.get("derived", {})
         results, links = slow_links_rederive.load(str(path))
         results = {name: r for name, r in results.items() if not name.endswith("-ref")}
         bare_fit.append(slow_links_rederive.derive(a, results, links))

@@ -500,6 +500,17 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     measured = {**links, 300.0: {**links[300.0], "burst": 0.0}}
     assert (slow_links_suites.derive(a, runs, measured)["dimensions"]["ep"]["predicted_exposed_ms"]
             == pytest.approx(flat["ep"]["predicted_exposed_ms"]))
+    # cp's attention blocks as a saved run measured them (a live suite probes them: a.probe_compute):
+    # slower than their FLOPs at the fitted rate, they hide more of each ring transfer; no other row moves
+    a.link_burst_kib, a.saved_derived = 0.0, {"dimensions": {"cp": {"attention_block_ms": [40.0, 30.0]}}}
+    timed = slow_links_suites.derive(a, runs, links)["dimensions"]
+    cp = timed["cp"]
+    assert cp["attention_block_ms"] == [40.0, 30.0] and "attention_block_ms" not in flat["cp"]
+    speed, backward_speed = cp["predicted"]["attention_speed"]
+    assert speed == pytest.approx(backward_speed * 30 / 40) and speed < 1
+    assert cp["predicted"]["tflops"] == pytest.approx(flat["cp"]["predicted"]["tflops"])
+    assert cp["predicted_exposed_ms"] < flat["cp"]["predicted_exposed_ms"]
+    assert all(timed[d]["predicted_exposed_ms"] == pytest.approx(flat[d]["predicted_exposed_ms"]) for d in dims if d != "cp")
 
 
 def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, capsys):

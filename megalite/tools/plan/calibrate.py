@@ -12,7 +12,12 @@ A layout's exchanges can cost its ranks time of their own besides the link's: tp
 and gloo's reductions, ZeRO-3's gathers and releases take the rank's own core. Fitted to the bare
 step, that time would count as compute that covers transfers; it covers none (docs/slow-links.md (f),
 "tp's gap"). A `Reference` run without that cost (tp at one piece; dp and ZeRO-3 on one rank with the
-same work a rank) fits the rate instead."""
+same work a rank) fits the rate instead.
+
+Where a transfer hides behind one kind of compute, the compute's own speed counts, not the step's
+average: context parallelism's ring hides behind attention blocks, whose measured seconds
+(`attention_block_s`: a forward block and a backward piece, scripts/slow_links_probe.py) give the
+cluster's attention speeds (Cluster.attention_speed) at the fitted rate."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,11 +45,20 @@ class Reference:
     link: MeasuredLink
 
 
-def _cluster(layout: Layout, link: MeasuredLink, tflops: float) -> Cluster:
+def _cluster(layout: Layout, link: MeasuredLink, tflops: float, **speeds) -> Cluster:
     gbps = link.bytes_per_s / 1e9
     return Cluster(gpus=layout.gpus, gpus_per_node=1, gpu_memory_gib=1e6, intra_node_gbps=gbps, inter_node_gbps=gbps,
                    peak_tflops=tflops, efficiency=1.0, hbm_gbps=1e9, collective_latency_ms=link.latency_s * 1e3,
-                   link_burst_kib=link.burst_bytes / 1024)
+                   link_burst_kib=link.burst_bytes / 1024, **speeds)
+
+
+def attention_speeds(pred: Prediction, block_s: tuple[float, float]) -> dict:
+    """Cluster's attention speeds where one attention block of `pred`'s layout (a forward block, a
+    backward piece: ring_items.ring_step_seconds) was measured to take `block_s` seconds: the block's
+    time at the layout's average rate over the measured."""
+    costs = pred.costs
+    at_rate = costs.core / (costs.layout.tp * costs.layout.cp * costs.layout.cp) / costs.rate
+    return {"attention_speed": at_rate / block_s[0], "attention_backward_speed": at_rate / block_s[1]}
 
 
 def _exposed(pred: Prediction) -> float:
@@ -71,13 +85,15 @@ def _fitted_tflops(config: TransformerConfig, layout: Layout, run: Run, link: Me
 
 
 def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, link: MeasuredLink,
-                        bare: MeasuredLink, step_bare_s: float, reference: Reference | None = None) -> dict:
+                        bare: MeasuredLink, step_bare_s: float, reference: Reference | None = None,
+                        attention_block_s: tuple[float, float] | None = None) -> dict:
     """What the link adds to a step of `layout` against the bare links, predicted: {"exposed_ms":
     the difference of the two exposures, "tflops": the fitted rate, "compute_ms": the layout's compute
     at it, "dimensions": per dimension its exposed ms across and bare, communication ms across,
     exchanges}. The rate is fitted to the bare step (_fitted_tflops), or to `reference`'s step; then
     "own_ms" is what the bare step took beyond the planner's at that rate: the exchanges' own cost,
-    which covers no transfer."""
+    which covers no transfer. `attention_block_s` (context parallelism): an attention block's measured
+    seconds (forward, backward piece), which set the cluster's attention speeds ("attention_speed")."""
     compute_at_1 = _compute_at_1(config, layout, run)
     if reference is None:
         tflops = _fitted_tflops(config, layout, run, bare, step_bare_s, compute_at_1)
@@ -86,13 +102,18 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
         tflops = _fitted_tflops(config, ref.layout, ref.run, ref.link, ref.step_s,
                                 _compute_at_1(config, ref.layout, ref.run))
     on_bare = predict(config, layout, _cluster(layout, bare, tflops), run=run)
-    across = predict(config, layout, _cluster(layout, link, tflops), run=run)
+    speeds = attention_speeds(on_bare, attention_block_s) if attention_block_s and layout.cp > 1 else {}
+    if speeds:  # (the layer's compute is unchanged: the fitted rate holds)
+        on_bare = predict(config, layout, _cluster(layout, bare, tflops, **speeds), run=run)
+    across = predict(config, layout, _cluster(layout, link, tflops, **speeds), run=run)
     a, b = across.exposed, on_bare.exposed
     dims = {dim: {"exposed_across_ms": x.exposed * 1e3, "exposed_bare_ms": b[dim].exposed * 1e3 if dim in b else 0.0,
                   "comm_ms": x.comm * 1e3, "exchanges": x.exchanges, "bytes": x.bytes}
             for dim, x in a.items()}
     out = {"exposed_ms": (_exposed(across) - _exposed(on_bare)) * 1e3, "tflops": tflops,
            "compute_ms": compute_at_1 / tflops * 1e3, "dimensions": dims}
+    if speeds:
+        out["attention_speed"] = [speeds["attention_speed"], speeds["attention_backward_speed"]]
     if reference is not None:
         out["own_ms"] = (step_bare_s - compute_at_1 / tflops - _exposed(on_bare)) * 1e3
     bound = ep_bound_of(across)  # the least any schedule of the step's passes exposes (ep_bound.py)

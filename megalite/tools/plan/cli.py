@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "ring step (per gradient bucket)")
     g.add_argument("--link-burst-kib", type=float, default=0.0,
                    help="a link's token bucket: KiB that cross at once after it idles (tc-tbf's burst; 0: none)")
+    g.add_argument("--attention-speed", type=float, default=1.0,
+                   help="the attention core's FLOP/s over a layer's average: the blocks a context-parallel ring "
+                        "transfer hides behind (scripts/slow_links.py measures it; 1: by FLOPs)")
+    g.add_argument("--attention-backward-speed", type=float, help="the same for the core's backward pieces "
+                                                                   "(default: --attention-speed)")
     g = ap.add_argument_group("training run")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--seq-length", type=int, help="default: the preset's positions")
@@ -150,7 +155,9 @@ def cluster_from_args(args, ap: argparse.ArgumentParser, seq: int) -> Cluster:
                           intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                           peak_tflops=args.peak_tflops, efficiency=args.efficiency, hbm_gbps=args.hbm_gbps,
                           overhead_gib=args.overhead_gib, fp8_speedup=args.fp8_speedup,
-                          collective_latency_ms=args.collective_latency_ms, link_burst_kib=args.link_burst_kib)
+                          collective_latency_ms=args.collective_latency_ms, link_burst_kib=args.link_burst_kib,
+                          attention_speed=args.attention_speed,
+                          attention_backward_speed=args.attention_backward_speed)
         Run(args.global_batch_size, seq, args.dtype or "bf16", args.ddp_bucket_size, args.attention_backend,
             grad_reduce_dtype=args.grad_reduce_dtype, **(local_sgd_of(args) or {}))
     except ValueError as e:

@@ -123,15 +123,17 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     if layout.cp == 1:
         return Exposure(0, 0.0, 0.0, 0.0, "")
     fwd_steps, bwd_steps = ring_steps(costs)
-    block, f_step, (kv_step, dkv_step) = ring_step_seconds(costs)
+    blocks, f_step, (kv_step, dkv_step) = ring_step_seconds(costs)
+    block, piece = blocks
     per_layer = fwd_steps * f_step + bwd_steps * (kv_step + dkv_step)
     exposed_layer = (fwd_steps * max(0.0, f_step - block)
-                     + bwd_steps * (max(0.0, kv_step - block) + max(0.0, dkv_step - block)))
+                     + bwd_steps * (max(0.0, kv_step - piece) + max(0.0, dkv_step - piece)))
     layers = stage.n_layers
-    exposed, behind = m * layers * exposed_layer, f"each transfer behind one attention block ({block * 1e3:.3f} ms forward)"
+    exposed = m * layers * exposed_layer
+    behind = f"each transfer behind one attention block ({block * 1e3:.3f} ms forward, {piece * 1e3:.3f} backward)"
     counts = pass_counts(costs, rank) if costs.run.overlap_moe_ep_comm else None
     if counts is not None:
-        forward, backward = ring_pair_items(costs, stage, block, f_step, (kv_step, dkv_step))
+        forward, backward = ring_pair_items(costs, stage, blocks, f_step, (kv_step, dkv_step))
         exposed = _played(counts, forward, backward, layout.v)
         behind += ", then the other pass's compute up to its next exchange (pairs)"
     return Exposure(m * layers * ring_transfers(costs), m * layers * costs.ring_bytes, m * layers * per_layer,

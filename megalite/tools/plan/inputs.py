@@ -41,15 +41,24 @@ class Cluster:
     # A link's token bucket: bytes that cross at full speed once it has idled (tc-tbf's burst on the
     # emulated link, 2 ms of its rate; 0 on a real fabric). The ep plays carry exchanges through it.
     link_burst_kib: float = 0.0
+    # The attention core's FLOP/s over a layer's average (efficiency's): what a context-parallel ring
+    # transfer hides behind is one attention block, whose softmax and masking run slower per FLOP than
+    # the projections' GEMMs (this CPU: 0.4; docs/planner.md). The layer's compute stays its FLOPs at
+    # the average rate: the core takes a larger part of it. The backward's pieces have their own
+    # (None: attention_speed's).
+    attention_speed: float = 1.0
+    attention_backward_speed: float | None = None
 
     def __post_init__(self):
         for name in ("gpus", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "peak_tflops", "efficiency",
-                     "hbm_gbps", "fp8_speedup"):
+                     "hbm_gbps", "fp8_speedup", "attention_speed"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.attention_backward_speed is not None and not self.attention_backward_speed > 0:
+            raise ValueError(f"attention_backward_speed must be > 0, got {self.attention_backward_speed}")
         if self.efficiency > 1:
             raise ValueError(f"efficiency is a fraction of peak (0-1], got {self.efficiency}")
         for name in ("overhead_gib", "collective_latency_ms", "link_burst_kib"):
