@@ -12,6 +12,13 @@ between two steps' exchanges).
 
     sudo python scripts/gloo_exchanges.py --overlap --rate-mbit 300 --sizes 1048576 --calls 10
 
+    sudo python scripts/gloo_exchanges.py --lag-ms 20 --kinds all_to_all,recv_send --sizes 262144,2097152 --pin
+
+--lag-ms L brings rank 1 to each call L ms after rank 0 (a spin after the barrier), and gives each
+rank's own time of the call: whether the bytes flow before both ranks have posted it (the late rank
+would wait L less) or only after (it waits for the whole transfer, the early rank for the lag as
+well). scripts/slow_links.py counts each wait as the least any rank had at it on that ground.
+
 --overlap measures what an exchange in flight costs the compute beside it: each rank times a block of matmuls alone, the exchange alone, and the
 block run while the exchange (launched with async_op=True just before) is in flight, then waits for
 the exchange. Per kind and size: the block's slowdown over the exchange's time alone (the tax), and
@@ -141,13 +148,20 @@ def rank_main(a) -> None:
                 dist.barrier()
                 if a.idle_ms:
                     time.sleep(a.idle_ms / 1e3)
+                start = time.perf_counter()
+                while a.rank == 1 and time.perf_counter() - start < a.lag_ms / 1e3:
+                    pass  # (a spin: a pinned core that slept wakes late)
                 t = time.perf_counter()
                 fn()
                 ms.append((time.perf_counter() - t) * 1e3)
             ms.sort()
-            out.append({"kind": kind, "bytes": nbytes, "median_ms": statistics.median(ms), "min_ms": ms[0],
-                        "p90_ms": ms[(9 * len(ms)) // 10], "max_ms": ms[-1],
-                        "over_2ms": sum(m > 2.0 for m in ms) / len(ms)})
+            row = {"kind": kind, "bytes": nbytes, "median_ms": statistics.median(ms), "min_ms": ms[0],
+                   "p90_ms": ms[(9 * len(ms)) // 10], "max_ms": ms[-1], "over_2ms": sum(m > 2.0 for m in ms) / len(ms)}
+            if a.lag_ms:  # the late rank's own median beside rank 0's
+                late = torch.tensor([statistics.median(ms)], dtype=torch.float64)
+                dist.broadcast(late, 1)
+                row.update(lag_ms=a.lag_ms, late_median_ms=late.item())
+            out.append(row)
     if a.rank == 0:
         print(json.dumps(out))
     dist.destroy_process_group()
@@ -162,7 +176,7 @@ def measure(rate_mbit: float | None, a) -> list[dict]:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": net[0].ifname, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         argv = ["--sizes", ",".join(map(str, a.sizes)), "--calls", str(a.calls), "--idle-ms", str(a.idle_ms),
                 "--kinds", ",".join(a.kinds or KINDS), "--addr", net[0].addr, "--port", "29431",
-                "--block-iters", str(a.block_iters), *(["--overlap"] if a.overlap else [])]
+                "--block-iters", str(a.block_iters), "--lag-ms", str(a.lag_ms), *(["--overlap"] if a.overlap else [])]
         procs = [h.popen([*(["taskset", "-c", str(i % os.cpu_count())] if a.pin else []), sys.executable, __file__,
                           "--rank", str(i), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i, h in enumerate(net.hosts)]
@@ -181,9 +195,12 @@ def table(rows: list[dict], where: str) -> str:
                   f"{r['block_beside_ms']:9.2f} {r['launch_to_done_ms']:9.2f} {r['tax']:6.2f} {100 * r['hidden']:6.0f}%"
                   for r in rows]
         return "\n".join(lines)
-    lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'median ms':>10s} {'min':>8s} {'p90':>8s} {'max':>8s} {'>2 ms':>6s}"]
+    late = bool(rows) and "late_median_ms" in rows[0]
+    lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'median ms':>10s} {'min':>8s} {'p90':>8s} {'max':>8s} {'>2 ms':>6s}"
+             + (f" {'late rank':>10s}" if late else "")]
     lines += [f"  {r['kind']:24s} {r['bytes']:>9d} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['p90_ms']:8.2f} "
-              f"{r['max_ms']:8.2f} {100 * r['over_2ms']:5.0f}%" for r in rows]
+              f"{r['max_ms']:8.2f} {100 * r['over_2ms']:5.0f}%" + (f" {r['late_median_ms']:10.2f}" if late else "")
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -195,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default=None, help=f"some of {','.join(KINDS)} (default: all)")
     ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep between calls")
     ap.add_argument("--pin", action="store_true", help="rank i on core i")
+    ap.add_argument("--lag-ms", type=float, default=0.0,
+                    help="rank 1 comes to each call this late; the table adds its own median (the late rank)")
     ap.add_argument("--overlap", action="store_true",
                     help="time a block of matmuls with each exchange in flight (the compute a transfer takes)")
     ap.add_argument("--block-iters", type=int, default=40, help="--overlap: 256x256 matmuls in the block")

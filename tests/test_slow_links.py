@@ -620,6 +620,23 @@ def test_gloo_exchanges_overlap_times_a_block_beside_each_exchange_in_flight(tmp
         assert r["hidden"] == pytest.approx(1 - (r["launch_to_done_ms"] - r["block_ms"]) / r["exchange_ms"])
 
 
+def test_a_late_rank_waits_for_the_whole_transfer_and_the_early_one_for_the_lag_too(tmp_path):
+    """scripts/gloo_exchanges.py --lag-ms: rank 1 comes to each exchange (the ring's receive and
+    send) 80 ms late; gloo moves the bytes only once both ranks have posted, so the late rank waits
+    for the transfer alone and the early one for the lag as well: why scripts/slow_links.py counts
+    each wait as the least any rank had."""
+    _needs_netns()
+    import gloo_exchanges
+
+    out = tmp_path / "x.json"
+    gloo_exchanges.main(["--rate-mbit", "40", "--sizes", "262144", "--calls", "3", "--no-bare", "--json", str(out),
+                         "--kinds", "recv_send", "--lag-ms", "80"])
+    (row,) = json.loads(out.read_text())["results"]["tbf 40 Mbit/s"]
+    transfer = 262144 / 5e6 * 1e3  # 256 KiB each way at 40 Mbit/s: 52 ms
+    assert row["lag_ms"] == 80 and 0.7 * transfer < row["late_median_ms"] < 80
+    assert row["median_ms"] == pytest.approx(80 + row["late_median_ms"], abs=20)
+
+
 def test_gloo_exchanges_times_megalites_reduce_scatter_beside_gloos_across_the_link(tmp_path):
     """scripts/gloo_exchanges.py: every kind asked for, at every size, across the link; at the link's
     rate megalite's reduce-scatter (one all-to-all) sends half of what gloo's (an all-reduce) does."""
