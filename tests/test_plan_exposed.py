@@ -354,6 +354,20 @@ def test_a_reference_run_fits_the_compute_and_the_exchanges_own_cost_covers_no_t
     assert at_one["exposed_ms"] > predicted_link_cost(TINY, tp, four, link, bare, 0.2)["exposed_ms"]
 
 
+def test_cli_takes_the_attention_speeds(capsys):
+    # --attention-speed / --attention-backward-speed: the ring's blocks at half and 0.8 of the
+    # layer's average rate, twice and 1.25x as long: more of each transfer hidden
+    argv = ["--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "1", "--global-batch-size", "4", "--seq-length",
+            "2048", "--cp", "2", "--micro-batch-size", "1", "--tp", "1", "--collective-latency-ms", "3.8",
+            "--inter-node-gbps", "0.0358", "--peak-tflops", "0.05", "--efficiency", "1"]
+    rows = []
+    for extra in ([], ["--attention-speed", "0.5", "--attention-backward-speed", "0.8"]):
+        assert P.main(argv + extra) == 0
+        rows.append(next(line for line in capsys.readouterr().out.splitlines() if "attention block" in line))
+    assert "(10.737 ms forward, 10.737 backward)" in rows[0] and "(21.475 ms forward, 13.422 backward)" in rows[1]
+    assert float(rows[1].split()[4]) < float(rows[0].split()[4])  # exposed ms
+
+
 def test_cli_prints_the_exposed_section(capsys):
     assert P.main(["--model", "gpt-tiny", "--gpus", "2", "--gpus-per-node", "1", "--max-tp", "2",
                    "--global-batch-size", "16", "--seq-length", "64", "--tp", "2", "--sequence-parallel", "on",
