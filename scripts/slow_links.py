@@ -45,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's megalite (pla
 import netns  # noqa: E402
 from slow_links_probe import _env, measure_link  # noqa: E402  (beside this file)
 from slow_links_suites import SUITES, derive, report, suite_runs  # noqa: E402  (beside this file)
+from slow_links_waits import waited_by_phase_ms  # noqa: E402  (beside this file)
 
 TIMINGS = ("step_ms", "step_ms_mean", "tokens_per_s", "ms_per_iter")
 PORT = 29500  # every run gets the next one: a fresh namespace has every port free, TIME_WAIT aside
@@ -188,7 +189,8 @@ def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, p
     valid = read_records(metrics, "valid") if metrics.exists() else []
     extra = [{"wire_bytes": wire}] + ([{"valid": valid[-1]}] if valid else [])
     if timeline.exists():
-        extra.append({"timeline": timeline_ms(timeline), "waited_by_all": waited_by_all_ms(timeline)})
+        extra.append({"timeline": timeline_ms(timeline), "waited_by_all": waited_by_all_ms(timeline),
+                      "waited_phases": waited_by_phase_ms(timeline)})
     return records + extra, error
 
 
@@ -266,7 +268,8 @@ def summarize(records: list[dict], warmup: int) -> dict:
            # one step's loss is one batch's: the mean over the last 16 logged steps is steadier
            "loss_last16": statistics.mean(r["loss"] for r in train[-16:]),
            "valid_loss": valid[-1]["valid_loss"] if valid else None}
-    for key, name in (("timeline", "spans_ms"), ("waited_by_all", "waited_by_all_ms")):
+    for key, name in (("timeline", "spans_ms"), ("waited_by_all", "waited_by_all_ms"),
+                      ("waited_phases", "waited_phases_ms")):
         spans = [r[key] for r in records if key in r]
         if spans:  # median ms of each kind of span per steady iteration (rank 0; the least of all ranks)
             steady_spans = [v for it, v in spans[-1].items() if it > warmup] or list(spans[-1].values())

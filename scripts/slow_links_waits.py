@@ -11,6 +11,9 @@ link: on this 2-core host a transfer's packets are handled on the ranks' own cor
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 # Per dimension the timeline's kinds of span that are waits for its exchanges (summed per steady
 # iteration). dp: the wait for the gradients' reduction after backward; ZeRO-3: the waits for
 # its units' gathers and for its gradients' reduce-scatters (the end of each backward's among them).
@@ -29,6 +32,37 @@ RANK_ZERO = {"pp"}  # read off rank 0's timeline, not matched across ranks
 
 
 SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference
+PHASES = ("forwards alone", "pairs", "backwards alone", "after")  # the planner's Exposure.phases, and the rest
+
+
+def waited_by_phase_ms(path: Path) -> dict[int, dict[str, float]]:
+    """Per recorded iteration (1-based): the waits of slow_links.waited_by_all_ms (the k-th of a name
+    on every rank, the least any rank had at it) summed by "<kind>/<phase>", the phase where the wait
+    falls on rank 0's timeline: "pairs" (a lane's wait inside an overlapped pair), "forwards alone"
+    and "backwards alone" (inside a forward or backward pass outside a pair), or "after" (the rest:
+    the reduction after the last backward). A name whose count of spans differs between ranks is
+    left out."""
+    per: dict[tuple[int, str, str], dict[int, list]] = {}
+    passes: dict[int, list] = {}  # rank 0's passes per iteration: (start, end, kind)
+    for e in json.loads(Path(path).read_text())["traceEvents"]:
+        if e.get("ph") != "X" or "iteration" not in e.get("args", {}):
+            continue
+        it = e["args"]["iteration"] + 1
+        per.setdefault((it, e["cat"], e.get("name", "")), {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
+        if e["pid"] == 0 and e["cat"] in ("forward", "backward"):
+            passes.setdefault(it, []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    ranks = sorted({r for of_rank in per.values() for r in of_rank})
+    out: dict[int, dict[str, float]] = {}
+    for (it, kind, name), of_rank in per.items():
+        spans = [sorted(of_rank.get(r, [])) for r in ranks]
+        if len({len(v) for v in spans}) != 1 or not (kind.endswith("-wait") or kind == "grad-reduce"):
+            continue
+        for k, (start, _) in enumerate(spans[0]):
+            inside = [p for p in passes.get(it, []) if p[0] <= start < p[1]]
+            phase = ("pairs" if name.endswith("lane)") else f"{inside[0][2]}s alone" if inside else "after")
+            key = f"{kind}/{phase}"
+            out.setdefault(it, {})[key] = out.get(it, {}).get(key, 0.0) + min(v[k][1] for v in spans) / 1e3
+    return out
 
 
 def add_waits(row: dict, dim: str, across, bare) -> None:
@@ -47,6 +81,10 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
         return
     a, b = (sum(r[key].get(k, 0.0) for k in kinds) for r in rounds)
     row.update(waited_across_ms=a, waited_bare_ms=b, waited_ms=a - b, waited_by=SOURCES[key])
+    if key == "waited_by_all_ms" and all("waited_phases_ms" in r for r in rounds):
+        across, bare = (r["waited_phases_ms"] for r in rounds)
+        row["waited_phases_ms"] = {phase: sum(across.get(f"{k}/{phase}", 0.0) - bare.get(f"{k}/{phase}", 0.0)
+                                              for k in kinds) for phase in PHASES}
 
 
 def waits_lines(derived: dict) -> list[str]:
@@ -66,7 +104,23 @@ def waits_lines(derived: dict) -> list[str]:
         if row.get("predicted_over_waited") is not None:
             line += f"; predicted / waited {row['predicted_over_waited']:.2f}"
         out.append(line)
+        planned = phases_planned(row, dim)
+        if "waited_phases_ms" in row and planned:
+            out.append(f"{dim} by phase, waited / planner ms: " + ", ".join(
+                f"{phase} {row['waited_phases_ms'][phase]:.0f} / {planned[phase]:.0f}" for phase in PHASES))
     return out
+
+
+def phases_planned(row: dict, dim: str) -> dict | None:
+    """The planner's exposure of `dim`'s run by PHASES (across less bare): its paired program's
+    phases (Exposure.phases), and "after" the data-parallel reduction the run also makes; None where
+    the planner played no paired program."""
+    dims = row.get("predicted", {}).get("dimensions", {})
+    phases = dims.get(dim, {}).get("phases_ms")
+    if not phases:
+        return None
+    dp = dims.get("dp") if dim != "dp" else None
+    return {**phases, "after": dp["exposed_across_ms"] - dp["exposed_bare_ms"] if dp else 0.0}
 
 
 def predicted_over_waited(row: dict) -> None:

@@ -196,6 +196,10 @@ def test_cp_ring_in_pairs_also_hides_behind_the_other_pass():
     assert alone_exposed(forward) + alone_exposed(backward) == pytest.approx(alone.exposed["cp"].exposed / 4)
     x = paired.exposed["cp"]
     assert x.exposed == pytest.approx(want) and paired.time.cp_comm == pytest.approx(want)
+    # by phase (what the suite holds against the ranks' waits by phase)
+    assert x.phases == pytest.approx({"forwards alone": alone_exposed(forward), "pairs": 3 * pair_exposed(forward, backward),
+                                      "backwards alone": alone_exposed(backward)})
+    assert alone.exposed["cp"].phases == {}  # no paired program: no phases
     assert 0 < x.exposed < alone.exposed["cp"].exposed and x.comm == alone.exposed["cp"].comm
     assert "other pass" in x.behind
 
@@ -227,6 +231,10 @@ def test_ep_dispatch_is_exposed_unless_the_overlap_option_pairs_it_with_a_backwa
     want = 4 * costs.ep_time + pair_exposed(forward, backward)
     assert paired.exposed["ep"].exposed == pytest.approx(want) and paired.time.ep_comm == pytest.approx(want)
     assert 4 * costs.ep_time < paired.exposed["ep"].exposed < x.exposed
+    # by phase: each lone pass's exchanges all exposed (no bucket on this link), the pair as played
+    lone_f, lone_b = (sum(item[1] for item in lane) for lane in (forward, backward))
+    assert paired.exposed["ep"].phases == pytest.approx({"forwards alone": lone_f, "backwards alone": lone_b,
+                                                         "pairs": pair_exposed(forward, backward)})
 
 
 def test_the_pairs_and_lone_passes_come_from_the_ranks_paired_program():
@@ -317,12 +325,16 @@ def test_the_calibration_is_zero_on_equal_links_and_fits_the_bare_step():
 def test_measured_attention_blocks_set_the_speeds_at_the_fitted_rate():
     # cp 2 on the slow link: blocks measured at 2x (forward) and 1.5x (backward) their FLOPs' time at
     # the fitted rate hide more of each ring transfer; the fitted rate and the compute are unchanged
-    layout, run = P.Layout(cp=2, micro_batch_size=1), P.Run(4, 2048, "fp32", 200_000)
+    layout, run = P.Layout(cp=2, micro_batch_size=1), P.Run(4, 2048, "fp32", 200_000, overlap_moe_ep_comm=True)
     link, bare = MeasuredLink(35.8e6, 3.8e-3), MeasuredLink(1e9, 1e-4)
     flops = predicted_link_cost(TINY, layout, run, link, bare, 1.0)
     block = 4 * 2048 * 2048 * 128 / 4 / (flops["tflops"] * 1e12)  # the attention core over cp^2 blocks
     got = predicted_link_cost(TINY, layout, run, link, bare, 1.0, attention_block_s=(2 * block, 1.5 * block))
     assert got["attention_speed"] == pytest.approx([0.5, 1 / 1.5])
+    phases = got["dimensions"]["cp"]["phases_ms"]  # across less bare, by phase: they add up
+    assert set(phases) == {"forwards alone", "pairs", "backwards alone"}
+    cp = got["dimensions"]["cp"]
+    assert sum(phases.values()) == pytest.approx(cp["exposed_across_ms"] - cp["exposed_bare_ms"])
     assert got["tflops"] == flops["tflops"] and got["compute_ms"] == flops["compute_ms"]
     assert got["dimensions"]["cp"]["exposed_across_ms"] < flops["dimensions"]["cp"]["exposed_across_ms"]
     assert "attention_speed" not in flops

@@ -308,6 +308,52 @@ def test_a_pairs_waits_are_matched_across_ranks_lane_by_lane(tmp_path):
     assert slow_links.waited_by_all_ms(trace) == {}
 
 
+def test_the_waits_are_summed_by_the_phase_they_fall_in(tmp_path):
+    """slow_links_waits.waited_by_phase_ms: each matched wait (the least any rank had) under its
+    phase on rank 0's timeline: a lane's wait in a pair, a wait inside a forward or backward pass
+    alone, or after them (the reduction); add_waits gives them across less bare, the report beside
+    the planner's phases (Exposure.phases; "after": the run's data-parallel reduction)."""
+    import slow_links_waits
+
+    def span(rank, cat, name, ts, dur, it=0):
+        return {"ph": "X", "pid": rank, "tid": 0, "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"iteration": it}}
+    f, b = "wait for cp (F lane)", "wait for cp (B lane)"
+    events = []
+    for rank, late in ((0, 0), (1, 2000)):
+        events += [span(rank, "forward", "F c0 mb0", 0, 100_000), span(rank, "cp-wait", "wait for cp", 50_000, 8000 + late),
+                   span(rank, "forward", "F c0 mb1", 100_000, 200_000), span(rank, "backward", "B c0 mb0", 110_000, 200_000),
+                   span(rank, "cp-wait", f, 120_000, 1000), span(rank, "cp-wait", b, 130_000, 16_000 - late),
+                   span(rank, "backward", "B c0 mb1", 310_000, 100_000),
+                   span(rank, "cp-wait", "wait for cp", 350_000, 30_000 + late),
+                   span(rank, "grad-reduce", "grad reduce (wait)", 410_000, 11_000)]
+    trace = tmp_path / "timeline.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = slow_links_waits.waited_by_phase_ms(trace)
+    assert got == {1: {"cp-wait/forwards alone": 8.0, "cp-wait/pairs": pytest.approx(1.0 + 14.0),
+                       "cp-wait/backwards alone": 30.0, "grad-reduce/after": 11.0}}
+    records = [{"iteration": 1, "ms_per_iter": 100.0, "tokens_per_sec": 10.0, "loss": 1.0}]
+    summary = slow_links.summarize(records + [{"waited_phases": got, "waited_by_all": {1: {"cp-wait": 53.0}}}], 0)
+    assert summary["waited_phases_ms"]["cp-wait/pairs"] == pytest.approx(15.0)
+    # across less bare, the cp run's kinds (its ring's waits and the reduction) by phase
+    bare = {"cp-wait/forwards alone": 1.0, "grad-reduce/after": 2.0}
+    rounds = [{"step_ms": 500.0, "waited_by_all_ms": {"cp-wait": 53.0, "grad-reduce": 11.0},
+               "waited_phases_ms": summary["waited_phases_ms"]},
+              {"step_ms": 400.0, "waited_by_all_ms": {"cp-wait": 1.0, "grad-reduce": 2.0}, "waited_phases_ms": bare}]
+    across, on_bare = (slow_links.RunResult(slow_links.RunSpec(n, [], 2, 1, r, timeline=True), [rnd])
+                       for n, r, rnd in (("cp-across", 300.0, rounds[0]), ("cp-bare", None, rounds[1])))
+    row = {"exposed_ms": 100.0}
+    slow_links_waits.add_waits(row, "cp", across, on_bare)
+    assert row["waited_phases_ms"] == {"forwards alone": 7.0, "pairs": pytest.approx(15.0), "backwards alone": 30.0,
+                                       "after": 9.0}
+    row["predicted"] = {"dimensions": {"cp": {"phases_ms": {"forwards alone": 40.0, "pairs": 400.0,
+                                                            "backwards alone": 215.0}},
+                                       "dp": {"exposed_across_ms": 120.0, "exposed_bare_ms": 5.0}}}
+    line = slow_links_waits.waits_lines({"dimensions": {"cp": row}})[-1]
+    assert line == ("cp by phase, waited / planner ms: forwards alone 7 / 40, pairs 15 / 400, backwards alone 30 / 215, "
+                    "after 9 / 115")
+
+
 def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
     a = slow_links.argparse.Namespace(suite="hidden", model="gpt-tiny", hidden_size=None, seq_length=64, iters=8,
                                       micro_batch_size=None, bucket=200_000)

@@ -90,8 +90,8 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
     """What the link adds to a step of `layout` against the bare links, predicted: {"exposed_ms":
     the difference of the two exposures, "tflops": the fitted rate, "compute_ms": the layout's compute
     at it, "dimensions": per dimension its exposed ms across and bare, communication ms across,
-    exchanges}. The rate is fitted to the bare step (_fitted_tflops), or to `reference`'s step; then
-    "own_ms" is what the bare step took beyond the planner's at that rate: the exchanges' own cost,
+    exchanges, and where it plays a paired program its "phases_ms" across less bare}. The rate is
+    fitted to the bare step (_fitted_tflops), or to `reference`'s step; then "own_ms" is what the bare step took beyond the planner's at that rate: the exchanges' own cost,
     which covers no transfer. `attention_block_s` (context parallelism): an attention block's measured
     seconds (forward, backward piece), which set the cluster's attention speeds ("attention_speed")."""
     compute_at_1 = _compute_at_1(config, layout, run)
@@ -110,6 +110,9 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
     dims = {dim: {"exposed_across_ms": x.exposed * 1e3, "exposed_bare_ms": b[dim].exposed * 1e3 if dim in b else 0.0,
                   "comm_ms": x.comm * 1e3, "exchanges": x.exchanges, "bytes": x.bytes}
             for dim, x in a.items()}
+    for dim, x in a.items():  # a paired program's phases, across less bare (Exposure.phases)
+        if x.phases and dim in b:
+            dims[dim]["phases_ms"] = {k: (v - b[dim].phases.get(k, 0.0)) * 1e3 for k, v in x.phases.items()}
     out = {"exposed_ms": (_exposed(across) - _exposed(on_bare)) * 1e3, "tflops": tflops,
            "compute_ms": compute_at_1 / tflops * 1e3, "dimensions": dims}
     if speeds:

@@ -23,7 +23,7 @@ communication"):
   (comm.py's model, which `dp_exposed` works out for the step time)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megalite.metrics import layer_forward_flops
@@ -53,6 +53,9 @@ class Exposure:
     comm: float  # seconds: exchanges x latency + bytes over the link
     exposed: float  # seconds of it the step waits for
     behind: str  # what megalite overlaps it with
+    # seconds of `exposed` by phase of a paired program (ep, cp: "forwards alone", "backwards alone",
+    # "pairs"; `_played`), where the dimension plays one
+    phases: dict = field(default_factory=dict)
 
     @property
     def hidden(self) -> float | None:
@@ -132,12 +135,13 @@ def cp_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
     exposed = m * layers * exposed_layer
     behind = f"each transfer behind one attention block ({block * 1e3:.3f} ms forward, {piece * 1e3:.3f} backward)"
     counts = pass_counts(costs, rank) if costs.run.overlap_moe_ep_comm else None
+    phases: dict = {}
     if counts is not None:
         forward, backward = ring_pair_items(costs, stage, blocks, f_step, (kv_step, dkv_step))
-        exposed = _played(counts, forward, backward, layout.v)
+        exposed, phases = _played(counts, forward, backward, layout.v)
         behind += ", then the other pass's compute up to its next exchange (pairs)"
     return Exposure(m * layers * ring_transfers(costs), m * layers * costs.ring_bytes, m * layers * per_layer,
-                    exposed, behind)
+                    exposed, behind, phases)
 
 
 def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposure:
@@ -173,15 +177,17 @@ def ep_exposure(costs: LayoutCosts, stage: StageResult, rank: int = 0) -> Exposu
             return Exposure(exchanges, sent, comm, comm, f"nothing ({why})")
         # every pass alone: each backward but each chunk's last fills its waits with its own W; a
         # bucket shortens the exchanges after compute
-        exposed = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad, bucket)
+        exposed, phases = _played((0, m * v, m * v), *pair_items(costs, stage), v, wgrad, bucket)
         behind = "the backward's own weight gradients" if wgrad else f"nothing ({why})"
-        return Exposure(exchanges, sent, comm, exposed, behind)
+        return Exposure(exchanges, sent, comm, exposed, behind, phases)
     forward, backward = pair_items(costs, stage)
-    exposed = _played(counts, forward, backward, v, wgrad, bucket)
+    exposed, phases = _played(counts, forward, backward, v, wgrad, bucket)
     if groups > 1:  # a forward alone goes in groups (its backward, in a pair, is played whole)
-        exposed += counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward, 0.0, bucket)) / v
+        grouped = counts[1] * (chunked_alone_exposed(e, groups, "F") - alone_exposed(forward, 0.0, bucket)) / v
+        exposed += grouped
+        phases["forwards alone"] += grouped
     return Exposure(exchanges, sent, comm, exposed,
-                    "the other lane's compute up to its next exchange (a forward beside a backward)")
+                    "the other lane's compute up to its next exchange (a forward beside a backward)", phases)
 
 
 def dispatch_groups(costs: LayoutCosts) -> int:
@@ -193,16 +199,19 @@ def dispatch_groups(costs: LayoutCosts) -> int:
 
 
 def _played(counts: tuple[int, int, int], forward: list, backward: list, v: int, wgrad: float = 0.0,
-            bucket: Bucket = Bucket()) -> float:
+            bucket: Bucket = Bucket()) -> tuple[float, dict]:
     """Exposed seconds of a rank's paired program (`pass_counts`): the lone passes wait for all of
     their exchanges, each pair is played (pair_play.py); a pass runs one of the rank's v chunks.
     `wgrad` (`wgrad_share`): the pairs' backwards, and the lone ones but each chunk's last (whose
     buckets reduce as their gradients come), lend their weight gradients to the waits; `bucket`: the
-    link's token bucket (`link_bucket`)."""
+    link's token bucket (`link_bucket`). Returns the exposed seconds and them by phase (Exposure.phases)."""
     pairs, lone_f, lone_b = counts
     filled = max(0, lone_b - v) if wgrad else 0
-    return (lone_f * alone_exposed(forward, 0.0, bucket) + (lone_b - filled) * alone_exposed(backward, 0.0, bucket)
-            + filled * alone_exposed(backward, wgrad, bucket) + pairs * pair_exposed(forward, backward, wgrad, bucket)) / v
+    phases = {"forwards alone": lone_f * alone_exposed(forward, 0.0, bucket) / v,
+              "backwards alone": ((lone_b - filled) * alone_exposed(backward, 0.0, bucket)
+                                  + filled * alone_exposed(backward, wgrad, bucket)) / v,
+              "pairs": pairs * pair_exposed(forward, backward, wgrad, bucket) / v}
+    return sum(phases.values()), phases
 
 
 def link_bucket(costs: LayoutCosts) -> Bucket:
