@@ -127,3 +127,28 @@ def test_the_planner_is_within_20_percent_of_what_the_ranks_waited_for_dp_zero3_
     assert 0.8 <= rows["tp"]["predicted_over_waited"] <= 1.2 and 0.8 <= rows["tp"]["predicted_over_measured"] <= 1.2
     waited = [slow_links_rederive.rederived(a, str(p))[2]["dimensions"]["tp"]["waited_ms"] for p in TP_WAITED]
     assert max(waited) / min(waited) < 1.05, waited
+
+
+BLOCKS = sorted(DAY.glob("blocks-*.json")) + sorted(DAY.glob("phases-*.json"))  # cp with its blocks probed
+
+
+def test_cp_with_its_attention_blocks_measured_against_its_waits():
+    """Five runs of ep and cp whose suites probed cp's attention blocks (`attention_block_ms`): with
+    them the planner's cp is 1.11 of the ranks' waits (0.93-1.31 per run), where with the blocks at
+    the layer's average rate it is over 1.5 in every run; ep, which has no ring, does not move
+    (docs/slow-links.md (f), "cp's attention blocks, measured")."""
+    rows = _pooled_rows(BLOCKS, None)
+    assert len(BLOCKS) == 5 and rows["cp"]["waited_runs"] == 5
+    assert rows["cp"]["predicted_over_waited"] == pytest.approx(1.11, abs=0.01)
+    a = argparse.Namespace(exchange_latency_ms=None, link_burst_kib=None)
+    measured = [slow_links_rederive.rederived(a, str(p))[2]["dimensions"] for p in BLOCKS]
+    assert all(0.9 <= d["cp"]["predicted_over_waited"] <= 1.35 for d in measured)
+    assert all(30 < d["cp"]["attention_block_ms"][0] < 70 for d in measured)
+    flops = []  # the same runs with the blocks at the layer's average rate (no probe figure)
+    for path in BLOCKS:
+        saved = json.loads(path.read_text())
+        a.suite, a.common_flags, a.saved_derived = saved["suite"], saved["common"], {}
+        flops.append(slow_links_rederive.derive(a, *slow_links_rederive.load(str(path)))["dimensions"])
+    assert all(d["cp"]["predicted_over_waited"] > 1.5 for d in flops)
+    assert [d["ep"]["predicted_exposed_ms"] for d in flops] == pytest.approx([d["ep"]["predicted_exposed_ms"]
+                                                                             for d in measured])
