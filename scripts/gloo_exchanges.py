@@ -196,8 +196,8 @@ def table(rows: list[dict], where: str) -> str:
                   for r in rows]
         return "\n".join(lines)
     late = bool(rows) and "late_median_ms" in rows[0]
-    lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'median ms':>10s} {'min':>8s} {'p90':>8s} {'max':>8s} {'>2 ms':>6s}"
-             + (f" {'late rank':>10s}" if late else "")]
+    head = f"  {'kind':24s} {'bytes':>9s} {'median ms':>10s} {'min':>8s} {'p90':>8s} {'max':>8s} {'>2 ms':>6s}"
+    lines = [f"{where}:", head + (f" {'late rank':>10s}" if late else "")]
     lines += [f"  {r['kind']:24s} {r['bytes']:>9d} {r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['p90_ms']:8.2f} "
               f"{r['max_ms']:8.2f} {100 * r['over_2ms']:5.0f}%" + (f" {r['late_median_ms']:10.2f}" if late else "")
               for r in rows]

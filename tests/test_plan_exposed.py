@@ -197,7 +197,8 @@ def test_cp_ring_in_pairs_also_hides_behind_the_other_pass():
     x = paired.exposed["cp"]
     assert x.exposed == pytest.approx(want) and paired.time.cp_comm == pytest.approx(want)
     # by phase (what the suite holds against the ranks' waits by phase)
-    assert x.phases == pytest.approx({"forwards alone": alone_exposed(forward), "pairs": 3 * pair_exposed(forward, backward),
+    assert x.phases == pytest.approx({"forwards alone": alone_exposed(forward),
+                                      "pairs": 3 * pair_exposed(forward, backward),
                                       "backwards alone": alone_exposed(backward)})
     assert alone.exposed["cp"].phases == {}  # no paired program: no phases
     assert 0 < x.exposed < alone.exposed["cp"].exposed and x.comm == alone.exposed["cp"].comm

@@ -321,8 +321,10 @@ def test_the_waits_are_summed_by_the_phase_they_fall_in(tmp_path):
     f, b = "wait for cp (F lane)", "wait for cp (B lane)"
     events = []
     for rank, late in ((0, 0), (1, 2000)):
-        events += [span(rank, "forward", "F c0 mb0", 0, 100_000), span(rank, "cp-wait", "wait for cp", 50_000, 8000 + late),
-                   span(rank, "forward", "F c0 mb1", 100_000, 200_000), span(rank, "backward", "B c0 mb0", 110_000, 200_000),
+        events += [span(rank, "forward", "F c0 mb0", 0, 100_000),
+                   span(rank, "cp-wait", "wait for cp", 50_000, 8000 + late),
+                   span(rank, "forward", "F c0 mb1", 100_000, 200_000),
+                   span(rank, "backward", "B c0 mb0", 110_000, 200_000),
                    span(rank, "cp-wait", f, 120_000, 1000), span(rank, "cp-wait", b, 130_000, 16_000 - late),
                    span(rank, "backward", "B c0 mb1", 310_000, 100_000),
                    span(rank, "cp-wait", "wait for cp", 350_000, 30_000 + late),
@@ -350,8 +352,8 @@ def test_the_waits_are_summed_by_the_phase_they_fall_in(tmp_path):
                                                             "backwards alone": 215.0}},
                                        "dp": {"exposed_across_ms": 120.0, "exposed_bare_ms": 5.0}}}
     line = slow_links_waits.waits_lines({"dimensions": {"cp": row}})[-1]
-    assert line == ("cp by phase, waited / planner ms: forwards alone 7 / 40, pairs 15 / 400, backwards alone 30 / 215, "
-                    "after 9 / 115")
+    assert line == ("cp by phase, waited / planner ms: forwards alone 7 / 40, pairs 15 / 400, "
+                    "backwards alone 30 / 215, after 9 / 115")
 
 
 def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
@@ -556,7 +558,8 @@ def test_the_hidden_suite_prints_the_planners_prediction_beside_each_measured_di
     assert speed == pytest.approx(backward_speed * 30 / 40) and speed < 1
     assert cp["predicted"]["tflops"] == pytest.approx(flat["cp"]["predicted"]["tflops"])
     assert cp["predicted_exposed_ms"] < flat["cp"]["predicted_exposed_ms"]
-    assert all(timed[d]["predicted_exposed_ms"] == pytest.approx(flat[d]["predicted_exposed_ms"]) for d in dims if d != "cp")
+    assert all(timed[d]["predicted_exposed_ms"] == pytest.approx(flat[d]["predicted_exposed_ms"])
+               for d in dims if d != "cp")
 
 
 def test_a_saved_suite_is_derived_again_with_this_checkouts_planner(tmp_path, capsys):

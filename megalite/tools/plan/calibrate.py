@@ -91,9 +91,10 @@ def predicted_link_cost(config: TransformerConfig, layout: Layout, run: Run, lin
     the difference of the two exposures, "tflops": the fitted rate, "compute_ms": the layout's compute
     at it, "dimensions": per dimension its exposed ms across and bare, communication ms across,
     exchanges, and where it plays a paired program its "phases_ms" across less bare}. The rate is
-    fitted to the bare step (_fitted_tflops), or to `reference`'s step; then "own_ms" is what the bare step took beyond the planner's at that rate: the exchanges' own cost,
-    which covers no transfer. `attention_block_s` (context parallelism): an attention block's measured
-    seconds (forward, backward piece), which set the cluster's attention speeds ("attention_speed")."""
+    fitted to the bare step (_fitted_tflops), or to `reference`'s step; then "own_ms" is what the
+    bare step took beyond the planner's at that rate: the exchanges' own cost, which covers no
+    transfer. `attention_block_s` (context parallelism): an attention block's measured seconds
+    (forward, backward piece), which set the cluster's attention speeds ("attention_speed")."""
     compute_at_1 = _compute_at_1(config, layout, run)
     if reference is None:
         tflops = _fitted_tflops(config, layout, run, bare, step_bare_s, compute_at_1)

@@ -43,7 +43,7 @@ class Cluster:
     link_burst_kib: float = 0.0
     # The attention core's FLOP/s over a layer's average (efficiency's): what a context-parallel ring
     # transfer hides behind is one attention block, whose softmax and masking run slower per FLOP than
-    # the projections' GEMMs (this CPU: 0.4; docs/planner.md). The layer's compute stays its FLOPs at
+    # the projections' GEMMs (this CPU: 0.36-0.60; docs/planner.md). The layer's compute stays its FLOPs at
     # the average rate: the core takes a larger part of it. The backward's pieces have their own
     # (None: attention_speed's).
     attention_speed: float = 1.0
