@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's megalite (pla
 import netns  # noqa: E402
 from slow_links_probe import _env, measure_link  # noqa: E402  (beside this file)
 from slow_links_suites import SUITES, derive, report, suite_runs  # noqa: E402  (beside this file)
-from slow_links_waits import waited_by_phase_ms  # noqa: E402  (beside this file)
+from slow_links_waits import matched_spans, trace_spans, waited_by_phase_ms  # noqa: E402  (beside this file)
 
 TIMINGS = ("step_ms", "step_ms_mean", "tokens_per_s", "ms_per_iter")
 PORT = 29500  # every run gets the next one: a fresh namespace has every port free, TIME_WAIT aside
@@ -189,51 +189,38 @@ def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, p
     valid = read_records(metrics, "valid") if metrics.exists() else []
     extra = [{"wire_bytes": wire}] + ([{"valid": valid[-1]}] if valid else [])
     if timeline.exists():
-        extra.append({"timeline": timeline_ms(timeline), "waited_by_all": waited_by_all_ms(timeline),
-                      "waited_phases": waited_by_phase_ms(timeline)})
+        spans = trace_spans(timeline)  # (read once: a trace holds every rank's spans of every iteration)
+        extra.append({"timeline": timeline_ms(spans), "waited_by_all": waited_by_all_ms(spans),
+                      "waited_phases": waited_by_phase_ms(spans)})
     return records + extra, error
 
 
-def timeline_ms(path: Path, rank: int = 0) -> dict[int, dict[str, float]]:
+def timeline_ms(trace, rank: int = 0) -> dict[int, dict[str, float]]:
     """Milliseconds of each kind of span (forward, backward, grad-reduce: the wait for the
-    gradients' reduction, optimizer, ...) in each recorded iteration (1-based) of one rank."""
+    gradients' reduction, optimizer, ...) in each recorded iteration (1-based) of one rank (`trace`:
+    a --timeline file, or its spans read once: slow_links_waits.trace_spans)."""
     out: dict[int, dict[str, float]] = {}
-    for e in json.loads(path.read_text())["traceEvents"]:
-        if e.get("ph") == "X" and e.get("pid") == rank and "iteration" in e.get("args", {}):
+    for e in trace_spans(trace):
+        if e.get("pid") == rank:
             kinds = out.setdefault(e["args"]["iteration"] + 1, {})
             kinds[e["cat"]] = kinds.get(e["cat"], 0.0) + e["dur"] / 1e3
     return out
 
 
-def waited_by_all_ms(path: Path) -> dict[int, dict[str, float]]:
+def waited_by_all_ms(trace) -> dict[int, dict[str, float]]:
     """Per recorded iteration (1-based) and kind of span: the sum over the kind's spans of the least
-    time any rank spent in the matching span (the k-th of its name and kind in the iteration on each
-    rank: an overlapped pair's two lanes name their waits apart, megalite.parallel.lanes, since
-    each lane's come in one order on every rank and the two lanes' interleave as timing falls).
-    Meant for waits of exchanges every rank takes part in, issued by every rank in one order: a rank
-    that came to an exchange early waits for the one that came late (one core slowed by other work)
-    as well as for the transfer; the rank that came last waited for the transfer alone. A kind with
-    a name whose count of spans differs between ranks is left out."""
-    per: dict[tuple[int, str, str], dict[int, list]] = {}
-    ranks = set()
-    for e in json.loads(path.read_text())["traceEvents"]:
-        if e.get("ph") == "X" and "iteration" in e.get("args", {}):
-            key = (e["args"]["iteration"] + 1, e["cat"], e.get("name", ""))
-            per.setdefault(key, {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
-            ranks.add(e["pid"])
-    least: dict[tuple[int, str], float] = {}
-    unmatched = set()
-    for (it, kind, _name), of_rank in per.items():
-        spans = [sorted(of_rank.get(r, [])) for r in sorted(ranks)]
-        if len({len(v) for v in spans}) != 1:
-            unmatched.add((it, kind))
-            continue
-        least[it, kind] = least.get((it, kind), 0.0) + sum(min(v[k][1] for v in spans)
-                                                           for k in range(len(spans[0]))) / 1e3
+    time any rank spent in the matching span (slow_links_waits.matched_spans: the k-th of its name and
+    kind in the iteration on each rank). Meant for waits of exchanges every rank takes part in, issued
+    by every rank in one order: gloo moves an exchange's bytes once both ranks have posted it, so a
+    rank that came early waits for the one that came late as well as for the transfer, and the rank
+    that came last waited for the transfer alone (scripts/gloo_exchanges.py --lag-ms). A kind with a
+    name whose count of spans differs between ranks is left out."""
+    matched, unmatched = matched_spans(trace_spans(trace))
+    left_out = {(it, kind) for it, kind, _ in unmatched}
     out: dict[int, dict[str, float]] = {}
-    for (it, kind), ms in least.items():
-        if (it, kind) not in unmatched:
-            out.setdefault(it, {})[kind] = ms
+    for it, kind, _name, _start, ms in matched:
+        if (it, kind) not in left_out:
+            out.setdefault(it, {})[kind] = out.get(it, {}).get(kind, 0.0) + ms
     return out
 
 

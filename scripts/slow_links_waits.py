@@ -35,33 +35,56 @@ SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's 
 PHASES = ("forwards alone", "pairs", "backwards alone", "after")  # the planner's Exposure.phases, and the rest
 
 
-def waited_by_phase_ms(path: Path) -> dict[int, dict[str, float]]:
-    """Per recorded iteration (1-based): the waits of slow_links.waited_by_all_ms (the k-th of a name
-    on every rank, the least any rank had at it) summed by "<kind>/<phase>", the phase where the wait
-    falls on rank 0's timeline: "pairs" (a lane's wait inside an overlapped pair), "forwards alone"
-    and "backwards alone" (inside a forward or backward pass outside a pair), or "after" (the rest:
-    the reduction after the last backward). A name whose count of spans differs between ranks is
-    left out."""
+def trace_spans(trace) -> list[dict]:
+    """The complete spans ("X") of a --timeline trace that belong to an iteration: read from `trace`
+    (a path), or `trace` itself where it is such a list already (read once, used by every reading)."""
+    if isinstance(trace, list):
+        return trace
+    return [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+            if e.get("ph") == "X" and "iteration" in e.get("args", {})]
+
+
+def matched_spans(spans: list[dict]) -> tuple[list[tuple], set]:
+    """Each span matched across ranks: the k-th of its name and kind in its iteration on every rank
+    (an overlapped pair's two lanes name their waits apart, megalite.parallel.lanes, since each
+    lane's come in one order on every rank and the two lanes' interleave as timing falls). Returns
+    ([(iteration (1-based), kind, name, rank 0's start, the least ms any rank spent in it)], the
+    (iteration, kind, name) whose count of spans differs between ranks, left out)."""
     per: dict[tuple[int, str, str], dict[int, list]] = {}
-    passes: dict[int, list] = {}  # rank 0's passes per iteration: (start, end, kind)
-    for e in json.loads(Path(path).read_text())["traceEvents"]:
-        if e.get("ph") != "X" or "iteration" not in e.get("args", {}):
-            continue
-        it = e["args"]["iteration"] + 1
-        per.setdefault((it, e["cat"], e.get("name", "")), {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
-        if e["pid"] == 0 and e["cat"] in ("forward", "backward"):
-            passes.setdefault(it, []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    for e in spans:
+        key = (e["args"]["iteration"] + 1, e["cat"], e.get("name", ""))
+        per.setdefault(key, {}).setdefault(e["pid"], []).append((e["ts"], e["dur"]))
     ranks = sorted({r for of_rank in per.values() for r in of_rank})
-    out: dict[int, dict[str, float]] = {}
+    matched, unmatched = [], set()
     for (it, kind, name), of_rank in per.items():
-        spans = [sorted(of_rank.get(r, [])) for r in ranks]
-        if len({len(v) for v in spans}) != 1 or not (kind.endswith("-wait") or kind == "grad-reduce"):
+        by_rank = [sorted(of_rank.get(r, [])) for r in ranks]
+        if len({len(v) for v in by_rank}) != 1:
+            unmatched.add((it, kind, name))
             continue
-        for k, (start, _) in enumerate(spans[0]):
-            inside = [p for p in passes.get(it, []) if p[0] <= start < p[1]]
-            phase = ("pairs" if name.endswith("lane)") else f"{inside[0][2]}s alone" if inside else "after")
-            key = f"{kind}/{phase}"
-            out.setdefault(it, {})[key] = out.get(it, {}).get(key, 0.0) + min(v[k][1] for v in spans) / 1e3
+        matched += [(it, kind, name, by_rank[0][k][0], min(v[k][1] for v in by_rank) / 1e3)
+                    for k in range(len(by_rank[0]))]
+    return matched, unmatched
+
+
+def waited_by_phase_ms(trace) -> dict[int, dict[str, float]]:
+    """Per recorded iteration (1-based): the waits matched across ranks (`matched_spans`, as
+    slow_links.waited_by_all_ms: the least any rank had at each) summed by "<kind>/<phase>", the
+    phase where the wait falls on rank 0's timeline: "pairs" (a lane's wait inside an overlapped
+    pair), "forwards alone" and "backwards alone" (inside a forward or backward pass outside a pair),
+    or "after" (the rest: the reduction after the last backward). A name whose count of spans
+    differs between ranks is left out."""
+    spans = trace_spans(trace)
+    passes: dict[int, list] = {}  # rank 0's passes per iteration: (start, end, kind)
+    for e in spans:
+        if e["pid"] == 0 and e["cat"] in ("forward", "backward"):
+            passes.setdefault(e["args"]["iteration"] + 1, []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    out: dict[int, dict[str, float]] = {}
+    for it, kind, name, start, ms in matched_spans(spans)[0]:
+        if not (kind.endswith("-wait") or kind == "grad-reduce"):
+            continue
+        inside = [p for p in passes.get(it, []) if p[0] <= start < p[1]]
+        phase = "pairs" if name.endswith("lane)") else f"{inside[0][2]}s alone" if inside else "after"
+        out.setdefault(it, {})[f"{kind}/{phase}"] = out.get(it, {}).get(f"{kind}/{phase}", 0.0) + ms
     return out
 
 
