@@ -19,6 +19,16 @@ rank's own time of the call: whether the bytes flow before both ranks have poste
 would wait L less) or only after (it waits for the whole transfer, the early rank for the lag as
 well). scripts/slow_links.py counts each wait as the least any rank had at it on that ground.
 
+--chain N plays a step's worth of overlapped exchanges: per call N all-to-alls, each launched after
+--before-ms of compute and waited for after --hide-ms more, every compute piece a spin whose length
+each rank draws apart (uniform within +/- --jitter-ms), then a blocking all-reduce (the step's end).
+A spin takes the same wall time beside a transfer as without one, so what the link adds to the step
+(across less bare) is communication alone, and it is the reading a wait count must give: the table
+puts beside it the sum over exchanges of the least wait any rank had, and the least over ranks of a
+rank's total wait (what scripts/slow_links.py reads off a step's timeline).
+
+    sudo python scripts/gloo_exchanges.py --chain 40 --sizes 262144 --hide-ms 5 --jitter-ms 2 --pin
+
 --overlap measures what an exchange in flight costs the compute beside it: each rank times a block of matmuls alone, the exchange alone, and the
 block run while the exchange (launched with async_op=True just before) is in flight, then waits for
 the exchange. Per kind and size: the block's slowdown over the exchange's time alone (the tax), and
@@ -123,6 +133,66 @@ def overlap_main(a) -> list[dict]:
     return out
 
 
+def chain_main(a) -> list[dict]:
+    """One rank's --chain figures: per size and call its waits (each exchange's and the end's), its
+    compute and the step; rank 0 returns every rank's, per size the medians over calls of the step
+    and of the readings of its waits."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    rng = random.Random(1000 + a.rank)  # each rank draws its own lengths
+
+    def spin(ms: float) -> float:
+        ms = max(0.0, ms + rng.uniform(-a.jitter_ms, a.jitter_ms))
+        start = time.perf_counter()
+        while time.perf_counter() - start < ms / 1e3:
+            pass
+        return ms
+
+    out = []
+    for nbytes in a.sizes:
+        x, y, end = torch.ones(max(2, nbytes // 4)), torch.empty(max(2, nbytes // 4)), torch.ones(1)
+        dist.all_to_all_single(y, x)  # connections made, buffers touched
+        calls = []
+        for _ in range(a.calls):
+            dist.barrier()
+            t0, waits, compute = time.perf_counter(), [], 0.0
+            for _ in range(a.chain):
+                compute += spin(a.before_ms)
+                work = dist.all_to_all_single(y, x, async_op=True)
+                compute += spin(a.hide_ms)
+                t = time.perf_counter()
+                work.wait()
+                waits.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            dist.all_reduce(end)
+            waits.append((time.perf_counter() - t) * 1e3)
+            calls.append([(time.perf_counter() - t0) * 1e3, compute, *waits])
+        mine = torch.tensor(calls, dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        out.append({"bytes": nbytes, **chain_readings(torch.stack(every).tolist())})
+    return out
+
+
+def chain_readings(every: list) -> dict:
+    """--chain's medians over calls from every rank's [call][step ms, compute ms, wait ms...]: the
+    step (the last rank's), the most compute any rank did, and three readings of the waits: the sum
+    over exchanges of the least any rank had ("per_exchange_least_ms", slow_links' waited_by_all),
+    the least over ranks of a rank's total ("least_total_ms": the rank with the most compute), and
+    the mean over ranks of it."""
+    med = statistics.median
+    calls = list(zip(*every))  # per call, every rank's row
+    totals = [[sum(row[2:]) for row in call] for call in calls]
+    return {"step_ms": med(max(row[0] for row in call) for call in calls),
+            "compute_ms": med(max(row[1] for row in call) for call in calls),
+            "per_exchange_least_ms": med(sum(map(min, zip(*(row[2:] for row in call)))) for call in calls),
+            "least_total_ms": med(min(t) for t in totals),
+            "mean_total_ms": med(statistics.mean(t) for t in totals)}
+
+
 def rank_main(a) -> None:
     """One of the two ranks: time every kind at every size, rank 0 prints the figures as JSON."""
     import torch
@@ -131,8 +201,8 @@ def rank_main(a) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.addr}:{a.port}", rank=a.rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
-    if a.overlap:
-        out = overlap_main(a)
+    if a.overlap or a.chain:
+        out = overlap_main(a) if a.overlap else chain_main(a)
         if a.rank == 0:
             print(json.dumps(out))
         dist.destroy_process_group()
@@ -176,7 +246,9 @@ def measure(rate_mbit: float | None, a) -> list[dict]:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": net[0].ifname, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         argv = ["--sizes", ",".join(map(str, a.sizes)), "--calls", str(a.calls), "--idle-ms", str(a.idle_ms),
                 "--kinds", ",".join(a.kinds or KINDS), "--addr", net[0].addr, "--port", "29431",
-                "--block-iters", str(a.block_iters), "--lag-ms", str(a.lag_ms), *(["--overlap"] if a.overlap else [])]
+                "--block-iters", str(a.block_iters), "--lag-ms", str(a.lag_ms), *(["--overlap"] if a.overlap else []),
+                "--chain", str(a.chain), "--before-ms", str(a.before_ms), "--hide-ms", str(a.hide_ms),
+                "--jitter-ms", str(a.jitter_ms)]
         procs = [h.popen([*(["taskset", "-c", str(i % os.cpu_count())] if a.pin else []), sys.executable, __file__,
                           "--rank", str(i), *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i, h in enumerate(net.hosts)]
@@ -188,6 +260,12 @@ def measure(rate_mbit: float | None, a) -> list[dict]:
 
 
 def table(rows: list[dict], where: str) -> str:
+    if rows and "least_total_ms" in rows[0]:
+        lines = [f"{where}:", f"  {'bytes':>9s} {'step ms':>9s} {'compute':>9s} {'per exchange least':>19s} "
+                 f"{'least total':>12s} {'mean total':>11s}"]
+        lines += [f"  {r['bytes']:>9d} {r['step_ms']:9.2f} {r['compute_ms']:9.2f} {r['per_exchange_least_ms']:19.2f} "
+                  f"{r['least_total_ms']:12.2f} {r['mean_total_ms']:11.2f}" for r in rows]
+        return "\n".join(lines)
     if rows and "tax" in rows[0]:
         lines = [f"{where}:", f"  {'kind':24s} {'bytes':>9s} {'block ms':>9s} {'exchange':>9s} {'beside':>9s} "
                  f"{'done':>9s} {'tax':>6s} {'hidden':>7s}"]
@@ -217,6 +295,11 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", action="store_true",
                     help="time a block of matmuls with each exchange in flight (the compute a transfer takes)")
     ap.add_argument("--block-iters", type=int, default=40, help="--overlap: 256x256 matmuls in the block")
+    ap.add_argument("--chain", type=int, default=0,
+                    help="a step of this many overlapped all-to-alls per call, read as slow_links reads waits")
+    ap.add_argument("--before-ms", type=float, default=2.0, help="--chain: compute before each launch")
+    ap.add_argument("--hide-ms", type=float, default=5.0, help="--chain: compute between a launch and its wait")
+    ap.add_argument("--jitter-ms", type=float, default=0.0, help="--chain: each rank's compute pieces vary this much")
     ap.add_argument("--no-bare", action="store_true", help="skip the bare veths")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", default=None)
@@ -231,6 +314,8 @@ def main(argv=None) -> int:
         a.kinds = a.kinds or overlappable
         if [k for k in a.kinds if k not in overlappable] or a.idle_ms:
             raise SystemExit(f"--overlap times {', '.join(overlappable)} only, without --idle-ms")
+    if a.chain and (a.overlap or a.lag_ms or a.idle_ms):
+        raise SystemExit("--chain plays its own step: without --overlap, --lag-ms or --idle-ms")
     unknown = [k for k in a.kinds or () if k not in KINDS]
     if unknown:
         raise SystemExit(f"--kinds: unknown {', '.join(unknown)} (the kinds are {', '.join(KINDS)})")
@@ -244,6 +329,13 @@ def main(argv=None) -> int:
         results["bare veths"] = measure(None, a)
     for where, rows in results.items():
         print(table(rows, where))
+    if a.chain and len(results) == 2:  # what the link adds, by the step and by each reading
+        across, bare = results.values()
+        for x, y in zip(across, bare):
+            added = {k: x[k] - y[k] for k in ("step_ms", "per_exchange_least_ms", "least_total_ms", "mean_total_ms")}
+            print(f"  {x['bytes']} bytes, the link adds: step {added['step_ms']:.2f} ms; waits read per exchange "
+                  f"{added['per_exchange_least_ms']:.2f}, by the least total {added['least_total_ms']:.2f}, "
+                  f"by the mean total {added['mean_total_ms']:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                             "cpus": os.cpu_count(), "results": results}, indent=1))

@@ -45,7 +45,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's megalite (pla
 import netns  # noqa: E402
 from slow_links_probe import _env, measure_link  # noqa: E402  (beside this file)
 from slow_links_suites import SUITES, derive, report, suite_runs  # noqa: E402  (beside this file)
-from slow_links_waits import matched_spans, trace_spans, waited_by_phase_ms  # noqa: E402  (beside this file)
+from slow_links_waits import (  # noqa: E402  (beside this file)
+    matched_spans, trace_spans, waited_by_least_rank_ms, waited_by_phase_ms)
 
 TIMINGS = ("step_ms", "step_ms_mean", "tokens_per_s", "ms_per_iter")
 PORT = 29500  # every run gets the next one: a fresh namespace has every port free, TIME_WAIT aside
@@ -191,7 +192,7 @@ def launch(net: netns.Network, spec: RunSpec, flags: list[str], workdir: Path, p
     if timeline.exists():
         spans = trace_spans(timeline)  # (read once: a trace holds every rank's spans of every iteration)
         extra.append({"timeline": timeline_ms(spans), "waited_by_all": waited_by_all_ms(spans),
-                      "waited_phases": waited_by_phase_ms(spans)})
+                      "waited_phases": waited_by_phase_ms(spans), "waited_least_rank": waited_by_least_rank_ms(spans)})
     return records + extra, error
 
 
@@ -256,9 +257,9 @@ def summarize(records: list[dict], warmup: int) -> dict:
            "loss_last16": statistics.mean(r["loss"] for r in train[-16:]),
            "valid_loss": valid[-1]["valid_loss"] if valid else None}
     for key, name in (("timeline", "spans_ms"), ("waited_by_all", "waited_by_all_ms"),
-                      ("waited_phases", "waited_phases_ms")):
+                      ("waited_phases", "waited_phases_ms"), ("waited_least_rank", "waited_least_rank_ms")):
         spans = [r[key] for r in records if key in r]
-        if spans:  # median ms of each kind of span per steady iteration (rank 0; the least of all ranks)
+        if spans:  # median ms of each key per steady iteration (rank 0's kinds; the waits' readings)
             steady_spans = [v for it, v in spans[-1].items() if it > warmup] or list(spans[-1].values())
             kinds = sorted({k for v in steady_spans for k in v})
             out[name] = {k: statistics.median(v.get(k, 0.0) for v in steady_spans) for k in kinds}

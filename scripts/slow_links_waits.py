@@ -1,8 +1,17 @@
 """The hidden suite's second reading of exposed communication, where a dimension's waits are on the
 timeline (scripts/slow_links.py --suite hidden): how long the ranks waited for the dimension's
-exchanges, across the link less on the bare veths. Each wait is the least any rank had at it (the rank
-that came last to the exchange waited for the transfer alone; one that came early, for the other
-rank as well: on two shared cores one rank's core is slowed by other work now and then).
+exchanges, across the link less on the bare veths.
+
+The reading is the total a rank waited in a step, on the rank whose total was least: every rank's step
+is its compute plus its waits (one lane computes at a time), and the steps end together, so the rank
+that waited least is the one with the most compute, and its waits are what communication added to the
+step beyond compute (`waited_by_least_rank_ms`). A wait counted exchange by exchange, the least any
+rank had at each (`waited_by_all_ms`), reads less: where compute varies between ranks, at one exchange
+rank 0 has the more compute before its wait and at the next rank 1, and the least of the two each time
+drops what each rank really waited (scripts/gloo_exchanges.py --chain: ranks whose compute pieces vary
+by +/- 2 ms around a 4 ms exchange; the link adds 50-55 ms to the step, the least totals read 53-58,
+the waits matched exchange by exchange 31). Runs saved before the totals were recorded keep that
+reading.
 
 The step's difference (hidden_overlap's "exposed_ms") is what the link adds to a step; the waits are
 what of it is communication the compute waited for. The rest is compute that ran longer across the
@@ -31,7 +40,9 @@ WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait")
 RANK_ZERO = {"pp"}  # read off rank 0's timeline, not matched across ranks
 
 
-SOURCES = {"waited_by_all_ms": "every rank", "spans_ms": "rank 0"}  # a round's figures, by preference
+# a round's figures, by preference
+SOURCES = {"waited_least_rank_ms": "the rank that waited least", "waited_by_all_ms": "every rank, per exchange",
+           "spans_ms": "rank 0"}
 PHASES = ("forwards alone", "pairs", "backwards alone", "after")  # the planner's Exposure.phases, and the rest
 
 
@@ -66,6 +77,51 @@ def matched_spans(spans: list[dict]) -> tuple[list[tuple], set]:
     return matched, unmatched
 
 
+def _passes(spans: list[dict]) -> dict[tuple[int, int], list]:
+    """Each rank's passes per iteration (1-based): {(iteration, rank): [(start, end, "forward"|"backward")]}."""
+    out: dict[tuple[int, int], list] = {}
+    for e in spans:
+        if e["cat"] in ("forward", "backward"):
+            out.setdefault((e["args"]["iteration"] + 1, e["pid"]), []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    return out
+
+
+def _phase(name: str, start: float, passes: list) -> str:
+    """PHASES' phase of a wait that starts at `start` on a rank whose passes are `passes`."""
+    if name.endswith("lane)"):
+        return "pairs"
+    inside = [p for p in passes if p[0] <= start < p[1]]
+    return f"{inside[0][2]}s alone" if inside else "after"
+
+
+def waited_by_least_rank_ms(trace) -> dict[int, dict[str, float]]:
+    """Per recorded iteration (1-based) and dimension of WAIT_KINDS (pp's aside: RANK_ZERO): the total
+    each rank waited in the dimension's kinds of span, the least over the ranks that ran passes in the
+    iteration ("<dim>"), and that rank's total by phase ("<dim>/<phase>", as `waited_by_phase_ms`'s on
+    its own timeline). A dimension whose kinds are on no rank is left out."""
+    spans = trace_spans(trace)
+    passes = _passes(spans)
+    ranks: dict[int, set] = {}
+    for it, rank in passes:
+        ranks.setdefault(it, set()).add(rank)
+    totals: dict[tuple[int, str], dict[int, dict[str, float]]] = {}  # (it, dim) -> rank -> phase -> ms
+    for e in spans:
+        it = e["args"]["iteration"] + 1
+        for dim, kinds in WAIT_KINDS.items():
+            if dim in RANK_ZERO or e["cat"] not in kinds:
+                continue
+            phase = _phase(e.get("name", ""), e["ts"], passes.get((it, e["pid"]), []))
+            of_rank = totals.setdefault((it, dim), {}).setdefault(e["pid"], {})
+            of_rank[phase] = of_rank.get(phase, 0.0) + e["dur"] / 1e3
+    out: dict[int, dict[str, float]] = {}
+    for (it, dim), of_ranks in totals.items():
+        least = min(ranks.get(it, set()) | set(of_ranks), key=lambda r: sum(of_ranks.get(r, {}).values()))
+        mine = of_ranks.get(least, {})
+        out.setdefault(it, {})[dim] = sum(mine.values())
+        out[it].update({f"{dim}/{phase}": ms for phase, ms in mine.items()})
+    return out
+
+
 def waited_by_phase_ms(trace) -> dict[int, dict[str, float]]:
     """Per recorded iteration (1-based): the waits matched across ranks (`matched_spans`, as
     slow_links.waited_by_all_ms: the least any rank had at each) summed by "<kind>/<phase>", the
@@ -74,16 +130,12 @@ def waited_by_phase_ms(trace) -> dict[int, dict[str, float]]:
     or "after" (the rest: the reduction after the last backward). A name whose count of spans
     differs between ranks is left out."""
     spans = trace_spans(trace)
-    passes: dict[int, list] = {}  # rank 0's passes per iteration: (start, end, kind)
-    for e in spans:
-        if e["pid"] == 0 and e["cat"] in ("forward", "backward"):
-            passes.setdefault(e["args"]["iteration"] + 1, []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    passes = _passes(spans)
     out: dict[int, dict[str, float]] = {}
     for it, kind, name, start, ms in matched_spans(spans)[0]:
         if not (kind.endswith("-wait") or kind == "grad-reduce"):
             continue
-        inside = [p for p in passes.get(it, []) if p[0] <= start < p[1]]
-        phase = "pairs" if name.endswith("lane)") else f"{inside[0][2]}s alone" if inside else "after"
+        phase = _phase(name, start, passes.get((it, 0), []))
         out.setdefault(it, {})[f"{kind}/{phase}"] = out.get(it, {}).get(f"{kind}/{phase}", 0.0) + ms
     return out
 
@@ -91,23 +143,39 @@ def waited_by_phase_ms(trace) -> dict[int, dict[str, float]]:
 def add_waits(row: dict, dim: str, across, bare) -> None:
     """Into `row` (hidden_overlap's, per dimension): "waited_across_ms", "waited_bare_ms" and
     "waited_ms", their difference: the ms a steady iteration of each best round waits in the
-    dimension's kinds of span, each wait the least any rank had at it
-    (slow_links.waited_by_all_ms: "waited_by" "every rank"), or rank 0's where a --json was saved
-    before that was recorded, and for the dimensions of RANK_ZERO ("rank 0"). Nothing where either
-    run recorded no timeline."""
+    dimension's kinds of span, read (SOURCES, "waited_by") as the total of the rank that waited least
+    (`waited_by_least_rank_ms`), or where a --json was saved before that was recorded each wait the
+    least any rank had at it (slow_links.waited_by_all_ms) or rank 0's; the dimensions of RANK_ZERO
+    always rank 0's. "waited_phases_ms": the same by phase; "waited_per_exchange_ms": the per-exchange
+    reading beside the totals', where both are there. Nothing where either run recorded no timeline."""
     kinds, rounds = WAIT_KINDS.get(dim), (across.best_round(), bare.best_round())
     if kinds is None or None in rounds:
         return
     sources = ("spans_ms",) if dim in RANK_ZERO else SOURCES
-    key = next((k for k in sources if all(k in r for r in rounds)), None)
+    key = next((k for k in sources if all(k in r and _waited(r[k], k, dim, kinds) is not None for r in rounds)), None)
     if key is None:
         return
-    a, b = (sum(r[key].get(k, 0.0) for k in kinds) for r in rounds)
+    a, b = (_waited(r[key], key, dim, kinds) for r in rounds)
     row.update(waited_across_ms=a, waited_bare_ms=b, waited_ms=a - b, waited_by=SOURCES[key])
-    if key == "waited_by_all_ms" and all("waited_phases_ms" in r for r in rounds):
+    if key == "waited_least_rank_ms":
+        across, bare = (r[key] for r in rounds)
+        row["waited_phases_ms"] = {phase: across.get(f"{dim}/{phase}", 0.0) - bare.get(f"{dim}/{phase}", 0.0)
+                                   for phase in PHASES}
+        if all("waited_by_all_ms" in r for r in rounds):
+            a, b = (_waited(r["waited_by_all_ms"], "waited_by_all_ms", dim, kinds) for r in rounds)
+            row["waited_per_exchange_ms"] = a - b
+    elif key == "waited_by_all_ms" and all("waited_phases_ms" in r for r in rounds):
         across, bare = (r["waited_phases_ms"] for r in rounds)
         row["waited_phases_ms"] = {phase: sum(across.get(f"{k}/{phase}", 0.0) - bare.get(f"{k}/{phase}", 0.0)
                                               for k in kinds) for phase in PHASES}
+
+
+def _waited(figures: dict, key: str, dim: str, kinds) -> float | None:
+    """A round's ms of `dim`'s waits in the SOURCES figures `key`: per dimension for the least rank's
+    totals (None where the dimension is not among them), per kind of span summed otherwise."""
+    if key == "waited_least_rank_ms":
+        return figures.get(dim)
+    return sum(figures.get(k, 0.0) for k in kinds)
 
 
 def waits_lines(derived: dict) -> list[str]:
@@ -118,8 +186,11 @@ def waits_lines(derived: dict) -> list[str]:
     for dim, row in derived.get("dimensions", {}).items():
         if "waited_ms" not in row or "exposed_ms" not in row:
             continue
+        per_exchange = (f"; {row['waited_per_exchange_ms']:.0f} read exchange by exchange"
+                        if "waited_per_exchange_ms" in row else "")
         line = (f"{dim}: waited {row['waited_ms']:.0f} ms for its exchanges ({row['waited_across_ms']:.0f} across, "
-                f"{row['waited_bare_ms']:.0f} bare; {row['waited_by']}; timeline: {', '.join(WAIT_KINDS[dim])}); "
+                f"{row['waited_bare_ms']:.0f} bare; {row['waited_by']}; timeline: {', '.join(WAIT_KINDS[dim])}"
+                f"{per_exchange}); "
                 f"the step's difference is {row['exposed_ms'] - row['waited_ms']:+.0f} ms beyond them (compute "
                 "that ran longer across the link, and the rounds' noise)")
         if row.get("hidden_by_waits") is not None:

@@ -253,7 +253,19 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
         for rnd in r.rounds:
             rnd["waited_by_all_ms"] = least
     row = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)["dimensions"]["zero3"]
-    assert (row["waited_across_ms"], row["waited_bare_ms"], row["waited_by"]) == (85.0, 1.0, "every rank")
+    assert (row["waited_across_ms"], row["waited_bare_ms"], row["waited_by"]) == (85.0, 1.0, "every rank, per exchange")
+    # the least rank's totals where both best rounds hold them (per dimension, and by phase), the
+    # per-exchange reading beside them
+    runs[0].rounds[1]["waited_least_rank_ms"] = {"zero3": 120.0, "zero3/after": 20.0, "zero3/pairs": 100.0}
+    runs[1].rounds[0]["waited_least_rank_ms"] = {"zero3": 7.0, "zero3/after": 7.0}
+    row = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)["dimensions"]["zero3"]
+    assert (row["waited_across_ms"], row["waited_bare_ms"], row["waited_ms"], row["waited_by"]) == \
+        (120.0, 7.0, 113.0, "the rank that waited least")
+    assert row["waited_per_exchange_ms"] == 84.0
+    assert row["waited_phases_ms"] == {"forwards alone": 0.0, "pairs": 100.0, "backwards alone": 0.0, "after": 13.0}
+    line = slow_links_waits.waits_lines({"dimensions": {"zero3": row}})[0]
+    assert line.startswith("zero3: waited 113 ms for its exchanges (120 across, 7 bare; the rank that waited least; "
+                           "timeline: zero-wait, zero-reduce-wait; 84 read exchange by exchange); ")
     # pooled: the mean prediction over the mean waits, in the runs that have them
     import slow_links_rederive
     rows = [{"dimensions": {"zero3": {**dims["zero3"], "waited_ms": w, "predicted_exposed_ms": p}}}
@@ -354,6 +366,69 @@ def test_the_waits_are_summed_by_the_phase_they_fall_in(tmp_path):
     line = slow_links_waits.waits_lines({"dimensions": {"cp": row}})[-1]
     assert line == ("cp by phase, waited / planner ms: forwards alone 7 / 40, pairs 15 / 400, "
                     "backwards alone 30 / 215, after 9 / 115")
+
+
+def test_the_waits_are_read_as_the_total_of_the_rank_that_waited_least(tmp_path):
+    """slow_links_waits.waited_by_least_rank_ms: per iteration and dimension each rank's total wait,
+    the least over the ranks, by phase on that rank's own timeline. Each rank waited 10 ms at one of
+    two exchanges and 1-2 at the other: the least at each exchange adds to 3 ms where either rank
+    waited at least 11 (scripts/gloo_exchanges.py --chain: the step's difference is the totals')."""
+    import slow_links_waits
+
+    def span(rank, cat, name, ts, dur, it=0):
+        return {"ph": "X", "pid": rank, "tid": 0, "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"iteration": it}}
+    f, b = "wait for ep (F lane)", "wait for ep (B lane)"
+    events = []
+    for rank, (fw, bw, alone, start) in ((0, (10_000, 1000, 3000, 0)), (1, (2000, 10_000, 4000, 50_000))):
+        # the lone wait at 45 ms falls in rank 0's own forward (0-50 ms), after rank 1's (50-90)
+        events += [span(rank, "forward", "F c0 mb0", start, 40_000 + 10_000 * (1 - rank)),
+                   span(rank, "ep-wait", "wait for ep", 45_000, alone),
+                   span(rank, "ep-wait", f, 100_000, fw), span(rank, "ep-wait", b, 120_000, bw),
+                   span(rank, "grad-reduce", "grad reduce (wait)", 200_000, 5000 - 1000 * rank),
+                   span(rank, "zero-wait", "wait for zero", 300_000, 7000 + 1000 * rank)]
+    trace = tmp_path / "timeline.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = slow_links_waits.waited_by_least_rank_ms(trace)[1]
+    # rank 0 waited 3 + 10 + 1 + 5 = 19 ms, rank 1 4 + 2 + 10 + 4 = 20
+    assert (got["ep"], got["ep/forwards alone"], got["ep/pairs"], got["ep/after"]) == (19.0, 3.0, 11.0, 5.0)
+    assert got["zero3"] == 7.0 and got["dp"] == 4.0  # each dimension's own least rank (rank 1's reduction)
+    assert "pp" not in got  # read off rank 0's timeline (RANK_ZERO)
+    per_exchange = slow_links.waited_by_all_ms(trace)[1]
+    assert per_exchange["ep-wait"] == 3.0 + 2.0 + 1.0  # the least at each exchange: 9 ms less than either rank's
+    # rank 0 waits 50 ms in the pair: rank 1 (20 ms) is the least, its lone wait after its own forward
+    got = slow_links_waits.waited_by_least_rank_ms([{**e, "dur": 50_000} if e["name"] == f and e["pid"] == 0 else e
+                                                    for e in events])[1]
+    assert (got["ep"], got["ep/pairs"], got["ep/after"]) == (20.0, 12.0, 8.0) and "ep/forwards alone" not in got
+    records = [{"iteration": 1, "ms_per_iter": 100.0, "tokens_per_sec": 10.0, "loss": 1.0}]
+    summary = slow_links.summarize(records + [{"waited_least_rank": {1: got}}], 0)
+    assert summary["waited_least_rank_ms"]["ep"] == 20.0
+
+
+def test_gloo_exchanges_chain_reads_a_steps_waits_three_ways(tmp_path):
+    """scripts/gloo_exchanges.py --chain: a step of overlapped all-to-alls between spins each rank
+    draws apart; per size the step, the most compute, the waits read per exchange (the least at
+    each), as the least rank's total and as the mean total (`chain_readings`, worked here by hand)."""
+    import gloo_exchanges
+
+    # per rank its two calls: [step, compute, wait at exchange 1, exchange 2, the end]
+    every = [[[30.0, 20.0, 5.0, 0.0, 1.0], [40.0, 22.0, 6.0, 1.0, 2.0]],
+             [[31.0, 21.0, 0.0, 4.0, 1.0], [41.0, 21.0, 3.0, 0.0, 0.0]]]
+    got = gloo_exchanges.chain_readings(every)
+    # call 1: totals 6 and 5, per exchange 0 + 0 + 1; call 2: totals 9 and 3, per exchange 3 + 0 + 0
+    assert got == {"step_ms": 36.0, "compute_ms": 21.5, "per_exchange_least_ms": 2.0, "least_total_ms": 4.0,
+                   "mean_total_ms": 5.75}
+    _needs_netns()
+    out = tmp_path / "x.json"
+    gloo_exchanges.main(["--chain", "6", "--rate-mbit", "40", "--sizes", "65536", "--calls", "2", "--hide-ms", "3",
+                         "--jitter-ms", "1", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"tbf 40 Mbit/s", "bare veths"}
+    for (row,) in results.values():
+        assert row["bytes"] == 65536 and row["step_ms"] >= row["compute_ms"] > 6 * 2.0
+        assert row["mean_total_ms"] >= row["least_total_ms"] >= row["per_exchange_least_ms"] >= 0
+    with pytest.raises(SystemExit, match="--chain plays its own step"):
+        gloo_exchanges.main(["--chain", "4", "--lag-ms", "5"])
 
 
 def test_the_hidden_suite_runs_every_dimension_across_the_link_and_on_bare_veths():
