@@ -17,7 +17,8 @@ between two steps' exchanges).
 --lag-ms L brings rank 1 to each call L ms after rank 0 (a spin after the barrier), and gives each
 rank's own time of the call: whether the bytes flow before both ranks have posted it (the late rank
 would wait L less) or only after (it waits for the whole transfer, the early rank for the lag as
-well). scripts/slow_links.py counts each wait as the least any rank had at it on that ground.
+well): for one exchange, the least wait any rank had is the transfer. Summed over a step's many
+exchanges that reads too little (--chain).
 
 --chain N plays a step's worth of overlapped exchanges: per call N all-to-alls, each launched after
 --before-ms of compute and waited for after --hide-ms more, every compute piece a spin whose length

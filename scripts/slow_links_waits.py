@@ -10,7 +10,7 @@ rank had at each (`waited_by_all_ms`), reads less: where compute varies between 
 rank 0 has the more compute before its wait and at the next rank 1, and the least of the two each time
 drops what each rank really waited (scripts/gloo_exchanges.py --chain: ranks whose compute pieces vary
 by +/- 2 ms around a 4 ms exchange; the link adds 50-55 ms to the step, the least totals read 53-58,
-the waits matched exchange by exchange 31). Runs saved before the totals were recorded keep that
+the waits matched exchange by exchange 31-34). Runs saved before the totals were recorded keep that
 reading.
 
 The step's difference (hidden_overlap's "exposed_ms") is what the link adds to a step; the waits are
