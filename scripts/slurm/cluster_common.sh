@@ -138,6 +138,13 @@ node_states() {
   timeout 10 sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true
 }
 
+# Whether a daemon started from this state dir has exited: its pid file names no live daemon. A
+# daemon writes the file after it forks, so a file not there yet is a daemon still starting (on a
+# busy machine that takes a while), not one gone.
+daemon_exited() {
+  [ -s "$1" ] && ! daemon_pid "$1" "$2" >/dev/null
+}
+
 # Waits until sinfo shows every node idle; fails at once when a daemon has exited.
 wait_until_idle() {
   local deadline=$((SECONDS + START_TIMEOUT)) states="" want="" n
@@ -146,9 +153,9 @@ wait_until_idle() {
   while [ $SECONDS -lt $deadline ]; do
     states=$(node_states)
     [ "$states" = "$want" ] && return
-    daemon_pid "$STATE/run/slurmctld.pid" slurmctld >/dev/null || fail "slurmctld exited (see its log below)"
+    ! daemon_exited "$STATE/run/slurmctld.pid" slurmctld || fail "slurmctld exited (see its log below)"
     for n in "${names[@]}"; do
-      daemon_pid "$STATE/run/slurmd-$n.pid" slurmd >/dev/null || fail "slurmd of $n exited (see its log below)"
+      ! daemon_exited "$STATE/run/slurmd-$n.pid" slurmd || fail "slurmd of $n exited (see its log below)"
     done
     sleep 1
   done
