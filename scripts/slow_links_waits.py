@@ -31,13 +31,17 @@ from pathlib import Path
 # pairs each lane names its waits apart: slow_links.waited_by_all_ms matches them lane by lane), and
 # the data-parallel reduction their runs make as well (the dense layers' over ep's ranks, every
 # gradient's over cp's), which the planner's prediction of the run holds too. pp: the executor's
-# sends and receives ("p2p"), rank 0's own (RANK_ZERO): the ranks hold different stages, so their
-# k-th receives are different exchanges, and the first stage's are what the step's end waits on (its
-# last backward waits for the last gradient); a receive also waits out the other stage's compute
-# (the schedule's bubble), which the bare run's waits hold as well.
+# waits for its sends and receives ("p2p-wait"; their posting, "p2p", is the host's work) and the
+# wait for the gradient norm's reduction ("norm-wait"), where the last stage, done with its passes,
+# waits out the first stage's last backward and the gradient that goes to it (the schedule's drain).
+# The stage with the most compute waits least: the first activation to reach it and the drain.
 WAIT_KINDS = {"dp": ("grad-reduce",), "zero3": ("zero-wait", "zero-reduce-wait"), "tp": ("sp-wait", "tp-wait"),
-              "ep": ("ep-wait", "grad-reduce"), "cp": ("cp-wait", "grad-reduce"), "pp": ("p2p",)}
-RANK_ZERO = {"pp"}  # read off rank 0's timeline, not matched across ranks
+              "ep": ("ep-wait", "grad-reduce"), "cp": ("cp-wait", "grad-reduce"), "pp": ("p2p-wait", "norm-wait")}
+# Not matched exchange by exchange (slow_links.waited_by_all_ms): the ranks hold different stages,
+# so their k-th receives are different exchanges.
+NOT_PER_EXCHANGE = {"pp"}
+# Runs saved before the executor drew its waits apart: every "p2p" span, posting with waits, rank 0's.
+SAVED_BEFORE = {"pp": ("p2p",)}
 
 
 # a round's figures, by preference
@@ -95,7 +99,7 @@ def _phase(name: str, start: float, passes: list) -> str:
 
 
 def waited_by_least_rank_ms(trace) -> dict[int, dict[str, float]]:
-    """Per recorded iteration (1-based) and dimension of WAIT_KINDS (pp's aside: RANK_ZERO): the total
+    """Per recorded iteration (1-based) and dimension of WAIT_KINDS: the total
     each rank waited in the dimension's kinds of span, the least over the ranks that ran passes in the
     iteration ("<dim>"), and that rank's total by phase ("<dim>/<phase>", as `waited_by_phase_ms`'s on
     its own timeline). A dimension whose kinds are on no rank is left out."""
@@ -108,7 +112,7 @@ def waited_by_least_rank_ms(trace) -> dict[int, dict[str, float]]:
     for e in spans:
         it = e["args"]["iteration"] + 1
         for dim, kinds in WAIT_KINDS.items():
-            if dim in RANK_ZERO or e["cat"] not in kinds:
+            if e["cat"] not in kinds:
                 continue
             phase = _phase(e.get("name", ""), e["ts"], passes.get((it, e["pid"]), []))
             of_rank = totals.setdefault((it, dim), {}).setdefault(e["pid"], {})
@@ -145,13 +149,16 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
     "waited_ms", their difference: the ms a steady iteration of each best round waits in the
     dimension's kinds of span, read (SOURCES, "waited_by") as the total of the rank that waited least
     (`waited_by_least_rank_ms`), or where a --json was saved before that was recorded each wait the
-    least any rank had at it (slow_links.waited_by_all_ms) or rank 0's; the dimensions of RANK_ZERO
-    always rank 0's. "waited_phases_ms": the same by phase; "waited_per_exchange_ms": the per-exchange
-    reading beside the totals', where both are there. Nothing where either run recorded no timeline."""
+    least any rank had at it (slow_links.waited_by_all_ms; not for NOT_PER_EXCHANGE) or rank 0's (of
+    SAVED_BEFORE's kinds, where a run has none of today's). "waited_phases_ms": the same by phase;
+    "waited_per_exchange_ms": the per-exchange reading beside the totals', where both are there.
+    Nothing where either run recorded no timeline."""
     kinds, rounds = WAIT_KINDS.get(dim), (across.best_round(), bare.best_round())
     if kinds is None or None in rounds:
         return
-    sources = ("spans_ms",) if dim in RANK_ZERO else SOURCES
+    if dim in SAVED_BEFORE and not any(k in r.get("spans_ms", {}) for r in rounds for k in kinds):
+        kinds = SAVED_BEFORE[dim]
+    sources = [k for k in SOURCES if not (dim in NOT_PER_EXCHANGE and k == "waited_by_all_ms")]
     key = next((k for k in sources if all(k in r and _waited(r[k], k, dim, kinds) is not None for r in rounds)), None)
     if key is None:
         return
@@ -161,7 +168,7 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
         across, bare = (r[key] for r in rounds)
         row["waited_phases_ms"] = {phase: across.get(f"{dim}/{phase}", 0.0) - bare.get(f"{dim}/{phase}", 0.0)
                                    for phase in PHASES}
-        if all("waited_by_all_ms" in r for r in rounds):
+        if dim not in NOT_PER_EXCHANGE and all("waited_by_all_ms" in r for r in rounds):
             a, b = (_waited(r["waited_by_all_ms"], "waited_by_all_ms", dim, kinds) for r in rounds)
             row["waited_per_exchange_ms"] = a - b
     elif key == "waited_by_all_ms" and all("waited_phases_ms" in r for r in rounds):

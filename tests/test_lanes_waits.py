@@ -1,7 +1,7 @@
 """megalite.parallel.lanes draws each wait of the compute for a collective on the timeline's compute
 row (`<kind>-wait`, issue #50): of a collective launched without waiting, the part after its rank
 came to wait for it (what compute did not hide); of a blocking one, all of it. Not the pipeline's
-receives, whose waits the executor draws itself ("p2p")."""
+receives, whose waits the executor draws itself ("p2p-wait")."""
 import time
 
 from megalite.parallel import lanes

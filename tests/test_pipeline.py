@@ -140,11 +140,21 @@ def test_timeline_has_a_row_per_rank_with_every_kind_of_span(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
-    assert {e["cat"] for e in spans} == {"forward", "backward", "p2p", "grad-reduce", "optimizer"}
+    # the exchanges' posting ("p2p") apart from their waits ("p2p-wait"), and the wait for the
+    # gradient norm's reduction, where the stages meet at the step's end ("norm-wait")
+    assert {e["cat"] for e in spans} == {"forward", "backward", "p2p", "p2p-wait", "grad-reduce", "optimizer",
+                                         "norm-wait"}
     m = 16 // (2 * 2)  # global batch 16, micro-batch 2, dp 2
     for rank in range(4):
         names = [e["name"] for e in spans if e["pid"] == rank and e["args"]["iteration"] == 0]
         assert sorted(n for n in names if n.startswith("F")) == sorted(f"F c0 mb{i}" for i in range(m))
+        assert names.count("wait for the gradient norm") == 1 and names.count("send/recv") >= m
+        optimizer = next(e for e in spans if e["pid"] == rank and e["args"]["iteration"] == 0 and e["cat"] == "optimizer")
+        norm = next(e for e in spans if e["pid"] == rank and e["args"]["iteration"] == 0 and e["cat"] == "norm-wait")
+        assert optimizer["ts"] <= norm["ts"] and norm["ts"] + norm["dur"] <= optimizer["ts"] + optimizer["dur"]
+        # every rank waits for a send at the step's end (this 1F1B's last batch), never while posting
+        waits = [e for e in spans if e["pid"] == rank and e["args"]["iteration"] == 0 and e["cat"] == "p2p-wait"]
+        assert "wait for a send" in {e["name"] for e in waits}
     labels = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert labels[2] == "rank 2 (pp 1, dp 0, tp 0)"
 

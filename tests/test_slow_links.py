@@ -225,7 +225,7 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
         run("ep-across", 300.0, [(500.0, {"ep-comm": 61.0, "ep-wait": 20.0})]),
         run("ep-bare", None, [(450.0, {"ep-comm": 5.0, "ep-wait": 2.0})]),
         run("pp-across", 300.0, [(130.0, {"p2p": 40.0})]), run("pp-bare", None, [(100.0, {"p2p": 25.0})])]
-    for r in runs[-2:]:  # every rank's least waits too: pp's stages' k-th receives are not one exchange, so unused
+    for r in runs[-2:]:  # the least at each exchange too: pp's stages' k-th receives are not one exchange, so unused
         r.rounds[0]["waited_by_all_ms"] = {"p2p": 1.0}
     derived = slow_links_suites.hidden_overlap({r.spec.name: r for r in runs}, links)
     dims = derived["dimensions"]
@@ -234,7 +234,15 @@ def test_the_waits_on_the_timeline_are_the_exposed_communication_and_the_planner
     assert dims["zero3"]["waited_by"] == "rank 0"  # rounds saved without every rank's waits
     assert dims["dp"]["waited_ms"] == 61.0 and dims["zero3"]["exposed_ms"] == 100.0
     assert dims["ep"]["waited_ms"] == 18.0  # its waits, not its collectives in flight
-    assert (dims["pp"]["waited_ms"], dims["pp"]["waited_by"]) == (15.0, "rank 0")  # the first stage's own
+    # saved before the executor drew its waits apart ("p2p-wait"): rank 0's "p2p" spans
+    assert (dims["pp"]["waited_ms"], dims["pp"]["waited_by"]) == (15.0, "rank 0")
+    today = [run("pp-across", 300.0, [(130.0, {"p2p": 9.0, "p2p-wait": 40.0, "norm-wait": 1.0})]),
+             run("pp-bare", None, [(100.0, {"p2p": 20.0, "p2p-wait": 25.0, "norm-wait": 1.0})])]
+    for r, least in zip(today, (60.0, 5.0)):
+        r.rounds[0].update(waited_least_rank_ms={"pp": least}, waited_by_all_ms={"p2p-wait": 1.0})
+    pp = slow_links_suites.hidden_overlap({r.spec.name: r for r in today}, links)["dimensions"]["pp"]
+    assert (pp["waited_ms"], pp["waited_by"]) == (55.0, "the rank that waited least")
+    assert "waited_per_exchange_ms" not in pp  # the stages' k-th receives are not one exchange
     dims["zero3"]["predicted_exposed_ms"], dims["dp"]["predicted_exposed_ms"] = 72.0, 30.0
     for row in dims.values():
         slow_links_waits.predicted_over_waited(row)
@@ -387,13 +395,19 @@ def test_the_waits_are_read_as_the_total_of_the_rank_that_waited_least(tmp_path)
                    span(rank, "ep-wait", f, 100_000, fw), span(rank, "ep-wait", b, 120_000, bw),
                    span(rank, "grad-reduce", "grad reduce (wait)", 200_000, 5000 - 1000 * rank),
                    span(rank, "zero-wait", "wait for zero", 300_000, 7000 + 1000 * rank)]
+    # pp: the first stage waits out the bubble (30 ms), the last stage the first activation (8) and the
+    # drain at the gradient norm's reduction (12); posting ("p2p") is not a wait
+    for rank, (receive, posting, norm) in ((0, (30_000, 2000, 1000)), (1, (8000, 5000, 12_000))):
+        events += [span(rank, "p2p-wait", "wait for a receive", 400_000, receive),
+                   span(rank, "p2p", "send/recv", 430_000, posting),
+                   span(rank, "norm-wait", "wait for the gradient norm", 500_000, norm)]
     trace = tmp_path / "timeline.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     got = slow_links_waits.waited_by_least_rank_ms(trace)[1]
     # rank 0 waited 3 + 10 + 1 + 5 = 19 ms, rank 1 4 + 2 + 10 + 4 = 20
     assert (got["ep"], got["ep/forwards alone"], got["ep/pairs"], got["ep/after"]) == (19.0, 3.0, 11.0, 5.0)
     assert got["zero3"] == 7.0 and got["dp"] == 4.0  # each dimension's own least rank (rank 1's reduction)
-    assert "pp" not in got  # read off rank 0's timeline (RANK_ZERO)
+    assert got["pp"] == 20.0  # the last stage's: the first activation and the drain
     per_exchange = slow_links.waited_by_all_ms(trace)[1]
     assert per_exchange["ep-wait"] == 3.0 + 2.0 + 1.0  # the least at each exchange: 9 ms less than either rank's
     # rank 0 waits 50 ms in the pair: rank 1 (20 ms) is the least, its lone wait after its own forward

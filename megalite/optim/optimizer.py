@@ -13,6 +13,7 @@ produce the same bits from the same reduced gradients.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ class MegaliteOptimizer:
         self.buffers, self.distributed = buffers, distributed
         self.moe = moe  # the model has expert layers (on some stage): norms add the expert grid's sum
         self.loss_scaler = loss_scaler or ConstantLossScaler()
+        # While a step records its timeline (megalite.training.step): the wait for the gradient
+        # norm's reductions drawn here, as "norm-wait". Over the pipeline's stages it is where the
+        # last stage waits out the first's last backward (the schedule's drain).
+        self.spans: list | None = None
         self.pieces: list[_Piece] = []
         for buf in buffers:
             if buf.param_dtype != torch.float32 and not buf.has_fp32_init:
@@ -152,20 +157,35 @@ class MegaliteOptimizer:
     def _global_norm(self, tensor_of) -> torch.Tensor:
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         sq = self._sum_of_squares(self._dense_norm_pieces, device, tensor_of)
+        # (a stage of dense layers adds zero: every rank takes part in the experts' reductions)
+        expert_sq = self._sum_of_squares(self._expert_pieces, device, tensor_of) if self.moe else None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dense = next((b for b in self.buffers if not b.experts), None)
-            if self.distributed and dense is not None and dense.dp_size > 1:  # shards over DP (x CP)
-                traffic.counted_all_reduce("metrics", sq, dense.dp_group)
-            traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
-        if self.moe:  # every rank takes part: a stage of dense layers adds zero
-            expert_sq = self._sum_of_squares(self._expert_pieces, device, tensor_of)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                experts = next((b for b in self.buffers if b.experts), None)
-                if self.distributed and experts is not None and experts.dp_size > 1:
-                    traffic.counted_all_reduce("metrics", expert_sq, experts.dp_group)
-                traffic.counted_all_reduce("metrics", expert_sq, state.get_expert_model_pipeline_group())
-            sq = sq + expert_sq
-        return sq.sqrt()[0]
+            with self._norm_wait(device):
+                dense = next((b for b in self.buffers if not b.experts), None)
+                if self.distributed and dense is not None and dense.dp_size > 1:  # shards over DP (x CP)
+                    traffic.counted_all_reduce("metrics", sq, dense.dp_group)
+                traffic.counted_all_reduce("metrics", sq, state.get_model_parallel_group())
+                if self.moe:
+                    experts = next((b for b in self.buffers if b.experts), None)
+                    if self.distributed and experts is not None and experts.dp_size > 1:
+                        traffic.counted_all_reduce("metrics", expert_sq, experts.dp_group)
+                    traffic.counted_all_reduce("metrics", expert_sq, state.get_expert_model_pipeline_group())
+        return (sq if expert_sq is None else sq + expert_sq).sqrt()[0]
+
+    @contextlib.contextmanager
+    def _norm_wait(self, device: torch.device):
+        """Draw the norm's reductions into `spans` as one wait, where a step records them (a GPU's
+        synchronized around it, as every span of a recorded step is)."""
+        if self.spans is None:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        self.spans.append(("wait for the gradient norm", "norm-wait", start, time.perf_counter() - start))
 
     @staticmethod
     def _sum_of_squares(pieces, device, tensor_of) -> torch.Tensor:

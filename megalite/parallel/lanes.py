@@ -222,7 +222,7 @@ def _await(work, kind: str, launched: float | None = None) -> None:
     _record(kind, launched)
 
 
-_WAITS_DRAWN_ELSEWHERE = {"pp"}  # the pipeline executor draws its receives' waits itself ("p2p")
+_WAITS_DRAWN_ELSEWHERE = {"pp"}  # the pipeline executor draws its own waits ("p2p-wait")
 
 
 def _record_wait(kind: str, start: float | None) -> None:

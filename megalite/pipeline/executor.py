@@ -166,29 +166,34 @@ def run_schedule(
             return
         sends = [p2p.Send(outbox.pop(m), rank_of(m.dst), _TAGS[m.kind]) for m in x.sends]
         recvs = [p2p.Recv(m, rank_of(m.src), _TAGS[m.kind]) for m in x.recvs]
+        # Post this point's batch. Its sends drain while the next passes compute: those of the
+        # batches before the last SENDS_IN_FLIGHT are waited for now, so a sent activation is held
+        # that many intervals longer at most (a transfer may take longer than one pass across a
+        # slow link). A split program, or one whose plan posts receives early, waits for its
+        # receives only where a pass reads them, so the passes before run while they are on their
+        # way; other programs wait for them at once, as their next pass reads them anyway. The
+        # posting and the waits are drawn apart ("p2p", "p2p-wait"), as every dimension's waits are.
         with rec.span("send/recv", "p2p"):
-            # Post this point's batch. Its sends drain while the next passes compute: those of the
-            # batches before the last SENDS_IN_FLIGHT are waited for now, so a sent activation is
-            # held that many intervals longer at most (a transfer may take longer than one pass
-            # across a slow link). A split program, or one whose plan posts receives early, waits
-            # for its receives only where a pass reads them, so the passes before run while they
-            # are on their way; other programs wait for them at once, as their next pass reads
-            # them anyway.
             posted = p2p.exchange(sends, recvs, tensor_shape, dtype, device, wait=False)
-            while len(in_flight) >= SENDS_IN_FLIGHT:
-                in_flight.pop(0).wait_sent()
-            if not (split or early):
+        if len(in_flight) >= SENDS_IN_FLIGHT:
+            with rec.span("wait for a send", "p2p-wait"):
+                while len(in_flight) >= SENDS_IN_FLIGHT:
+                    in_flight.pop(0).wait_sent()
+        if not (split or early or posted.received):
+            with rec.span("wait for a receive", "p2p-wait"):
                 posted.wait_received()
-            in_flight.append(posted)
-            received.update({m: posted for m in posted.buffers})
+        in_flight.append(posted)
+        received.update({m: posted for m in posted.buffers})
         if free_sent_outputs:  # sent (the batch keeps its own reference): backward needs only the graph
             for m in x.sends:
                 if m.kind == "F":
                     _free_data(stash.get((m.src // p, m.micro_batch), (None, None))[1])
 
     def wait_all():
-        while in_flight:
-            in_flight.pop().wait()
+        if in_flight:
+            with rec.span("wait for a send", "p2p-wait"):
+                while in_flight:
+                    in_flight.pop().wait()
 
     def take(message: Message) -> torch.Tensor:
         """What a pass receives, once its batch is in (or from this rank's other chunk)."""
@@ -196,7 +201,7 @@ def run_schedule(
             return handed.pop(message)
         posted = received.pop(message)
         if not posted.received:  # (in an overlapped pair, the other lane computes meanwhile)
-            with rec.span("wait for a receive", "p2p"):
+            with rec.span("wait for a receive", "p2p-wait"):
                 lanes.wait(_Receives(posted), "pp")
         return posted.buffers.pop(message)  # (the batch, still draining its sends, keeps no reference)
 

@@ -147,7 +147,11 @@ class TrainStep:
                     buf.spans = None
         t = time.perf_counter()
         set_phase(f"{label}: the optimizer step")
-        grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad, embedding_lr)
+        self.optimizer.spans = stats.spans if record_spans else None
+        try:
+            grad_norm, found_inf = self.optimizer.step(lr, self.clip_grad, embedding_lr)
+        finally:
+            self.optimizer.spans = None
         self.optimizer.zero_grad()
         update_expert_biases(self.routers, found_inf)
         if self.amax_group is not None:
