@@ -11,7 +11,8 @@ from megalite.tools.plan.calibrate import MeasuredLink, Reference, predicted_lin
 from megalite.tools.plan.exposed import dp_exchanges, format_exposed, pair_items, pass_counts
 from megalite.tools.plan.ring_items import ring_pair_items
 from megalite.tools.plan.pair_play import alone_exposed, pair_exposed, played_pair
-from megalite.tools.plan.pipeline_play import exposed_transfers, played_step
+from megalite.pipeline.programs import Op, build_program
+from megalite.tools.plan.pipeline_play import exposed_transfers, played_step, receives_posted
 from megalite.tools.plan.tp_linears import linear_shares
 
 TINY = preset("gpt-tiny")  # 4 layers, hidden 128, 4 heads, vocabulary 1024
@@ -28,35 +29,56 @@ def _predict(layout, gbs, seq=64, **run):
 def test_a_pipeline_step_played_with_transfers_exposes_those_on_its_path():
     # 1F1B, pp 2, 4 micro-batches, forward 1, backward 2: (m + p - 1) x 3 without transfers
     assert played_step(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 0.0) == 15.0
-    # each transfer 0.1: the first activation and gradient (the fill), then one round trip for
-    # every two micro-batches of the steady state: 4 transfers, not the 8 messages sent
-    assert exposed_transfers(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 0.1) == pytest.approx(0.4)
+    # each transfer 0.1: the first activation and gradient (the fill), one round trip for every
+    # two micro-batches of the steady state, and the last activation, whose receive rank 1 posts only
+    # after its backward before (a message moves once its receive is posted: receives_posted):
+    # 5 transfers, not the 8 messages sent
+    assert exposed_transfers(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 0.1) == pytest.approx(0.5)
     # transfers as long as a pass: rank 1 waits for every activation
-    assert exposed_transfers(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 1.0) == pytest.approx(4.0)
+    assert exposed_transfers(2, 4, None, "1f1b", 1.0, 2.0, 0.0, 1.0) == pytest.approx(5.0)
     assert exposed_transfers(1, 4, None, "1f1b", 1.0, 2.0, 0.0, 1.0) == 0.0
-    # the V's two chunks meet on rank p-1 at no cost: fewer transfers on the path than 2 x pp
+    # the V's two chunks meet on rank p-1 at no cost: of its 16 messages between the ranks, 9 lie on the path
     v = exposed_transfers(2, 4, 2, "zb-v", 0.5, 0.5, 0.5, 0.1)
-    assert 0 < v < 4 * 0.1 * 2
+    assert v == pytest.approx(0.9)
+
+
+def test_a_message_moves_only_once_its_receive_is_posted():
+    # gloo moves a message's bytes only to a posted receive: the executor's plan posts rank 1's
+    # activations of micro-batches 2 and 3 at its exchange point before their forwards, so where rank
+    # 0 is faster (forward 1, backward 2 against 2 and 4) each waits out its whole transfer there
+    # however early it was sent: the fill's activation, the drain's gradient, and those two
+    posted = receives_posted(2, 4, None, "1f1b")
+    assert posted[("F", 0, 2)] == 8 and build_program(2, 1, 4)[9] == Op("F", 0, 2)
+    assert posted[("F", 0, 1)] == 2  # (micro-batch 1's, after the first forward: ahead of its read)
+    assert exposed_transfers(2, 4, None, "1f1b", [1.0, 2.0], [2.0, 4.0], [0.0, 0.0], 0.5) == pytest.approx(2.0)
 
 
 def test_a_ranks_messages_leave_one_at_a_time_in_the_order_it_made_them():
-    # pp 2, 2 micro-batches, f = b = 1, a transfer of 3: rank 0 runs F0 F1 back to back, so F1's
-    # activation leaves only once F0's has arrived (at 4), and reaches rank 1 at 7, not 5. Played:
-    # rank 1 F0 [4, 5] B0 [5, 6] (arrives at 9), F1 [7, 8] B1 [8, 9] (at 12); rank 0 B0 [9, 10],
-    # B1 [12, 13]: 13 against 6 with free transfers. Without the queue it was 12.
-    assert played_step(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 3.0) == pytest.approx(13.0)
-    assert exposed_transfers(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 3.0) == pytest.approx(7.0)
+    # pp 3, 3 micro-batches, f = b = 1, a transfer of 2: rank 0 runs its forwards back to back, and
+    # each activation leaves once the one before has arrived: 23 against 10 with free transfers
+    # (22 if every message left as its pass ended)
+    assert played_step(3, 3, None, "1f1b", 1.0, 1.0, 0.0, 2.0) == pytest.approx(23.0)
+    assert exposed_transfers(3, 3, None, "1f1b", 1.0, 1.0, 0.0, 2.0) == pytest.approx(13.0)
+    # at pp 2 the receive holds it later still: F1's activation would leave at 4, once F0's has
+    # arrived, but rank 1 posts its receive after its F0 [4, 5], so it arrives at 8. Played: rank 1
+    # F1 [8, 9] B1 [9, 10] (arrives at 13); rank 0 B0 [9, 10], B1 [13, 14]: 14 against 6
+    assert played_step(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 3.0) == pytest.approx(14.0)
+    assert exposed_transfers(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 3.0) == pytest.approx(8.0)
     # transfers shorter than the passes between a rank's sends never queue
     assert exposed_transfers(2, 2, None, "1f1b", 1.0, 1.0, 0.0, 0.5) == pytest.approx(1.0)
 
 
 def test_a_slower_last_stage_gives_the_others_slack_that_hides_the_steady_states_transfers():
     # the last stage also runs the output layer: per micro-batch 3 more than rank 0's 3, which
-    # covers a round trip of 2 x 0.5, so only the fill's activation and the drain's gradient lie on
-    # the path (rank 1 is the bottleneck: its first forward and rank 0's last backward wait)
-    assert exposed_transfers(2, 4, None, "1f1b", [1.0, 2.0], [2.0, 4.0], [0.0, 0.0], 0.5) == pytest.approx(1.0)
+    # covers a round trip of 2 x 0.5, so of the round trips only the fill's activation and the
+    # drain's gradient lie on the path, with the activations rank 1 receives where it reads them
+    # (test_a_message_moves_only_once_its_receive_is_posted); with one forward ahead, the fill and
+    # the drain alone
+    assert exposed_transfers(2, 4, None, "1f1b", [1.0, 2.0], [2.0, 4.0], [0.0, 0.0], 0.5) == pytest.approx(2.0)
+    assert exposed_transfers(2, 4, None, "1f1b", [1.0, 2.0], [2.0, 4.0], [0.0, 0.0], 0.5,
+                             extra_warmup=1) == pytest.approx(1.0)
     # the same stages with a uniform pipeline's costs (the slowest everywhere): a round trip per two
-    assert exposed_transfers(2, 4, None, "1f1b", 2.0, 4.0, 0.0, 0.5) == pytest.approx(2.0)
+    assert exposed_transfers(2, 4, None, "1f1b", 2.0, 4.0, 0.0, 0.5) == pytest.approx(2.5)
     # one cost a virtual stage, or the play refuses
     with pytest.raises(ValueError, match="virtual stages"):
         played_step(2, 4, None, "1f1b", [1.0], [2.0], [0.0], 0.0)

@@ -177,3 +177,29 @@ def test_every_dimension_is_within_20_percent_of_the_waits_of_the_rank_that_wait
         assert all(d[dim]["waited_by"] == "the rank that waited least" for dim in bars)
         assert d["dp"]["waited_per_exchange_ms"] == pytest.approx(d["dp"]["waited_ms"], rel=0.02)
         assert all(d[dim]["waited_per_exchange_ms"] < 0.9 * d[dim]["waited_ms"] for dim in ("ep", "cp", "tp"))
+
+
+PP_LEAST = sorted((ROOT / "docs" / "runs" / "2026-12-07").glob("ppleast-*.json"))  # pp's waits read per rank
+
+
+@pytest.mark.parametrize("layout,micro_batches", [("ppleast-a", 16), ("ppleast-b", 8)])
+def test_pp_is_within_20_percent_of_the_waits_of_the_stage_that_waited_least(layout, micro_batches):
+    """pp's waits drawn apart from the exchanges' posting ("p2p-wait") and the wait at the gradient
+    norm's reduction ("norm-wait"), read as the total of the rank that waited least: the last stage,
+    whose waits are the first activation and the drain. Two layouts three times each (16 micro-batches
+    of 1 MiB activations with --pipeline-extra-warmup 1; 8 of 2 MiB): pooled, the planner is within 20%
+    of them, and they clear the issue's 60% (docs/slow-links.md (f), "pp's waits read per rank")."""
+    paths = [p for p in PP_LEAST if p.name.startswith(layout + "-")]
+    assert len(paths) == 3
+    row = _pooled_rows(paths, None)["pp"]
+    assert row["waited_runs"] == 3 and 0.8 <= row["predicted_over_waited"] <= 1.2, row
+    assert row["hidden_by_waits"] >= 0.6, row
+    a = argparse.Namespace(exchange_latency_ms=None, link_burst_kib=None)
+    for p in paths:
+        pp = slow_links_rederive.rederived(a, str(p))[2]["dimensions"]["pp"]
+        assert pp["waited_by"] == "the rank that waited least" and "waited_per_exchange_ms" not in pp
+        flags = " ".join(json.loads(p.read_text())["runs"]["pp-across"]["flags"])
+        assert f"--global-batch-size {8 * micro_batches}" in flags
+    # the runs saved before the waits were drawn apart keep their reading: rank 0's "p2p" spans
+    old = slow_links_rederive.rederived(a, str(DAY / "ppw-1705-3r.json"))[2]["dimensions"]["pp"]
+    assert old["waited_by"] == "rank 0"

@@ -88,7 +88,7 @@ def predicted_idle(p: int, m: int, kind: str, f: float, b: float, w: float, v: i
     return sum(end - x for x in busy) / (p * end)
 
 
-def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
+def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0, posted: dict | None = None):
     """Run the programs on the ideal machine: each rank's row of cells (see `simulate`; whole time
     units only) and the time it reaches each position of its program (and its end). An overlapped
     pair ("O", then an F and a B with its W) starts once both passes' inputs are in and ends
@@ -97,7 +97,12 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
     sender made them: it arrives `transfer` after the pass that makes it ends or after the sender's
     message before it arrives, whichever is later (megalite.tools.plan.pipeline_play).
     f, b and w are each one cost for every virtual stage, or a sequence of one cost per virtual
-    stage (the last stage also runs the output layer: the others wait for it)."""
+    stage (the last stage also runs the output layer: the others wait for it). `posted`: where each
+    message's receive is posted, {(kind, sending virtual stage, micro-batch): position of the X in
+    its receiver's program}; such a message also moves only once its receiver has reached that point
+    (gloo moves a message's bytes only to a posted receive, as NCCL's rendezvous does a large one's),
+    so it arrives `transfer` after then at the earliest (the messages behind it on the sender's link
+    are not held up by it)."""
     chunks = max(op.chunk for prog in programs for op in prog) + 1
     last = p * chunks - 1
     split = any(op.kind == "W" for prog in programs for op in prog)
@@ -145,7 +150,8 @@ def _play(programs, p: int, v_shape: bool, f, b, w, transfer: float = 0):
             deps = [needs(r, op) for op in group if op.kind != "W"]
             if any(d is not None and d not in arrival for d in deps):
                 continue
-            arrivals = [arrival[d] for d in deps if d is not None]
+            arrivals = [arrival[d] if posted is None or d not in posted
+                        else max(arrival[d], reach[r][posted[d]] + transfer) for d in deps if d is not None]
             begin = max([clock[r], *arrivals])
             if cells:
                 rows[r] += ["."] * (begin - clock[r])
