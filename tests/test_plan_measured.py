@@ -182,24 +182,31 @@ def test_every_dimension_is_within_20_percent_of_the_waits_of_the_rank_that_wait
 PP_LEAST = sorted((ROOT / "docs" / "runs" / "2026-12-07").glob("ppleast-*.json"))  # pp's waits read per rank
 
 
-@pytest.mark.parametrize("layout,micro_batches", [("ppleast-a", 16), ("ppleast-b", 8)])
-def test_pp_is_within_20_percent_of_the_waits_of_the_stage_that_waited_least(layout, micro_batches):
+@pytest.mark.parametrize("layout,micro_batches,warmup", [("a", 16, 1), ("b", 8, 0), ("c", 8, 1)])
+def test_pp_is_within_20_percent_of_the_waits_of_the_stage_that_waited_least(layout, micro_batches, warmup):
     """pp's waits drawn apart from the exchanges' posting ("p2p-wait") and the wait at the gradient
-    norm's reduction ("norm-wait"), read as the total of the rank that waited least: the last stage,
-    whose waits are the first activation and the drain. Two layouts three times each (16 micro-batches
-    of 1 MiB activations with --pipeline-extra-warmup 1; 8 of 2 MiB): pooled, the planner is within 20%
-    of them, and they clear the issue's 60% (docs/slow-links.md (f), "pp's waits read per rank")."""
-    paths = [p for p in PP_LEAST if p.name.startswith(layout + "-")]
+    norm's reduction ("norm-wait"), read as the total of the rank that waited least: the last stage.
+    Three layouts three times each: (a) the suite's, 16 micro-batches of 1 MiB activations with
+    --pipeline-extra-warmup 1; (b) 8 of 2 MiB without it, where the last stage receives each
+    activation at the exchange point before the forward that reads it and waits out its whole
+    transfer (gloo moves bytes only to a posted receive), which the planner plays since
+    (pipeline_play.receives_posted); (c) b with one forward ahead. Pooled, the planner is within 20%
+    of each, and a and c clear the issue's 60% (docs/slow-links.md (f), "pp's waits read per rank")."""
+    paths = [p for p in PP_LEAST if p.name.startswith(f"ppleast-{layout}-")]
     assert len(paths) == 3
     row = _pooled_rows(paths, None)["pp"]
     assert row["waited_runs"] == 3 and 0.8 <= row["predicted_over_waited"] <= 1.2, row
-    assert row["hidden_by_waits"] >= 0.6, row
+    if warmup:
+        assert row["hidden_by_waits"] >= 0.6, row
+    else:
+        assert row["hidden_by_waits"] < 0.1, row  # each activation's transfer waited out whole
     a = argparse.Namespace(exchange_latency_ms=None, link_burst_kib=None)
     for p in paths:
         pp = slow_links_rederive.rederived(a, str(p))[2]["dimensions"]["pp"]
         assert pp["waited_by"] == "the rank that waited least" and "waited_per_exchange_ms" not in pp
         flags = " ".join(json.loads(p.read_text())["runs"]["pp-across"]["flags"])
         assert f"--global-batch-size {8 * micro_batches}" in flags
+        assert ("--pipeline-extra-warmup 1" in flags) == bool(warmup)
     # the runs saved before the waits were drawn apart keep their reading: rank 0's "p2p" spans
     old = slow_links_rederive.rederived(a, str(DAY / "ppw-1705-3r.json"))[2]["dimensions"]["pp"]
     assert old["waited_by"] == "rank 0"

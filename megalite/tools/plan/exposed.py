@@ -18,7 +18,8 @@ communication"):
   (pair_play.py): each exchange behind the other pass's compute up to its next exchange, the first
   forward and the last backward alone; with --moe-dispatch-chunks a pass alone played with its
   layers' experts in groups (chunk_play.py);
-- pp: the schedule played with each boundary transfer (pipeline_play.py): what lies on its path;
+- pp: the schedule played with each boundary transfer (pipeline_play.py), a message moving once
+  its receive is posted where the executor's plan posts it: what lies on its path;
 - dp: the gradient buckets during backward, ZeRO-3's gathers prefetched behind the layer before
   (comm.py's model, which `dp_exposed` works out for the step time)."""
 from __future__ import annotations
