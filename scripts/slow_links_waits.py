@@ -158,7 +158,8 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
         return
     if dim in SAVED_BEFORE and not any(k in r.get("spans_ms", {}) for r in rounds for k in kinds):
         kinds = SAVED_BEFORE[dim]
-    sources = [k for k in SOURCES if not (dim in NOT_PER_EXCHANGE and k == "waited_by_all_ms")]
+    per_exchange = dim not in NOT_PER_EXCHANGE
+    sources = [k for k in SOURCES if per_exchange or k != "waited_by_all_ms"]
     key = next((k for k in sources if all(k in r and _waited(r[k], k, dim, kinds) is not None for r in rounds)), None)
     if key is None:
         return
@@ -168,7 +169,7 @@ def add_waits(row: dict, dim: str, across, bare) -> None:
         across, bare = (r[key] for r in rounds)
         row["waited_phases_ms"] = {phase: across.get(f"{dim}/{phase}", 0.0) - bare.get(f"{dim}/{phase}", 0.0)
                                    for phase in PHASES}
-        if dim not in NOT_PER_EXCHANGE and all("waited_by_all_ms" in r for r in rounds):
+        if per_exchange and all("waited_by_all_ms" in r for r in rounds):
             a, b = (_waited(r["waited_by_all_ms"], "waited_by_all_ms", dim, kinds) for r in rounds)
             row["waited_per_exchange_ms"] = a - b
     elif key == "waited_by_all_ms" and all("waited_phases_ms" in r for r in rounds):

@@ -42,7 +42,8 @@ def played_step(p: int, m: int, v: int | None, kind: str, f, b, w, transfer: flo
     number, or one per virtual stage), each message between two ranks arriving `transfer` seconds
     after its pass ends; `extra_warmup`: --pipeline-extra-warmup's programs."""
     programs = [build_program(p, r, m, v if v and v > 1 else None, kind, extra_warmup=extra_warmup) for r in range(p)]
-    posted = receives_posted(p, m, v, kind, extra_warmup)
+    # (with free transfers a receive posted before its read holds nothing back)
+    posted = receives_posted(p, m, v, kind, extra_warmup) if transfer else None
     return max(times[-1] for times in _play(programs, p, is_v_shaped(kind), f, b, w, transfer, posted)[1])
 
 
