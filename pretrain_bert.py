@@ -42,7 +42,9 @@ def build_data(config, cfg):
 
 def bert_forward_step(model, batch):
     """Summed MLM loss over masked tokens plus the sentence-order loss weighted so that, divided by
-    the global masked-token count, the objective is mean MLM + mean SOP over the global batch."""
+    the global masked-token count, the objective is mean MLM + mean SOP over the global batch. The
+    loop scales the loss masks first unless --calculate-per-token-loss, so the MLM part is Megatron-LM's
+    mean of micro-batch means (`Task.loss_counts_vary`)."""
     out = model(batch["tokens"], token_type_ids=batch["token_types"], padding_mask=batch["padding_mask"],
                 lm_labels=batch["labels"], sop_labels=batch["sop_labels"])
     if not model.post_process:
@@ -60,7 +62,7 @@ def bert_forward_step(model, batch):
 
 def task() -> Task:
     return Task(build_model, build_data, bert_forward_step, prepare, model_kind="bert",
-                loss_terms=("mlm_loss", "sop_loss"), perplexity_of="mlm_loss")
+                loss_terms=("mlm_loss", "sop_loss"), perplexity_of="mlm_loss", loss_counts_vary=True)
 
 
 def main(argv=None) -> int:

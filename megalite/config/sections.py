@@ -204,7 +204,7 @@ class TrainingConfig:
                                  check=POSITIVE_INT)
     calculate_per_token_loss: bool = opt(False, "the loss is the global batch's sum over tokens / its token count "
                                                 "(default, as Megatron-LM: the mean of each micro-batch's mean; "
-                                                "the two differ only where loss masks differ, e.g. --eod-mask-loss)")
+                                                "the two differ where loss masks differ: --eod-mask-loss, SFT, BERT's masking)")
     plan: bool = opt(False, "before training, predict memory and step time of this layout and warn if it will "
                             "not fit")
     plan_gpu_memory_gib: float | None = opt(None, "GPU memory for --plan (default: this GPU's)", check=POSITIVE)

@@ -60,10 +60,12 @@ def sft_datasets(cfg: RunConfig) -> tuple:
     return with_document_flags((train, valid), flags)
 
 
-def micro_batch_means_apply(cfg: RunConfig) -> bool:
+def micro_batch_means_apply(cfg: RunConfig, loss_counts_vary: bool = False) -> bool:
     """Whether the loss is Megatron-LM's mean of micro-batch means and that differs from the per-token
-    mean: micro-batches may count different numbers of loss tokens, and no --calculate-per-token-loss."""
-    return bool(cfg.data.eod_mask_loss or cfg.data.sft_data_path) and not cfg.training.calculate_per_token_loss
+    mean: micro-batches may count different numbers of loss tokens (--eod-mask-loss, SFT, or the task's
+    own masking: `Task.loss_counts_vary`), and no --calculate-per-token-loss."""
+    varies = loss_counts_vary or cfg.data.eod_mask_loss or cfg.data.sft_data_path
+    return bool(varies) and not cfg.training.calculate_per_token_loss
 
 
 def document_flags(cfg: RunConfig, vocab_size: int) -> DocumentFlags | None:

@@ -36,7 +36,7 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
         for j in range(cfg.training.eval_iters):
             batches = micro_batches(data, j, cfg, dp, parallel.get_data_parallel_rank(), device)
             n = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
-            if micro_batch_means_apply(cfg):  # as training's loss
+            if micro_batch_means_apply(cfg, task.loss_counts_vary):  # as training's loss
                 micro_batch_means(batches, n, dp, parallel.get_context_parallel_group())
             stats = run_schedule(program, chunks, batches, task.forward_step, n, step.tensor_shape, step.dtype,
                                  v_shape=step.v_shape,

@@ -153,7 +153,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         else:  # the log line's loss: the mean over replicas of each replica's mean
             num_tokens = global_normalizer(batches, cfg.training.global_batch_size // dp, replica_group)
             logged_tokens = num_tokens * dp
-        if micro_batch_means_apply(cfg):  # masks differ: Megatron-LM's mean
+        if micro_batch_means_apply(cfg, task.loss_counts_vary):  # masks differ: Megatron-LM's mean
             replicas = 1 if local_sgd is not None else dp  # local SGD: each replica's own mean
             micro_batch_means(batches, num_tokens, replicas, parallel.get_context_parallel_group())
         # The schedule runs on steps; with a growing batch on samples seen, in final batches (Megatron-LM's).

@@ -44,6 +44,9 @@ class Task:
     loss_terms: tuple[str, ...] = ()
     # The term whose exp is the perplexity logged at validation (None: the whole loss).
     perplexity_of: str | None = None
+    # Whether micro-batches count different numbers of loss tokens whatever the flags (BERT: random
+    # masking), so Megatron-LM's mean of micro-batch means differs from the per-token mean.
+    loss_counts_vary: bool = False
 
 
 def check_task_flags(cfg: RunConfig, task: Task) -> None:
