@@ -9,6 +9,7 @@ import torch
 
 from megalite import checkpoint
 from megalite.checkpoint import save as save_module
+from megalite.checkpoint import snapshot as snapshot_module
 from megalite.models.config import TransformerConfig
 from megalite.testing import run_ranks
 from training_ranks import gpt_run
@@ -21,7 +22,7 @@ def _watch_buffers(delay_s: float = 0.0) -> dict:
     """Record, in this rank, every snapshot-buffer allocation (thread, bytes) and, at each save, the
     bytes its entries need and the buffer it copied into. `delay_s`: slow the background allocation."""
     seen = {"allocations": [], "saves": []}
-    allocate, take = save_module._allocate, save_module.Snapshot.take
+    allocate, take = snapshot_module._allocate, snapshot_module.Snapshot.take
 
     def allocate_counted(total, pin, device):
         name = threading.current_thread().name
@@ -32,11 +33,11 @@ def _watch_buffers(delay_s: float = 0.0) -> dict:
 
     def take_watched(self, entries, *args, **kwargs):
         out = take(self, entries, *args, **kwargs)
-        seen["saves"].append({"need": save_module._layout(entries)[1], "size": self.buffer.numel(),
+        seen["saves"].append({"need": snapshot_module._layout(entries)[1], "size": self.buffer.numel(),
                               "ptr": self.buffer.data_ptr()})
         return out
 
-    save_module._allocate, save_module.Snapshot.take = allocate_counted, take_watched
+    snapshot_module._allocate, snapshot_module.Snapshot.take = allocate_counted, take_watched
     return seen
 
 

@@ -8,17 +8,15 @@ token (unique: no earlier save's report can pass for it). Rank 0 (a background t
 last; or, if any rank failed, removes the partial directory and records the one-line failure,
 which `poll()` shows every rank.
 No collective runs after the save's start, so the training loop never waits for the disk.
-The files and the commit themselves are `atomic`'s; the state written is `rank_state`'s.
+The files and the commit themselves are `atomic`'s; the state written is `rank_state`'s, copied
+into `snapshot`'s buffer; the waits on other ranks are `rendezvous`'s.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import mmap
 import shutil
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,171 +28,9 @@ from megalite.checkpoint import lock
 from megalite.checkpoint.atomic import commit, failure_line, fresh_tmp_dir, write_rank
 from megalite.checkpoint.layout import rank_file_name, tmp_dir
 from megalite.checkpoint.rank_state import collect_rank_state
-from megalite.runtime import TrainingStopped, UsageError, heartbeat_timeout_s, stop_signal_received
-
-_POLL_S = 0.02
-_HEARTBEAT_LOOK_S = 0.5
-_ALIGN = 64
-_PAGE = mmap.PAGESIZE
-
-
-class Snapshot:
-    """One contiguous (pinned, with CUDA) host buffer, reused across saves: one copy per tensor.
-
-    `prepare` allocates it ahead of the first save, in a background thread, so that the allocation
-    (pinned memory is slow to allocate) and the first touch of its pages (on CPU these page faults
-    cost more than the copy itself) overlap training; `take` waits only for what is not done yet."""
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-        self._preparing: threading.Thread | None = None
-
-    def prepare(self, entries, pin: bool) -> None:
-        """Start allocating the buffer that `take(entries)` uses, unless the one held is big enough.
-        Only the entries' sizes are read: meta tensors will do."""
-        self.wait()
-        total = _layout(entries)[1]
-        if self.buffer is not None and self.buffer.numel() >= total:
-            return
-        self.buffer = None  # let the old one go first
-        device = torch.cuda.current_device() if pin else None  # the thread's own device would be GPU 0
-        self._preparing = threading.Thread(target=self._allocate_quietly, args=(total, pin, device), daemon=True,
-                                           name="megalite-checkpoint-buffer")
-        self._preparing.start()
-
-    def wait(self) -> None:
-        """Return once a preparation under way is done."""
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
-
-    def _allocate_quietly(self, total: int, pin: bool, device) -> None:
-        try:
-            buffer = _allocate(total, pin, device)
-            if not pin:  # pageable memory is resident once written; pinned memory is so from the start
-                buffer[::_PAGE].zero_()
-            self.buffer = buffer
-        except Exception:  # noqa: BLE001 - out of memory, say: `take` allocates again and raises in the loop
-            self.buffer = None
-
-    def take(self, entries, unit_keys=(), units_gathered_in_turn=()):
-        """Copies of `entries` in the host buffer. A tensor whose storage is a ZeRO-3 unit's (its
-        key in `unit_keys`) is copied while `units_gathered_in_turn` holds that unit gathered."""
-        self.wait()
-        offsets, total = _layout(entries)
-        if self.buffer is None or self.buffer.numel() < total:
-            self.buffer = None  # let the old one go first
-            pin = _pinned(entries)
-            self.buffer = _allocate(total, pin, torch.cuda.current_device() if pin else None)
-        out = []
-        for (key, t), off in zip(entries, offsets):
-            n = t.numel() * t.element_size()
-            out.append((key, self.buffer[off:off + n].view(t.dtype).view(t.shape)))
-        in_units: dict[int, list[int]] = {k: [] for k in unit_keys}
-        for i, (_, t) in enumerate(entries):
-            storage = t.untyped_storage()._cdata
-            if storage in in_units:
-                in_units[storage].append(i)  # its unit is free now: copied when gathered, below
-            else:
-                out[i][1].copy_(t, non_blocking=True)
-        for storage in units_gathered_in_turn:  # collective: every DP rank walks every unit
-            for i in in_units.get(storage, ()):
-                out[i][1].copy_(entries[i][1], non_blocking=True)
-        if any(t.is_cuda for _, t in entries):
-            torch.cuda.synchronize()
-        return out
-
-
-def _layout(entries) -> tuple[list[int], int]:
-    """Each entry's byte offset in the snapshot buffer, and the buffer's size."""
-    offsets, total = [], 0
-    for _, t in entries:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    return offsets, total
-
-
-def _pinned(entries) -> bool:
-    return torch.cuda.is_available() and any(t.is_cuda for _, t in entries)
-
-
-def _allocate(total: int, pin: bool, device) -> torch.Tensor:
-    with torch.cuda.device(device) if pin else contextlib.nullcontext():  # pinned for this rank's GPU
-        return torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-
-
-class _LocalStore:
-    """The rendezvous store's few calls, for a process without a process group."""
-
-    def __init__(self):
-        self._d: dict[str, bytes] = {}
-        self.timeout = datetime.timedelta(minutes=30)
-
-    def set(self, key, value):
-        self._d[key] = value.encode() if isinstance(value, str) else value
-
-    def get(self, key):
-        return self._d[key]
-
-    def check(self, keys):
-        return all(k in self._d for k in keys)
-
-
-def _default_store():
-    if dist.is_available() and dist.is_initialized():
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except (RuntimeError, ValueError, AttributeError):
-            pass
-    return _LocalStore()
-
-
-_STALE_AFTER_SIGNAL_S = 5.0  # missed heartbeats that mean "dead" once torchrun is tearing the job down
-
-
-class _Beats:
-    """Watches the heartbeats (megalite.runtime) of the ranks a save waits for, so that a rank that
-    died mid-save ends the wait in seconds, not at the store's time-out: a beat unchanged for the
-    heartbeat time-out, or for 5 s once a stop signal came (torchrun signals the survivors when a
-    rank dies, and kills them after its grace period; in a preemption every rank beats on)."""
-
-    def __init__(self, store, ranks):
-        self.store, self.seen = store, {r: (None, time.monotonic()) for r in ranks}
-
-    def dead(self, ranks) -> list[int]:
-        limit = _STALE_AFTER_SIGNAL_S if stop_signal_received() else heartbeat_timeout_s()
-        out = []
-        for r in ranks:
-            try:
-                beat = self.store.get(f"megalite/alive/{r}") if self.store.check([f"megalite/alive/{r}"]) else None
-            except Exception:  # noqa: BLE001 - the store's host is gone: the time-out reports it
-                return []
-            last, since = self.seen.get(r, (None, time.monotonic()))
-            if beat != last or beat is None:
-                self.seen[r] = (beat, time.monotonic())
-            elif time.monotonic() - since > limit:
-                out.append(r)
-        return out
-
-
-def _wait_for(store, keys, timeout_s: float, ranks=None) -> bool | list[int]:
-    """Poll (store.wait would hold the store client's lock and stall the heartbeat thread) until
-    every key is set (True), the time-out (False), or a rank that `ranks[i]` names as the writer of
-    the missing `keys[i]` stopped beating (the dead ranks)."""
-    deadline = time.monotonic() + timeout_s
-    beats = _Beats(store, ranks) if ranks else None
-    next_look = time.monotonic() + _HEARTBEAT_LOOK_S
-    while not store.check(keys):
-        now = time.monotonic()
-        if now > deadline:
-            return False
-        if beats is not None and now >= next_look:
-            next_look = now + _HEARTBEAT_LOOK_S
-            dead = beats.dead([r for r, k in zip(ranks, keys) if not store.check([k])])
-            if dead:
-                return dead
-        time.sleep(_POLL_S)
-    return True
+from megalite.checkpoint.rendezvous import default_store, wait_for
+from megalite.checkpoint.snapshot import Snapshot
+from megalite.runtime import TrainingStopped, UsageError
 
 
 @dataclass
@@ -236,7 +72,7 @@ class Checkpointer:
             refusal = box[0]
         if refusal:
             raise UsageError(refusal)
-        self._store = _default_store()
+        self._store = default_store()
         self._timeout_s = getattr(self._store, "timeout", datetime.timedelta(minutes=30)).total_seconds()
 
     # -- the loop's calls
@@ -343,7 +179,7 @@ class Checkpointer:
                 thread.join()
         if job.outcome is None:
             key = job.prefix + "outcome"
-            waited = _wait_for(self._store, [key], self._timeout_s + 5, [0] if self._world > 1 else None)
+            waited = wait_for(self._store, [key], self._timeout_s + 5, [0] if self._world > 1 else None)
             if waited is True:
                 job.outcome = json.loads(self._store.get(key))
             elif waited:
@@ -377,7 +213,7 @@ class Checkpointer:
         tmp = tmp_dir(self.directory, job.iteration)
         keys = [job.prefix + f"rank/{r}" for r in range(self._world)]
         try:
-            waited = _wait_for(self._store, keys, self._timeout_s, list(range(self._world)) if self._world > 1 else None)
+            waited = wait_for(self._store, keys, self._timeout_s, list(range(self._world)) if self._world > 1 else None)
             if waited is not True and waited:
                 raise _Lost(f"rank(s) {waited} stopped during the save (their heartbeat ended)")
             if not waited:
