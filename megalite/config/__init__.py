@@ -7,8 +7,9 @@ from megalite.config.layout import validate
 from megalite.config.rules import lr_schedule_lengths, model_config, model_dtype, resolve
 from megalite.config.run import SECTIONS, ConfigError, RunConfig
 from megalite.config.model_sections import ModelConfig
-from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      OptimizerConfig, ParallelConfig, TrainingConfig)
+from megalite.config.output_sections import CheckpointConfig, LoggingConfig
+from megalite.config.sections import (DataConfig, DataParallelConfig, LocalSGDConfig, OptimizerConfig, ParallelConfig,
+                                      TrainingConfig)
 from megalite.config.precision import PrecisionConfig
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "ConfigParser", "DataConfig", "DataParallelConfig",

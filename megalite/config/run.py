@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from megalite.config.fields import flag_of, section_fields, spec_of
 from megalite.config.model_sections import MoEConfig, ModelConfig
-from megalite.config.sections import (CheckpointConfig, DataConfig, DataParallelConfig, LocalSGDConfig, LoggingConfig,
-                                      OptimizerConfig, ParallelConfig, TrainingConfig)
+from megalite.config.output_sections import CheckpointConfig, LoggingConfig
+from megalite.config.sections import (DataConfig, DataParallelConfig, LocalSGDConfig, OptimizerConfig, ParallelConfig,
+                                      TrainingConfig)
 from megalite.config.precision import PrecisionConfig
 
 
