@@ -6,6 +6,8 @@ With no --data-path it trains on the embedded corpus (standard-library sources, 
 line); --mock-data uses a synthetic stream.
 """
 
+import functools
+
 import torch
 
 from megalite import runtime
@@ -32,12 +34,15 @@ def build_model(config, cfg, device, pre_process=True, post_process=True, layer_
 
 
 def build_data(config, cfg):
-    def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
-        return build_bert_datasets(cfg.data.data_path[0], cfg.data.split, cfg.model.seq_length, samples,
-                                   cfg.training.seed,
-                                   data_tokenizer(cfg.data), vocab_size=config.vocab_size, lock_timeout=lock_timeout)
+    d = cfg.data
+    masking = dict(mask_prob=d.mask_prob, binary_head=config.add_binary_head)
 
-    return train_valid_datasets(cfg, config.vocab_size, SyntheticBERT, datasets)
+    def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
+        return build_bert_datasets(d.data_path[0], d.split, cfg.model.seq_length, samples, cfg.training.seed,
+                                   data_tokenizer(d), vocab_size=config.vocab_size, lock_timeout=lock_timeout,
+                                   short_seq_prob=d.short_seq_prob, **masking)
+
+    return train_valid_datasets(cfg, config.vocab_size, functools.partial(SyntheticBERT, **masking), datasets)
 
 
 def bert_forward_step(model, batch):
@@ -45,8 +50,10 @@ def bert_forward_step(model, batch):
     the global masked-token count, the objective is mean MLM + mean SOP over the global batch. The
     loop scales the loss masks first unless --calculate-per-token-loss, so the MLM part is Megatron-LM's
     mean of micro-batch means (`Task.loss_counts_vary`)."""
-    out = model(batch["tokens"], token_type_ids=batch["token_types"], padding_mask=batch["padding_mask"],
-                lm_labels=batch["labels"], sop_labels=batch["sop_labels"])
+    # Without the binary head (--bert-no-binary-head) the model has no token types and no SOP loss.
+    out = model(batch["tokens"], token_type_ids=batch["token_types"] if model.num_tokentypes else None,
+                padding_mask=batch["padding_mask"], lm_labels=batch["labels"],
+                sop_labels=batch["sop_labels"] if model.add_binary_head else None)
     if not model.post_process:
         return out
     mlm, sop = out

@@ -93,8 +93,8 @@ def test_pretrain_build_data_refuses_ids_beyond_the_model_vocabulary(tmp_path, k
     monkeypatch.setattr(pretrain_bert, "data_tokenizer", lambda data: _BertTok())
     build_data = (pretrain_gpt if kind == "gpt" else pretrain_bert).build_data
     with pytest.raises(UsageError, match="holds token id 499, outside the vocabulary of 256 ids"):
-        build_data(SimpleNamespace(vocab_size=256), cfg)
-    train, _ = build_data(SimpleNamespace(vocab_size=600), cfg)
+        build_data(SimpleNamespace(vocab_size=256, add_binary_head=True), cfg)
+    train, _ = build_data(SimpleNamespace(vocab_size=600, add_binary_head=True), cfg)
     assert train is not None
 
 

@@ -19,7 +19,7 @@ READABLE_VERSIONS = (2, 3)
 GLU_FC1 = re.compile(r"^layers\.\d+\.mlp\.fc1\.(weight|bias)$")
 VOCAB_PARAMS = ("word_embeddings.weight", "lm_bias", "output_layer.weight")  # rows past the vocabulary are padding
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                "layernorm_position", "activation", "normalization")
+                "layernorm_position", "activation", "normalization", "add_binary_head")
 ITER_NAME = re.compile(r"^iter_\d{7}$")
 RANK_FILE_NAME = re.compile(r"^rank_(\d{5})\.safetensors$")
 

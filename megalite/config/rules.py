@@ -197,7 +197,8 @@ def _model_overrides(m) -> dict:
                 "add_qkv_bias": dict(add_qkv_bias=True), "qk_layernorm": dict(qk_layernorm=True),
                 "qk_layernorm_full_width": dict(qk_layernorm_full_width=True),
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
-                "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True)}
+                "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True),
+                "bert_no_binary_head": dict(add_binary_head=False)}
     if mla:  # Megatron-LM's MLA norms its query and key/value latents only with --qk-layernorm; megalite's always
         switches.pop("qk_layernorm")
     for name, fields in switches.items():

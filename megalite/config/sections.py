@@ -147,6 +147,10 @@ class DataConfig:
     merge_file: str | None = opt(None, "GPT2BPETokenizer: merges.txt")
     tokenizer_model: str | None = opt(None, "SentencePiece model file, or a Hugging Face tokenizer directory")
     split: str = opt("969,30,1", "train,valid,test proportions of the documents")
+    mask_prob: float = opt(0.15, "BERT: the share of a sample's tokens chosen for the masked-LM loss",
+                           check=(lambda v: 0 < v <= 1, "in (0, 1]"))
+    short_seq_prob: float = opt(0.1, "BERT: how often a sample's segment aims at a random shorter length",
+                                check=PROBABILITY)
     mock_data: bool = opt(False, "a deterministic synthetic token stream")
     # Documents packed into a sequence, told apart by the tokenizer's EOD (megalite.data.documents).
     reset_attention_mask: bool = opt(False, "attend only within each document packed into a sequence (GPT)")

@@ -3,13 +3,14 @@
 The dataset's documents are lists of sentences (`preprocess --split-sentences`). A cached index
 (built once, like GPT's) groups consecutive sentences of a document into segments of up to
 seq_length - 3 tokens (a shorter target with probability `short_seq_prob`), at least two sentences
-each, over as many epochs as needed, in a seeded shuffled order. Sample k is then made
-deterministically from (seed, k):
+each (one without the binary head), over as many epochs as needed, in a seeded shuffled order.
+Sample k is then made deterministically from (seed, k):
 - the segment is cut at a random sentence boundary into A and B; with probability 1/2 they are
   swapped (sentence-order label 1, else 0); the longer side is trimmed until the pair fits;
 - tokens are [CLS] A [SEP] B [SEP] (token types 0 for [CLS] A [SEP], 1 for B [SEP]), padded;
-- 15% of the non-special positions are chosen for prediction: 80% become [MASK], 10% a random
-  token, 10% stay; `labels` hold the originals, `loss_mask` marks them.
+  without the binary head (--bert-no-binary-head) the whole segment is A: [CLS] A [SEP], label 0;
+- `mask_prob` (15%) of the non-special positions are chosen for prediction: 80% become [MASK],
+  10% a random token, 10% stay; `labels` hold the originals, `loss_mask` marks them.
 """
 from __future__ import annotations
 
@@ -27,15 +28,18 @@ from megalite.data.indexed import DatasetError, IndexedDataset
 class BERTDataset:
     def __init__(self, indexed: IndexedDataset, documents: tuple[int, int], num_samples: int, seq_length: int,
                  seed: int, vocab_size: int, specials: dict, name: str = "train", mask_prob: float = 0.15,
-                 short_seq_prob: float = 0.1, lock_timeout: float | None = None):
+                 short_seq_prob: float = 0.1, lock_timeout: float | None = None, binary_head: bool = True):
         self.indexed, self.seq_length, self.num_samples, self.seed = indexed, seq_length, num_samples, seed
-        self.vocab_size, self.mask_prob = vocab_size, mask_prob
+        self.vocab_size, self.mask_prob, self.binary_head = vocab_size, mask_prob, binary_head
+        least = 2 if binary_head else 1  # sentences a segment needs: a pair, or one segment
         self.cls, self.sep, self.mask, self.pad = (specials[k] for k in ("cls", "sep", "mask", "pad"))
         max_tokens = seq_length - 3
         idx_path = Path(indexed.prefix + ".idx")
         key = {"kind": f"bert-{name}", "prefix": os.path.realpath(indexed.prefix), "size": idx_path.stat().st_size,
                "mtime": idx_path.stat().st_mtime_ns, "documents": list(documents), "num_samples": num_samples,
                "seq_length": seq_length, "seed": seed, "short_seq_prob": short_seq_prob}
+        if not binary_head:  # (keys of caches built before stay as they were)
+            key["least_sentences"] = least
 
         def build():
             lengths = indexed.sequence_lengths
@@ -51,13 +55,13 @@ class BERTDataset:
                     for sent in range(lo, hi):
                         tokens += int(lengths[sent])
                         if tokens >= target or sent == hi - 1:
-                            if sent + 1 - start >= 2:  # a pair needs two sentences
+                            if sent + 1 - start >= least:  # a pair needs two sentences, one segment one
                                 segments.append((start, sent + 1))
                             start, tokens = sent + 1, 0
                             target = max_tokens if rng.random_sample() >= short_seq_prob else rng.randint(
                                 2, max_tokens + 1)
                 if len(segments) == before:
-                    raise DatasetError(f"the {name} split of {indexed.prefix} has no document with two sentences: "
+                    raise DatasetError(f"the {name} split of {indexed.prefix} has no document with {least} sentences: "
                                        f"BERT needs data preprocessed with --split-sentences")
                 epoch += 1
             segments_arr = np.asarray(segments[:num_samples], dtype=np.int64)
@@ -72,10 +76,10 @@ class BERTDataset:
         k %= self.num_samples
         rng = np.random.RandomState((self.seed * 1_000_003 + k) % 2**32)
         lo, hi = (int(x) for x in self.segments[k])
-        cut = rng.randint(lo + 1, hi)
+        cut = rng.randint(lo + 1, hi) if self.binary_head else hi
         a = np.concatenate([self.indexed[i] for i in range(lo, cut)]).astype(np.int64)
-        b = np.concatenate([self.indexed[i] for i in range(cut, hi)]).astype(np.int64)
-        swapped = rng.random_sample() < 0.5
+        b = np.concatenate([self.indexed[i] for i in range(cut, hi)] or [[]]).astype(np.int64)
+        swapped = self.binary_head and rng.random_sample() < 0.5
         if swapped:
             a, b = b, a
         max_tokens = self.seq_length - 3
@@ -83,8 +87,9 @@ class BERTDataset:
             longer = a if len(a) >= len(b) else b
             trimmed = longer[1:] if rng.random_sample() < 0.5 else longer[:-1]
             a, b = (trimmed, b) if longer is a else (a, trimmed)
-        tokens = np.concatenate([[self.cls], a, [self.sep], b, [self.sep]])
-        types = np.concatenate([np.zeros(len(a) + 2, np.int64), np.ones(len(b) + 1, np.int64)])
+        second = np.concatenate([b, [self.sep]]) if self.binary_head else np.zeros(0, np.int64)
+        tokens = np.concatenate([[self.cls], a, [self.sep], second]).astype(np.int64)
+        types = np.concatenate([np.zeros(len(a) + 2, np.int64), np.ones(len(second), np.int64)])
         n = len(tokens)
         labels, loss_mask = np.zeros(self.seq_length, np.int64), np.zeros(self.seq_length, np.float32)
         candidates = np.asarray([i for i in range(n) if tokens[i] not in (self.cls, self.sep)])
@@ -112,10 +117,13 @@ class BERTDataset:
 
 
 def build_bert_datasets(prefix: str, split: str, seq_length: int, num_samples: tuple[int, int, int], seed: int,
-                        tokenizer, vocab_size: int | None = None, lock_timeout: float | None = None) -> tuple:
+                        tokenizer, vocab_size: int | None = None, lock_timeout: float | None = None,
+                        mask_prob: float = 0.15, short_seq_prob: float = 0.1, binary_head: bool = True) -> tuple:
     """(train, valid, test); None for a split with no documents or no samples asked. The dataset's
     ids must lie below `vocab_size` (the model's; default the tokenizer's), else DatasetError.
-    `lock_timeout`: seconds to wait for another rank building the cache."""
+    `lock_timeout`: seconds to wait for another rank building the cache. `mask_prob`,
+    `short_seq_prob`, `binary_head`: Megatron-LM's --mask-prob, --short-seq-prob and (False)
+    --bert-no-binary-head."""
     tokenizer.require("cls", "sep", "mask", "pad")
     if seq_length < 8:
         raise ValueError(f"--seq-length {seq_length} is too short for BERT sentence pairs (at least 8)")
@@ -127,5 +135,5 @@ def build_bert_datasets(prefix: str, split: str, seq_length: int, num_samples: t
         lo, hi = split_ranges(indexed.num_documents, split)[which]
         n = num_samples[which]
         out.append(BERTDataset(indexed, (lo, hi), n, seq_length, seed, tokenizer.vocab_size, specials, name,
-                               lock_timeout=lock_timeout) if hi > lo and n > 0 else None)
+                               mask_prob, short_seq_prob, lock_timeout, binary_head) if hi > lo and n > 0 else None)
     return tuple(out)

@@ -67,22 +67,25 @@ class SyntheticTokens:
 
 class SyntheticBERT:
     """Deterministic BERT-shaped batches (sample i depends on (seed, i) only): the learnable
-    stream above with 15% of positions masked, a sentence-order label from the first token's parity."""
+    stream above with `mask_prob` (15%) of positions masked, a sentence-order label from the first
+    token's parity; without the binary head one segment (token type 0 throughout)."""
 
-    def __init__(self, vocab_size: int, seq_length: int, seed: int = 0):
+    def __init__(self, vocab_size: int, seq_length: int, seed: int = 0, mask_prob: float = 0.15,
+                 binary_head: bool = True):
         if vocab_size < 8:
             raise ValueError("SyntheticBERT needs a vocabulary of at least 8")
         self.stream = SyntheticTokens(vocab_size - 4, seq_length, seed)
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
+        self.mask_prob, self.binary_head = mask_prob, binary_head
         self.mask_id = vocab_size - 1  # the top ids play the special tokens
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
         indices = list(indices)
         tokens = self.stream._tokens(indices)[:, :-1]
         chosen = torch.stack([torch.rand(self.seq_length, generator=torch.Generator().manual_seed(
-            self.seed * 1_000_003 + index + 7)) for index in indices]) < 0.15
+            self.seed * 1_000_003 + index + 7)) for index in indices]) < self.mask_prob
         chosen[:, 0] = True
-        n, half = len(indices), self.seq_length // 2
+        n, half = len(indices), self.seq_length // 2 if self.binary_head else self.seq_length
         return {"tokens": tokens.masked_fill(chosen, self.mask_id),
                 "token_types": (torch.arange(self.seq_length) >= half).long().expand(n, -1).contiguous(),
                 "padding_mask": torch.ones(n, self.seq_length, dtype=torch.bool),

@@ -81,7 +81,10 @@ class BERTModel(LanguageModelStage):
 
     def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
                  layer_numbers: Sequence[int] | None = None, seed: int | None = None, device=None,
-                 num_tokentypes: int = 2, add_binary_head: bool = True):
+                 num_tokentypes: int | None = None, add_binary_head: bool | None = None):
+        # Unset: the config's (Megatron-LM's: two token types with the binary head, none without).
+        add_binary_head = config.add_binary_head if add_binary_head is None else add_binary_head
+        num_tokentypes = (2 if add_binary_head else 0) if num_tokentypes is None else num_tokentypes
         if num_tokentypes < 0:
             raise ValueError(f"num_tokentypes must be >= 0, got {num_tokentypes}")
         _refuse_llama_switches(config)

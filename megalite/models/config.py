@@ -58,6 +58,9 @@ class TransformerConfig:
     normalization: str = "layernorm"  # layernorm (weight and bias) | rmsnorm (weight only)
     activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu
     causal: bool = True  # attention: to earlier positions only, or bidirectional
+    # BERT: the pooler and sentence-order head, and two token types (Megatron-LM's --bert-no-binary-head
+    # turns all three off: one segment a sample, masked-LM loss alone).
+    add_binary_head: bool = True
     params_dtype: torch.dtype = torch.float32
     # Llama-family switches (Megatron-Core's names); the defaults leave GPT-2 and BERT as they were.
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none

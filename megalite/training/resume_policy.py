@@ -40,7 +40,7 @@ _TABLE = {
         no_position_embedding rotary_percent swiglu group_query_attention num_query_groups disable_bias_linear
         add_qkv_bias qk_layernorm qk_layernorm_full_width untie_embeddings_and_output_weights multi_latent_attention
         q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim mtp_num_layers apply_layernorm_1p
-        openai_gelu
+        openai_gelu bert_no_binary_head
         num_experts moe_router_topk moe_ffn_hidden_size moe_layer_freq moe_router_score_function
         moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_num_groups moe_router_group_topk
         moe_router_enable_expert_bias moe_shared_expert_intermediate_size moe_shared_expert_gate""",
@@ -54,7 +54,7 @@ _TABLE = {
         rope_high_freq_factor rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type
         yarn_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
         yarn_mscale_all_dim mtp_loss_scaling_factor norm_epsilon
-        data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data
+        data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob short_seq_prob
         reset_attention_mask reset_position_ids eod_mask_loss sft_data_path sft_no_packing
         train_iters train_samples seed calculate_per_token_loss moe_router_force_load_balancing
         optimizer adam_beta1 adam_beta2 adam_eps clip_grad sgd_momentum

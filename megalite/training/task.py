@@ -58,6 +58,14 @@ def check_task_flags(cfg: RunConfig, task: Task) -> None:
     if task.model_kind != "gpt" and documents:
         raise UsageError(f"{documents[0]} is for GPT's packed documents (pretrain_gpt.py); a {task.model_kind} "
                          f"sample is one or two sentences already: drop it")
+    # Set off their defaults (a printed configuration writes every field, the defaults too).
+    bert_only = [n for n, on in (("bert_no_binary_head", cfg.model.bert_no_binary_head),
+                                 ("mask_prob", cfg.data.mask_prob != 0.15),
+                                 ("short_seq_prob", cfg.data.short_seq_prob != 0.1)) if on]
+    if task.model_kind != "bert" and bert_only:
+        flag = "--" + bert_only[0].replace("_", "-")
+        raise UsageError(f"{flag} is for BERT's masked samples (pretrain_bert.py); a {task.model_kind} model "
+                         f"reads every token: drop it")
 
 
 def with_config_terms(task: Task, config: TransformerConfig) -> Task:

@@ -101,7 +101,12 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor]):
         problems.append(f"GPT-2 and BERT use LayerNorm (config: normalization={c.normalization!r})")
     if c.layernorm_position != "post":
         problems.append("BertForPreTraining is post-LayerNorm (config: layernorm_position='pre')")
-    refuse("this megalite BERT", problems + table_problems(state_dict, rows, c.vocab_size), to="Hugging Face")
+    if not c.add_binary_head:
+        problems.append("BertForPreTraining has a sentence-order head and two token types (config: "
+                        "add_binary_head=False, trained with --bert-no-binary-head)")
+    if c.add_binary_head:  # (without the head the table's missing rows say nothing more)
+        problems += table_problems(state_dict, rows, c.vocab_size)
+    refuse("this megalite BERT", problems, to="Hugging Face")
     theirs = export_tensors(state_dict, rows, {"qkv": c.num_attention_heads}, c.vocab_size)
     hf_config = tf.BertConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
