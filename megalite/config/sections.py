@@ -267,6 +267,7 @@ class OptimizerConfig:
                                             "given)", check=NON_NEGATIVE)
     lr_warmup_fraction: float | None = opt(None, "warm-up as a fraction of the decay length", check=FRACTION)
     lr_warmup_samples: int | None = opt(None, "warm-up in samples", check=NON_NEGATIVE)
+    lr_warmup_init: float = opt(0.0, "the learning rate the warm-up rises from", check=NON_NEGATIVE)
     lr_decay_iters: int | None = opt(None, "iterations of decay, warm-up included (default: the run's length)",
                                      check=POSITIVE_INT)
     lr_decay_samples: int | None = opt(None, "decay length in samples", check=POSITIVE_INT)
@@ -279,6 +280,13 @@ class OptimizerConfig:
     decoupled_min_lr: float | None = opt(None, "with --decoupled-lr: its final learning rate (default --min-lr)",
                                          check=NON_NEGATIVE)
     weight_decay: float = opt(0.1, "decoupled weight decay (not on biases and norms)", check=NON_NEGATIVE)
+    weight_decay_incr_style: str = opt("constant", "constant: --weight-decay throughout; linear, cosine: from "
+                                                   "--start-weight-decay to --end-weight-decay over the run",
+                                       choices=("constant", "linear", "cosine"))
+    start_weight_decay: float | None = opt(None, "the weight decay a linear or cosine --weight-decay-incr-style "
+                                                 "starts at", check=NON_NEGATIVE)
+    end_weight_decay: float | None = opt(None, "the weight decay a linear or cosine --weight-decay-incr-style "
+                                               "ends at", check=NON_NEGATIVE)
     adam_beta1: float = opt(0.9, "Adam's first-moment decay", check=PROBABILITY)
     adam_beta2: float = opt(0.95, "Adam's second-moment decay", check=PROBABILITY)
     adam_eps: float = opt(1e-8, "Adam's epsilon", check=POSITIVE)
@@ -312,6 +320,13 @@ class OptimizerConfig:
                              "(or --lr-wsd-decay-samples)")
         if wsd and self.lr_decay_style != "WSD":
             raise ValueError("--lr-wsd-decay-iters/--lr-wsd-decay-samples apply to --lr-decay-style WSD")
+        ends = (self.start_weight_decay, self.end_weight_decay)
+        if self.weight_decay_incr_style == "constant" and ends != (None, None):  # as Megatron-LM's check
+            raise ValueError("--start-weight-decay/--end-weight-decay go with --weight-decay-incr-style linear or "
+                             "cosine; for a constant weight decay give --weight-decay")
+        if self.weight_decay_incr_style != "constant" and None in ends:
+            raise ValueError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs both "
+                             f"--start-weight-decay and --end-weight-decay")
 
 
 @dataclass

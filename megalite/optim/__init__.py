@@ -4,10 +4,10 @@ from megalite.optim.buffers import ParamAndGradBuffer
 from megalite.optim.grads import allreduce_sequence_parallel_grads, counts_once, finalize_grads
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from megalite.optim.lr import LRSchedule
+from megalite.optim.lr import LRSchedule, WeightDecaySchedule
 from megalite.optim.optimizer import MegaliteOptimizer
 
 __all__ = [
     "ConstantLossScaler", "DynamicLossScaler", "LRSchedule", "LocalSGD", "MegaliteOptimizer", "ParamAndGradBuffer",
-    "allreduce_sequence_parallel_grads", "counts_once", "finalize_grads",
+    "WeightDecaySchedule", "allreduce_sequence_parallel_grads", "counts_once", "finalize_grads",
 ]

@@ -69,14 +69,15 @@ class MegaliteOptimizer:
         self._copied_pieces = [p for p in self.pieces if not self._in_place(p)]  # published by a copy
         # Groups by weight decay (none on biases and norms) and, with separate_embedding_lr, the word
         # embedding and output layer apart (their lr is step()'s embedding_lr: --decoupled-lr).
-        groups: dict[tuple[float, bool], list] = {}
+        # (`decays`: the group's weight decay follows set_weight_decay, --weight-decay-incr-style.)
+        groups: dict[tuple[bool, bool], list] = {}
         for piece in self.pieces:
             apart = separate_embedding_lr and getattr(piece.param, "is_embedding_or_output_parameter", False)
-            groups.setdefault((weight_decay if piece.param.ndim > 1 else 0.0, apart), []).append(piece.master)
-        param_groups_ = [{"params": ps, "weight_decay": wd, "embedding_or_output": apart}
-                         for (wd, apart), ps in sorted(groups.items())]
+            groups.setdefault((piece.param.ndim > 1, apart), []).append(piece.master)
+        param_groups_ = [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "decays": decays,
+                          "embedding_or_output": apart} for (decays, apart), ps in sorted(groups.items())]
         if not param_groups_:
-            param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0,
+            param_groups_ = [{"params": [torch.zeros(0, requires_grad=True)], "weight_decay": 0.0, "decays": False,
                               "embedding_or_output": False}]
         self.inner = _adamw(param_groups_, lr, betas, eps, use_apex)
         self.last_skipped: bool | None = None  # the last step's skip, where the host read it
@@ -94,6 +95,12 @@ class MegaliteOptimizer:
     @property
     def param_groups(self):
         return self.inner.param_groups
+
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """The weight decay of the next steps, on the weights that decay (not biases and norms)."""
+        for group in self.inner.param_groups:
+            if group["decays"]:
+                group["weight_decay"] = weight_decay
 
     def whole_parameters(self):
         """A context in which every parameter is whole on this rank (ZeRO-3 gathers them, and frees

@@ -10,7 +10,8 @@ from megalite import parallel
 from megalite.models import compile_layers
 from megalite.models.fp8 import enable_fp8
 from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate
-from megalite.optim import LRSchedule, ConstantLossScaler, DynamicLossScaler, MegaliteOptimizer, ParamAndGradBuffer
+from megalite.optim import (ConstantLossScaler, DynamicLossScaler, LRSchedule, MegaliteOptimizer, ParamAndGradBuffer,
+                            WeightDecaySchedule)
 from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
 from megalite.optim.optimizer import sgd
@@ -214,18 +215,29 @@ def lr_schedules(cfg) -> tuple[LRSchedule, LRSchedule | None]:
 
     def schedule(peak: float, floor: float) -> LRSchedule:
         return LRSchedule(peak, floor, warmup, decay, o.lr_decay_style, wsd_decay_iters=wsd,
-                          wsd_style=o.lr_wsd_decay_style)
+                          wsd_style=o.lr_wsd_decay_style, warmup_init=o.lr_warmup_init)
 
     decoupled = None if o.decoupled_lr is None else schedule(o.decoupled_lr, o.decoupled_min_lr if
                                                               o.decoupled_min_lr is not None else o.min_lr)
     return schedule(o.lr, o.min_lr), decoupled
 
 
+def weight_decay_schedule(cfg) -> WeightDecaySchedule | None:
+    """--weight-decay-incr-style linear or cosine: each step's weight decay, over the run's length in
+    steps (--train-samples over the global batch); None for a constant one (--weight-decay)."""
+    o, t = cfg.optimizer, cfg.training
+    if o.weight_decay_incr_style == "constant":
+        return None
+    steps = t.train_iters if t.train_samples is None else t.train_samples / t.global_batch_size
+    return WeightDecaySchedule(o.start_weight_decay, o.end_weight_decay, o.weight_decay_incr_style, steps)
+
+
 def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float, momentum: float = 0.0) -> None:
     """--optimizer sgd: the same masters, groups and weight decay under SGD (megalite.optim.optimizer.sgd:
     Megatron-LM's, with --sgd-momentum). Without momentum, SGD's weight decay (added to the gradient) is
     AdamW's decoupled one: p - lr * (g + wd * p)."""
-    groups = [{k: g[k] for k in ("params", "weight_decay", "embedding_or_output")} for g in optimizer.inner.param_groups]
+    groups = [{k: g[k] for k in ("params", "weight_decay", "decays", "embedding_or_output")}
+              for g in optimizer.inner.param_groups]
     optimizer.inner = sgd(groups, lr, momentum)
 
 

@@ -18,7 +18,8 @@ from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_ph
 from megalite.training.datasets import micro_batch_means_apply
 from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
-from megalite.training.build import build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup
+from megalite.training.build import (build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup,
+                                     weight_decay_schedule)
 from megalite.training.evaluate import EvalSamples, EvalTasks, evaluate
 from megalite.training.progress import Progress
 from megalite.training.restarts import ProgressRecord, restart_line
@@ -113,6 +114,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     samples_log.resumed(start.iteration, start.run)
     checkpoints.prepare(chunks, optimizer)  # --save-async: the host buffer, while training starts
     schedule, embedding_schedule = lr_schedules(cfg)
+    decay_schedule = weight_decay_schedule(cfg)  # None: --weight-decay throughout
     data, valid_data = task.build_data(config, cfg)
 
     step = TrainStep.for_run(cfg, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
@@ -160,6 +162,8 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         at = iteration - 1 if not batches_by.varies else consumed / cfg.training.global_batch_size
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(at)
         embedding_lr = embedding_schedule(at) if embedding_schedule is not None else None
+        if decay_schedule is not None:
+            optimizer.set_weight_decay(decay_schedule(at))
         result = step(batches, num_tokens, lr, record_spans, f"iteration {iteration}", embedding_lr)
         consumed += global_batch
         samples_log.completed(iteration)

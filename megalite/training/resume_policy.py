@@ -46,7 +46,7 @@ _TABLE = {
         moe_router_enable_expert_bias moe_shared_expert_intermediate_size moe_shared_expert_gate""",
     SCHEDULE: """lr min_lr lr_decay_style lr_warmup_iters lr_warmup_fraction lr_warmup_samples lr_decay_iters
         lr_decay_samples lr_wsd_decay_style lr_wsd_decay_iters lr_wsd_decay_samples decoupled_lr decoupled_min_lr
-        weight_decay""",
+        weight_decay lr_warmup_init weight_decay_incr_style start_weight_decay end_weight_decay""",
     KEPT: """global_batch_size rampup_batch_size step_batch_size_schedule seq_length moe_router_load_balancing_type
         moe_aux_loss_coeff moe_z_loss_coeff moe_router_bias_update_rate moe_token_dispatcher_type moe_expert_capacity_factor
         moe_token_drop_policy moe_pad_expert_input_to_capacity""",
@@ -221,7 +221,8 @@ def _check_expert_shape(name: str, mine, model, path: str) -> None:
 
 
 _SCHEDULE_GROUPS = (("lr",), ("min_lr",), ("lr_decay_style",), _GROUPS[0], _GROUPS[1], ("lr_wsd_decay_style",),
-                    _GROUPS[2], ("decoupled_lr",), ("decoupled_min_lr",), ("weight_decay",))
+                    _GROUPS[2], ("decoupled_lr",), ("decoupled_min_lr",), ("weight_decay",), ("lr_warmup_init",),
+                    ("weight_decay_incr_style",), ("start_weight_decay",), ("end_weight_decay",))
 
 
 def _effective(cfg: RunConfig) -> dict:
@@ -234,13 +235,20 @@ def _effective(cfg: RunConfig) -> dict:
     if o.decoupled_lr is not None:
         out.update(decoupled_lr=o.decoupled_lr,
                    decoupled_min_lr=o.decoupled_min_lr if o.decoupled_min_lr is not None else o.min_lr)
-    out["weight_decay"] = o.weight_decay
+    if warmup:  # (without a warm-up its starting value is no part of the schedule)
+        out["lr_warmup_init"] = o.lr_warmup_init
+    out["weight_decay_incr_style"] = o.weight_decay_incr_style
+    if o.weight_decay_incr_style == "constant":
+        out["weight_decay"] = o.weight_decay
+    else:
+        out.update(start_weight_decay=o.start_weight_decay, end_weight_decay=o.end_weight_decay)
     return out
 
 
 _LENGTHS = {"warm-up": _GROUPS[0], "decay": _GROUPS[1], "WSD decay": _GROUPS[2]}
 _ITEMS = ("lr", "min_lr", "lr_decay_style", "warm-up", "decay", "lr_wsd_decay_style", "WSD decay", "decoupled_lr",
-          "decoupled_min_lr", "weight_decay")
+          "decoupled_min_lr", "weight_decay", "lr_warmup_init", "weight_decay_incr_style", "start_weight_decay",
+          "end_weight_decay")
 
 
 def _item_source(cfg: RunConfig, item: str) -> str:
@@ -287,6 +295,8 @@ def adopt_schedule(cfg: RunConfig, run_config: dict, adoption: Adoption) -> RunC
                            for n, v in taken.items() if cfg.given(n) and not _same(v, getattr(cfg.optimizer, n))]
     mine, saved = _effective(adopted), _effective(theirs)
     differs = [k for k in _ITEMS if not _same(mine.get(k), saved.get(k))]
+    if "weight_decay_incr_style" in differs:  # the style names the change; the values it reads differ with it
+        differs = [k for k in differs if k not in ("weight_decay", "start_weight_decay", "end_weight_decay")]
     if not differs:
         return adopted
     if c.override_opt_param_scheduler:
