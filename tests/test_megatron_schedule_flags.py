@@ -108,7 +108,9 @@ def test_a_resumed_run_with_another_weight_decay_schedule_or_warmup_start_is_ref
                        (["--weight-decay-incr-style", "cosine"], "weight_decay_incr_style cosine "
                                                                  "(--weight-decay-incr-style) vs the checkpoint's "
                                                                  "linear: add"),
-                       (["--lr-warmup-init", "1e-5"], "lr_warmup_init 1e-05 (--lr-warmup-init) vs the checkpoint's 0")):
+                       (["--lr-warmup-init", "1e-5"], "lr_warmup_init 1e-05 (--lr-warmup-init) vs the checkpoint's 0"),
+                       (["--train-iters", "40"], "weight-decay ramp 40 iterations (--train-iters) vs the checkpoint's "
+                                                 "20")):
         with pytest.raises(UsageError, match="add --override-opt_param-scheduler") as e:
             adopt_checkpoint_shape(parse(["--load", str(ckpt), *small, *argv]))
         assert says in str(e.value), str(e.value)

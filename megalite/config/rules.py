@@ -14,7 +14,7 @@ from megalite.config.fields import in_user_spelling
 from megalite.errors import UsageError
 from megalite.models.config import TP_COMM_OVERLAP_NEEDS, TP_COMM_SPLITS_NEEDS, TransformerConfig
 from megalite.models.presets import PRESETS, preset
-from megalite.pipeline.partition import V_SCHEDULES
+from megalite.pipeline.partition import V_SCHEDULES, uneven_stage_counts
 
 DEFAULT_TRAIN_ITERS, DEFAULT_WARMUP_ITERS = 100, 10
 
@@ -55,6 +55,8 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp)
     if p.pipeline_schedule in V_SCHEDULES and p.pp > 1 and vpp is None:  # two chunks per rank, in a V
         vpp = 2
+    p = dataclasses.replace(p, pipeline_layers=_pipeline_layers(p, m.num_layers or PRESETS[name]["num_layers"], vpp,
+                                                                given, bool(config.checkpoint.load)))
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
@@ -103,6 +105,27 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     before, after = _dotted(config), _dotted(resolved)
     derived = {k for k in after if after[k] != before[k] and k not in given and k != "model.model"}
     return dataclasses.replace(resolved, derived=frozenset(derived) | config.derived)
+
+
+def _pipeline_layers(p, num_layers: int, vpp: int | None, given, load: bool) -> list[int] | None:
+    """--pipeline-layers, or the split Megatron-LM's --decoder-first/last-pipeline-num-layers give (with
+    --load and no --num-layers, of the preset's depth: a checkpoint's is split again when it is taken)."""
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return p.pipeline_layers
+    if "parallel.pipeline_layers" in given:
+        raise ConfigError("--pipeline-layers and --decoder-first/last-pipeline-num-layers both split the layers over "
+                          "the stages: keep one")
+    if p.pipeline_schedule in V_SCHEDULES:
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers size a pipeline rank's layers, but "
+                          f"--pipeline-schedule {p.pipeline_schedule} places two chunks per rank in a V: give "
+                          f"--pipeline-layers, one count per chunk in stage order")
+    try:
+        return uneven_stage_counts(num_layers, p.pp, vpp, first, last)
+    except ValueError as e:
+        if "model.num_layers" not in given and load:  # the checkpoint's depth decides (checkpoint_shape)
+            return None
+        raise ConfigError(str(e)) from None
 
 
 def _megatron_shaped(given) -> bool:

@@ -1,8 +1,8 @@
 """The sections of a run's configuration, one dataclass per concern (the model's two in
 megalite.config.model_sections, the checkpoints' and reports' in megalite.config.output_sections).
-Each field has a default, a type and one line of help; each section checks its own fields (`check`). Rules that join sections
-live in megalite.config.rules. Flags are the fields' names with dashes, plus Megatron-LM's
-spellings where they differ (the `flags` and `sets` of a field)."""
+Each field has a default, a type and one line of help; each section checks its own fields (`check`).
+Rules that join sections live in megalite.config.rules. Flags are the fields' names with dashes,
+plus Megatron-LM's spellings where they differ (the `flags` and `sets` of a field)."""
 from __future__ import annotations
 
 import math
@@ -68,6 +68,12 @@ class ParallelConfig:
            "schedule's path (slow pipeline links; the same numbers; docs/pipeline.md)", choices=(0, 1))
     pipeline_layers: list[int] | None = opt(
         None, "explicit layer count per (virtual) pipeline stage, e.g. 3,5 (default: even split)", metavar="N,N,...")
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "layers on the first pipeline stage, the rest split evenly (Megatron-LM's; sets --pipeline-layers)",
+        check=POSITIVE_INT)
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "layers on the last pipeline stage, the rest split evenly (Megatron-LM's; sets --pipeline-layers)",
+        check=POSITIVE_INT)
     sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
     tp_comm_overlap: bool = opt(False, "pipeline sequence parallelism's all-gathers and reduce-scatters with the "
                                        "linear layers' GEMMs, shard by shard (needs --sequence-parallel; the same "
@@ -208,7 +214,8 @@ class TrainingConfig:
                                  check=POSITIVE_INT)
     calculate_per_token_loss: bool = opt(False, "the loss is the global batch's sum over tokens / its token count "
                                                 "(default, as Megatron-LM: the mean of each micro-batch's mean; "
-                                                "the two differ where loss masks differ: --eod-mask-loss, SFT, BERT's masking)")
+                                                "the two differ where loss masks differ: --eod-mask-loss, SFT, "
+                                                "BERT's masking)")
     plan: bool = opt(False, "before training, predict memory and step time of this layout and warn if it will "
                             "not fit")
     plan_gpu_memory_gib: float | None = opt(None, "GPU memory for --plan (default: this GPU's)", check=POSITIVE)

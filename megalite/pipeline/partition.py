@@ -51,6 +51,28 @@ def stage_layer_counts(num_layers: int, pp: int, vpp: int | None = None,
     return [num_layers // stages] * stages
 
 
+def uneven_stage_counts(num_layers: int, pp: int, vpp: int | None, first: int | None, last: int | None) -> list[int]:
+    """Megatron-LM's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers as one
+    count per virtual stage: the first (last) pipeline rank holds `first` (`last`) layers, every other
+    rank an even share of the rest, and each rank's layers split evenly over its `vpp` chunks (chunk c
+    of rank r is virtual stage c*pp + r)."""
+    flags = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+    if pp < 2:
+        raise ValueError(f"{flags} size the first and last pipeline stages: they need --pp 2 or more")
+    ends = {0: first, pp - 1: last}
+    rest = num_layers - sum(n for n in ends.values() if n is not None)
+    middle = pp - sum(n is not None for n in ends.values())
+    if rest < 0 or (middle and (rest < middle or rest % middle)) or (not middle and rest):
+        raise ValueError(f"{flags}: the {max(rest, 0)} layers left of {num_layers} do not split evenly over the "
+                         f"{middle} other pipeline stages: change the two counts (or give --pipeline-layers)")
+    per_rank = [ends.get(r) if ends.get(r) is not None else rest // middle for r in range(pp)]
+    v = vpp or 1
+    if any(n < 1 or n % v for n in per_rank):
+        raise ValueError(f"{flags}: the stages would hold {','.join(map(str, per_rank))} layers; each needs at least "
+                         f"one{f' and a multiple of --vpp {v}' if v > 1 else ''}")
+    return [per_rank[s % pp] // v for s in range(pp * v)]
+
+
 def layers_of(counts: list[int], virtual_stage: int) -> range:
     """Global layer numbers held by one virtual stage."""
     start = sum(counts[:virtual_stage])

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config, validate
 from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS, virtual_stages
+from megalite.models.presets import PRESETS
+from megalite.pipeline.partition import uneven_stage_counts
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import flag_name
 from megalite.errors import UsageError
@@ -74,7 +76,7 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     refused; unchanged when there is no checkpoint (yet)."""
     c = cfg.checkpoint
     if not c.load or not checkpoint.checkpoint_exists(c.load):  # megalite's, or Megatron-LM's torch_dist
-        return cfg
+        return _uneven_split(cfg)
     reader = checkpoint.open_checkpoint(c.load)  # megalite's, or a MegatronCheckpoint
     adoption = policy.Adoption(str(reader.path))
     run_config = reader.metadata.get("run_config", {})
@@ -90,6 +92,7 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     p = adopted.parallel
     if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
         adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))
+    adopted = _uneven_split(adopted)
     built = _checked(adopted, adoption)
     if model_said:
         differs = [k for k in checkpoint.SHAPE_FIELDS + checkpoint.LLAMA_SHAPE_FIELDS
@@ -106,6 +109,22 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         if line:
             say(line)
     return adopted
+
+
+def _uneven_split(cfg: RunConfig) -> RunConfig:
+    """--decoder-first/last-pipeline-num-layers split again over the model's depth as it now stands (a
+    checkpoint's, taken after the command line was resolved over the preset's)."""
+    p = cfg.parallel
+    if (p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None) \
+            or cfg.given("pipeline_layers"):
+        return cfg
+    try:
+        counts = uneven_stage_counts(cfg.model.num_layers or PRESETS[cfg.model.model]["num_layers"], p.pp, p.vpp,
+                                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return dataclasses.replace(cfg.replace("parallel", pipeline_layers=counts), explicit=cfg.explicit,
+                               derived=cfg.derived | {"parallel.pipeline_layers"})
 
 
 def _adopt_model(cfg: RunConfig, reader, given: list[str], adoption) -> RunConfig:

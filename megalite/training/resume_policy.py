@@ -54,7 +54,8 @@ _TABLE = {
         rope_high_freq_factor rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type
         yarn_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
         yarn_mscale_all_dim mtp_loss_scaling_factor norm_epsilon
-        data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob short_seq_prob
+        data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
+        short_seq_prob
         reset_attention_mask reset_position_ids eod_mask_loss sft_data_path sft_no_packing
         train_iters train_samples seed calculate_per_token_loss moe_router_force_load_balancing
         optimizer adam_beta1 adam_beta2 adam_eps clip_grad sgd_momentum
@@ -64,7 +65,7 @@ _TABLE = {
         local_sgd_interval outer_lr outer_momentum outer_grad_dtype local_sgd_async local_sgd_fragments
         local_sgd_warmup_iters""",
     FREE: """tp pp vpp num_layers_per_virtual_pipeline_stage pipeline_schedule pipeline_pass_costs pipeline_extra_warmup
-        pipeline_layers
+        pipeline_layers decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
         sequence_parallel tp_comm_overlap tp_comm_overlap_splits overlap_moe_expert_parallel_comm
         delay_wgrad_compute
         moe_dispatch_chunks cp cp_comm_type expert_model_parallel_size expert_tensor_parallel_size
@@ -225,6 +226,9 @@ _SCHEDULE_GROUPS = (("lr",), ("min_lr",), ("lr_decay_style",), _GROUPS[0], _GROU
                     ("weight_decay_incr_style",), ("start_weight_decay",), ("end_weight_decay",))
 
 
+_WD_LENGTH = "weight-decay ramp"  # the item of a linear or cosine weight decay's length
+
+
 def _effective(cfg: RunConfig) -> dict:
     """The schedule a run trains on, lengths in iterations (how `training.build.lr_schedules` reads it)."""
     o = cfg.optimizer
@@ -240,15 +244,18 @@ def _effective(cfg: RunConfig) -> dict:
     out["weight_decay_incr_style"] = o.weight_decay_incr_style
     if o.weight_decay_incr_style == "constant":
         out["weight_decay"] = o.weight_decay
-    else:
-        out.update(start_weight_decay=o.start_weight_decay, end_weight_decay=o.end_weight_decay)
+    else:  # Megatron-LM's ramp runs over the run's length, kept with its scheduler's state
+        t = cfg.training
+        out.update({"start_weight_decay": o.start_weight_decay, "end_weight_decay": o.end_weight_decay,
+                    _WD_LENGTH: t.train_iters if t.train_samples is None else t.train_samples / t.global_batch_size})
     return out
 
 
-_LENGTHS = {"warm-up": _GROUPS[0], "decay": _GROUPS[1], "WSD decay": _GROUPS[2]}
+_LENGTHS = {"warm-up": _GROUPS[0], "decay": _GROUPS[1], "WSD decay": _GROUPS[2], _WD_LENGTH: ("train_iters",
+                                                                                             "train_samples")}
 _ITEMS = ("lr", "min_lr", "lr_decay_style", "warm-up", "decay", "lr_wsd_decay_style", "WSD decay", "decoupled_lr",
           "decoupled_min_lr", "weight_decay", "lr_warmup_init", "weight_decay_incr_style", "start_weight_decay",
-          "end_weight_decay")
+          "end_weight_decay", _WD_LENGTH)
 
 
 def _item_source(cfg: RunConfig, item: str) -> str:
@@ -296,13 +303,19 @@ def adopt_schedule(cfg: RunConfig, run_config: dict, adoption: Adoption) -> RunC
     mine, saved = _effective(adopted), _effective(theirs)
     differs = [k for k in _ITEMS if not _same(mine.get(k), saved.get(k))]
     if "weight_decay_incr_style" in differs:  # the style names the change; the values it reads differ with it
-        differs = [k for k in differs if k not in ("weight_decay", "start_weight_decay", "end_weight_decay")]
+        differs = [k for k in differs
+                   if k not in ("weight_decay", "start_weight_decay", "end_weight_decay", _WD_LENGTH)]
     if not differs:
         return adopted
     if c.override_opt_param_scheduler:
         adoption.notes += [f"megalite: note: --override-opt_param-scheduler: {_item_text(k, saved.get(k))} (the "
                            f"checkpoint's) -> {_fmt(mine.get(k))} ({_item_source(cfg, k)})" for k in differs]
         return adopted
+    if keep_all and differs == [_WD_LENGTH]:
+        raise UsageError(f"--use-checkpoint-opt_param-scheduler: the weight decay ramps over the run's length, "
+                         f"{_fmt(saved.get(_WD_LENGTH))} iterations in the checkpoint {adoption.path} against "
+                         f"{_fmt(mine.get(_WD_LENGTH))} now: keep its --train-iters, or use "
+                         f"--override-opt_param-scheduler")
     if keep_all:  # only a length in samples over a changed global batch can still differ
         raise UsageError(f"--use-checkpoint-opt_param-scheduler: the checkpoint {adoption.path}'s schedule is in "
                          f"samples and this run's global batch changes it ({', '.join(differs)}): keep its "
