@@ -29,7 +29,6 @@ _UNSUPPORTED = (
     ("multi_latent_attention", False, "multi-latent attention"),
     ("mtp_num_layers", (None, 0), "multi-token prediction"),
     ("apply_residual_connection_post_layernorm", False, "a residual from after the norm"),
-    ("squared_relu", False, "squared-ReLU MLPs"),
     ("moe_shared_expert_intermediate_size", (None, 0), "shared experts"),
     ("heterogeneous_layers_config_path", (None, ""), "heterogeneous layers"),
     ("hybrid_override_pattern", (None, ""), "a hybrid (Mamba) model"),
@@ -77,7 +76,7 @@ def translate_args(args, where: str) -> Translation:
     linear_bias = bool(_arg(args, "add_bias_linear", True))
     # Megatron-LM's GeLU: the tanh form with --openai-gelu, and in its fused bias-GeLU (bias_gelu_fusion, on by
     # default, needs biases); the exact (erf) one otherwise (megatron.core.transformer.mlp)
-    tanh_gelu = not swiglu and bool(_arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", True)
+    tanh_gelu = not swiglu and not _arg(args, "squared_relu", False) and bool(_arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", True)
                                                                           and linear_bias))
     if _arg(args, "num_experts") and linear_bias:
         raise UsageError(f"{where}: args.add_bias_linear = True with args.num_experts = {args.num_experts}: "
@@ -108,7 +107,7 @@ def translate_args(args, where: str) -> Translation:
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                "apply_layernorm_1p": "--apply-layernorm-1p"}
+                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu"}
     flags += [flag for name, flag in switches.items() if _arg(args, name)]
     if not linear_bias:
         flags.append("--disable-bias-linear")

@@ -23,6 +23,8 @@ _SWITCHES = {
     "untie_embeddings_and_output_weights": lambda c: c.untie_embeddings_and_output_weights,
     "apply_layernorm_1p": lambda c: c.layernorm_zero_centered_gamma,
     "multi_latent_attention": lambda c: c.multi_latent_attention,
+    "squared_relu": lambda c: c.activation == "squared_relu",
+    "bert_no_binary_head": lambda c: not c.add_binary_head,
 }
 
 

@@ -128,6 +128,7 @@ class ModelConfig:
     mtp_loss_scaling_factor: float | None = opt(None, "multi-token prediction: the depths' mean loss times this "
                                                       "joins the training loss (default 0.1)", check=NON_NEGATIVE)
     apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)
+    squared_relu: bool = opt(False, "MLP activation relu(x)^2 (Nemotron's; not with --swiglu)", shape=True)
     bert_no_binary_head: bool = opt(False, "BERT: no sentence-order head and no token types; each sample one "
                                            "segment, the masked-LM loss alone (pretrain_bert.py)", shape=True)
     norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
@@ -138,6 +139,8 @@ class ModelConfig:
         if self.recompute_num_layers is not None and self.recompute != "full":
             raise ValueError(f"--recompute-num-layers {self.recompute_num_layers} applies to --recompute full only "
                              f"(got --recompute {self.recompute})")
+        if self.squared_relu and self.swiglu:
+            raise ValueError("--squared-relu and --swiglu each choose the MLP's activation: keep one")
         if (self.num_query_groups is not None) != self.group_query_attention:
             raise ValueError("--group-query-attention and --num-query-groups G go together: give both, or neither")
 

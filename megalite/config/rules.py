@@ -64,8 +64,8 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if ckpt.save_interval is not None and not ckpt.save:  # as Megatron-LM: accepted, nothing to save
         ckpt = dataclasses.replace(ckpt, save_interval=None)
         ignored = (*ignored, "--save-interval (without --save nothing is saved)")
-    if m.openai_gelu is None and _megatron_shaped(given):  # a model of Megatron-LM's flags: its GeLU, kept as
-        # given so a printed file keeps it. Megatron-LM's fused bias-GeLU (on by default, off without biases or
+    if m.openai_gelu is None and _megatron_shaped(given) and not m.squared_relu:
+        # A model of Megatron-LM's flags: its GeLU, kept as given so a printed file keeps it. Megatron-LM's fused bias-GeLU (on by default, off without biases or
         # with --no-bias-gelu-fusion) computes the tanh form; its unfused MLP calls the exact one.
         tanh = not m.disable_bias_linear and not m.no_bias_gelu_fusion
         m = dataclasses.replace(m, openai_gelu=tanh)
@@ -221,7 +221,7 @@ def _model_overrides(m) -> dict:
                 "qk_layernorm_full_width": dict(qk_layernorm_full_width=True),
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True),
-                "bert_no_binary_head": dict(add_binary_head=False)}
+                "bert_no_binary_head": dict(add_binary_head=False), "squared_relu": dict(activation="squared_relu")}
     if mla:  # Megatron-LM's MLA norms its query and key/value latents only with --qk-layernorm; megalite's always
         switches.pop("qk_layernorm")
     for name, fields in switches.items():

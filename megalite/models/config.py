@@ -56,7 +56,7 @@ class TransformerConfig:
     # Architecture switches; the defaults are GPT-2's, BERT as published is post / gelu / not causal.
     layernorm_position: str = "pre"  # pre: x + f(LN(x)) | post: LN(x + f(x))
     normalization: str = "layernorm"  # layernorm (weight and bias) | rmsnorm (weight only)
-    activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu
+    activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu | squared_relu
     causal: bool = True  # attention: to earlier positions only, or bidirectional
     # BERT: the pooler and sentence-order head, and two token types (Megatron-LM's --bert-no-binary-head
     # turns all three off: one segment a sample, masked-LM loss alone).
@@ -156,8 +156,8 @@ class TransformerConfig:
             raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
         if self.layernorm_position not in ("pre", "post"):
             raise ValueError(f"layernorm_position must be pre or post, got {self.layernorm_position!r}")
-        if self.activation not in ("gelu_tanh", "gelu", "silu"):
-            raise ValueError(f"activation must be gelu_tanh or gelu or silu, got {self.activation!r}")
+        if self.activation not in ("gelu_tanh", "gelu", "silu", "squared_relu"):
+            raise ValueError(f"activation must be gelu_tanh, gelu, silu or squared_relu, got {self.activation!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
         if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:

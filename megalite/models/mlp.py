@@ -21,9 +21,13 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()  # Nemotron's MLP (Megatron-LM's --squared-relu)
+
+
 # config.activation -> function; BERT's masked-LM head uses the same one.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_tanh": _gelu_tanh, "gelu": F.gelu, "silu": F.silu,
+    "gelu_tanh": _gelu_tanh, "gelu": F.gelu, "silu": F.silu, "squared_relu": _squared_relu,
 }
 
 

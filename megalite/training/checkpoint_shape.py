@@ -39,7 +39,8 @@ def shape_fields(model: TransformerConfig) -> dict:
                add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
                qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
-               apply_layernorm_1p=model.layernorm_zero_centered_gamma, bert_no_binary_head=not model.add_binary_head)
+               apply_layernorm_1p=model.layernorm_zero_centered_gamma, bert_no_binary_head=not model.add_binary_head,
+               squared_relu=model.activation == "squared_relu")
     if not model.gated_linear_unit and model.activation in ("gelu", "gelu_tanh"):  # a gated MLP's silu is swiglu's
         out["openai_gelu"] = model.activation == "gelu_tanh"
     if model.multi_latent_attention:

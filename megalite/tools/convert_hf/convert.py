@@ -101,6 +101,9 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
                               "models hold them whole: export is not implemented for it")
     if kind not in ("gpt", "bert"):
         raise ConversionError(f"model kind must be 'gpt' or 'bert', got {kind!r}")
+    if config.activation == "squared_relu":
+        raise ConversionError("the model's MLPs are squared-ReLU (--squared-relu, Nemotron's): export to Hugging Face "
+                              "is not implemented for them")
     exports = EXPORTS[kind]
     if architecture is None:
         family = (bert if kind == "bert" else deepseek if config.multi_latent_attention else moe if config.is_moe
