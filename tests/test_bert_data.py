@@ -20,16 +20,22 @@ class _Tok:
         pass
 
 
+def write_documents(prefix, seed: int, sentences) -> str:
+    """40 documents of `sentences(doc, rng)` sentences of 3-11 tokens, each sentence's first token its
+    document's (10 + doc), so pairs can be traced back. Returns the prefix."""
+    rng = np.random.RandomState(seed)
+    w = IndexedDatasetWriter(prefix)
+    for doc in range(40):
+        n = sentences(doc, rng)
+        w.add_document([[10 + doc] + list(rng.randint(60, VOCAB, rng.randint(3, 12))) for _ in range(n)])
+    w.finalize()
+    return str(prefix)
+
+
 @pytest.fixture(scope="module")
 def bert_data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bert")
-    rng = np.random.RandomState(0)
-    w = IndexedDatasetWriter(d / "b")
-    for doc in range(40):
-        # sentence tokens encode (document, sentence) so pairs can be traced back
-        w.add_document([[10 + doc] + list(rng.randint(60, VOCAB, rng.randint(3, 12))) for _ in range(rng.randint(2, 8))])
-    w.finalize()
-    train, _, _ = build_bert_datasets(str(d / "b"), "1,0,0", 48, (600, 0, 0), 5, _Tok())
+    prefix = write_documents(tmp_path_factory.mktemp("bert") / "b", 0, lambda doc, rng: rng.randint(2, 8))
+    train, _, _ = build_bert_datasets(prefix, "1,0,0", 48, (600, 0, 0), 5, _Tok())
     return train
 
 

@@ -12,31 +12,18 @@ from megalite.data.bert_dataset import build_bert_datasets
 from megalite.data.indexed import DatasetError
 from megalite.errors import UsageError
 from megalite.testing import run_ranks
+from test_bert_data import CLS, SEP, _Tok, write_documents  # the same ids, tokenizer stand-in, documents
 from training_ranks import parse
 
-CLS, SEP, MASK, PAD, VOCAB = 4, 5, 6, 3, 200
 TRAIN = ["--model", "bert-tiny", "--vocab-size", "300", "--seq-length", "32", "--global-batch-size", "8",
          "--micro-batch-size", "2", "--log-interval", "1", "--eval-iters", "0", "--num-layers", "2"]
-
-
-class _Tok:
-    cls, sep, mask, pad, vocab_size = CLS, SEP, MASK, PAD, VOCAB
-
-    def require(self, *names):
-        pass
 
 
 @pytest.fixture(scope="module")
 def prefix(tmp_path_factory):
     """40 documents, every fourth of one sentence (no pair in it)."""
-    d = tmp_path_factory.mktemp("bertflags")
-    rng = np.random.RandomState(1)
-    w = IndexedDatasetWriter(d / "b")
-    for doc in range(40):
-        sentences = 1 if doc % 4 == 0 else rng.randint(2, 8)
-        w.add_document([[10 + doc] + list(rng.randint(60, VOCAB, rng.randint(3, 12))) for _ in range(sentences)])
-    w.finalize()
-    return str(d / "b")
+    return write_documents(tmp_path_factory.mktemp("bertflags") / "b", 1,
+                           lambda doc, rng: 1 if doc % 4 == 0 else rng.randint(2, 8))
 
 
 def _train(prefix, **kw):
