@@ -76,8 +76,9 @@ def translate_args(args, where: str) -> Translation:
     linear_bias = bool(_arg(args, "add_bias_linear", True))
     # Megatron-LM's GeLU: the tanh form with --openai-gelu, and in its fused bias-GeLU (bias_gelu_fusion, on by
     # default, needs biases); the exact (erf) one otherwise (megatron.core.transformer.mlp)
-    tanh_gelu = not swiglu and not _arg(args, "squared_relu", False) and bool(_arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", True)
-                                                                          and linear_bias))
+    gelu = not swiglu and not _arg(args, "squared_relu", False)
+    tanh_gelu = gelu and bool(_arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", True)
+                                                                   and linear_bias))
     if _arg(args, "num_experts") and linear_bias:
         raise UsageError(f"{where}: args.add_bias_linear = True with args.num_experts = {args.num_experts}: "
                          f"megalite's experts have no biases; a MoE model trained with --disable-bias-linear loads")

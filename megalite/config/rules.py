@@ -55,8 +55,11 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp)
     if p.pipeline_schedule in V_SCHEDULES and p.pp > 1 and vpp is None:  # two chunks per rank, in a V
         vpp = 2
-    p = dataclasses.replace(p, pipeline_layers=_pipeline_layers(p, m.num_layers or PRESETS[name]["num_layers"], vpp,
-                                                                given, bool(config.checkpoint.load)))
+    # With --load and no --num-layers a split the preset's depth cannot take waits for the checkpoint's
+    # (training.checkpoint_shape splits that again once its model is taken).
+    defer = "model.num_layers" not in given and bool(config.checkpoint.load)
+    p = dataclasses.replace(p, pipeline_layers=split_pipeline_layers(p, m.num_layers or PRESETS[name]["num_layers"],
+                                                                     vpp, given, defer))
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
@@ -65,8 +68,9 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
         ckpt = dataclasses.replace(ckpt, save_interval=None)
         ignored = (*ignored, "--save-interval (without --save nothing is saved)")
     if m.openai_gelu is None and _megatron_shaped(given) and not m.squared_relu:
-        # A model of Megatron-LM's flags: its GeLU, kept as given so a printed file keeps it. Megatron-LM's fused bias-GeLU (on by default, off without biases or
-        # with --no-bias-gelu-fusion) computes the tanh form; its unfused MLP calls the exact one.
+        # A model of Megatron-LM's flags: its GeLU, kept as given so a printed file keeps it. Megatron-LM's
+        # fused bias-GeLU (on by default, off without biases or with --no-bias-gelu-fusion) computes the
+        # tanh form; its unfused MLP calls the exact one.
         tanh = not m.disable_bias_linear and not m.no_bias_gelu_fusion
         m = dataclasses.replace(m, openai_gelu=tanh)
         given = given | {"model.openai_gelu"}
@@ -107,9 +111,9 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     return dataclasses.replace(resolved, derived=frozenset(derived) | config.derived)
 
 
-def _pipeline_layers(p, num_layers: int, vpp: int | None, given, load: bool) -> list[int] | None:
-    """--pipeline-layers, or the split Megatron-LM's --decoder-first/last-pipeline-num-layers give (with
-    --load and no --num-layers, of the preset's depth: a checkpoint's is split again when it is taken)."""
+def split_pipeline_layers(p, num_layers: int, vpp: int | None, given, defer: bool = False) -> list[int] | None:
+    """--pipeline-layers, or the split Megatron-LM's --decoder-first/last-pipeline-num-layers give of
+    `num_layers` (ConfigError where it does not fit; None instead with `defer`)."""
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if first is None and last is None:
         return p.pipeline_layers
@@ -123,7 +127,7 @@ def _pipeline_layers(p, num_layers: int, vpp: int | None, given, load: bool) -> 
     try:
         return uneven_stage_counts(num_layers, p.pp, vpp, first, last)
     except ValueError as e:
-        if "model.num_layers" not in given and load:  # the checkpoint's depth decides (checkpoint_shape)
+        if defer:
             return None
         raise ConfigError(str(e)) from None
 
@@ -183,6 +187,13 @@ def lr_schedule_lengths(config: RunConfig) -> tuple[float, float, float | None]:
               o.lr_warmup_samples / gbs if o.lr_warmup_samples is not None else o.lr_warmup_iters)
     wsd = (o.lr_wsd_decay_samples / gbs if o.lr_wsd_decay_samples is not None else o.lr_wsd_decay_iters)
     return warmup, decay, wsd
+
+
+def weight_decay_steps(config: RunConfig) -> float:
+    """The steps a linear or cosine weight decay ramps over: the run's (--train-samples over the global
+    batch), as Megatron-LM's wd_incr_steps."""
+    t = config.training
+    return t.train_iters if t.train_samples is None else t.train_samples / t.global_batch_size
 
 
 YARN_FIELDS = ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",

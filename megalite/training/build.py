@@ -9,7 +9,7 @@ import torch
 from megalite import parallel
 from megalite.models import compile_layers
 from megalite.models.fp8 import enable_fp8
-from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate
+from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate, weight_decay_steps
 from megalite.optim import (ConstantLossScaler, DynamicLossScaler, LRSchedule, MegaliteOptimizer, ParamAndGradBuffer,
                             WeightDecaySchedule)
 from megalite.optim.grads import SAME_RANK, is_expert
@@ -225,11 +225,11 @@ def lr_schedules(cfg) -> tuple[LRSchedule, LRSchedule | None]:
 def weight_decay_schedule(cfg) -> WeightDecaySchedule | None:
     """--weight-decay-incr-style linear or cosine: each step's weight decay, over the run's length in
     steps (--train-samples over the global batch); None for a constant one (--weight-decay)."""
-    o, t = cfg.optimizer, cfg.training
+    o = cfg.optimizer
     if o.weight_decay_incr_style == "constant":
         return None
-    steps = t.train_iters if t.train_samples is None else t.train_samples / t.global_batch_size
-    return WeightDecaySchedule(o.start_weight_decay, o.end_weight_decay, o.weight_decay_incr_style, steps)
+    return WeightDecaySchedule(o.start_weight_decay, o.end_weight_decay, o.weight_decay_incr_style,
+                               weight_decay_steps(cfg))
 
 
 def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float, momentum: float = 0.0) -> None:

@@ -12,11 +12,10 @@ import torch.distributed as dist
 
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config, validate
-from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS, virtual_stages
+from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS, split_pipeline_layers, virtual_stages
 from megalite.models.presets import PRESETS
-from megalite.pipeline.partition import uneven_stage_counts
 from megalite.config.fields import section_fields, spec_of
-from megalite.config.run import flag_name
+from megalite.config.run import ConfigError, flag_name
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
 from megalite.runtime import env_world, say
@@ -116,13 +115,12 @@ def _uneven_split(cfg: RunConfig) -> RunConfig:
     """--decoder-first/last-pipeline-num-layers split again over the model's depth as it now stands (a
     checkpoint's, taken after the command line was resolved over the preset's)."""
     p = cfg.parallel
-    if (p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None) \
-            or cfg.given("pipeline_layers"):
+    if p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
         return cfg
     try:
-        counts = uneven_stage_counts(cfg.model.num_layers or PRESETS[cfg.model.model]["num_layers"], p.pp, p.vpp,
-                                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
-    except ValueError as e:
+        counts = split_pipeline_layers(p, cfg.model.num_layers or PRESETS[cfg.model.model]["num_layers"], p.vpp,
+                                       cfg.explicit)
+    except ConfigError as e:
         raise UsageError(str(e)) from None
     return dataclasses.replace(cfg.replace("parallel", pipeline_layers=counts), explicit=cfg.explicit,
                                derived=cfg.derived | {"parallel.pipeline_layers"})

@@ -27,7 +27,7 @@ import math
 import re
 import typing
 
-from megalite.config import RunConfig, lr_schedule_lengths
+from megalite.config import RunConfig, lr_schedule_lengths, weight_decay_steps
 from megalite.config.run import FIELD_SECTION, SECTIONS, flag_name
 from megalite.errors import UsageError
 from megalite.models.config import moe_layer_pattern
@@ -245,9 +245,8 @@ def _effective(cfg: RunConfig) -> dict:
     if o.weight_decay_incr_style == "constant":
         out["weight_decay"] = o.weight_decay
     else:  # Megatron-LM's ramp runs over the run's length, kept with its scheduler's state
-        t = cfg.training
         out.update({"start_weight_decay": o.start_weight_decay, "end_weight_decay": o.end_weight_decay,
-                    _WD_LENGTH: t.train_iters if t.train_samples is None else t.train_samples / t.global_batch_size})
+                    _WD_LENGTH: weight_decay_steps(cfg)})
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from megalite.config import RunConfig
+from megalite.config import DataConfig, RunConfig
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
 from megalite.data.documents import flags_given
@@ -59,9 +59,10 @@ def check_task_flags(cfg: RunConfig, task: Task) -> None:
         raise UsageError(f"{documents[0]} is for GPT's packed documents (pretrain_gpt.py); a {task.model_kind} "
                          f"sample is one or two sentences already: drop it")
     # Set off their defaults (a printed configuration writes every field, the defaults too).
+    data = DataConfig()
     bert_only = [n for n, on in (("bert_no_binary_head", cfg.model.bert_no_binary_head),
-                                 ("mask_prob", cfg.data.mask_prob != 0.15),
-                                 ("short_seq_prob", cfg.data.short_seq_prob != 0.1)) if on]
+                                 ("mask_prob", cfg.data.mask_prob != data.mask_prob),
+                                 ("short_seq_prob", cfg.data.short_seq_prob != data.short_seq_prob)) if on]
     if task.model_kind != "bert" and bert_only:
         flag = "--" + bert_only[0].replace("_", "-")
         raise UsageError(f"{flag} is for BERT's masked samples (pretrain_bert.py); a {task.model_kind} model "

@@ -101,11 +101,11 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor]):
         problems.append(f"GPT-2 and BERT use LayerNorm (config: normalization={c.normalization!r})")
     if c.layernorm_position != "post":
         problems.append("BertForPreTraining is post-LayerNorm (config: layernorm_position='pre')")
-    if not c.add_binary_head:
+    if c.add_binary_head:
+        problems += table_problems(state_dict, rows, c.vocab_size)
+    else:  # (the table's missing rows would say nothing more)
         problems.append("BertForPreTraining has a sentence-order head and two token types (config: "
                         "add_binary_head=False, trained with --bert-no-binary-head)")
-    if c.add_binary_head:  # (without the head the table's missing rows say nothing more)
-        problems += table_problems(state_dict, rows, c.vocab_size)
     refuse("this megalite BERT", problems, to="Hugging Face")
     theirs = export_tensors(state_dict, rows, {"qkv": c.num_attention_heads}, c.vocab_size)
     hf_config = tf.BertConfig(
