@@ -32,7 +32,6 @@ _UNSUPPORTED = (
     ("moe_shared_expert_intermediate_size", (None, 0), "shared experts"),
     ("heterogeneous_layers_config_path", (None, ""), "heterogeneous layers"),
     ("hybrid_override_pattern", (None, ""), "a hybrid (Mamba) model"),
-    ("rotary_interleaved", False, "interleaved rotary embeddings"),
     ("qk_l2_norm", False, "L2-normalised queries and keys"),
     ("add_position_embedding", True, "learned positions off without rope"),
 )
@@ -108,7 +107,8 @@ def translate_args(args, where: str) -> Translation:
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu"}
+                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu",
+                "rotary_interleaved": "--rotary-interleaved"}
     flags += [flag for name, flag in switches.items() if _arg(args, name)]
     if not linear_bias:
         flags.append("--disable-bias-linear")

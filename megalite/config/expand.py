@@ -25,6 +25,7 @@ _SWITCHES = {
     "multi_latent_attention": lambda c: c.multi_latent_attention,
     "squared_relu": lambda c: c.activation == "squared_relu",
     "bert_no_binary_head": lambda c: not c.add_binary_head,
+    "rotary_interleaved": lambda c: c.rotary_interleaved,
 }
 
 

@@ -32,6 +32,10 @@ class ModelConfig:
         shape=True)
     init_method_std: float | None = opt(None, "standard deviation of the weights' initialization (default 0.02)",
                                         check=POSITIVE)
+    init_method_xavier_uniform: bool = opt(False, "initialize every weight matrix Xavier-uniform, U(+-sqrt(6 / "
+                                                  "(fan_in + fan_out))) of the full matrix, not N(0, std)")
+    embedding_init_method_std: float | None = opt(None, "the embedding tables' N(0, std) (default: as every weight; "
+                                                        "1.0 is arXiv 2312.16903's)", check=POSITIVE)
     hidden_dropout: float = opt(0.0, "dropout on the residual stream (0 is usual for pretraining)", check=PROBABILITY)
     attention_dropout: float = opt(0.0, "dropout on attention probabilities", check=PROBABILITY)
     recompute: str = opt("none", "activation recomputation", choices=_RECOMPUTE,
@@ -64,6 +68,8 @@ class ModelConfig:
     rotary_base: float | None = opt(None, "rope: the base of the rotation frequencies", check=POSITIVE)
     rotary_percent: float | None = opt(None, "rope: the fraction of each head's dims rotated", check=FRACTION,
                                        shape=True)
+    rotary_interleaved: bool = opt(False, "rope: rotate neighbouring dims (0, 1), (2, 3), ... of a head (GPT-J's "
+                                          "and Meta's Llama layout), not dim i with i + rotated / 2", shape=True)
     rope_scaling_factor: float | None = opt(None, "rope: Llama 3.1 frequency scaling factor",
                                             check=(lambda v: v >= 1, ">= 1"))
     rope_low_freq_factor: float | None = opt(None, "rope scaling: low-frequency factor", check=POSITIVE)

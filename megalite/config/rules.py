@@ -210,7 +210,8 @@ SAME_NAMED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 
 def _model_overrides(m) -> dict:
     """TransformerConfig fields the model section sets; fields left unset set nothing."""
-    same = (*SAME_NAMED, "num_query_groups", "mtp_num_layers", "mtp_loss_scaling_factor", *_ROPE_FIELDS)
+    same = (*SAME_NAMED, "num_query_groups", "mtp_num_layers", "mtp_loss_scaling_factor", "embedding_init_method_std",
+            *_ROPE_FIELDS)
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon
@@ -232,7 +233,9 @@ def _model_overrides(m) -> dict:
                 "qk_layernorm_full_width": dict(qk_layernorm_full_width=True),
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True),
-                "bert_no_binary_head": dict(add_binary_head=False), "squared_relu": dict(activation="squared_relu")}
+                "bert_no_binary_head": dict(add_binary_head=False), "squared_relu": dict(activation="squared_relu"),
+                "rotary_interleaved": dict(rotary_interleaved=True),
+                "init_method_xavier_uniform": dict(init_method_xavier_uniform=True)}
     if mla:  # Megatron-LM's MLA norms its query and key/value latents only with --qk-layernorm; megalite's always
         switches.pop("qk_layernorm")
     for name, fields in switches.items():

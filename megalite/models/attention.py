@@ -25,7 +25,7 @@ from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
 from megalite.parallel import state, weight_grad
 from megalite.parallel.context_parallel import a2a_attention, ring_attention
-from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, part_of_rows
 from megalite.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                         sum_over_tensor_model_parallel_region)
 from megalite.parallel.random import get_rng_tracker
@@ -144,13 +144,14 @@ class ParallelAttention(nn.Module):
         self.config = config
         self.heads_per_rank = config.num_attention_heads // tp
         h, d, sp, dtype = config.hidden_size, config.head_dim, config.sequence_parallel, config.params_dtype
-        column = dict(init_method=init_method, bias=config.qkv_bias, sequence_parallel=sp, params_dtype=dtype,
-                      device=device, **config.tp_comm_options())
+        column = dict(bias=config.qkv_bias, sequence_parallel=sp, params_dtype=dtype, device=device,
+                      **config.tp_comm_options())
         if config.num_query_groups is None:
-            self.qkv = ColumnParallelLinear(h, 3 * config.num_attention_heads * d, **column)
-        else:
-            self.q = ColumnParallelLinear(h, config.num_attention_heads * d, **column)
-            self.kv = ColumnParallelLinear(h, 2 * config.num_query_groups * d, **column)
+            self.qkv = ColumnParallelLinear(h, 3 * config.num_attention_heads * d, init_method=init_method, **column)
+        else:  # q and kv: parts of Megatron-LM's one qkv matrix (its fans, where the init reads them)
+            init_method = part_of_rows(init_method, (config.num_attention_heads + 2 * config.num_query_groups) * d)
+            self.q = ColumnParallelLinear(h, config.num_attention_heads * d, init_method=init_method, **column)
+            self.kv = ColumnParallelLinear(h, 2 * config.num_query_groups * d, init_method=init_method, **column)
             self.groups_replicated = tp > config.num_query_groups  # each rank one group, shared with others
             # (then its weight is read whole, in the model dtype: ZeRO-3 must gather those values)
             self.kv.weight.read_gathered_over_tp = self.groups_replicated

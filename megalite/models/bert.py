@@ -28,7 +28,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.embeddings import check_length
 from megalite.models.language_model import LanguageModelStage
 from megalite.models.mlp import activation_function
-from megalite.models.rng import init_generator, init_replicated
+from megalite.models.rng import embedding_init, init_generator, init_replicated, weight_init
 from megalite.parallel import state, weight_grad
 from megalite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.parallel.grad_accumulation import embedding, linear
@@ -107,7 +107,8 @@ class BERTModel(LanguageModelStage):
 
     def _replicated(self, module: nn.Module, component: int) -> nn.Module:
         generator = init_generator(self._seed, component, self._device)
-        return init_replicated(module, self.config.init_method_std, generator, self._device)
+        init = embedding_init if component == TOKENTYPE_EMBEDDING_COMPONENT else weight_init  # else a head's matrix
+        return init_replicated(module, init(self.config, generator), self._device)
 
     def _build_heads(self) -> None:
         """Masked-LM head: dense + activation + norm per token, then logits through the word

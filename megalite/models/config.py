@@ -34,6 +34,9 @@ class TransformerConfig:
     # function at initialization, the weights small numbers whatever their precision.
     layernorm_zero_centered_gamma: bool = False
     init_method_std: float = 0.02
+    # Megatron-LM's --init-method-xavier-uniform: every weight matrix U(-a, a), a = sqrt(6 / (fan_in + fan_out)).
+    init_method_xavier_uniform: bool = False
+    embedding_init_method_std: float | None = None  # the embedding tables' N(0, std) (None: as every weight)
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this times TP
     sequence_parallel: bool = False
     # Sequence parallelism's all-gathers and reduce-scatters pipelined with the linear layers' GEMMs
@@ -66,6 +69,9 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # rope rotates the first int(head_dim * rotary_percent) dims of a head
+    # Megatron-LM's --rotary-interleaved: rope rotates pairs of neighbouring dims (0, 1), (2, 3), ... (GPT-J's
+    # and Meta's original Llama layout) instead of dim i with dim i + rotated / 2 (Hugging Face's).
+    rotary_interleaved: bool = False
     # Llama 3.1 frequency scaling (None: off): wavelengths above original / low_freq_factor are
     # divided by the factor, those below original / high_freq_factor kept, a smooth blend between.
     rope_scaling_factor: float | None = None
@@ -158,6 +164,8 @@ class TransformerConfig:
             raise ValueError(f"layernorm_position must be pre or post, got {self.layernorm_position!r}")
         if self.activation not in ("gelu_tanh", "gelu", "silu", "squared_relu"):
             raise ValueError(f"activation must be gelu_tanh, gelu, silu or squared_relu, got {self.activation!r}")
+        if self.embedding_init_method_std is not None and not self.embedding_init_method_std > 0:
+            raise ValueError(f"--embedding-init-method-std must be > 0, got {self.embedding_init_method_std}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
         if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
@@ -233,6 +241,9 @@ class TransformerConfig:
                              f"({self.num_attention_heads})")
         if self.position_embedding_type == "rope":
             self._check_rope()
+        elif self.rotary_interleaved:
+            raise ValueError(f"--rotary-interleaved lays out rope's pairs, and position_embedding_type is "
+                             f"{self.position_embedding_type!r}: add --position-embedding-type rope, or drop it")
         if self.qk_layernorm_full_width and not (self.qk_layernorm and self.normalization == "rmsnorm"):
             raise ValueError("qk_layernorm_full_width needs qk_layernorm=True and normalization='rmsnorm' (it widens "
                              "the RMSNorm of queries and keys to all heads): set both, or drop it")
@@ -251,6 +262,8 @@ class TransformerConfig:
         if self.num_query_groups is not None or self.qk_layernorm:
             raise ValueError("--multi-latent-attention has its own keys and norms: drop --num-query-groups / "
                              "--qk-layernorm")
+        if self.rotary_interleaved:  # as Megatron-Core refuses it
+            raise ValueError("--rotary-interleaved does not apply to --multi-latent-attention: drop it")
 
     def _check_rope(self) -> None:
         if not 0.0 < self.rotary_percent <= 1.0:

@@ -10,17 +10,17 @@ import torch
 from torch import nn
 
 from megalite.models.config import TransformerConfig
-from megalite.models.rng import POSITION_EMBEDDING_COMPONENT, init_generator, init_replicated
+from megalite.models.rng import POSITION_EMBEDDING_COMPONENT, embedding_init, init_generator, init_replicated
 from megalite.parallel.grad_accumulation import embedding
 
 
 class LearnedPositionEmbedding(nn.Embedding):
     """A table of `max_position_embeddings` learned vectors (GPT-2, BERT), whole on every TP rank,
-    drawn N(0, init_method_std) from the position component's generator."""
+    drawn by `embedding_init` from the position component's generator."""
 
     def __init__(self, config: TransformerConfig, seed: int, device=None):
         super().__init__(config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype, device=device)
-        init_replicated(self, config.init_method_std, init_generator(seed, POSITION_EMBEDDING_COMPONENT, device),
+        init_replicated(self, embedding_init(config, init_generator(seed, POSITION_EMBEDDING_COMPONENT, device)),
                         device)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,12 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.embeddings import position_embedding
 from megalite.models.norms import norm_layer
-from megalite.models.rng import OUTPUT_LAYER_COMPONENT, WORD_EMBEDDING_COMPONENT, hidden_dropout, init_generator
+from megalite.models.rng import (OUTPUT_LAYER_COMPONENT, WORD_EMBEDDING_COMPONENT, embedding_init, hidden_dropout,
+                                 init_generator, weight_init)
 from megalite.models.transformer import TransformerLayer, run_layers
 from megalite.parallel import state
 from megalite.parallel.grad_accumulation import linear
-from megalite.parallel.layers import VocabParallelEmbedding, default_device, normal_init, pad_vocab_size
+from megalite.parallel.layers import VocabParallelEmbedding, default_device, pad_vocab_size
 from megalite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -72,11 +73,13 @@ class LanguageModelStage(nn.Module):
         self.input_tensor: torch.Tensor | None = None
 
     def _vocab_parallel(self, component: int) -> VocabParallelEmbedding:
-        """A [padded_vocab, h] table sharded by vocabulary rows, drawn from `component`'s generator."""
+        """A [padded_vocab, h] table sharded by vocabulary rows, drawn from `component`'s generator: as an
+        embedding (the word table, tied or not), or as a weight (the untied output layer)."""
         c = self.config
+        init = embedding_init if component == WORD_EMBEDDING_COMPONENT else weight_init
         table = VocabParallelEmbedding(
             self.padded_vocab_size, c.hidden_size,
-            init_method=normal_init(c.init_method_std, init_generator(self._seed, component, self._device)),
+            init_method=init(c, init_generator(self._seed, component, self._device)),
             num_real_embeddings=c.vocab_size, sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype,
             device=self._device,
         )

@@ -28,13 +28,12 @@ from megalite.models.attention import ATTENTION_BACKENDS, _context_parallel_core
 from megalite.models.config import TransformerConfig
 from megalite.models.documents import PackedDocuments, varlen_attention
 from megalite.models.norms import NORMS
-from megalite.models.rng import checkpoint_with_tp_rng
+from megalite.models.rng import checkpoint_with_tp_rng, weight_init
 from megalite.models.rope import rotary_embedding, yarn_softmax_scale
 from megalite.parallel import state
 from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_linear
 from megalite.parallel.grad_accumulation import linear
-from megalite.parallel.layers import (ColumnParallelLinear, RowParallelLinear, default_device, init_device,
-                                      normal_init)
+from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, default_device, init_device
 from megalite.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from megalite.parallel.random import get_rng_tracker
 
@@ -46,7 +45,7 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         device = default_device(device)
         full = torch.zeros(output_size, input_size, dtype=torch.float32, device=init_device(device))
-        (init_method or normal_init(config.init_method_std))(full)
+        (init_method or weight_init(config))(full)
         self.weight = nn.Parameter(full.to(device=device, dtype=config.params_dtype))
         self.weight.partial_over_tp = True
         self.fp8: FP8Linear | None = None

@@ -24,9 +24,9 @@ from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.norms import norm_layer
-from megalite.models.rng import MTP_FIRST_COMPONENT, init_generator
+from megalite.models.rng import MTP_FIRST_COMPONENT, init_generator, weight_init
 from megalite.models.transformer import TransformerLayer, run_layers
-from megalite.parallel.layers import ColumnParallelLinear, normal_init
+from megalite.parallel.layers import ColumnParallelLinear
 from megalite.parallel.mappings import gather_from_tensor_model_parallel_region, scatter_to_sequence_parallel_region
 
 
@@ -45,7 +45,7 @@ class MTPModule(nn.Module):
         self.enorm = norm_layer(config, device)
         self.hnorm = norm_layer(config, device)
         h = config.hidden_size
-        init = normal_init(config.init_method_std, init_generator(seed, MTP_FIRST_COMPONENT + depth - 1, device))
+        init = weight_init(config, init_generator(seed, MTP_FIRST_COMPONENT + depth - 1, device))
         # Under SP its input is gathered along the sequence here and its output re-split below.
         self.eh_proj = ColumnParallelLinear(2 * h, h, bias=False, gather_output=not config.sequence_parallel,
                                             init_method=init, sequence_parallel=config.sequence_parallel,

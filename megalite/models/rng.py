@@ -8,13 +8,15 @@ layer num_layers + k - 1).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from megalite.parallel import state
-from megalite.parallel.layers import init_device, normal_init
+from megalite.parallel.layers import InitMethod, XavierUniform, init_device, normal_init
 from megalite.parallel.random import get_rng_tracker
 
 WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT, OUTPUT_LAYER_COMPONENT = 0, 1, 6
@@ -32,11 +34,37 @@ def init_generator(seed: int, component: int, device=None) -> torch.Generator:
     return torch.Generator(device=where).manual_seed((seed * 1_000_003 + component) % 2**63)
 
 
-def init_replicated(module: nn.Module, std: float, generator: torch.Generator, device) -> nn.Module:
-    """Same full weight on every rank: N(0, std) drawn in fp32 from `generator`, biases zero."""
+def weight_init(config, generator: torch.Generator | None = None) -> InitMethod:
+    """A weight matrix's init: N(0, init_method_std), or Xavier-uniform (--init-method-xavier-uniform)."""
+    if config.init_method_xavier_uniform:
+        return XavierUniform(generator)
+    return normal_init(config.init_method_std, generator)
+
+
+def output_weight_init(config, generator: torch.Generator | None = None) -> InitMethod:
+    """The residual branches' last matrices (attention proj, MLP fc2): N(0, init_method_std / sqrt(2 L)),
+    GPT-2's scaling that keeps the stream's variance; Xavier-uniform like every weight under
+    --init-method-xavier-uniform (what Megatron-LM's flag sets, its scaled init included)."""
+    if config.init_method_xavier_uniform:
+        return XavierUniform(generator)
+    return normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers), generator)
+
+
+def embedding_init(config, generator: torch.Generator | None = None) -> InitMethod:
+    """Word, position and token-type tables: N(0, embedding_init_method_std) when it is given, else as
+    every weight. As Megatron-Core decides it: under Xavier-uniform, a std equal to init_method_std keeps
+    the tables Xavier-uniform."""
+    std = config.embedding_init_method_std
+    if std is None or (config.init_method_xavier_uniform and std == config.init_method_std):
+        return weight_init(config, generator)
+    return normal_init(std, generator)
+
+
+def init_replicated(module: nn.Module, init: InitMethod, device) -> nn.Module:
+    """Same full weight on every rank: drawn by `init` in fp32, biases zero."""
     with torch.no_grad():
         full = torch.empty(module.weight.shape, device=init_device(device))
-        normal_init(std, generator)(full)
+        init(full)
         module.weight.copy_(full)
         if getattr(module, "bias", None) is not None:
             module.bias.zero_()

@@ -2,7 +2,9 @@
 
 Hugging Face's "rotate half" convention: within the rotated dims of a head, dim i pairs with dim
 i + rotated / 2, so q/k weights of Hugging Face Llama-family checkpoints apply unchanged. The
-angles are computed in fp32; dims past `config.rotary_dims` pass through. No parameters: every
+angles are computed in fp32; dims past `config.rotary_dims` pass through. With
+`config.rotary_interleaved` (Megatron-LM's --rotary-interleaved) dim 2i pairs with 2i + 1 instead, at
+the same frequency i: the same rotation, of the dims taken in another order. No parameters: every
 stage builds the same table from the config, whatever it holds.
 
 Frequency scaling for contexts longer than the model was first trained at: Llama 3.1's
@@ -152,11 +154,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [s, b, heads, head_dim] -> the same with its first rotary_dims dims rotated by position
         (0..s-1 or this CP rank's share of them; else `cos_sin`, from `cos_sin_at`)."""
-        if cos_sin is not None:
+        if cos_sin is None:
+            cp = state.get_context_parallel_world_size()
+            cos_sin = self.cos_sin(x.shape[0], x.device, state.get_context_parallel_rank() if cp > 1 else 0, cp)
+        if not self.config.rotary_interleaved:
             return apply_rotary(x, *cos_sin, self.rotary_dims)
-        cp = state.get_context_parallel_world_size()
-        cos, sin = self.cos_sin(x.shape[0], x.device, state.get_context_parallel_rank() if cp > 1 else 0, cp)
-        return apply_rotary(x, cos, sin, self.rotary_dims)
+        # Interleaved pair (2i, 2i + 1) is rotate-half's (i, i + dims / 2): taken into that order, rotated by
+        # the same tables and put back, so each value meets the same cos and sin as in Megatron-LM's form.
+        dims = self.rotary_dims
+        halves = apply_rotary(torch.cat([x[..., 0:dims:2], x[..., 1:dims:2], x[..., dims:]], dim=-1), *cos_sin, dims)
+        pairs = halves[..., :dims].unflatten(-1, (2, dims // 2)).transpose(-1, -2).flatten(-2)
+        return torch.cat([pairs, halves[..., dims:]], dim=-1) if dims < x.shape[-1] else pairs
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, dims: int) -> torch.Tensor:

@@ -5,7 +5,6 @@ Activations are [sequence, batch, hidden] (sequence-sharded over TP with sequenc
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -15,8 +14,8 @@ from megalite.models.attention import ParallelAttention
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import mlp_layer
 from megalite.models.norms import NORMS, norm_layer
-from megalite.models.rng import FIRST_LAYER_COMPONENT, checkpoint_with_tp_rng, hidden_dropout, init_generator
-from megalite.parallel.layers import normal_init
+from megalite.models.rng import (FIRST_LAYER_COMPONENT, checkpoint_with_tp_rng, hidden_dropout, init_generator,
+                                 output_weight_init, weight_init)
 
 
 class TransformerLayer(nn.Module):
@@ -32,9 +31,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config, self.layer_number = config, layer_number
         gen = init_generator(seed, FIRST_LAYER_COMPONENT + layer_number, device)
-        init = normal_init(config.init_method_std, gen)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * layers) to keep the stream's variance.
-        out_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers), gen)
+        init, out_init = weight_init(config, gen), output_weight_init(config, gen)
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:
             self.input_layernorm = norm_layer(config, device)

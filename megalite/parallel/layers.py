@@ -47,6 +47,31 @@ def normal_init(std: float = 0.02, generator: torch.Generator | None = None) -> 
     return init
 
 
+class XavierUniform:
+    """Xavier/Glorot uniform init (Megatron-LM's --init-method-xavier-uniform): U(-a, a) with
+    a = sqrt(6 / (fan_in + fan_out)) of the full matrix [out, in], or of each matrix of a stack
+    [experts, out, in]; drawn from `generator` (else the global RNG). `fan_out` overrides the rows
+    where the matrix is one part of a larger one (`part_of_rows`)."""
+
+    def __init__(self, generator: torch.Generator | None = None, fan_out: int | None = None):
+        self.generator, self.fan_out = generator, fan_out
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        if w.is_meta:
+            return w
+        bound = math.sqrt(6.0 / (w.shape[-1] + (self.fan_out or w.shape[-2])))
+        return w.uniform_(-bound, bound, generator=self.generator)
+
+    def part_of_rows(self, rows: int) -> "XavierUniform":
+        return XavierUniform(self.generator, rows)
+
+
+def part_of_rows(init_method: InitMethod, rows: int) -> InitMethod:
+    """`init_method` for a matrix that is part of one of `rows` rows (megalite's separate q and kv of
+    Megatron-LM's one fused qkv): the same draws, with that matrix's fans where they matter."""
+    return init_method.part_of_rows(rows) if isinstance(init_method, XavierUniform) else init_method
+
+
 def divide(numerator: int, denominator: int, what: str, by: str) -> int:
     if numerator % denominator:
         raise ValueError(

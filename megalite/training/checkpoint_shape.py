@@ -39,7 +39,7 @@ def shape_fields(model: TransformerConfig) -> dict:
                qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma, bert_no_binary_head=not model.add_binary_head,
-               squared_relu=model.activation == "squared_relu")
+               squared_relu=model.activation == "squared_relu", rotary_interleaved=model.rotary_interleaved)
     if not model.gated_linear_unit and model.activation in ("gelu", "gelu_tanh"):  # a gated MLP's silu is swiglu's
         out["openai_gelu"] = model.activation == "gelu_tanh"
     if model.multi_latent_attention:

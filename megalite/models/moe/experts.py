@@ -19,9 +19,10 @@ from torch import nn
 
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import activation_function
+from megalite.models.rng import weight_init
 from megalite.parallel import state, weight_grad
 from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_grouped_linear
-from megalite.parallel.layers import default_device, init_device, normal_init, tp_shard
+from megalite.parallel.layers import default_device, init_device, tp_shard
 
 
 def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -168,9 +169,9 @@ class GroupedMLP(nn.Module):
         device = default_device(device)
         where = init_device(device)
         fc1 = torch.zeros(experts, blocks * ffn, hidden, dtype=torch.float32, device=where)
-        (init_method or normal_init(config.init_method_std))(fc1)
+        (init_method or weight_init(config))(fc1)
         fc2 = torch.zeros(experts, hidden, ffn, dtype=torch.float32, device=where)
-        (output_init_method or normal_init(config.init_method_std))(fc2)
+        (output_init_method or weight_init(config))(fc2)
         self.fc1_weight = self._parameter(tp_shard(fc1[mine], 1, etp, etp_rank, blocks), config, device, 1, blocks)
         self.fc2_weight = self._parameter(tp_shard(fc2[mine], 2, etp, etp_rank), config, device, 2, 1)
         self.activation = activation_function(config)

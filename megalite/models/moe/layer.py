@@ -13,9 +13,10 @@ from megalite.models.moe.capacity import count_per_expert, drop_over_capacity, e
 from megalite.models.moe.dispatcher import make_dispatcher
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.moe.router import TopKRouter
+from megalite.models.rng import weight_init
 from megalite.parallel import state
 from megalite.parallel.grad_accumulation import linear
-from megalite.parallel.layers import default_device, init_device, normal_init
+from megalite.parallel.layers import default_device, init_device
 
 
 class MoELayer(nn.Module):
@@ -40,7 +41,7 @@ class MoELayer(nn.Module):
             self.shared_expert_gate = None
             if config.moe_shared_expert_gate:
                 full = torch.zeros(1, config.hidden_size, dtype=torch.float32, device=init_device(default_device(device)))
-                (init_method or normal_init(config.init_method_std))(full)
+                (init_method or weight_init(config))(full)
                 self.shared_expert_gate = nn.Parameter(full.to(device=default_device(device), dtype=config.params_dtype))
                 self.shared_expert_gate.sequence_parallel = config.sequence_parallel
 

@@ -20,10 +20,10 @@ from torch import nn
 from megalite.models.config import TransformerConfig
 from megalite.models.moe.balanced import force_balanced
 from megalite.models.moe.capacity import count_per_expert
-from megalite.models.rng import is_recomputing
+from megalite.models.rng import is_recomputing, weight_init
 from megalite.parallel import state, traffic
 from megalite.parallel.grad_accumulation import linear
-from megalite.parallel.layers import default_device, init_device, normal_init
+from megalite.parallel.layers import default_device, init_device
 
 
 def _topk(scores: torch.Tensor, k: int, num_groups: int | None, group_topk: int | None) -> torch.Tensor:
@@ -73,7 +73,7 @@ class TopKRouter(nn.Module):
         self.config = config
         device = default_device(device)
         full = torch.zeros(config.num_moe_experts, config.hidden_size, dtype=torch.float32, device=init_device(device))
-        (init_method or normal_init(config.init_method_std))(full)
+        (init_method or weight_init(config))(full)
         self.weight = nn.Parameter(full.to(device=device, dtype=config.params_dtype))
         # Under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP.
         self.weight.sequence_parallel = config.sequence_parallel

@@ -9,6 +9,7 @@ import torch
 from megalite.models.config import TransformerConfig
 from megalite.tools.convert_hf import bert, deepseek, gpt2, llama, moe
 from megalite.tools.convert_hf.common import ConversionError, load_hf_config, load_hf_weights, refuse
+from megalite.tools.convert_hf.rotary_rows import interleaved_to_rotate_half
 
 # family module -> the megalite model kind it becomes
 FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"), (deepseek, "gpt"))
@@ -104,6 +105,9 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if config.activation == "squared_relu":
         raise ConversionError("the model's MLPs are squared-ReLU (--squared-relu, Nemotron's): export to Hugging Face "
                               "is not implemented for them")
+    if config.rotary_interleaved:  # Hugging Face rotates half: the same model in that layout
+        state_dict = interleaved_to_rotate_half(state_dict, config)
+        config = config.replace(rotary_interleaved=False)
     exports = EXPORTS[kind]
     if architecture is None:
         family = (bert if kind == "bert" else deepseek if config.multi_latent_attention else moe if config.is_moe

@@ -22,13 +22,13 @@ from megalite.tools.convert_hf import llama, moe
 from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into, own,
                                               pairs, refuse, stored_tensor_names, table_problems, transformers)
 from megalite.tools.convert_hf.deepseek_mla import (LATENT_NORM_EPS, attention_fields, attention_rows,
-                                                    hf_rope_parameters, reorder_rotary_rows, rope_fields,
-                                                    rotate_half_order)
+                                                    hf_rope_parameters, reorder_rotary_rows, rope_fields)
 from megalite.tools.convert_hf.deepseek_moe import (dense_first, export_moe_problems, fill_what_megalite_lacks,
                                                     hf_moe_kwargs, moe_fields, moe_mlp_rows)
 from megalite.tools.convert_hf.deepseek_mtp import (MTP_COPIES, differing_copies, layer_of, main_dtype,
                                                     mtp_count_problems, mtp_layers_in, mtp_module, nextn, read_stored)
 from megalite.tools.convert_hf.deepseek_shape import DEEPSEEK_V3, Shape, llama_shape, shape_of
+from megalite.tools.convert_hf.rotary_rows import rotate_half_order
 
 ARCHITECTURES = (DEEPSEEK_V3,)
 MODEL_TYPES = {"deepseek_v3": DEEPSEEK_V3}

@@ -22,6 +22,7 @@ from megalite.models.rope import yarn_attention_factor, yarn_mscale
 from megalite.tools.convert_hf import llama
 from megalite.tools.convert_hf.common import Row, pairs
 from megalite.tools.convert_hf.deepseek_shape import Shape
+from megalite.tools.convert_hf.rotary_rows import reorder_head_rows
 
 LATENT_NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm and kv_a_layernorm, whatever rms_norm_eps is
 
@@ -41,18 +42,6 @@ def attention_rows(s: Shape, i: int) -> list[Row]:
 # ---------------------------------------------------------------------------------------------
 # The rotary rows
 
-def rotate_half_order(d_r: int) -> torch.Tensor:
-    """Interleaved rotary dims (pairs (0, 1), (2, 3), ...) in rotate-half order: even, then odd."""
-    return torch.cat([torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)])
-
-
-def _reorder_tail(w: torch.Tensor, block: int, d_r: int, order: torch.Tensor) -> torch.Tensor:
-    """w's rows as blocks of `block` rows, the last d_r rows of each block taken in `order`."""
-    blocks = w.reshape(-1, block, *w.shape[1:])
-    kept, rotary = blocks[:, :block - d_r], blocks[:, block - d_r:]
-    return torch.cat([kept, rotary[:, order]], dim=1).reshape(w.shape)
-
-
 def reorder_rotary_rows(tensors: Mapping[str, torch.Tensor], c, order: torch.Tensor) -> dict[str, torch.Tensor]:
     """A copy of megalite-named `tensors` whose query heads' and shared key's rotary rows are taken in
     `order` (rotate_half_order on import, its inverse on export)."""
@@ -61,8 +50,9 @@ def reorder_rotary_rows(tensors: Mapping[str, torch.Tensor], c, order: torch.Ten
     layers = [f"layers.{i}." for i in range(c.num_layers)] + [f"mtp.{j}.layer." for j in range(c.mtp_num_layers)]
     for layer in layers:
         attn = f"{layer}attention."
-        out[f"{attn}{query}.weight"] = _reorder_tail(tensors[f"{attn}{query}.weight"], c.qk_head_dim + d_r, d_r, order)
-        out[f"{attn}kv_down.weight"] = _reorder_tail(tensors[f"{attn}kv_down.weight"], c.kv_lora_rank + d_r, d_r, order)
+        for name, block in ((query, c.qk_head_dim + d_r), ("kv_down", c.kv_lora_rank + d_r)):  # rotary rows last
+            out[f"{attn}{name}.weight"] = reorder_head_rows(tensors[f"{attn}{name}.weight"], block, (block - d_r,), d_r,
+                                                            order)
     return out
 
 
