@@ -42,7 +42,8 @@ def build_layer(s, h, a, recompute, device, dtype, **arch):
 
 def measure(s, b, h, a, recompute, device, dtype=torch.bfloat16, **arch) -> int:
     layer, config = build_layer(s, h, a, recompute, device, dtype, **arch)
-    x = torch.randn(s, b, h, device=device, dtype=dtype, requires_grad=True)
+    stream = torch.float32 if config.fp32_residual_connection else dtype  # the previous layer's output
+    x = torch.randn(s, b, h, device=device, dtype=stream, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -241,3 +241,23 @@ def test_measured_mla_layer_activations_at_cp_2_pad_the_values(comm_type):
     (measured, formula), local = ranks[0], s // 2 * b * h
     assert ranks[1][0] == measured
     assert (measured - (formula - 2 * local)) / local == pytest.approx(0, abs=0.1), (measured / local, formula / local)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_measured_fp32_residual_stream_bytes_follow_the_formula_on_cpu(recompute):
+    """--fp32-residual-connection: the norms keep an fp32 stream (and full recomputation an fp32 input);
+    the planner's bytes count the difference from the bf16 stream's. Without residual dropout: PyTorch's CPU
+    dropout keeps its mask in the stream's dtype (so 4 bytes in fp32), where the formula counts CUDA's
+    1-byte masks, which the fp32 stream leaves as they are."""
+    from megalite.models.memory import layer_activation_bytes
+
+    script, cpu, s, b, h, a = _script(), torch.device("cpu"), 256, 2, 256, 4
+    arch = dict(attention_backend="sdpa", attention_dropout=0.0, hidden_dropout=0.0)
+    plain = script.measure(s, b, h, a, recompute, cpu, **arch)
+    wide = script.measure(s, b, h, a, recompute, cpu, **arch, fp32_residual_connection=True)
+    _, config = script.build_layer(s, h, a, recompute, cpu, torch.bfloat16, **arch, fp32_residual_connection=True)
+    _, base = script.build_layer(s, h, a, recompute, cpu, torch.bfloat16, **arch)
+    sbh = s * b * h
+    change_formula = (layer_activation_bytes(config, s, b) - layer_activation_bytes(base, s, b)) / sbh
+    assert (wide - plain) / sbh == pytest.approx(change_formula, abs=0.2), ((wide - plain) / sbh, change_formula)
+    assert change_formula == (2.0 if recompute == "full" else 4.0)

@@ -49,14 +49,14 @@ def test_the_rotation_is_megatron_cores_interleaved_rope_bit_for_bit(percent):
 
 
 @pytest.mark.parametrize("groups", [None, 2])  # fused qkv rows, and separate q and kv rows
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", [None, "per-head", "full-width"])
 def test_it_is_rotate_half_rope_with_the_query_and_key_rows_permuted(groups, qk_norm):
     from megalite.models import GPTModel
     from megalite.models.presets import preset
     from megalite.tools.convert_hf.rotary_rows import interleaved_to_rotate_half
 
-    config = preset("llama-tiny", num_layers=2, num_query_groups=groups, qk_layernorm=qk_norm,
-                    rotary_interleaved=True, add_qkv_bias=True)
+    config = preset("llama-tiny", num_layers=2, num_query_groups=groups, qk_layernorm=qk_norm is not None,
+                    qk_layernorm_full_width=qk_norm == "full-width", rotary_interleaved=True, add_qkv_bias=True)
     interleaved = GPTModel(config, seed=3, device="cpu").eval()
     with torch.no_grad():
         for name, p in interleaved.named_parameters():
@@ -106,7 +106,7 @@ def test_training_at_tp2_with_sp_and_at_cp2_gives_one_ranks_losses():
     assert halves[0] != want[0]
 
 
-def test_a_checkpoint_keeps_the_layout_and_a_megatron_checkpoints_args_give_it(tmp_path):
+def test_a_checkpoint_keeps_the_layout_and_a_megatron_checkpoints_args_give_it():
     from megalite.checkpoint.megatron_dist_map import translate_args
     from megalite.training.checkpoint_shape import shape_fields
 
@@ -116,6 +116,8 @@ def test_a_checkpoint_keeps_the_layout_and_a_megatron_checkpoints_args_give_it(t
                               position_embedding_type="rope", add_bias_linear=False, swiglu=True)
     flags = translate_args(args, "ckpt").flags
     assert "--rotary-interleaved" in flags and _built(flags + ["--mock-data"]).rotary_interleaved
+    args.position_embedding_type = "learned_absolute"  # Megatron-LM reads the flag with rope alone
+    assert "--rotary-interleaved" not in translate_args(args, "ckpt").flags
 
 
 def test_a_checkpoint_of_the_interleaved_layout_resumes_in_it(tmp_path):

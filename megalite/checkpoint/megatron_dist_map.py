@@ -103,12 +103,13 @@ def translate_args(args, where: str) -> Translation:
         flags += ["--rotary-base", _arg(args, "rotary_base", 10000), "--rotary-percent", _arg(args, "rotary_percent", 1.0)]
         if _arg(args, "use_rope_scaling"):
             flags += ["--use-rope-scaling", "--rope-scaling-factor", _arg(args, "rope_scaling_factor", 8.0)]
+        if _arg(args, "rotary_interleaved"):  # (Megatron-LM reads it with rope alone)
+            flags.append("--rotary-interleaved")
     if _arg(args, "group_query_attention"):
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu",
-                "rotary_interleaved": "--rotary-interleaved"}
+                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu"}
     flags += [flag for name, flag in switches.items() if _arg(args, name)]
     if not linear_bias:
         flags.append("--disable-bias-linear")

@@ -209,6 +209,9 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
                          f"--tp ({tp})")
     if model.mtp_num_layers:
         _check_multi_token_prediction(config, model)
+    if model.fp32_residual_connection and not (config.precision.bf16 or config.precision.fp16):
+        raise UsageError("--fp32-residual-connection keeps the residual stream in fp32 beside 16-bit weights: add "
+                         "--bf16 or --fp16 (without them the stream is fp32 already)")
     if config.local_sgd.local_sgd_interval and d.zero_stage:
         raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
                          "data parallelism): drop --use-distributed-optimizer / --zero-stage")

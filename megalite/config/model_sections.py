@@ -134,6 +134,8 @@ class ModelConfig:
     mtp_loss_scaling_factor: float | None = opt(None, "multi-token prediction: the depths' mean loss times this "
                                                       "joins the training loss (default 0.1)", check=NON_NEGATIVE)
     apply_layernorm_1p: bool = opt(False, "norm weights stored zero-centred, applied as 1 + w", shape=True)
+    fp32_residual_connection: bool = opt(False, "the residual stream between layers and pipeline stages in fp32 "
+                                                "beside --bf16/--fp16 weights (Megatron-LM's flag)")
     squared_relu: bool = opt(False, "MLP activation relu(x)^2 (Nemotron's; not with --swiglu)", shape=True)
     bert_no_binary_head: bool = opt(False, "BERT: no sentence-order head and no token types; each sample one "
                                            "segment, the masked-LM loss alone (pretrain_bert.py)", shape=True)

@@ -235,7 +235,8 @@ def _model_overrides(m) -> dict:
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True),
                 "bert_no_binary_head": dict(add_binary_head=False), "squared_relu": dict(activation="squared_relu"),
                 "rotary_interleaved": dict(rotary_interleaved=True),
-                "init_method_xavier_uniform": dict(init_method_xavier_uniform=True)}
+                "init_method_xavier_uniform": dict(init_method_xavier_uniform=True),
+                "fp32_residual_connection": dict(fp32_residual_connection=True)}
     if mla:  # Megatron-LM's MLA norms its query and key/value latents only with --qk-layernorm; megalite's always
         switches.pop("qk_layernorm")
     for name, fields in switches.items():
@@ -382,3 +383,8 @@ def model_dtype(config: RunConfig) -> torch.dtype:
     """The dtype parameters and activations train in (the model is built, and masters kept, in fp32)."""
     p = config.precision
     return torch.bfloat16 if p.bf16 else torch.float16 if p.fp16 else torch.float32
+
+
+def stream_dtype(config: RunConfig) -> torch.dtype:
+    """The dtype of the hidden states between pipeline stages: fp32 under --fp32-residual-connection."""
+    return torch.float32 if config.model.fp32_residual_connection else model_dtype(config)

@@ -64,6 +64,9 @@ class TransformerConfig:
     # BERT: the pooler and sentence-order head, and two token types (Megatron-LM's --bert-no-binary-head
     # turns all three off: one segment a sample, masked-LM loss alone).
     add_binary_head: bool = True
+    # Megatron-LM's --fp32-residual-connection: the stream between the layers (and pipeline stages) in fp32
+    # beside bf16/fp16 weights; each norm reads it in fp32 and gives its output in the weights' dtype.
+    fp32_residual_connection: bool = False
     params_dtype: torch.dtype = torch.float32
     # Llama-family switches (Megatron-Core's names); the defaults leave GPT-2 and BERT as they were.
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
@@ -164,6 +167,9 @@ class TransformerConfig:
             raise ValueError(f"layernorm_position must be pre or post, got {self.layernorm_position!r}")
         if self.activation not in ("gelu_tanh", "gelu", "silu", "squared_relu"):
             raise ValueError(f"activation must be gelu_tanh, gelu, silu or squared_relu, got {self.activation!r}")
+        if self.fp32_residual_connection and (self.layernorm_position == "post" or self.mtp_num_layers):
+            raise ValueError("--fp32-residual-connection keeps a pre-norm model's stream in fp32: post-norm layers "
+                             "(the bert-* presets) and multi-token prediction are not offered with it: drop it")
         if self.embedding_init_method_std is not None and not self.embedding_init_method_std > 0:
             raise ValueError(f"--embedding-init-method-std must be > 0, got {self.embedding_init_method_std}")
         if not isinstance(self.causal, bool):

@@ -122,6 +122,10 @@ class LanguageModelStage(nn.Module):
         return x + extra
 
     def embedding_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens as they enter the layers: in fp32 under --fp32-residual-connection (summed in
+        the model's dtype first, then widened, as Megatron-LM does), dropped out."""
+        if self.config.fp32_residual_connection:
+            x = x.float()
         return hidden_dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
     def run_layers(self, x: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -143,6 +143,16 @@ def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     return float(s // cp) * b * h * (output + 4.0 * a / h) / t + 16.0 * s
 
 
+def widened_stream_bytes(config, s: int, b: int, t: int, sequence_parallel: bool, recompute: str) -> float:
+    """What --fp32-residual-connection adds to a layer's bytes (s its local tokens): the stream the two
+    norms keep is fp32, 4 bytes a value where the formula counts 2 (2 more each, s*b*h units), and under
+    full recomputation the layer's input the checkpoint keeps (2 more)."""
+    if not getattr(config, "fp32_residual_connection", False):
+        return 0.0
+    sbh = float(s) * b * config.hidden_size / (t if sequence_parallel else 1)
+    return 2.0 * sbh if recompute == "full" else 4.0 * sbh
+
+
 def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | None = None,
                            sequence_parallel: bool | None = None, attention_backend: str | None = None,
                            cp: int = 1, cp_comm_type: str | None = None) -> float:
@@ -161,7 +171,7 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
         recompute = "selective"
     local = s // cp
     if config.multi_latent_attention:
-        kept = mla_activation_bytes_per_layer(
+        kept = widened_stream_bytes(config, local, b, t, sp, recompute) + mla_activation_bytes_per_layer(
             local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
             q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
             qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
@@ -172,7 +182,7 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
         # the log-sum-exp (and a2a's index vectors); the padded output is in the MLA count
         return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t,
                                                        cp, "p2p") + (16.0 * s if comm_type == "a2a" else 0.0)
-    kept = activation_bytes_per_layer(
+    kept = widened_stream_bytes(config, local, b, t, sp, recompute) + activation_bytes_per_layer(
         local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
         gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,

@@ -3,6 +3,10 @@
 Their parameters are replicated inside the sequence-parallel region: marked `sequence_parallel`,
 their gradients are partial per TP rank and get summed over TP. `backend` "torch" runs PyTorch's
 own formula; "auto" and "fused" run megalite.ops (the fused kernel where it runs, PyTorch elsewhere).
+
+An input wider than the weights (the fp32 stream of --fp32-residual-connection beside bf16 or fp16
+weights) is normalized in its own dtype with the weights widened, and the result given in the
+weights' dtype, for the linear layers after it (a mixed-precision norm, as Megatron-LM's).
 """
 from __future__ import annotations
 
@@ -30,6 +34,11 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = weight_grad.defer_delivery(self.weight), weight_grad.defer_delivery(self.bias)
         weight = weight + 1 if self.zero_centered else weight
+        if _wider(x, weight):
+            return _mixed(lambda w, b: self._normed(x, w, b), weight, bias)
+        return self._normed(x, weight, bias)
+
+    def _normed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return nn.functional.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
         return ops.layer_norm(x, weight, bias, self.eps)
@@ -49,9 +58,24 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = weight_grad.defer_delivery(self.weight)
         weight = weight + 1 if self.zero_centered else weight
+        if _wider(x, weight):
+            return _mixed(lambda w, _: self._normed(x, w), weight, None)
+        return self._normed(x, weight)
+
+    def _normed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return ops.reference.rms_norm(x, weight, self.eps)
         return ops.rms_norm(x, weight, self.eps)
+
+
+def _wider(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype.is_floating_point and x.dtype.itemsize > weight.dtype.itemsize
+
+
+def _mixed(norm, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`norm(weight, bias)` of a wider input, with the weights widened to it; given in the weights' dtype."""
+    widen = lambda t: None if t is None else t.float()  # noqa: E731
+    return norm(widen(weight), widen(bias)).to(weight.dtype)
 
 
 NORMS: dict[str, type[nn.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}

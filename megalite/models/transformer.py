@@ -54,7 +54,9 @@ class TransformerLayer(nn.Module):
                 inference_context=None) -> torch.Tensor:
         """`inference_context`: generation's key/value cache (megalite.generation.cache), or None (training)."""
         c = self.config
-        drop = lambda y: hidden_dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)  # noqa: E731
+        # A branch joins the stream in the stream's dtype (fp32 under --fp32-residual-connection, where the
+        # dropout and the sum are fp32 as Megatron-Core's bias-dropout-add makes them; else a no-op).
+        drop = lambda y: hidden_dropout(y.to(x.dtype), c.hidden_dropout, self.training, c.sequence_parallel)  # noqa: E731
         cache = {} if inference_context is None else {"inference_context": inference_context}
         if self.post_norm:
             x = self.post_attention_layernorm(x + drop(self.attention(x, attention_mask, **cache)))

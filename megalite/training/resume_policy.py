@@ -53,7 +53,7 @@ _TABLE = {
     NOTED: """hidden_dropout attention_dropout rotary_base rope_scaling_factor rope_low_freq_factor
         rope_high_freq_factor rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type
         yarn_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
-        yarn_mscale_all_dim mtp_loss_scaling_factor norm_epsilon
+        yarn_mscale_all_dim mtp_loss_scaling_factor norm_epsilon fp32_residual_connection
         data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
         short_seq_prob
         reset_attention_mask reset_position_ids eod_mask_loss sft_data_path sft_no_packing

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from megalite import parallel
-from megalite.config import model_dtype
+from megalite.config import stream_dtype
 from megalite.config.sections import pass_costs
 from megalite.models.fp8 import close_delayed_scaling
 from megalite.models.moe import losses as moe_losses
@@ -87,7 +87,7 @@ class TrainStep:
         paired, extra = cfg.parallel.overlap_moe_expert_parallel_comm, cfg.parallel.pipeline_extra_warmup
         program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
                                 schedule, costs, paired=paired, extra_warmup=extra)
-        return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), model_dtype(cfg),
+        return cls(program, chunks, forward_step, (seq, cfg.training.micro_batch_size, hidden_size), stream_dtype(cfg),
                    buffers,
                    optimizer, cfg.optimizer.clip_grad, tied_embedding_group(cfg),
                    cfg.data_parallel.overlap_grad_reduce, local_sgd, schedule, costs,

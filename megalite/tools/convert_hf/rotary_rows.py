@@ -29,6 +29,8 @@ def interleaved_to_rotate_half(tensors: Mapping[str, torch.Tensor], c) -> dict[s
     """A copy of a megalite state dict of a --rotary-interleaved model (config `c`) whose query and key
     rows, q/k biases and q/k norm weights are in rotate-half order: the same model once
     `rotary_interleaved` is off. Head rows: qkv [q | k | v] per head, q per head, kv [k | v] per group."""
+    if c.multi_latent_attention:  # its q rows hold no rotary dims first (and the flag is refused with it)
+        raise ValueError("interleaved_to_rotate_half is for the Llama family's attention, not multi-latent attention")
     d, d_r = c.head_dim, c.rotary_dims
     order = rotate_half_order(d_r)
     modules = {"qkv": (3 * d, (0, d)), "q": (d, (0,)), "kv": (2 * d, (0,)), "q_norm": (d, (0,)), "k_norm": (d, (0,))}

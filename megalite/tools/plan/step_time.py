@@ -75,7 +75,8 @@ def layout_costs(config: TransformerConfig, layout: Layout, cluster: Cluster, ru
     vocab = pad_vocab_size(config.vocab_size, t, config.make_vocab_size_divisible_by)
     fwd, bwd, core = layer_flops(config, s, b, layout.recompute)
     ar_bytes = local * b * h * ab
-    msg = (local // t if layout.sequence_parallel else local) * b * h * ab
+    stream = 4 if config.fp32_residual_connection else ab  # the stages' messages: fp32 under that flag
+    msg = (local // t if layout.sequence_parallel else local) * b * h * stream
     moe = moe_costs(config, layout, cluster, run) if config.is_moe else {}
     mtp_fwd, mtp_bwd = mtp_flops(config, s, b, layout.recompute, vocab)
     depth = config.mtp_num_layers
