@@ -68,3 +68,33 @@ def test_bert_loss_is_the_same_over_two_data_parallel_ranks():
     for got, _ in run_ranks(train_bert, 2, args=(argv,)):
         for key in ("loss", "mlm_loss", "sop_loss"):
             assert rel_err(torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want])) <= 1e-5, key
+
+
+def test_a_checkpoint_records_its_loss_and_an_older_bert_checkpoint_is_told_of_the_new_one(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Checkpoints record the loss's form; one saved before they did (a BERT checkpoint then trained on the
+    per-token mean, under the same flags) is resumed with one line saying what changed and how to keep it."""
+    import json
+
+    from megalite.checkpoint.sealed import SEAL, sealed
+    from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+
+    run_ranks(train_bert, 1, args=(BASE + ["--train-iters", "1", "--save", str(tmp_path / "ck")],))
+    meta_path = next((tmp_path / "ck").glob("iter_*")) / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["loss"] == "micro_batch_means"
+    monkeypatch.delenv("MEGALITE_QUIET", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def notes(*flags):
+        capsys.readouterr()
+        adopt_checkpoint_shape(parse(["--load", str(tmp_path / "ck"), *BASE, *flags]))
+        return [line for line in capsys.readouterr().out.splitlines() if "BERT loss" in line]
+
+    assert notes() == []  # it recorded its form: nothing to say
+    meta.pop(SEAL)
+    meta.pop("loss")  # as a checkpoint saved before the loss was recorded
+    meta_path.write_text(json.dumps(sealed(meta)))
+    [line] = notes()
+    assert "per-token mean (the checkpoint's" in line and "add --calculate-per-token-loss" in line
+    assert notes("--calculate-per-token-loss") == []

@@ -64,6 +64,12 @@ def test_a_norm_of_the_fp32_stream_is_the_fp32_norm_rounded_once(kind, backend):
     want = (F.layer_norm(x, (64,), w, norm.bias.float(), 1e-5) if kind == "layernorm"
             else reference.rms_norm(x, w, 1e-5))
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    # the formula itself, in float64 from the fp32 input: within one bf16 rounding of it
+    x64, w64 = x.double(), w.double()
+    centred = x64 - x64.mean(-1, keepdim=True) if kind == "layernorm" else x64
+    exact = centred / (centred.square().mean(-1, keepdim=True) + 1e-5).sqrt() * w64
+    exact = exact + norm.bias.double() if kind == "layernorm" else exact
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
     assert not torch.equal(got, norm(x.to(torch.bfloat16)))  # the stream's fp32 digits count
 
 
@@ -110,3 +116,35 @@ def test_the_planner_counts_fp32_messages_between_stages():
         return P.predict(config.replace(**fields), P.Layout(pp=2, micro_batch_size=4), cluster, run=run).exposed["pp"].bytes
 
     assert pp_bytes(fp32_residual_connection=True) == 2 * pp_bytes()
+    from megalite.tools.plan.activations import output_layer_bytes
+
+    run, layout = P.Run(16, 64, "bf16", 200_000), P.Layout(pp=2, micro_batch_size=4)
+    extra = output_layer_bytes(config.replace(fp32_residual_connection=True), layout, run, 1024) - output_layer_bytes(
+        config, layout, run, 1024)
+    assert extra == 64 * 4 * config.hidden_size * 2  # the final norm's input: 4 bytes a value, not 2
+
+
+def generated(rank, world, fields):
+    """Greedy tokens of a 2-layer bf16 model (built in fp32 and cast, as a training run's) over `world`
+    pipeline stages."""
+    from megalite import parallel
+    from megalite.generation import generate
+    from megalite.models import GPTModel
+    from megalite.models.presets import preset
+
+    parallel.initialize_model_parallel(1, world)
+    config = preset("llama-tiny", num_layers=2, **fields)
+    layers = [0, 1] if world == 1 else [rank]
+    model = GPTModel(config, pre_process=rank == 0, post_process=rank == world - 1, layer_numbers=layers, seed=1,
+                     device="cpu").to(torch.bfloat16).eval()
+    tokens = generate([model], [[5, 6, 7], [9, 10]], max_new_tokens=4, eos_id=None).tokens
+    parallel.destroy_model_parallel()
+    return tokens
+
+
+@pytest.mark.parametrize("fields", [{}, {"fp32_residual_connection": True}])
+def test_generation_at_pp2_exchanges_the_stream_in_its_dtype(fields):
+    """The stages exchange bf16 hidden states (the weights' dtype, though the config says fp32), or fp32
+    ones under --fp32-residual-connection: the tokens of one rank."""
+    [want] = run_ranks(generated, 1, args=(fields,))
+    assert run_ranks(generated, 2, args=(fields,)) == [want, want]

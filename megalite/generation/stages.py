@@ -20,6 +20,14 @@ from megalite.pipeline import p2p
 from megalite.pipeline.partition import stage_rank, virtual_stage
 
 
+def _stream_dtype(chunk) -> torch.dtype:
+    """The hidden states' dtype between stages: fp32 under --fp32-residual-connection, else the weights'
+    (not the config's params_dtype: a training run builds its model in fp32 and trains it in bf16)."""
+    if chunk.config.fp32_residual_connection:
+        return torch.float32
+    return next(p.dtype for p in chunk.parameters() if p.dtype.is_floating_point and p.dtype.itemsize >= 2)
+
+
 class Stages:
     """This rank's model chunks and where they sit in the pipeline."""
 
@@ -39,7 +47,7 @@ class Stages:
         self.sequence_parallel = self.config.sequence_parallel and self.tp > 1
         self.vocab_size = self.config.vocab_size
         self.device = next(self.chunks[0].parameters()).device
-        self.dtype = self.config.params_dtype
+        self.dtype = _stream_dtype(self.chunks[0])
 
     @property
     def samples(self) -> bool:

@@ -146,7 +146,9 @@ def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1,
 def widened_stream_bytes(config, s: int, b: int, t: int, sequence_parallel: bool, recompute: str) -> float:
     """What --fp32-residual-connection adds to a layer's bytes (s its local tokens): the stream the two
     norms keep is fp32, 4 bytes a value where the formula counts 2 (2 more each, s*b*h units), and under
-    full recomputation the layer's input the checkpoint keeps (2 more)."""
+    full recomputation the layer's input the checkpoint keeps (2 more). Left out: under sequence
+    parallelism megalite's residual dropout keeps its mask in the stream's dtype (2 more a mask), as
+    the formula's 1-byte masks leave out that path's 16-bit ones."""
     if not getattr(config, "fp32_residual_connection", False):
         return 0.0
     sbh = float(s) * b * config.hidden_size / (t if sequence_parallel else 1)

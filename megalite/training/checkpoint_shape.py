@@ -89,6 +89,7 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     adopted = policy.merge_moe(adopted, saved_moe, reader.config, adoption, model_said)
     adopted = policy.adopt_schedule(adopted, run_config, adoption)
     adopted = policy.adopt_kept_and_note(adopted, run_config, adoption)
+    adoption.notes.append(policy.old_bert_loss_note(reader.metadata, reader.model_kind, adopted))
     p = adopted.parallel
     if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
         adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))

@@ -68,6 +68,11 @@ def micro_batch_means_apply(cfg: RunConfig, loss_counts_vary: bool = False) -> b
     return bool(varies) and not cfg.training.calculate_per_token_loss
 
 
+def loss_form(cfg: RunConfig, loss_counts_vary: bool = False) -> str:
+    """What a checkpoint records of the run's loss (metadata "loss"): "micro_batch_means" or "per_token"."""
+    return "micro_batch_means" if micro_batch_means_apply(cfg, loss_counts_vary) else "per_token"
+
+
 def document_flags(cfg: RunConfig, vocab_size: int) -> DocumentFlags | None:
     """Megatron-LM's --reset-attention-mask / --reset-position-ids / --eod-mask-loss with the token
     that ends a document: the tokenizer's EOD, or with --mock-data the last id of the vocabulary

@@ -10,12 +10,12 @@ import torch.distributed as dist
 
 from megalite import faults, ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
-from megalite.config import model_config, validate
+from megalite.config import model_config, model_dtype, validate
 from megalite.config.batch_schedule import batch_schedule, check_schedule_layout
 from megalite.pipeline.partition import V_SCHEDULES
 from megalite.pipeline.schedules import build_program, forward_only_kind
 from megalite.runtime import TrainingStopped, UsageError, env_world, say, set_phase
-from megalite.training.datasets import micro_batch_means_apply
+from megalite.training.datasets import loss_form, micro_batch_means_apply
 from megalite.training.batches import global_normalizer, loss_terms, micro_batch_means, micro_batches, sample_indices
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
 from megalite.training.build import (build_local_sgd, lr_schedules, build_model_chunks, build_optimizer, setup,
@@ -109,7 +109,8 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
     say_resumed(start)
     run = agreed_run_id() if cfg.checkpoint.save or cfg.logging.sample_log else None
-    checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd, run)
+    checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd, run,
+                                    loss_form(cfg, task.loss_counts_vary))
     samples_log = SampleLog(cfg.logging.sample_log, run)
     samples_log.resumed(start.iteration, start.run)
     checkpoints.prepare(chunks, optimizer)  # --save-async: the host buffer, while training starts
@@ -121,7 +122,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     m = step.micro_batches
     eval_program = build_program(cfg.parallel.pp, parallel.get_pipeline_model_parallel_rank(), m, cfg.parallel.vpp,
                                  kind=forward_only_kind(cfg.parallel.pipeline_schedule))
-    progress = Progress(cfg, task, config, step.dtype, device, m, chunks)
+    progress = Progress(cfg, task, config, model_dtype(cfg), device, m, chunks)  # the GEMMs' dtype (MFU's peak)
     samples = EvalSamples(cfg, task) if cfg.training.eval_prompts else None  # --eval-prompts
     scored_tasks = EvalTasks(cfg, task) if cfg.training.eval_tasks else None  # --eval-tasks
     _announce(cfg, config, world_size, dp, m, device)

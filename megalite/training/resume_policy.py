@@ -352,6 +352,18 @@ def adopt_kept_and_note(cfg: RunConfig, run_config: dict, adoption: Adoption) ->
     return cfg
 
 
+def old_bert_loss_note(metadata: dict, model_kind: str, cfg: RunConfig) -> str | None:
+    """A megalite BERT checkpoint saved before checkpoints recorded their loss ("loss" in the metadata)
+    trained on the global batch's per-token mean, since replaced by Megatron-LM's mean of micro-batch
+    means under the same flags: said in one line when this run takes the new form."""
+    if (model_kind != "bert" or "run_config" not in metadata or "loss" in metadata or cfg.checkpoint.finetune
+            or cfg.training.calculate_per_token_loss):
+        return None
+    return ("megalite: note: on resume the BERT loss was the global batch's per-token mean (the checkpoint's, "
+            "saved before checkpoints recorded it) -> Megatron-LM's mean of micro-batch means (this run's): add "
+            "--calculate-per-token-loss to keep the checkpoint's")
+
+
 def with_sources(message: str, adoption: Adoption) -> str:
     """An error about a value taken from the checkpoint names it as the checkpoint's, not as a flag
     the user never gave: `--num-experts 4 is ...` -> `the checkpoint's num_experts 4 is ...`."""

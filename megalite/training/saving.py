@@ -13,8 +13,10 @@ from megalite.runtime import say, set_phase
 
 
 class CheckpointAndExit:
-    def __init__(self, cfg, config, model_kind: str, layout: dict, local_sgd=None, run: str | None = None):
+    def __init__(self, cfg, config, model_kind: str, layout: dict, local_sgd=None, run: str | None = None,
+                 loss: str = "per_token"):
         self.cfg, self.config, self.model_kind, self.layout = cfg, config, model_kind, layout
+        self.loss = loss  # the loss's form (datasets.loss_form), recorded so a resume can compare it
         self.run = run  # recorded in each checkpoint: which start of the job saved it
         self.local_sgd = local_sgd  # its replicas differ: every rank also saves its own state
         c = cfg.checkpoint
@@ -47,6 +49,7 @@ class CheckpointAndExit:
         set_phase(f"saving the checkpoint of iteration {iteration}")
         meta = checkpoint.build_metadata(self.config, self.model_kind, iteration, consumed, self.layout)
         meta["run_config"] = self.cfg.to_dict()  # the whole configuration travels with the weights
+        meta["loss"] = self.loss
         if self.run is not None:
             meta["run"] = self.run
         replica = None

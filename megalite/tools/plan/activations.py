@@ -53,13 +53,15 @@ def kept_activations(layout: Layout, run: Run) -> str:
 
 
 def output_layer_bytes(config: TransformerConfig, layout: Layout, run: Run, vocab: int) -> float:
-    """The last stage's extra: the final LayerNorm input and the (sequence-gathered) output-layer
-    input, in the model dtype; the cross-entropy's peak: the model-dtype logits, their fp32 copy and
-    the fp32 softmax kept for backward (a copy only when the model is not fp32)."""
+    """The last stage's extra: the final LayerNorm input (the stream: fp32 under --fp32-residual-connection)
+    and the (sequence-gathered) output-layer input, in the model dtype; the cross-entropy's peak: the
+    model-dtype logits, their fp32 copy and the fp32 softmax kept for backward (a copy only when the
+    model is not fp32)."""
     s, b, h, t = run.seq_length // layout.cp, layout.micro_batch_size, config.hidden_size, layout.tp
     ab = DTYPE_BYTES[run.dtype]
     sbh = s * b * h * ab
-    output = (sbh / t if layout.sequence_parallel else sbh) + sbh
+    stream = s * b * h * (4 if config.fp32_residual_connection else ab)
+    output = (stream / t if layout.sequence_parallel else stream) + sbh
     output += s * b * (vocab // t) * (ab + 4 + (4 if ab != 4 else 0))
     return output
 

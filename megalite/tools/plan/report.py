@@ -173,6 +173,9 @@ def _explain_memory(pred: Prediction) -> list[str]:
         formula = "MLA's terms (megalite.models.memory.mla_activation_bytes_per_layer)"
     elif c.num_query_groups or c.gated_linear_unit or c.qk_layernorm or c.position_embedding_type == "rope":
         formula += " with the Llama family's terms (megalite.models.memory)"
+    if c.fp32_residual_connection:
+        formula += " + the fp32 stream's " + ("2" if lay.recompute == "full" else "4") + "*s*b*h" + (
+            "/t" if lay.sequence_parallel else "") + " (widened_stream_bytes)"
     chunks = f"{S.chunks_in_flight} chunks of {S.n_layers // v} layers"
     sched = ("1 (no pipeline)" if p == 1 else
              f"min(p, m) = {S.chunks_in_flight} (zb-h1)" if lay.schedule == "zb-h1" else
