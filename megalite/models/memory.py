@@ -172,8 +172,9 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
     if sdpa and recompute == "none":
         recompute = "selective"
     local = s // cp
+    widened = widened_stream_bytes(config, local, b, t, sp, recompute)
     if config.multi_latent_attention:
-        kept = widened_stream_bytes(config, local, b, t, sp, recompute) + mla_activation_bytes_per_layer(
+        kept = widened + mla_activation_bytes_per_layer(
             local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
             q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_head_dim,
             qk_pos_emb_head_dim=config.qk_pos_emb_head_dim, v_head_dim=config.v_head_dim,
@@ -184,7 +185,7 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
         # the log-sum-exp (and a2a's index vectors); the padded output is in the MLA count
         return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t,
                                                        cp, "p2p") + (16.0 * s if comm_type == "a2a" else 0.0)
-    kept = widened_stream_bytes(config, local, b, t, sp, recompute) + activation_bytes_per_layer(
+    kept = widened + activation_bytes_per_layer(
         local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
         gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,

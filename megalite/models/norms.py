@@ -35,7 +35,7 @@ class LayerNorm(nn.LayerNorm):
         weight, bias = weight_grad.defer_delivery(self.weight), weight_grad.defer_delivery(self.bias)
         weight = weight + 1 if self.zero_centered else weight
         if _wider(x, weight):
-            return _mixed(lambda w, b: self._normed(x, w, b), x, weight, bias)
+            return self._normed(x, weight.to(x.dtype), bias.to(x.dtype)).to(weight.dtype)
         return self._normed(x, weight, bias)
 
     def _normed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
         weight = weight_grad.defer_delivery(self.weight)
         weight = weight + 1 if self.zero_centered else weight
         if _wider(x, weight):
-            return _mixed(lambda w, _: self._normed(x, w), x, weight, None)
+            return self._normed(x, weight.to(x.dtype)).to(weight.dtype)
         return self._normed(x, weight)
 
     def _normed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -69,13 +69,8 @@ class RMSNorm(nn.Module):
 
 
 def _wider(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x is wider than the weights: then normed with them widened, given in their dtype."""
     return x.dtype.is_floating_point and x.dtype.itemsize > weight.dtype.itemsize
-
-
-def _mixed(norm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`norm(weight, bias)` of a wider input x, with the weights widened to it; given in the weights' dtype."""
-    widen = lambda t: None if t is None else t.to(x.dtype)  # noqa: E731
-    return norm(widen(weight), widen(bias)).to(weight.dtype)
 
 
 NORMS: dict[str, type[nn.Module]] = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}

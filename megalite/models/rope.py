@@ -162,9 +162,10 @@ class RotaryEmbedding(nn.Module):
         # Interleaved pair (2i, 2i + 1) is rotate-half's (i, i + dims / 2): taken into that order, rotated by
         # the same tables and put back, so each value meets the same cos and sin as in Megatron-LM's form.
         dims = self.rotary_dims
-        halves = apply_rotary(torch.cat([x[..., 0:dims:2], x[..., 1:dims:2], x[..., dims:]], dim=-1), *cos_sin, dims)
-        pairs = halves[..., :dims].unflatten(-1, (2, dims // 2)).transpose(-1, -2).flatten(-2)
-        return torch.cat([pairs, halves[..., dims:]], dim=-1) if dims < x.shape[-1] else pairs
+        rotary = x[..., :dims]
+        halves = apply_rotary(torch.cat([rotary[..., 0::2], rotary[..., 1::2]], dim=-1), *cos_sin, dims)
+        pairs = halves.unflatten(-1, (2, dims // 2)).transpose(-1, -2).flatten(-2)
+        return torch.cat([pairs, x[..., dims:]], dim=-1) if dims < x.shape[-1] else pairs
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, dims: int) -> torch.Tensor:

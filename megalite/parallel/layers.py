@@ -62,14 +62,11 @@ class XavierUniform:
         bound = math.sqrt(6.0 / (w.shape[-1] + (self.fan_out or w.shape[-2])))
         return w.uniform_(-bound, bound, generator=self.generator)
 
-    def part_of_rows(self, rows: int) -> "XavierUniform":
-        return XavierUniform(self.generator, rows)
-
 
 def part_of_rows(init_method: InitMethod, rows: int) -> InitMethod:
     """`init_method` for a matrix that is part of one of `rows` rows (megalite's separate q and kv of
     Megatron-LM's one fused qkv): the same draws, with that matrix's fans where they matter."""
-    return init_method.part_of_rows(rows) if isinstance(init_method, XavierUniform) else init_method
+    return XavierUniform(init_method.generator, rows) if isinstance(init_method, XavierUniform) else init_method
 
 
 def divide(numerator: int, denominator: int, what: str, by: str) -> int:

@@ -31,6 +31,7 @@ from megalite.config import RunConfig, lr_schedule_lengths, weight_decay_steps
 from megalite.config.run import FIELD_SECTION, SECTIONS, flag_name
 from megalite.errors import UsageError
 from megalite.models.config import moe_layer_pattern
+from megalite.training.datasets import loss_form
 
 SHAPE, SCHEDULE, KEPT, NOTED, FREE = "shape", "schedule", "kept", "noted", "free"
 
@@ -357,7 +358,7 @@ def old_bert_loss_note(metadata: dict, model_kind: str, cfg: RunConfig) -> str |
     trained on the global batch's per-token mean, since replaced by Megatron-LM's mean of micro-batch
     means under the same flags: said in one line when this run takes the new form."""
     if (model_kind != "bert" or "run_config" not in metadata or "loss" in metadata or cfg.checkpoint.finetune
-            or cfg.training.calculate_per_token_loss):
+            or loss_form(cfg, loss_counts_vary=True) == "per_token"):  # (BERT's masking: counts vary)
         return None
     return ("megalite: note: on resume the BERT loss was the global batch's per-token mean (the checkpoint's, "
             "saved before checkpoints recorded it) -> Megatron-LM's mean of micro-batch means (this run's): add "
