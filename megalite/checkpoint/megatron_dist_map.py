@@ -105,6 +105,8 @@ def translate_args(args, where: str) -> Translation:
             flags += ["--use-rope-scaling", "--rope-scaling-factor", _arg(args, "rope_scaling_factor", 8.0)]
         if _arg(args, "rotary_interleaved"):  # (Megatron-LM reads it with rope alone)
             flags.append("--rotary-interleaved")
+        if _arg(args, "rotary_seq_len_interpolation_factor"):
+            flags += ["--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor]
     if _arg(args, "group_query_attention"):
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",

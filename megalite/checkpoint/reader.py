@@ -406,8 +406,9 @@ LLAMA_SHAPE_FIELDS = ("position_embedding_type", "num_query_groups", "gated_line
                       "rotary_interleaved")
 # Settings a run may change on purpose (a longer context: another rope base or scaling), but which
 # change the function the weights compute: said in one line when they differ, never silently.
-RETUNABLE_FIELDS = ("rotary_base", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                    "rope_original_max_position_embeddings", "layernorm_epsilon", "yarn_factor",
+RETUNABLE_FIELDS = ("rotary_base", "rotary_seq_len_interpolation_factor", "rope_scaling_factor",
+                    "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
+                    "layernorm_epsilon", "yarn_factor",
                     "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
                     "yarn_mscale_all_dim")
 

@@ -70,6 +70,9 @@ class ModelConfig:
                                        shape=True)
     rotary_interleaved: bool = opt(False, "rope: rotate neighbouring dims (0, 1), (2, 3), ... of a head (GPT-J's "
                                           "and Meta's Llama layout), not dim i with i + rotated / 2", shape=True)
+    rotary_seq_len_interpolation_factor: float | None = opt(
+        None, "rope: linear position interpolation, positions divided by this (Hugging Face's linear rope; "
+              "not with YaRN or multi-latent attention)", check=POSITIVE)
     rope_scaling_factor: float | None = opt(None, "rope: Llama 3.1 frequency scaling factor",
                                             check=(lambda v: v >= 1, ">= 1"))
     rope_low_freq_factor: float | None = opt(None, "rope scaling: low-frequency factor", check=POSITIVE)

@@ -199,7 +199,8 @@ def weight_decay_steps(config: RunConfig) -> float:
 YARN_FIELDS = ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
                "yarn_mscale", "yarn_mscale_all_dim")
 _ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_low_freq_factor",
-                "rope_high_freq_factor", "rope_original_max_position_embeddings", *YARN_FIELDS)
+                "rope_high_freq_factor", "rope_original_max_position_embeddings", *YARN_FIELDS,
+                "rotary_seq_len_interpolation_factor")
 
 
 # Model-section fields that are TransformerConfig's own under the same name, whatever the model.

@@ -75,6 +75,9 @@ class TransformerConfig:
     # Megatron-LM's --rotary-interleaved: rope rotates pairs of neighbouring dims (0, 1), (2, 3), ... (GPT-J's
     # and Meta's original Llama layout) instead of dim i with dim i + rotated / 2 (Hugging Face's).
     rotary_interleaved: bool = False
+    # Megatron-LM's --rotary-seq-len-interpolation-factor (linear position interpolation, arXiv 2306.15595;
+    # Hugging Face's "linear" rope): positions times 1 / factor before they meet the frequencies.
+    rotary_seq_len_interpolation_factor: float | None = None
     # Llama 3.1 frequency scaling (None: off): wavelengths above original / low_freq_factor are
     # divided by the factor, those below original / high_freq_factor kept, a smooth blend between.
     rope_scaling_factor: float | None = None
@@ -290,6 +293,13 @@ class TransformerConfig:
                                  f"got {self.rope_original_max_position_embeddings}")
         if self.yarn_factor is not None:
             self._check_yarn()
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"--rotary-seq-len-interpolation-factor must be > 0, got {factor}")
+        if factor is not None and (self.yarn_factor is not None or self.multi_latent_attention):
+            # Megatron-Core's YaRN and MLA rotary embeddings never read it: a run there ignores it
+            raise ValueError("--rotary-seq-len-interpolation-factor scales plain rope's positions; YaRN and "
+                             "--multi-latent-attention do not use it (Megatron-LM ignores it there): drop it")
 
     def _check_yarn(self) -> None:
         if self.rope_scaling_factor is not None:

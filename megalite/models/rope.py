@@ -7,10 +7,12 @@ angles are computed in fp32; dims past `config.rotary_dims` pass through. With
 the same frequency i: the same rotation, of the dims taken in another order. No parameters: every
 stage builds the same table from the config, whatever it holds.
 
-Frequency scaling for contexts longer than the model was first trained at: Llama 3.1's
-(`rope_scaling_factor`) or YaRN's (`yarn_factor`, arXiv 2309.00071, in the form DeepSeek-V3 and
-Hugging Face use): each frequency is kept, divided by the factor, or blended by where its wavelength
-falls against the original context, and YaRN scales cos and sin by an attention factor.
+Contexts longer than the model was first trained at: linear position interpolation
+(`rotary_seq_len_interpolation_factor`, arXiv 2306.15595: every position divided by the factor), or
+frequency scaling, Llama 3.1's (`rope_scaling_factor`) or YaRN's (`yarn_factor`, arXiv 2309.00071,
+in the form DeepSeek-V3 and Hugging Face use): each frequency is kept, divided by the factor, or
+blended by where its wavelength falls against the original context, and YaRN scales cos and sin by
+an attention factor.
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ class RotaryEmbedding(nn.Module):
         self._key = (config.rotary_dims, config.rotary_base, config.rope_scaling_factor, config.rope_low_freq_factor,
                      config.rope_high_freq_factor, config.rope_original_max_position_embeddings, config.yarn_factor,
                      config.yarn_original_max_position_embeddings, config.yarn_beta_fast, config.yarn_beta_slow,
-                     self.attention_factor)
+                     self.attention_factor, config.rotary_seq_len_interpolation_factor)
 
     def cos_sin(self, s: int, device, cp_rank: int = 0, cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads: positions 0..s-1, or
@@ -134,15 +136,22 @@ class RotaryEmbedding(nn.Module):
         """The angles made where inv_freq is, their cos and signed sin on `device`."""
         positions = (torch.arange(s, device=inv_freq.device) if cp == 1
                      else context_parallel_positions(s * cp, cp_rank, cp, inv_freq.device))
-        angles = torch.outer(positions.to(torch.float32), inv_freq)
+        angles = torch.outer(self._interpolated(positions.to(torch.float32)), inv_freq)
         return self._signed(torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device))
 
     def cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, b, 1, rotary_dims] each for per-token positions [b, s] (documents packed into a
         sequence, each counted from 0): made on the positions' device, for one batch."""
         inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.t().to(torch.float32)[..., None] * inv_freq  # [s, b, rotary_dims / 2]
+        positions = self._interpolated(positions.t().to(torch.float32))
+        angles = positions[..., None] * inv_freq  # [s, b, rotary_dims / 2]
         return self._signed(torch.cat([angles, angles], dim=-1)[:, :, None, :])
+
+    def _interpolated(self, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 positions times 1 / `rotary_seq_len_interpolation_factor` (linear position interpolation),
+        computed as Megatron-Core computes it; unchanged without one."""
+        factor = self.config.rotary_seq_len_interpolation_factor
+        return positions if factor is None else positions * (1 / factor)
 
     def _signed(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = angles.cos(), angles.sin()

@@ -52,6 +52,8 @@ def shape_fields(model: TransformerConfig) -> dict:
             out.update({k: getattr(model, k) for k in _ROPE_SCALING})
         if model.yarn_factor is not None:
             out.update({k: getattr(model, k) for k in YARN_FIELDS})
+        if model.rotary_seq_len_interpolation_factor is not None:
+            out["rotary_seq_len_interpolation_factor"] = model.rotary_seq_len_interpolation_factor
     return out
 
 

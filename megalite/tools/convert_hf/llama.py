@@ -23,7 +23,7 @@ from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensor
 LLAMA, MISTRAL, QWEN2, QWEN3 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3)
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear")
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,12 @@ def _rope_fields(cfg, problems: list[str]) -> dict:
     rope = rope_parameters(cfg)
     fields = {"rotary_base": float(rope["rope_theta"])}
     if rope["rope_type"] not in ROPE_TYPES:
-        problems.append(f"rope_type {rope['rope_type']!r} (megalite computes {' and '.join(ROPE_TYPES)} RoPE)")
+        problems.append(f"rope_type {rope['rope_type']!r} (megalite computes {', '.join(ROPE_TYPES)} RoPE)")
+    elif rope["rope_type"] == "linear":  # Hugging Face divides the frequencies, Megatron-LM the positions
+        if rope.get("factor") is None:
+            problems.append("linear rope scaling without factor")
+        else:
+            fields["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
     elif rope["rope_type"] == "llama3":
         keys = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                 "high_freq_factor": "rope_high_freq_factor",
@@ -286,6 +291,9 @@ def export_problems(c, arch: str) -> list[str]:
     for name, value in wanted.items():
         if getattr(c, name, None) != value:
             problems.append(f"{arch} needs {name}={value!r} (config: {getattr(c, name, None)!r})")
+    if getattr(c, "rotary_seq_len_interpolation_factor", None) is not None and c.rope_scaling_factor is not None:
+        problems.append(f"{arch} scales rope one way: linear position interpolation and Llama 3.1's frequency "
+                        f"scaling together have no Hugging Face rope_type")
     s = shape_of(c)
     holds = {  # (linear bias, q/k/v bias only, qk norm) an architecture can hold
         LLAMA: {(False, False, False), (True, False, False), (True, True, False)},
@@ -320,6 +328,8 @@ def hf_config_kwargs(c, cls) -> dict:
     """The arguments of a Llama-like Hugging Face config class `cls` that every such family sets alike
     (this module's and `moe`'s)."""
     rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if getattr(c, "rotary_seq_len_interpolation_factor", None) is not None:
+        rope.update(rope_type="linear", factor=c.rotary_seq_len_interpolation_factor)
     if getattr(c, "rope_scaling_factor", None) is not None:
         rope.update(rope_type="llama3", factor=c.rope_scaling_factor, low_freq_factor=c.rope_low_freq_factor,
                     high_freq_factor=c.rope_high_freq_factor,

@@ -18,6 +18,8 @@ ARCH_FLAGS = {
     "rotary_base": lambda v: ["--rotary-base", f"{v:g}"],
     "rotary_percent": lambda v: ["--rotary-percent", f"{v:g}"],
     "rope_scaling_factor": lambda v: ["--rope-scaling-factor", f"{v:g}"] if v is not None else [],
+    "rotary_seq_len_interpolation_factor": lambda v: (["--rotary-seq-len-interpolation-factor", f"{v:g}"]
+                                                      if v is not None else []),
     "rope_low_freq_factor": lambda v: ["--rope-low-freq-factor", f"{v:g}"],
     "rope_high_freq_factor": lambda v: ["--rope-high-freq-factor", f"{v:g}"],
     "rope_original_max_position_embeddings": lambda v: ["--rope-original-max-position-embeddings", str(v)],
