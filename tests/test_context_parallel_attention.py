@@ -7,13 +7,13 @@ import torch.nn.functional as F
 
 from megalite.parallel import context_parallel as cp_attn
 from megalite.parallel.context_parallel import (
-    a2a_attention,
     context_parallel_positions,
     gather_from_context_parallel,
     ring_attention,
     ring_bytes_per_layer,
     split_for_context_parallel,
 )
+from megalite.parallel.context_parallel_a2a import a2a_attention
 from megalite.testing import run_ranks
 
 B, D = 2, 8

@@ -154,23 +154,23 @@ def test_hf_settings_map_to_the_agreed_config_fields():
     assert llama.config_fields(mha, "LlamaForCausalLM")[0]["num_query_groups"] == HEADS
 
 
-def test_a_sliding_window_shorter_than_the_positions_caps_them_with_a_note(tmp_path, capsys):
-    """Full causal attention equals Mistral's sliding window on sequences up to the window."""
+def test_a_sliding_window_is_imported_as_megalites_window(tmp_path, capsys):
+    """Mistral's sliding_window W is the window (W - 1, 0) in every layer, the positions kept, no note
+    (tests/test_sliding_window.py compares the logits); Qwen2's switch off is no window."""
     cfg = tf.MistralConfig(**{**_common(), "sliding_window": 16})
-    with pytest.warns(ConversionNote, match="sliding window of 16 tokens"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConversionNote)
         fields, problems = llama.config_fields(cfg, "MistralForCausalLM")
-    assert problems == [] and fields["max_position_embeddings"] == 16
+        assert problems == [] and fields["max_position_embeddings"] == POSITIONS
+        assert (fields["window_size"], fields["window_attn_skip_freq"]) == ((15, 0), None)
+        # transformers' MistralConfig windows 4096 tokens unless told otherwise: kept (a longer run would see it)
+        assert llama.config_fields(tf.MistralConfig(**_common()), "MistralForCausalLM")[0]["window_size"] == (4095, 0)
+        qwen = tf.Qwen2Config(**{**_common(), "sliding_window": 16, "use_sliding_window": False})
+        assert "window_size" not in llama.config_fields(qwen, "Qwen2ForCausalLM")[0]
     tf.MistralForCausalLM(cfg).save_pretrained(tmp_path / "mistral")
     capsys.readouterr()
     assert convert_hf.main(["import", "--hf-dir", str(tmp_path / "mistral"), "--out", str(tmp_path / "ck")]) == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megalite: note:")]
-    assert len(notes) == 1 and "MistralForCausalLM attends within a sliding window of 16 tokens" in notes[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConversionNote)  # a window no shorter than the positions: no note
-        assert llama.config_fields(tf.MistralConfig(**_common()), "MistralForCausalLM")[0][
-            "max_position_embeddings"] == POSITIONS
-        qwen = tf.Qwen2Config(**{**_common(), "sliding_window": 16, "use_sliding_window": False})
-        assert llama.config_fields(qwen, "Qwen2ForCausalLM")[0]["max_position_embeddings"] == POSITIONS
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("megalite: note:")]
 
 
 def test_unsupported_llama_settings_are_refused_in_one_message(tmp_path, capsys):

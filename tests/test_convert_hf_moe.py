@@ -209,18 +209,17 @@ def test_hf_settings_map_to_the_moe_config_fields():
     assert (hf.config.output_router_logits, hf.config.router_aux_loss_coef) == (True, 0.02)
 
 
-def test_mixtrals_sliding_window_and_router_jitter_are_notes():
+def test_mixtrals_sliding_window_is_the_window_and_router_jitter_a_note():
     """Mixtral windows every layer (no use_sliding_window switch); its jitter only acts in training."""
     windowed = tf.MixtralConfig(**_common(num_local_experts=4, sliding_window=16, router_jitter_noise=0.1))
     with pytest.warns(ConversionNote) as notes:
         fields, problems = moe.config_fields(windowed, "MixtralForCausalLM")
-    assert problems == [] and fields["max_position_embeddings"] == 16
-    text = " ".join(str(n.message) for n in notes)
-    assert "sliding window of 16 tokens" in text and "no router jitter" in text
+    assert problems == [] and fields["max_position_embeddings"] == POSITIONS
+    assert (fields["window_size"], fields["window_attn_skip_freq"]) == ((15, 0), None)
+    assert [str(n.message) for n in notes if "router jitter" in str(n.message)] and len(notes) == 1
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ConversionNote)  # Qwen2-MoE's window off (stored as 0): no note
-        assert moe.config_fields(FAMILIES["qwen2_moe"][1](), "Qwen2MoeForCausalLM")[0][
-            "max_position_embeddings"] == POSITIONS
+        warnings.simplefilter("error", ConversionNote)  # Qwen2-MoE's window off (stored as 0): no window
+        assert "window_size" not in moe.config_fields(FAMILIES["qwen2_moe"][1](), "Qwen2MoeForCausalLM")[0]
 
 
 def test_the_other_routing_variant_gives_other_logits(hf_dirs):

@@ -264,7 +264,7 @@ def test_the_gpu_varlen_call_packs_the_documents_as_the_flash_kernel_reads_them(
     q, k, v = _qkv(2, 4, 2, 16, 8)
     documents = _documents_for([0, 5, 12, 16, 23, 32])  # row 0: 5 + 7 + 4 tokens; row 1: 7 + 9
     loop = docs.varlen_attention(q, k, v, documents, _sdpa_attention, 0.0)
-    monkeypatch.setattr(docs, "_flash_varlen_applies", lambda q, v, p: True)
+    monkeypatch.setattr(docs, "flash_varlen_applies", lambda q, v, p: True)
     monkeypatch.setattr(docs, "_varlen_attn", lambda: varlen_attn)
     flash = docs.varlen_attention(q, k, v, documents, _sdpa_attention, 0.0)
     assert calls == [True]  # one call for the whole micro-batch, grouped keys as they are
@@ -281,7 +281,7 @@ def test_on_a_gpu_the_flash_varlen_kernel_equals_attention_a_document_at_a_time(
         pytest.skip("needs a CUDA GPU")
     q, k, v = _qkv(2, 8, 2, 256, 64, "cuda", dtype)
     documents = _documents_for([0, 40, 41, 200, 256, 300, 512])
-    assert docs._flash_varlen_applies(q, v, 0.0), "PyTorch's varlen flash attention is not available here"
+    assert docs.flash_varlen_applies(q, v, 0.0), "PyTorch's varlen flash attention is not available here"
     flash = docs.varlen_attention(q, k, v, documents, _sdpa_attention, 0.0)
     reference = docs.varlen_attention(q.float(), k.float(), v.float(), documents, _sdpa_attention, 0.0)
     assert rel_err(flash.float(), reference) <= 2e-2

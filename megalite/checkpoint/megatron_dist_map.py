@@ -109,6 +109,11 @@ def translate_args(args, where: str) -> Translation:
             flags += ["--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor]
     if _arg(args, "group_query_attention"):
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
+    if _arg(args, "window_size"):  # (left, right), and which layers keep it
+        flags += ["--window-size", ",".join(map(str, args.window_size))]
+        if _arg(args, "window_attn_skip_freq") is not None:
+            skip = args.window_attn_skip_freq
+            flags += ["--window-attn-skip-freq", str(skip) if isinstance(skip, int) else str(list(skip))]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
                 "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config.rules import _ROPE_FIELDS, MLA_SIZES, MOE_FIELDS, SAME_NAMED, YARN_FIELDS, model_config
+from megalite.models.window import window_fields
 from megalite.config.run import RunConfig
 
 # Switches: on in the section when the built model has them.
@@ -42,6 +43,7 @@ def _model_fields(built) -> dict:
         fields.update({n: getattr(built, n) for n in MLA_SIZES})
     if built.mtp_num_layers:
         fields.update(mtp_num_layers=built.mtp_num_layers, mtp_loss_scaling_factor=built.mtp_loss_scaling_factor)
+    fields.update(window_fields(built))
     return fields
 
 

@@ -50,6 +50,12 @@ class ModelConfig:
                                          "Megatron-LM's flash/unfused/local run as sdpa/torch/fused (its fused as "
                                          "sdpa for a model of Megatron-LM's flags), with a note",
                                  choices=("auto", "sdpa", "fused", "torch", "flash", "unfused", "local"))
+    window_size: str | None = opt(None, "sliding-window attention: LEFT,RIGHT keys each query sees before and after "
+                                        "itself (-1: no bound; a causal model's RIGHT is 0; LEFT alone: LEFT,0); "
+                                        "Hugging Face's sliding_window W is W-1,0", metavar="LEFT,RIGHT", shape=True)
+    window_attn_skip_freq: str | None = opt(None, "with --window-size, the layers attending to all instead: every "
+                                                  "N-th (an int), or one 1 (window) / 0 (all) per layer: [1,1,1,0]",
+                                            shape=True)
     torch_compile: bool = opt(False, "torch.compile the model (fuses bias+GeLU, dropout+residual, norms, the "
                                      "loss): each stage's chunk whole at --tp 1 and --cp 1, else each layer")
     normalization: str | None = opt(None, "the norm of every layer (default: the preset's); Megatron-LM's "

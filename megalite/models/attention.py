@@ -19,12 +19,14 @@ from torch import nn
 
 from megalite import ops
 from megalite.models.config import TransformerConfig
-from megalite.models.documents import PackedDocuments, varlen_attention
+from megalite.models.documents import PackedDocuments, flash_varlen, flash_varlen_applies, varlen_attention
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
+from megalite.models.window import band_mask, binding, windowed_mask
 from megalite.parallel import state, weight_grad
-from megalite.parallel.context_parallel import a2a_attention, ring_attention
+from megalite.parallel.context_parallel import ring_attention
+from megalite.parallel.context_parallel_a2a import a2a_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, part_of_rows
 from megalite.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                         sum_over_tensor_model_parallel_region)
@@ -76,21 +78,50 @@ _SDPA_TAKES_GROUPS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 
 ATTENTION_BACKENDS = {"sdpa": _sdpa_attention, "fused": _fused_softmax_attention, "torch": _explicit_attention}
 
 
-def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig):
+def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, window=None):
     """Attention over the sequence split across the context-parallel group: keys and values
     around a ring (p2p) or heads exchanged for the sequence (a2a). Causal, no dropout, no mask but
-    packed documents' (`PackedDocuments`)."""
+    packed documents' (`PackedDocuments`) and the layer's sliding `window` (left, 0)."""
     documents = attention_mask if isinstance(attention_mask, PackedDocuments) else None
     if (attention_mask is not None and documents is None) or not config.causal:
         raise ValueError("context parallelism attends causally without masks: drop the attention mask or --cp")
     group, ranks = state.get_context_parallel_group(), state.get_context_parallel_ranks()
+    whole_length = q.shape[2] * len(ranks)
+    window = window if documents is not None else binding(window, whole_length, whole_length, True)
     if config.cp_comm_type == "a2a":
-        whole = None if documents is None else (
-            lambda q, k, v: varlen_attention(q, k, v, documents, _sdpa_attention, 0.0))
+        if documents is not None:
+            def whole(q, k, v):
+                return varlen_attention(q, k, v, documents, _sdpa_attention, 0.0, window=window)
+        elif window is not None:
+            def whole(q, k, v):
+                return _sdpa_attention(q, k, v, band_mask(q.shape[2], k.shape[2], window, True, q.device), 0.0, True)
+        else:
+            whole = None
         return a2a_attention(q, k, v, group, ranks, causal=True, attend=whole)
     return ring_attention(q, k, v, group, ranks, causal=True,
                           query_starts=None if documents is None else documents.starts,
-                          document_bounds=None if documents is None else documents.bounds)
+                          document_bounds=None if documents is None else documents.bounds,
+                          window_left=None if window is None else window[0])
+
+
+def local_core(q, k, v, attention_mask, config: TransformerConfig, dropout_p: float, window=None):
+    """Attention over the whole sequence this rank holds (no context parallelism) by the configured
+    backend: packed documents one by one, else the mask (None: causal or all), within the layer's
+    sliding `window` where it has one; PyTorch's fused backend on a GPU in fp16/bf16 without dropout
+    runs a window as flash's variable-length kernel, one sequence per row, with no mask made."""
+    backend = config.attention_backend
+    attend = ATTENTION_BACKENDS[backend]
+    if isinstance(attention_mask, PackedDocuments):
+        return varlen_attention(q, k, v, attention_mask, attend, dropout_p, backend == "sdpa", window)
+    window = binding(window, q.shape[2], k.shape[2], config.causal)
+    if window is None:
+        return attend(q, k, v, attention_mask, dropout_p, config.causal)
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    if (backend == "sdpa" and attention_mask is None and sq == sk and config.causal
+            and flash_varlen_applies(q, v, dropout_p)):
+        return flash_varlen(q, k, v, torch.arange(0, (b + 1) * sq, sq), window)
+    return attend(q, k, v, windowed_mask(attention_mask, sq, sk, window, config.causal, q.device), dropout_p,
+                  config.causal)
 
 
 def documents_of(attention_mask) -> tuple[PackedDocuments | None, object]:
@@ -137,11 +168,11 @@ class ParallelAttention(nn.Module):
     together, OLMoE's RMSNorm over the whole projection); rope then rotates q and k.
     """
 
-    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
-        self.config = config
+        self.config, self.window = config, window  # window: this layer's sliding window (config.window_of)
         self.heads_per_rank = config.num_attention_heads // tp
         h, d, sp, dtype = config.hidden_size, config.head_dim, config.sequence_parallel, config.params_dtype
         column = dict(bias=config.qkv_bias, sequence_parallel=sp, params_dtype=dtype, device=device,
@@ -192,16 +223,13 @@ class ParallelAttention(nn.Module):
         k and v [b, heads or groups, s, d]. With context parallelism s is this rank's share of the
         sequence and the attention spans the whole of it (megalite.parallel.context_parallel)."""
         if state.get_context_parallel_world_size() > 1:
-            return _context_parallel_core(q, k, v, attention_mask, self.config)
+            return _context_parallel_core(q, k, v, attention_mask, self.config, self.window)
         p = self.config.attention_dropout if self.training else 0.0
-        backend = self.config.attention_backend
-        if backend != "sdpa" or not _SDPA_TAKES_GROUPS:
+        if self.config.attention_backend != "sdpa" or not _SDPA_TAKES_GROUPS:
             k, v = _expand_groups(k, v, q.shape[1])
         # Heads differ per TP rank, so must their dropout; without dropout no RNG is drawn.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            if isinstance(attention_mask, PackedDocuments):
-                return varlen_attention(q, k, v, attention_mask, ATTENTION_BACKENDS[backend], p, backend == "sdpa")
-            return ATTENTION_BACKENDS[backend](q, k, v, attention_mask, p, self.config.causal)
+            return local_core(q, k, v, attention_mask, self.config, p, self.window)
 
     def _project(self, x: torch.Tensor):
         """q [s, b, heads_per_rank, d], k and v [s, b, heads or groups on this rank, d]."""

@@ -61,6 +61,10 @@ class TransformerConfig:
     normalization: str = "layernorm"  # layernorm (weight and bias) | rmsnorm (weight only)
     activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu | squared_relu
     causal: bool = True  # attention: to earlier positions only, or bidirectional
+    # Sliding-window attention (megalite.models.window): Megatron-LM's --window-size (left, right; -1 unbounded)
+    # in every layer, or in those --window-attn-skip-freq marks (kept as one 0/1 per layer; None: all).
+    window_size: tuple | None = None
+    window_attn_skip_freq: int | list | None = None
     # BERT: the pooler and sentence-order head, and two token types (Megatron-LM's --bert-no-binary-head
     # turns all three off: one segment a sample, masked-LM loss alone).
     add_binary_head: bool = True
@@ -185,6 +189,10 @@ class TransformerConfig:
         self._check_llama_fields()
         if self.num_moe_experts is not None:
             self._check_moe_fields()
+        if self.window_size is not None or self.window_attn_skip_freq is not None:
+            from megalite.models.window import normalized
+
+            self.window_size, self.window_attn_skip_freq = normalized(self)
 
     def _check_moe_fields(self) -> None:
         experts, topk = self.num_moe_experts, self.moe_router_topk
@@ -239,6 +247,12 @@ class TransformerConfig:
         """Whether layer `layer_number` (0-based, of the whole model) has experts for its MLP. The layers
         of multi-token prediction (numbered on from num_layers) are MoE when the last layer is."""
         return self.is_moe and bool(self.moe_layer_freq[min(layer_number, self.num_layers - 1)])
+
+    def window_of(self, layer_number: int):
+        """Layer `layer_number`'s (0-based) sliding window (left, right), or None: it attends to all it may."""
+        from megalite.models.window import layer_window
+
+        return layer_window(self, layer_number)
 
     def _check_llama_fields(self) -> None:
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
@@ -379,7 +393,7 @@ def moe_layer_pattern(freq, num_layers: int) -> list[int]:
     """--moe-layer-freq as a 0/1 per layer: an int k (every k-th layer, the first included: 1 is all),
     a list, or Megatron-LM's Python spelling of one ("([0]*1+[1]*3)")."""
     if isinstance(freq, str):
-        freq = _parse_layer_freq(freq)
+        freq = parse_layer_freq(freq, "--moe-layer-freq")
     if isinstance(freq, int):
         if freq < 1:
             raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
@@ -391,8 +405,9 @@ def moe_layer_pattern(freq, num_layers: int) -> list[int]:
     return pattern
 
 
-def _parse_layer_freq(text: str):
-    """"4", "[0,1,1,1]" or "([0]*1+[1]*3)": lists of 0/1, repeated (*) and joined (+), nothing else."""
+def parse_layer_freq(text: str, flag: str):
+    """"4", "[0,1,1,1]" or "([0]*1+[1]*3)" (Megatron-LM's spelling of a per-layer pattern, given to
+    `flag`): lists of 0/1, repeated (*) and joined (+), nothing else."""
     import re
 
     body = text.strip()
@@ -404,8 +419,8 @@ def _parse_layer_freq(text: str):
     for term in body.split("+"):
         m = re.fullmatch(r"\s*\[([\d\s,]*)\]\s*(?:\*\s*(\d+))?\s*", term)
         if not m:
-            raise ValueError(f"--moe-layer-freq {text!r} is not an int, a list like [0,1,1,1] or a sum of "
-                             f"repeated lists like ([0]*1+[1]*3)")
+            raise ValueError(f"{flag} {text!r} is not an int, a list like [0,1,1,1] or a sum of repeated lists "
+                             f"like ([0]*1+[1]*3)")
         items = [int(v) for v in m.group(1).replace(",", " ").split()]
         out += items * int(m.group(2) or 1)
     return out

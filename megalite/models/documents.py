@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from megalite.models.window import band_mask
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,14 @@ class PackedDocuments:
 
     def bounds_on(self, device) -> torch.Tensor:
         """The bounds as int32 on `device` (through pinned memory: no host sync on a GPU)."""
-        bounds = self.bounds.to(torch.int32)
-        if device.type == "cpu":
-            return bounds
-        return bounds.pin_memory().to(device, non_blocking=True)
+        return _bounds_on(self.bounds, device)
+
+
+def _bounds_on(bounds: torch.Tensor, device) -> torch.Tensor:
+    bounds = bounds.to(torch.int32)
+    if device.type == "cpu":
+        return bounds
+    return bounds.pin_memory().to(device, non_blocking=True)
 
 
 def attention_mask_of(documents: "PackedDocuments | None"):
@@ -71,27 +76,31 @@ def attention_mask_of(documents: "PackedDocuments | None"):
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: PackedDocuments,
-                     attend: Callable, dropout_p: float, flash: bool = True) -> torch.Tensor:
+                     attend: Callable, dropout_p: float, flash: bool = True, window=None) -> torch.Tensor:
     """Causal attention within each document: q [b, heads, s, d], k and v [b, heads or groups, s, d]
-    hold the whole sequence; `attend(q, k, v, None, dropout_p, causal=True)` is the core backend.
+    hold the whole sequence; `attend(q, k, v, allowed, dropout_p, causal=True)` is the core backend.
     With `flash` (the backend is PyTorch's fused attention), on a GPU in fp16/bf16 without dropout:
-    one variable-length flash call for every document."""
-    if flash and _flash_varlen_applies(q, v, dropout_p):
-        return _flash_varlen(q, k, v, documents)
+    one variable-length flash call for every document. `window` (left, 0): a sliding window too
+    (megalite.models.window), the kernel's own or a band mask a document."""
+    if flash and flash_varlen_applies(q, v, dropout_p):
+        return flash_varlen(q, k, v, documents.bounds, window)
     b, s = q.shape[0], q.shape[2]
     bounds = documents.bounds.tolist()  # on the host: no sync
+
+    def within(*part):
+        n = part[0].shape[2]
+        return attend(*part, None if window is None else band_mask(n, n, window, True, q.device), dropout_p, True)
     if len(bounds) == b + 1:  # one document a row: the plain causal attention
-        return attend(q, k, v, None, dropout_p, True)
+        return within(q, k, v)
     rows: list[list[torch.Tensor]] = [[] for _ in range(b)]
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         row = lo // s
         first, last = lo - row * s, hi - row * s
-        part = (t[row:row + 1, :, first:last] for t in (q, k, v))
-        rows[row].append(attend(*part, None, dropout_p, True))
+        rows[row].append(within(*(t[row:row + 1, :, first:last] for t in (q, k, v))))
     return torch.cat([torch.cat(parts, dim=2) for parts in rows], dim=0)
 
 
-def _flash_varlen_applies(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+def flash_varlen_applies(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
     """The flash kernel's reach: CUDA, half precision, no dropout, values as wide as queries (not MLA's)."""
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not dropout_p
             and q.shape[-1] == v.shape[-1] and _varlen_attn() is not None)
@@ -105,14 +114,15 @@ def _varlen_attn():
     return varlen_attn
 
 
-def _flash_varlen(q, k, v, documents: PackedDocuments) -> torch.Tensor:
-    """The documents as one packed [b x s, heads, d] problem for the flash kernel: causal inside each
-    (window (-1, 0)), query heads of a group adjacent as the kernel's GQA expects."""
+def flash_varlen(q, k, v, bounds: torch.Tensor, window=None) -> torch.Tensor:
+    """The documents between `bounds` (host int64, over the b x s tokens) as one packed [b x s, heads, d]
+    problem for the flash kernel: causal inside each (window (-1, 0), or the sliding `window` (left,
+    0)), query heads of a group adjacent as the kernel's GQA expects."""
     b, heads, s, d = q.shape
     packed = [t.permute(0, 2, 1, 3).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-    bounds = documents.bounds.tolist()  # on the host: no sync
-    longest = max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
-    cu = documents.bounds_on(q.device)
-    out = _varlen_attn()(*packed, cu, cu, longest, longest, window_size=(-1, 0),
+    listed = bounds.tolist()  # on the host: no sync
+    longest = max(hi - lo for lo, hi in zip(listed[:-1], listed[1:]))
+    cu = _bounds_on(bounds, q.device)
+    out = _varlen_attn()(*packed, cu, cu, longest, longest, window_size=(-1, 0) if window is None else window,
                          enable_gqa=k.shape[1] != heads)
     return out.reshape(b, s, heads, d).permute(0, 2, 1, 3)

@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.models.attention import ATTENTION_BACKENDS, _context_parallel_core, documents_of
+from megalite.models.attention import _context_parallel_core, documents_of, local_core
 from megalite.models.config import TransformerConfig
-from megalite.models.documents import PackedDocuments, varlen_attention
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng, weight_init
 from megalite.models.rope import rotary_embedding, yarn_softmax_scale
@@ -64,11 +63,11 @@ class ReplicatedLinear(nn.Module):
 class MultiLatentAttention(nn.Module):
     """Self-attention with low-rank (latent) queries, keys and values; see the module docstring."""
 
-    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
-        self.config = config
+        self.config, self.window = config, window  # window: this layer's sliding window (config.window_of)
         heads, h = config.num_attention_heads, config.hidden_size
         self.heads_per_rank = heads // tp
         self.nope, self.rope, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
@@ -138,14 +137,11 @@ class MultiLatentAttention(nn.Module):
             if pad < 0:
                 raise ValueError(f"context parallelism with MLA needs --v-head-dim ({v.shape[-1]}) at most "
                                  f"--qk-head-dim + --qk-pos-emb-head-dim ({q.shape[-1]})")
-            out = _context_parallel_core(q, k, F.pad(v, (0, pad)), attention_mask, self.config)
+            out = _context_parallel_core(q, k, F.pad(v, (0, pad)), attention_mask, self.config, self.window)
             return out[..., :v.shape[-1]]
         p = self.config.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            if isinstance(attention_mask, PackedDocuments):
-                backend = self.config.attention_backend
-                return varlen_attention(q, k, v, attention_mask, ATTENTION_BACKENDS[backend], p, backend == "sdpa")
-            return ATTENTION_BACKENDS[self.config.attention_backend](q, k, v, attention_mask, p, self.config.causal)
+            return local_core(q, k, v, attention_mask, self.config, p, self.window)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 inference_context=None) -> torch.Tensor:

@@ -35,11 +35,12 @@ class TransformerLayer(nn.Module):
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:
             self.input_layernorm = norm_layer(config, device)
+        window = config.window_of(layer_number)
         if config.multi_latent_attention:
             from megalite.models.mla import MultiLatentAttention
-            self.attention = MultiLatentAttention(config, init, out_init, device)
+            self.attention = MultiLatentAttention(config, init, out_init, device, window)
         else:
-            self.attention = ParallelAttention(config, init, out_init, device)
+            self.attention = ParallelAttention(config, init, out_init, device, window)
         self.post_attention_layernorm = norm_layer(config, device)
         if config.is_moe_layer(layer_number):
             from megalite.models.moe import MoELayer

@@ -7,8 +7,9 @@ Two ways to attend (docs/context-parallel.md):
 - `ring_attention` (p2p): keys and values travel around the ring of `ranks`, the next block's
   exchange in flight while the current block is computed; partial outputs merge with an online
   softmax in fp32. The backward pass walks the same ring; dK/dV travel back to their owner.
-- `a2a_attention` (DeepSpeed-Ulysses style): all-to-all trades the sequence split for a head split,
-  plain causal attention on the whole sequence, all-to-all back.
+- `a2a_attention` (DeepSpeed-Ulysses style; megalite.parallel.context_parallel_a2a): all-to-all
+  trades the sequence split for a head split, plain causal attention on the whole sequence,
+  all-to-all back.
 Every collective takes the CP group explicitly; `ranks` are its global ranks, CP rank 0 first.
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megalite.parallel import lanes, traffic
 
@@ -182,7 +182,7 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale, query_starts, live):
+    def forward(ctx, q, k, v, ring, causal, scale, query_starts, live, window_left):
         kv = torch.stack([k, v]).contiguous()  # one message per step; the KV groups only
         qg = _grouped(q, k.shape[1]).float()
         local = q.shape[2]
@@ -194,7 +194,7 @@ class _RingAttention(torch.autograd.Function):
                 if incoming is not None else None
             rows, keys, diagonal = _block_plan(ring.rank, ring.owner(step), local, causal)
             if live is None or live[step]:  # a block no query may attend adds nothing: merging it changes no bit
-                allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
+                allowed = _block_allowed(query_starts, window_left, ring, step, rows, keys, local, q.device)
                 block_k, block_v = kv[0, :, :, keys].float(), kv[1, :, :, keys].float()
                 block_out, block_lse = _block_forward(qg[:, :, :, rows], block_k, block_v, scale,
                                                       diagonal and allowed is None, allowed)
@@ -205,6 +205,7 @@ class _RingAttention(torch.autograd.Function):
         result = out.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live = ring, causal, scale, query_starts, live
+        ctx.window_left = window_left
         return result
 
     @staticmethod
@@ -214,6 +215,7 @@ class _RingAttention(torch.autograd.Function):
         second while the last dK/dV block travels home, which otherwise had nothing to hide behind."""
         q, k, v, result, lse = ctx.saved_tensors
         ring, causal, scale, query_starts, live = ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live
+        window_left = ctx.window_left
         groups, local = k.shape[1], q.shape[2]
         qg = _grouped(q, groups).float()
         d_out = _grouped(d_result, groups).float()
@@ -224,7 +226,7 @@ class _RingAttention(torch.autograd.Function):
 
         def block(step, block_kv, rows, keys, diagonal, offset=0):
             """This block's dq added into dq's `rows`; returns its (dK, dV) for key rows `keys` (fp32)."""
-            allowed = _documents_allowed(query_starts, ring, step, rows, keys, local)
+            allowed = _block_allowed(query_starts, window_left, ring, step, rows, keys, local, q.device)
             block_dq, block_dk, block_dv = _block_backward(
                 qg[:, :, :, rows], block_kv[0, :, :, keys].float(), block_kv[1, :, :, keys].float(),
                 d_out[:, :, :, rows], lse[:, :, :, rows], delta[:, :, :, rows], scale, diagonal and allowed is None,
@@ -265,7 +267,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_requests)
             own_dkv += travelling  # every other rank's part of this rank's dK/dV
         dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None
+        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def live_blocks(bounds: torch.Tensor, ring_rank: int, ring_size: int, local: int) -> list[bool]:
@@ -291,16 +293,36 @@ def live_blocks(bounds: torch.Tensor, ring_rank: int, ring_size: int, local: int
     return live
 
 
-def _documents_allowed(query_starts, ring: _Ring, step: int, rows: slice, keys: slice, local: int):
-    """[b, 1, 1, queries, keys] True where a query of `rows` may attend a key of `keys` in the block of
-    CP rank ring.owner(step): an earlier (or the same) position of its own document, which starts at
-    `query_starts` [b, s_local] (global positions). None without documents."""
-    if query_starts is None:
+def window_live_blocks(ring_rank: int, ring_size: int, local: int, left: int) -> list[bool]:
+    """Per ring step, whether any query this rank holds has a key of the block it holds then within a
+    sliding window of `left` earlier positions (causal). From the chunks' position ranges alone: a
+    query range [q0, q1] and a key range [k0, k1] meet iff q1 - k0 >= 0 and q0 - k1 <= left."""
+    whole, half = local * ring_size, local // 2
+    q_pos = context_parallel_positions(whole, ring_rank, ring_size)
+    live = []
+    for step in range(ring_size):
+        owner = (ring_rank - step) % ring_size
+        rows, keys, _ = _block_plan(ring_rank, owner, local, True)
+        k_pos = context_parallel_positions(whole, owner, ring_size)[keys]  # one or two contiguous chunks
+        live.append(any(int(q[-1]) >= int(k[0]) and int(q[0]) - int(k[-1]) <= left
+                        for q in q_pos[rows].split(half) for k in k_pos.split(half)))
+    return live
+
+
+def _block_allowed(query_starts, window_left, ring: _Ring, step: int, rows: slice, keys: slice, local: int, device):
+    """[b or 1, 1, 1, queries, keys] True where a query of `rows` may attend a key of `keys` in the block of
+    CP rank ring.owner(step): an earlier (or the same) position, no more than `window_left` back where
+    the layer has a sliding window, of its own document, which starts at `query_starts` [b, s_local]
+    (global positions). None with neither (the block plan's causal diagonal says all)."""
+    if query_starts is None and window_left is None:
         return None
     whole = local * ring.size
-    q_pos = context_parallel_positions(whole, ring.rank, ring.size, query_starts.device)[rows]
-    k_pos = context_parallel_positions(whole, ring.owner(step), ring.size, query_starts.device)[keys]
-    allowed = (k_pos[None, None, :] <= q_pos[None, :, None]) & (k_pos[None, None, :] >= query_starts[:, rows, None])
+    q_pos = context_parallel_positions(whole, ring.rank, ring.size, device)[rows]
+    k_pos = context_parallel_positions(whole, ring.owner(step), ring.size, device)[keys]
+    back = q_pos[:, None] - k_pos[None, :]  # [queries, keys]: how far back each key is
+    allowed = (back >= 0 if window_left is None else (back >= 0) & (back <= window_left))[None]
+    if query_starts is not None:
+        allowed = allowed & (k_pos[None, None, :] >= query_starts[:, rows, None])
     return allowed[:, None, None]
 
 
@@ -315,7 +337,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
                    softmax_scale: float | None = None, query_starts: torch.Tensor | None = None,
-                   document_bounds: torch.Tensor | None = None) -> torch.Tensor:
+                   document_bounds: torch.Tensor | None = None, window_left: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens against the whole sequence, keys and values passed around the
     ring of `ranks` (global ranks of `group`, CP rank 0 first). q [b, heads, s_local, d], k and v
     [b, groups, s_local, d] hold this rank's load-balanced share (`split_for_context_parallel`);
@@ -323,14 +345,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
     `query_starts` [b, s_local] (causal only): the global position where each query's document
     starts, for documents packed into one sequence; a query then attends only within its own.
     `document_bounds` (host, with query_starts): their boundaries, from which blocks that no query
-    may attend are found and skipped (`live_blocks`); without them every block is computed."""
+    may attend are found and skipped (`live_blocks`); without them every block is computed.
+    `window_left` (causal only): a sliding window, each query attending to itself and that many keys
+    before it; blocks wholly outside it are skipped (`window_live_blocks`)."""
     _check_shapes(q, k, v)
     ring = _Ring(group, ranks)
     if causal and q.shape[2] % 2:
         raise ValueError(f"causal context parallelism holds two chunks per rank, but this rank holds "
                          f"{q.shape[2]} tokens (odd): make the sequence length a multiple of 2 x cp = {2 * ring.size}")
-    if query_starts is not None and not causal:
-        raise ValueError("documents packed into a sequence are attended causally: drop query_starts or use causal")
+    if (query_starts is not None or window_left is not None) and not causal:
+        raise ValueError("packed documents and sliding windows are attended causally here: drop query_starts and "
+                         "window_left, or use causal")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     live = None
     if query_starts is not None and document_bounds is not None and ring.size > 1:
@@ -340,63 +365,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
         if key not in memo:
             memo[key] = live_blocks(document_bounds, *key)
         live = memo[key]
-    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts, live)
-
-
-# ---------------------------------------------------------------------------------------------
-# all-to-all (heads for sequence)
-
-
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    """x split in N pieces along scatter_dim, piece r to CP rank r; the pieces received joined along gather_dim."""
-    size = dist.get_world_size(group)
-    pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
-    received = [torch.empty_like(p) for p in pieces]
-    traffic.gather_or_scatter("cp", x.nbytes, size)
-    lanes.collective(dist.all_to_all, received, pieces, group=group, kind="cp")
-    return torch.cat(received, dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
-
-
-def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
-                  softmax_scale: float | None = None, attend=None) -> torch.Tensor:
-    """The same result as `ring_attention`, by all-to-all: each rank gets heads / N of the heads (and
-    groups / N of the KV groups) for the whole sequence, attends, and sends the results back.
-    `attend(q, k, v)`, where given, attends over the whole sequence in its place (in global order:
-    documents packed into the sequence, for one)."""
-    _check_shapes(q, k, v)
-    size = len(ranks)
-    heads, groups = q.shape[1], k.shape[1]
-    if heads % size or groups % size:
-        raise ValueError(f"--cp-comm-type a2a splits the heads across cp = {size} ranks, but {heads} query heads / "
-                         f"{groups} KV groups do not divide by {size}: use --cp-comm-type p2p")
-    if attend is None:
-        def attend(q, k, v):
-            return _attend(q, k, v, causal, softmax_scale)
-    if size == 1:
-        return attend(q, k, v)
-    to_global = torch.argsort(_rank_order(q.shape[2] * size, size)).to(q.device)
-    whole = [_AllToAll.apply(t, 1, 2, group).index_select(2, to_global) for t in (q, k, v)]
-    out = attend(*whole)
-    back_to_ranks = torch.argsort(to_global)
-    return _AllToAll.apply(out.index_select(2, back_to_ranks), 2, 1, group)
-
-
-def _attend(q, k, v, causal, softmax_scale):
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, **gqa)
+    if window_left is not None and ring.size > 1:  # a block some query sees on both counts may be live
+        in_window = window_live_blocks(ring.rank, ring.size, q.shape[2], window_left)
+        live = in_window if live is None else [a and b for a, b in zip(live, in_window)]
+    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts, live, window_left)
 
 
 # ---------------------------------------------------------------------------------------------

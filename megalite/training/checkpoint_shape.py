@@ -18,6 +18,7 @@ from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import ConfigError, flag_name
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
+from megalite.models.window import window_fields
 from megalite.runtime import env_world, say
 from megalite.training import resume_policy as policy
 
@@ -44,6 +45,7 @@ def shape_fields(model: TransformerConfig) -> dict:
         out["openai_gelu"] = model.activation == "gelu_tanh"
     if model.multi_latent_attention:
         out.update(multi_latent_attention=True, **{k: getattr(model, k) for k in MLA_SIZES})
+    out.update(window_fields(model))
     if model.mtp_num_layers:  # its weight in the loss too, unless a flag retunes it
         out.update(mtp_num_layers=model.mtp_num_layers, mtp_loss_scaling_factor=model.mtp_loss_scaling_factor)
     if model.position_embedding_type == "rope":

@@ -9,7 +9,6 @@ sliding windows; the table is the same.
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -17,7 +16,7 @@ import torch
 
 from megalite.models.config import TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
-from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into,
+from megalite.tools.convert_hf.common import (Row, export_tensors, import_tensors, load_into,
                                               pairs, refuse, table_problems, transformers)
 
 LLAMA, MISTRAL, QWEN2, QWEN3 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
@@ -137,18 +136,20 @@ def rope_parameters(cfg) -> dict:
     return params
 
 
-def sliding_window(cfg, arch: str) -> int | None:
-    """The window of the layers that use sliding-window attention (None: every layer attends to all)."""
+def sliding_window(cfg, arch: str) -> tuple[int | None, list[int] | None]:
+    """(Hugging Face's sliding_window W of the layers that use one, None: every layer attends to all;
+    one 1 (windowed) / 0 per layer, None: all windowed)."""
     window = getattr(cfg, "sliding_window", None)
     if not window:  # None, or Qwen2-MoE's 0 for "off"
-        return None
+        return None, None
     if arch == MISTRAL:
-        return window
+        return window, None
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
+        pattern = [int(kind == "sliding_attention") for kind in layer_types]
+        return (window, None if all(pattern) else pattern) if any(pattern) else (None, None)
     # A config with no switch (Mixtral) windows every layer whenever it has a window.
-    return window if getattr(cfg, "use_sliding_window", True) else None
+    return (window, None) if getattr(cfg, "use_sliding_window", True) else (None, None)
 
 
 def _biases(cfg, arch: str) -> tuple[bool, bool, list[str]]:
@@ -220,14 +221,9 @@ def shared_fields(cfg, arch: str, problems: list[str]) -> dict:
         untie_embeddings_and_output_weights=not getattr(cfg, "tie_word_embeddings", False),
         **_rope_fields(cfg, problems),
     )
-    window = sliding_window(cfg, arch)
-    if window is not None and window < fields["max_position_embeddings"]:
-        # Full causal attention equals sliding-window attention on sequences no longer than the window.
-        warnings.warn(f"{arch} attends within a sliding window of {window} tokens, megalite to every earlier "
-                      f"token: the two agree on sequences up to {window} tokens, so max_position_embeddings is "
-                      f"set to {window} (was {fields['max_position_embeddings']}); train with --seq-length <= "
-                      f"{window}", ConversionNote, stacklevel=4)
-        fields["max_position_embeddings"] = window
+    window, pattern = sliding_window(cfg, arch)
+    if window is not None:  # a query sees itself and the W - 1 keys before it
+        fields.update(window_size=(window - 1, 0), window_attn_skip_freq=pattern)
     return fields
 
 
@@ -280,7 +276,32 @@ def default_architecture(c) -> str:
         return QWEN3
     if getattr(c, "add_qkv_bias", False) and not getattr(c, "add_bias_linear", True):
         return QWEN2
+    if _window(c) is not None and not getattr(c, "add_bias_linear", True):  # Llama has no sliding window
+        return MISTRAL
     return LLAMA
+
+
+def _window(c) -> tuple[int, list[int] | None] | None:
+    """(Hugging Face's sliding_window, one 1 / 0 per layer or None: all) of a megalite config, None
+    without a bounded window (a causal model attends to the left side's keys and itself)."""
+    window = getattr(c, "window_size", None)
+    if window is None or window[0] == -1:
+        return None
+    return window[0] + 1, c.window_attn_skip_freq
+
+
+def window_problems(c, arch: str) -> list[str]:
+    """What `arch` cannot hold of a config's sliding window (this module's and `moe`'s)."""
+    window = _window(c)
+    if window is None:
+        return []
+    cls = getattr(transformers(), arch.replace("ForCausalLM", "Config"))
+    if not _accepts(cls, "sliding_window"):
+        return [f"{arch} has no sliding window (window_size={c.window_size}): export as {MISTRAL} or {QWEN2}"]
+    if window[1] is not None and not _accepts(cls, "layer_types"):
+        return [f"{arch} windows every layer or none (window_attn_skip_freq={c.window_attn_skip_freq}): export "
+                f"as {QWEN2} or {QWEN3}"]
+    return []
 
 
 def export_problems(c, arch: str) -> list[str]:
@@ -291,6 +312,7 @@ def export_problems(c, arch: str) -> list[str]:
     for name, value in wanted.items():
         if getattr(c, name, None) != value:
             problems.append(f"{arch} needs {name}={value!r} (config: {getattr(c, name, None)!r})")
+    problems += window_problems(c, arch)
     if getattr(c, "rotary_seq_len_interpolation_factor", None) is not None and c.rope_scaling_factor is not None:
         problems.append(f"{arch} scales rope one way: linear position interpolation and Llama 3.1's frequency "
                         f"scaling together have no Hugging Face rope_type")
@@ -348,8 +370,12 @@ def hf_config_kwargs(c, cls) -> dict:
     else:  # transformers < 5
         kwargs["rope_theta"] = rope.pop("rope_theta")
         kwargs["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+    window = _window(c)
+    windows = {"sliding_window": None, "use_sliding_window": False} if window is None else {
+        "sliding_window": window[0], "use_sliding_window": True,
+        "layer_types": ["sliding_attention" if on else "full_attention" for on in window[1] or [1] * c.num_layers]}
     for name, value in (("head_dim", c.head_dim), ("attention_bias", c.add_bias_linear),
-                        ("mlp_bias", c.add_bias_linear), ("sliding_window", None), ("use_sliding_window", False)):
+                        ("mlp_bias", c.add_bias_linear), *windows.items()):
         if _accepts(cls, name):
             kwargs[name] = value
     return kwargs

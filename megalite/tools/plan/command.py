@@ -39,6 +39,8 @@ ARCH_FLAGS = {
     "qk_pos_emb_head_dim": lambda v: ["--qk-pos-emb-head-dim", str(v)],
     "v_head_dim": lambda v: ["--v-head-dim", str(v)],
     "mtp_num_layers": lambda v: ["--mtp-num-layers", str(v)],
+    "window_size": lambda v: ["--window-size", ",".join(map(str, v))] if v is not None else [],
+    "window_attn_skip_freq": lambda v: ["--window-attn-skip-freq", _layer_freq(v)] if v is not None else [],
 }
 
 
