@@ -225,3 +225,16 @@ def test_megatron_core_writes_what_the_fixtures_hold(tmp_path):
             assert torch.equal(ours.full_tensor(n), theirs.full_tensor(n)), (name, n)
         assert torch.equal(torch.load(tmp_path / name / "expected.pt")["logits"],
                            torch.load(FIXTURES / name / "expected.pt")["logits"])
+
+
+def test_a_residual_after_the_norm_that_megatron_core_never_read_loads_with_a_note():
+    """args.apply_residual_connection_post_layernorm: a field of Megatron-Core's TransformerConfig that no
+    layer of megatron-core 0.19 reads, so a torch_dist checkpoint saved with it holds the plain model."""
+    from megalite.checkpoint.megatron_dist_map import translate_args
+
+    args = MegatronCheckpoint(FIXTURES / "llama").common["args"]
+    plain = translate_args(args, "ckpt")
+    args.apply_residual_connection_post_layernorm = True
+    noted = translate_args(args, "ckpt")
+    assert noted.flags == plain.flags
+    assert [n for n in noted.notes if "no Megatron-Core layer reads" in n] and len(noted.notes) == len(plain.notes) + 1

@@ -103,8 +103,12 @@ def test_an_export_with_llama3_scaling_as_well_is_refused():
     from megalite.models.presets import preset
     from megalite.tools.convert_hf import llama
 
+    from megalite.tools.convert_hf import moe
+
     both = preset("llama-tiny", rotary_seq_len_interpolation_factor=2.0, rope_scaling_factor=8.0)
     assert any("no Hugging Face rope_type" in p for p in llama.export_problems(both, llama.LLAMA))
+    experts = preset("moe-tiny", rotary_seq_len_interpolation_factor=2.0, rope_scaling_factor=8.0)
+    assert any("no Hugging Face rope_type" in p for p in moe.export_problems(experts, moe.MIXTRAL))
 
 
 def test_a_megatron_checkpoints_args_and_a_checkpoints_shape_carry_it():
@@ -152,3 +156,18 @@ def test_a_resume_that_interpolates_says_so_in_one_line(tmp_path):
     [(losses, said)] = run_ranks(losses_and_notes, 1, args=(resumed,))
     assert len(losses) == 1
     assert len(said) == 1 and "rotary_seq_len_interpolation_factor None (checkpoint) -> 2.0 (now)" in said[0], said
+
+
+def test_a_model_the_checkpoint_and_the_flags_cannot_build_together_is_one_error(tmp_path, monkeypatch):
+    """An interpolated checkpoint resumed with YaRN: refused in one line, not a crash of the shape check."""
+    from megalite.errors import UsageError
+    from megalite.testing import run_ranks
+    from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+
+    base = ["--model", "llama-tiny", "--num-layers", "2", "--seq-length", "16", "--global-batch-size", "2",
+            "--micro-batch-size", "1", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "1",
+            "--train-iters", "1", "--rotary-seq-len-interpolation-factor", "2", "--save", str(tmp_path / "ck")]
+    run_ranks(losses_and_notes, 1, args=(base,))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UsageError, match="YaRN and --multi-latent-attention do not use it"):
+        adopt_checkpoint_shape(parse(["--load", str(tmp_path / "ck"), "--yarn-factor", "4"]))

@@ -67,24 +67,31 @@ def _model(config, seed=3):
 
 
 @torch.no_grad()
-def _reference_logits(model, ids):
-    """The model's logits with every windowed layer's attention computed by hand: softmax over the
-    band of q k^T / sqrt(d), the band from positions alone."""
+def _reference_logits(model, ids, window):
+    """The model's logits with every layer's attention computed by hand in float64: softmax of
+    q k^T / sqrt(d) over Megatron-Core's band of `window` (written out above, causal too) where the
+    layer is windowed (it passes a mask: the model has none of its own), else over the causal mask;
+    and how many layers were windowed."""
     from megalite.models import attention as attention_module
+
+    windowed = []
 
     def by_hand(q, k, v, allowed, dropout_p, causal):
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
         scores = (q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
-        positions = torch.arange(q.shape[2])
-        mask = allowed if allowed is not None else band(positions, positions, (-1, -1), causal)
+        s = q.shape[2]
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        if allowed is not None:
+            windowed.append(True)
+            mask = mask & _megatron_band(s, s, window)
         return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.double()).to(q.dtype)
 
     saved = dict(attention_module.ATTENTION_BACKENDS)
     attention_module.ATTENTION_BACKENDS.update(torch=by_hand)
     try:
         model.config.attention_backend = "torch"
-        return model(ids)
+        return model(ids), len(windowed)
     finally:
         attention_module.ATTENTION_BACKENDS.clear()
         attention_module.ATTENTION_BACKENDS.update(saved)
@@ -96,7 +103,8 @@ def test_every_backend_gives_the_bands_numbers(name, window, skip):
     config = preset(name, window_size=window, window_attn_skip_freq=skip)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     model = _model(config)
-    want = _reference_logits(_model(config.replace(attention_backend="torch")), ids)
+    want, windowed = _reference_logits(_model(config.replace(attention_backend="torch")), ids, window)
+    assert windowed == (sum(skip) if skip else config.num_layers)
     for backend in ("sdpa", "fused", "torch"):
         model.config.attention_backend = backend
         with torch.no_grad():
@@ -287,12 +295,24 @@ def test_hugging_face_windows_import_and_export_with_the_same_logits(arch, extra
         assert rel_err(model(ids)[..., :128], want) <= 1e-5
         back = to_hf(config, model.state_dict())
         assert type(back).__name__ == f"{arch}ForCausalLM" and back.config.sliding_window == 6
+        if pattern is not None:  # older readers go by max_window_layers: the first windowed layer
+            assert back.config.max_window_layers == 2
         assert rel_err(back(ids).logits, want) <= 1e-5
 
 
 def test_an_export_the_architecture_cannot_hold_is_refused():
     pytest.importorskip("transformers")
-    from megalite.tools.convert_hf import llama
+    from megalite.tools.convert_hf import ConversionError, llama, moe, to_hf
+
+    for name in ("gpt-tiny", "deepseek-tiny"):  # GPT-2 and DeepSeek-V3 have no window: not dropped silently
+        config = preset(name, window_size=(3, 0))
+        with pytest.raises(ConversionError, match="sliding window"):
+            to_hf(config, GPTModel(config, seed=0, device="cpu").state_dict())
+    experts = preset("moe-tiny", window_size=(5, 0), window_attn_skip_freq=2)
+    assert any("Qwen2MoeForCausalLM" in p for p in moe.export_problems(experts, moe.MIXTRAL))
+    # a skip frequency of 1 leaves no layer windowed: nothing to export, Llama holds it
+    nowhere = preset("llama-tiny", window_size=(5, 0), window_attn_skip_freq=1)
+    assert llama.hf_window(nowhere) is None and not llama.export_problems(nowhere, llama.LLAMA)
 
     both_sides = preset("llama-tiny", window_size=(5, 0))
     assert any("sliding window" in p for p in llama.export_problems(both_sides, llama.LLAMA))

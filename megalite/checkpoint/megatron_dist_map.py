@@ -28,7 +28,6 @@ from megalite.errors import UsageError
 _UNSUPPORTED = (
     ("multi_latent_attention", False, "multi-latent attention"),
     ("mtp_num_layers", (None, 0), "multi-token prediction"),
-    ("apply_residual_connection_post_layernorm", False, "a residual from after the norm"),
     ("moe_shared_expert_intermediate_size", (None, 0), "shared experts"),
     ("heterogeneous_layers_config_path", (None, ""), "heterogeneous layers"),
     ("hybrid_override_pattern", (None, ""), "a hybrid (Mamba) model"),
@@ -125,6 +124,9 @@ def translate_args(args, where: str) -> Translation:
     flags += _moe_flags(args)
     notes = [] if _arg(args, "vocab_size") else [
         f"args.vocab_size is unset: the vocabulary is taken as the saved {padded} rows (padding included)"]
+    if _arg(args, "apply_residual_connection_post_layernorm"):  # a torch_dist checkpoint is Megatron-Core's
+        notes.append("args.apply_residual_connection_post_layernorm is set, which no Megatron-Core layer reads: "
+                     "the model loads as it trained")
     return Translation([str(f) for f in flags], int(vocab), int(padded or vocab), notes)
 
 

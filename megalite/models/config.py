@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.models.layer_pattern import parse_layer_freq
+
 
 TP_COMM_OVERLAP_NEEDS = ("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with "
                          "the GEMMs: it needs --tp 2 or more and --sequence-parallel")
@@ -403,24 +405,3 @@ def moe_layer_pattern(freq, num_layers: int) -> list[int]:
         raise ValueError(f"--moe-layer-freq lists {len(pattern)} entries ({pattern}) for {num_layers} layers: "
                          f"give one 0 (dense) or 1 (MoE) per layer")
     return pattern
-
-
-def parse_layer_freq(text: str, flag: str):
-    """"4", "[0,1,1,1]" or "([0]*1+[1]*3)" (Megatron-LM's spelling of a per-layer pattern, given to
-    `flag`): lists of 0/1, repeated (*) and joined (+), nothing else."""
-    import re
-
-    body = text.strip()
-    if re.fullmatch(r"\d+", body):
-        return int(body)
-    while body.startswith("(") and body.endswith(")"):
-        body = body[1:-1].strip()
-    out: list[int] = []
-    for term in body.split("+"):
-        m = re.fullmatch(r"\s*\[([\d\s,]*)\]\s*(?:\*\s*(\d+))?\s*", term)
-        if not m:
-            raise ValueError(f"{flag} {text!r} is not an int, a list like [0,1,1,1] or a sum of repeated lists "
-                             f"like ([0]*1+[1]*3)")
-        items = [int(v) for v in m.group(1).replace(",", " ").split()]
-        out += items * int(m.group(2) or 1)
-    return out

@@ -101,9 +101,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
 
 
 def flash_varlen_applies(q: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """The flash kernel's reach: CUDA, half precision, no dropout, values as wide as queries (not MLA's)."""
+    """The flash kernel's reach: CUDA on sm80 or later, half precision, no dropout, heads of at most
+    256 dims in multiples of 8, values as wide as queries (not MLA's). Elsewhere PyTorch's fused
+    attention picks another kernel."""
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and not dropout_p
-            and q.shape[-1] == v.shape[-1] and _varlen_attn() is not None)
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+            and torch.cuda.get_device_capability(q.device)[0] >= 8 and _varlen_attn() is not None)
 
 
 def _varlen_attn():

@@ -23,6 +23,8 @@ import re
 
 import torch
 
+from megalite.models.layer_pattern import parse_layer_freq
+
 Window = tuple[int, int]
 
 
@@ -51,8 +53,6 @@ def window_pattern(skip_freq, num_layers: int) -> list[int]:
     """One 1 (windowed) or 0 (full attention) per layer, 0-based: Megatron-Core's rule on its 1-based
     layer numbers. `skip_freq`: None (every layer), an int N (layers N, 2N, ... full), a list, or its
     Megatron-LM spelling ("[1,1,1,0]*3", "([1]*3+[0]*1)")."""
-    from megalite.models.config import parse_layer_freq
-
     if skip_freq is None:
         return [1] * num_layers
     if isinstance(skip_freq, str):

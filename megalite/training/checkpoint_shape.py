@@ -168,11 +168,14 @@ def _checked(cfg: RunConfig, adoption) -> TransformerConfig:
     world = _world_size() if adoption.taken else None
     try:
         built = model_config(cfg)
+    except UsageError as e:  # no model: said now, the checkpoint's values named as its
+        raise UsageError(policy.with_sources(str(e), adoption)) from None
+    try:
         if world is not None:
             validate(cfg, world, built, machine=False)
     except UsageError as e:
         told = policy.with_sources(str(e), adoption)
-        if told != str(e) or world is None:
+        if told != str(e):
             raise UsageError(told) from None
         # not about a taken value: the run's own check says it, with the real world
     return built

@@ -125,6 +125,10 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if family is moe and not config.is_moe:
         raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
                               f"{llama.LLAMA}")
+    if family not in (llama, moe) and llama.hf_window(config) is not None:
+        raise ConversionError(f"the model attends within a sliding window (--window-size), which "
+                              f"{architecture or family.__name__.rsplit('.', 1)[-1]} does not hold: "
+                              f"{llama.WINDOWED_ARCHITECTURES}")
     if family in (llama, moe, deepseek):
         return family.to_hf(config, state_dict, architecture)
     return family.to_hf(config, state_dict)

@@ -276,32 +276,47 @@ def default_architecture(c) -> str:
         return QWEN3
     if getattr(c, "add_qkv_bias", False) and not getattr(c, "add_bias_linear", True):
         return QWEN2
-    if _window(c) is not None and not getattr(c, "add_bias_linear", True):  # Llama has no sliding window
+    if hf_window(c) is not None and not getattr(c, "add_bias_linear", True):  # Llama has no sliding window
         return MISTRAL
     return LLAMA
 
 
-def _window(c) -> tuple[int, list[int] | None] | None:
+def hf_window(c) -> tuple[int, list[int] | None] | None:
     """(Hugging Face's sliding_window, one 1 / 0 per layer or None: all) of a megalite config, None
-    without a bounded window (a causal model attends to the left side's keys and itself)."""
-    window = getattr(c, "window_size", None)
-    if window is None or window[0] == -1:
+    without a bounded window in any layer (a causal model attends to the left side's keys and itself)."""
+    window, pattern = getattr(c, "window_size", None), getattr(c, "window_attn_skip_freq", None)
+    if window is None or window[0] == -1 or (pattern is not None and not any(pattern)):
         return None
-    return window[0] + 1, c.window_attn_skip_freq
+    return window[0] + 1, pattern
 
 
-def window_problems(c, arch: str) -> list[str]:
-    """What `arch` cannot hold of a config's sliding window (this module's and `moe`'s)."""
-    window = _window(c)
+def attention_problems(c, arch: str) -> list[str]:
+    """What `arch` cannot hold of a config's rope scaling and sliding window (this module's and `moe`'s,
+    whose Hugging Face configs `hf_config_kwargs` writes alike)."""
+    problems = []
+    if getattr(c, "rotary_seq_len_interpolation_factor", None) is not None and c.rope_scaling_factor is not None:
+        problems.append(f"{arch} scales rope one way: linear position interpolation and Llama 3.1's frequency "
+                        f"scaling together have no Hugging Face rope_type")
+    return problems + _window_problems(c, arch)
+
+
+def _window_problems(c, arch: str) -> list[str]:
+    window = hf_window(c)
     if window is None:
         return []
     cls = getattr(transformers(), arch.replace("ForCausalLM", "Config"))
     if not _accepts(cls, "sliding_window"):
-        return [f"{arch} has no sliding window (window_size={c.window_size}): export as {MISTRAL} or {QWEN2}"]
+        return [f"{arch} has no sliding window (window_size={c.window_size}): {WINDOWED_ARCHITECTURES}"]
     if window[1] is not None and not _accepts(cls, "layer_types"):
-        return [f"{arch} windows every layer or none (window_attn_skip_freq={c.window_attn_skip_freq}): export "
-                f"as {QWEN2} or {QWEN3}"]
+        return [f"{arch} windows every layer or none (window_attn_skip_freq={c.window_attn_skip_freq}): "
+                f"{PATTERNED_ARCHITECTURES}"]
     return []
+
+
+WINDOWED_ARCHITECTURES = ("the sliding window exports as MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM "
+                          "(with experts: MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM)")
+PATTERNED_ARCHITECTURES = ("a window in some layers only exports as Qwen2ForCausalLM or Qwen3ForCausalLM (with "
+                           "experts: Qwen2MoeForCausalLM)")
 
 
 def export_problems(c, arch: str) -> list[str]:
@@ -312,10 +327,7 @@ def export_problems(c, arch: str) -> list[str]:
     for name, value in wanted.items():
         if getattr(c, name, None) != value:
             problems.append(f"{arch} needs {name}={value!r} (config: {getattr(c, name, None)!r})")
-    problems += window_problems(c, arch)
-    if getattr(c, "rotary_seq_len_interpolation_factor", None) is not None and c.rope_scaling_factor is not None:
-        problems.append(f"{arch} scales rope one way: linear position interpolation and Llama 3.1's frequency "
-                        f"scaling together have no Hugging Face rope_type")
+    problems += attention_problems(c, arch)
     s = shape_of(c)
     holds = {  # (linear bias, q/k/v bias only, qk norm) an architecture can hold
         LLAMA: {(False, False, False), (True, False, False), (True, True, False)},
@@ -370,10 +382,12 @@ def hf_config_kwargs(c, cls) -> dict:
     else:  # transformers < 5
         kwargs["rope_theta"] = rope.pop("rope_theta")
         kwargs["rope_scaling"] = rope if rope["rope_type"] != "default" else None
-    window = _window(c)
+    window = hf_window(c)
+    pattern = None if window is None else window[1] or [1] * c.num_layers
+    # layer_types says which layers; max_window_layers (the first windowed one) says the same to older readers
     windows = {"sliding_window": None, "use_sliding_window": False} if window is None else {
-        "sliding_window": window[0], "use_sliding_window": True,
-        "layer_types": ["sliding_attention" if on else "full_attention" for on in window[1] or [1] * c.num_layers]}
+        "sliding_window": window[0], "use_sliding_window": True, "max_window_layers": pattern.index(1),
+        "layer_types": ["sliding_attention" if on else "full_attention" for on in pattern]}
     for name, value in (("head_dim", c.head_dim), ("attention_bias", c.add_bias_linear),
                         ("mlp_bias", c.add_bias_linear), *windows.items()):
         if _accepts(cls, name):

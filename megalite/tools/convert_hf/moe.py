@@ -298,7 +298,7 @@ def export_problems(c, arch: str) -> list[str]:
     for name, value in wanted.items():
         if getattr(c, name, None) != value:
             problems.append(f"{arch} needs {name}={value!r} (config: {getattr(c, name, None)!r})")
-    problems += llama.window_problems(c, arch)
+    problems += llama.attention_problems(c, arch)
     unheld = _unheld(c, arch)
     if unheld:
         fit = default_architecture(c)
