@@ -7,16 +7,16 @@ from typing import Mapping
 import torch
 
 from megalite.models.config import TransformerConfig
-from megalite.tools.convert_hf import bert, deepseek, gpt2, llama, moe
+from megalite.tools.convert_hf import bert, deepseek, gpt2, llama, moe, nemotron
 from megalite.tools.convert_hf.common import ConversionError, load_hf_config, load_hf_weights, refuse
 from megalite.tools.convert_hf.rotary_rows import interleaved_to_rotate_half
 
 # family module -> the megalite model kind it becomes
-FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"), (deepseek, "gpt"))
+FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"), (deepseek, "gpt"), (nemotron, "gpt"))
 SUPPORTED = ", ".join(a for family, _ in FAMILIES for a in family.ARCHITECTURES)
 # What to_hf writes: kind -> Hugging Face class -> family.
 EXPORTS = {"gpt": {"GPT2LMHeadModel": gpt2, **{a: llama for a in llama.ARCHITECTURES},
-                   **{a: moe for a in moe.ARCHITECTURES}, deepseek.DEEPSEEK_V3: deepseek},
+                   **{a: moe for a in moe.ARCHITECTURES}, deepseek.DEEPSEEK_V3: deepseek, nemotron.NEMOTRON: nemotron},
            "bert": {"BertForPreTraining": bert}}
 
 
@@ -91,27 +91,23 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     `state_dict` is a single-device (tp = 1) megalite state dict, its vocabulary padded or not
     (padding is stripped); `kind` ("gpt" | "bert") defaults to model_kind(state_dict).
     `architecture`: the Hugging Face class to write; by default BertForPreTraining for BERT,
-    GPT2LMHeadModel for a GPT with learned positions, and for a RoPE / GQA / SwiGLU GPT
+    GPT2LMHeadModel for a GPT with learned positions, NemotronForCausalLM for a rope GPT with
+    squared-ReLU MLPs, and for a RoPE / GQA / SwiGLU GPT
     Qwen3ForCausalLM with qk norms, Qwen2ForCausalLM with q/k/v biases alone, else
     LlamaForCausalLM; for a GPT with experts the first of MixtralForCausalLM, Qwen3MoeForCausalLM,
     OlmoeForCausalLM and Qwen2MoeForCausalLM that holds it; with multi-head latent attention
     DeepseekV3ForCausalLM. Tensors are copied in their dtype."""
     kind = kind or model_kind(state_dict)
-    if config.layernorm_zero_centered_gamma:
-        raise ConversionError("the model keeps its norm weights zero-centred (--apply-layernorm-1p); Hugging Face "
-                              "models hold them whole: export is not implemented for it")
     if kind not in ("gpt", "bert"):
         raise ConversionError(f"model kind must be 'gpt' or 'bert', got {kind!r}")
-    if config.activation == "squared_relu":
-        raise ConversionError("the model's MLPs are squared-ReLU (--squared-relu, Nemotron's): export to Hugging Face "
-                              "is not implemented for them")
     if config.rotary_interleaved:  # Hugging Face rotates half: the same model in that layout
         state_dict = interleaved_to_rotate_half(state_dict, config)
         config = config.replace(rotary_interleaved=False)
     exports = EXPORTS[kind]
     if architecture is None:
         family = (bert if kind == "bert" else deepseek if config.multi_latent_attention else moe if config.is_moe
-                  else llama if llama.is_llama_like(config) else gpt2)
+                  else nemotron if nemotron.is_nemotron_like(config) else llama if llama.is_llama_like(config)
+                  else gpt2)
     elif architecture in exports:
         family = exports[architecture]
     else:
@@ -125,10 +121,17 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if family is moe and not config.is_moe:
         raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
                               f"{llama.LLAMA}")
+    if family is not nemotron and config.layernorm_zero_centered_gamma:
+        raise ConversionError("the model keeps its norm weights zero-centred (--apply-layernorm-1p), which only "
+                              f"{nemotron.NEMOTRON} holds (with squared-ReLU MLPs and rope): export is not "
+                              "implemented for it otherwise")
+    if family is not nemotron and config.activation == "squared_relu":
+        raise ConversionError(f"the model's MLPs are squared-ReLU (--squared-relu), which only {nemotron.NEMOTRON} "
+                              "holds (with zero-centred LayerNorms and rope): choose it, or another model")
     if family not in (llama, moe) and llama.hf_window(config) is not None:
         raise ConversionError(f"the model attends within a sliding window (--window-size), which "
                               f"{architecture or family.__name__.rsplit('.', 1)[-1]} does not hold: "
                               f"{llama.WINDOWED_ARCHITECTURES}")
-    if family in (llama, moe, deepseek):
+    if family in (llama, moe, deepseek, nemotron):
         return family.to_hf(config, state_dict, architecture)
     return family.to_hf(config, state_dict)
