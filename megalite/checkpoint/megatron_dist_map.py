@@ -31,7 +31,6 @@ _UNSUPPORTED = (
     ("moe_shared_expert_intermediate_size", (None, 0), "shared experts"),
     ("heterogeneous_layers_config_path", (None, ""), "heterogeneous layers"),
     ("hybrid_override_pattern", (None, ""), "a hybrid (Mamba) model"),
-    ("qk_l2_norm", False, "L2-normalised queries and keys"),
     ("add_position_embedding", True, "learned positions off without rope"),
 )
 
@@ -106,6 +105,9 @@ def translate_args(args, where: str) -> Translation:
             flags.append("--rotary-interleaved")
         if _arg(args, "rotary_seq_len_interpolation_factor"):
             flags += ["--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor]
+        if _arg(args, "no_rope_freq"):  # an int, or one 0/1 per layer
+            skip = args.no_rope_freq
+            flags += ["--no-rope-freq", str(skip) if isinstance(skip, int) else str(list(skip))]
     if _arg(args, "group_query_attention"):
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     if _arg(args, "window_size"):  # (left, right), and which layers keep it
@@ -115,7 +117,8 @@ def translate_args(args, where: str) -> Translation:
             flags += ["--window-attn-skip-freq", str(skip) if isinstance(skip, int) else str(list(skip))]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu"}
+                "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu",
+                "qk_l2_norm": "--qk-l2-norm"}
     flags += [flag for name, flag in switches.items() if _arg(args, name)]
     if not linear_bias:
         flags.append("--disable-bias-linear")
@@ -134,7 +137,8 @@ _MOE_VALUES = ("moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_funct
                "moe_router_num_groups", "moe_router_group_topk", "moe_router_load_balancing_type",
                "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
                "moe_token_drop_policy")
-_MOE_SWITCHES = ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_pad_expert_input_to_capacity")
+_MOE_SWITCHES = ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_pad_expert_input_to_capacity",
+                 "moe_apply_probs_on_input")
 
 
 def _moe_flags(args) -> list:

@@ -403,7 +403,7 @@ LLAMA_SHAPE_FIELDS = ("position_embedding_type", "num_query_groups", "gated_line
                       "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "rotary_percent",
                       "layernorm_zero_centered_gamma", "qk_layernorm_full_width", "multi_latent_attention",
                       "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
-                      "rotary_interleaved", "window_size", "window_attn_skip_freq")
+                      "rotary_interleaved", "window_size", "window_attn_skip_freq", "qk_l2_norm", "no_rope_freq")
 # Settings a run may change on purpose (a longer context: another rope base or scaling), but which
 # change the function the weights compute: said in one line when they differ, never silently.
 RETUNABLE_FIELDS = ("rotary_base", "rotary_seq_len_interpolation_factor", "rope_scaling_factor",
@@ -417,7 +417,7 @@ RETUNABLE_FIELDS = ("rotary_base", "rotary_seq_len_interpolation_factor", "rope_
 MOE_SHAPE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                     "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
                     "moe_router_num_groups", "moe_router_group_topk", "moe_shared_expert_intermediate_size",
-                    "moe_shared_expert_gate", "moe_router_enable_expert_bias")
+                    "moe_shared_expert_gate", "moe_router_enable_expert_bias", "moe_apply_probs_on_input")
 
 
 def check_compatible(reader: CheckpointReader, config: TransformerConfig, model_kind: str) -> None:

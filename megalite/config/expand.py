@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config.rules import _ROPE_FIELDS, MLA_SIZES, MOE_FIELDS, SAME_NAMED, YARN_FIELDS, model_config
-from megalite.models.window import window_fields
+from megalite.models.window import layer_pattern_fields
 from megalite.config.run import RunConfig
 
 # Switches: on in the section when the built model has them.
@@ -27,6 +27,7 @@ _SWITCHES = {
     "squared_relu": lambda c: c.activation == "squared_relu",
     "bert_no_binary_head": lambda c: not c.add_binary_head,
     "rotary_interleaved": lambda c: c.rotary_interleaved,
+    "qk_l2_norm": lambda c: c.qk_l2_norm,
 }
 
 
@@ -43,7 +44,7 @@ def _model_fields(built) -> dict:
         fields.update({n: getattr(built, n) for n in MLA_SIZES})
     if built.mtp_num_layers:
         fields.update(mtp_num_layers=built.mtp_num_layers, mtp_loss_scaling_factor=built.mtp_loss_scaling_factor)
-    fields.update(window_fields(built))
+    fields.update(layer_pattern_fields(built))
     return fields
 
 

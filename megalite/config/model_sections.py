@@ -122,6 +122,10 @@ class ModelConfig:
     disable_bias_linear: bool = opt(False, "no biases in the layers' linear maps", shape=True)
     add_qkv_bias: bool = opt(False, "query/key/value biases even without other biases", shape=True)
     qk_layernorm: bool = opt(False, "normalize every query and key head", shape=True)
+    qk_l2_norm: bool = opt(False, "every query and key head at unit root-mean-square, no weights (Llama 4's)",
+                           shape=True)
+    no_rope_freq: str | None = opt(None, "layers without rope: every N-th (an int dividing the layers), or one 1 "
+                                         "(no rope) / 0 per layer: [0,0,0,1] (Llama 4's)", shape=True)
     qk_layernorm_full_width: bool = opt(False, "with --qk-layernorm: one RMSNorm over all query heads and one over "
                                                "all key heads (OLMoE), not one per head", shape=True)
     untie_embeddings_and_output_weights: bool = opt(False, "an output layer of its own instead of the word "
@@ -199,6 +203,8 @@ class MoEConfig:
     moe_token_drop_policy: str = opt("probs", "over capacity, drop the lowest-weight tokens or the last ones",
                                      choices=("probs", "position"))
     moe_pad_expert_input_to_capacity: bool = opt(False, "pad every expert's input to its capacity (static shapes)")
+    moe_apply_probs_on_input: bool = opt(False, "top-1 routing: the expert reads its token times the routing weight "
+                                                "and its output joins unweighted (Llama 4's)", shape=True)
     moe_shared_expert_intermediate_size: int | None = opt(None, "a dense MLP of this width every token also takes",
                                                           check=POSITIVE_INT, shape=True)
     moe_shared_expert_gate: bool = opt(False, "the shared expert's output times sigmoid(x . w)", shape=True)

@@ -214,7 +214,8 @@ def _model_overrides(m) -> dict:
     same = (*SAME_NAMED, "num_query_groups", "mtp_num_layers", "mtp_loss_scaling_factor", "embedding_init_method_std",
             *_ROPE_FIELDS)
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
-    out.update({k: getattr(m, k) for k in ("window_size", "window_attn_skip_freq") if getattr(m, k) is not None})
+    out.update({k: getattr(m, k) for k in ("window_size", "window_attn_skip_freq", "no_rope_freq")
+                if getattr(m, k) is not None})
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon
     if m.openai_gelu is not None and not (m.swiglu or PRESETS.get(m.model, {}).get("gated_linear_unit")):
@@ -236,7 +237,7 @@ def _model_overrides(m) -> dict:
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True),
                 "bert_no_binary_head": dict(add_binary_head=False), "squared_relu": dict(activation="squared_relu"),
-                "rotary_interleaved": dict(rotary_interleaved=True),
+                "rotary_interleaved": dict(rotary_interleaved=True), "qk_l2_norm": dict(qk_l2_norm=True),
                 "init_method_xavier_uniform": dict(init_method_xavier_uniform=True),
                 "fp32_residual_connection": dict(fp32_residual_connection=True)}
     if mla:  # Megatron-LM's MLA norms its query and key/value latents only with --qk-layernorm; megalite's always
@@ -284,7 +285,7 @@ MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_r
                "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
                "moe_router_force_load_balancing", "moe_token_dispatcher_type",
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_apply_probs_on_input")
 
 
 def _moe_fields(m) -> dict:

@@ -21,6 +21,7 @@ from megalite import ops
 from megalite.models.config import TransformerConfig
 from megalite.models.documents import PackedDocuments, flash_varlen, flash_varlen_applies, varlen_attention
 from megalite.models.norms import NORMS
+from megalite.models.qk_variants import l2_normalized
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
 from megalite.models.window import band_mask, binding, windowed_mask
@@ -168,7 +169,8 @@ class ParallelAttention(nn.Module):
     together, OLMoE's RMSNorm over the whole projection); rope then rotates q and k.
     """
 
-    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None):
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None,
+                 rope: bool = True):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
@@ -190,7 +192,7 @@ class ParallelAttention(nn.Module):
             q_width, k_width = ((config.num_attention_heads * d, config.query_groups * d)
                                 if config.qk_layernorm_full_width else (d, d))
             self.q_norm, self.k_norm = self._qk_norm(q_width, device), self._qk_norm(k_width, device)
-        self.rotary = rotary_embedding(config)
+        self.rotary = rotary_embedding(config) if rope else None  # rope: config.uses_rope of this layer
         self.proj = RowParallelLinear(
             config.num_attention_heads * d, h, init_method=output_init_method, bias=config.add_bias_linear,
             sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
@@ -207,7 +209,11 @@ class ParallelAttention(nn.Module):
         return norm
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor):
-        """q_norm(q), k_norm(k) per head, or over every head at once (qk_layernorm_full_width)."""
+        """q_norm(q), k_norm(k) per head, or over every head at once (qk_layernorm_full_width); with
+        qk_l2_norm each head at unit root-mean-square, no weights (Llama 4's)."""
+        if self.config.qk_l2_norm:
+            eps = self.config.layernorm_epsilon
+            return l2_normalized(q, eps), l2_normalized(k, eps)
         if not self.config.qk_layernorm_full_width:
             return self.q_norm(q), self.k_norm(k)
         tp, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
@@ -270,7 +276,7 @@ class ParallelAttention(nn.Module):
             return self._forward_cached(x, inference_context)
         documents, attention_mask = documents_of(attention_mask)
         q, k, v = self._project(x)  # [s, b, heads (or groups), head_dim]; the whole sequence
-        if self.config.qk_layernorm:
+        if self.config.qk_layernorm or self.config.qk_l2_norm:
             q, k = self._norm_qk(q, k)
         if self.rotary is not None:
             tables = documents.rotary_tables(self.rotary) if documents is not None else None
@@ -289,7 +295,7 @@ class ParallelAttention(nn.Module):
         `cache` (megalite.generation.cache.KVCache) holds for this layer, which it extends with
         theirs; rope rotates them at their positions after the cached ones (`cache.rotary_tables`)."""
         q, k, v = self._project(x)
-        if self.config.qk_layernorm:
+        if self.config.qk_layernorm or self.config.qk_l2_norm:
             q, k = self._norm_qk(q, k)
         if self.rotary is not None:
             tables = cache.rotary_tables(self.rotary)

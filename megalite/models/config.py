@@ -67,6 +67,9 @@ class TransformerConfig:
     # in every layer, or in those --window-attn-skip-freq marks (kept as one 0/1 per layer; None: all).
     window_size: tuple | None = None
     window_attn_skip_freq: int | list | None = None
+    # Llama 4's (megalite.models.qk_variants): queries and keys at unit RMS per head; layers without rope (0/1 each)
+    qk_l2_norm: bool = False
+    no_rope_freq: int | list | None = None
     # BERT: the pooler and sentence-order head, and two token types (Megatron-LM's --bert-no-binary-head
     # turns all three off: one segment a sample, masked-LM loss alone).
     add_binary_head: bool = True
@@ -136,6 +139,7 @@ class TransformerConfig:
     moe_expert_capacity_factor: float | None = None  # None: dropless
     moe_token_drop_policy: str = "probs"  # probs | position: which tokens over capacity are dropped
     moe_pad_expert_input_to_capacity: bool = False
+    moe_apply_probs_on_input: bool = False  # top-1: the weight scales the expert's input, not its output (Llama 4)
     moe_shared_expert_intermediate_size: int | None = None  # a dense MLP every token also takes
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w)
     # The all-to-all dispatcher's exchanges a group of local experts at a time, pipelined with the
@@ -195,6 +199,10 @@ class TransformerConfig:
             from megalite.models.window import normalized
 
             self.window_size, self.window_attn_skip_freq = normalized(self)
+        if self.qk_l2_norm or self.no_rope_freq is not None:
+            from megalite.models.qk_variants import checked
+
+            self.no_rope_freq = checked(self)
 
     def _check_moe_fields(self) -> None:
         experts, topk = self.num_moe_experts, self.moe_router_topk
@@ -231,6 +239,9 @@ class TransformerConfig:
                                  f"topk / group_topk experts")
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
             raise ValueError(f"--moe-expert-capacity-factor must be > 0, got {self.moe_expert_capacity_factor}")
+        if self.moe_apply_probs_on_input and topk != 1:  # as Megatron-Core asserts
+            raise ValueError(f"--moe-apply-probs-on-input scales each token's one expert input: it needs "
+                             f"--moe-router-topk 1, not {topk}")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
@@ -249,6 +260,11 @@ class TransformerConfig:
         """Whether layer `layer_number` (0-based, of the whole model) has experts for its MLP. The layers
         of multi-token prediction (numbered on from num_layers) are MoE when the last layer is."""
         return self.is_moe and bool(self.moe_layer_freq[min(layer_number, self.num_layers - 1)])
+
+    def uses_rope(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` (0-based) rotates its queries and keys."""
+        skips = self.no_rope_freq
+        return self.position_embedding_type == "rope" and not (skips is not None and skips[layer_number])
 
     def window_of(self, layer_number: int):
         """Layer `layer_number`'s (0-based) sliding window (left, right), or None: it attends to all it may."""

@@ -40,7 +40,7 @@ class TransformerLayer(nn.Module):
             from megalite.models.mla import MultiLatentAttention
             self.attention = MultiLatentAttention(config, init, out_init, device, window)
         else:
-            self.attention = ParallelAttention(config, init, out_init, device, window)
+            self.attention = ParallelAttention(config, init, out_init, device, window, config.uses_rope(layer_number))
         self.post_attention_layernorm = norm_layer(config, device)
         if config.is_moe_layer(layer_number):
             from megalite.models.moe import MoELayer

@@ -94,6 +94,15 @@ def window_fields(config) -> dict:
     return out
 
 
+def layer_pattern_fields(config) -> dict:
+    """The model section's per-layer flags (their text) that give `config`: its sliding windows and
+    the layers without rope."""
+    out = window_fields(config)
+    if getattr(config, "no_rope_freq", None) is not None:
+        out["no_rope_freq"] = "[" + ",".join(map(str, config.no_rope_freq)) + "]"
+    return out
+
+
 def layer_window(config, layer_number: int) -> Window | None:
     """The window layer `layer_number` (0-based; multi-token prediction's numbered on) applies, or None."""
     pattern = config.window_attn_skip_freq

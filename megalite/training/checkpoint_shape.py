@@ -18,7 +18,7 @@ from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import ConfigError, flag_name
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
-from megalite.models.window import window_fields
+from megalite.models.window import layer_pattern_fields
 from megalite.runtime import env_world, say
 from megalite.training import resume_policy as policy
 
@@ -40,12 +40,15 @@ def shape_fields(model: TransformerConfig) -> dict:
                qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma, bert_no_binary_head=not model.add_binary_head,
-               squared_relu=model.activation == "squared_relu", rotary_interleaved=model.rotary_interleaved)
+               squared_relu=model.activation == "squared_relu", rotary_interleaved=model.rotary_interleaved,
+               qk_l2_norm=model.qk_l2_norm)
+    if model.kv_channels is not None and not model.multi_latent_attention:  # heads of their own width (Qwen3's)
+        out["kv_channels"] = model.kv_channels
     if not model.gated_linear_unit and model.activation in ("gelu", "gelu_tanh"):  # a gated MLP's silu is swiglu's
         out["openai_gelu"] = model.activation == "gelu_tanh"
     if model.multi_latent_attention:
         out.update(multi_latent_attention=True, **{k: getattr(model, k) for k in MLA_SIZES})
-    out.update(window_fields(model))
+    out.update(layer_pattern_fields(model))
     if model.mtp_num_layers:  # its weight in the loss too, unless a flag retunes it
         out.update(mtp_num_layers=model.mtp_num_layers, mtp_loss_scaling_factor=model.mtp_loss_scaling_factor)
     if model.position_embedding_type == "rope":

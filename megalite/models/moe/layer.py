@@ -56,7 +56,10 @@ class MoELayer(nn.Module):
                                        c.moe_expert_capacity_factor)
             routed = drop_over_capacity(weights, indices, c.num_moe_experts, capacity, c.moe_token_drop_policy)
             pad_to = capacity if c.moe_pad_expert_input_to_capacity else None
-        out = self.dispatcher(tokens, weights, routed, self.experts, pad_to=pad_to).view_as(x)
+        expert_input = tokens
+        if c.moe_apply_probs_on_input:  # top-1: the weight scales the expert's input (in its dtype), not its output
+            expert_input, weights = (weights * tokens).to(tokens.dtype), torch.ones_like(weights)
+        out = self.dispatcher(expert_input, weights, routed, self.experts, pad_to=pad_to).view_as(x)
         out, aux, z = self._add_losses(out, scores, indices, logits, sequences=x.shape[1])
         if self.training and torch.is_grad_enabled():
             counts = count_per_expert(routed, c.num_moe_experts + 1)

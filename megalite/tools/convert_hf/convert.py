@@ -121,17 +121,22 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if family is moe and not config.is_moe:
         raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
                               f"{llama.LLAMA}")
+    nemotron_holds = (f"only {nemotron.NEMOTRON} holds (a dense rope model with squared-ReLU MLPs and zero-centred "
+                      f"LayerNorms)")
     if family is not nemotron and config.layernorm_zero_centered_gamma:
-        raise ConversionError("the model keeps its norm weights zero-centred (--apply-layernorm-1p), which only "
-                              f"{nemotron.NEMOTRON} holds (with squared-ReLU MLPs and rope): export is not "
-                              "implemented for it otherwise")
+        raise ConversionError(f"the model keeps its norm weights zero-centred (--apply-layernorm-1p), which "
+                              f"{nemotron_holds}: export is not implemented for it otherwise")
     if family is not nemotron and config.activation == "squared_relu":
-        raise ConversionError(f"the model's MLPs are squared-ReLU (--squared-relu), which only {nemotron.NEMOTRON} "
-                              "holds (with zero-centred LayerNorms and rope): choose it, or another model")
+        raise ConversionError(f"the model's MLPs are squared-ReLU (--squared-relu), which {nemotron_holds}: export "
+                              f"is not implemented for it otherwise")
     if family not in (llama, moe) and llama.hf_window(config) is not None:
         raise ConversionError(f"the model attends within a sliding window (--window-size), which "
-                              f"{architecture or family.__name__.rsplit('.', 1)[-1]} does not hold: "
+                              f"{architecture or 'the class it exports as'} does not hold: "
                               f"{llama.WINDOWED_ARCHITECTURES}")
+    if config.qk_l2_norm or config.no_rope_freq is not None or config.moe_apply_probs_on_input:  # Llama 4's
+        raise ConversionError("the model has Llama 4's query/key L2 norm, layers without rope or expert inputs scaled "
+                              "by their weight (--qk-l2-norm, --no-rope-freq, --moe-apply-probs-on-input), which no "
+                              "Hugging Face class megalite exports holds")
     if family in (llama, moe, deepseek, nemotron):
         return family.to_hf(config, state_dict, architecture)
     return family.to_hf(config, state_dict)

@@ -16,7 +16,8 @@ import torch
 from megalite.models.config import TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
-from megalite.tools.convert_hf.common import Row, export_tensors, import_tensors, pairs, refuse, table_problems
+from megalite.tools.convert_hf.common import (ConversionError, Row, export_tensors, import_tensors, pairs, refuse,
+                                              table_problems)
 
 NEMOTRON = "NemotronForCausalLM"
 ARCHITECTURES = (NEMOTRON,)
@@ -48,7 +49,7 @@ def owns_model(model) -> bool:
 
 
 def hf_class(cfg):
-    return llama.transformers().NemotronForCausalLM
+    return _classes()[1]
 
 
 def config_fields(cfg) -> tuple[dict, list[str]]:
@@ -114,17 +115,25 @@ def export_problems(c) -> list[str]:
     return problems
 
 
+def _classes():
+    tf = llama.transformers()
+    if not hasattr(tf, "NemotronForCausalLM"):  # transformers before 4.44
+        raise ConversionError(f"this transformers ({tf.__version__}) has no {NEMOTRON}: install transformers >= 4.44")
+    return tf.NemotronConfig, tf.NemotronForCausalLM
+
+
 def hf_config(c):
-    cls = llama.transformers().NemotronConfig
+    cls = _classes()[0]
+    rope = {"rope_theta": c.rotary_base, "partial_rotary_factor": c.rotary_percent}
+    if llama._accepts(cls, "rope_parameters"):
+        rope = {"rope_parameters": {"rope_type": "default", **rope}}  # transformers >= 5; earlier: the two alone
     return cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
                num_key_value_heads=c.query_groups, head_dim=c.head_dim, hidden_act="relu2",
                max_position_embeddings=c.max_position_embeddings, initializer_range=c.init_method_std,
                norm_eps=c.layernorm_epsilon, attention_dropout=c.attention_dropout,
                tie_word_embeddings=not c.untie_embeddings_and_output_weights, attention_bias=c.add_bias_linear,
-               mlp_bias=c.add_bias_linear, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-               rope_parameters={"rope_type": "default", "rope_theta": c.rotary_base,
-                                "partial_rotary_factor": c.rotary_percent})
+               mlp_bias=c.add_bias_linear, bos_token_id=None, eos_token_id=None, pad_token_id=None, **rope)
 
 
 def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], architecture: str | None = None):
@@ -133,4 +142,4 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], arc
     refuse("this megalite GPT", export_problems(config) + table_problems(state_dict, rows, config.vocab_size),
            to=f"Hugging Face {NEMOTRON}")
     theirs = export_tensors(state_dict, rows, llama.groups_of(config), config.vocab_size)
-    return llama.load_exported(config, state_dict, theirs, llama.transformers().NemotronForCausalLM(hf_config(config)))
+    return llama.load_exported(config, state_dict, theirs, _classes()[1](hf_config(config)))

@@ -41,6 +41,8 @@ ARCH_FLAGS = {
     "mtp_num_layers": lambda v: ["--mtp-num-layers", str(v)],
     "window_size": lambda v: ["--window-size", ",".join(map(str, v))] if v is not None else [],
     "window_attn_skip_freq": lambda v: ["--window-attn-skip-freq", _layer_freq(v)] if v is not None else [],
+    "qk_l2_norm": lambda v: ["--qk-l2-norm"] if v else [],
+    "no_rope_freq": lambda v: ["--no-rope-freq", _layer_freq(v)] if v is not None else [],
 }
 
 
@@ -62,6 +64,7 @@ MOE_FLAGS = {
     "moe_token_dispatcher_type": lambda v: ["--moe-token-dispatcher-type", v] if v != "alltoall" else [],
     "moe_expert_capacity_factor": lambda v: ["--moe-expert-capacity-factor", f"{v:g}"] if v is not None else [],
     "moe_pad_expert_input_to_capacity": lambda v: ["--moe-pad-expert-input-to-capacity"] if v else [],
+    "moe_apply_probs_on_input": lambda v: ["--moe-apply-probs-on-input"] if v else [],
 }
 
 

@@ -1,0 +1,52 @@
+"""Llama 4's attention variants, as Megatron-LM's flags name them: --qk-l2-norm (each query and key
+head scaled to unit root-mean-square, no weight) and --no-rope-freq (layers that skip rope).
+
+Megatron-Core's L2Norm: x * rsqrt(mean(x^2) + eps) over each head's dims in fp32, back in x's dtype,
+eps the norms' epsilon, applied where its q/k layernorm sits (before rope; rope turns pairs of dims
+and keeps the root-mean-square, so the order changes nothing but rounding). --no-rope-freq N skips
+rope in every N-th layer (1-based: N, 2N, ...; the layers must be a multiple of N), or a list says
+it per layer, 1 = no rope (Megatron-Core's `no_rope_freq`).
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.models.layer_pattern import parse_layer_freq
+
+
+def l2_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head of x [..., head_dim] at unit root-mean-square (fp32 inside, x's dtype out)."""
+    wide = x.float()
+    return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def no_rope_pattern(freq, num_layers: int) -> list[int]:
+    """One 1 (no rope) or 0 (rope) per layer, 0-based, from an int N, a list, or its Megatron-LM spelling."""
+    if isinstance(freq, str):
+        freq = parse_layer_freq(freq, "--no-rope-freq")
+    if isinstance(freq, int):
+        if freq < 1 or num_layers % freq:
+            raise ValueError(f"--no-rope-freq {freq} skips rope in every {freq}-th layer: it must be >= 1 and divide "
+                             f"the {num_layers} layers")
+        return ([0] * (freq - 1) + [1]) * (num_layers // freq)
+    pattern = [int(v) for v in freq]
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(f"--no-rope-freq lists {len(pattern)} entries ({pattern}) for {num_layers} layers: give "
+                         f"one 1 (no rope) or 0 (rope) per layer")
+    return pattern
+
+
+def checked(config) -> list[int] | None:
+    """A TransformerConfig's no_rope_freq as it keeps it (one 0/1 per layer; None: rope everywhere),
+    after refusing the settings these variants do not combine with."""
+    if config.qk_l2_norm and (config.qk_layernorm or config.multi_latent_attention):
+        raise ValueError("--qk-l2-norm is a query/key norm without weights: drop --qk-layernorm, and it does not "
+                         "apply to --multi-latent-attention (as Megatron-Core refuses it)")
+    if config.no_rope_freq is None:
+        return None
+    if config.position_embedding_type != "rope" or config.multi_latent_attention or config.mtp_num_layers:
+        raise ValueError("--no-rope-freq skips rope in some layers of a rope model without MLA or multi-token "
+                         "prediction (whose layers it does not number): add --position-embedding-type rope, or "
+                         "drop it")
+    pattern = no_rope_pattern(config.no_rope_freq, config.num_layers)
+    return pattern if any(pattern) else None
