@@ -65,6 +65,8 @@ LLAMA_LAYERS = {
                                        ffn_hidden_size=512, position_embedding_type="rope", qk_layernorm=True,
                                        kv_channels=64),
     "mha-narrow-heads-rope": dict(position_embedding_type="rope", kv_channels=16),
+    "gqa-rope-qk-l2-norm": dict(num_query_groups=2, position_embedding_type="rope", qk_l2_norm=True),  # Llama 4's
+    "mha-rope-qk-l2-norm": dict(position_embedding_type="rope", qk_l2_norm=True),
 }
 
 

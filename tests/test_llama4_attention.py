@@ -124,8 +124,25 @@ def test_checkpoints_and_megatron_lms_args_carry_them():
     assert rebuilt.qk_l2_norm and rebuilt.no_rope_freq == [0, 0, 0, 1]
 
 
+def test_beside_qk_layernorm_the_l2_norm_wins_and_megatron_lms_spellings_read():
+    """As Megatron-Core chooses the norm class: qk_l2_norm over qk_layernorm (no norm weights built)."""
+    both = _built(["--model", "llama-tiny", "--qk-layernorm", "--qk-l2-norm"])
+    assert both.qk_l2_norm and not both.qk_layernorm
+    assert not [n for n, _ in GPTModel(both, seed=0, device="cpu").named_parameters() if "q_norm" in n]
+    assert _built(["--model", "llama-tiny", "--no-rope-freq", "0"]).no_rope_freq is None  # Megatron-Core's off
+    assert no_rope_pattern("([0]*1+[1]*1)*2", 4) == [0, 1, 0, 1]  # the whole pattern repeated, as in its help
+
+
+def test_a_flag_given_with_use_checkpoint_args_is_compared_by_what_it_says():
+    from megalite.training.checkpoint_shape import _same_flag
+
+    assert _same_flag("no_rope_freq", "4", "[0,0,0,1,0,0,0,1]", 8)
+    assert not _same_flag("no_rope_freq", "2", "[0,0,0,1,0,0,0,1]", 8)
+    assert _same_flag("window_attn_skip_freq", "2", "[1,0,1,0]", 4) and _same_flag("window_size", "(5, 0)", "5,0", 4)
+    assert not _same_flag("window_size", "6,0", "5,0", 4) and not _same_flag("num_layers", 4, 8, 4)
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--qk-l2-norm", "--qk-layernorm"], "drop --qk-layernorm"),
     (["--no-rope-freq", "3"], "divide the 4 layers"),
     (["--no-rope-freq", "[0,1]"], "lists 2 entries"),
     (["--no-rope-freq", "2", "--position-embedding-type", "learned_absolute"], "add --position-embedding-type rope")])
@@ -134,8 +151,9 @@ def test_bad_settings_are_refused_in_one_line(argv, message):
 
     with pytest.raises(UsageError, match=message):
         _built(["--model", "llama-tiny"] + argv)
-    with pytest.raises(UsageError, match="does not apply to --multi-latent-attention"):
-        _built(["--model", "deepseek-tiny", "--qk-l2-norm"])
+    if argv[0] == "--no-rope-freq" and argv[1] == "3":  # the one refusal of the other family, once
+        with pytest.raises(UsageError, match="does not apply to --multi-latent-attention"):
+            _built(["--model", "deepseek-tiny", "--qk-l2-norm"])
 
 
 def test_expert_inputs_scaled_by_their_weight_are_megatron_cores_top1_experts():

@@ -202,7 +202,8 @@ class TransformerConfig:
         if self.qk_l2_norm or self.no_rope_freq is not None:
             from megalite.models.qk_variants import checked
 
-            self.no_rope_freq = checked(self)
+            self.qk_layernorm, self.no_rope_freq = checked(self)
+            self.qk_layernorm_full_width = self.qk_layernorm_full_width and self.qk_layernorm
 
     def _check_moe_fields(self) -> None:
         experts, topk = self.num_moe_experts, self.moe_router_topk

@@ -10,6 +10,9 @@ def parse_layer_freq(text: str, flag: str):
     body = text.strip()
     if re.fullmatch(r"\d+", body):
         return int(body)
+    repeated = re.fullmatch(r"\((.*)\)\s*\*\s*(\d+)", body)  # "([0]*3+[1]*1)*3": the whole pattern repeated
+    if repeated and not isinstance(inner := parse_layer_freq(repeated.group(1), flag), int):
+        return inner * int(repeated.group(2))
     while body.startswith("(") and body.endswith(")"):
         body = body[1:-1].strip()
     out: list[int] = []

@@ -73,7 +73,7 @@ from __future__ import annotations
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", *, kv_heads: int | None = None, ffn: int | None = None,
                                gated: bool = False, qk_norm: bool = False, rope_dims: int = 0,
-                               fused_qkv: bool = True, head_dim: int | None = None) -> float:
+                               fused_qkv: bool = True, head_dim: int | None = None, qk_l2_norm: bool = False) -> float:
     """Bytes one TP rank keeps for one layer's backward (see the module docstring); the defaults
     are GPT-2's layer: multi-head attention, ffn = 4h, GeLU, heads h / a wide (`head_dim` otherwise:
     every per-head tensor, queries, keys, values and the output projection's input, scales by
@@ -92,9 +92,12 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, seque
     sharded = 2.0 * wide + (kv if kv_split else 0.0) + 2.0 * wide + (8.0 if gated else 4.0) * ffn / h
     if qk_norm:
         sharded += (0.0 if fused_qkv else 2.0 * wide) + 4.0 * (a + kv_heads) / h
+    if qk_l2_norm:  # Megatron-Core's L2Norm under autograd: fp32 copies of q and k, an fp32 rsqrt per head
+        sharded += 4.0 * wide + (kv if kv_split else 0.0) + 4.0 * (a + kv_heads) / h
     if rope_dims:
         sharded += 4.0 * wide if fused_qkv else (kv if kv_split else 0.0) / 2
-    per_rank_kv = 0.0 if kv_split else (4.0 + (2.0 if rope_dims else 0.0)) / a * wide
+    one_group = 4.0 + (2.0 if rope_dims else 0.0) + (4.0 if qk_l2_norm else 0.0)  # its k, v (rotated k, fp32 k)
+    per_rank_kv = 0.0 if kv_split else one_group / a * wide
     per_rank_kv += 8.0 * rope_dims / (b * h)  # cos and sin: whole on every rank, whole sequence
     if sequence_parallel:
         return sbh * (10.0 + sharded + core) / t + sbh * per_rank_kv
@@ -188,7 +191,7 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
     kept = widened + activation_bytes_per_layer(
         local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
-        gated=config.gated_linear_unit, qk_norm=config.qk_layernorm,
+        gated=config.gated_linear_unit, qk_norm=config.qk_layernorm, qk_l2_norm=config.qk_l2_norm,
         rope_dims=config.rotary_dims if config.position_embedding_type == "rope" else 0,
         fused_qkv=config.num_query_groups is None, head_dim=config.head_dim)
     if recompute == "full":

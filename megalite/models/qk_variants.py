@@ -36,17 +36,19 @@ def no_rope_pattern(freq, num_layers: int) -> list[int]:
     return pattern
 
 
-def checked(config) -> list[int] | None:
-    """A TransformerConfig's no_rope_freq as it keeps it (one 0/1 per layer; None: rope everywhere),
-    after refusing the settings these variants do not combine with."""
-    if config.qk_l2_norm and (config.qk_layernorm or config.multi_latent_attention):
-        raise ValueError("--qk-l2-norm is a query/key norm without weights: drop --qk-layernorm, and it does not "
-                         "apply to --multi-latent-attention (as Megatron-Core refuses it)")
-    if config.no_rope_freq is None:
-        return None
+def checked(config) -> tuple[bool, list[int] | None]:
+    """A TransformerConfig's (qk_layernorm, no_rope_freq) as it keeps them (one 0/1 per layer; None:
+    rope everywhere), after refusing the settings these variants do not combine with. Beside
+    --qk-layernorm the L2 norm is the queries' and keys' norm, as Megatron-Core chooses it (the
+    layernorm's weights are then not built), and --no-rope-freq 0 is off, as there."""
+    if config.qk_l2_norm and config.multi_latent_attention:  # as Megatron-Core refuses it
+        raise ValueError("--qk-l2-norm does not apply to --multi-latent-attention: drop it")
+    qk_layernorm = config.qk_layernorm and not config.qk_l2_norm
+    if config.no_rope_freq is None or config.no_rope_freq in (0, "0"):
+        return qk_layernorm, None
     if config.position_embedding_type != "rope" or config.multi_latent_attention or config.mtp_num_layers:
         raise ValueError("--no-rope-freq skips rope in some layers of a rope model without MLA or multi-token "
                          "prediction (whose layers it does not number): add --position-embedding-type rope, or "
                          "drop it")
     pattern = no_rope_pattern(config.no_rope_freq, config.num_layers)
-    return pattern if any(pattern) else None
+    return qk_layernorm, pattern if any(pattern) else None
