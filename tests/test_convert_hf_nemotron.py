@@ -15,7 +15,7 @@ from megalite.models import GPTModel  # noqa: E402
 from megalite.testing import run_ranks  # noqa: E402
 from megalite.tools import convert_hf  # noqa: E402
 from megalite.tools.convert_hf import ConversionError, from_hf, nemotron, to_hf  # noqa: E402
-from training_ranks import parse  # noqa: E402
+from training_ranks import parse, train_losses as losses  # noqa: E402
 
 VOCAB = 128
 
@@ -58,13 +58,6 @@ def test_import_gives_hugging_faces_logits_and_every_setting_matters(changes):
     assert all(torch.equal(t, theirs[k]) for k, t in back.state_dict().items())
     with torch.no_grad():
         assert torch.equal(back(_ids()).logits, want)
-
-
-def losses(rank, world, argv):
-    import pretrain_gpt
-    from megalite.training import pretrain
-
-    return [r["loss"] for r in pretrain(parse(argv), pretrain_gpt.task()).records]
 
 
 def test_the_cli_import_trains_at_tp2_as_at_tp1_and_exports_back(tmp_path, monkeypatch):

@@ -11,17 +11,11 @@ import torch.nn.functional as F
 
 from helpers import rel_err
 from megalite.testing import run_ranks
-from training_ranks import parse
+from training_ranks import parse, built_model as _built
 
 RUN = ["--model", "llama-tiny", "--num-layers", "4", "--seq-length", "16", "--global-batch-size", "4",
        "--micro-batch-size", "1", "--log-interval", "1", "--eval-iters", "0", "--train-iters", "3", "--bf16",
        "--fp32-residual-connection"]
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
 
 
 def test_the_stream_is_fp32_and_every_norm_gives_the_weights_dtype():

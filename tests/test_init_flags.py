@@ -10,16 +10,10 @@ import torch
 
 from helpers import rel_err
 from megalite.testing import run_ranks
-from training_ranks import parse
+from training_ranks import parse, built_model as _built
 
 RUN = ["--num-layers", "2", "--seq-length", "16", "--global-batch-size", "4", "--micro-batch-size", "1",
        "--log-interval", "1", "--eval-iters", "0", "--train-iters", "3"]
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
 
 
 def _weights(argv, seed=7):

@@ -16,13 +16,7 @@ from megalite.models import GPTModel
 from megalite.models.presets import preset
 from megalite.models.qk_variants import l2_normalized, no_rope_pattern
 from megalite.testing import run_ranks
-from training_ranks import parse
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
+from training_ranks import built_model as _built, train_losses as losses
 
 
 def _megatron_l2(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +43,8 @@ def test_the_model_is_a_weightless_rmsnorm_on_queries_and_keys():
     for name, t in l2.state_dict().items():
         state[name] = t
     normed.load_state_dict(state)  # q_norm / k_norm weights stay at their init, ones
-    assert all(torch.equal(p, torch.ones_like(p)) for n, p in normed.named_parameters() if "q_norm" in n or "k_norm" in n)
+    norm_weights = [p for n, p in normed.named_parameters() if "q_norm" in n or "k_norm" in n]
+    assert norm_weights and all(torch.equal(p, torch.ones_like(p)) for p in norm_weights)
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = l2(ids), normed(ids)
@@ -86,13 +81,6 @@ def test_the_generation_cache_gives_the_whole_prefixs_logits():
             for step in range(5):
                 expected = full[len(prompt) - 1 + step]
                 assert (out.logits[step][row] - expected).abs().max() <= 1e-5 * expected.abs().max()
-
-
-def losses(rank, world, argv):
-    import pretrain_gpt
-    from megalite.training import pretrain
-
-    return [r["loss"] for r in pretrain(parse(argv), pretrain_gpt.task()).records]
 
 
 RUN = ["--model", "llama-tiny", "--num-layers", "4", "--seq-length", "16", "--global-batch-size", "4",
@@ -161,8 +149,9 @@ def test_expert_inputs_scaled_by_their_weight_are_megatron_cores_top1_experts():
     token's dtype, and its output joins unweighted; written out here from the experts' weights."""
     from megalite.models.moe.layer import MoELayer
 
-    config = preset("moe-tiny", moe_router_topk=1, moe_apply_probs_on_input=True, moe_shared_expert_intermediate_size=None,
-                    moe_router_score_function="sigmoid")  # Llama 4's router: a weight below one
+    # Llama 4's sigmoid router: a weight below one (top-1 softmax would give exactly one)
+    config = preset("moe-tiny", moe_router_topk=1, moe_apply_probs_on_input=True,
+                    moe_shared_expert_intermediate_size=None, moe_router_score_function="sigmoid")
     layer = MoELayer(config, None, None, "cpu").eval()
     x = torch.randn(6, 2, config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -189,7 +178,8 @@ def test_expert_inputs_scaled_need_top1_and_travel_with_megatron_args():
 
     with pytest.raises(UsageError, match="needs --moe-router-topk 1"):
         _built(["--model", "moe-tiny", "--moe-apply-probs-on-input"])
-    assert _built(["--model", "moe-tiny", "--moe-router-topk", "1", "--moe-apply-probs-on-input"]).moe_apply_probs_on_input
+    top1 = _built(["--model", "moe-tiny", "--moe-router-topk", "1", "--moe-apply-probs-on-input"])
+    assert top1.moe_apply_probs_on_input
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                               vocab_size=128, max_position_embeddings=32, seq_length=32, swiglu=True,
                               position_embedding_type="rope", add_bias_linear=False, num_experts=4,

@@ -11,15 +11,9 @@ import pytest
 import torch
 
 from helpers import rel_err
-from training_ranks import parse
+from training_ranks import parse, built_model as _built
 
 FACTOR = 4
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
 
 
 def _megatron_angles(positions: int, inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
@@ -152,7 +146,8 @@ def test_a_resume_that_interpolates_says_so_in_one_line(tmp_path):
             "--micro-batch-size", "1", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "2"]
     [(_, quiet)] = run_ranks(losses_and_notes, 1, args=(base + ["--train-iters", "2", "--save", str(tmp_path / "ck")],))
     assert quiet == []
-    resumed = base + ["--load", str(tmp_path / "ck"), "--train-iters", "3", "--rotary-seq-len-interpolation-factor", "2"]
+    resumed = base + ["--load", str(tmp_path / "ck"), "--train-iters", "3",
+                      "--rotary-seq-len-interpolation-factor", "2"]
     [(losses, said)] = run_ranks(losses_and_notes, 1, args=(resumed,))
     assert len(losses) == 1
     assert len(said) == 1 and "rotary_seq_len_interpolation_factor None (checkpoint) -> 2.0 (now)" in said[0], said

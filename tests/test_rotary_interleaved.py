@@ -12,17 +12,11 @@ import torch
 
 from helpers import rel_err
 from megalite.testing import run_ranks
-from training_ranks import parse
+from training_ranks import parse, built_model as _built
 
 RUN = ["--model", "llama-tiny", "--num-layers", "2", "--seq-length", "16", "--global-batch-size", "4",
        "--micro-batch-size", "1", "--log-interval", "1", "--eval-iters", "0", "--train-iters", "3",
        "--rotary-interleaved"]
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
 
 
 def _megatron_interleaved(x: torch.Tensor, base: float, dims: int) -> torch.Tensor:

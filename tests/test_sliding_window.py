@@ -17,13 +17,7 @@ from megalite.models import GPTModel
 from megalite.models.presets import preset
 from megalite.models.window import band, band_mask, window_pattern
 from megalite.testing import run_ranks
-from training_ranks import parse
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
+from training_ranks import built_model as _built, train_losses as losses
 
 
 def _megatron_band(sq: int, sk: int, window) -> torch.Tensor:
@@ -244,10 +238,10 @@ def test_ring_blocks_wholly_outside_the_window_are_skipped():
                 k_pos = context_parallel_positions(whole, owner, world)[keys]
                 back = q_pos[rows][:, None] - k_pos[None, :]
                 want.append(bool(((back >= 0) & (back <= left)).any()))
-            assert window_live_blocks(rank, world, local, left) == want, (world, local, left, rank)
+            assert list(window_live_blocks(rank, world, local, left)) == want, (world, local, left, rank)
     # rank 0 holds 0-3 and 28-31; at steps 1, 2, 3 the blocks of ranks 3 (12-15, 16-19), 2 (8-11, 20-23)
     # and 1 (4-7, 24-27): later ranks', seen by 28-31 alone, only 24-27 within 2 positions
-    assert window_live_blocks(0, 4, 8, 2) == [True, False, False, True]
+    assert list(window_live_blocks(0, 4, 8, 2)) == [True, False, False, True]
 
 
 def test_the_generation_cache_attends_within_the_window():
@@ -320,13 +314,6 @@ def test_an_export_the_architecture_cannot_hold_is_refused():
     skipping = preset("llama-tiny", window_size=(5, 0), window_attn_skip_freq=2)
     assert any("window_attn_skip_freq" in p for p in llama.export_problems(skipping, llama.MISTRAL))
     assert llama.default_architecture(both_sides) == llama.MISTRAL
-
-
-def losses(rank, world, argv):
-    import pretrain_gpt
-    from megalite.training import pretrain
-
-    return [r["loss"] for r in pretrain(parse(argv), pretrain_gpt.task()).records]
 
 
 RUN = ["--model", "llama-tiny", "--num-layers", "4", "--seq-length", "32", "--global-batch-size", "4",

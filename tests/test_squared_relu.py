@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from helpers import rel_err
 from megalite.testing import run_ranks
-from training_ranks import parse
+from training_ranks import parse, built_model as _built
 
 RUN = ["--num-layers", "2", "--seq-length", "16", "--global-batch-size", "4", "--micro-batch-size", "1",
        "--log-interval", "1", "--eval-iters", "0", "--train-iters", "3", "--squared-relu"]
@@ -25,12 +25,6 @@ def test_the_mlp_computes_relu_squared():
     x = torch.randn(64)
     assert torch.equal(activation_function(config)(x), torch.pow(F.relu(x), 2))
     assert parse(RUN).model.squared_relu and _built(RUN).activation == "squared_relu"
-
-
-def _built(argv):
-    from megalite.config import model_config
-
-    return model_config(parse(argv))
 
 
 def test_with_swiglu_it_is_refused_in_one_line():

@@ -56,6 +56,13 @@ def refusal(argv, world: int) -> str:
     raise AssertionError(f"accepted: {argv}")
 
 
+def built_model(argv):
+    """The TransformerConfig `argv` builds (a section check's error as the UsageError the run would raise)."""
+    from megalite.config import model_config
+
+    return model_config(parse(argv))
+
+
 def gpt_run(argv):
     return pretrain(parse(argv), pretrain_gpt.task())
 

@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from megalite.errors import UsageError
+from megalite.models.layer_pattern import pattern_text
 
 # args fields megalite cannot honour: (field, the value megalite needs or a test, what it is)
 _UNSUPPORTED = (
@@ -106,15 +107,13 @@ def translate_args(args, where: str) -> Translation:
         if _arg(args, "rotary_seq_len_interpolation_factor"):
             flags += ["--rotary-seq-len-interpolation-factor", args.rotary_seq_len_interpolation_factor]
         if _arg(args, "no_rope_freq"):  # an int, or one 0/1 per layer
-            skip = args.no_rope_freq
-            flags += ["--no-rope-freq", str(skip) if isinstance(skip, int) else str(list(skip))]
+            flags += ["--no-rope-freq", pattern_text(args.no_rope_freq)]
     if _arg(args, "group_query_attention"):
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     if _arg(args, "window_size"):  # (left, right), and which layers keep it
         flags += ["--window-size", ",".join(map(str, args.window_size))]
         if _arg(args, "window_attn_skip_freq") is not None:
-            skip = args.window_attn_skip_freq
-            flags += ["--window-attn-skip-freq", str(skip) if isinstance(skip, int) else str(list(skip))]
+            flags += ["--window-attn-skip-freq", pattern_text(args.window_attn_skip_freq)]
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
                 "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu",
@@ -153,10 +152,7 @@ def _moe_flags(args) -> list:
     coeff = _arg(args, "moe_aux_loss_coeff")
     if coeff is not None:  # a list (one per balancing type) in newer Megatron-LM
         flags += ["--moe-aux-loss-coeff", coeff[0] if isinstance(coeff, (list, tuple)) else coeff]
-    freq = _arg(args, "moe_layer_freq", 1)
-    if isinstance(freq, (list, tuple)):
-        freq = "[" + ",".join(str(int(v)) for v in freq) + "]"
-    flags += ["--moe-layer-freq", freq]
+    flags += ["--moe-layer-freq", pattern_text(_arg(args, "moe_layer_freq", 1))]
     dispatcher = _arg(args, "moe_token_dispatcher_type")
     if dispatcher in ("alltoall", "allgather"):  # flex and others move tokens as alltoall does: the same numbers
         flags += ["--moe-token-dispatcher-type", dispatcher]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config.rules import _ROPE_FIELDS, MLA_SIZES, MOE_FIELDS, SAME_NAMED, YARN_FIELDS, model_config
-from megalite.models.window import layer_pattern_fields
 from megalite.config.run import RunConfig
+from megalite.models.layer_pattern import layer_pattern_fields, pattern_text
 
 # Switches: on in the section when the built model has them.
 _SWITCHES = {
@@ -52,7 +52,7 @@ def _moe_fields(built) -> dict:
     if not built.is_moe:
         return {}
     fields = {"num_experts": built.num_moe_experts, **{n: getattr(built, n) for n in MOE_FIELDS}}
-    fields["moe_layer_freq"] = "[" + ",".join(str(int(x)) for x in built.moe_layer_freq) + "]"
+    fields["moe_layer_freq"] = pattern_text(built.moe_layer_freq)
     return fields
 
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.models.layer_pattern import parse_layer_freq
+from megalite.models.layer_pattern import layer_pattern
+from megalite.models.qk_variants import normalized_qk_variants
+from megalite.models.window import layer_window, normalized_window
 
 
 TP_COMM_OVERLAP_NEEDS = ("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with "
@@ -196,13 +198,9 @@ class TransformerConfig:
         if self.num_moe_experts is not None:
             self._check_moe_fields()
         if self.window_size is not None or self.window_attn_skip_freq is not None:
-            from megalite.models.window import normalized
-
-            self.window_size, self.window_attn_skip_freq = normalized(self)
+            self.window_size, self.window_attn_skip_freq = normalized_window(self)
         if self.qk_l2_norm or self.no_rope_freq is not None:
-            from megalite.models.qk_variants import checked
-
-            self.qk_layernorm, self.no_rope_freq = checked(self)
+            self.qk_layernorm, self.no_rope_freq = normalized_qk_variants(self)
             self.qk_layernorm_full_width = self.qk_layernorm_full_width and self.qk_layernorm
 
     def _check_moe_fields(self) -> None:
@@ -269,8 +267,6 @@ class TransformerConfig:
 
     def window_of(self, layer_number: int):
         """Layer `layer_number`'s (0-based) sliding window (left, right), or None: it attends to all it may."""
-        from megalite.models.window import layer_window
-
         return layer_window(self, layer_number)
 
     def _check_llama_fields(self) -> None:
@@ -411,14 +407,8 @@ class TransformerConfig:
 def moe_layer_pattern(freq, num_layers: int) -> list[int]:
     """--moe-layer-freq as a 0/1 per layer: an int k (every k-th layer, the first included: 1 is all),
     a list, or Megatron-LM's Python spelling of one ("([0]*1+[1]*3)")."""
-    if isinstance(freq, str):
-        freq = parse_layer_freq(freq, "--moe-layer-freq")
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ValueError(f"--moe-layer-freq must be >= 1, got {freq}")
-        return [int(i % freq == 0) for i in range(num_layers)]
-    pattern = [int(v) for v in freq]
-    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ValueError(f"--moe-layer-freq lists {len(pattern)} entries ({pattern}) for {num_layers} layers: "
-                         f"give one 0 (dense) or 1 (MoE) per layer")
-    return pattern
+    def every(k: int, layers: int) -> list[int]:
+        if k < 1:
+            raise ValueError(f"--moe-layer-freq must be >= 1, got {k}")
+        return [int(i % k == 0) for i in range(layers)]
+    return layer_pattern(freq, num_layers, "--moe-layer-freq", every, "0 (dense) or 1 (MoE)")

@@ -58,12 +58,9 @@ class PackedDocuments:
             self._rotary[rotary._key] = rotary.cos_sin_at(self.position_ids)
         return self._rotary[rotary._key]
 
-    def bounds_on(self, device) -> torch.Tensor:
-        """The bounds as int32 on `device` (through pinned memory: no host sync on a GPU)."""
-        return _bounds_on(self.bounds, device)
-
 
 def _bounds_on(bounds: torch.Tensor, device) -> torch.Tensor:
+    """Document bounds as int32 on `device` (through pinned memory: no host sync on a GPU)."""
     bounds = bounds.to(torch.int32)
     if device.type == "cpu":
         return bounds

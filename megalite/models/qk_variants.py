@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.models.layer_pattern import parse_layer_freq
+from megalite.models.layer_pattern import layer_pattern
 
 
 def l2_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,23 +20,21 @@ def l2_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def no_rope_pattern(freq, num_layers: int) -> list[int]:
-    """One 1 (no rope) or 0 (rope) per layer, 0-based, from an int N, a list, or its Megatron-LM spelling."""
-    if isinstance(freq, str):
-        freq = parse_layer_freq(freq, "--no-rope-freq")
-    if isinstance(freq, int):
-        if freq < 1 or num_layers % freq:
-            raise ValueError(f"--no-rope-freq {freq} skips rope in every {freq}-th layer: it must be >= 1 and divide "
-                             f"the {num_layers} layers")
-        return ([0] * (freq - 1) + [1]) * (num_layers // freq)
-    pattern = [int(v) for v in freq]
-    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ValueError(f"--no-rope-freq lists {len(pattern)} entries ({pattern}) for {num_layers} layers: give "
-                         f"one 1 (no rope) or 0 (rope) per layer")
-    return pattern
+def no_rope_pattern(freq, num_layers: int) -> list[int] | None:
+    """One 1 (no rope) or 0 (rope) per layer, 0-based, from an int N, a list, or its Megatron-LM
+    spelling; None for None or 0 (off, as in Megatron-Core)."""
+    if freq in (None, 0, "0"):
+        return None
+
+    def every(n: int, layers: int) -> list[int]:
+        if n < 1 or layers % n:
+            raise ValueError(f"--no-rope-freq {n} skips rope in every {n}-th layer: it must be >= 1 and divide the "
+                             f"{layers} layers")
+        return ([0] * (n - 1) + [1]) * (layers // n)
+    return layer_pattern(freq, num_layers, "--no-rope-freq", every, "1 (no rope) or 0 (rope)")
 
 
-def checked(config) -> tuple[bool, list[int] | None]:
+def normalized_qk_variants(config) -> tuple[bool, list[int] | None]:
     """A TransformerConfig's (qk_layernorm, no_rope_freq) as it keeps them (one 0/1 per layer; None:
     rope everywhere), after refusing the settings these variants do not combine with. Beside
     --qk-layernorm the L2 norm is the queries' and keys' norm, as Megatron-Core chooses it (the
@@ -44,11 +42,11 @@ def checked(config) -> tuple[bool, list[int] | None]:
     if config.qk_l2_norm and config.multi_latent_attention:  # as Megatron-Core refuses it
         raise ValueError("--qk-l2-norm does not apply to --multi-latent-attention: drop it")
     qk_layernorm = config.qk_layernorm and not config.qk_l2_norm
-    if config.no_rope_freq is None or config.no_rope_freq in (0, "0"):
+    pattern = no_rope_pattern(config.no_rope_freq, config.num_layers)
+    if pattern is None:
         return qk_layernorm, None
     if config.position_embedding_type != "rope" or config.multi_latent_attention or config.mtp_num_layers:
         raise ValueError("--no-rope-freq skips rope in some layers of a rope model without MLA or multi-token "
                          "prediction (whose layers it does not number): add --position-embedding-type rope, or "
                          "drop it")
-    pattern = no_rope_pattern(config.no_rope_freq, config.num_layers)
     return qk_layernorm, pattern if any(pattern) else None

@@ -11,7 +11,7 @@ Which layers are windowed is Megatron-Core's `is_layer_window_attention`: every 
 frequency; with an int N, all but every N-th layer (1-based: layers N, 2N, ... attend to the whole
 context); with a list, one 1 (windowed) or 0 (full) per layer.
 
-Every attention path applies the same rule: the explicit and PyTorch-fused backends by a boolean band
+Every attention path applies the same rule: the explicit, fused-softmax and PyTorch-fused backends by a boolean band
 mask (`band_mask`, made once a process for every windowed layer of a shape), packed documents'
 per-document attention and flash's variable-length kernel by its `window_size`, ring context
 parallelism by each block's global positions (blocks wholly outside the window are skipped), the
@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from megalite.models.layer_pattern import parse_layer_freq
+from megalite.models.layer_pattern import layer_pattern
 
 Window = tuple[int, int]
 
@@ -55,20 +55,16 @@ def window_pattern(skip_freq, num_layers: int) -> list[int]:
     Megatron-LM spelling ("[1,1,1,0]*3", "([1]*3+[0]*1)")."""
     if skip_freq is None:
         return [1] * num_layers
-    if isinstance(skip_freq, str):
-        skip_freq = parse_layer_freq(skip_freq, "--window-attn-skip-freq")
-    if isinstance(skip_freq, int):
-        if skip_freq < 1:
-            raise ValueError(f"--window-attn-skip-freq must be >= 1, got {skip_freq}")
-        return [int((n + 1) % skip_freq != 0) for n in range(num_layers)]
-    pattern = [int(v) for v in skip_freq]
-    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ValueError(f"--window-attn-skip-freq lists {len(pattern)} entries ({pattern}) for {num_layers} "
-                         f"layers: give one 1 (sliding window) or 0 (full attention) per layer")
-    return pattern
+
+    def every(n: int, layers: int) -> list[int]:
+        if n < 1:
+            raise ValueError(f"--window-attn-skip-freq must be >= 1, got {n}")
+        return [int((i + 1) % n != 0) for i in range(layers)]
+    return layer_pattern(skip_freq, num_layers, "--window-attn-skip-freq", every,
+                         "1 (sliding window) or 0 (full attention)")
 
 
-def normalized(config) -> tuple[Window | None, list[int] | None]:
+def normalized_window(config) -> tuple[Window | None, list[int] | None]:
     """A TransformerConfig's (window_size, window_attn_skip_freq) as it keeps them: a (left, right)
     pair, and one 0/1 per layer (None where every layer is windowed); refused where they do not fit."""
     window = parse_window(config.window_size)
@@ -84,42 +80,16 @@ def normalized(config) -> tuple[Window | None, list[int] | None]:
     return window, pattern
 
 
-def window_fields(config) -> dict:
-    """The model section's window flags (their text) that give `config`'s windows; empty without one."""
-    if config.window_size is None:
-        return {}
-    out = {"window_size": ",".join(map(str, config.window_size))}
-    if config.window_attn_skip_freq is not None:
-        out["window_attn_skip_freq"] = "[" + ",".join(map(str, config.window_attn_skip_freq)) + "]"
-    return out
-
-
-def layer_pattern_fields(config) -> dict:
-    """The model section's per-layer flags (their text) that give `config`: its sliding windows and
-    the layers without rope."""
-    out = window_fields(config)
-    if getattr(config, "no_rope_freq", None) is not None:
-        out["no_rope_freq"] = "[" + ",".join(map(str, config.no_rope_freq)) + "]"
-    return out
-
-
 def layer_window(config, layer_number: int) -> Window | None:
     """The window layer `layer_number` (0-based; multi-token prediction's numbered on) applies, or None."""
     pattern = config.window_attn_skip_freq
     if config.window_size is None or (pattern is not None and not pattern[layer_number]):
         return None
-    return effective(config.window_size, config.causal)
-
-
-def effective(window: Window | None, causal: bool) -> Window | None:
-    """The window a layer applies: None where it bounds nothing (no window, or (-1, -1); (-1, r) for a
-    causal model), the right side 0 for a causal model."""
-    if window is None:
-        return None
-    left, right = window
-    if causal:
+    left, right = config.window_size
+    if config.causal:  # a causal model's right side is its mask's
         right = 0
-    return None if left == -1 and (causal or right == -1) else (left, right)
+    # None where it bounds nothing: (-1, -1), or (-1, r) for a causal model
+    return None if left == -1 and (config.causal or right == -1) else (left, right)
 
 
 def binding(window: Window | None, sq: int, sk: int, causal: bool) -> Window | None:

@@ -14,6 +14,7 @@ Every collective takes the CP group explicitly; `ranks` are its global ranks, CP
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -293,7 +294,8 @@ def live_blocks(bounds: torch.Tensor, ring_rank: int, ring_size: int, local: int
     return live
 
 
-def window_live_blocks(ring_rank: int, ring_size: int, local: int, left: int) -> list[bool]:
+@functools.lru_cache(maxsize=64)  # the same for every windowed layer of a shape: worked out once
+def window_live_blocks(ring_rank: int, ring_size: int, local: int, left: int) -> tuple[bool, ...]:
     """Per ring step, whether any query this rank holds has a key of the block it holds then within a
     sliding window of `left` earlier positions (causal). From the chunks' position ranges alone: a
     query range [q0, q1] and a key range [k0, k1] meet iff q1 - k0 >= 0 and q0 - k1 <= left."""
@@ -306,7 +308,7 @@ def window_live_blocks(ring_rank: int, ring_size: int, local: int, left: int) ->
         k_pos = context_parallel_positions(whole, owner, ring_size)[keys]  # one or two contiguous chunks
         live.append(any(int(q[-1]) >= int(k[0]) and int(q[0]) - int(k[-1]) <= left
                         for q in q_pos[rows].split(half) for k in k_pos.split(half)))
-    return live
+    return tuple(live)
 
 
 def _block_allowed(query_starts, window_left, ring: _Ring, step: int, rows: slice, keys: slice, local: int, device):

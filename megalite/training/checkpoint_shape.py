@@ -18,8 +18,9 @@ from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import ConfigError, flag_name
 from megalite.errors import UsageError
 from megalite.models.config import TransformerConfig
+from megalite.models.layer_pattern import layer_pattern_fields
 from megalite.models.qk_variants import no_rope_pattern
-from megalite.models.window import layer_pattern_fields, parse_window, window_pattern
+from megalite.models.window import parse_window, window_pattern
 from megalite.runtime import env_world, say
 from megalite.training import resume_policy as policy
 
@@ -140,6 +141,8 @@ def _adopt_model(cfg: RunConfig, reader, given: list[str], adoption) -> RunConfi
     saved = reader.metadata.get("run_config", {}).get("model", {})
     fields = shape_fields(reader.config)
     for name in given:
+        if name == "qk_layernorm" and fields.get("qk_l2_norm"):
+            continue  # the L2 norm replaced it in the checkpoint's model, as it does given beside it now
         if not _same_flag(name, getattr(cfg.model, name), fields.get(name, getattr(cfg.model, name)),
                           reader.config.num_layers):
             raise UsageError(f"{flag_name(name)} {getattr(cfg.model, name)}: the checkpoint {reader.path} holds "
@@ -163,7 +166,7 @@ def _same_flag(name: str, mine, theirs, num_layers: int) -> bool:
     """A shape flag as given against the checkpoint's value: windows and per-layer patterns by what they
     say (`--no-rope-freq 4` is the checkpoint's "[0,0,0,1]"), the rest as they are."""
     readers = {"window_size": parse_window, "window_attn_skip_freq": lambda v: window_pattern(v, num_layers),
-               "no_rope_freq": lambda v: no_rope_pattern(v, num_layers) if v not in (None, 0, "0") else None}
+               "no_rope_freq": lambda v: no_rope_pattern(v, num_layers)}
     if name not in readers or mine == theirs:
         return mine == theirs
     try:

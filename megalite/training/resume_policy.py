@@ -54,8 +54,8 @@ _TABLE = {
         moe_aux_loss_coeff moe_z_loss_coeff moe_router_bias_update_rate moe_token_dispatcher_type moe_expert_capacity_factor
         moe_token_drop_policy moe_pad_expert_input_to_capacity""",
     NOTED: """hidden_dropout attention_dropout rotary_base rotary_seq_len_interpolation_factor rope_scaling_factor
-        rope_low_freq_factor
-        rope_high_freq_factor rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type
+        rope_low_freq_factor rope_high_freq_factor rope_original_max_position_embeddings use_rope_scaling
+        rotary_scaling_factor rope_type
         yarn_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
         yarn_mscale_all_dim mtp_loss_scaling_factor norm_epsilon fp32_residual_connection
         data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
@@ -95,8 +95,9 @@ CLASSES = tuple(_TABLE)
 # resume.resume_local_sgd.
 NOTED_ELSEWHERE = frozenset(
     "rotary_base rotary_seq_len_interpolation_factor rope_scaling_factor rope_low_freq_factor rope_high_freq_factor "
-    "rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type yarn_factor yarn_original_max_position_embeddings "
-    "yarn_beta_fast yarn_beta_slow yarn_mscale yarn_mscale_all_dim norm_epsilon local_sgd_interval".split())
+    "rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type yarn_factor "
+    "yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale yarn_mscale_all_dim norm_epsilon "
+    "local_sgd_interval".split())
 
 # Fields that one setting spreads over: a group is the checkpoint's as a whole, or this run's.
 _GROUPS = (("lr_warmup_iters", "lr_warmup_fraction", "lr_warmup_samples"), ("lr_decay_iters", "lr_decay_samples"),

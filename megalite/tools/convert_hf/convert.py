@@ -92,7 +92,7 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     (padding is stripped); `kind` ("gpt" | "bert") defaults to model_kind(state_dict).
     `architecture`: the Hugging Face class to write; by default BertForPreTraining for BERT,
     GPT2LMHeadModel for a GPT with learned positions, NemotronForCausalLM for a rope GPT with
-    squared-ReLU MLPs, and for a RoPE / GQA / SwiGLU GPT
+    squared-ReLU MLPs, and for a RoPE / GQA / SwiGLU GPT MistralForCausalLM with a sliding window,
     Qwen3ForCausalLM with qk norms, Qwen2ForCausalLM with q/k/v biases alone, else
     LlamaForCausalLM; for a GPT with experts the first of MixtralForCausalLM, Qwen3MoeForCausalLM,
     OlmoeForCausalLM and Qwen2MoeForCausalLM that holds it; with multi-head latent attention

@@ -384,7 +384,8 @@ def hf_config_kwargs(c, cls) -> dict:
         kwargs["rope_scaling"] = rope if rope["rope_type"] != "default" else None
     window = hf_window(c)
     pattern = None if window is None else window[1] or [1] * c.num_layers
-    # layer_types says which layers; max_window_layers (the first windowed one) says the same to older readers
+    # layer_types says which layers; max_window_layers (the first windowed one) says the same to readers that
+    # window the layers from it on, exactly where the windowed layers are the last ones
     windows = {"sliding_window": None, "use_sliding_window": False} if window is None else {
         "sliding_window": window[0], "use_sliding_window": True, "max_window_layers": pattern.index(1),
         "layer_types": ["sliding_attention" if on else "full_attention" for on in pattern]}

@@ -69,8 +69,8 @@ MOE_FLAGS = {
 
 
 def _layer_freq(pattern: list[int]) -> str:
-    """--moe-layer-freq's spelling of a 0/1 pattern: the list, or Megatron-LM's runs
-    "([0]*3+[1]*58)" where those are shorter."""
+    """A per-layer 0/1 pattern as its flag's text (--moe-layer-freq, --window-attn-skip-freq,
+    --no-rope-freq): the list, or Megatron-LM's runs "([0]*3+[1]*58)" where those are shorter."""
     listed = "[" + ",".join(map(str, pattern)) + "]"
     runs: list[list[int]] = []
     for v in pattern:
