@@ -108,12 +108,18 @@ def test_cached_decode_equals_recomputing_the_whole_prefix(name):
     the cache) equal the logits of the whole sequence so far run without a cache, within 1e-5. The
     DeepSeek model's rope is YaRN's and it carries a multi-token prediction module, unused."""
     model = _model("deepseek", mtp_num_layers=1, **YARN) if name == "deepseek-yarn-mtp" else _model(name)
-    out = generate([model], PROMPTS, max_new_tokens=NEW, eos_id=None, return_logits=True)
-    assert len(out.logits) == NEW
+    assert_cached_decode_is_the_whole_prefixs(model)
+
+
+def assert_cached_decode_is_the_whole_prefixs(model, new: int = NEW) -> None:
+    """`new` greedy steps of PROMPTS against the cache: each step's logits within 1e-5 of the whole
+    sequence so far run without a cache, and its token their argmax."""
+    out = generate([model], PROMPTS, max_new_tokens=new, eos_id=None, return_logits=True)
+    assert len(out.logits) == new
     with torch.no_grad():
         for row, prompt in enumerate(PROMPTS):
             full = model(torch.tensor([prompt + out.tokens[row]]))[0, :, :VOCAB]
-            for step in range(NEW):
+            for step in range(new):
                 expected = full[len(prompt) - 1 + step]
                 assert (out.logits[step][row] - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
                 assert out.tokens[row][step] == expected.argmax().item()

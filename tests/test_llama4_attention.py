@@ -69,18 +69,9 @@ def test_which_layers_skip_rope_is_megatron_cores_rule_and_skipping_all_is_no_po
 
 def test_the_generation_cache_gives_the_whole_prefixs_logits():
     pytest.importorskip("transformers")
-    from test_generate import PROMPTS, VOCAB, _model as generation_model
+    from test_generate import _model as generation_model, assert_cached_decode_is_the_whole_prefixs
 
-    from megalite.generation import generate
-
-    model = generation_model("llama", qk_l2_norm=True, no_rope_freq=[0, 1])
-    out = generate([model], PROMPTS, max_new_tokens=5, eos_id=None, return_logits=True)
-    with torch.no_grad():
-        for row, prompt in enumerate(PROMPTS):
-            full = model(torch.tensor([prompt + out.tokens[row]]))[0, :, :VOCAB]
-            for step in range(5):
-                expected = full[len(prompt) - 1 + step]
-                assert (out.logits[step][row] - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert_cached_decode_is_the_whole_prefixs(generation_model("llama", qk_l2_norm=True, no_rope_freq=[0, 1]), 5)
 
 
 RUN = ["--model", "llama-tiny", "--num-layers", "4", "--seq-length", "16", "--global-batch-size", "4",

@@ -246,19 +246,10 @@ def test_ring_blocks_wholly_outside_the_window_are_skipped():
 
 def test_the_generation_cache_attends_within_the_window():
     pytest.importorskip("transformers")
-    from test_generate import PROMPTS, VOCAB, _model as generation_model
-
-    from megalite.generation import generate
+    from test_generate import _model as generation_model, assert_cached_decode_is_the_whole_prefixs
 
     for family in ("llama", "deepseek"):
-        model = generation_model(family, window_size=(3, 0))
-        out = generate([model], PROMPTS, max_new_tokens=6, eos_id=None, return_logits=True)
-        with torch.no_grad():
-            for row, prompt in enumerate(PROMPTS):
-                full = model(torch.tensor([prompt + out.tokens[row]]))[0, :, :VOCAB]
-                for step in range(6):
-                    expected = full[len(prompt) - 1 + step]
-                    assert (out.logits[step][row] - expected).abs().max() <= 1e-5 * expected.abs().max(), family
+        assert_cached_decode_is_the_whole_prefixs(generation_model(family, window_size=(3, 0)), 6)
 
 
 def _hf(tf, arch, **extra):
