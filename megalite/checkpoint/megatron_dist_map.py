@@ -119,6 +119,8 @@ def translate_args(args, where: str) -> Translation:
                 "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu",
                 "qk_l2_norm": "--qk-l2-norm"}
     flags += [flag for name, flag in switches.items() if _arg(args, name)]
+    if _arg(args, "softmax_type", "vanilla") != "vanilla":  # attention sinks
+        flags += ["--softmax-type", args.softmax_type]
     if not linear_bias:
         flags.append("--disable-bias-linear")
     if tanh_gelu:
@@ -174,6 +176,7 @@ LAYER_KEYS = {
     "attention.kv.bias": ("self_attention.linear_qkv.bias",),
     "attention.q_norm.weight": ("self_attention.q_layernorm.weight",),
     "attention.k_norm.weight": ("self_attention.k_layernorm.weight",),
+    "attention.softmax_offset": ("self_attention.core_attention.softmax_offset",),
     "attention.proj.weight": ("self_attention.linear_proj.weight",),
     "attention.proj.bias": ("self_attention.linear_proj.bias",),
     "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
@@ -249,6 +252,8 @@ def expected_names(c) -> list[str]:
         layer += [f"attention.{part}.{p}" for part in parts for p in qkv]
         if c.qk_layernorm:
             layer += ["attention.q_norm.weight", "attention.k_norm.weight"]
+        if c.softmax_type == "learnable":
+            layer.append("attention.softmax_offset")
         layer += [f"attention.proj.{p}" for p in linear] + [f"post_attention_layernorm.{p}" for p in norm]
         if c.is_moe_layer(i):
             layer.append("mlp.router.weight")

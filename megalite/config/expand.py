@@ -45,6 +45,7 @@ def _model_fields(built) -> dict:
     if built.mtp_num_layers:
         fields.update(mtp_num_layers=built.mtp_num_layers, mtp_loss_scaling_factor=built.mtp_loss_scaling_factor)
     fields.update(layer_pattern_fields(built))
+    fields["softmax_type"] = built.softmax_type
     return fields
 
 

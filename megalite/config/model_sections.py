@@ -126,6 +126,9 @@ class ModelConfig:
                            shape=True)
     no_rope_freq: str | None = opt(None, "layers without rope: every N-th (an int dividing the layers), or one 1 "
                                          "(no rope) / 0 per layer: [0,0,0,1] (Llama 4's)", shape=True)
+    softmax_type: str | None = opt(None, "attention sinks: vanilla (none), off-by-one (a zero logit in every "
+                                         "softmax), learnable (one logit a head, gpt-oss's)",
+                                   choices=("vanilla", "off-by-one", "learnable"), shape=True)
     qk_layernorm_full_width: bool = opt(False, "with --qk-layernorm: one RMSNorm over all query heads and one over "
                                                "all key heads (OLMoE), not one per head", shape=True)
     untie_embeddings_and_output_weights: bool = opt(False, "an output layer of its own instead of the word "

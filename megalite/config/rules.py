@@ -212,7 +212,7 @@ SAME_NAMED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 def _model_overrides(m) -> dict:
     """TransformerConfig fields the model section sets; fields left unset set nothing."""
     same = (*SAME_NAMED, "num_query_groups", "mtp_num_layers", "mtp_loss_scaling_factor", "embedding_init_method_std",
-            *_ROPE_FIELDS, "window_size", "window_attn_skip_freq", "no_rope_freq")
+            *_ROPE_FIELDS, "window_size", "window_attn_skip_freq", "no_rope_freq", "softmax_type")
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon

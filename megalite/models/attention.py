@@ -11,6 +11,7 @@ attended one by one and/or with positions restarting at each.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -24,6 +25,7 @@ from megalite.models.norms import NORMS
 from megalite.models.qk_variants import l2_normalized
 from megalite.models.rng import checkpoint_with_tp_rng
 from megalite.models.rope import rotary_embedding
+from megalite.models.softmax_sink import attach_offset, heads_of_rank, sdpa_with_sink, sink_softmax
 from megalite.models.window import band_mask, binding, windowed_mask
 from megalite.parallel import state, weight_grad
 from megalite.parallel.context_parallel import ring_attention
@@ -33,36 +35,45 @@ from megalite.parallel.mappings import (copy_to_tensor_model_parallel_region, ga
                                         sum_over_tensor_model_parallel_region)
 from megalite.parallel.random import get_rng_tracker
 
-# Every core backend: (q, k, v [b, heads, s, d], allowed mask or None, dropout_p, causal) -> [b, heads, s, d].
+# Every core backend: (q, k, v [b, heads, s, d], allowed mask or None, dropout_p, causal, sink=None)
+# -> [b, heads, s, d]; `sink` [heads]: attention sinks' logits (megalite.models.softmax_sink).
 
 
-def _sdpa_attention(q, k, v, allowed, dropout_p, causal):
+def _sdpa_attention(q, k, v, allowed, dropout_p, causal, sink=None):
     """PyTorch's fused attention (flash where available): no score matrix is stored. k and v may
-    hold fewer heads than q (grouped-query attention: query heads in a group adjacent)."""
+    hold fewer heads than q (grouped-query attention: query heads in a group adjacent). `sink`
+    [heads]: attention sinks (megalite.models.softmax_sink), one more key per head."""
+    if sink is not None:
+        return sdpa_with_sink(q, *_expand_groups(k, v, q.shape[1]), allowed, dropout_p, causal, sink)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if allowed is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, **gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, **gqa)
 
 
-def _explicit_attention(q, k, v, allowed, dropout_p, causal):
+def _explicit_attention(q, k, v, allowed, dropout_p, causal, sink=None):
     """Attention with the score and probability matrices materialized (the layout the activation
-    formula and selective recomputation are about); `allowed` True = attend, None = causal or all."""
+    formula and selective recomputation are about); `allowed` True = attend, None = causal or all;
+    `sink` [heads]: attention sinks, a column of the softmax (Megatron-Core's unfused form)."""
     s = q.shape[-2]
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if allowed is None and causal:
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # kept in the activation dtype, as the formula assumes
+    # kept in the activation dtype, as the formula assumes
+    probs = torch.softmax(scores, dim=-1) if sink is None else sink_softmax(scores, sink)
     if dropout_p:
         probs = F.dropout(probs, dropout_p, True)
     return torch.matmul(probs, v)
 
 
-def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal):
+def _fused_softmax_attention(q, k, v, allowed, dropout_p, causal, sink=None):
     """The explicit layout with the scale, mask and softmax in one fused kernel (megalite.ops);
-    `allowed` True = attend, None = causal or all."""
+    `allowed` True = attend, None = causal or all. The kernel has no sink column: with `sink` the
+    softmax is the explicit one, as Megatron-Core's fused softmax falls back to PyTorch's."""
+    if sink is not None:
+        return _explicit_attention(q, k, v, allowed, dropout_p, causal, sink)
     scores = torch.matmul(q, k.transpose(-1, -2))
     scale = 1.0 / math.sqrt(q.shape[-1])
     if allowed is None:
@@ -79,10 +90,11 @@ _SDPA_TAKES_GROUPS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 
 ATTENTION_BACKENDS = {"sdpa": _sdpa_attention, "fused": _fused_softmax_attention, "torch": _explicit_attention}
 
 
-def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, window=None):
+def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, window=None, sink=None):
     """Attention over the sequence split across the context-parallel group: keys and values
     around a ring (p2p) or heads exchanged for the sequence (a2a). Causal, no dropout, no mask but
-    packed documents' (`PackedDocuments`) and the layer's sliding `window` (left, 0)."""
+    packed documents' (`PackedDocuments`) and the layer's sliding `window` (left, 0); `sink` [heads]:
+    attention sinks (the all-to-all's rank attends with its block of them)."""
     documents = attention_mask if isinstance(attention_mask, PackedDocuments) else None
     if (attention_mask is not None and documents is None) or not config.causal:
         raise ValueError("context parallelism attends causally without masks: drop the attention mask or --cp")
@@ -90,35 +102,44 @@ def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, w
     whole_length = q.shape[2] * len(ranks)
     window = window if documents is not None else binding(window, whole_length, whole_length, True)
     if config.cp_comm_type == "a2a":
+        attend = _sdpa_attention
+        if sink is not None:
+            attend = functools.partial(_sdpa_attention, sink=heads_of_rank(sink, state.get_context_parallel_rank(),
+                                                                          len(ranks)))
         if documents is not None:
             def whole(q, k, v):
-                return varlen_attention(q, k, v, documents, _sdpa_attention, 0.0, window=window)
-        elif window is not None:
+                return varlen_attention(q, k, v, documents, attend, 0.0, flash=sink is None, window=window)
+        elif window is not None or sink is not None:
             def whole(q, k, v):
-                return _sdpa_attention(q, k, v, band_mask(q.shape[2], k.shape[2], window, True, q.device), 0.0, True)
+                mask = None if window is None else band_mask(q.shape[2], k.shape[2], window, True, q.device)
+                return attend(q, k, v, mask, 0.0, True)
         else:
             whole = None
         return a2a_attention(q, k, v, group, ranks, causal=True, attend=whole)
     return ring_attention(q, k, v, group, ranks, causal=True,
                           query_starts=None if documents is None else documents.starts,
                           document_bounds=None if documents is None else documents.bounds,
-                          window_left=None if window is None else window[0])
+                          window_left=None if window is None else window[0], sink=sink)
 
 
-def local_core(q, k, v, attention_mask, config: TransformerConfig, dropout_p: float, window=None):
+def local_core(q, k, v, attention_mask, config: TransformerConfig, dropout_p: float, window=None, sink=None):
     """Attention over the whole sequence this rank holds (no context parallelism) by the configured
     backend: packed documents one by one, else the mask (None: causal or all), within the layer's
     sliding `window` where it has one; PyTorch's fused backend on a GPU in fp16/bf16 without dropout
-    runs a window as flash's variable-length kernel, one sequence per row, with no mask made."""
+    runs a window as flash's variable-length kernel, one sequence per row, with no mask made (the
+    kernel has no sinks: with `sink` [heads], the backend's own sink form)."""
     backend = config.attention_backend
     attend = ATTENTION_BACKENDS[backend]
+    flash = backend == "sdpa" and sink is None
+    if sink is not None:
+        attend = functools.partial(attend, sink=sink)
     if isinstance(attention_mask, PackedDocuments):
-        return varlen_attention(q, k, v, attention_mask, attend, dropout_p, backend == "sdpa", window)
+        return varlen_attention(q, k, v, attention_mask, attend, dropout_p, flash, window)
     window = binding(window, q.shape[2], k.shape[2], config.causal)
     if window is None:
         return attend(q, k, v, attention_mask, dropout_p, config.causal)
     b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
-    if (backend == "sdpa" and attention_mask is None and sq == sk and config.causal
+    if (flash and attention_mask is None and sq == sk and config.causal
             and flash_varlen_applies(q, v, dropout_p)):
         return flash_varlen(q, k, v, torch.arange(0, (b + 1) * sq, sq), window)
     return attend(q, k, v, windowed_mask(attention_mask, sq, sk, window, config.causal, q.device), dropout_p,
@@ -170,7 +191,7 @@ class ParallelAttention(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None,
-                 rope: bool = True):
+                 rope: bool = True, generator: torch.Generator | None = None):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
@@ -197,6 +218,8 @@ class ParallelAttention(nn.Module):
             config.num_attention_heads * d, h, init_method=output_init_method, bias=config.add_bias_linear,
             sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
         )
+        # attention sinks (--softmax-type), drawn after every weight: those stay a vanilla model's
+        attach_offset(self, config, self.heads_per_rank, generator, device)
 
     def _qk_norm(self, size: int, device) -> nn.Module:
         """A norm over `size` (head_dim, or all heads' width), whole on every rank; each rank sees its
@@ -228,14 +251,15 @@ class ParallelAttention(nn.Module):
         """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities; q [b, heads, s, d],
         k and v [b, heads or groups, s, d]. With context parallelism s is this rank's share of the
         sequence and the attention spans the whole of it (megalite.parallel.context_parallel)."""
+        sink = self.softmax_offset
         if state.get_context_parallel_world_size() > 1:
-            return _context_parallel_core(q, k, v, attention_mask, self.config, self.window)
+            return _context_parallel_core(q, k, v, attention_mask, self.config, self.window, sink)
         p = self.config.attention_dropout if self.training else 0.0
         if self.config.attention_backend != "sdpa" or not _SDPA_TAKES_GROUPS:
             k, v = _expand_groups(k, v, q.shape[1])
         # Heads differ per TP rank, so must their dropout; without dropout no RNG is drawn.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            return local_core(q, k, v, attention_mask, self.config, p, self.window)
+            return local_core(q, k, v, attention_mask, self.config, p, self.window, sink)
 
     def _project(self, x: torch.Tensor):
         """q [s, b, heads_per_rank, d], k and v [s, b, heads or groups on this rank, d]."""

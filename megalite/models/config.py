@@ -9,6 +9,7 @@ import torch
 
 from megalite.models.layer_pattern import layer_pattern
 from megalite.models.qk_variants import normalized_qk_variants
+from megalite.models.softmax_sink import SOFTMAX_TYPES
 from megalite.models.window import layer_window, normalized_window
 
 
@@ -72,6 +73,8 @@ class TransformerConfig:
     # Llama 4's (megalite.models.qk_variants): queries and keys at unit RMS per head; layers without rope (0/1 each)
     qk_l2_norm: bool = False
     no_rope_freq: int | list | None = None
+    # Attention sinks (megalite.models.softmax_sink): vanilla | off-by-one (a zero logit) | learnable (one a head)
+    softmax_type: str = "vanilla"
     # BERT: the pooler and sentence-order head, and two token types (Megatron-LM's --bert-no-binary-head
     # turns all three off: one segment a sample, masked-LM loss alone).
     add_binary_head: bool = True
@@ -199,6 +202,11 @@ class TransformerConfig:
             self._check_moe_fields()
         if self.window_size is not None or self.window_attn_skip_freq is not None:
             self.window_size, self.window_attn_skip_freq = normalized_window(self)
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got {self.softmax_type!r}")
+        if self.softmax_type == "learnable" and self.init_method_xavier_uniform:  # Megatron-Core's init fails too
+            raise ValueError("--softmax-type learnable draws its sinks from N(0, init_method_std), which "
+                             "--init-method-xavier-uniform has no form for (a 1-D tensor): drop one")
         if self.qk_l2_norm or self.no_rope_freq is not None:
             self.qk_layernorm, self.no_rope_freq = normalized_qk_variants(self)
             self.qk_layernorm_full_width = self.qk_layernorm_full_width and self.qk_layernorm

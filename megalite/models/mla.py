@@ -29,6 +29,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng, weight_init
 from megalite.models.rope import rotary_embedding, yarn_softmax_scale
+from megalite.models.softmax_sink import attach_offset
 from megalite.parallel import state
 from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_linear
 from megalite.parallel.grad_accumulation import linear
@@ -63,7 +64,8 @@ class ReplicatedLinear(nn.Module):
 class MultiLatentAttention(nn.Module):
     """Self-attention with low-rank (latent) queries, keys and values; see the module docstring."""
 
-    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None):
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None, window=None,
+                 generator: torch.Generator | None = None):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         config.check_tensor_parallel(tp)
@@ -88,6 +90,7 @@ class MultiLatentAttention(nn.Module):
                                       bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                                       params_dtype=config.params_dtype, device=device,
                                       **config.tp_comm_options())
+        attach_offset(self, config, self.heads_per_rank, generator, device)  # attention sinks (--softmax-type)
 
     def _latent_norm(self, size: int, device) -> nn.Module:
         c = self.config
@@ -137,11 +140,12 @@ class MultiLatentAttention(nn.Module):
             if pad < 0:
                 raise ValueError(f"context parallelism with MLA needs --v-head-dim ({v.shape[-1]}) at most "
                                  f"--qk-head-dim + --qk-pos-emb-head-dim ({q.shape[-1]})")
-            out = _context_parallel_core(q, k, F.pad(v, (0, pad)), attention_mask, self.config, self.window)
+            out = _context_parallel_core(q, k, F.pad(v, (0, pad)), attention_mask, self.config, self.window,
+                                         self.softmax_offset)
             return out[..., :v.shape[-1]]
         p = self.config.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            return local_core(q, k, v, attention_mask, self.config, p, self.window)
+            return local_core(q, k, v, attention_mask, self.config, p, self.window, self.softmax_offset)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 inference_context=None) -> torch.Tensor:

@@ -38,9 +38,10 @@ class TransformerLayer(nn.Module):
         window = config.window_of(layer_number)
         if config.multi_latent_attention:
             from megalite.models.mla import MultiLatentAttention
-            self.attention = MultiLatentAttention(config, init, out_init, device, window)
+            self.attention = MultiLatentAttention(config, init, out_init, device, window, gen)
         else:
-            self.attention = ParallelAttention(config, init, out_init, device, window, config.uses_rope(layer_number))
+            self.attention = ParallelAttention(config, init, out_init, device, window, config.uses_rope(layer_number),
+                                               gen)
         self.post_attention_layernorm = norm_layer(config, device)
         if config.is_moe_layer(layer_number):
             from megalite.models.moe import MoELayer

@@ -124,6 +124,19 @@ def _merge(out, lse, block_out, block_lse):
     return merged, new_lse
 
 
+def _with_sink(out, lse, sink):
+    """(output, log-sum-exp) once an attention sink joins the finished online softmax: sink logits
+    [1, g, r, 1] as one more key of value zero. out * exp(lse - lse') = out * sigmoid(lse - s)."""
+    total = torch.logaddexp(lse, sink.float())
+    return out * torch.exp(lse - total).unsqueeze(-1), total
+
+
+def _sink_grad(lse, delta, sink):
+    """d s [g, r] from the sink-inclusive lse and delta = rowsum(dO * O) [b, g, r, sq]: the sink's
+    probability times (its value's gradient, 0, minus delta), summed over batch and queries."""
+    return -(torch.exp(sink.float() - lse) * delta).sum(dim=(0, 3))
+
+
 def _block_plan(my_rank: int, owner: int, local_len: int, causal: bool):
     """(query rows, key rows, causal diagonal?) this rank attends to in the key/value block of CP rank
     `owner`. Under the causal mask with load-balanced chunks: the own block is the diagonal; an earlier
@@ -174,6 +187,11 @@ class _Ring:
         return (self.rank - step) % self.size
 
 
+def _grouped_sink(sink: torch.Tensor, groups: int) -> torch.Tensor:
+    """Per-head sinks [heads] as [1, groups, heads / groups, 1], against the grouped lse [b, g, r, s]."""
+    return sink.view(1, groups, -1, 1)
+
+
 def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     """q [b, heads, s, d] -> [b, groups, heads / groups, s, d] (query heads of a group are adjacent)."""
     b, heads, s, d = q.shape
@@ -183,7 +201,7 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, scale, query_starts, live, window_left):
+    def forward(ctx, q, k, v, ring, causal, scale, query_starts, live, window_left, sink):
         kv = torch.stack([k, v]).contiguous()  # one message per step; the KV groups only
         qg = _grouped(q, k.shape[1]).float()
         local = q.shape[2]
@@ -203,8 +221,10 @@ class _RingAttention(torch.autograd.Function):
                                                                 block_lse)
             _wait(requests)
             kv = incoming
+        if sink is not None:  # the sink joins once every block has: the backward reads the final lse
+            out, lse = _with_sink(out, lse, _grouped_sink(sink, k.shape[1]))
         result = out.reshape(q.shape).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sink)
         ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live = ring, causal, scale, query_starts, live
         ctx.window_left = window_left
         return result
@@ -214,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
         """The ring again, with both transfers behind compute: the own (diagonal) block's backward is
         cut in two halves of its query rows. The first runs while the first K/V block arrives, the
         second while the last dK/dV block travels home, which otherwise had nothing to hide behind."""
-        q, k, v, result, lse = ctx.saved_tensors
+        q, k, v, result, lse, sink = ctx.saved_tensors
         ring, causal, scale, query_starts, live = ctx.ring, ctx.causal, ctx.scale, ctx.query_starts, ctx.live
         window_left = ctx.window_left
         groups, local = k.shape[1], q.shape[2]
@@ -268,7 +288,10 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_requests)
             own_dkv += travelling  # every other rank's part of this rank's dK/dV
         dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None, None
+        d_sink = None  # this rank's queries' share: summed over CP with the other weights' gradients
+        if sink is not None:
+            d_sink = _sink_grad(lse, delta, _grouped_sink(sink, groups)).reshape(sink.shape).to(sink.dtype)
+        return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None, None, d_sink
 
 
 def live_blocks(bounds: torch.Tensor, ring_rank: int, ring_size: int, local: int) -> list[bool]:
@@ -339,7 +362,8 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ranks, causal: bool = True,
                    softmax_scale: float | None = None, query_starts: torch.Tensor | None = None,
-                   document_bounds: torch.Tensor | None = None, window_left: int | None = None) -> torch.Tensor:
+                   document_bounds: torch.Tensor | None = None, window_left: int | None = None,
+                   sink: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's tokens against the whole sequence, keys and values passed around the
     ring of `ranks` (global ranks of `group`, CP rank 0 first). q [b, heads, s_local, d], k and v
     [b, groups, s_local, d] hold this rank's load-balanced share (`split_for_context_parallel`);
@@ -349,7 +373,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
     `document_bounds` (host, with query_starts): their boundaries, from which blocks that no query
     may attend are found and skipped (`live_blocks`); without them every block is computed.
     `window_left` (causal only): a sliding window, each query attending to itself and that many keys
-    before it; blocks wholly outside it are skipped (`window_live_blocks`)."""
+    before it; blocks wholly outside it are skipped (`window_live_blocks`). `sink` [heads]: attention
+    sinks' logits (megalite.models.softmax_sink), added to the merged log-sum-exp."""
     _check_shapes(q, k, v)
     ring = _Ring(group, ranks)
     if causal and q.shape[2] % 2:
@@ -370,7 +395,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ran
     if window_left is not None and ring.size > 1:  # a block some query sees on both counts may be live
         in_window = window_live_blocks(ring.rank, ring.size, q.shape[2], window_left)
         live = in_window if live is None else [a and b for a, b in zip(live, in_window)]
-    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts, live, window_left)
+    return _RingAttention.apply(q, k, v, ring, causal, scale, query_starts, live, window_left, sink)
 
 
 # ---------------------------------------------------------------------------------------------

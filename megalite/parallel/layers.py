@@ -113,7 +113,7 @@ def partition_blocks(p: torch.Tensor) -> int:
     return getattr(p, "partition_blocks", 1)
 
 
-def _sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None,
+def sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None,
                        blocks: int = 1) -> nn.Parameter:
     """Initialize the full matrix in fp32 (on `init_device`), keep this TP rank's shard (its
     contiguous block, or its part of each of `blocks` blocks). The init method's generator must
@@ -163,7 +163,7 @@ class _ParallelLinear(nn.Module):
         self.partition_dim = partition_dim
         self.fp8: FP8Linear | None = None  # `use_fp8`: the GEMMs in FP8
         device = default_device(device)
-        self.weight = _sharded_parameter(
+        self.weight = sharded_parameter(
             (output_size, input_size), partition_dim, init_method or normal_init(), params_dtype, device,
             blocks=blocks,
         )
@@ -328,7 +328,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.sequence_parallel = sequence_parallel
-        self.weight = _sharded_parameter(
+        self.weight = sharded_parameter(
             (num_embeddings, embedding_dim),
             0,
             init_method or normal_init(),

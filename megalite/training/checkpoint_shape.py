@@ -43,7 +43,7 @@ def shape_fields(model: TransformerConfig) -> dict:
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma, bert_no_binary_head=not model.add_binary_head,
                squared_relu=model.activation == "squared_relu", rotary_interleaved=model.rotary_interleaved,
-               qk_l2_norm=model.qk_l2_norm)
+               qk_l2_norm=model.qk_l2_norm, softmax_type=model.softmax_type)
     if model.kv_channels is not None and not model.multi_latent_attention:  # heads of their own width (Qwen3's)
         out["kv_channels"] = model.kv_channels
     if not model.gated_linear_unit and model.activation in ("gelu", "gelu_tanh"):  # a gated MLP's silu is swiglu's

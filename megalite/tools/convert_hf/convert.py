@@ -137,6 +137,9 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
         raise ConversionError("the model has Llama 4's query/key L2 norm, layers without rope or expert inputs scaled "
                               "by their weight (--qk-l2-norm, --no-rope-freq, --moe-apply-probs-on-input), which no "
                               "Hugging Face class megalite exports holds")
+    if config.softmax_type != "vanilla":
+        raise ConversionError(f"the model's attention has sinks (--softmax-type {config.softmax_type}), which no "
+                              f"Hugging Face class megalite exports holds")
     if family in (llama, moe, deepseek, nemotron):
         return family.to_hf(config, state_dict, architecture)
     return family.to_hf(config, state_dict)

@@ -43,6 +43,7 @@ ARCH_FLAGS = {
     "window_attn_skip_freq": lambda v: ["--window-attn-skip-freq", _layer_freq(v)] if v is not None else [],
     "qk_l2_norm": lambda v: ["--qk-l2-norm"] if v else [],
     "no_rope_freq": lambda v: ["--no-rope-freq", _layer_freq(v)] if v is not None else [],
+    "softmax_type": lambda v: ["--softmax-type", v] if v != "vanilla" else [],
 }
 
 

@@ -1,0 +1,100 @@
+"""Attention sinks: Megatron-LM's --softmax-type (gpt-oss's learned sinks, Evan Miller's "off by one").
+
+Each head h has a sink logit s_h that joins every query's softmax as one more score with a value of
+zero: p_j = exp(x_j) / (exp(s_h) + sum_k exp(x_k)) over the (scaled, masked) scores x. `off-by-one`
+fixes s_h = 0; `learnable` makes it a parameter per head (split over TP with the heads, N(0,
+init_method_std) at init, no weight decay as a 1-D tensor); `vanilla` is the plain softmax.
+
+Every path computes the same function:
+- the explicit and fused-softmax backends append the sink column to the scores, as Megatron-Core's
+  unfused softmax does (`sink_softmax`);
+- PyTorch's fused attention gets one more key whose score is s_h: queries gain a unit dimension,
+  the real keys a zero there and the sink key s_h / scale, its value zero (`sdpa_with_sink`), so
+  the fused kernels keep running and autograd carries the gradient into s_h;
+- ring context parallelism merges its blocks as before and adds the sink to the final log-sum-exp,
+  out * sigmoid(lse - s_h), whose backward is the plain one with that log-sum-exp plus
+  d s_h = -sum(P_sink * rowsum(dO * O)) (megalite.parallel.context_parallel);
+- the all-to-all attends the whole sequence with its rank's block of the heads' sinks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megalite.parallel.layers import normal_init, sharded_parameter
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+# Zero dims after the queries' unit one: head widths stay multiples of 8, as the fused kernels want.
+_EXTRA_DIMS = 8
+
+
+def sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, s_h] without its last column: scores [b, heads, sq, sk] scaled and masked
+    (-inf hidden), `sink` [heads]."""
+    column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+_NO_MASK: dict = {}  # (sq, sk, causal, device) -> the mask of attention without one
+
+
+def _allowed_with_sink(allowed, sq: int, sk: int, causal: bool, device) -> torch.Tensor:
+    """Bool [..., sq, sk + 1]: `allowed` (None: causal, the last sq of sk positions, or all), and the
+    sink key, which every query sees. Made once for every layer that reads the same mask (kept with
+    it, or by shape), as attention keeps it for its backward."""
+    def make(allowed):
+        if allowed is None:
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+            allowed = allowed.tril(sk - sq) if causal else allowed
+        allowed = allowed.expand(*allowed.shape[:-2], sq, sk)
+        return torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)
+    if torch.compiler.is_compiling():  # made in the graph: a cache would be a guarded side effect
+        return make(allowed)
+    memo = _NO_MASK if allowed is None else allowed.__dict__.setdefault("_megalite_with_sink", {})
+    key = (sq, sk, causal, str(device))
+    if key not in memo:
+        if allowed is None and len(memo) >= 8:
+            memo.clear()
+        memo[key] = make(allowed)
+    return memo[key]
+
+
+def sdpa_with_sink(q, k, v, allowed, dropout_p: float, causal: bool, sink: torch.Tensor) -> torch.Tensor:
+    """PyTorch's fused attention with a sink: q [b, heads, sq, d], k and v [b, heads, sk, d] (groups
+    expanded: the sink is per query head), `sink` [heads]. The sink key's score is
+    (1 * s_h / scale) * scale, s_h up to a rounding of s_h / scale in q's dtype."""
+    b, heads, sq, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    unit = q.new_zeros(b, heads, sq, _EXTRA_DIMS)
+    unit[..., 0] = 1
+    q = torch.cat([q, unit], dim=-1)
+    sink_key = torch.cat([(sink.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1),
+                          q.new_zeros(b, heads, 1, _EXTRA_DIMS - 1)], dim=-1)
+    k = torch.cat([F.pad(k, (0, _EXTRA_DIMS)), F.pad(sink_key, (d, 0))], dim=2)
+    v = torch.cat([v, v.new_zeros(b, heads, 1, v.shape[-1])], dim=2)
+    mask = _allowed_with_sink(allowed, sq, k.shape[2] - 1, causal, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def attach_offset(module: torch.nn.Module, config, heads_here: int, generator: torch.Generator | None,
+                  device) -> None:
+    """`module.softmax_offset`: None (vanilla), a zero buffer (off-by-one: not in the state dict, as in
+    Megatron-Core's), or a parameter of this TP rank's heads, drawn for all heads from the layer's
+    generator, so a TP layout draws the same sinks."""
+    if config.softmax_type == "learnable":
+        module.softmax_offset = sharded_parameter((config.num_attention_heads,), 0,
+                                                  normal_init(config.init_method_std, generator),
+                                                  config.params_dtype, device)
+    elif config.softmax_type == "off-by-one":
+        module.register_buffer("softmax_offset", torch.zeros(heads_here, dtype=config.params_dtype, device=device),
+                               persistent=False)
+    else:
+        module.softmax_offset = None
+
+
+def heads_of_rank(sink: torch.Tensor | None, part: int, parts: int) -> torch.Tensor | None:
+    """The sinks of part `part` of `parts` equal head blocks (the all-to-all's head split)."""
+    return None if sink is None else sink.chunk(parts)[part]
