@@ -74,7 +74,7 @@ def translate_args(args, where: str) -> Translation:
     linear_bias = bool(_arg(args, "add_bias_linear", True))
     # Megatron-LM's GeLU: the tanh form with --openai-gelu, and in its fused bias-GeLU (bias_gelu_fusion, on by
     # default, needs biases); the exact (erf) one otherwise (megatron.core.transformer.mlp)
-    gelu = not swiglu and not _arg(args, "squared_relu", False)
+    gelu = not swiglu and not _arg(args, "squared_relu", False) and not _arg(args, "quick_geglu", False)
     tanh_gelu = gelu and bool(_arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", True)
                                                                    and linear_bias))
     if _arg(args, "num_experts") and linear_bias:
@@ -117,10 +117,14 @@ def translate_args(args, where: str) -> Translation:
     switches = {"swiglu": "--swiglu", "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
                 "apply_layernorm_1p": "--apply-layernorm-1p", "squared_relu": "--squared-relu",
-                "qk_l2_norm": "--qk-l2-norm"}
+                "qk_l2_norm": "--qk-l2-norm", "quick_geglu": "--quick-geglu"}
     flags += [flag for name, flag in switches.items() if _arg(args, name)]
     if _arg(args, "softmax_type", "vanilla") != "vanilla":  # attention sinks
         flags += ["--softmax-type", args.softmax_type]
+    if _arg(args, "glu_linear_offset"):
+        flags += ["--glu-linear-offset", args.glu_linear_offset]
+    if _arg(args, "activation_func_clamp_value") is not None:
+        flags += ["--activation-func-clamp-value", args.activation_func_clamp_value]
     if not linear_bias:
         flags.append("--disable-bias-linear")
     if tanh_gelu:

@@ -404,7 +404,7 @@ LLAMA_SHAPE_FIELDS = ("position_embedding_type", "num_query_groups", "gated_line
                       "layernorm_zero_centered_gamma", "qk_layernorm_full_width", "multi_latent_attention",
                       "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
                       "mtp_num_layers", "rotary_interleaved", "window_size", "window_attn_skip_freq", "qk_l2_norm",
-                      "no_rope_freq", "softmax_type")
+                      "no_rope_freq", "softmax_type", "glu_linear_offset", "activation_func_clamp_value")
 # Settings a run may change on purpose (a longer context: another rope base or scaling), but which
 # change the function the weights compute: said in one line when they differ, never silently.
 RETUNABLE_FIELDS = ("rotary_base", "rotary_seq_len_interpolation_factor", "rope_scaling_factor",

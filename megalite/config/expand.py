@@ -25,6 +25,7 @@ _SWITCHES = {
     "apply_layernorm_1p": lambda c: c.layernorm_zero_centered_gamma,
     "multi_latent_attention": lambda c: c.multi_latent_attention,
     "squared_relu": lambda c: c.activation == "squared_relu",
+    "quick_geglu": lambda c: c.gated_linear_unit and c.activation == "quick_gelu",
     "bert_no_binary_head": lambda c: not c.add_binary_head,
     "rotary_interleaved": lambda c: c.rotary_interleaved,
     "qk_l2_norm": lambda c: c.qk_l2_norm,
@@ -45,7 +46,8 @@ def _model_fields(built) -> dict:
     if built.mtp_num_layers:
         fields.update(mtp_num_layers=built.mtp_num_layers, mtp_loss_scaling_factor=built.mtp_loss_scaling_factor)
     fields.update(layer_pattern_fields(built))
-    fields["softmax_type"] = built.softmax_type
+    fields.update(softmax_type=built.softmax_type, glu_linear_offset=built.glu_linear_offset,
+                  activation_func_clamp_value=built.activation_func_clamp_value)
     return fields
 
 

@@ -153,6 +153,12 @@ class ModelConfig:
     fp32_residual_connection: bool = opt(False, "the residual stream between layers and pipeline stages in fp32 "
                                                 "beside --bf16/--fp16 weights (Megatron-LM's flag)")
     squared_relu: bool = opt(False, "MLP activation relu(x)^2 (Nemotron's; not with --swiglu)", shape=True)
+    quick_geglu: bool = opt(False, "gated MLP with quick GeLU, x sigmoid(1.702 x) (gpt-oss's; not with --swiglu)",
+                            shape=True)
+    glu_linear_offset: float | None = opt(None, "a gated MLP's act(gate) * (up + C) (gpt-oss's 1; default 0)",
+                                          shape=True)
+    activation_func_clamp_value: float | None = opt(None, "a gated MLP's gate clamped to at most V and its up to "
+                                                          "[-V, V] before the product (gpt-oss's 7)", shape=True)
     bert_no_binary_head: bool = opt(False, "BERT: no sentence-order head and no token types; each sample one "
                                            "segment, the masked-LM loss alone (pretrain_bert.py)", shape=True)
     norm_epsilon: float | None = opt(None, "epsilon of every LayerNorm / RMSNorm",
@@ -163,8 +169,10 @@ class ModelConfig:
         if self.recompute_num_layers is not None and self.recompute != "full":
             raise ValueError(f"--recompute-num-layers {self.recompute_num_layers} applies to --recompute full only "
                              f"(got --recompute {self.recompute})")
-        if self.squared_relu and self.swiglu:
-            raise ValueError("--squared-relu and --swiglu each choose the MLP's activation: keep one")
+        chosen = [f for f, on in (("--squared-relu", self.squared_relu), ("--swiglu", self.swiglu),
+                                  ("--quick-geglu", self.quick_geglu)) if on]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} each choose the MLP's activation: keep one")
         if (self.num_query_groups is not None) != self.group_query_attention:
             raise ValueError("--group-query-attention and --num-query-groups G go together: give both, or neither")
 

@@ -67,7 +67,7 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if ckpt.save_interval is not None and not ckpt.save:  # as Megatron-LM: accepted, nothing to save
         ckpt = dataclasses.replace(ckpt, save_interval=None)
         ignored = (*ignored, "--save-interval (without --save nothing is saved)")
-    if m.openai_gelu is None and _megatron_shaped(given) and not m.squared_relu:
+    if m.openai_gelu is None and _megatron_shaped(given) and not m.squared_relu and not m.quick_geglu:
         # A model of Megatron-LM's flags: its GeLU, kept as given so a printed file keeps it. Megatron-LM's
         # fused bias-GeLU (on by default, off without biases or with --no-bias-gelu-fusion) computes the
         # tanh form; its unfused MLP calls the exact one.
@@ -212,11 +212,13 @@ SAME_NAMED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 def _model_overrides(m) -> dict:
     """TransformerConfig fields the model section sets; fields left unset set nothing."""
     same = (*SAME_NAMED, "num_query_groups", "mtp_num_layers", "mtp_loss_scaling_factor", "embedding_init_method_std",
-            *_ROPE_FIELDS, "window_size", "window_attn_skip_freq", "no_rope_freq", "softmax_type")
+            *_ROPE_FIELDS, "window_size", "window_attn_skip_freq", "no_rope_freq", "softmax_type",
+            "glu_linear_offset", "activation_func_clamp_value")
     out = {k: getattr(m, k) for k in same if getattr(m, k) is not None}
     if m.norm_epsilon is not None:
         out["layernorm_epsilon"] = m.norm_epsilon
-    if m.openai_gelu is not None and not (m.swiglu or PRESETS.get(m.model, {}).get("gated_linear_unit")):
+    gated = m.swiglu or m.quick_geglu or PRESETS.get(m.model, {}).get("gated_linear_unit")
+    if m.openai_gelu is not None and not gated:
         out["activation"] = "gelu_tanh" if m.openai_gelu else "gelu"  # a gated MLP's silu stays
     if m.no_position_embedding:  # learned positions off; rotary ones (Megatron-LM's scripts pair the two) stay
         chosen = m.position_embedding_type or PRESETS.get(m.model, {}).get("position_embedding_type")
@@ -235,6 +237,7 @@ def _model_overrides(m) -> dict:
                 "untie_embeddings_and_output_weights": dict(untie_embeddings_and_output_weights=True),
                 "apply_layernorm_1p": dict(layernorm_zero_centered_gamma=True),
                 "bert_no_binary_head": dict(add_binary_head=False), "squared_relu": dict(activation="squared_relu"),
+                "quick_geglu": dict(gated_linear_unit=True, activation="quick_gelu"),
                 "rotary_interleaved": dict(rotary_interleaved=True), "qk_l2_norm": dict(qk_l2_norm=True),
                 "init_method_xavier_uniform": dict(init_method_xavier_uniform=True),
                 "fp32_residual_connection": dict(fp32_residual_connection=True)}

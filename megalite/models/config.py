@@ -64,7 +64,8 @@ class TransformerConfig:
     # Architecture switches; the defaults are GPT-2's, BERT as published is post / gelu / not causal.
     layernorm_position: str = "pre"  # pre: x + f(LN(x)) | post: LN(x + f(x))
     normalization: str = "layernorm"  # layernorm (weight and bias) | rmsnorm (weight only)
-    activation: str = "gelu_tanh"  # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu | squared_relu
+    # MLP: gelu_tanh (tanh approximation) | gelu (exact, erf) | silu | squared_relu | quick_gelu (x sigmoid(1.702 x))
+    activation: str = "gelu_tanh"
     causal: bool = True  # attention: to earlier positions only, or bidirectional
     # Sliding-window attention (megalite.models.window): Megatron-LM's --window-size (left, right; -1 unbounded)
     # in every layer, or in those --window-attn-skip-freq marks (kept as one 0/1 per layer; None: all).
@@ -109,6 +110,9 @@ class TransformerConfig:
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
     gated_linear_unit: bool = False  # MLP: fc2(act(gate) * up), gate and up each ffn_hidden_size wide
+    # a gated MLP's act(min(gate, v)) * (clamp(up, -v, v) + offset) (Megatron-LM's flags; gpt-oss's v 7, offset 1)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     num_query_groups: int | None = None  # grouped-query attention (None: one key/value head per query head)
     add_bias_linear: bool = True  # biases of every linear layer in the transformer layers
     add_qkv_bias: bool = False  # query/key/value biases even without add_bias_linear (Qwen2)
@@ -183,8 +187,14 @@ class TransformerConfig:
             raise ValueError(f"recompute_method must be uniform or block, got {self.recompute_method!r}")
         if self.layernorm_position not in ("pre", "post"):
             raise ValueError(f"layernorm_position must be pre or post, got {self.layernorm_position!r}")
-        if self.activation not in ("gelu_tanh", "gelu", "silu", "squared_relu"):
-            raise ValueError(f"activation must be gelu_tanh, gelu, silu or squared_relu, got {self.activation!r}")
+        if self.activation not in ("gelu_tanh", "gelu", "silu", "squared_relu", "quick_gelu"):
+            raise ValueError(f"activation must be gelu_tanh, gelu, silu, squared_relu or quick_gelu, got "
+                             f"{self.activation!r}")
+        if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated_linear_unit:
+            raise ValueError("--glu-linear-offset and --activation-func-clamp-value shape a gated MLP's halves: add "
+                             "--swiglu or --quick-geglu, or drop them")
+        if self.activation_func_clamp_value is not None and not self.activation_func_clamp_value > 0:
+            raise ValueError(f"--activation-func-clamp-value must be > 0, got {self.activation_func_clamp_value}")
         if self.fp32_residual_connection and (self.layernorm_position == "post" or self.mtp_num_layers):
             raise ValueError("--fp32-residual-connection keeps a pre-norm model's stream in fp32: post-norm layers "
                              "(the bert-* presets) and multi-token prediction are not offered with it: drop it")

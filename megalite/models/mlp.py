@@ -1,7 +1,8 @@
 """The transformer's feed-forward block (tensor-parallel) and its activations.
 
 `mlp_layer(config, ...)` is the one place a layer's MLP is chosen: plain, or gated (SwiGLU with
-silu: fc1 twice as wide, fc2(act(gate) * up)) when `config.gated_linear_unit`. The gated fc1 holds
+silu, quick GeGLU with quick_gelu: fc1 twice as wide, fc2(act(gate) * up), `glu_function`) when
+`config.gated_linear_unit`. The gated fc1 holds
 the gate rows, then the up rows (each TP rank: its gate rows, then its up rows); checkpoints and
 Hugging Face conversion store it as [gate; up] whatever the TP size.
 """
@@ -25,14 +26,33 @@ def _squared_relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x).square()  # Nemotron's MLP (Megatron-LM's --squared-relu)
 
 
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)  # GeLU's sigmoid approximation (Megatron-Core's quick_gelu; gpt-oss)
+
+
 # config.activation -> function; BERT's masked-LM head uses the same one.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_tanh": _gelu_tanh, "gelu": F.gelu, "silu": F.silu, "squared_relu": _squared_relu,
+    "gelu_tanh": _gelu_tanh, "gelu": F.gelu, "silu": F.silu, "squared_relu": _squared_relu, "quick_gelu": _quick_gelu,
 }
 
 
 def activation_function(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[config.activation]
+
+
+def glu_function(config: TransformerConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A gated MLP's act(gate) * up; with --activation-func-clamp-value v the gate clamped to at most v
+    and up to [-v, v] first, and with --glu-linear-offset c, up + c (Megatron-Core's unfused GLU, the
+    bias already added; gpt-oss's experts: quick GeLU, v 7, c 1)."""
+    act, limit, offset = activation_function(config), config.activation_func_clamp_value, config.glu_linear_offset
+    if limit is None and not offset:
+        return lambda gate, up: act(gate) * up
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return act(gate) * (up + offset)
+    return glu
 
 
 class ParallelMLP(nn.Module):
@@ -53,6 +73,7 @@ class ParallelMLP(nn.Module):
             sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
         )
         self.activation = activation_function(config)
+        self.glu = glu_function(config)
 
     @staticmethod
     def _fc1_init(init_method):
@@ -84,7 +105,7 @@ class GatedMLP(ParallelMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(self.activation(gate) * up)
+        return self.fc2(self.glu(gate, up))
 
 
 def mlp_layer(config: TransformerConfig, init_method, output_init_method, device=None) -> nn.Module:

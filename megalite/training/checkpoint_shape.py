@@ -37,13 +37,16 @@ def shape_fields(model: TransformerConfig) -> dict:
                max_position_embeddings=model.max_position_embeddings, normalization=model.normalization,
                position_embedding_type=model.position_embedding_type, num_query_groups=model.num_query_groups,
                group_query_attention=model.num_query_groups is not None, norm_epsilon=model.layernorm_epsilon,
-               swiglu=model.gated_linear_unit, disable_bias_linear=not model.add_bias_linear,
+               swiglu=model.gated_linear_unit and model.activation == "silu",
+               disable_bias_linear=not model.add_bias_linear,
                add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
                qk_layernorm_full_width=model.qk_layernorm_full_width,
                untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
                apply_layernorm_1p=model.layernorm_zero_centered_gamma, bert_no_binary_head=not model.add_binary_head,
                squared_relu=model.activation == "squared_relu", rotary_interleaved=model.rotary_interleaved,
-               qk_l2_norm=model.qk_l2_norm, softmax_type=model.softmax_type)
+               qk_l2_norm=model.qk_l2_norm, softmax_type=model.softmax_type,
+               quick_geglu=model.gated_linear_unit and model.activation == "quick_gelu",
+               glu_linear_offset=model.glu_linear_offset, activation_func_clamp_value=model.activation_func_clamp_value)
     if model.kv_channels is not None and not model.multi_latent_attention:  # heads of their own width (Qwen3's)
         out["kv_channels"] = model.kv_channels
     if not model.gated_linear_unit and model.activation in ("gelu", "gelu_tanh"):  # a gated MLP's silu is swiglu's

@@ -42,7 +42,7 @@ _TABLE = {
         add_qkv_bias qk_layernorm qk_layernorm_full_width untie_embeddings_and_output_weights multi_latent_attention
         q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim mtp_num_layers apply_layernorm_1p
         openai_gelu bert_no_binary_head squared_relu rotary_interleaved window_size window_attn_skip_freq
-        qk_l2_norm no_rope_freq softmax_type
+        qk_l2_norm no_rope_freq softmax_type quick_geglu glu_linear_offset activation_func_clamp_value
         num_experts moe_router_topk moe_ffn_hidden_size moe_layer_freq moe_router_score_function
         moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_num_groups moe_router_group_topk
         moe_router_enable_expert_bias moe_shared_expert_intermediate_size moe_shared_expert_gate

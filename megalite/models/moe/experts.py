@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megalite.models.config import TransformerConfig
-from megalite.models.mlp import activation_function
+from megalite.models.mlp import activation_function, glu_function
 from megalite.models.rng import weight_init
 from megalite.parallel import state, weight_grad
 from megalite.parallel.fp8_linear import FP8Linear, amax_groups, fp8_grouped_linear
@@ -174,7 +174,7 @@ class GroupedMLP(nn.Module):
         (output_init_method or weight_init(config))(fc2)
         self.fc1_weight = self._parameter(tp_shard(fc1[mine], 1, etp, etp_rank, blocks), config, device, 1, blocks)
         self.fc2_weight = self._parameter(tp_shard(fc2[mine], 2, etp, etp_rank), config, device, 2, 1)
-        self.activation = activation_function(config)
+        self.activation, self.glu = activation_function(config), glu_function(config)
         self.fc1_fp8: list[FP8Linear] | None = None  # `use_fp8`: one state per local expert
         self.fc2_fp8: list[FP8Linear] | None = None
 
@@ -219,7 +219,7 @@ class GroupedMLP(nn.Module):
         h = self._linear(x, self.fc1_weight, counts, self.fc1_fp8, g1)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = self.activation(gate) * up
+            h = self.glu(gate, up)
         else:
             h = self.activation(h)
         return self._linear(h, self.fc2_weight, counts, self.fc2_fp8, g2)

@@ -137,6 +137,10 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
         raise ConversionError("the model has Llama 4's query/key L2 norm, layers without rope or expert inputs scaled "
                               "by their weight (--qk-l2-norm, --no-rope-freq, --moe-apply-probs-on-input), which no "
                               "Hugging Face class megalite exports holds")
+    if config.activation == "quick_gelu" or config.glu_linear_offset or config.activation_func_clamp_value:
+        raise ConversionError("the model's MLPs are quick-GeGLU or clamped / offset GLUs (--quick-geglu, "
+                              "--glu-linear-offset, --activation-func-clamp-value), which no Hugging Face class "
+                              "megalite exports holds")
     if config.softmax_type != "vanilla":
         raise ConversionError(f"the model's attention has sinks (--softmax-type {config.softmax_type}), which no "
                               f"Hugging Face class megalite exports holds")

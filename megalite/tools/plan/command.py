@@ -23,7 +23,9 @@ ARCH_FLAGS = {
     "rope_low_freq_factor": lambda v: ["--rope-low-freq-factor", f"{v:g}"],
     "rope_high_freq_factor": lambda v: ["--rope-high-freq-factor", f"{v:g}"],
     "rope_original_max_position_embeddings": lambda v: ["--rope-original-max-position-embeddings", str(v)],
-    "gated_linear_unit": lambda v: ["--swiglu"] if v else [],
+    "gated_linear_unit": lambda v: ["--swiglu"] if v else [],  # --quick-geglu in its place (model_flags)
+    "glu_linear_offset": lambda v: ["--glu-linear-offset", f"{v:g}"] if v else [],
+    "activation_func_clamp_value": lambda v: ["--activation-func-clamp-value", f"{v:g}"] if v is not None else [],
     "num_query_groups": lambda v: ["--group-query-attention", "--num-query-groups", str(v)] if v else [],
     "normalization": lambda v: ["--normalization", v],
     "add_bias_linear": lambda v: [] if v else ["--disable-bias-linear"],
@@ -95,6 +97,9 @@ def model_flags(config: TransformerConfig, preset_name: str | None = None) -> li
     for k, flag in ARCH_FLAGS.items():
         if getattr(ref, k) != getattr(config, k):
             flags += flag(getattr(config, k))
+    if config.activation != ref.activation and config.activation in ("quick_gelu", "squared_relu"):
+        flags = [f for f in flags if f != "--swiglu"] + ["--" + {"quick_gelu": "quick-geglu"}.get(
+            config.activation, "squared-relu")]
     if config.is_moe:
         for k, flag in MOE_FLAGS.items():
             flags += flag(getattr(config, k))
