@@ -109,6 +109,30 @@ def test_deepseek_v3s_yarn_equals_transformers():
     assert yarn_softmax_scale(ours) == pytest.approx((1 + 0.1 * math.log(40.0)) ** 2)  # 1.87...
 
 
+@pytest.mark.parametrize("truncate", [False, True])
+def test_gpt_osss_yarn_equals_transformers_with_and_without_rounding(truncate):
+    """gpt-oss's rope on grouped-query heads of 64 dims: base 150000, factor 32 over 4096 positions, betas
+    32 and 1, truncate=False (Megatron-LM's --no-yarn-correction-range-round-to-int): transformers'
+    frequencies and attention factor, the ramp's ends fractional; with truncate, rounded."""
+    tf = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if not hasattr(tf, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate}
+    hf = tf.GptOssConfig(rope_parameters=dict(rope), hidden_size=256, num_attention_heads=4, head_dim=64)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    argv = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "32", "--rotary-base", "150000",
+            "--kv-channels", "64"] + ([] if truncate else ["--no-yarn-correction-range-round-to-int"])
+    ours = _parse(argv)
+    assert ours.position_embedding_type == "rope" and ours.yarn_correction_range_round_to_int is truncate
+    assert ((inverse_frequencies(ours) - inv_freq).abs() / inv_freq).max() < 1e-6
+    assert yarn_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-12)
+    rounded = _parse(argv[:8] + ["--yarn-correction-range-round-to-int"])
+    assert torch.equal(yarn_ramp(ours), yarn_ramp(rounded)) is truncate  # the rounding moves the ramp
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(yarn_factor=4.0, rope_scaling_factor=8.0), "either Llama 3.1's .* or YaRN's"),
     (dict(yarn_factor=0.5), "--yarn-factor must be >= 1"),
@@ -161,3 +185,19 @@ def test_megatron_lms_deepseek_flags_as_its_scripts_pass_them():
         _parse(MEGATRON_MLA + ["--rotary-scaling-factor", "40", "--yarn-factor", "8"])
     with pytest.raises(UsageError, match=r"--use-rope-scaling .* and --rope-type yarn are two rope scalings"):
         _parse(["--use-rope-scaling", "--rope-type", "yarn"])
+
+
+def test_a_megatron_checkpoints_yarn_position_type_is_read():
+    import argparse
+
+    from megalite.checkpoint.megatron_dist_map import translate_args
+
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                              vocab_size=128, max_position_embeddings=64, seq_length=64, swiglu=True,
+                              add_bias_linear=False, position_embedding_type="yarn", rotary_base=150000,
+                              rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=16,
+                              yarn_correction_range_round_to_int=False, mscale=1.0)
+    built = _parse(translate_args(args, "ckpt").flags)
+    assert (built.position_embedding_type, built.rotary_base, built.yarn_factor,
+            built.yarn_original_max_position_embeddings, built.yarn_correction_range_round_to_int) == (
+        "rope", 150000, 32.0, 16, False)

@@ -98,7 +98,15 @@ def translate_args(args, where: str) -> Translation:
     position = _arg(args, "position_embedding_type") or (
         "rope" if _arg(args, "use_rotary_position_embeddings") else "learned_absolute")
     flags += ["--position-embedding-type", position]
-    if position == "rope":
+    if position == "yarn":  # rope with YaRN's scaling; its fields (a few named without yarn_) as Megatron-LM reads them
+        flags += ["--rotary-scaling-factor", _arg(args, "rotary_scaling_factor") or 1.0]
+        for name in ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "mscale",
+                     "mscale_all_dim"):
+            if _arg(args, name) is not None:
+                flags += [f"--{name.replace('_', '-')}", args.__dict__[name]]
+        if _arg(args, "yarn_correction_range_round_to_int") is False:
+            flags.append("--no-yarn-correction-range-round-to-int")
+    if position in ("rope", "yarn"):
         flags += ["--rotary-base", _arg(args, "rotary_base", 10000), "--rotary-percent", _arg(args, "rotary_percent", 1.0)]
         if _arg(args, "use_rope_scaling"):
             flags += ["--use-rope-scaling", "--rope-scaling-factor", _arg(args, "rope_scaling_factor", 8.0)]

@@ -411,7 +411,7 @@ RETUNABLE_FIELDS = ("rotary_base", "rotary_seq_len_interpolation_factor", "rope_
                     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position_embeddings",
                     "layernorm_epsilon", "yarn_factor",
                     "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
-                    "yarn_mscale_all_dim")
+                    "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 
 
 # What a MoE model computes (a resume that changes one would train another function).

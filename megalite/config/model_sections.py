@@ -65,7 +65,8 @@ class ModelConfig:
                                     "(auto); fused: the kernel or an error saying why it cannot run; torch: "
                                     "PyTorch ops", choices=("auto", "fused", "torch"))
     position_embedding_type: str | None = opt(
-        None, "positions (default: the preset's)", choices=("learned_absolute", "rope", "none"),
+        None, "positions (default: the preset's); Megatron-LM's yarn is rope with YaRN's scaling by "
+              "--rotary-scaling-factor", choices=("learned_absolute", "rope", "yarn", "none"),
         sets={"--use-rotary-position-embeddings": "rope"}, shape=True)
     no_position_embedding: bool = opt(False, "no learned absolute position embedding (Megatron-LM's flag): positions "
                                              "none, unless --position-embedding-type rope gives rotary ones",
@@ -101,6 +102,10 @@ class ModelConfig:
                                              "context are kept (default 32)", check=POSITIVE)
     yarn_beta_slow: float | None = opt(None, "YaRN: frequencies turning less often than this are divided by the "
                                              "factor (default 1)", check=POSITIVE)
+    yarn_correction_range_round_to_int: bool | None = opt(
+        None, "YaRN: the ramp's ends rounded outwards to whole dims (default; DeepSeek's); "
+              "--no-yarn-correction-range-round-to-int keeps them fractional (gpt-oss's truncate=False)",
+        switch=True, sets={"--no-yarn-correction-range-round-to-int": False})
     yarn_mscale: float | None = opt(None, "YaRN: cos and sin times (1 + 0.1 mscale ln factor) / (1 + 0.1 "
                                           "mscale-all-dim ln factor) (default 1)",
                                     flags=("--yarn-mscale", "--mscale"), check=NON_NEGATIVE)

@@ -197,7 +197,7 @@ def weight_decay_steps(config: RunConfig) -> float:
 
 
 YARN_FIELDS = ("yarn_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-               "yarn_mscale", "yarn_mscale_all_dim")
+               "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
 _ROPE_FIELDS = ("rotary_base", "rotary_percent", "rope_scaling_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_position_embeddings", *YARN_FIELDS,
                 "rotary_seq_len_interpolation_factor")
@@ -228,6 +228,9 @@ def _model_overrides(m) -> dict:
     if mla:  # MLA's head widths are its own: Megatron-LM's DeepSeek scripts pass a --kv-channels MLA never reads
         out.pop("kv_channels", None)
     out.update(_megatron_rope_scaling(m, mla))
+    if m.position_embedding_type == "yarn":  # Megatron-LM's name for rope with YaRN's scaling (factor 1 by default)
+        out["position_embedding_type"] = "rope"
+        out.setdefault("yarn_factor", 1.0)
     if m.use_rope_scaling and "rope_scaling_factor" not in out:
         out["rope_scaling_factor"] = 8.0  # Llama 3.1's factor, as Megatron-LM's --use-rope-scaling
     switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),
@@ -259,7 +262,8 @@ def _model_overrides(m) -> dict:
 def _megatron_rope_scaling(m, mla: bool) -> dict:
     """Megatron-LM's --rotary-scaling-factor: Llama 3.1's factor with --use-rope-scaling, else YaRN's when
     --rope-type is yarn (its default with --multi-latent-attention); plain rope takes no factor."""
-    factor, kind = m.rotary_scaling_factor, m.rope_type or ("yarn" if mla else "rope")
+    factor, kind = m.rotary_scaling_factor, m.rope_type or ("yarn" if mla or m.position_embedding_type == "yarn"
+                                                            else "rope")
     if m.use_rope_scaling and m.rope_type == "yarn":
         raise UsageError("--use-rope-scaling (Llama 3.1's) and --rope-type yarn are two rope scalings: choose one")
     if factor is None:

@@ -109,6 +109,7 @@ class TransformerConfig:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True  # the ramp's ends floor / ceil'd (Hugging Face's truncate)
     gated_linear_unit: bool = False  # MLP: fc2(act(gate) * up), gate and up each ffn_hidden_size wide
     # a gated MLP's act(min(gate, v)) * (clamp(up, -v, v) + offset) (Megatron-LM's flags; gpt-oss's v 7, offset 1)
     glu_linear_offset: float = 0.0

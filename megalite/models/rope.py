@@ -58,9 +58,13 @@ def _yarn_correction_dim(rotations: float, config: TransformerConfig) -> float:
 def yarn_ramp(config: TransformerConfig, device=None) -> torch.Tensor:
     """Per frequency i < rotary_dims / 2: 0 where it is kept (more than beta_fast turns over the
     original context), 1 where it is divided by the factor (fewer than beta_slow), linear between.
-    The bounds are rounded outwards to whole dims, as YaRN's reference and Hugging Face do."""
-    low = max(math.floor(_yarn_correction_dim(config.yarn_beta_fast, config)), 0)
-    high = min(math.ceil(_yarn_correction_dim(config.yarn_beta_slow, config)), config.rotary_dims - 1)
+    The bounds are rounded outwards to whole dims, as YaRN's reference and Hugging Face do, unless
+    `yarn_correction_range_round_to_int` is off (Hugging Face's truncate=False: gpt-oss)."""
+    low = _yarn_correction_dim(config.yarn_beta_fast, config)
+    high = _yarn_correction_dim(config.yarn_beta_slow, config)
+    if config.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, config.rotary_dims - 1)
     width = high - low if high != low else 0.001  # one step at `low` when the two meet
     i = torch.arange(config.rotary_dims // 2, dtype=torch.float32, device=device)
     return ((i - low) / width).clamp(0.0, 1.0)

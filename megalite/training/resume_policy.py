@@ -57,7 +57,8 @@ _TABLE = {
         rope_low_freq_factor rope_high_freq_factor rope_original_max_position_embeddings use_rope_scaling
         rotary_scaling_factor rope_type
         yarn_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
-        yarn_mscale_all_dim mtp_loss_scaling_factor norm_epsilon fp32_residual_connection
+        yarn_mscale_all_dim yarn_correction_range_round_to_int mtp_loss_scaling_factor norm_epsilon
+        fp32_residual_connection
         data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
         short_seq_prob
         reset_attention_mask reset_position_ids eod_mask_loss sft_data_path sft_no_packing
@@ -97,6 +98,7 @@ NOTED_ELSEWHERE = frozenset(
     "rotary_base rotary_seq_len_interpolation_factor rope_scaling_factor rope_low_freq_factor rope_high_freq_factor "
     "rope_original_max_position_embeddings use_rope_scaling rotary_scaling_factor rope_type yarn_factor "
     "yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale yarn_mscale_all_dim norm_epsilon "
+    "yarn_correction_range_round_to_int "
     "local_sgd_interval".split())
 
 # Fields that one setting spreads over: a group is the checkpoint's as a whole, or this run's.

@@ -23,6 +23,13 @@ ARCH_FLAGS = {
     "rope_low_freq_factor": lambda v: ["--rope-low-freq-factor", f"{v:g}"],
     "rope_high_freq_factor": lambda v: ["--rope-high-freq-factor", f"{v:g}"],
     "rope_original_max_position_embeddings": lambda v: ["--rope-original-max-position-embeddings", str(v)],
+    "yarn_factor": lambda v: ["--yarn-factor", f"{v:g}"] if v is not None else [],
+    "yarn_original_max_position_embeddings": lambda v: ["--yarn-original-max-position-embeddings", str(v)],
+    "yarn_beta_fast": lambda v: ["--yarn-beta-fast", f"{v:g}"],
+    "yarn_beta_slow": lambda v: ["--yarn-beta-slow", f"{v:g}"],
+    "yarn_mscale": lambda v: ["--yarn-mscale", f"{v:g}"],
+    "yarn_mscale_all_dim": lambda v: ["--yarn-mscale-all-dim", f"{v:g}"],
+    "yarn_correction_range_round_to_int": lambda v: [] if v else ["--no-yarn-correction-range-round-to-int"],
     "gated_linear_unit": lambda v: ["--swiglu"] if v else [],  # --quick-geglu in its place (model_flags)
     "glu_linear_offset": lambda v: ["--glu-linear-offset", f"{v:g}"] if v else [],
     "activation_func_clamp_value": lambda v: ["--activation-func-clamp-value", f"{v:g}"] if v is not None else [],
