@@ -44,7 +44,9 @@ def _sdpa_attention(q, k, v, allowed, dropout_p, causal, sink=None):
     hold fewer heads than q (grouped-query attention: query heads in a group adjacent). `sink`
     [heads]: attention sinks (megalite.models.softmax_sink), one more key per head."""
     if sink is not None:
-        return sdpa_with_sink(q, *_expand_groups(k, v, q.shape[1]), allowed, dropout_p, causal, sink)
+        if not _SDPA_TAKES_GROUPS:
+            k, v = _expand_groups(k, v, q.shape[1])
+        return sdpa_with_sink(q, k, v, allowed, dropout_p, causal, sink)
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if allowed is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, **gqa)
@@ -218,7 +220,7 @@ class ParallelAttention(nn.Module):
             config.num_attention_heads * d, h, init_method=output_init_method, bias=config.add_bias_linear,
             sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
         )
-        # attention sinks (--softmax-type), drawn after every weight: those stay a vanilla model's
+        # attention sinks (--softmax-type), drawn from `generator`, a stream of their own (TransformerLayer's)
         attach_offset(self, config, self.heads_per_rank, generator, device)
 
     def _qk_norm(self, size: int, device) -> nn.Module:

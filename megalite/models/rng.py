@@ -21,6 +21,7 @@ from megalite.parallel.random import get_rng_tracker
 
 WORD_EMBEDDING_COMPONENT, POSITION_EMBEDDING_COMPONENT, OUTPUT_LAYER_COMPONENT = 0, 1, 6
 FIRST_LAYER_COMPONENT = 1000
+SINK_FIRST_COMPONENT = 1_000_000  # a layer's attention sinks (--softmax-type learnable): a stream of their own
 MTP_FIRST_COMPONENT = 100
 
 

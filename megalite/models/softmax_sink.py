@@ -8,9 +8,10 @@ init_method_std) at init, no weight decay as a 1-D tensor); `vanilla` is the pla
 Every path computes the same function:
 - the explicit and fused-softmax backends append the sink column to the scores, as Megatron-Core's
   unfused softmax does (`sink_softmax`);
-- PyTorch's fused attention gets one more key whose score is s_h: queries gain a unit dimension,
-  the real keys a zero there and the sink key s_h / scale, its value zero (`sdpa_with_sink`), so
-  the fused kernels keep running and autograd carries the gradient into s_h;
+- PyTorch's fused attention gets one more key whose score is s_h: queries gain a dimension holding
+  s_h / scale, the real keys a zero there and the sink key a one, its value zero (`sdpa_with_sink`),
+  so the fused kernels keep running (flash, for causal attention without a mask), key groups stay
+  grouped, and autograd carries the gradient into s_h;
 - ring context parallelism merges its blocks as before and adds the sink to the final log-sum-exp,
   out * sigmoid(lse - s_h), whose backward is the plain one with that log-sum-exp plus
   d s_h = -sum(P_sink * rowsum(dO * O)) (megalite.parallel.context_parallel);
@@ -38,52 +39,55 @@ def sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
 
 
-_NO_MASK: dict = {}  # (sq, sk, causal, device) -> the mask of attention without one
-
-
 def _allowed_with_sink(allowed, sq: int, sk: int, causal: bool, device) -> torch.Tensor:
-    """Bool [..., sq, sk + 1]: `allowed` (None: causal, the last sq of sk positions, or all), and the
-    sink key, which every query sees. Made once for every layer that reads the same mask (kept with
-    it, or by shape), as attention keeps it for its backward."""
+    """Bool [..., sq, 1 + sk]: the sink key (first), which every query sees, then `allowed` (None:
+    causal over the last sq of sk positions). Made once for every layer that reads the same mask
+    tensor (kept with it), as attention keeps it for its backward."""
     def make(allowed):
         if allowed is None:
-            allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
-            allowed = allowed.tril(sk - sq) if causal else allowed
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
         allowed = allowed.expand(*allowed.shape[:-2], sq, sk)
-        return torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)
-    if torch.compiler.is_compiling():  # made in the graph: a cache would be a guarded side effect
+        return torch.cat([allowed.new_ones(*allowed.shape[:-1], 1), allowed], dim=-1)
+    if allowed is None or torch.compiler.is_compiling():  # (in a graph a cache would be a guarded side effect)
         return make(allowed)
-    memo = _NO_MASK if allowed is None else allowed.__dict__.setdefault("_megalite_with_sink", {})
-    key = (sq, sk, causal, str(device))
-    if key not in memo:
-        if allowed is None and len(memo) >= 8:
-            memo.clear()
-        memo[key] = make(allowed)
-    return memo[key]
+    memo = allowed.__dict__.setdefault("_megalite_with_sink", {})
+    if (sq, sk) not in memo:
+        memo[(sq, sk)] = make(allowed)
+    return memo[(sq, sk)]
 
 
 def sdpa_with_sink(q, k, v, allowed, dropout_p: float, causal: bool, sink: torch.Tensor) -> torch.Tensor:
-    """PyTorch's fused attention with a sink: q [b, heads, sq, d], k and v [b, heads, sk, d] (groups
-    expanded: the sink is per query head), `sink` [heads]. The sink key's score is
-    (1 * s_h / scale) * scale, s_h up to a rounding of s_h / scale in q's dtype."""
+    """PyTorch's fused attention with a sink: q [b, heads, sq, d], k and v [b, heads or groups, sk, d],
+    `sink` [heads]. One key goes first: a unit vector in a dimension queries gain, where each head's
+    queries hold s_h / scale (real keys hold zero there), its value zero: its score is s_h (up to a
+    rounding of s_h / scale in q's dtype) and the key groups stay grouped. Causal attention without a
+    mask keeps the kernels' own causal mask (flash on a GPU, no mask made) by one query put first
+    too, a dummy that sees only the sink key, whose output row is dropped."""
     b, heads, sq, d = q.shape
+    groups, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d)
-    unit = q.new_zeros(b, heads, sq, _EXTRA_DIMS)
-    unit[..., 0] = 1
-    q = torch.cat([q, unit], dim=-1)
-    sink_key = torch.cat([(sink.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1),
-                          q.new_zeros(b, heads, 1, _EXTRA_DIMS - 1)], dim=-1)
-    k = torch.cat([F.pad(k, (0, _EXTRA_DIMS)), F.pad(sink_key, (d, 0))], dim=2)
-    v = torch.cat([v, v.new_zeros(b, heads, 1, v.shape[-1])], dim=2)
-    mask = _allowed_with_sink(allowed, sq, k.shape[2] - 1, causal, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    logit = (sink.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, sq, 1)
+    q = torch.cat([q, logit, q.new_zeros(b, heads, sq, _EXTRA_DIMS - 1)], dim=-1)
+    unit = k.new_zeros(b, groups, 1, d + _EXTRA_DIMS)
+    unit[..., d] = 1
+    k = torch.cat([unit, F.pad(k, (0, _EXTRA_DIMS))], dim=2)
+    v = torch.cat([v.new_zeros(b, groups, 1, v.shape[-1]), v], dim=2)
+    gqa = {"enable_gqa": True} if groups != heads else {}
+    if allowed is None and causal and sq == sk:
+        q = torch.cat([q.new_zeros(b, heads, 1, d + _EXTRA_DIMS), q], dim=2)  # the dummy query
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
+        return out[:, :, 1:]
+    if allowed is None and not causal:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
+    mask = _allowed_with_sink(allowed, sq, sk, causal, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
 
 
 def attach_offset(module: torch.nn.Module, config, heads_here: int, generator: torch.Generator | None,
                   device) -> None:
     """`module.softmax_offset`: None (vanilla), a zero buffer (off-by-one: not in the state dict, as in
-    Megatron-Core's), or a parameter of this TP rank's heads, drawn for all heads from the layer's
-    generator, so a TP layout draws the same sinks."""
+    Megatron-Core's), or a parameter of this TP rank's heads, drawn for all heads from `generator` (the
+    layer's sink stream: the weights stay a vanilla model's), so a TP layout draws the same sinks."""
     if config.softmax_type == "learnable":
         module.softmax_offset = sharded_parameter((config.num_attention_heads,), 0,
                                                   normal_init(config.init_method_std, generator),

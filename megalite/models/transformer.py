@@ -14,8 +14,8 @@ from megalite.models.attention import ParallelAttention
 from megalite.models.config import TransformerConfig
 from megalite.models.mlp import mlp_layer
 from megalite.models.norms import NORMS, norm_layer
-from megalite.models.rng import (FIRST_LAYER_COMPONENT, checkpoint_with_tp_rng, hidden_dropout, init_generator,
-                                 output_weight_init, weight_init)
+from megalite.models.rng import (FIRST_LAYER_COMPONENT, SINK_FIRST_COMPONENT, checkpoint_with_tp_rng, hidden_dropout,
+                                 init_generator, output_weight_init, weight_init)
 
 
 class TransformerLayer(nn.Module):
@@ -36,12 +36,15 @@ class TransformerLayer(nn.Module):
         if not self.post_norm:
             self.input_layernorm = norm_layer(config, device)
         window = config.window_of(layer_number)
+        # sinks from a stream of their own: every weight stays what a vanilla model's seed draws
+        sinks = init_generator(seed, SINK_FIRST_COMPONENT + layer_number, device) \
+            if config.softmax_type == "learnable" else None
         if config.multi_latent_attention:
             from megalite.models.mla import MultiLatentAttention
-            self.attention = MultiLatentAttention(config, init, out_init, device, window, gen)
+            self.attention = MultiLatentAttention(config, init, out_init, device, window, sinks)
         else:
             self.attention = ParallelAttention(config, init, out_init, device, window, config.uses_rope(layer_number),
-                                               gen)
+                                               sinks)
         self.post_attention_layernorm = norm_layer(config, device)
         if config.is_moe_layer(layer_number):
             from megalite.models.moe import MoELayer

@@ -289,7 +289,7 @@ class _RingAttention(torch.autograd.Function):
             own_dkv += travelling  # every other rank's part of this rank's dK/dV
         dq = dq.reshape(q.shape).to(q.dtype)
         d_sink = None  # this rank's queries' share: summed over CP with the other weights' gradients
-        if sink is not None:
+        if sink is not None and ctx.needs_input_grad[9]:  # (off-by-one's zero needs none)
             d_sink = _sink_grad(lse, delta, _grouped_sink(sink, groups)).reshape(sink.shape).to(sink.dtype)
         return dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None, None, None, None, None, d_sink
 
