@@ -217,7 +217,7 @@ def test_heads_not_divisible_by_tp_is_a_value_error_naming_both():
 
 @pytest.mark.parametrize("change, words", [
     ({"layernorm_position": "middle"}, "layernorm_position must be pre or post"),
-    ({"activation": "relu"}, "activation must be gelu_tanh, gelu, silu or squared_relu, got .relu."),
+    ({"activation": "relu"}, "activation must be gelu_tanh, gelu, silu, squared_relu or quick_gelu, got .relu."),
     ({"causal": "yes"}, "causal must be True or False"),
 ])
 def test_config_rejects_unknown_architecture_switches(change, words):

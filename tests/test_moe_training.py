@@ -14,7 +14,8 @@ from training_ranks import gpt_run, one_device_each, several, train_losses
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
        "--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
-       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+       "--disable-bias-linear"]  # experts with biases run at ETP 1 only (test_moe_biases.py): this matrix has ETP 2
 BASE = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--global-batch-size", "8",
         "--micro-batch-size", "2", "--eval-interval", "0", *MOE]
 

@@ -58,16 +58,17 @@ def named_params(model_chunks):
 
 # A MoE layer's experts are stored one tensor per expert, named by its global index (whatever the EP
 # size): the model's [local experts, rows, cols] parameter is that many 2-D tensors in the file.
-EXPERT_TENSOR = re.compile(r"^((?:layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\.(fc[12]_weight)$")
+EXPERT_TENSOR = re.compile(r"^((?:layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\.(fc[12]_(?:weight|bias))$")
 
 
 def split_experts(state_dict: dict) -> dict:
     """A single-device state dict with each MoE layer's [experts, rows, cols] weights split into the
-    2-D tensors checkpoints store (`layers.L.mlp.experts.E.fc1_weight`, see EXPERT_TENSOR)."""
+    2-D tensors checkpoints store (`layers.L.mlp.experts.E.fc1_weight`, see EXPERT_TENSOR; biases:
+    [experts, width] into 1-D ones)."""
     out = {}
     for name, t in state_dict.items():
         module, _, leaf = name.rpartition(".")
-        if module.endswith(".mlp.experts") and leaf in ("fc1_weight", "fc2_weight"):
+        if module.endswith(".mlp.experts") and leaf in ("fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias"):
             out.update({f"{module}.{e}.{leaf}": t[e] for e in range(t.shape[0])})
         else:
             out[name] = t
@@ -105,7 +106,7 @@ def stored_tensors(model_chunks):
         local_experts, (prefix, leaf) = len(views), name.rsplit(".", 1)
         first = parallel.get_expert_model_parallel_rank() * local_experts
         etp, etp_rank = parallel.get_expert_tensor_parallel_world_size(), parallel.get_expert_tensor_parallel_rank()
-        dim = p.partition_dim - 1  # of one expert's 2-D weight
+        dim = p.partition_dim - 1  # of one expert's 2-D weight (a bias: its one dim)
         size = views[0].shape[dim]
         for e, view in enumerate(views):
             yield Stored(chunk, local, p, f"{prefix}.{first + e}.{leaf}", view, e * view.numel(), dim,

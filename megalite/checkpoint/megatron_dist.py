@@ -41,7 +41,7 @@ from megalite.errors import UsageError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(fc[12]_weight)$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(fc[12]_(?:weight|bias))$")
 
 
 # --- finding the checkpoint ---------------------------------------------------------------------

@@ -77,9 +77,6 @@ def translate_args(args, where: str) -> Translation:
     gelu = not swiglu and not _arg(args, "squared_relu", False) and not _arg(args, "quick_geglu", False)
     tanh_gelu = gelu and bool(_arg(args, "openai_gelu", False) or (_arg(args, "bias_gelu_fusion", True)
                                                                    and linear_bias))
-    if _arg(args, "num_experts") and linear_bias:
-        raise UsageError(f"{where}: args.add_bias_linear = True with args.num_experts = {args.num_experts}: "
-                         f"megalite's experts have no biases; a MoE model trained with --disable-bias-linear loads")
     padded = _arg(args, "padded_vocab_size")
     vocab = _arg(args, "vocab_size") or padded
     if not vocab:
@@ -198,6 +195,7 @@ LAYER_KEYS = {
     "mlp.fc2.weight": ("mlp.linear_fc2.weight",),
     "mlp.fc2.bias": ("mlp.linear_fc2.bias",),
     "mlp.router.weight": ("mlp.router.weight",),
+    "mlp.router.bias": ("mlp.router.bias",),
     "mlp.router.expert_bias": ("mlp.router.expert_bias",),
 }
 TOP_KEYS = {
@@ -209,7 +207,9 @@ TOP_KEYS = {
 }
 # one expert's weight: the stacked SequentialMLP / TEGroupedMLP layout, or one tensor per expert
 EXPERT_KEYS = {"fc1_weight": ("mlp.experts.experts.linear_fc1.weight", "mlp.experts.linear_fc1.weight{e}"),
-               "fc2_weight": ("mlp.experts.experts.linear_fc2.weight", "mlp.experts.linear_fc2.weight{e}")}
+               "fc2_weight": ("mlp.experts.experts.linear_fc2.weight", "mlp.experts.linear_fc2.weight{e}"),
+               "fc1_bias": ("mlp.experts.experts.linear_fc1.bias", "mlp.experts.linear_fc1.bias{e}"),
+               "fc2_bias": ("mlp.experts.experts.linear_fc2.bias", "mlp.experts.linear_fc2.bias{e}")}
 
 
 def qkv_part(t: torch.Tensor, leaf: str, heads: int, groups: int) -> torch.Tensor:
@@ -268,10 +268,11 @@ def expected_names(c) -> list[str]:
             layer.append("attention.softmax_offset")
         layer += [f"attention.proj.{p}" for p in linear] + [f"post_attention_layernorm.{p}" for p in norm]
         if c.is_moe_layer(i):
-            layer.append("mlp.router.weight")
+            layer += [f"mlp.router.{p}" for p in linear]
             if c.moe_router_enable_expert_bias:
                 layer.append("mlp.router.expert_bias")
-            layer += [f"mlp.experts.{e}.{w}" for e in range(c.num_moe_experts) for w in ("fc1_weight", "fc2_weight")]
+            layer += [f"mlp.experts.{e}.{fc}_{p}" for e in range(c.num_moe_experts) for fc in ("fc1", "fc2")
+                      for p in linear]
         else:
             layer += [f"mlp.{fc}.{p}" for fc in ("fc1", "fc2") for p in linear]
         names += [f"layers.{i}.{n}" for n in layer]

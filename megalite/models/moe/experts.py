@@ -143,9 +143,17 @@ class _GroupedLinearOfGroup(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
+def _per_row(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert's bias [local experts, width] repeated for its rows (counts[e] each): [rows, width]."""
+    repeats = torch.tensor(counts).to(bias.device, non_blocking=True)  # from the host: no sync
+    return bias.repeat_interleave(repeats, dim=0, output_size=sum(counts))
+
+
 class GroupedMLP(nn.Module):
-    """This rank's experts (experts [ep_rank * local, (ep_rank + 1) * local)), each an MLP without
-    biases: fc2(act(fc1 x)), or gated fc2(act(gate) * up) when `config.gated_linear_unit`."""
+    """This rank's experts (experts [ep_rank * local, (ep_rank + 1) * local)), each an MLP:
+    fc2(act(fc1 x)), or gated fc2(act(gate) * up) when `config.gated_linear_unit`; with
+    `config.add_bias_linear` (gpt-oss), fc1 and fc2 biases per expert, zero at init, fc2's added before
+    the router's weight (p (fc2(h) + b), as Megatron-Core's grouped experts): at ETP 1 only, as there."""
 
     def __init__(self, config: TransformerConfig, init_method=None, output_init_method=None, device=None,
                  ffn_hidden_size: int | None = None):
@@ -175,6 +183,14 @@ class GroupedMLP(nn.Module):
         self.fc1_weight = self._parameter(tp_shard(fc1[mine], 1, etp, etp_rank, blocks), config, device, 1, blocks)
         self.fc2_weight = self._parameter(tp_shard(fc2[mine], 2, etp, etp_rank), config, device, 2, 1)
         self.activation, self.glu = activation_function(config), glu_function(config)
+        self.fc1_bias = self.fc2_bias = None
+        if config.add_bias_linear:
+            if etp > 1:
+                raise ValueError(f"experts with biases (--add-bias-linear with --num-experts) run at --etp 1, as "
+                                 f"Megatron-Core's: --etp {etp} would add fc2's bias on every ETP rank; use --etp 1")
+            zeros = torch.zeros(self.num_local_experts, blocks * ffn, dtype=torch.float32)
+            self.fc1_bias = self._parameter(zeros, config, device, 1, blocks)
+            self.fc2_bias = self._parameter(torch.zeros(self.num_local_experts, hidden), config, device, 1, 1)
         self.fc1_fp8: list[FP8Linear] | None = None  # `use_fp8`: one state per local expert
         self.fc2_fp8: list[FP8Linear] | None = None
 
@@ -217,9 +233,16 @@ class GroupedMLP(nn.Module):
             lo, hi, (shared1, shared2) = group
             g1, g2 = (lo, hi, shared1), (lo, hi, shared2)
         h = self._linear(x, self.fc1_weight, counts, self.fc1_fp8, g1)
+        if self.fc1_bias is not None:
+            h = h + _per_row(self._of_group(self.fc1_bias, group), counts)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.glu(gate, up)
         else:
             h = self.activation(h)
-        return self._linear(h, self.fc2_weight, counts, self.fc2_fp8, g2)
+        y = self._linear(h, self.fc2_weight, counts, self.fc2_fp8, g2)
+        return y if self.fc2_bias is None else y + _per_row(self._of_group(self.fc2_bias, group), counts)
+
+    @staticmethod
+    def _of_group(bias: torch.Tensor, group) -> torch.Tensor:
+        return bias if group is None else bias[group[0]:group[1]]

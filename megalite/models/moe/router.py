@@ -77,6 +77,12 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(full.to(device=device, dtype=config.params_dtype))
         # Under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP.
         self.weight.sequence_parallel = config.sequence_parallel
+        self.bias = None  # with --add-bias-linear (gpt-oss), drawn like the weight, as Megatron-Core's router
+        if config.add_bias_linear:
+            full = torch.zeros(config.num_moe_experts, dtype=torch.float32, device=init_device(device))
+            (init_method or weight_init(config))(full)
+            self.bias = nn.Parameter(full.to(device=device, dtype=config.params_dtype))
+            self.bias.sequence_parallel = config.sequence_parallel
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32, device=device))
             self.register_buffer("tokens_per_expert", torch.zeros(config.num_moe_experts, dtype=torch.float32,
@@ -85,7 +91,8 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return linear(tokens.float(), self.weight.float())
+        logits = linear(tokens.float(), self.weight.float())
+        return logits if self.bias is None else logits + self.bias.float()
 
     def forward(self, tokens: torch.Tensor):
         """tokens [T, hidden] -> (weights [T, k] fp32, indices [T, k], scores [T, E], logits [T, E])."""
