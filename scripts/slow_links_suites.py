@@ -67,7 +67,8 @@ def suite_runs(a) -> tuple[list[str], list[str]]:
 
 
 # The moe suite's model: 8 experts, top-2, every MLP a MoE layer.
-MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+MOE_FLAGS = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+             "--disable-bias-linear"]  # experts without biases, as the runs in docs/runs measured them
 
 
 def moe_comparison(results: dict[str, RunResult], links: dict) -> dict:

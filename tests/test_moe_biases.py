@@ -13,8 +13,8 @@ import torch
 
 from helpers import rel_err
 from megalite.models import TransformerConfig
-from megalite.testing import RankFailure, run_ranks
-from training_ranks import built_model, train_losses
+from megalite.testing import run_ranks
+from training_ranks import built_model, refusal, train_losses
 
 
 def _config(**extra) -> TransformerConfig:
@@ -63,8 +63,32 @@ def test_without_biases_there_are_none_and_etp2_is_refused():
     bare = MoELayer(_config(add_bias_linear=False), device="cpu")
     assert bare.experts.fc1_bias is None and bare.router.bias is None
     assert not [n for n, _ in bare.named_parameters() if "bias" in n]
-    with pytest.raises(RankFailure, match="run at --etp 1, as Megatron-Core's"):
-        run_ranks(train_losses, 2, args=(RUN + ["--tp", "2", "--sequence-parallel"],))
+    assert "run at --etp 1, as Megatron-Core's: --etp 2 (--etp defaults to --tp); add --etp 1" in refusal(
+        RUN + ["--tp", "2", "--sequence-parallel"], 2)
+
+
+def _decay_step(rank, world):
+    from megalite import parallel
+    from megalite.models.moe import MoELayer
+    from megalite.optim import MegaliteOptimizer, ParamAndGradBuffer
+
+    parallel.initialize_model_parallel(1)
+    layer = MoELayer(_config(), device="cpu")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(1.0)  # off zero: decay would move every one
+    buf = ParamAndGradBuffer(list(layer.parameters()), param_dtype=torch.float32, grad_dtype=torch.float32,
+                             bucket_numel=10 ** 9, dp_group=None, dp_size=1, reduce_scatter=False)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    MegaliteOptimizer([buf], lr=0.1, weight_decay=0.5).step(lr=0.1, clip_grad=0)  # zero gradients: decay alone
+    return {n: torch.equal(p.detach(), before[n]) for n, p in layer.named_parameters()}
+
+
+def test_biases_are_not_decayed_the_weights_are():
+    """Megatron-Core decays no bias: each expert's is 1-D there ([experts, width] here, marked)."""
+    unchanged = run_ranks(_decay_step, 1)[0]
+    assert unchanged == {n: "bias" in n for n in unchanged}, unchanged
+    assert {"router.bias", "experts.fc1_bias", "experts.fc2_bias"} <= set(unchanged)
 
 
 RUN = ["--model", "gpt-tiny", "--num-layers", "2", "--num-experts", "4", "--moe-router-topk", "2",
@@ -77,7 +101,10 @@ RUN = ["--model", "gpt-tiny", "--num-layers", "2", "--num-experts", "4", "--moe-
 def test_training_at_ep2_tp2_etp1_pp2_ep2_and_zero3_gives_one_ranks_losses():
     [want] = run_ranks(train_losses, 1, args=(RUN,))
     for world, layout in ((2, ["--ep", "2"]), (2, ["--tp", "2", "--sequence-parallel", "--etp", "1"]),
-                          (2, ["--ep", "2", "--moe-dispatch-chunks", "2"]),
+                          (2, ["--ep", "2", "--moe-dispatch-chunks", "2", "--delay-wgrad-compute"]),
+                          (2, ["--ep", "2", "--overlap-moe-expert-parallel-comm"]),
+                          (2, ["--pp", "2", "--pipeline-schedule", "zb-h1", "--zero-stage", "2",
+                               "--use-distributed-optimizer"]),
                           (2, ["--use-distributed-optimizer", "--zero-stage", "3"]), (4, ["--pp", "2", "--ep", "2"])):
         got = run_ranks(train_losses, world, args=(RUN + layout,))[-1]  # the last stage logs
         assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, (layout, got, want)

@@ -201,3 +201,24 @@ def test_a_megatron_checkpoints_yarn_position_type_is_read():
     assert (built.position_embedding_type, built.rotary_base, built.yarn_factor,
             built.yarn_original_max_position_embeddings, built.yarn_correction_range_round_to_int) == (
         "rope", 150000, 32.0, 16, False)
+
+
+def test_the_yarn_position_type_keeps_a_presets_factor_and_rotates_whole_heads():
+    keep = C.model_config(C.build_parser("test", "gpt-oss-tiny").parse_args(["--position-embedding-type", "yarn"]))
+    assert (keep.yarn_factor, keep.yarn_correction_range_round_to_int) == (4.0, False)
+    with pytest.raises(UsageError, match="drop --rotary-percent 0.5"):
+        _parse(["--position-embedding-type", "yarn", "--rotary-percent", "0.5"])
+
+
+def test_the_cached_tables_tell_the_rounding_apart():
+    rounded = _mla(qk_pos_emb_head_dim=64, yarn_factor=40.0, yarn_original_max_position_embeddings=4096)
+    exact = rounded.replace(yarn_correction_range_round_to_int=False)
+    a, b = RotaryEmbedding(rounded).cos_sin(64, "cpu"), RotaryEmbedding(exact).cos_sin(64, "cpu")
+    assert not torch.equal(a[0], b[0])
+
+
+def test_use_checkpoint_args_reads_the_yarn_position_type_as_the_checkpoints_rope():
+    from megalite.training.checkpoint_shape import _same_flag
+
+    assert _same_flag("position_embedding_type", "yarn", "rope", 2)
+    assert not _same_flag("position_embedding_type", "learned_absolute", "rope", 2)

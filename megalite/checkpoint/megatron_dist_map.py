@@ -97,6 +97,7 @@ def translate_args(args, where: str) -> Translation:
     flags += ["--position-embedding-type", position]
     if position == "yarn":  # rope with YaRN's scaling; its fields (a few named without yarn_) as Megatron-LM reads them
         flags += ["--rotary-scaling-factor", _arg(args, "rotary_scaling_factor") or 1.0]
+        args = argparse.Namespace(**{**vars(args), "rotary_percent": 1.0})  # its YaRN rotates whole heads
         for name in ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "mscale",
                      "mscale_all_dim"):
             if _arg(args, name) is not None:

@@ -110,6 +110,10 @@ def _check_experts(config: RunConfig, model: TransformerConfig, dp: int) -> None
     if model.moe_ffn_hidden_size % etp:
         raise UsageError(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by --etp {etp}: "
                          f"choose --etp among its divisors")
+    if model.add_bias_linear and etp > 1:  # fc2's bias would be added on every ETP rank (Megatron-Core asserts it)
+        raise UsageError(f"experts with biases (the model's linear layers have them; --disable-bias-linear drops "
+                         f"them) run at --etp 1, as Megatron-Core's: --etp {etp}" + (" (--etp defaults to --tp)"
+                         if p.expert_tensor_parallel_size is None else "") + "; add --etp 1")
     if p.tp > 1 and not p.sequence_parallel:
         raise UsageError(f"mixture-of-experts layers at --tp {p.tp} need --sequence-parallel (each TP rank routes "
                          f"its own part of the sequence): add --sequence-parallel")

@@ -230,7 +230,11 @@ def _model_overrides(m) -> dict:
     out.update(_megatron_rope_scaling(m, mla))
     if m.position_embedding_type == "yarn":  # Megatron-LM's name for rope with YaRN's scaling (factor 1 by default)
         out["position_embedding_type"] = "rope"
-        out.setdefault("yarn_factor", 1.0)
+        if "yarn_factor" not in out and PRESETS.get(m.model, {}).get("yarn_factor") is None:
+            out["yarn_factor"] = 1.0
+        if out.get("rotary_percent", 1.0) != 1.0:  # Megatron-Core's YaRN rotates every head dim, whatever the percent
+            raise UsageError(f"--position-embedding-type yarn rotates every dim of a head (Megatron-Core's YaRN reads "
+                             f"no --rotary-percent): drop --rotary-percent {out['rotary_percent']:g}")
     if m.use_rope_scaling and "rope_scaling_factor" not in out:
         out["rope_scaling_factor"] = 8.0  # Llama 3.1's factor, as Megatron-LM's --use-rope-scaling
     switches = {"swiglu": dict(gated_linear_unit=True, activation="silu"),

@@ -116,7 +116,8 @@ class RotaryEmbedding(nn.Module):
         self._key = (config.rotary_dims, config.rotary_base, config.rope_scaling_factor, config.rope_low_freq_factor,
                      config.rope_high_freq_factor, config.rope_original_max_position_embeddings, config.yarn_factor,
                      config.yarn_original_max_position_embeddings, config.yarn_beta_fast, config.yarn_beta_slow,
-                     self.attention_factor, config.rotary_seq_len_interpolation_factor)
+                     self.attention_factor, config.rotary_seq_len_interpolation_factor,
+                     config.yarn_correction_range_round_to_int)
 
     def cos_sin(self, s: int, device, cp_rank: int = 0, cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, 1, 1, rotary_dims] each (fp32), broadcast over batch and heads: positions 0..s-1, or

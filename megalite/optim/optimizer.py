@@ -73,7 +73,8 @@ class MegaliteOptimizer:
         groups: dict[tuple[bool, bool], list] = {}
         for piece in self.pieces:
             apart = separate_embedding_lr and getattr(piece.param, "is_embedding_or_output_parameter", False)
-            groups.setdefault((piece.param.ndim > 1, apart), []).append(piece.master)
+            decays = piece.param.ndim > 1 and not getattr(piece.param, "no_weight_decay", False)
+            groups.setdefault((decays, apart), []).append(piece.master)
         param_groups_ = [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "decays": decays,
                           "embedding_or_output": apart} for (decays, apart), ps in sorted(groups.items())]
         if not param_groups_:

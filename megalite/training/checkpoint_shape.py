@@ -169,7 +169,8 @@ def _same_flag(name: str, mine, theirs, num_layers: int) -> bool:
     """A shape flag as given against the checkpoint's value: windows and per-layer patterns by what they
     say (`--no-rope-freq 4` is the checkpoint's "[0,0,0,1]"), the rest as they are."""
     readers = {"window_size": parse_window, "window_attn_skip_freq": lambda v: window_pattern(v, num_layers),
-               "no_rope_freq": lambda v: no_rope_pattern(v, num_layers)}
+               "no_rope_freq": lambda v: no_rope_pattern(v, num_layers),
+               "position_embedding_type": lambda v: "rope" if v == "yarn" else v}  # (yarn: rope with YaRN's factor)
     if name not in readers or mine == theirs:
         return mine == theirs
     try:

@@ -191,6 +191,8 @@ class GroupedMLP(nn.Module):
             zeros = torch.zeros(self.num_local_experts, blocks * ffn, dtype=torch.float32)
             self.fc1_bias = self._parameter(zeros, config, device, 1, blocks)
             self.fc2_bias = self._parameter(torch.zeros(self.num_local_experts, hidden), config, device, 1, 1)
+            for bias in (self.fc1_bias, self.fc2_bias):  # each expert's bias is 1-D: no decay, as Megatron-Core's
+                bias.no_weight_decay = True
         self.fc1_fp8: list[FP8Linear] | None = None  # `use_fp8`: one state per local expert
         self.fc2_fp8: list[FP8Linear] | None = None
 
@@ -245,4 +247,6 @@ class GroupedMLP(nn.Module):
 
     @staticmethod
     def _of_group(bias: torch.Tensor, group) -> torch.Tensor:
+        """This group's experts' biases, their gradient handed over with the weights' (split backward: W)."""
+        bias = weight_grad.defer_delivery(bias)
         return bias if group is None else bias[group[0]:group[1]]

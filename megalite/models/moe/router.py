@@ -21,7 +21,7 @@ from megalite.models.config import TransformerConfig
 from megalite.models.moe.balanced import force_balanced
 from megalite.models.moe.capacity import count_per_expert
 from megalite.models.rng import is_recomputing, weight_init
-from megalite.parallel import state, traffic
+from megalite.parallel import state, traffic, weight_grad
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import default_device, init_device
 
@@ -92,7 +92,7 @@ class TopKRouter(nn.Module):
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = linear(tokens.float(), self.weight.float())
-        return logits if self.bias is None else logits + self.bias.float()
+        return logits if self.bias is None else logits + weight_grad.defer_delivery(self.bias).float()
 
     def forward(self, tokens: torch.Tensor):
         """tokens [T, hidden] -> (weights [T, k] fp32, indices [T, k], scores [T, E], logits [T, E])."""

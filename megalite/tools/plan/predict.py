@@ -131,6 +131,8 @@ def expert_refusal(config: TransformerConfig, layout: Layout, run: Run) -> str |
         return f"the number of experts ({config.num_moe_experts}) is not divisible by ep {ep}"
     if config.moe_ffn_hidden_size % etp:
         return f"the expert width ({config.moe_ffn_hidden_size}) is not divisible by etp {etp}"
+    if config.add_bias_linear and etp > 1:
+        return f"experts with biases run at etp 1 (etp {etp})"
     if layout.tp > 1 and not layout.sequence_parallel:
         return f"mixture-of-experts layers at tp {layout.tp} need sequence parallelism"
     if run.local_sgd_interval and (layout.tp * layout.cp) % (ep * etp):

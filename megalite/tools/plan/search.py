@@ -327,6 +327,8 @@ def expert_sizes(config: TransformerConfig, t: int, c: int, d: int, space: Searc
                 reject("experts % ep", f"experts {config.num_moe_experts} not divisible by ep {e}")
             elif config.moe_ffn_hidden_size % et:
                 reject("expert width % etp", f"expert width {config.moe_ffn_hidden_size} not divisible by etp {et}")
+            elif config.add_bias_linear and et > 1:
+                reject("expert biases need etp 1", f"experts with biases run at etp 1, not {et}")
             elif ranks % (e * et):
                 if space.ep is not None or space.etp is not None:
                     reject("etp x ep vs tp x cp x dp", f"etp {et} x ep {e} does not divide tp {t} x cp {c} x dp {d}")
