@@ -112,6 +112,28 @@ PRESETS.update({
 })
 
 
+# gpt-oss (OpenAI; openai/gpt-oss-20b's and -120b's config.json, Megatron-Bridge's gpt-oss page): every MLP a
+# MoE layer of quick-GeGLU experts clamped at 7 with the up half offset by 1, biases everywhere, learned
+# attention sinks, a 128-token window in every other layer (the first windowed), YaRN x32 without rounding.
+_GPT_OSS = dict(_LLAMA, add_bias_linear=True, softmax_type="learnable", activation="quick_gelu",
+                glu_linear_offset=1.0, activation_func_clamp_value=7.0, window_size=(127, 0), window_attn_skip_freq=2,
+                rotary_base=150000.0, yarn_factor=32.0, yarn_original_max_position_embeddings=4096,
+                yarn_correction_range_round_to_int=False, moe_router_topk=4)
+PRESETS.update({
+    "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, hidden_size=2880, num_attention_heads=64, num_query_groups=8,
+                        kv_channels=64, ffn_hidden_size=2880, vocab_size=201088, max_position_embeddings=131072,
+                        num_moe_experts=32, moe_ffn_hidden_size=2880),
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, hidden_size=2880, num_attention_heads=64, num_query_groups=8,
+                         kv_channels=64, ffn_hidden_size=2880, vocab_size=201088, max_position_embeddings=131072,
+                         num_moe_experts=128, moe_ffn_hidden_size=2880),
+    # For tests: every path of a gpt-oss layer at CPU size (a 4-token window, YaRN over 16 positions).
+    "gpt-oss-tiny": dict(_GPT_OSS, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                         kv_channels=16, ffn_hidden_size=32, vocab_size=1024, max_position_embeddings=128,
+                         window_size=(3, 0), yarn_factor=4.0, yarn_original_max_position_embeddings=16,
+                         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01),
+})
+
+
 def preset(name: str, **overrides) -> TransformerConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")

@@ -1,6 +1,6 @@
 """Hugging Face interop: GPT-2, BERT, the Llama family (Llama, Mistral, Qwen2, Qwen3) and the
-mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), DeepSeek-V3 and Nemotron weights into
-megalite and back.
+mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), DeepSeek-V3, Nemotron and gpt-oss weights
+into megalite and back.
 
     from megalite.tools.convert_hf import from_hf, to_hf, model_kind
     config, sd = from_hf(hf_model_or_saved_dir)   # GPT2LMHeadModel, LlamaForCausalLM, ... (SUPPORTED)
@@ -16,7 +16,8 @@ Command line (checkpoints through `megalite.checkpoint`):
 
 Modules: `common` (the table engine: each parameter maps through one row saying how its tensor
 changes; refusals; reading directories), one per family with its table and config mapping
-(`gpt2`, `bert`, `llama`, `moe`, `deepseek`, `nemotron`; docs/hf.md lists the tables), DeepSeek-V3's parts beside
+(`gpt2`, `bert`, `llama`, `moe`, `deepseek`, `nemotron`, `gpt_oss`; docs/hf.md lists the tables; `yarn_rope`
+maps YaRN for those that have it), DeepSeek-V3's parts beside
 `deepseek` (`deepseek_mla` attention, `deepseek_moe` routing and experts, `deepseek_mtp` multi-token
 prediction, over `deepseek_shape`), `convert` (from_hf / to_hf: which family), `cli`.
 """

@@ -69,6 +69,8 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], table: list[Row], groups:
             t = interleave(packed.chunk(3, dim=0), groups[how])
         elif how == "t":
             t = theirs[theirs_name].t()
+        elif how in ("gate_up", "experts_t"):
+            t = _experts_from_hf(theirs[theirs_name], how)
         elif how == "vocab":
             real = theirs[theirs_name]
             t = real.new_zeros((padded_vocab, *real.shape[1:]))
@@ -93,11 +95,31 @@ def export_tensors(ours: Mapping[str, torch.Tensor], table: list[Row], groups: M
             out[theirs_name] = own(packed.t() if packed.ndim == 2 else packed)
         elif how == "t":
             out[theirs_name] = own(t.t())
+        elif how in ("gate_up", "experts_t"):
+            out[theirs_name] = own(_experts_to_hf(t, how))
         elif how == "vocab":
             out[theirs_name] = own(t[:vocab])
         else:
             out[theirs_name] = own(t)
     return out
+
+
+def _experts_from_hf(t: torch.Tensor, how: str) -> torch.Tensor:
+    """Stacked experts held as x @ W (gpt-oss): `experts_t` [E, in, out] -> megalite's [E, out, in];
+    `gate_up` [E, H, 2F] (or a bias [E, 2F]) whose last dim interleaves gate and up -> [E, 2F, H] (or
+    [E, 2F]) with the gate rows first, then the up rows."""
+    if how == "gate_up":
+        t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+    return t.transpose(1, 2) if t.ndim == 3 else t
+
+
+def _experts_to_hf(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The inverse of _experts_from_hf."""
+    t = t.transpose(1, 2) if t.ndim == 3 else t
+    if how == "gate_up":
+        gate, up = t.chunk(2, dim=-1)
+        t = torch.stack([gate, up], dim=-1).flatten(-2)
+    return t
 
 
 def pairs(modules, params=("weight", "bias")) -> list[Row]:

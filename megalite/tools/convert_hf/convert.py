@@ -7,16 +7,18 @@ from typing import Mapping
 import torch
 
 from megalite.models.config import TransformerConfig
-from megalite.tools.convert_hf import bert, deepseek, gpt2, llama, moe, nemotron
+from megalite.tools.convert_hf import bert, deepseek, gpt2, gpt_oss, llama, moe, nemotron
 from megalite.tools.convert_hf.common import ConversionError, load_hf_config, load_hf_weights, refuse
 from megalite.tools.convert_hf.rotary_rows import interleaved_to_rotate_half
 
 # family module -> the megalite model kind it becomes
-FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"), (deepseek, "gpt"), (nemotron, "gpt"))
+FAMILIES = ((gpt2, "gpt"), (bert, "bert"), (llama, "gpt"), (moe, "gpt"), (deepseek, "gpt"), (nemotron, "gpt"),
+            (gpt_oss, "gpt"))
 SUPPORTED = ", ".join(a for family, _ in FAMILIES for a in family.ARCHITECTURES)
 # What to_hf writes: kind -> Hugging Face class -> family.
 EXPORTS = {"gpt": {"GPT2LMHeadModel": gpt2, **{a: llama for a in llama.ARCHITECTURES},
-                   **{a: moe for a in moe.ARCHITECTURES}, deepseek.DEEPSEEK_V3: deepseek, nemotron.NEMOTRON: nemotron},
+                   **{a: moe for a in moe.ARCHITECTURES}, deepseek.DEEPSEEK_V3: deepseek, nemotron.NEMOTRON: nemotron,
+                   gpt_oss.GPT_OSS: gpt_oss},
            "bert": {"BertForPreTraining": bert}}
 
 
@@ -105,7 +107,8 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
         config = config.replace(rotary_interleaved=False)
     exports = EXPORTS[kind]
     if architecture is None:
-        family = (bert if kind == "bert" else deepseek if config.multi_latent_attention else moe if config.is_moe
+        family = (bert if kind == "bert" else deepseek if config.multi_latent_attention
+                  else gpt_oss if gpt_oss.is_gpt_oss_like(config) else moe if config.is_moe
                   else nemotron if nemotron.is_nemotron_like(config) else llama if llama.is_llama_like(config)
                   else gpt2)
     elif architecture in exports:
@@ -115,9 +118,12 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if config.multi_latent_attention and family is not deepseek:
         raise ConversionError(f"this model has multi-head latent attention, {architecture} none: choose "
                               f"{deepseek.DEEPSEEK_V3}")
-    if config.is_moe and family not in (moe, deepseek):
+    if config.is_moe and family not in (moe, deepseek, gpt_oss):
         raise ConversionError(f"this model has experts, {architecture} none: choose one of "
-                              f"{', '.join(moe.ARCHITECTURES)}")
+                              f"{', '.join(moe.ARCHITECTURES + gpt_oss.ARCHITECTURES)}")
+    if family is gpt_oss and not config.is_moe:
+        raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
+                              f"{llama.LLAMA}")
     if family is moe and not config.is_moe:
         raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
                               f"{llama.LLAMA}")
@@ -129,7 +135,7 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if family is not nemotron and config.activation == "squared_relu":
         raise ConversionError(f"the model's MLPs are squared-ReLU (--squared-relu), which {nemotron_holds}: export "
                               f"is not implemented for it otherwise")
-    if family not in (llama, moe) and llama.hf_window(config) is not None:
+    if family not in (llama, moe, gpt_oss) and llama.hf_window(config) is not None:
         raise ConversionError(f"the model attends within a sliding window (--window-size), which "
                               f"{architecture or 'the class it exports as'} does not hold: "
                               f"{llama.WINDOWED_ARCHITECTURES}")
@@ -137,13 +143,17 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
         raise ConversionError("the model has Llama 4's query/key L2 norm, layers without rope or expert inputs scaled "
                               "by their weight (--qk-l2-norm, --no-rope-freq, --moe-apply-probs-on-input), which no "
                               "Hugging Face class megalite exports holds")
-    if config.activation == "quick_gelu" or config.glu_linear_offset or config.activation_func_clamp_value:
-        raise ConversionError("the model's MLPs are quick-GeGLU or clamped / offset GLUs (--quick-geglu, "
-                              "--glu-linear-offset, --activation-func-clamp-value), which no Hugging Face class "
-                              "megalite exports holds")
-    if config.softmax_type != "vanilla":
-        raise ConversionError(f"the model's attention has sinks (--softmax-type {config.softmax_type}), which no "
-                              f"Hugging Face class megalite exports holds")
+    gpt_oss_holds = f"only {gpt_oss.GPT_OSS} holds (a MoE model with learnable sinks)"
+    quick = config.activation == "quick_gelu" or config.glu_linear_offset or config.activation_func_clamp_value
+    if family is not gpt_oss and quick:
+        raise ConversionError(f"the model's MLPs are quick-GeGLU or clamped / offset GLUs (--quick-geglu, "
+                              f"--glu-linear-offset, --activation-func-clamp-value), which {gpt_oss_holds}")
+    if family is not gpt_oss and config.softmax_type != "vanilla":
+        raise ConversionError(f"the model's attention has sinks (--softmax-type {config.softmax_type}), which "
+                              f"{gpt_oss_holds}")
+    if family in (gpt2, bert, nemotron) and config.yarn_factor is not None:
+        raise ConversionError(f"the model's rope is YaRN-scaled, which {architecture or family.ARCHITECTURES[0]} "
+                              f"does not hold")
     if family in (llama, moe, deepseek, nemotron):
         return family.to_hf(config, state_dict, architecture)
     return family.to_hf(config, state_dict)

@@ -13,16 +13,15 @@ does: the same scores. Export reorders them back and writes `rope_interleave` tr
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping
 
 import torch
 
-from megalite.models.rope import yarn_attention_factor, yarn_mscale
 from megalite.tools.convert_hf import llama
 from megalite.tools.convert_hf.common import Row, pairs
 from megalite.tools.convert_hf.deepseek_shape import Shape
 from megalite.tools.convert_hf.rotary_rows import reorder_head_rows
+from megalite.tools.convert_hf.yarn_rope import hf_yarn_parameters, yarn_fields
 
 LATENT_NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm and kv_a_layernorm, whatever rms_norm_eps is
 
@@ -56,55 +55,11 @@ def reorder_rotary_rows(tensors: Mapping[str, torch.Tensor], c, order: torch.Ten
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# YaRN
-
-def hf_yarn_attention_factor(rope: Mapping, factor: float) -> float:
-    """What Hugging Face multiplies cos and sin by under YaRN: `attention_factor` when given, else
-    m(mscale) / m(mscale_all_dim) when both are non-zero, else m(1) (mscale alone is ignored)."""
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
-    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if mscale and all_dim:
-        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
-    return yarn_mscale(factor, 1.0)
-
-
-def _yarn_mscale_for(wanted: float, factor: float, all_dim: float, given: float, problems: list[str]) -> float:
-    """megalite's yarn_mscale giving cos/sin the factor `wanted` beside `all_dim`: `given` when it
-    does (DeepSeek's configs), else solved from m(mscale) = wanted * m(all_dim)."""
-    if math.isclose(yarn_mscale(factor, given) / yarn_mscale(factor, all_dim), wanted, rel_tol=1e-12):
-        return given
-    if factor <= 1.0:
-        problems.append(f"yarn attention_factor={wanted} with factor={factor} (megalite's is 1 when the factor is at most 1)")
-        return given
-    return (wanted * yarn_mscale(factor, all_dim) - 1.0) / (0.1 * math.log(factor))
-
-
-def _yarn_fields(rope: Mapping, problems: list[str]) -> dict:
-    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
-    if factor is None or original is None:
-        problems.append("yarn rope scaling without factor or original_max_position_embeddings")
-        return {}
-    if factor < 1.0:
-        problems.append(f"yarn factor={factor} (below 1 it shortens wavelengths; megalite's YaRN needs >= 1)")
-        return {}
-    if rope.get("truncate", True) is False:
-        problems.append("yarn truncate=False (megalite rounds the blend's bounds outwards to whole dims, as "
-                        "DeepSeek-V3 does)")
-    all_dim = float(rope.get("mscale_all_dim") or 0.0)  # Hugging Face scales the softmax only when it is non-zero
-    given = float(rope["mscale"]) if rope.get("mscale") and all_dim else 1.0
-    mscale = _yarn_mscale_for(hf_yarn_attention_factor(rope, factor), factor, all_dim, given, problems)
-    return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=int(original),
-                yarn_beta_fast=float(rope.get("beta_fast") or 32.0), yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
-                yarn_mscale=mscale, yarn_mscale_all_dim=all_dim)
-
-
 def rope_fields(cfg, problems: list[str]) -> dict:
     rope = llama.rope_parameters(cfg)
     fields = {"rotary_base": float(rope["rope_theta"])}
     if rope["rope_type"] == "yarn":
-        fields.update(_yarn_fields(rope, problems))
+        fields.update(yarn_fields(rope, problems))
     elif rope["rope_type"] != "default":
         problems.append(f"rope_type {rope['rope_type']!r} (megalite converts DeepSeek-V3's default and yarn RoPE)")
     partial = rope.get("partial_rotary_factor", 1.0)
@@ -115,16 +70,7 @@ def rope_fields(cfg, problems: list[str]) -> dict:
 
 def hf_rope_parameters(c) -> dict:
     """Hugging Face's rope_parameters of a megalite config (default or yarn)."""
-    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
-    if c.yarn_factor is None:
-        return rope
-    rope.update(rope_type="yarn", factor=c.yarn_factor,
-                original_max_position_embeddings=c.yarn_original_max_position_embeddings, beta_fast=c.yarn_beta_fast,
-                beta_slow=c.yarn_beta_slow, mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim)
-    ours = yarn_attention_factor(c)
-    if not math.isclose(hf_yarn_attention_factor(rope, c.yarn_factor), ours, rel_tol=1e-12):
-        rope["attention_factor"] = ours  # e.g. an mscale without mscale_all_dim, which Hugging Face ignores
-    return rope
+    return {"rope_type": "default", "rope_theta": c.rotary_base, **hf_yarn_parameters(c)}
 
 
 def attention_fields(cfg, problems: list[str]) -> dict:

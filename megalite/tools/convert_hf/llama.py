@@ -18,11 +18,12 @@ from megalite.models.config import TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf.common import (Row, export_tensors, import_tensors, load_into,
                                               pairs, refuse, table_problems, transformers)
+from megalite.tools.convert_hf.yarn_rope import hf_yarn_parameters, yarn_fields
 
 LLAMA, MISTRAL, QWEN2, QWEN3 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3)
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,8 @@ def _rope_fields(cfg, problems: list[str]) -> dict:
             problems.append("linear rope scaling without factor")
         else:
             fields["rotary_seq_len_interpolation_factor"] = float(rope["factor"])
+    elif rope["rope_type"] == "yarn":  # Qwen2.5's long context, gpt-oss
+        fields.update(yarn_fields(rope, problems))
     elif rope["rope_type"] == "llama3":
         keys = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                 "high_freq_factor": "rope_high_freq_factor",
@@ -368,6 +371,7 @@ def hf_config_kwargs(c, cls) -> dict:
         rope.update(rope_type="llama3", factor=c.rope_scaling_factor, low_freq_factor=c.rope_low_freq_factor,
                     high_freq_factor=c.rope_high_freq_factor,
                     original_max_position_embeddings=c.rope_original_max_position_embeddings)
+    rope.update(hf_yarn_parameters(c))
     kwargs = dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
