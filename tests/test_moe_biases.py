@@ -1,4 +1,4 @@
-"""Experts and routers with biases: what --add-bias-linear (Megatron-LM's default) gives a MoE model, as
+"""Experts and routers with biases: what add_bias_linear (Megatron-LM's default) gives a MoE model, as
 Megatron-Core builds it (gpt-oss): each expert's fc1 and fc2 biases, zero at init, fc2's inside the
 router's weight, p (fc2(h) + b); the router's bias on its fp32 logits, drawn like its weight. Checked by
 hand on one layer, the chunked dispatch included; training at ep 2, tp 2 with SP and ETP 1, pp 2 x ep 2

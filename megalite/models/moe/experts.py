@@ -186,7 +186,7 @@ class GroupedMLP(nn.Module):
         self.fc1_bias = self.fc2_bias = None
         if config.add_bias_linear:
             if etp > 1:
-                raise ValueError(f"experts with biases (--add-bias-linear with --num-experts) run at --etp 1, as "
+                raise ValueError(f"experts with biases (add_bias_linear with --num-experts) run at --etp 1, as "
                                  f"Megatron-Core's: --etp {etp} would add fc2's bias on every ETP rank; use --etp 1")
             zeros = torch.zeros(self.num_local_experts, blocks * ffn, dtype=torch.float32)
             self.fc1_bias = self._parameter(zeros, config, device, 1, blocks)

@@ -77,7 +77,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(full.to(device=device, dtype=config.params_dtype))
         # Under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP.
         self.weight.sequence_parallel = config.sequence_parallel
-        self.bias = None  # with --add-bias-linear (gpt-oss), drawn like the weight, as Megatron-Core's router
+        self.bias = None  # with add_bias_linear (gpt-oss), drawn like the weight, as Megatron-Core's router
         if config.add_bias_linear:
             full = torch.zeros(config.num_moe_experts, dtype=torch.float32, device=init_device(device))
             (init_method or weight_init(config))(full)

@@ -4,7 +4,7 @@ A gpt-oss layer is a Llama-family layer (RMSNorm, grouped-query attention, rope)
 gpt-oss flags: q/k/v/o biases and learned attention sinks (`self_attn.sinks`: --softmax-type learnable),
 a sliding window in the layers `layer_types` marks (--window-size W-1,0 --window-attn-skip-freq),
 YaRN rope without rounding (`truncate=False`: --no-yarn-correction-range-round-to-int), and every MLP a
-MoE layer whose router and experts have biases (--add-bias-linear) and whose experts are quick-GeGLU,
+MoE layer whose router and experts have biases (add_bias_linear) and whose experts are quick-GeGLU,
 clamped and offset (--quick-geglu --activation-func-clamp-value `swiglu_limit` --glu-linear-offset 1):
 Hugging Face's `(clamp(up, -l, l) + 1) * g sigmoid(1.702 g)`, g = min(gate, l).
 
