@@ -132,3 +132,18 @@ def test_the_command_line_imports_trains_at_tp2_and_ep2_and_exports(tmp_path):
     back = tf.GptOssForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert torch.equal(back(IDS).logits, _hf()(IDS).logits)
+
+
+def test_greedy_generation_equals_transformers():
+    """The key/value cache with sinks, the window (prompt and completion four windows long) and YaRN."""
+    from megalite.generation import generate
+
+    hf = _hf()
+    model = _ours(hf)[1]
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11]]
+    ours = generate([model], prompts, max_new_tokens=9, eos_id=None).tokens
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, ours):
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=9, do_sample=False, pad_token_id=0)
+            assert out[0, len(prompt):].tolist() == tokens
