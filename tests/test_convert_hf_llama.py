@@ -175,10 +175,10 @@ def test_a_sliding_window_is_imported_as_megalites_window(tmp_path, capsys):
 
 def test_unsupported_llama_settings_are_refused_in_one_message(tmp_path, capsys):
     bad = tf.LlamaConfig(**{**_common(), "hidden_act": "gelu", "attention_bias": True,
-                            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}})
+                            "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}})
     problems = llama.config_fields(bad, "LlamaForCausalLM")[1]
     text = "; ".join(problems)
-    for words in ("hidden_act='gelu'", "attention_bias=True with mlp_bias=False", "rope_type 'yarn'"):
+    for words in ("hidden_act='gelu'", "attention_bias=True with mlp_bias=False", "rope_type 'dynamic'"):
         assert words in text
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**{**_common(), "hidden_act": "relu"}))
     with pytest.raises(ValueError, match="cannot convert LlamaForCausalLM to megalite: hidden_act='relu'"):

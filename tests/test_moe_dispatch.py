@@ -23,7 +23,8 @@ E, K, H, FFN, TOKENS = 8, 2, 8, 12, 6  # experts, top-k, hidden, expert width, t
 def _config(gated=True, dispatcher="alltoall"):
     return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=FFN,
                              num_moe_experts=E, moe_router_topk=K, gated_linear_unit=gated,
-                             activation="silu" if gated else "gelu", moe_token_dispatcher_type=dispatcher)
+                             activation="silu" if gated else "gelu", moe_token_dispatcher_type=dispatcher,
+                             add_bias_linear=False)  # (experts with biases run at ETP 1: test_moe_biases.py)
 
 
 def _full_weights(seed, gated):

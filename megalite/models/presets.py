@@ -128,7 +128,7 @@ PRESETS.update({
                          num_moe_experts=128, moe_ffn_hidden_size=2880),
     # For tests: every path of a gpt-oss layer at CPU size (a 4-token window, YaRN over 16 positions).
     "gpt-oss-tiny": dict(_GPT_OSS, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                         kv_channels=16, ffn_hidden_size=32, vocab_size=1024, max_position_embeddings=128,
+                         kv_channels=16, ffn_hidden_size=32, vocab_size=1024, max_position_embeddings=64,
                          window_size=(3, 0), yarn_factor=4.0, yarn_original_max_position_embeddings=16,
                          num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01),
 })

@@ -97,8 +97,8 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     squared-ReLU MLPs, and for a RoPE / GQA / SwiGLU GPT MistralForCausalLM with a sliding window,
     Qwen3ForCausalLM with qk norms, Qwen2ForCausalLM with q/k/v biases alone, else
     LlamaForCausalLM; for a GPT with experts the first of MixtralForCausalLM, Qwen3MoeForCausalLM,
-    OlmoeForCausalLM and Qwen2MoeForCausalLM that holds it; with multi-head latent attention
-    DeepseekV3ForCausalLM. Tensors are copied in their dtype."""
+    OlmoeForCausalLM and Qwen2MoeForCausalLM that holds it, GptOssForCausalLM for one with learnable
+    attention sinks; with multi-head latent attention DeepseekV3ForCausalLM. Tensors are copied in their dtype."""
     kind = kind or model_kind(state_dict)
     if kind not in ("gpt", "bert"):
         raise ConversionError(f"model kind must be 'gpt' or 'bert', got {kind!r}")

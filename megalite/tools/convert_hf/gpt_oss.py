@@ -18,6 +18,7 @@ transformers dequantized (bf16) and convert that model.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Mapping
 
 import torch
@@ -25,8 +26,8 @@ import torch
 from megalite.models.config import TransformerConfig
 from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
-from megalite.tools.convert_hf.common import (Row, export_tensors, import_tensors, load_into, refuse, table_problems,
-                                              transformers)
+from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into, refuse,
+                                              table_problems, transformers)
 
 GPT_OSS = "GptOssForCausalLM"
 ARCHITECTURES = (GPT_OSS,)
@@ -76,6 +77,7 @@ def config_fields(cfg) -> tuple[dict, list[str]]:
     """(TransformerConfig fields but params_dtype, problems) of a GptOssConfig."""
     problems: list[str] = []
     fields = llama.shared_fields(cfg, GPT_OSS, problems)
+    problems = [p for p in problems if not p.startswith("hidden_act=")]  # (gpt-oss's experts never read it)
     if not getattr(cfg, "attention_bias", True):
         problems.append("attention_bias=False (megalite's add_bias_linear gives attention the biases gpt-oss's "
                         "router and experts always have)")
@@ -90,6 +92,11 @@ def config_fields(cfg) -> tuple[dict, list[str]]:
         moe_layer_freq=[1] * cfg.num_hidden_layers, moe_router_pre_softmax=False,
         moe_router_load_balancing_type="aux_loss" if getattr(cfg, "output_router_logits", False) else "none",
         moe_aux_loss_coeff=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0))
+    if fields["moe_aux_loss_coeff"]:
+        warnings.warn(f"{GPT_OSS}'s router_aux_loss_coef {fields['moe_aux_loss_coeff']:g} weighs one balancing loss "
+                      f"pooled over every layer; megalite's --moe-aux-loss-coeff weighs each layer's, times experts / "
+                      f"top-k: the same coefficient pulls about layers / top-k times harder (docs/moe.md)",
+                      ConversionNote, stacklevel=3)
     return fields, problems
 
 
@@ -100,6 +107,9 @@ def config_problems(cfg) -> list[str]:
 def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     fields, problems = config_fields(model.config)
     theirs = dict(model.state_dict())
+    if any(k.endswith(("_blocks", "_scales")) for k in theirs):
+        problems.append("its experts are MXFP4-quantized (gate_up_proj_blocks / _scales): load the model with "
+                        "transformers' Mxfp4Config(dequantize=True) and convert that (or its save_pretrained directory)")
     refuse(GPT_OSS, problems + llama.tied_head_problems(theirs, fields))
     config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
     padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
@@ -122,8 +132,7 @@ def export_problems(c) -> list[str]:
               "softmax_type": "learnable", "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
               "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
               "moe_router_enable_expert_bias": False, "moe_shared_expert_intermediate_size": None,
-              "moe_apply_probs_on_input": False, "rotary_seq_len_interpolation_factor": None,
-              "rope_scaling_factor": None}
+              "moe_apply_probs_on_input": False}
     for name, value in wanted.items():
         if getattr(c, name, None) != value:
             problems.append(f"{GPT_OSS} needs {name}={value!r} (config: {getattr(c, name, None)!r})")
@@ -147,7 +156,8 @@ def hf_config(c):
                   num_experts_per_tok=c.moe_router_topk, swiglu_limit=c.activation_func_clamp_value,
                   router_aux_loss_coef=c.moe_aux_loss_coeff,
                   output_router_logits=c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff > 0,
-                  attention_bias=True, sliding_window=None if window is None else window[0],
+                  # a window its every layer ignores where there is none: GptOssModel makes the sliding mask always
+                  attention_bias=True, sliding_window=c.max_position_embeddings if window is None else window[0],
                   layer_types=["sliding_attention" if pattern and pattern[i] else "full_attention"
                                for i in range(c.num_layers)])
     for name in ("use_sliding_window", "max_window_layers", "mlp_bias"):

@@ -297,6 +297,11 @@ def attention_problems(c, arch: str) -> list[str]:
     """What `arch` cannot hold of a config's rope scaling and sliding window (this module's and `moe`'s,
     whose Hugging Face configs `hf_config_kwargs` writes alike)."""
     problems = []
+    if getattr(c, "yarn_factor", None) is not None:
+        version = torch.torch_version.TorchVersion(transformers().__version__)
+        if version < (4, 55):  # before gpt-oss: the factor taken from the positions, truncate not read
+            problems.append(f"YaRN rope exports with transformers >= 4.55 (this is {version}, whose YaRN reads "
+                            f"neither the factor given nor truncate)")
     if getattr(c, "rotary_seq_len_interpolation_factor", None) is not None and c.rope_scaling_factor is not None:
         problems.append(f"{arch} scales rope one way: linear position interpolation and Llama 3.1's frequency "
                         f"scaling together have no Hugging Face rope_type")

@@ -46,7 +46,7 @@ def yarn_fields(rope: Mapping, problems: list[str]) -> dict:
         problems.append(f"yarn factor={factor} (below 1 it shortens wavelengths; megalite's YaRN needs >= 1)")
         return {}
     all_dim = float(rope.get("mscale_all_dim") or 0.0)  # Hugging Face scales the softmax only when it is non-zero
-    given = float(rope["mscale"]) if rope.get("mscale") and all_dim else 1.0
+    given = float(rope.get("mscale") or 1.0)  # tried first: what an export wrote beside its attention_factor
     mscale = _yarn_mscale_for(hf_yarn_attention_factor(rope, factor), factor, all_dim, given, problems)
     return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=int(original),
                 yarn_beta_fast=float(rope.get("beta_fast") or 32.0), yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
@@ -61,8 +61,9 @@ def hf_yarn_parameters(c) -> dict:
         return {}
     rope = dict(rope_type="yarn", factor=c.yarn_factor,
                 original_max_position_embeddings=c.yarn_original_max_position_embeddings, beta_fast=c.yarn_beta_fast,
-                beta_slow=c.yarn_beta_slow, mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim,
-                truncate=c.yarn_correction_range_round_to_int)
+                beta_slow=c.yarn_beta_slow, mscale=c.yarn_mscale, mscale_all_dim=c.yarn_mscale_all_dim)
+    if not c.yarn_correction_range_round_to_int:  # (Hugging Face's default truncates, as DeepSeek's configs say)
+        rope["truncate"] = False
     ours = yarn_attention_factor(c)
     if not math.isclose(hf_yarn_attention_factor(rope, c.yarn_factor), ours, rel_tol=1e-12):
         rope["attention_factor"] = ours  # e.g. an mscale without mscale_all_dim, which Hugging Face ignores
