@@ -270,3 +270,60 @@ def test_refusals_and_exports():
     model = GPTModel(preset("llama-tiny", softmax_type="off-by-one"), seed=1, device="cpu")
     with pytest.raises(ConversionError, match="sinks"):
         to_hf(model.config, model.state_dict())
+
+
+def test_causal_sinks_keep_the_flash_call_grouped_and_maskless(monkeypatch):
+    """The GPU path replayed on the CPU: causal attention without a mask with sinks is one fused-attention
+    call with is_causal and no mask (flash's reach), key groups not expanded, head widths multiples of
+    8; a window's mask gains only the sink's column."""
+    import torch.nn.functional as F
+
+    from megalite.models.attention import _sdpa_attention
+
+    calls, real = [], F.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append((tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape),
+                      is_causal, enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    q, k, v, sink = _inputs(heads=4, groups=2, s=12, d=8)
+    _sdpa_attention(q, k, v, None, 0.0, True, sink=sink)
+    _sdpa_attention(q, k, v, band_mask(12, 12, (3, 0), True, "cpu"), 0.0, True, sink=sink)
+    assert calls == [((2, 4, 13, 16), (2, 2, 13, 16), None, True, True),
+                     ((2, 4, 12, 16), (2, 2, 13, 16), (1, 1, 12, 13), False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_on_a_gpu_sinks_run_the_fused_kernels_and_equal_the_explicit_softmax(d):
+    """scripts/gpu_checks.sh kernels: in bf16, causal attention with sinks runs on flash alone and a
+    windowed one on the memory-efficient kernel alone (no math fallback), within bf16 of the explicit
+    form, and the causal path keeps no more than vanilla's memory plus the widened copies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megalite.models.attention import _explicit_attention, _expand_groups, _sdpa_attention
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, h, 2048, d, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (16, 4, 4))
+    sink = torch.randn(16, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = _explicit_attention(q.float(), *_expand_groups(k.float(), v.float(), 16), None, 0.0, True, sink.float())
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        got = _sdpa_attention(q, k, v, None, 0.0, True, sink=sink)
+    assert rel_err(got.float(), want) <= 2e-2
+    window = band_mask(2048, 2048, (255, 0), True, "cuda")
+    want = _explicit_attention(q.float(), *_expand_groups(k.float(), v.float(), 16), window, 0.0, True, sink.float())
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        got = _sdpa_attention(q, k, v, window, 0.0, True, sink=sink)
+    assert rel_err(got.float(), want) <= 2e-2
+    peaks = []
+    for s in (None, sink):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _sdpa_attention(q, k, v, None, 0.0, True, sink=s)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert peaks[1] <= 3 * peaks[0] + 4 * q.numel() * q.element_size(), peaks
