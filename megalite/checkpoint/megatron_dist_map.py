@@ -147,7 +147,7 @@ def translate_args(args, where: str) -> Translation:
 _MOE_VALUES = ("moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function", "moe_router_topk_scaling_factor",
                "moe_router_num_groups", "moe_router_group_topk", "moe_router_load_balancing_type",
                "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-               "moe_token_drop_policy")
+               "moe_token_drop_policy", "moe_input_jitter_eps")
 _MOE_SWITCHES = ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_pad_expert_input_to_capacity",
                  "moe_apply_probs_on_input")
 

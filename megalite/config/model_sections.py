@@ -219,6 +219,9 @@ class MoEConfig:
     moe_token_drop_policy: str = opt("probs", "over capacity, drop the lowest-weight tokens or the last ones",
                                      choices=("probs", "position"))
     moe_pad_expert_input_to_capacity: bool = opt(False, "pad every expert's input to its capacity (static shapes)")
+    moe_input_jitter_eps: float | None = opt(None, "training: the router's input times noise U(1 - eps, 1 + eps) "
+                                                   "(Switch Transformer's jitter; Mixtral's router_jitter_noise)",
+                                             check=(lambda v: 0 <= v < 1, "in [0, 1)"))
     moe_apply_probs_on_input: bool = opt(False, "top-1 routing: the expert reads its token times the routing weight "
                                                 "and its output joins unweighted (Llama 4's)", shape=True)
     moe_shared_expert_intermediate_size: int | None = opt(None, "a dense MLP of this width every token also takes",

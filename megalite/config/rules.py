@@ -294,7 +294,8 @@ MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_r
                "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
                "moe_router_force_load_balancing", "moe_token_dispatcher_type",
                "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_apply_probs_on_input")
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_apply_probs_on_input",
+               "moe_input_jitter_eps")
 
 
 def _moe_fields(m) -> dict:

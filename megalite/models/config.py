@@ -150,6 +150,7 @@ class TransformerConfig:
     moe_token_drop_policy: str = "probs"  # probs | position: which tokens over capacity are dropped
     moe_pad_expert_input_to_capacity: bool = False
     moe_apply_probs_on_input: bool = False  # top-1: the weight scales the expert's input, not its output (Llama 4)
+    moe_input_jitter_eps: float | None = None  # training: the router's input times U(1 - eps, 1 + eps)
     moe_shared_expert_intermediate_size: int | None = None  # a dense MLP every token also takes
     moe_shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w)
     # The all-to-all dispatcher's exchanges a group of local experts at a time, pipelined with the

@@ -90,6 +90,20 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     return x * keep * (1.0 / (1.0 - p))
 
 
+def input_jitter(x: torch.Tensor, eps: float | None, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """x times noise U(1 - eps, 1 + eps) in x's dtype, while training (the Switch Transformer's router
+    jitter: Megatron-LM's --moe-input-jitter-eps, Hugging Face Mixtral's router_jitter_noise). Drawn as
+    `hidden_dropout` draws its mask: under sequence parallelism the whole sequence's, each rank its
+    slice, so TP with SP jitters as one rank does; a recomputed forward draws it again alike."""
+    if not training or not eps:
+        return x
+    tp = state.get_tensor_model_parallel_world_size()
+    if not sequence_parallel or tp == 1:
+        return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+    full = torch.empty((x.shape[0] * tp, *x.shape[1:]), dtype=x.dtype, device=x.device).uniform_(1.0 - eps, 1.0 + eps)
+    return x * full.chunk(tp, dim=0)[state.get_tensor_model_parallel_rank()]
+
+
 _recomputing = [0]  # > 0 while a checkpointed forward runs again in the backward
 
 

@@ -13,7 +13,7 @@ from megalite.models.moe.capacity import count_per_expert, drop_over_capacity, e
 from megalite.models.moe.dispatcher import make_dispatcher
 from megalite.models.moe.experts import GroupedMLP
 from megalite.models.moe.router import TopKRouter
-from megalite.models.rng import weight_init
+from megalite.models.rng import input_jitter, weight_init
 from megalite.parallel import state
 from megalite.parallel.grad_accumulation import linear
 from megalite.parallel.layers import default_device, init_device
@@ -48,7 +48,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, hidden] (sequence-sharded under SP) -> the same shape."""
         tokens = x.reshape(-1, x.shape[-1])
-        weights, indices, scores, logits = self.router(tokens)
+        c = self.config
+        routed_input = input_jitter(x, c.moe_input_jitter_eps, self.training, c.sequence_parallel).view_as(tokens)
+        weights, indices, scores, logits = self.router(routed_input)  # (the experts read the tokens unjittered)
         routed, pad_to = indices, None
         c = self.config
         if c.moe_expert_capacity_factor is not None:

@@ -222,8 +222,9 @@ def config_fields(cfg, arch: str) -> tuple[dict, list[str]]:
     fields.update(_expert_fields(cfg, arch, problems))
     jitter = getattr(cfg, "router_jitter_noise", 0.0) or 0.0
     if jitter:
-        warnings.warn(f"{arch} multiplies the router's input by noise in [1 - {jitter}, 1 + {jitter}] while "
-                      f"training; megalite has no router jitter, so training here goes without it",
+        warnings.warn(f"{arch} multiplies the MoE layer's input, the experts' too, by noise in [1 - {jitter}, "
+                      f"1 + {jitter}] while training; megalite's --moe-input-jitter-eps jitters the router's input "
+                      f"alone (Megatron-Core's), so training here goes without it unless given",
                       ConversionNote, stacklevel=3)
     return fields, problems
 

@@ -75,6 +75,7 @@ MOE_FLAGS = {
     "moe_expert_capacity_factor": lambda v: ["--moe-expert-capacity-factor", f"{v:g}"] if v is not None else [],
     "moe_pad_expert_input_to_capacity": lambda v: ["--moe-pad-expert-input-to-capacity"] if v else [],
     "moe_apply_probs_on_input": lambda v: ["--moe-apply-probs-on-input"] if v else [],
+    "moe_input_jitter_eps": lambda v: ["--moe-input-jitter-eps", f"{v:g}"] if v else [],
 }
 
 
