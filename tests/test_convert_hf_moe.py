@@ -216,7 +216,7 @@ def test_mixtrals_sliding_window_is_the_window_and_router_jitter_a_note():
         fields, problems = moe.config_fields(windowed, "MixtralForCausalLM")
     assert problems == [] and fields["max_position_embeddings"] == POSITIONS
     assert (fields["window_size"], fields["window_attn_skip_freq"]) == ((15, 0), None)
-    assert [str(n.message) for n in notes if "router jitter" in str(n.message)] and len(notes) == 1
+    assert [str(n.message) for n in notes if "--moe-input-jitter-eps" in str(n.message)] and len(notes) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConversionNote)  # Qwen2-MoE's window off (stored as 0): no window
         assert "window_size" not in moe.config_fields(FAMILIES["qwen2_moe"][1](), "Qwen2MoeForCausalLM")[0]
