@@ -45,7 +45,7 @@ _GPT_ONLY = {  # field: (BERT's value, the flag that sets it)
     "position_embedding_type": ("learned_absolute", "--position-embedding-type"),
     "untie_embeddings_and_output_weights": (False, "--untie-embeddings-and-output-weights"),
     "num_query_groups": (None, "--group-query-attention --num-query-groups"),
-    "gated_linear_unit": (False, "--swiglu"),
+    "gated_linear_unit": (False, "--swiglu, --quick-geglu"),
 }
 
 
