@@ -274,8 +274,9 @@ def test_refusals_and_exports():
 
 def test_causal_sinks_keep_the_flash_call_grouped_and_maskless(monkeypatch):
     """The GPU path replayed on the CPU: causal attention without a mask with sinks is one fused-attention
-    call with is_causal and no mask (flash's reach), key groups not expanded, head widths multiples of
-    8; a window's mask gains only the sink's column."""
+    call with is_causal and no mask (flash's reach: q, k and v of one width, a multiple of 8), key groups
+    not expanded; a window's mask gains only the sink's column, the groups expanded for the
+    memory-efficient kernel (which takes none in torch 2.13)."""
     import torch.nn.functional as F
 
     from megalite.models.attention import _sdpa_attention
@@ -283,16 +284,16 @@ def test_causal_sinks_keep_the_flash_call_grouped_and_maskless(monkeypatch):
     calls, real = [], F.scaled_dot_product_attention
 
     def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        calls.append((tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape),
-                      is_causal, enable_gqa))
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                      None if attn_mask is None else tuple(attn_mask.shape), is_causal, enable_gqa))
         return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
     monkeypatch.setattr(F, "scaled_dot_product_attention", record)
     q, k, v, sink = _inputs(heads=4, groups=2, s=12, d=8)
     _sdpa_attention(q, k, v, None, 0.0, True, sink=sink)
     _sdpa_attention(q, k, v, band_mask(12, 12, (3, 0), True, "cpu"), 0.0, True, sink=sink)
-    assert calls == [((2, 4, 13, 16), (2, 2, 13, 16), None, True, True),
-                     ((2, 4, 12, 16), (2, 2, 13, 16), (1, 1, 12, 13), False, True)]
+    assert calls == [((2, 4, 13, 16), (2, 2, 13, 16), (2, 2, 13, 16), None, True, True),  # flash's: one width
+                     ((2, 4, 12, 16), (2, 4, 13, 16), (2, 4, 13, 16), (1, 1, 12, 13), False, False)]
 
 
 @pytest.mark.gpu

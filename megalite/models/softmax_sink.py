@@ -60,9 +60,10 @@ def sdpa_with_sink(q, k, v, allowed, dropout_p: float, causal: bool, sink: torch
     """PyTorch's fused attention with a sink: q [b, heads, sq, d], k and v [b, heads or groups, sk, d],
     `sink` [heads]. One key goes first: a unit vector in a dimension queries gain, where each head's
     queries hold s_h / scale (real keys hold zero there), its value zero: its score is s_h (up to a
-    rounding of s_h / scale in q's dtype) and the key groups stay grouped. Causal attention without a
-    mask keeps the kernels' own causal mask (flash on a GPU, no mask made) by one query put first
-    too, a dummy that sees only the sink key, whose output row is dropped."""
+    rounding of s_h / scale in q's dtype); values gain zero columns to q's width. Causal attention
+    without a mask keeps the kernels' own causal mask and the key groups (flash on a GPU, no mask
+    made) by one query put first too, a dummy that sees only the sink key, whose output row is
+    dropped; a mask's path expands the groups for the memory-efficient kernel."""
     b, heads, sq, d = q.shape
     groups, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d)
@@ -71,16 +72,20 @@ def sdpa_with_sink(q, k, v, allowed, dropout_p: float, causal: bool, sink: torch
     unit = k.new_zeros(b, groups, 1, d + _EXTRA_DIMS)
     unit[..., d] = 1
     k = torch.cat([unit, F.pad(k, (0, _EXTRA_DIMS))], dim=2)
-    v = torch.cat([v.new_zeros(b, groups, 1, v.shape[-1]), v], dim=2)
+    dv = v.shape[-1]  # values as wide as q and k (zero columns, cut off after): flash takes one width
+    v = torch.cat([v.new_zeros(b, groups, 1, dv), v], dim=2)
+    v = F.pad(v, (0, max(0, d + _EXTRA_DIMS - dv)))
     gqa = {"enable_gqa": True} if groups != heads else {}
     if allowed is None and causal and sq == sk:
         q = torch.cat([q.new_zeros(b, heads, 1, d + _EXTRA_DIMS), q], dim=2)  # the dummy query
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, **gqa)
-        return out[:, :, 1:]
+        return out[:, :, 1:, :dv]
     if allowed is None and not causal:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)[..., :dv]
+    # With a mask the memory-efficient kernel runs, which takes no key groups (torch 2.13): expanded
     mask = _allowed_with_sink(allowed, sq, sk, causal, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+    k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v)) if groups != heads else (k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)[..., :dv]
 
 
 def attach_offset(module: torch.nn.Module, config, heads_here: int, generator: torch.Generator | None,

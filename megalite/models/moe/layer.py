@@ -49,10 +49,10 @@ class MoELayer(nn.Module):
         """x [s, b, hidden] (sequence-sharded under SP) -> the same shape."""
         tokens = x.reshape(-1, x.shape[-1])
         c = self.config
-        routed_input = input_jitter(x, c.moe_input_jitter_eps, self.training, c.sequence_parallel).view_as(tokens)
+        routed_input = input_jitter(x, c.moe_input_jitter_eps, self.training, c.sequence_parallel)
+        routed_input = routed_input.reshape(tokens.shape)
         weights, indices, scores, logits = self.router(routed_input)  # (the experts read the tokens unjittered)
         routed, pad_to = indices, None
-        c = self.config
         if c.moe_expert_capacity_factor is not None:
             capacity = expert_capacity(tokens.shape[0], c.moe_router_topk, c.num_moe_experts,
                                        c.moe_expert_capacity_factor)
