@@ -24,7 +24,6 @@ from typing import Mapping
 import torch
 
 from megalite.models.config import TransformerConfig
-from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
 from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, load_into, refuse,
                                               table_problems, transformers)
@@ -110,10 +109,8 @@ def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     if any(k.endswith(("_blocks", "_scales")) for k in theirs):
         problems.append("its experts are MXFP4-quantized (gate_up_proj_blocks / _scales): load the model with "
                         "transformers' Mxfp4Config(dequantize=True) and convert that (or its save_pretrained directory)")
-    refuse(GPT_OSS, problems + llama.tied_head_problems(theirs, fields))
-    config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
-    padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
-    return config, import_tensors(theirs, table(config), _groups(config), padded)
+    return llama.imported(GPT_OSS, fields, problems, theirs, lambda theirs, config, padded:
+                          import_tensors(theirs, table(config), _groups(config), padded))
 
 
 # ---------------------------------------------------------------------------------------------

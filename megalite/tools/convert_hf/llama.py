@@ -255,14 +255,20 @@ def tied_head_problems(theirs: Mapping[str, torch.Tensor], fields: dict) -> list
     return ["lm_head.weight differs from model.embed_tokens.weight with tie_word_embeddings=True"]
 
 
-def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
-    arch = type(model).__name__
-    fields, problems = config_fields(model.config, arch)
-    theirs = dict(model.state_dict())
+def imported(arch: str, fields: dict, problems: list[str], theirs: Mapping[str, torch.Tensor], tensors_from):
+    """(config, megalite's tp = 1 tensors) of a Llama-like model's state dict `theirs` whose config maps
+    to `fields`, refusing `problems` and a tied head of other weights in one message;
+    `tensors_from(theirs, config, padded_vocab)` is the family's table."""
     refuse(arch, problems + tied_head_problems(theirs, fields))
     config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
     padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
-    return config, tensors_from_hf(theirs, config, padded)
+    return config, tensors_from(theirs, config, padded)
+
+
+def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
+    arch = type(model).__name__
+    fields, problems = config_fields(model.config, arch)
+    return imported(arch, fields, problems, dict(model.state_dict()), tensors_from_hf)
 
 
 # ---------------------------------------------------------------------------------------------

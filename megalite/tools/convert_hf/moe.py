@@ -25,7 +25,6 @@ from typing import Mapping
 import torch
 
 from megalite.models.config import TransformerConfig
-from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
 from megalite.tools.convert_hf.common import (ConversionNote, Row, export_tensors, import_tensors, listed,
                                               refuse, stored_tensor_names, stored_tensor_shapes, table_problems,
@@ -245,10 +244,7 @@ def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     arch = type(model).__name__
     fields, problems = config_fields(model.config, arch)
     theirs = dict(model.state_dict())
-    refuse(arch, problems + unfused_expert_problems(theirs) + llama.tied_head_problems(theirs, fields))
-    config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
-    padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
-    return config, tensors_from_hf(theirs, config, padded)
+    return llama.imported(arch, fields, problems + unfused_expert_problems(theirs), theirs, tensors_from_hf)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from typing import Mapping
 import torch
 
 from megalite.models.config import TransformerConfig
-from megalite.parallel.layers import pad_vocab_size
 from megalite.tools.convert_hf import llama
 from megalite.tools.convert_hf.common import (ConversionError, Row, export_tensors, import_tensors, pairs, refuse,
                                               table_problems)
@@ -90,11 +89,8 @@ def config_problems(cfg) -> list[str]:
 
 def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
     fields, problems = config_fields(model.config)
-    theirs = dict(model.state_dict())
-    refuse(NEMOTRON, problems + llama.tied_head_problems(theirs, fields))
-    config = TransformerConfig(**fields, params_dtype=theirs["model.embed_tokens.weight"].dtype)
-    padded = pad_vocab_size(config.vocab_size, 1, config.make_vocab_size_divisible_by)
-    return config, import_tensors(theirs, table(llama.shape_of(config)), llama.groups_of(config), padded)
+    return llama.imported(NEMOTRON, fields, problems, dict(model.state_dict()), lambda theirs, config, padded:
+                          import_tensors(theirs, table(llama.shape_of(config)), llama.groups_of(config), padded))
 
 
 def is_nemotron_like(c) -> bool:
