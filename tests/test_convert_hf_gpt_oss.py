@@ -78,6 +78,10 @@ def test_refusals():
     moe = GPTModel(preset("moe-tiny"), seed=0, device="cpu")
     with pytest.raises(ConversionError, match="GptOssForCausalLM needs"):
         to_hf(moe.config, moe.state_dict(), architecture="GptOssForCausalLM")
+    both = GPTModel(preset("gpt-oss-tiny", yarn_factor=None, rope_scaling_factor=8.0,
+                           rotary_seq_len_interpolation_factor=2.0), seed=0, device="cpu")
+    with pytest.raises(ConversionError, match="scales rope one way"):
+        to_hf(both.config, both.state_dict())
     dense = GPTModel(preset("llama-tiny", softmax_type="learnable"), seed=0, device="cpu")
     with pytest.raises(ConversionError, match="only GptOssForCausalLM holds"):
         to_hf(dense.config, dense.state_dict())

@@ -73,7 +73,6 @@ class ParallelMLP(nn.Module):
             sequence_parallel=sp, params_dtype=dtype, device=device, **config.tp_comm_options(),
         )
         self.activation = activation_function(config)
-        self.glu = glu_function(config)
 
     @staticmethod
     def _fc1_init(init_method):
@@ -89,6 +88,10 @@ class GatedMLP(ParallelMLP):
     the activation reads two contiguous halves and the backward writes them without a scatter."""
 
     fc1_width = 2
+
+    def __init__(self, config: TransformerConfig, init_method, output_init_method, device=None):
+        super().__init__(config, init_method, output_init_method, device)
+        self.glu = glu_function(config)
 
     @staticmethod
     def _fc1_init(init_method):

@@ -80,11 +80,9 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     """
     if not training or p == 0.0:
         return x
-    tp = state.get_tensor_model_parallel_world_size()
-    if not sequence_parallel or tp == 1:
+    if not sequence_parallel or state.get_tensor_model_parallel_world_size() == 1:
         return F.dropout(x, p, True)
-    full = torch.empty((x.shape[0] * tp, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    keep = full.bernoulli_(1.0 - p).chunk(tp, dim=0)[state.get_tensor_model_parallel_rank()]
+    keep = _this_ranks_share(x, lambda full: full.bernoulli_(1.0 - p))
     # The scale as a Python number: the product is formed in fp32 and rounded once, while a scale
     # stored in bf16 (1/0.9 -> 1.109375) would shrink every kept value by 0.16%.
     return x * keep * (1.0 / (1.0 - p))
@@ -97,11 +95,17 @@ def input_jitter(x: torch.Tensor, eps: float | None, training: bool, sequence_pa
     slice, so TP with SP jitters as one rank does; a recomputed forward draws it again alike."""
     if not training or not eps:
         return x
-    tp = state.get_tensor_model_parallel_world_size()
-    if not sequence_parallel or tp == 1:
+    if not sequence_parallel or state.get_tensor_model_parallel_world_size() == 1:
         return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-    full = torch.empty((x.shape[0] * tp, *x.shape[1:]), dtype=x.dtype, device=x.device).uniform_(1.0 - eps, 1.0 + eps)
-    return x * full.chunk(tp, dim=0)[state.get_tensor_model_parallel_rank()]
+    return x * _this_ranks_share(x, lambda full: full.uniform_(1.0 - eps, 1.0 + eps))
+
+
+def _this_ranks_share(x: torch.Tensor, draw) -> torch.Tensor:
+    """`draw` filling the whole sequence's tensor (x's sequence dim times TP, from the RNG every TP rank
+    shares), this TP rank's slice of it: what a rank without sequence parallelism draws for it."""
+    tp = state.get_tensor_model_parallel_world_size()
+    full = torch.empty((x.shape[0] * tp, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return draw(full).chunk(tp, dim=0)[state.get_tensor_model_parallel_rank()]
 
 
 _recomputing = [0]  # > 0 while a checkpointed forward runs again in the backward

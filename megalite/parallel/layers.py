@@ -114,7 +114,7 @@ def partition_blocks(p: torch.Tensor) -> int:
 
 
 def sharded_parameter(full_shape, shard_dim, init_method, dtype, device, real_rows=None,
-                       blocks: int = 1) -> nn.Parameter:
+                      blocks: int = 1) -> nn.Parameter:
     """Initialize the full matrix in fp32 (on `init_device`), keep this TP rank's shard (its
     contiguous block, or its part of each of `blocks` blocks). The init method's generator must
     live on that device (`megalite.models` builds it there)."""

@@ -121,10 +121,7 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], kin
     if config.is_moe and family not in (moe, deepseek, gpt_oss):
         raise ConversionError(f"this model has experts, {architecture} none: choose one of "
                               f"{', '.join(moe.ARCHITECTURES + gpt_oss.ARCHITECTURES)}")
-    if family is gpt_oss and not config.is_moe:
-        raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
-                              f"{llama.LLAMA}")
-    if family is moe and not config.is_moe:
+    if family in (moe, gpt_oss) and not config.is_moe:
         raise ConversionError(f"{architecture} has experts, this model none: choose a dense architecture, e.g. "
                               f"{llama.LLAMA}")
     nemotron_holds = (f"only {nemotron.NEMOTRON} holds (a dense rope model with squared-ReLU MLPs and zero-centred "

@@ -57,10 +57,6 @@ def table(c) -> list[Row]:
     return rows + [llama.FINAL_NORM_ROW]
 
 
-def _groups(c) -> dict[str, int]:
-    return llama.groups_of(c)
-
-
 # ---------------------------------------------------------------------------------------------
 # Import
 
@@ -75,8 +71,7 @@ def hf_class(cfg):
 def config_fields(cfg) -> tuple[dict, list[str]]:
     """(TransformerConfig fields but params_dtype, problems) of a GptOssConfig."""
     problems: list[str] = []
-    fields = llama.shared_fields(cfg, GPT_OSS, problems)
-    problems = [p for p in problems if not p.startswith("hidden_act=")]  # (gpt-oss's experts never read it)
+    fields = llama.shared_fields(cfg, GPT_OSS, problems, reads_hidden_act=False)  # (its experts' act is their own)
     if not getattr(cfg, "attention_bias", True):
         problems.append("attention_bias=False (megalite's add_bias_linear gives attention the biases gpt-oss's "
                         "router and experts always have)")
@@ -91,7 +86,7 @@ def config_fields(cfg) -> tuple[dict, list[str]]:
         moe_layer_freq=[1] * cfg.num_hidden_layers, moe_router_pre_softmax=False,
         moe_router_load_balancing_type="aux_loss" if getattr(cfg, "output_router_logits", False) else "none",
         moe_aux_loss_coeff=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0))
-    if fields["moe_aux_loss_coeff"]:
+    if fields["moe_aux_loss_coeff"] and fields["moe_router_load_balancing_type"] != "none":
         warnings.warn(f"{GPT_OSS}'s router_aux_loss_coef {fields['moe_aux_loss_coeff']:g} weighs one balancing loss "
                       f"pooled over every layer; megalite's --moe-aux-loss-coeff weighs each layer's, times experts / "
                       f"top-k: the same coefficient pulls about layers / top-k times harder (docs/moe.md)",
@@ -110,7 +105,7 @@ def from_hf(model) -> tuple[TransformerConfig, dict[str, torch.Tensor]]:
         problems.append("its experts are MXFP4-quantized (gate_up_proj_blocks / _scales): load the model with "
                         "transformers' Mxfp4Config(dequantize=True) and convert that (or its save_pretrained directory)")
     return llama.imported(GPT_OSS, fields, problems, theirs, lambda theirs, config, padded:
-                          import_tensors(theirs, table(config), _groups(config), padded))
+                          import_tensors(theirs, table(config), llama.groups_of(config), padded))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +133,7 @@ def export_problems(c) -> list[str]:
                         f"--activation-func-clamp-value")
     if not all(c.moe_layer_freq):
         problems.append(f"{GPT_OSS} has no dense layers (moe_layer_freq={c.moe_layer_freq})")
+    problems += llama.attention_problems(c, GPT_OSS)  # rope scalings Hugging Face cannot say together
     if c.ffn_hidden_size != c.moe_ffn_hidden_size:  # (intermediate_size is the experts' width: no dense MLP)
         problems.append(f"{GPT_OSS} has one MLP width: ffn_hidden_size={c.ffn_hidden_size} and moe_ffn_hidden_size="
                         f"{c.moe_ffn_hidden_size} differ")
@@ -167,7 +163,7 @@ def to_hf(config: TransformerConfig, state_dict: Mapping[str, torch.Tensor], arc
     rows = table(config)
     refuse("this megalite GPT", export_problems(config) + table_problems(state_dict, rows, config.vocab_size),
            to=f"Hugging Face {GPT_OSS}")
-    theirs = export_tensors(state_dict, rows, _groups(config), config.vocab_size)
+    theirs = export_tensors(state_dict, rows, llama.groups_of(config), config.vocab_size)
     model = getattr(transformers(), GPT_OSS)(hf_config(config))
     if not config.untie_embeddings_and_output_weights:
         theirs["lm_head.weight"] = theirs["model.embed_tokens.weight"]

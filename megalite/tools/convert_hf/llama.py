@@ -199,7 +199,7 @@ def _rope_fields(cfg, problems: list[str]) -> dict:
     return fields
 
 
-def shared_fields(cfg, arch: str, problems: list[str]) -> dict:
+def shared_fields(cfg, arch: str, problems: list[str], reads_hidden_act: bool = True) -> dict:
     """The TransformerConfig fields every family of Llama-like layers maps alike (this module's and
     `moe`'s): all but params_dtype, the MLP's width, the biases and the qk norms. Problems are
     appended to `problems`."""
@@ -210,7 +210,7 @@ def shared_fields(cfg, arch: str, problems: list[str]) -> dict:
         problems.append(f"no head_dim, and hidden_size={hidden} has no num_attention_heads={heads}-th part")
     if heads % groups:
         problems.append(f"num_key_value_heads={groups} does not divide num_attention_heads={heads}")
-    if cfg.hidden_act != "silu":
+    if reads_hidden_act and cfg.hidden_act != "silu":
         problems.append(f"hidden_act={cfg.hidden_act!r} (megalite's gated MLP is SwiGLU: silu)")
     fields = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,

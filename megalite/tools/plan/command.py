@@ -106,8 +106,8 @@ def model_flags(config: TransformerConfig, preset_name: str | None = None) -> li
         if getattr(ref, k) != getattr(config, k):
             flags += flag(getattr(config, k))
     if config.activation != ref.activation and config.activation in ("quick_gelu", "squared_relu"):
-        flags = [f for f in flags if f != "--swiglu"] + ["--" + {"quick_gelu": "quick-geglu"}.get(
-            config.activation, "squared-relu")]
+        flags = [f for f in flags if f != "--swiglu"] + [
+            {"quick_gelu": "--quick-geglu", "squared_relu": "--squared-relu"}[config.activation]]
     if config.is_moe:
         for k, flag in MOE_FLAGS.items():
             flags += flag(getattr(config, k))
