@@ -111,6 +111,32 @@ def test_every_backend_gives_the_bands_numbers(name, window, skip):
     assert rel_err(got[:, :window[0] + 1], unwindowed[:, :window[0] + 1]) <= 1e-6
 
 
+def test_a_masked_grouped_call_reaches_the_kernels_with_the_groups_expanded(monkeypatch):
+    """The GPU path replayed on the CPU: with a mask (a window, generation's cache) PyTorch's fused
+    attention runs the memory-efficient kernel, which takes no key groups in torch 2.13 (math would
+    keep heads x s x s scores): one call, the groups expanded, the numbers unchanged; without a mask the
+    groups stay (flash takes them)."""
+    import torch.nn.functional as F
+
+    from megalite.models.attention import _sdpa_attention
+
+    calls, real = [], F.scaled_dot_product_attention
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append((k.shape[1], attn_mask is not None, enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=gen) for h in (4, 2, 2))
+    mask = band_mask(16, 16, (3, 0), True, "cpu")
+    want = real(q, k, v, attn_mask=mask, enable_gqa=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)
+    got = _sdpa_attention(q, k, v, mask, 0.0, True)
+    _sdpa_attention(q, k, v, None, 0.0, True)
+    assert calls == [(4, True, False), (2, False, True)]
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "fused", "torch"])
 def test_a_bidirectional_window_bounds_both_sides(backend):
     from megalite.models.attention import local_core

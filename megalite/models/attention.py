@@ -47,10 +47,13 @@ def _sdpa_attention(q, k, v, allowed, dropout_p, causal, sink=None):
         if not _SDPA_TAKES_GROUPS:
             k, v = _expand_groups(k, v, q.shape[1])
         return sdpa_with_sink(q, k, v, allowed, dropout_p, causal, sink)
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if allowed is None:
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, **gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, **gqa)
+    # A mask leaves PyTorch's memory-efficient kernel, which takes no key groups in torch 2.13 (flash and
+    # the math kernel do; math keeps heads x s x s scores): the groups expanded, the same numbers
+    k, v = _expand_groups(k, v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
 
 
 def _explicit_attention(q, k, v, allowed, dropout_p, causal, sink=None):
