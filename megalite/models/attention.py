@@ -43,16 +43,15 @@ def _sdpa_attention(q, k, v, allowed, dropout_p, causal, sink=None):
     """PyTorch's fused attention (flash where available): no score matrix is stored. k and v may
     hold fewer heads than q (grouped-query attention: query heads in a group adjacent). `sink`
     [heads]: attention sinks (megalite.models.softmax_sink), one more key per head."""
+    if allowed is not None or not _SDPA_TAKES_GROUPS:
+        # A mask leaves PyTorch's memory-efficient kernel, which takes no key groups in torch 2.13 (flash
+        # and the math kernel do; math keeps heads x s x s scores): the groups expanded, the same numbers
+        k, v = _expand_groups(k, v, q.shape[1])
     if sink is not None:
-        if not _SDPA_TAKES_GROUPS:
-            k, v = _expand_groups(k, v, q.shape[1])
         return sdpa_with_sink(q, k, v, allowed, dropout_p, causal, sink)
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     if allowed is None:
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, **gqa)
-    # A mask leaves PyTorch's memory-efficient kernel, which takes no key groups in torch 2.13 (flash and
-    # the math kernel do; math keeps heads x s x s scores): the groups expanded, the same numbers
-    k, v = _expand_groups(k, v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
 
 

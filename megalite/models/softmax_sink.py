@@ -10,8 +10,8 @@ Every path computes the same function:
   unfused softmax does (`sink_softmax`);
 - PyTorch's fused attention gets one more key whose score is s_h: queries gain a dimension holding
   s_h / scale, the real keys a zero there and the sink key a one, its value zero (`sdpa_with_sink`),
-  so the fused kernels keep running (flash, for causal attention without a mask), key groups stay
-  grouped, and autograd carries the gradient into s_h;
+  so the fused kernels keep running (flash, with its key groups, for causal attention without a
+  mask), and autograd carries the gradient into s_h;
 - ring context parallelism merges its blocks as before and adds the sink to the final log-sum-exp,
   out * sigmoid(lse - s_h), whose backward is the plain one with that log-sum-exp plus
   d s_h = -sum(P_sink * rowsum(dO * O)) (megalite.parallel.context_parallel);
@@ -63,7 +63,7 @@ def sdpa_with_sink(q, k, v, allowed, dropout_p: float, causal: bool, sink: torch
     rounding of s_h / scale in q's dtype); values gain zero columns to q's width. Causal attention
     without a mask keeps the kernels' own causal mask and the key groups (flash on a GPU, no mask
     made) by one query put first too, a dummy that sees only the sink key, whose output row is
-    dropped; a mask's path expands the groups for the memory-efficient kernel."""
+    dropped. With a mask, k and v come with their groups expanded (megalite.models.attention)."""
     b, heads, sq, d = q.shape
     groups, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d)
@@ -82,10 +82,9 @@ def sdpa_with_sink(q, k, v, allowed, dropout_p: float, causal: bool, sink: torch
         return out[:, :, 1:, :dv]
     if allowed is None and not causal:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **gqa)[..., :dv]
-    # With a mask the memory-efficient kernel runs, which takes no key groups (torch 2.13): expanded
-    mask = _allowed_with_sink(allowed, sq, sk, causal, q.device)
-    k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v)) if groups != heads else (k, v)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)[..., :dv]
+    mask = _allowed_with_sink(allowed, sq, sk, causal, q.device)  # (a caller's mask came with its groups expanded)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          **gqa)[..., :dv]
 
 
 def attach_offset(module: torch.nn.Module, config, heads_here: int, generator: torch.Generator | None,

@@ -143,10 +143,10 @@ class _GroupedLinearOfGroup(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
-def _per_row(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Each expert's bias [local experts, width] repeated for its rows (counts[e] each): [rows, width]."""
-    repeats = torch.tensor(counts).to(bias.device, non_blocking=True)  # from the host: no sync
-    return bias.repeat_interleave(repeats, dim=0, output_size=sum(counts))
+def _per_row(bias: torch.Tensor, repeats: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each expert's bias [local experts, width] repeated for its rows (`repeats` [local experts] on the
+    device, `rows` their sum): [rows, width]."""
+    return bias.repeat_interleave(repeats, dim=0, output_size=rows)
 
 
 class GroupedMLP(nn.Module):
@@ -235,15 +235,16 @@ class GroupedMLP(nn.Module):
             lo, hi, (shared1, shared2) = group
             g1, g2 = (lo, hi, shared1), (lo, hi, shared2)
         h = self._linear(x, self.fc1_weight, counts, self.fc1_fp8, g1)
-        if self.fc1_bias is not None:
-            h = h + _per_row(self._of_group(self.fc1_bias, group), counts)
+        if self.fc1_bias is not None:  # the rows' experts, once for both biases (from the host: no sync)
+            repeats = torch.tensor(counts).to(x.device, non_blocking=True)
+            h = h + _per_row(self._of_group(self.fc1_bias, group), repeats, x.shape[0])
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = self.glu(gate, up)
         else:
             h = self.activation(h)
         y = self._linear(h, self.fc2_weight, counts, self.fc2_fp8, g2)
-        return y if self.fc2_bias is None else y + _per_row(self._of_group(self.fc2_bias, group), counts)
+        return y if self.fc2_bias is None else y + _per_row(self._of_group(self.fc2_bias, group), repeats, x.shape[0])
 
     @staticmethod
     def _of_group(bias: torch.Tensor, group) -> torch.Tensor:
