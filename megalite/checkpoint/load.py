@@ -11,6 +11,7 @@ from megalite.checkpoint.layout import (EXPERT_TENSOR, FP8_STATE_SUFFIXES, VOCAB
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.models.config import TransformerConfig
+from megalite.optim.optimizer import moment_names
 from megalite.precision.scaling import fit_history
 from megalite.runtime import UsageError, say
 
@@ -105,7 +106,8 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
             # fp32 masters that are the parameters and were stored as the weights: already loaded.
             skip = ("master",) if master_is_the_param(piece) and reader.master_is_the_weight(name) else ()
             st = optimizer.inner.state[piece.master]
-            if direct is not None and _read_optim_direct(reader, piece, part, st, name, skip, *direct):
+            moments = moment_names(optimizer.inner, piece.master)  # (Muon's matrices: one)
+            if direct is not None and _read_optim_direct(reader, piece, part, st, name, skip, moments, *direct):
                 pass
             else:
                 full = reader.full_optimizer_state(name, skip)
@@ -114,13 +116,15 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
                 args = (stored.dim, stored.start, stored.view.shape, part.lo, part.hi, stored.blocks)
                 if "master" in full:
                     _copy_local(part.of(piece.master), full["master"], *args)
-                for k in ("exp_avg", "exp_avg_sq"):
+                for k in moments:
                     if k in full:
                         st[k] = _state_tensor(st.get(k), piece.master)
                         _copy_local(part.of(st[k]), full[k], *args)
                 del full
             if "exp_avg" in st:
                 st["step"] = torch.tensor(float(step), device=piece.master.device if fused else "cpu")
+                for k in moments:  # a moment the saving optimizer did not keep (Muon's matrices into Adam)
+                    st.setdefault(k, torch.zeros_like(piece.master))
         reader.finish_direct()
     scaler = next((f.meta["loss_scaler"] for f in reader.files if "loss_scaler" in f.meta), None)
     # Only a dynamic scaler carries state worth resuming; a constant one (bf16, fp32, or an explicit
@@ -131,13 +135,13 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
     return True
 
 
-def _read_optim_direct(reader, piece, part, st: dict, name: str, skip, f: RankFile, values: dict) -> bool:
+def _read_optim_direct(reader, piece, part, st: dict, name: str, skip, moments, f: RankFile, values: dict) -> bool:
     """The same layout: read this part of the piece's stored state straight into the optimizer's
     tensors. False (nothing read) when a stored tensor does not fit its destination."""
-    for k in ("exp_avg", "exp_avg_sq"):
-        if k in values:
-            st[k] = _state_tensor(st.get(k), piece.master)
-    dst = {k: part.of(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in values}
+    moments = [k for k in moments if k in values]
+    for k in moments:
+        st[k] = _state_tensor(st.get(k), piece.master)
+    dst = {k: part.of(st[k]) for k in moments}
     if "master" not in skip:
         if values.get("master") in (None, "model"):
             return False

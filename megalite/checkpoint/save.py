@@ -30,6 +30,8 @@ from megalite.checkpoint.layout import rank_file_name, tmp_dir
 from megalite.checkpoint.rank_state import collect_rank_state
 from megalite.checkpoint.rendezvous import default_store, wait_for
 from megalite.checkpoint.snapshot import Snapshot
+from megalite.optim.muon import MuonAndAdamW
+from megalite.optim.optimizer import moment_names
 from megalite.runtime import TrainingStopped, UsageError
 
 
@@ -261,9 +263,9 @@ class _With:
 def _stand_ins(inner, master) -> dict:
     state = inner.state.get(master)
     if not state:  # no step yet: what torch's Adam/AdamW (and apex's FusedAdam, step count aside) create
-        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
+        moments = moment_names(inner, master) + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
         state = {k: master for k in moments}
-        if isinstance(inner, torch.optim.Adam):  # AdamW too
+        if isinstance(inner, (torch.optim.Adam, MuonAndAdamW)):  # AdamW too; Muon counts its steps
             state["step"] = torch.zeros((), dtype=torch.float32)
     return {k: (torch.zeros(v.shape, dtype=v.dtype) if k == "step" else torch.empty_like(v, device="meta"))
             if torch.is_tensor(v) else v for k, v in state.items()}

@@ -216,10 +216,25 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     if model.fp32_residual_connection and not (config.precision.bf16 or config.precision.fp16):
         raise UsageError("--fp32-residual-connection keeps the residual stream in fp32 beside 16-bit weights: add "
                          "--bf16 or --fp16 (without them the stream is fp32 already)")
+    if config.optimizer.optimizer == "muon":
+        _check_muon(config, model)
     if config.local_sgd.local_sgd_interval and d.zero_stage:
         raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
                          "data parallelism): drop --use-distributed-optimizer / --zero-stage")
     return dp
+
+
+def _check_muon(config: RunConfig, model: TransformerConfig) -> None:
+    """Muon orthogonalizes whole matrices (or each TP rank's block of one)."""
+    if config.data_parallel.zero_stage:
+        raise UsageError("--optimizer muon orthogonalizes each weight matrix whole, which ZeRO's flat shards split "
+                         "(Megatron-LM refuses its distributed optimizer with Muon too): drop "
+                         "--use-distributed-optimizer / --zero-stage")
+    tp, groups = config.parallel.tp, model.num_query_groups
+    if config.optimizer.muon_tp_mode == "blockwise" and groups is not None and tp > groups:
+        raise UsageError(f"--muon-tp-mode blockwise orthogonalizes each TP rank's heads' q, k and v, but with --tp "
+                         f"{tp} above the {groups} query groups a rank holds part of a group: use --muon-tp-mode "
+                         f"duplicated or distributed (one device's numbers), or a --tp that divides {groups}")
 
 
 def _check_overlapped_pairs(config: RunConfig) -> None:

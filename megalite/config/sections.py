@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from megalite.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, check_numbers, opt
+from megalite.config.fields import (FRACTION, NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBABILITY, check_numbers, flag_of,
+                                    opt)
 from megalite.pipeline.partition import V_SCHEDULES
 from megalite.pipeline.programs import check_extra_warmup
 
@@ -264,8 +265,10 @@ _LR_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 class OptimizerConfig:
     """The optimizer and its learning-rate schedule. Schedule lengths are in iterations, or in samples
     (Megatron-LM's sample-based schedules: divided by the global batch)."""
-    optimizer: str = opt("adam", "the (inner) optimizer: AdamW, or SGD with --sgd-momentum (same lr schedule; "
-                                 "SGD adds weight decay to the gradient, as Megatron-LM's)", choices=("adam", "sgd"))
+    optimizer: str = opt("adam", "the (inner) optimizer: AdamW, SGD with --sgd-momentum (same lr schedule; "
+                                 "SGD adds weight decay to the gradient, as Megatron-LM's), or Muon for the hidden "
+                                 "weight matrices with AdamW for the rest (docs/optimizer.md)",
+                         choices=("adam", "sgd", "muon"))
     lr: float = opt(1e-3, "peak learning rate", check=POSITIVE)
     min_lr: float = opt(1e-4, "learning rate at the end of the decay", check=NON_NEGATIVE)
     lr_decay_style: str = opt("cosine", "shape of the decay after warm-up (WSD: constant, then "
@@ -299,6 +302,24 @@ class OptimizerConfig:
     adam_eps: float = opt(1e-8, "Adam's epsilon", check=POSITIVE)
     sgd_momentum: float = opt(0.9, "--optimizer sgd: the momentum factor (Megatron-LM's default; 0: plain SGD)",
                               check=PROBABILITY)
+    muon_momentum: float = opt(0.9, "--optimizer muon: the momentum of Muon's matrices (Megatron-LM's default)",
+                               check=PROBABILITY)
+    muon_use_nesterov: bool = opt(False, "--optimizer muon: Nesterov momentum")
+    muon_split_qkv: bool = opt(True, "--optimizer muon: orthogonalize a fused query/key/value weight as its q, k and "
+                                     "v matrices (false: as one)", sets={"--muon-no-split-qkv": False})
+    muon_scale_mode: str = opt("spectral", "--optimizer muon: the update's scale, sqrt(max(rows, cols)) (spectral), "
+                                           "sqrt(rows / cols) (unit_rms_norm), sqrt(max(1, rows / cols)) "
+                                           "(shape_scaling)", choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    muon_extra_scale_factor: float = opt(1.0, "--optimizer muon: a factor on the update's scale (0.2 matches "
+                                              "AdamW's update size, Moonlight's)", check=POSITIVE)
+    muon_num_ns_steps: int = opt(5, "--optimizer muon: Newton-Schulz steps (a multiple of 5, the quintic "
+                                    "coefficient sets)", check=POSITIVE_INT)
+    muon_fp32_matmul_prec: str = opt("medium", "--optimizer muon: the Newton-Schulz GEMMs' precision: medium (bf16), "
+                                               "high (TF32 on a GPU), highest (fp32)", choices=("medium", "high", "highest"))
+    muon_tp_mode: str = opt("blockwise", "--optimizer muon: a tensor-parallel matrix orthogonalized as each rank's "
+                                         "shard (blockwise: the numbers depend on --tp), or whole: gathered "
+                                         "(duplicated) or by all-reduced Gram matrices (distributed)",
+                            choices=("blockwise", "duplicated", "distributed"))
     clip_grad: float = opt(1.0, "global gradient-norm clip (0: off)", check=NON_NEGATIVE)
     use_apex_adam: bool = opt(False, "NVIDIA apex FusedAdam, if you built apex")
 
@@ -327,6 +348,7 @@ class OptimizerConfig:
                              "(or --lr-wsd-decay-samples)")
         if wsd and self.lr_decay_style != "WSD":
             raise ValueError("--lr-wsd-decay-iters/--lr-wsd-decay-samples apply to --lr-decay-style WSD")
+        self._check_muon()
         ends = (self.start_weight_decay, self.end_weight_decay)
         if self.weight_decay_incr_style == "constant" and ends != (None, None):  # as Megatron-LM's check
             raise ValueError("--start-weight-decay/--end-weight-decay go with --weight-decay-incr-style linear or "
@@ -334,6 +356,21 @@ class OptimizerConfig:
         if self.weight_decay_incr_style != "constant" and None in ends:
             raise ValueError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs both "
                              f"--start-weight-decay and --end-weight-decay")
+
+
+    def _check_muon(self) -> None:
+        if self.optimizer != "muon":
+            muon = [f for f in fields(self) if f.name.startswith("muon_") and getattr(self, f.name) != f.default]
+            if muon:
+                raise ValueError(f"{flag_of(muon[0])} applies to --optimizer muon (this run's is "
+                                 f"{self.optimizer}): add --optimizer muon, or drop it")
+            return
+        if self.muon_num_ns_steps % 5:
+            raise ValueError(f"--muon-num-ns-steps {self.muon_num_ns_steps}: a multiple of 5 (the five quintic "
+                             f"Newton-Schulz coefficient sets are applied in turn, as Megatron-Core's)")
+        if self.use_apex_adam:
+            raise ValueError("--use-apex-adam with --optimizer muon: Muon's AdamW part is PyTorch's fused AdamW; "
+                             "drop --use-apex-adam")
 
 
 @dataclass

@@ -274,6 +274,13 @@ class MegaliteOptimizer:
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
 
 
+def moment_names(inner, master) -> tuple[str, ...]:
+    """The moments `inner` keeps for `master`, as checkpoints hold them: Adam's two, or one (Muon's
+    momentum) where the optimizer says so."""
+    names = getattr(inner, "moment_names", None)
+    return names(master) if names is not None else ("exp_avg", "exp_avg_sq")
+
+
 def _adamw(groups, lr, betas, eps, use_apex):
     if use_apex:
         try:

@@ -20,6 +20,7 @@ from megalite.parallel import host_heap
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
+from megalite.training.muon_setup import use_muon
 from megalite.training.task import Task
 
 
@@ -172,6 +173,8 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                                   separate_embedding_lr=o.decoupled_lr is not None, moe=moe)
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)
+    elif o.optimizer == "muon":
+        use_muon(optimizer, cfg, chunks)
     return buffers, optimizer
 
 

@@ -1,0 +1,88 @@
+"""--optimizer muon over a built MegaliteOptimizer: which masters Muon takes (megalite.optim.muon), how
+each matrix's rows split and shard, and AdamW for the rest."""
+from __future__ import annotations
+
+import torch
+
+from megalite import parallel
+from megalite.models.attention import ParallelAttention
+from megalite.optim import MegaliteOptimizer
+from megalite.optim.grads import is_expert
+from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows
+
+_GROUP_KEYS = ("params", "weight_decay", "decays", "embedding_or_output")
+
+
+def is_muon_matrix(p: torch.nn.Parameter) -> bool:
+    """Megatron-LM's rule: a 2-D weight (an expert's own matrix), but not the word embedding or the
+    output layer. Biases, norms and each expert's bias go to AdamW."""
+    dims = p.ndim - (1 if is_expert(p) else 0)
+    return dims == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+
+
+def _fused_rows(chunks, split_qkv: bool):
+    """{id(weight): Rows} of the fused query/key/value weights split into q, k and v, and {id(query
+    weight): key/value weight} of the pairs joined into one [q; k; v] matrix (--muon-no-split-qkv)."""
+    rows, joins = {}, {}
+    for chunk in chunks:
+        for m in chunk.modules():
+            if not isinstance(m, ParallelAttention):
+                continue
+            d = m.config.head_dim
+            if hasattr(m, "qkv"):  # rows [heads, (q, k, v), d]
+                if split_qkv:
+                    rows[id(m.qkv.weight)] = Rows((d, d, d))
+            elif split_qkv:  # q whole; kv rows [groups, (k, v), d]
+                rows[id(m.kv.weight)] = Rows((d, d), aligned=not m.groups_replicated)
+            else:
+                joins[id(m.q.weight)] = m.kv.weight
+    return rows, joins
+
+
+def _sharding(p) -> dict:
+    if is_expert(p):
+        size = parallel.get_expert_tensor_parallel_world_size()
+        group, rank = parallel.get_expert_tensor_parallel_group(), parallel.get_expert_tensor_parallel_rank()
+    elif getattr(p, "tensor_model_parallel", False):
+        size = parallel.get_tensor_model_parallel_world_size()
+        group, rank = parallel.get_tensor_model_parallel_group(), parallel.get_tensor_model_parallel_rank()
+    else:
+        return {}
+    if size == 1:
+        return {}
+    dim = p.partition_dim - p.ndim  # -2: rows, -1: columns (of each expert's matrix too)
+    return dict(dim=dim, blocks=getattr(p, "partition_blocks", 1), group=group, size=size, rank=rank)
+
+
+def use_muon(optimizer: MegaliteOptimizer, cfg, chunks) -> None:
+    """Replace the optimizer's AdamW by Muon for the matrices and AdamW for the rest (same groups)."""
+    o = cfg.optimizer
+    master_of, param_of = {}, {}
+    for piece in optimizer.pieces:
+        if piece.master.shape != piece.param.shape:
+            raise ValueError("--optimizer muon orthogonalizes whole matrices: every master must be a whole "
+                             "parameter (no ZeRO sharding)")
+        master_of[id(piece.param)], param_of[id(piece.master)] = piece.master, piece.param
+    rows, joins = _fused_rows(chunks, o.muon_split_qkv)
+    joined = {id(kv) for kv in joins.values()}
+    matrices = []
+    for piece in optimizer.pieces:
+        p = piece.param
+        if not is_muon_matrix(p) or id(p) in joined:
+            continue
+        masters = [piece.master] + ([master_of[id(joins[id(p)])]] if id(p) in joins else [])
+        matrices.append(Matrix(masters, rows.get(id(p)), **_sharding(p)))
+    muon_groups, adam_groups = [], []
+    for group in optimizer.inner.param_groups:
+        base = {k: group[k] for k in _GROUP_KEYS if k != "params"}
+        mine = [m for m in group["params"] if id(m) in param_of and is_muon_matrix(param_of[id(m)])]
+        taken = {id(m) for m in mine}
+        rest = [m for m in group["params"] if id(m) not in taken]
+        muon_groups += [dict(base, params=mine)] if mine else []
+        adam_groups += [dict(base, params=rest)] if rest else []
+    muon = Muon(muon_groups, matrices, lr=o.lr, momentum=o.muon_momentum, nesterov=o.muon_use_nesterov,
+                steps=o.muon_num_ns_steps, precision=o.muon_fp32_matmul_prec, scale_mode=o.muon_scale_mode,
+                extra_scale=o.muon_extra_scale_factor, tp_mode=o.muon_tp_mode) if muon_groups else None
+    adam = torch.optim.AdamW(adam_groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                             fused=True) if adam_groups else None
+    optimizer.inner = MuonAndAdamW(muon, adam)
