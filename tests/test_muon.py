@@ -240,8 +240,8 @@ def test_checkpoints_resume_across_layouts_and_optimizers(tmp_path):
     adam = GQA[:-6]
     [into_adam] = run_ranks(train_losses, 1, args=(adam + ["--load", str(tmp_path / "ck")],))
     assert len(into_adam) == 2 and all(math.isfinite(x) for x in into_adam)  # Adam's second moment from zero
-    run_ranks(train_losses, 1, args=(adam[:-2] + ["--train-iters", "2", "--save", str(tmp_path / "adam"),
-                                                  "--save-interval", "2"],))
+    run_ranks(train_losses, 1, args=(adam + ["--train-iters", "2", "--save", str(tmp_path / "adam"),
+                                             "--save-interval", "2"],))
     [from_adam] = run_ranks(train_losses, 1, args=(GQA + ["--load", str(tmp_path / "adam")],))
     assert len(from_adam) == 2 and all(math.isfinite(x) for x in from_adam)  # its momentum: Adam's first moment
 
