@@ -121,6 +121,21 @@ def test_a_step_with_inf_is_skipped_on_the_device_and_the_clip_rides_in_grad_sca
     assert rel_err(w, want) <= 1e-5 and int(opt.state[w]["step"]) == 2
 
 
+def test_a_loaded_state_keeps_the_lr_reaching_both_optimizers():
+    from megalite.optim.muon import MuonAndAdamW
+
+    w, b = torch.randn(4, 6), torch.randn(4)
+    muon = _muon([w], [Matrix([w])])
+    adam = torch.optim.AdamW([{"params": [b], "weight_decay": 0.0}], lr=0.1, fused=True)
+    both = MuonAndAdamW(muon, adam)
+    w.grad, b.grad = torch.randn(4, 6), torch.randn(4)
+    both.step()
+    both.load_state_dict(both.state_dict())
+    for group in both.param_groups:
+        group["lr"] = 0.5
+    assert adam.param_groups[0]["lr"] == 0.5 and muon.group_of[id(w)]["lr"] == 0.5
+
+
 def _tp_modes(rank, world):
     """Each mode's update of a rows- and a columns-sharded matrix on two ranks, from the whole gradients."""
     import torch.distributed as dist
@@ -217,6 +232,14 @@ def test_training_at_tp2_dp2_pp2_cp2_ep2_etp2_gives_one_ranks_losses():
                           (2, []), (2, ["--pp", "2"]), (2, ["--cp", "2"])):
         got = run_ranks(train_losses, world, args=(GQA + layout,))[-1]
         assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, (layout, got, want)
+    # --tp above the query groups: each rank holds part of a key group (the split needs it gathered)
+    got = run_ranks(train_losses, 4, args=(GQA + ["--tp", "4", "--muon-tp-mode", "distributed"],))[-1]
+    assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, got
+    [joined] = run_ranks(train_losses, 1, args=(GQA + ["--muon-no-split-qkv"],))
+    assert rel_err(torch.tensor(joined), torch.tensor(want)) > 1e-5  # [q; k; v] as one matrix moves the losses
+    for mode in ("duplicated", "distributed"):
+        got = run_ranks(train_losses, 2, args=(GQA + ["--muon-no-split-qkv", "--tp", "2", "--muon-tp-mode", mode],))
+        assert rel_err(torch.tensor(got[-1]), torch.tensor(joined)) <= 1e-5, (mode, got, joined)
     blockwise = run_ranks(train_losses, 2, args=(GQA + ["--tp", "2", "--muon-tp-mode", "blockwise"],))[-1]
     assert rel_err(torch.tensor(blockwise), torch.tensor(want)) > 1e-4  # Megatron-LM's default: per shard
     [moe] = run_ranks(train_losses, 1, args=(MOE,))
@@ -231,6 +254,14 @@ def test_a_step_makes_no_host_sync():
     assert counts == [0]
 
 
+def _states_after(rank, world, argv):
+    run = gpt_run(argv)
+    names = {id(p): n for chunk in run.model_chunks for n, p in chunk.named_parameters()}
+    states = {names[id(piece.param)]: run.optimizer.inner.state.get(piece.master, {}) for piece in run.optimizer.pieces}
+    return ([r["loss"] for r in run.records], {n: int(s["step"]) for n, s in states.items() if "step" in s},
+            {n: sorted(s) for n, s in states.items()})
+
+
 def test_checkpoints_resume_across_layouts_and_optimizers(tmp_path):
     save = GQA[:-6] + ["--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2"] + GQA[-6:]
     run_ranks(train_losses, 1, args=(save,))
@@ -238,8 +269,16 @@ def test_checkpoints_resume_across_layouts_and_optimizers(tmp_path):
     [straight] = run_ranks(train_losses, 1, args=(GQA,))
     assert rel_err(torch.tensor(resumed), torch.tensor(straight[2:])) <= 1e-5
     adam = GQA[:-6]
-    [into_adam] = run_ranks(train_losses, 1, args=(adam + ["--load", str(tmp_path / "ck")],))
-    assert len(into_adam) == 2 and all(math.isfinite(x) for x in into_adam)  # Adam's second moment from zero
+    [(into_adam, steps, keys)] = run_ranks(_states_after, 1, args=(adam + ["--load", str(tmp_path / "ck")],))
+    assert len(into_adam) == 2 and all(math.isfinite(x) for x in into_adam)
+    # Adam's state of Muon's matrices starts anew (no second moment saved): two steps, the rest four
+    assert steps["layers.0.mlp.fc1.weight"] == 2 and steps["layers.0.input_layernorm.weight"] == 4
+    assert keys["layers.0.mlp.fc1.weight"] == ["exp_avg", "exp_avg_sq", "step"]
+    sgd = adam + ["--optimizer", "sgd"]
+    run_ranks(train_losses, 1, args=(sgd + ["--train-iters", "2", "--save", str(tmp_path / "sgd"),
+                                            "--save-interval", "2"],))
+    [(_, _, keys)] = run_ranks(_states_after, 1, args=(sgd + ["--load", str(tmp_path / "sgd")],))
+    assert all("exp_avg_sq" not in k for k in keys.values()), keys  # SGD resumes with its one moment
     run_ranks(train_losses, 1, args=(adam + ["--train-iters", "2", "--save", str(tmp_path / "adam"),
                                              "--save-interval", "2"],))
     [from_adam] = run_ranks(train_losses, 1, args=(GQA + ["--load", str(tmp_path / "adam")],))

@@ -98,6 +98,7 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
             plan.append((piece, part, direct))
     reader.verify(part.stored.name for _, part, direct in plan if direct is None)
     fused = bool(optimizer.inner.defaults.get("fused"))
+    fresh = 0
     with torch.no_grad():
         # A parameter lies in one bucket, so this rank holds at most one piece of it: assemble its
         # full state, copy the piece, and let the full tensors go before the next parameter.
@@ -121,11 +122,15 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
                         st[k] = _state_tensor(st.get(k), piece.master)
                         _copy_local(part.of(st[k]), full[k], *args)
                 del full
-            if "exp_avg" in st:
+            if any(k not in st for k in moments):  # the saving optimizer kept fewer (Muon's or SGD's into
+                fresh += 1 if st else 0           # Adam): this master's state starts anew, step count 0
+                st.clear()
+            elif "exp_avg" in st:
                 st["step"] = torch.tensor(float(step), device=piece.master.device if fused else "cpu")
-                for k in moments:  # a moment the saving optimizer did not keep (Muon's matrices into Adam)
-                    st.setdefault(k, torch.zeros_like(piece.master))
         reader.finish_direct()
+    if fresh:
+        say(f"megalite: note: {fresh} parameters' optimizer state starts anew: checkpoint {reader.path} holds only their first "
+            f"moment (saved by another optimizer), and this one keeps a second")
     scaler = next((f.meta["loss_scaler"] for f in reader.files if "loss_scaler" in f.meta), None)
     # Only a dynamic scaler carries state worth resuming; a constant one (bf16, fp32, or an explicit
     # --loss-scale) keeps what this run asked for, and an fp16 <-> bf16 switch starts the scaler anew.

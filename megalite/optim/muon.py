@@ -207,3 +207,7 @@ class MuonAndAdamW:
         for name, opt in (("muon", self.muon), ("adam", self.adam)):
             if opt is not None:
                 opt.load_state_dict(sd[name])
+        # (torch's load makes new group dicts: the lr and weight decay set on ours must reach them)
+        self.param_groups[:] = [g for o in self.optimizers for g in o.param_groups]
+        if self.muon is not None:
+            self.muon.group_of = {id(p): g for g in self.muon.param_groups for p in g["params"]}

@@ -298,6 +298,10 @@ class _SGD(torch.optim.SGD):
     checkpoints save and load at any layout beside Adam's (megalite.checkpoint), so a resumed run keeps
     its momentum."""
 
+    @staticmethod
+    def moment_names(master) -> tuple[str, ...]:
+        return ("exp_avg",)
+
     def step(self, closure=None):
         for st in self.state.values():  # a loaded first moment is the buffer the update reads
             if "exp_avg" in st:
