@@ -220,6 +220,7 @@ def format_log_line(r: dict) -> str:
         f"lr {r['lr']:.3e}",
         f"grad_norm {r['grad_norm']:.3f}",
         *([f"params_norm {r['params_norm']:.3f}"] if r.get("params_norm") is not None else []),
+        *([f"max_attention_logit {r['max_attention_logit']:.2f}"] if "max_attention_logit" in r else []),
         f"loss_scale {r['loss_scale']:g}",
         f"skipped {r['skipped']}",
         f"{r['ms_per_iter']:.1f} ms/it",
@@ -303,8 +304,8 @@ class Timeline:
         os.replace(tmp, self.path)
 
 
-_TENSORBOARD_KEYS = ("loss", "lr", "grad_norm", "params_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
-                     "bubble_measured", "skipped", "moe_load_imbalance", "moe_dropped_fraction")
+_TENSORBOARD_KEYS = ("loss", "lr", "grad_norm", "params_norm", "max_attention_logit", "loss_scale", "tokens_per_sec",
+                     "tflops_per_gpu", "mfu", "bubble_measured", "skipped", "moe_load_imbalance", "moe_dropped_fraction")
 
 
 class TrainingLogger:

@@ -9,7 +9,8 @@ from megalite.config.rules import (lr_schedule_lengths, model_config, model_dtyp
 from megalite.config.run import SECTIONS, ConfigError, RunConfig
 from megalite.config.model_sections import ModelConfig
 from megalite.config.output_sections import CheckpointConfig, LoggingConfig
-from megalite.config.sections import (DataConfig, DataParallelConfig, LocalSGDConfig, OptimizerConfig, ParallelConfig,
+from megalite.config.optimizer_section import OptimizerConfig
+from megalite.config.sections import (DataConfig, DataParallelConfig, LocalSGDConfig, ParallelConfig,
                                       TrainingConfig)
 from megalite.config.precision import PrecisionConfig
 

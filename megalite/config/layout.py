@@ -218,6 +218,8 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
                          "--bf16 or --fp16 (without them the stream is fp32 already)")
     if config.optimizer.optimizer == "muon":
         _check_muon(config, model)
+    if config.optimizer.qk_clip or config.optimizer.log_max_attention_logit:
+        _check_max_logits(config)
     if config.local_sgd.local_sgd_interval and d.zero_stage:
         raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
                          "data parallelism): drop --use-distributed-optimizer / --zero-stage")
@@ -235,6 +237,17 @@ def _check_muon(config: RunConfig, model: TransformerConfig) -> None:
         raise UsageError(f"--muon-tp-mode blockwise orthogonalizes each TP rank's heads' q, k and v, but with --tp "
                          f"{tp} above the {groups} query groups a rank holds part of a group: use --muon-tp-mode "
                          f"duplicated or distributed (one device's numbers), or a --tp that divides {groups}")
+
+
+def _check_max_logits(config: RunConfig) -> None:
+    """--qk-clip / --log-max-attention-logit record each head's largest logit in the local core."""
+    flag = "--qk-clip" if config.optimizer.qk_clip else "--log-max-attention-logit"
+    if config.parallel.cp > 1:
+        raise UsageError(f"{flag} takes each head's largest logit from the whole sequence's scores, which context "
+                         f"parallelism never holds in one place: drop --cp, or {flag}")
+    if config.model.torch_compile:
+        raise UsageError(f"{flag} records each head's largest logit outside the compiled layers: drop --torch-compile, "
+                         f"or {flag}")
 
 
 def _check_overlapped_pairs(config: RunConfig) -> None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from megalite.config.fields import flag_of, section_fields, spec_of
 from megalite.config.model_sections import MoEConfig, ModelConfig
 from megalite.config.output_sections import CheckpointConfig, LoggingConfig
-from megalite.config.sections import (DataConfig, DataParallelConfig, LocalSGDConfig, OptimizerConfig, ParallelConfig,
+from megalite.config.optimizer_section import OptimizerConfig
+from megalite.config.sections import (DataConfig, DataParallelConfig, LocalSGDConfig, ParallelConfig,
                                       TrainingConfig)
 from megalite.config.precision import PrecisionConfig
 

@@ -21,6 +21,7 @@ from torch import nn
 from megalite import ops
 from megalite.models.config import TransformerConfig
 from megalite.models.documents import PackedDocuments, flash_varlen, flash_varlen_applies, varlen_attention
+from megalite.models.max_logit import record_max_logits
 from megalite.models.norms import NORMS
 from megalite.models.qk_variants import l2_normalized
 from megalite.models.rng import checkpoint_with_tp_rng
@@ -126,15 +127,17 @@ def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, w
                           window_left=None if window is None else window[0], sink=sink)
 
 
-def local_core(q, k, v, attention_mask, config: TransformerConfig, dropout_p: float, window=None, sink=None):
+def local_core(q, k, v, attention_mask, config: TransformerConfig, dropout_p: float, window=None, sink=None,
+               attend=None):
     """Attention over the whole sequence this rank holds (no context parallelism) by the configured
     backend: packed documents one by one, else the mask (None: causal or all), within the layer's
     sliding `window` where it has one; PyTorch's fused backend on a GPU in fp16/bf16 without dropout
     runs a window as flash's variable-length kernel, one sequence per row, with no mask made (the
-    kernel has no sinks: with `sink` [heads], the backend's own sink form)."""
+    kernel has no sinks: with `sink` [heads], the backend's own sink form). `attend`: a core of the
+    caller's, given each mask as the backend would be (no flash kernel)."""
     backend = config.attention_backend
-    attend = ATTENTION_BACKENDS[backend]
-    flash = backend == "sdpa" and sink is None
+    flash = backend == "sdpa" and sink is None and attend is None
+    attend = attend or ATTENTION_BACKENDS[backend]
     if sink is not None:
         attend = functools.partial(attend, sink=sink)
     if isinstance(attention_mask, PackedDocuments):
@@ -258,6 +261,7 @@ class ParallelAttention(nn.Module):
         sink = self.softmax_offset
         if state.get_context_parallel_world_size() > 1:
             return _context_parallel_core(q, k, v, attention_mask, self.config, self.window, sink)
+        record_max_logits(self, q, k, attention_mask, local_core)
         p = self.config.attention_dropout if self.training else 0.0
         if self.config.attention_backend != "sdpa" or not _SDPA_TAKES_GROUPS:
             k, v = _expand_groups(k, v, q.shape[1])

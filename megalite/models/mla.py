@@ -26,6 +26,7 @@ from torch import nn
 
 from megalite.models.attention import _context_parallel_core, documents_of, local_core
 from megalite.models.config import TransformerConfig
+from megalite.models.max_logit import record_max_logits
 from megalite.models.norms import NORMS
 from megalite.models.rng import checkpoint_with_tp_rng, weight_init
 from megalite.models.rope import rotary_embedding, yarn_softmax_scale
@@ -143,6 +144,7 @@ class MultiLatentAttention(nn.Module):
             out = _context_parallel_core(q, k, F.pad(v, (0, pad)), attention_mask, self.config, self.window,
                                          self.softmax_offset)
             return out[..., :v.shape[-1]]
+        record_max_logits(self, q, k, attention_mask, local_core)
         p = self.config.attention_dropout if self.training else 0.0
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             return local_core(q, k, v, attention_mask, self.config, p, self.window, self.softmax_offset)

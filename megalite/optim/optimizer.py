@@ -82,6 +82,9 @@ class MegaliteOptimizer:
                               "embedding_or_output": False}]
         self.inner = _adamw(param_groups_, lr, betas, eps, use_apex)
         self.last_skipped: bool | None = None  # the last step's skip, where the host read it
+        # Called with found_inf after each update (or skip), before the masters are published
+        # (--qk-clip: megalite.training.qk_clip)
+        self.after_update: list = []
 
     def _master(self, p, buf, lo, hi, p_lo, p_hi) -> torch.Tensor:
         whole = lo == p_lo and hi == p_hi
@@ -224,6 +227,8 @@ class MegaliteOptimizer:
             self.last_skipped = bool(found_inf.item())
             self.loss_scaler.update(self.last_skipped)
         if self.last_skipped:
+            for hook in self.after_update:
+                hook(found_inf)
             return norm, found_inf
         # The fused update (AdamW; SGD under --optimizer sgd) divides each gradient by `grad_scale`
         # as it reads it, and stores it so: the clip rides in the update, no multiply pass first.
@@ -240,6 +245,8 @@ class MegaliteOptimizer:
             self.inner.step()
         finally:
             self.inner.grad_scale = None  # this step's clip, not the next caller's
+        for hook in self.after_update:
+            hook(found_inf)
         self.publish()
         return norm, found_inf
 

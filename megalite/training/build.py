@@ -21,6 +21,7 @@ from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_un
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
 from megalite.training.muon_setup import use_muon
+from megalite.training.qk_clip import QKClip
 from megalite.training.task import Task
 
 
@@ -175,6 +176,10 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
         _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)
     elif o.optimizer == "muon":
         use_muon(optimizer, cfg, chunks)
+    optimizer.qk_clip = None
+    if o.qk_clip or o.log_max_attention_logit:
+        optimizer.qk_clip = QKClip(chunks, optimizer, o.qk_clip_alpha, o.qk_clip_threshold, o.qk_clip)
+        optimizer.after_update.append(optimizer.qk_clip)
     return buffers, optimizer
 
 

@@ -153,6 +153,8 @@ class Progress:
             "bubble_measured": bubble_measured,
             "comm_bytes": comm_bytes,  # this rank's (rank 0's in the metrics file), by kind
         }
+        if getattr(optimizer, "qk_clip", None) is not None:  # the last step's, over every stage
+            record["max_attention_logit"] = self._max_attention_logit(optimizer.qk_clip)
         if self.model_config.is_moe:
             record.update(self._moe_figures(steps))
             nonfinite = record.pop("moe_nonfinite_router_logits")
@@ -160,6 +162,14 @@ class Progress:
                 raise TrainingStopped(moe_stats.nonfinite_logits_line(iteration, nonfinite))
         self.records.append(record)
         self.logger.train(record)
+
+    @staticmethod
+    def _max_attention_logit(qk_clip) -> float:
+        largest = qk_clip.largest.clone()
+        pp = parallel.get_pipeline_model_parallel_group()
+        if dist.is_initialized() and dist.get_world_size(pp) > 1:  # collective: every rank logs alike
+            traffic.counted_all_reduce("metrics", largest, pp, op=dist.ReduceOp.MAX)
+        return largest.item()
 
     def _moe_figures(self, steps: int) -> dict:
         """The MoE layers' figures since the last take (collective: every rank at the same iteration)."""
