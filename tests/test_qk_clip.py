@@ -145,6 +145,13 @@ def _max_logits(rank, world, argv):
     return [r["max_attention_logit"] for r in gpt_run(argv).records]
 
 
+def _losses_and_max_logits(rank, world, argv):
+    from training_ranks import gpt_run
+
+    records = gpt_run(argv).records
+    return [r["loss"] for r in records] + [r["max_attention_logit"] for r in records]
+
+
 @pytest.mark.slow
 def test_training_with_the_clip_at_tp2_dp2_pp2_zero1_zero3_and_muon_gives_one_ranks_losses():
     [want] = run_ranks(train_losses, 1, args=(RUN,))
@@ -153,10 +160,20 @@ def test_training_with_the_clip_at_tp2_dp2_pp2_zero1_zero3_and_muon_gives_one_ra
     # the clip holds the largest logit near the threshold (each step's update moves it a little)
     assert free[0] == clipped[0] > 0.1 and all(x < 0.09 for x in clipped[1:]) and all(x > 0.1 for x in free), (
         clipped, free)
+    both = want + clipped  # the losses, then the logged largest logits (every head's, every stage's)
     for world, layout in ((2, ["--tp", "2", "--sequence-parallel"]), (4, ["--tp", "4"]), (2, []), (2, ["--pp", "2"]),
                           (2, ["--use-distributed-optimizer"]), (2, ["--zero-stage", "3"])):
-        got = run_ranks(train_losses, world, args=(RUN + layout,))[-1]
-        assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, (layout, got, want)
+        got = run_ranks(_losses_and_max_logits, world, args=(RUN + layout,))[-1]
+        assert rel_err(torch.tensor(got), torch.tensor(both)) <= 1e-5, (layout, got, both)
+    [bf16] = run_ranks(_max_logits, 1, args=(RUN + ["--bf16"],))  # masters copied into bf16 weights after the clip
+    assert bf16[0] > 0.1 and all(x < 0.09 for x in bf16[1:]), bf16
+    mla = ["--model", "deepseek-tiny", "--seq-length", "16", "--global-batch-size", "4", "--micro-batch-size", "1",
+           "--log-interval", "1", "--train-iters", "3", "--lr", "0.02", "--qk-clip", "--qk-clip-threshold", "0.02"]
+    [one] = run_ranks(_losses_and_max_logits, 1, args=(mla,))
+    [mla_free] = run_ranks(_max_logits, 1, args=(mla[:-3] + ["--log-max-attention-logit"],))
+    assert one[-1] < mla_free[-1], (one, mla_free)
+    got = run_ranks(_losses_and_max_logits, 2, args=(mla + ["--tp", "2", "--sequence-parallel"],))[-1]
+    assert rel_err(torch.tensor(got), torch.tensor(one)) <= 1e-5, (got, one)
     muon = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest", "--muon-tp-mode", "duplicated"]
     [one] = run_ranks(train_losses, 1, args=(RUN + muon,))
     got = run_ranks(train_losses, 2, args=(RUN + muon + ["--tp", "2"],))[-1]
@@ -169,4 +186,5 @@ def test_no_host_sync_and_the_refusals():
     assert "context parallelism" in refusal(RUN + ["--cp", "2"], 2)
     assert "--torch-compile" in refusal(RUN + ["--torch-compile"], 1)
     assert "--qk-clip" in refusal(RUN[:-5] + ["--qk-clip-alpha", "0.2"], 1)
+    assert "normalizes q and k" in refusal(RUN + ["--qk-layernorm"], 1)
     assert "context parallelism" in refusal(RUN[:-5] + ["--log-max-attention-logit", "--cp", "2"], 2)

@@ -219,7 +219,7 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     if config.optimizer.optimizer == "muon":
         _check_muon(config, model)
     if config.optimizer.qk_clip or config.optimizer.log_max_attention_logit:
-        _check_max_logits(config)
+        _check_max_logits(config, model)
     if config.local_sgd.local_sgd_interval and d.zero_stage:
         raise UsageError("--local-sgd-interval keeps each replica's whole optimizer state (nothing is sharded over "
                          "data parallelism): drop --use-distributed-optimizer / --zero-stage")
@@ -239,7 +239,7 @@ def _check_muon(config: RunConfig, model: TransformerConfig) -> None:
                          f"duplicated or distributed (one device's numbers), or a --tp that divides {groups}")
 
 
-def _check_max_logits(config: RunConfig) -> None:
+def _check_max_logits(config: RunConfig, model: TransformerConfig) -> None:
     """--qk-clip / --log-max-attention-logit record each head's largest logit in the local core."""
     flag = "--qk-clip" if config.optimizer.qk_clip else "--log-max-attention-logit"
     if config.parallel.cp > 1:
@@ -248,6 +248,11 @@ def _check_max_logits(config: RunConfig) -> None:
     if config.model.torch_compile:
         raise UsageError(f"{flag} records each head's largest logit outside the compiled layers: drop --torch-compile, "
                          f"or {flag}")
+    if config.optimizer.qk_clip and not model.multi_latent_attention and (model.qk_layernorm or model.qk_l2_norm):
+        norm = "--qk-l2-norm" if model.qk_l2_norm else "--qk-layernorm"
+        raise UsageError(f"--qk-clip shrinks the query and key weights, but {norm} normalizes q and k after them, "
+                         f"so the logits would stay and the weights shrink every step: drop --qk-clip (or {norm}); "
+                         f"--log-max-attention-logit still logs the largest logit")
 
 
 def _check_overlapped_pairs(config: RunConfig) -> None:

@@ -5,12 +5,15 @@ running max over a step's forwards (--qk-clip, --log-max-attention-logit; what T
 
 The scores are those of the module's own core (megalite.models.attention.local_core) with every mask
 it would apply (causal, padding, sliding window, each packed document), computed again without
-autograd: one more q k^T product per layer and a layer's fp32 scores at a time, only where asked."""
+autograd: one more q k^T product per layer, in fp32, a few heads' scores at a time (at most
+`_SCORES_AT_ONCE` elements), only where asked."""
 from __future__ import annotations
 
 import math
 
 import torch
+
+_SCORES_AT_ONCE = 1 << 25  # fp32 scores a chunk of heads may hold (128 MiB)
 
 
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, attention_mask, core) -> None:
@@ -21,16 +24,24 @@ def record_max_logits(module, q: torch.Tensor, k: torch.Tensor, attention_mask, 
     heads, found = q.shape[1], []
 
     def largest(q, k, v, allowed, dropout_p, causal, sink=None):
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
         if allowed is None and causal:
             allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        found.append(scores.amax(dim=(0, 2, 3)))
+        if allowed is not None and allowed.dim() == 4 and allowed.shape[1] > 1:
+            raise ValueError("a per-head attention mask: the largest logits take one mask for every head")
+        # In fp32 (an fp16 product overflows above ~65504), a few heads at a time (bounded temporaries)
+        per_head = q.shape[0] * q.shape[2] * k.shape[2]
+        step = max(1, _SCORES_AT_ONCE // per_head)
+        for h in range(0, q.shape[1], step):
+            scores = torch.matmul(q[:, h:h + step].float(), k[:, h:h + step].float().transpose(-1, -2))
+            scores *= 1.0 / math.sqrt(q.shape[-1])
+            if allowed is not None:
+                scores.masked_fill_(~allowed, float("-inf"))
+            found.append(scores.amax(dim=(0, 2, 3)))
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
 
     with torch.no_grad():
         if k.shape[1] != heads:  # key groups: one per query head
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
         core(q, k, k, attention_mask, module.config, 0.0, module.window, attend=largest)
-        module.max_logits = torch.maximum(module.max_logits, torch.stack(found).amax(0))
+        # (each core call, one per packed document, found every head's, a few heads at a time, in order)
+        module.max_logits = torch.maximum(module.max_logits, torch.cat(found).view(-1, heads).amax(0))

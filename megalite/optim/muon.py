@@ -28,9 +28,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megalite.optim.grads import is_expert
 from megalite.optim.newton_schulz import newton_schulz, scale_factor
 from megalite.parallel import traffic
 from megalite.parallel.layers import tp_shard, tp_unshard
+
+
+def is_muon_matrix(p: torch.nn.Parameter) -> bool:
+    """Megatron-LM's rule: a 2-D weight (an expert's own matrix), but not the word embedding or the
+    output layer. Biases, norms and each expert's bias go to AdamW."""
+    dims = p.ndim - (1 if is_expert(p) else 0)
+    return dims == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
 
 
 @dataclass

@@ -8,16 +8,9 @@ from megalite import parallel
 from megalite.models.attention import ParallelAttention
 from megalite.optim import MegaliteOptimizer
 from megalite.optim.grads import is_expert
-from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows
+from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows, is_muon_matrix
 
 _GROUP_KEYS = ("params", "weight_decay", "decays", "embedding_or_output")
-
-
-def is_muon_matrix(p: torch.nn.Parameter) -> bool:
-    """Megatron-LM's rule: a 2-D weight (an expert's own matrix), but not the word embedding or the
-    output layer. Biases, norms and each expert's bias go to AdamW."""
-    dims = p.ndim - (1 if is_expert(p) else 0)
-    return dims == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
 
 
 def _fused_rows(chunks, split_qkv: bool):

@@ -7,7 +7,9 @@ query rows times eta^alpha and key rows times eta^(1 - alpha) (MLA: the heads' n
 eta^alpha and rope rows times eta, their no-rope key rows in kv_up times eta^(1 - alpha); the rope key,
 shared by all heads, alone). Values, biases and the output projection stay. The maxima come from
 megalite.models.max_logit, taken over data parallelism and gathered over tensor parallelism, so every
-copy of a weight is clipped alike. The clip multiplies the fp32 masters before they are published
+copy of a weight is clipped alike. As Megatron-Core's, it scales weights, not biases: with q/k biases
+(--add-qkv-bias) the clipped logit stays somewhat above t. Refused with --qk-layernorm / --qk-l2-norm,
+whose norms after the projections would undo it. The clip multiplies the fp32 masters before they are published
 (cast, gathered), in place of the step: a step with inf/NaN gradients, which leaves every weight
 as it was, clips nothing. No host sync: the factors are 1 where nothing is clipped.
 """
@@ -57,7 +59,7 @@ class QKClip:
             every = torch.stack(shards)  # [tp, this rank's heads of every layer]
         else:
             every = local[None]
-        self.largest = local.max()
+        self.largest = every.max()  # every head's, over this stage's layers
         if self.clip:
             offset = 0
             with torch.no_grad():
@@ -68,7 +70,7 @@ class QKClip:
         self._reset()
 
     def _eta(self, logits: torch.Tensor, found_inf: torch.Tensor) -> torch.Tensor:
-        clip = (logits > self.threshold) & (found_inf == 0)
+        clip = torch.isfinite(logits) & (logits > self.threshold) & (found_inf == 0)
         return torch.where(clip, self.threshold / logits, torch.ones_like(logits))
 
     def _clip(self, m, heads: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -97,7 +99,11 @@ class QKClip:
         whole = rows.reshape(-1)
         tp = parallel.get_tensor_model_parallel_world_size()
         mine = whole.chunk(tp)[parallel.get_tensor_model_parallel_rank()] if tp > 1 else whole
-        factors = mine.repeat_interleave(weight.shape[1])
+        cols = weight.shape[1]
         for piece in self.pieces.get(id(weight), []):
             start = piece.buffer.param_range(weight)[0]
-            piece.master.view(-1).mul_(factors[piece.lo - start:piece.hi - start])
+            lo, hi = piece.lo - start, piece.hi - start
+            if lo == 0 and hi == weight.numel():  # a whole master: a factor a row, broadcast
+                piece.master.view(-1, cols).mul_(mine[:, None])
+            else:  # a ZeRO shard's run of elements: the factor of each one's row
+                piece.master.view(-1).mul_(mine[torch.arange(lo, hi, device=mine.device) // cols])

@@ -14,6 +14,7 @@ from megalite.tools.plan.exposed import format_exposed
 from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, SCHEDULES, Cluster, Run, active_parameters, total_parameters
 from megalite.tools.plan.json_forms import config_json, rejected_json
 from megalite.tools.plan.report import explain, format_rejections, format_table, zero_stage_note
+from megalite.tools.plan.muon import muon_of
 from megalite.tools.plan.search import PlanResult, local_sgd_of, plan
 
 
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local SGD: dtype of the pseudo-gradients on the wire")
     g.add_argument("--local-sgd-async", action="store_true", help="local SGD: outer all-reduce hidden behind the "
                    "next H steps")
+    g.add_argument("--optimizer", choices=["adam", "muon"], default="adam",
+                   help="muon: one fp32 moment for the weight matrices, and their Newton-Schulz GEMMs each step "
+                        "(ZeRO stage 0 only; docs/optimizer.md)")
+    g.add_argument("--muon-tp-mode", choices=["blockwise", "duplicated", "distributed"], default="blockwise")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5)
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="predict sequence parallelism's collectives pipelined with the GEMMs (pretrain_gpt.py's flag)")
     g.add_argument("--tp-comm-overlap-splits", type=int, default=1, metavar="N",
@@ -173,6 +179,8 @@ def main(argv=None) -> int:
             (args.zero_stage >= 1) != (args.distributed_optimizer == "on"):
         ap.error(f"--distributed-optimizer {args.distributed_optimizer} contradicts --zero-stage {args.zero_stage} "
                  f"(the distributed optimizer is stage 1 and above): give one of them")
+    if args.optimizer == "muon" and (args.zero_stage or args.distributed_optimizer == "on"):
+        ap.error("--optimizer muon orthogonalizes whole matrices: drop --zero-stage / --distributed-optimizer on")
     if args.local_sgd_interval and (args.zero_stage or args.distributed_optimizer == "on"):
         ap.error("--local-sgd-interval keeps each replica's optimizer whole: drop --zero-stage / "
                  "--distributed-optimizer on")
@@ -189,7 +197,7 @@ def main(argv=None) -> int:
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
                   grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args), ep=args.ep,
                   etp=args.etp, schedule=_schedules_of(args), fp8_layers=config.num_layers if args.fp8 else 0,
-                  overlap=overlap_of(args))
+                  overlap=overlap_of(args), optimizer=muon_of(args))
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model) + (["--fp8-format", "hybrid"] if args.fp8 else [])
     compared = []

@@ -169,6 +169,10 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
             parts += ["--outer-grad-dtype", run.outer_grad_dtype]
         if run.local_sgd_async:
             parts.append("--local-sgd-async")
+    if run.muon_tp_mode:  # predicted with Muon: the run should use it
+        parts += ["--optimizer", "muon", "--muon-tp-mode", run.muon_tp_mode]
+        if run.muon_ns_steps != 5:
+            parts += ["--muon-num-ns-steps", str(run.muon_ns_steps)]
     if run.dtype != "fp32":
         parts.append(f"--{run.dtype}")
     if run.attention_backend != "sdpa":

@@ -9,6 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 from megalite.checkpoint.layout import VOCAB_PARAMS
 from megalite.models import PRESETS, GPTModel, TransformerConfig
+from megalite.optim.muon import is_muon_matrix
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, virtual_stage
 from megalite.pipeline.programs import is_one_chunk_program
@@ -196,6 +197,10 @@ class Run:
     # --pipeline-extra-warmup: one more forward ahead on every stage but the last, where the layout's
     # schedule has it (1f1b with one chunk a rank and no pairs, zb-h1: `extra_warmup_of`)
     pipeline_extra_warmup: int = 0
+    # --optimizer muon (None: AdamW): Muon's matrices keep one fp32 moment, and each step orthogonalizes
+    # them (megalite.tools.plan.muon) as --muon-tp-mode says, in --muon-num-ns-steps steps
+    muon_tp_mode: str | None = None
+    muon_ns_steps: int = 5
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -238,6 +243,8 @@ class CountedParameter:
     tied: bool  # the tied word embedding: with pp > 1 its gradient bucket is deferred (summed over stages)
     expert: bool = False  # `expert_parallel`: whole experts over EP, each expert split over ETP
     part: int | None = None  # the part of its layer that holds it (the layer's children: norm, attention, MLP...)
+    matrix: tuple[int, int] | None = None  # --optimizer muon's matrix (rows, cols) at tp 1, an expert's; None: AdamW's
+    split_dim: int | None = None  # the matrix dim TP (experts: ETP) shards, 0 rows, 1 columns; None: replicated
 
     def per_rank(self, config: TransformerConfig, tp: int, ep: int = 1, etp: int | None = None) -> int:
         if self.expert:
@@ -302,7 +309,8 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
         part_of = {id(p): k for m in model.layers for k, part in enumerate(m.children()) for p in part.parameters()}
         counted = [(layer_of.get(id(p)), CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
                                                           name in VOCAB_PARAMS, getattr(p, "tied_embedding", False),
-                                                          getattr(p, "expert_parallel", False), part_of.get(id(p))))
+                                                          getattr(p, "expert_parallel", False), part_of.get(id(p)),
+                                                          *_muon_matrix(p)))
                    for name, p in model.named_parameters()]
         first = next(i for i, (layer, _) in enumerate(counted) if layer is not None)
         last = max(i for i, (layer, _) in enumerate(counted) if layer is not None)
@@ -311,6 +319,14 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
         moe = kinds[-1] if config.is_moe else None
         _STAGES[key] = StageParameters(tuple(params[:first]), kinds[0], tuple(params[last + 1:]), moe)
     return _STAGES[key]
+
+
+def _muon_matrix(p) -> tuple:
+    """(matrix, split_dim) of CountedParameter: what --optimizer muon orthogonalizes of p."""
+    if not is_muon_matrix(p):
+        return None, None
+    sharded = getattr(p, "tensor_model_parallel", False) or getattr(p, "expert_parallel", False)
+    return tuple(p.shape[-2:]), p.partition_dim - (p.ndim - 2) if sharded else None
 
 
 def example_layers(config: TransformerConfig) -> list[int]:

@@ -18,6 +18,7 @@ from megalite.tools.plan.exposed import Exposure, cp_exposure, ep_exposure, expo
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt, extra_warmup_of
 from megalite.tools.plan.json_forms import prediction_json
 from megalite.tools.plan.memory import Memory, over
+from megalite.tools.plan.muon import muon_seconds, muon_state_saving
 from megalite.tools.plan.states import StateBytes, rank_state_bytes
 from megalite.tools.plan.step_time import StepTime, layout_costs
 
@@ -114,6 +115,11 @@ def _check_layout_fits_model(config: TransformerConfig, layout: Layout, run: Run
         raise ValueError(f"vpp {layout.vpp} needs pp > 1 and the micro-batches per step ({m}) a multiple of pp {p}")
     if run.local_sgd_interval and layout.zero_stage:
         raise ValueError(f"local SGD keeps each replica's optimizer whole: ZeRO stage {layout.zero_stage} is refused")
+    if run.muon_tp_mode and layout.zero_stage:
+        raise ValueError(f"Muon orthogonalizes whole matrices: ZeRO stage {layout.zero_stage} is refused")
+    groups = config.num_query_groups
+    if run.muon_tp_mode == "blockwise" and groups is not None and t > groups:
+        raise ValueError(f"Muon's blockwise mode takes whole key groups: tp {t} is above the {groups} query groups")
     if layout.sequence_parallel and (t == 1 or s % t):
         raise ValueError(f"sequence parallelism needs tp > 1 and seq length {s} divisible by tp {t}")
     reason = context_parallel_refusal(layout.cp, t, s, layout.sequence_parallel) or expert_refusal(config, layout, run)
@@ -179,6 +185,8 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
                           v_shape=layout.v_shape)
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
+    if run.muon_tp_mode:  # Muon's matrices keep one moment (megalite.tools.plan.muon)
+        st = replace(st, optimizer=st.optimizer - muon_state_saving(costs, r))
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
     chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp, layout.schedule,
                                         extra_warmup_of(layout, run))
@@ -275,6 +283,8 @@ def _step_time(costs: LayoutCosts, stages: dict, dp_parts: dict) -> tuple[StepTi
     dp_stage = max(dp_parts, key=lambda r: dp_parts[r].total)
     optimizer = (max(S.state.owned_numel for S in stages.values()) * costs.traffic
                  / (costs.cluster.hbm_gbps * 1e9))
+    if costs.run.muon_tp_mode:  # the Newton-Schulz GEMMs of the slowest stage
+        optimizer += max(muon_seconds(costs, r) for r in stages)
     pp_comm, dp_comm = m * costs.pp_mb, dp_parts[dp_stage].total
     # what megalite overlaps, and what of it the compute hides (exposed.py)
     tp_comm, cp_comm = tp_exposure(costs, T).exposed, cp_exposure(costs, T, slow).exposed

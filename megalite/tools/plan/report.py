@@ -10,6 +10,7 @@ from megalite.tools.plan.command import ARCH_FLAGS, MOE_FLAGS, SHAPE_FIELDS, _pr
 from megalite.tools.plan.experts import activation_terms, routed_rows, routed_tokens
 from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, layer_numels, positions, stage_parameters
 from megalite.tools.plan.json_forms import by_count, config_json, prediction_json, rejected_json
+from megalite.tools.plan.muon import muon_seconds
 from megalite.tools.plan.predict import Prediction, predict, stage_that_makes_it_fit, with_zero_stage
 from megalite.tools.plan.search import PlanResult
 from megalite.tools.plan.step_time import StepTime
@@ -154,8 +155,15 @@ def _explain_memory(pred: Prediction) -> list[str]:
     master = 0 if run.dtype == "fp32" else 4
     who = (f"{st.owned_numel:,} owned (this dp rank's shard of every bucket)" if lay.distributed_optimizer
            else f"{st.owned_numel:,} (every parameter)")
-    out.append(f"  optimizer    ({master} B fp32 master{' (none: fp32 parameters are their own)' if not master else ''}"
-               f" + 8 B Adam exp_avg, exp_avg_sq) x {who} = {_gib(st.optimizer)} GiB")
+    none = ' (none: fp32 parameters are their own)' if not master else ''
+    if run.muon_tp_mode:  # Muon's matrices keep one moment: what the state holds less than Adam's
+        matrices = (st.owned_numel * (master + 8) - st.optimizer) // 4
+        out.append(f"  optimizer    ({master} B fp32 master{none} + 4 B Muon momentum) x {matrices:,} matrix elements "
+                   f"+ ({master} B + 8 B Adam exp_avg, exp_avg_sq) x {st.owned_numel - matrices:,} others = "
+                   f"{_gib(st.optimizer)} GiB")
+    else:
+        out.append(f"  optimizer    ({master} B fp32 master{none} + 8 B Adam exp_avg, exp_avg_sq) x {who} = "
+                   f"{_gib(st.optimizer)} GiB")
     if st.experts is not None:
         out.append(_explain_expert_states(pred, st))
     if lay.zero_stage >= 2:
@@ -342,8 +350,13 @@ def _explain_time(pred: Prediction) -> list[str]:
     if pred.dp_parts[pred.dp_stage].traffic and pred.config.is_moe and pred.stages[pred.dp_stage].state.edp > 1:
         out.append(f"               (expert weights' buffers over edp={lay.edp} at {K.bw_edp / 1e9:g} GB/s, "
                    f"on the same stream)")
+    ns = ""
+    if pred.run.muon_tp_mode:
+        seconds = max(muon_seconds(K, r) for r in pred.stages)
+        ns = (f" + Muon's Newton-Schulz ({pred.run.muon_ns_steps} steps, --muon-tp-mode {pred.run.muon_tp_mode}) "
+              f"{seconds * K.rate:.3e} FLOPs / {K.rate / 1e12:.0f} TFLOP/s = {seconds:.3f} s")
     out.append(f"  optimizer    {max(S.state.owned_numel for S in pred.stages.values()):,} elements x "
-               f"{K.traffic} B / {cl.hbm_gbps:g} GB/s = {T.optimizer:.3f} s")
+               f"{K.traffic} B / {cl.hbm_gbps:g} GB/s{ns} = {T.optimizer:.3f} s")
     out.append(f"  total        {T.total:.3f} s per step; {pred.tokens_per_s:,.0f} tokens/s; MFU "
                f"{100 * pred.mfu:.1f}% (model FLOPs {pred.model_flops:.3e} as megalite logs them)")
     return out

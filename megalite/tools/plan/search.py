@@ -100,7 +100,7 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
          distributed_optimizer=(False, True), zero_stage=None, grad_reduce_dtype: str = "fp32",
          cp: int | str | None = None, local_sgd: dict | None = None, ep: int | None = None,
          etp: int | None = None, pipeline_layers=None, schedule=SCHEDULES, fp8_layers: int = 0,
-         overlap: dict | None = None) -> PlanResult:
+         overlap: dict | None = None, optimizer: dict | None = None) -> PlanResult:
     """Enumerate every valid layout of `cluster.gpus` GPUs (optionally restricted), predict each, and
     return those that fit, fastest first (the lowest ZeRO stage first at equal speed). max_tp
     defaults to the GPUs per node. zero_stage: a stage or stages to try; None: every stage, or
@@ -117,14 +117,16 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
     schedules to try (zb-h1 only where pp > 1 and vpp 1, zb-v and dualpipev where pp > 1 and vpp 2: two
     chunks in a V; dualpipev with at least 2 x pp micro-batches). overlap: Run's overlap options
     (tp_comm_overlap, tp_comm_overlap_splits, overlap_moe_ep_comm, overlap_param_gather, moe_dispatch_chunks,
-    pipeline_extra_warmup, delay_wgrad_compute)."""
+    pipeline_extra_warmup, delay_wgrad_compute). optimizer: Run's Muon fields (muon_of), with which only ZeRO
+    stage 0 (megalite refuses sharding with Muon)."""
     if cp is None:
         result = plan(config, cluster, global_batch_size, seq_length, dtype=dtype, ddp_bucket_size=ddp_bucket_size,
                       attention_backend=attention_backend, max_tp=max_tp, tp=tp, pp=pp, vpp=vpp,
                       micro_batch_size=micro_batch_size, recompute=recompute, sequence_parallel=sequence_parallel,
                       distributed_optimizer=distributed_optimizer, zero_stage=zero_stage,
                       grad_reduce_dtype=grad_reduce_dtype, cp=1, local_sgd=local_sgd, ep=ep, etp=etp,
-                      pipeline_layers=pipeline_layers, schedule=schedule, fp8_layers=fp8_layers, overlap=overlap)
+                      pipeline_layers=pipeline_layers, schedule=schedule, fp8_layers=fp8_layers, overlap=overlap,
+                      optimizer=optimizer)
         if result.best is not None or cluster.gpus == 1:
             return result
         cp = "all"
@@ -139,8 +141,8 @@ def plan(config: TransformerConfig, cluster: Cluster, global_batch_size: int, se
         stage_layer_counts(config.num_layers, pp, vpp, list(explicit))
     run = Run(global_batch_size, seq_length or config.max_position_embeddings, dtype, ddp_bucket_size,
               attention_backend, explicit, grad_reduce_dtype=grad_reduce_dtype, fp8_layers=fp8_layers,
-              **(local_sgd or {}), **(overlap or {}))
-    if run.local_sgd_interval:
+              **(local_sgd or {}), **(overlap or {}), **(optimizer or {}))
+    if run.local_sgd_interval or run.muon_tp_mode:
         zero_stage, distributed_optimizer = 0, (False,)
     space = SearchSpace(max_tp or cluster.gpus_per_node, (max_tp or cluster.gpus_per_node) == cluster.gpus_per_node,
                         tp, pp, vpp, micro_batch_size, _values(recompute, str), _values(sequence_parallel, bool),
@@ -352,7 +354,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
                  schedule: str = "1f1b", fp8_layers: int = 0, tp_comm_overlap: bool = False,
                  overlap_moe_ep_comm: bool = False, pipeline_extra_warmup: int = 0,
                  tp_comm_overlap_splits: int = 1, overlap_param_gather: bool = False,
-                 moe_dispatch_chunks: int = 1, delay_wgrad_compute: bool = False) -> tuple[bool, Prediction]:
+                 moe_dispatch_chunks: int = 1, delay_wgrad_compute: bool = False,
+                 optimizer: dict | None = None) -> tuple[bool, Prediction]:
     """(fits, prediction) for one layout; recompute / sequence_parallel / attention_backend default
     to the config's. gpu_memory_bytes overrides the cluster's memory. zero_stage None: 1 with
     use_distributed_optimizer, else 0; a stage >= 1 implies the distributed optimizer. ep, etp:
@@ -360,7 +363,8 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
     overlap_moe_ep_comm, overlap_param_gather: the run's --tp-comm-overlap, --tp-comm-overlap-splits,
     --overlap-moe-expert-parallel-comm and --overlap-param-gather (what the exposed time assumes);
     moe_dispatch_chunks, delay_wgrad_compute: its --moe-dispatch-chunks and --delay-wgrad-compute;
-    pipeline_extra_warmup: its --pipeline-extra-warmup (the pipeline's transfers and memory)."""
+    pipeline_extra_warmup: its --pipeline-extra-warmup (the pipeline's transfers and memory); optimizer:
+    Run's Muon fields (megalite.tools.plan.muon.muon_of), None for AdamW."""
     gpus = tp * cp * pp * dp
     base = cluster or Cluster(gpus=gpus)
     cluster = replace(base, gpus=gpus, gpu_memory_gib=gpu_memory_bytes / GIB)
@@ -377,7 +381,7 @@ def check_layout(config: TransformerConfig, *, tp: int = 1, pp: int = 1, dp: int
               overlap_moe_ep_comm=overlap_moe_ep_comm, overlap_param_gather=overlap_param_gather,
               moe_dispatch_chunks=moe_dispatch_chunks, pipeline_extra_warmup=pipeline_extra_warmup,
               delay_wgrad_compute=delay_wgrad_compute,
-              **(local_sgd or {}))
+              **(local_sgd or {}), **(optimizer or {}))
     pred = predict(config, layout, cluster, run=run)
     return pred.fits, pred
 

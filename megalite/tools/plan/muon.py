@@ -1,0 +1,60 @@
+"""--optimizer muon in the planner: Muon's matrices keep one fp32 moment (AdamW two), and each step
+orthogonalizes every matrix a rank holds by Newton-Schulz (megalite.optim.newton_schulz), each step of
+which, for the matrix seen wide (g rows, the smaller side; k columns), is X X^T (2 g^2 k FLOPs), A A
+(2 g^3) and B X (2 g^2 k). --muon-tp-mode sets what one rank computes of a TP-sharded matrix: blockwise
+its shard, duplicated the whole, distributed the whole's Gram matrices from its shard (the Gram side
+is then the unsharded one: g the unsharded dim, k the shard's). The q/k/v split is counted as one
+matrix, and the TP collectives of duplicated and distributed are not counted."""
+from __future__ import annotations
+
+from megalite.tools.plan.costs import LayoutCosts
+from megalite.tools.plan.inputs import _rank_stages
+
+
+def muon_of(section) -> dict | None:
+    """Run's Muon fields from an optimizer section (or the planner's namespace); None for AdamW / SGD."""
+    if getattr(section, "optimizer", "adam") != "muon":
+        return None
+    return {"muon_tp_mode": section.muon_tp_mode, "muon_ns_steps": section.muon_num_ns_steps}
+
+
+def _held(costs: LayoutCosts, r: int):
+    layout, run = costs.layout, costs.run
+    for stage, numbers in _rank_stages(costs.config, layout.pp, layout.vpp, r, run.seq_length, run.pipeline_layers,
+                                       layout.v_shape):
+        yield from (x for x in (*stage.head, *(y for n in numbers for y in stage.layer_params(costs.config, n)),
+                                *stage.tail) if x.matrix is not None)
+
+
+def muon_state_saving(costs: LayoutCosts, r: int) -> int:
+    """Bytes pipeline rank r's optimizer holds less than AdamW's: 4 an element of every matrix."""
+    layout = costs.layout
+    return 4 * sum(x.per_rank(costs.config, layout.tp, layout.ep, layout.etp) for x in _held(costs, r))
+
+
+def ns_flops(rows: int, cols: int, split_dim: int | None, ranks: int, mode: str, steps: int) -> float:
+    """One rank's Newton-Schulz FLOPs for one rows x cols matrix sharded along split_dim over `ranks`."""
+    if split_dim is None or ranks == 1 or mode == "duplicated":
+        g, k = min(rows, cols), max(rows, cols)
+    elif mode == "blockwise":
+        shard = (rows // ranks, cols) if split_dim == 0 else (rows, cols // ranks)
+        g, k = min(shard), max(shard)
+    else:  # distributed: the Gram matrix over the unsharded side
+        g, k = (cols, rows // ranks) if split_dim == 0 else (rows, cols // ranks)
+    return steps * (4.0 * g * g * k + 2.0 * g ** 3)
+
+
+def muon_seconds(costs: LayoutCosts, r: int) -> float:
+    """Pipeline rank r's Newton-Schulz time a step, at the GPU's sustained rate."""
+    layout, run, config = costs.layout, costs.run, costs.config
+    total = 0.0
+    for x in _held(costs, r):
+        rows, cols = x.matrix
+        if x.expert:  # each local expert's matrix alone, sharded over ETP
+            local = x.numel // (rows * cols) // layout.ep
+            total += local * ns_flops(rows, cols, x.split_dim, layout.etp or layout.tp, run.muon_tp_mode,
+                                      run.muon_ns_steps)
+        else:
+            total += ns_flops(rows, cols, x.split_dim if x.tp_split else None, layout.tp, run.muon_tp_mode,
+                              run.muon_ns_steps)
+    return total / costs.rate
