@@ -46,7 +46,7 @@ def ns_flops(rows: int, cols: int, split_dim: int | None, ranks: int, mode: str,
 
 def muon_seconds(costs: LayoutCosts, r: int) -> float:
     """Pipeline rank r's Newton-Schulz time a step, at the GPU's sustained rate."""
-    layout, run, config = costs.layout, costs.run, costs.config
+    layout, run = costs.layout, costs.run
     total = 0.0
     for x in _held(costs, r):
         rows, cols = x.matrix
