@@ -11,7 +11,7 @@ from megalite.checkpoint.layout import (EXPERT_TENSOR, FP8_STATE_SUFFIXES, VOCAB
 from megalite.checkpoint.rank_state import master_is_the_param
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.models.config import TransformerConfig
-from megalite.optim.optimizer import moment_names
+from megalite.optim.optimizer import moment_dtype, moment_names
 from megalite.precision.scaling import fit_history
 from megalite.runtime import UsageError, say
 
@@ -108,7 +108,8 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
             skip = ("master",) if master_is_the_param(piece) and reader.master_is_the_weight(name) else ()
             st = optimizer.inner.state[piece.master]
             moments = moment_names(optimizer.inner, piece.master)  # (Muon's matrices: one)
-            if direct is not None and _read_optim_direct(reader, piece, part, st, name, skip, moments, *direct):
+            if direct is not None and _read_optim_direct(reader, piece, part, st, name, skip, moments,
+                                                           {k: moment_dtype(optimizer.inner, piece.master, k) for k in moments}, *direct):
                 pass
             else:
                 full = reader.full_optimizer_state(name, skip)
@@ -119,7 +120,7 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
                     _copy_local(part.of(piece.master), full["master"], *args)
                 for k in moments:
                     if k in full:
-                        st[k] = _state_tensor(st.get(k), piece.master)
+                        st[k] = _state_tensor(st.get(k), piece.master, moment_dtype(optimizer.inner, piece.master, k))
                         _copy_local(part.of(st[k]), full[k], *args)
                 del full
             if any(k not in st for k in moments):  # the saving optimizer kept fewer (Muon's or SGD's into
@@ -140,12 +141,13 @@ def load_optimizer_state(reader: CheckpointReader, model_chunks, optimizer) -> b
     return True
 
 
-def _read_optim_direct(reader, piece, part, st: dict, name: str, skip, moments, f: RankFile, values: dict) -> bool:
+def _read_optim_direct(reader, piece, part, st: dict, name: str, skip, moments, dtypes: dict, f: RankFile,
+                       values: dict) -> bool:
     """The same layout: read this part of the piece's stored state straight into the optimizer's
     tensors. False (nothing read) when a stored tensor does not fit its destination."""
     moments = [k for k in moments if k in values]
     for k in moments:
-        st[k] = _state_tensor(st.get(k), piece.master)
+        st[k] = _state_tensor(st.get(k), piece.master, dtypes.get(k))
     dst = {k: part.of(st[k]) for k in moments}
     if "master" not in skip:
         if values.get("master") in (None, "model"):
@@ -158,12 +160,14 @@ def _read_optim_direct(reader, piece, part, st: dict, name: str, skip, moments, 
     return True
 
 
-def _state_tensor(existing, master: torch.Tensor) -> torch.Tensor:
-    """The optimizer's state tensor for `master`: the existing one when it fits (no new memory)."""
-    if torch.is_tensor(existing) and existing.shape == master.shape and existing.dtype == master.dtype \
+def _state_tensor(existing, master: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The optimizer's state tensor for `master` (in `dtype`, default the master's: a bf16 moment stays
+    bf16): the existing one when it fits (no new memory)."""
+    dtype = dtype or master.dtype
+    if torch.is_tensor(existing) and existing.shape == master.shape and existing.dtype == dtype \
             and existing.device == master.device:
         return existing
-    return torch.empty_like(master, memory_format=torch.contiguous_format)
+    return torch.empty_like(master, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def load_full_state_dict(directory) -> tuple[TransformerConfig, str, dict[str, torch.Tensor]]:

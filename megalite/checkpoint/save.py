@@ -30,8 +30,9 @@ from megalite.checkpoint.layout import rank_file_name, tmp_dir
 from megalite.checkpoint.rank_state import collect_rank_state
 from megalite.checkpoint.rendezvous import default_store, wait_for
 from megalite.checkpoint.snapshot import Snapshot
+from megalite.optim.low_precision_adam import LowPrecisionAdamW
 from megalite.optim.muon import MuonAndAdamW
-from megalite.optim.optimizer import moment_names
+from megalite.optim.optimizer import moment_dtype, moment_names
 from megalite.runtime import TrainingStopped, UsageError
 
 
@@ -265,9 +266,10 @@ def _stand_ins(inner, master) -> dict:
     if not state:  # no step yet: what torch's Adam/AdamW (and apex's FusedAdam, step count aside) create
         moments = moment_names(inner, master) + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ())
         state = {k: master for k in moments}
-        if isinstance(inner, (torch.optim.Adam, MuonAndAdamW)):  # AdamW too; Muon counts its steps
+        if isinstance(inner, (torch.optim.Adam, MuonAndAdamW, LowPrecisionAdamW)):  # AdamW too; Muon counts
             state["step"] = torch.zeros((), dtype=torch.float32)
-    return {k: (torch.zeros(v.shape, dtype=v.dtype) if k == "step" else torch.empty_like(v, device="meta"))
+    return {k: (torch.zeros(v.shape, dtype=v.dtype) if k == "step"
+                else torch.empty_like(v, device="meta", dtype=moment_dtype(inner, master, k)))
             if torch.is_tensor(v) else v for k, v in state.items()}
 
 

@@ -10,6 +10,9 @@ from megalite.config.fields import (NON_NEGATIVE, POSITIVE, POSITIVE_INT, PROBAB
 _LR_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 
 
+_MOMENT_DTYPES = ("fp32", "bf16", "fp16", "fp8")  # Megatron-LM's; fp16 and fp8 refused in check()
+
+
 @dataclass
 class OptimizerConfig:
     """The optimizer and its learning-rate schedule. Schedule lengths are in iterations, or in samples
@@ -69,6 +72,15 @@ class OptimizerConfig:
                                          "shard (blockwise: the numbers depend on --tp), or whole: gathered "
                                          "(duplicated) or by all-reduced Gram matrices (distributed)",
                             choices=("blockwise", "duplicated", "distributed"))
+    use_precision_aware_optimizer: bool = opt(False, "let --exp-avg-dtype / --exp-avg-sq-dtype store Adam's moments "
+                                                     "in bf16 (Megatron-LM's flag; docs/optimizer.md)")
+    exp_avg_dtype: str = opt("fp32", "Adam's first moment as stored (bf16: computed in fp32, stored rounded)",
+                             choices=_MOMENT_DTYPES)
+    exp_avg_sq_dtype: str = opt("fp32", "Adam's second moment as stored", choices=_MOMENT_DTYPES)
+    main_params_dtype: str = opt("fp32", "the masters' dtype: fp32 (Megatron-LM's fp16 is refused)",
+                                 choices=("fp32", "fp16"))
+    main_grads_dtype: str = opt("fp32", "the main gradients' dtype: fp32 (Megatron-LM's bf16 is refused; "
+                                        "--grad-reduce-dtype bf16 reduces them in bf16)", choices=("fp32", "bf16"))
     qk_clip: bool = opt(False, "QK-clip (MuonClip): after each update, shrink the query and key weights of a key "
                                "group whose largest attention logit passed --qk-clip-threshold (docs/optimizer.md)")
     qk_clip_alpha: float = opt(0.5, "--qk-clip: the query's share of the shrinking (queries x eta^alpha, keys x "
@@ -104,6 +116,7 @@ class OptimizerConfig:
         if wsd and self.lr_decay_style != "WSD":
             raise ValueError("--lr-wsd-decay-iters/--lr-wsd-decay-samples apply to --lr-decay-style WSD")
         self._check_muon()
+        self._check_precision_aware()
         if not self.qk_clip:
             tuning = [f for f in fields(self) if f.name in ("qk_clip_alpha", "qk_clip_threshold")
                       and getattr(self, f.name) != f.default]
@@ -117,6 +130,29 @@ class OptimizerConfig:
             raise ValueError(f"--weight-decay-incr-style {self.weight_decay_incr_style} needs both "
                              f"--start-weight-decay and --end-weight-decay")
 
+
+    def _check_precision_aware(self) -> None:
+        low = [f"--{n.replace('_', '-')} {getattr(self, n)}" for n in
+               ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype", "main_grads_dtype") if getattr(self, n) != "fp32"]
+        if low and not self.use_precision_aware_optimizer:
+            raise ValueError(f"{low[0]} needs --use-precision-aware-optimizer (Megatron-LM keeps every optimizer "
+                             f"tensor in fp32 without it): add it, or drop {low[0].split()[0]}")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) in ("fp16", "fp8"):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: megalite stores Adam's moments in "
+                                 f"fp32 or bf16 (fp16 and fp8 need Transformer Engine's per-tensor scaled states): "
+                                 f"use bf16")
+        if self.main_params_dtype != "fp32":
+            raise ValueError("--main-params-dtype fp16: megalite keeps fp32 master weights: drop it")
+        if self.main_grads_dtype != "fp32":
+            raise ValueError("--main-grads-dtype bf16: megalite accumulates main gradients in fp32 (--grad-reduce-dtype "
+                             "bf16 reduces them in bf16): drop it")
+        if "bf16" in (self.exp_avg_dtype, self.exp_avg_sq_dtype):
+            if self.optimizer == "sgd":
+                raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype bf16 are Adam's moments: --optimizer sgd has none")
+            if self.use_apex_adam:
+                raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype bf16 run megalite's own AdamW: drop "
+                                 "--use-apex-adam")
 
     def _check_muon(self) -> None:
         if self.optimizer != "muon":

@@ -193,6 +193,10 @@ class MuonAndAdamW:
         self.state = _RoutedState(muon, adam)
         self.defaults = {"fused": True}
 
+    def optimizer_of(self, master):
+        """The optimizer that updates `master`."""
+        return self.muon if self.muon is not None and id(master) in self.muon.group_of else self.adam
+
     def moment_names(self, master) -> tuple[str, ...]:
         """The moments this master's optimizer keeps (what a checkpoint holds for it)."""
         muon = self.muon is not None and id(master) in self.muon.group_of

@@ -288,6 +288,13 @@ def moment_names(inner, master) -> tuple[str, ...]:
     return names(master) if names is not None else ("exp_avg", "exp_avg_sq")
 
 
+def moment_dtype(inner, master, name: str) -> torch.dtype:
+    """The dtype `inner` stores moment `name` of `master` in (LowPrecisionAdamW's bf16 moments; a
+    chained Muon + AdamW asks the optimizer that holds the master)."""
+    holder = getattr(inner, "optimizer_of", lambda m: inner)(master)
+    return getattr(holder, "state_dtypes", {}).get(name, master.dtype)
+
+
 def _adamw(groups, lr, betas, eps, use_apex):
     if use_apex:
         try:

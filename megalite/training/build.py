@@ -14,6 +14,7 @@ from megalite.optim import (ConstantLossScaler, DynamicLossScaler, LRSchedule, M
                             WeightDecaySchedule)
 from megalite.optim.grads import SAME_RANK, is_expert
 from megalite.optim.local_sgd import LocalSGD
+from megalite.optim.low_precision_adam import adamw
 from megalite.optim.optimizer import sgd
 from megalite.optim.param_gather import attach_gather_waits
 from megalite.parallel import host_heap
@@ -174,7 +175,12 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                                   separate_embedding_lr=o.decoupled_lr is not None, moe=moe)
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)
-    elif o.optimizer == "muon":
+    elif "bf16" in (o.exp_avg_dtype, o.exp_avg_sq_dtype) and o.optimizer == "adam":
+        groups = [{k: g[k] for k in ("params", "weight_decay", "decays", "embedding_or_output")}
+                  for g in optimizer.inner.param_groups]
+        optimizer.inner = adamw(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype)
+    if o.optimizer == "muon":
         use_muon(optimizer, cfg, chunks)
     optimizer.qk_clip = None
     if o.qk_clip or o.log_max_attention_logit:

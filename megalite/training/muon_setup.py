@@ -2,12 +2,11 @@
 each matrix's rows split and shard, and AdamW for the rest."""
 from __future__ import annotations
 
-import torch
-
 from megalite import parallel
 from megalite.models.attention import ParallelAttention
 from megalite.optim import MegaliteOptimizer
 from megalite.optim.grads import is_expert
+from megalite.optim.low_precision_adam import adamw
 from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows, is_muon_matrix
 
 _GROUP_KEYS = ("params", "weight_decay", "decays", "embedding_or_output")
@@ -76,6 +75,6 @@ def use_muon(optimizer: MegaliteOptimizer, cfg, chunks) -> None:
     muon = Muon(muon_groups, matrices, lr=o.lr, momentum=o.muon_momentum, nesterov=o.muon_use_nesterov,
                 steps=o.muon_num_ns_steps, precision=o.muon_fp32_matmul_prec, scale_mode=o.muon_scale_mode,
                 extra_scale=o.muon_extra_scale_factor, tp_mode=o.muon_tp_mode) if muon_groups else None
-    adam = torch.optim.AdamW(adam_groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                             fused=True) if adam_groups else None
+    adam = adamw(adam_groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                 exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype) if adam_groups else None
     optimizer.inner = MuonAndAdamW(muon, adam)

@@ -65,7 +65,8 @@ _TABLE = {
         train_iters train_samples seed calculate_per_token_loss moe_router_force_load_balancing moe_input_jitter_eps
         optimizer adam_beta1 adam_beta2 adam_eps clip_grad sgd_momentum muon_momentum muon_use_nesterov
         muon_split_qkv muon_scale_mode muon_extra_scale_factor muon_num_ns_steps muon_fp32_matmul_prec muon_tp_mode
-        qk_clip qk_clip_alpha qk_clip_threshold log_max_attention_logit
+        qk_clip qk_clip_alpha qk_clip_threshold log_max_attention_logit use_precision_aware_optimizer exp_avg_dtype
+        exp_avg_sq_dtype main_params_dtype main_grads_dtype
         bf16 fp16 loss_scale initial_loss_scale loss_scale_window hysteresis min_loss_scale fp8_format fp8_recipe
         fp8_margin fp8_amax_history_len fp8_amax_compute_algo fp8_wgrad fp8_param_gather first_last_layers_bf16
         num_layers_at_start_in_bf16 num_layers_at_end_in_bf16
