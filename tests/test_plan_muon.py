@@ -1,12 +1,13 @@
-"""The planner under --optimizer muon: the optimizer bytes it predicts equal what megalite allocates
-(tp 2, pp 2, bf16, experts over ep 2), the Newton-Schulz FLOPs of each --muon-tp-mode by hand, ZeRO
-kept out of the search, and the command it writes."""
+"""The planner's optimizer choices: under --optimizer muon and with Adam's moments in bf16 the
+optimizer bytes it predicts equal what megalite allocates (tp 2, pp 2, bf16 weights, experts over ep 2,
+ZeRO-1 shards), the Newton-Schulz FLOPs of each --muon-tp-mode by hand, ZeRO kept out of a Muon
+search, and the commands it writes."""
 import pytest
 
 from megalite import arguments
 from megalite.testing import run_ranks
 from megalite.tools import plan as P
-from megalite.tools.plan.muon import ns_flops
+from megalite.tools.plan.muon import ns_flops, optimizer_of
 from test_plan import TINY, held_bytes
 from test_plan_cli import run_cli
 from training_ranks import parse
@@ -34,6 +35,29 @@ def test_predicted_optimizer_bytes_equal_what_muon_allocates(tp, pp, dp, ep, ext
             args.training.global_batch_size, args.model.seq_length, dtype, args.data_parallel.ddp_bucket_size))
         assert pred.memory.optimizer == held < adam.memory.optimizer, (flags, pred.memory.optimizer, held)
         assert pred.time.optimizer > adam.time.optimizer  # the Newton-Schulz GEMMs
+
+
+LOW = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+
+
+def test_predicted_optimizer_bytes_of_bf16_moments_equal_what_megalite_allocates():
+    argv = TINY + ["--tp", "1", "--pp", "1"]
+    variants = [LOW, LOW + ["--use-distributed-optimizer"], LOW[:3] + ["--bf16"], LOW + MUON]
+    results = run_ranks(held_bytes, 2, args=(argv, variants), timeout=120)
+    for v, flags in enumerate(variants):
+        args = parse(argv + flags)
+        config = arguments.model_config(args)
+        dtype = "bf16" if args.precision.bf16 else "fp32"
+        dist = args.data_parallel.use_distributed_optimizer
+        fields = optimizer_of(args.optimizer)
+        run = P.Run(args.training.global_batch_size, args.model.seq_length, dtype, args.data_parallel.ddp_bucket_size,
+                    **fields)
+        layout = P.Layout(1, 1, 2, None, args.training.micro_batch_size, "none", False, dist,
+                          zero_stage=1 if dist else 0)
+        pred = P.predict(config, layout, P.Cluster(gpus=2), run=run)
+        assert pred.memory.optimizer == max(r[v]["optimizer"] for r in results), (flags, fields)
+        for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):  # the command names the moments the run stores
+            assert (f"{flag} bf16" in pred.command()) == (flag in flags), (flag, flags)
 
 
 def test_newton_schulz_flops_of_each_mode_by_hand():

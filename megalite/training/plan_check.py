@@ -6,7 +6,7 @@ import torch
 from megalite.config import RunConfig, model_config
 from megalite.metrics import default_peak_tflops
 from megalite.tools.plan import Cluster, Prediction, check_layout
-from megalite.tools.plan.muon import muon_of
+from megalite.tools.plan.muon import optimizer_of
 from megalite.tools.plan.search import local_sgd_of
 
 
@@ -41,4 +41,4 @@ def check_run(cfg: RunConfig, world_size: int, gpu_memory_bytes: float | None = 
                         pipeline_extra_warmup=p.pipeline_extra_warmup,
                         tp_comm_overlap_splits=p.tp_comm_overlap_splits,
                         overlap_param_gather=d.overlap_param_gather, moe_dispatch_chunks=p.moe_dispatch_chunks,
-                        delay_wgrad_compute=p.delay_wgrad_compute, optimizer=muon_of(cfg.optimizer))
+                        delay_wgrad_compute=p.delay_wgrad_compute, optimizer=optimizer_of(cfg.optimizer))

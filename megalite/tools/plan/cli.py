@@ -14,7 +14,7 @@ from megalite.tools.plan.exposed import format_exposed
 from megalite.tools.plan.inputs import GIB, GPT_PRESETS, RECOMPUTE, SCHEDULES, Cluster, Run, active_parameters, total_parameters
 from megalite.tools.plan.json_forms import config_json, rejected_json
 from megalite.tools.plan.report import explain, format_rejections, format_table, zero_stage_note
-from megalite.tools.plan.muon import muon_of
+from megalite.tools.plan.muon import optimizer_of
 from megalite.tools.plan.search import PlanResult, local_sgd_of, plan
 
 
@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ZeRO stage 0 only; docs/optimizer.md)")
     g.add_argument("--muon-tp-mode", choices=["blockwise", "duplicated", "distributed"], default="blockwise")
     g.add_argument("--muon-num-ns-steps", type=int, default=5)
+    g.add_argument("--exp-avg-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="Adam's first moment as stored (pretrain_gpt.py's, with --use-precision-aware-optimizer)")
+    g.add_argument("--exp-avg-sq-dtype", choices=["fp32", "bf16"], default="fp32", help="Adam's second moment")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="predict sequence parallelism's collectives pipelined with the GEMMs (pretrain_gpt.py's flag)")
     g.add_argument("--tp-comm-overlap-splits", type=int, default=1, metavar="N",
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
                   distributed_optimizer=_on_off(args.distributed_optimizer), zero_stage=args.zero_stage,
                   grad_reduce_dtype=args.grad_reduce_dtype, cp=args.cp, local_sgd=local_sgd_of(args), ep=args.ep,
                   etp=args.etp, schedule=_schedules_of(args), fp8_layers=config.num_layers if args.fp8 else 0,
-                  overlap=overlap_of(args), optimizer=muon_of(args))
+                  overlap=overlap_of(args), optimizer=optimizer_of(args))
     name = args.model or "custom GPT"
     flags = model_flags(config, args.model) + (["--fp8-format", "hybrid"] if args.fp8 else [])
     compared = []

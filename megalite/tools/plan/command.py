@@ -173,6 +173,10 @@ def launch_command(pred, flags: list[str] | None = None) -> str:
         parts += ["--optimizer", "muon", "--muon-tp-mode", run.muon_tp_mode]
         if run.muon_ns_steps != 5:
             parts += ["--muon-num-ns-steps", str(run.muon_ns_steps)]
+    if run.adam_moment_bytes != 8:  # predicted with bf16 moments
+        parts.append("--use-precision-aware-optimizer")
+        parts += [f for name in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(run, name) != "fp32"
+                  for f in (f"--{name.replace('_', '-')}", getattr(run, name))]
     if run.dtype != "fp32":
         parts.append(f"--{run.dtype}")
     if run.attention_backend != "sdpa":

@@ -201,6 +201,12 @@ class Run:
     # them (megalite.tools.plan.muon) as --muon-tp-mode says, in --muon-num-ns-steps steps
     muon_tp_mode: str | None = None
     muon_ns_steps: int = 5
+    exp_avg_dtype: str = "fp32"  # --exp-avg-dtype / --exp-avg-sq-dtype: Adam's moments as stored (fp32, bf16)
+    exp_avg_sq_dtype: str = "fp32"
+
+    @property
+    def adam_moment_bytes(self) -> int:
+        return sum(2 if d == "bf16" else 4 for d in (self.exp_avg_dtype, self.exp_avg_sq_dtype))
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

@@ -1,4 +1,4 @@
-"""--optimizer muon in the planner: Muon's matrices keep one fp32 moment (AdamW two), and each step
+"""The optimizer's choices in the planner: Adam's moments in bf16 (2 bytes each), and --optimizer muon: Muon's matrices keep one fp32 moment (AdamW two), and each step
 orthogonalizes every matrix a rank holds by Newton-Schulz (megalite.optim.newton_schulz), each step of
 which, for the matrix seen wide (g rows, the smaller side; k columns), is X X^T (2 g^2 k FLOPs), A A
 (2 g^3) and B X (2 g^2 k). --muon-tp-mode sets what one rank computes of a TP-sharded matrix: blockwise
@@ -11,11 +11,16 @@ from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.inputs import _rank_stages
 
 
-def muon_of(section) -> dict | None:
-    """Run's Muon fields from an optimizer section (or the planner's namespace); None for AdamW / SGD."""
-    if getattr(section, "optimizer", "adam") != "muon":
-        return None
-    return {"muon_tp_mode": section.muon_tp_mode, "muon_ns_steps": section.muon_num_ns_steps}
+def optimizer_of(section) -> dict | None:
+    """Run's optimizer fields from an optimizer section (or the planner's namespace): Muon's, and the
+    bytes of Adam's two moments (bf16 ones: 2 each); None for AdamW with fp32 moments."""
+    out = {}
+    if getattr(section, "optimizer", "adam") == "muon":
+        out.update(muon_tp_mode=section.muon_tp_mode, muon_ns_steps=section.muon_num_ns_steps)
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(section, name, "fp32") != "fp32":
+            out[name] = getattr(section, name)
+    return out or None
 
 
 def _held(costs: LayoutCosts, r: int):

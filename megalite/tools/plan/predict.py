@@ -185,8 +185,10 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
                           v_shape=layout.v_shape)
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
-    if run.muon_tp_mode:  # Muon's matrices keep one moment (megalite.tools.plan.muon)
-        st = replace(st, optimizer=st.optimizer - muon_state_saving(costs, r))
+    muon_saving = muon_state_saving(costs, r) if run.muon_tp_mode else 0  # Muon's matrices keep one moment
+    if muon_saving or run.adam_moment_bytes != 8:  # (and bf16 moments keep 2 bytes each)
+        adam_elements = st.owned_numel - muon_saving // 4
+        st = replace(st, optimizer=st.optimizer - muon_saving - (8 - run.adam_moment_bytes) * adam_elements)
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
     chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp, layout.schedule,
                                         extra_warmup_of(layout, run))

@@ -10,7 +10,7 @@ from megalite.tools.plan.command import ARCH_FLAGS, MOE_FLAGS, SHAPE_FIELDS, _pr
 from megalite.tools.plan.experts import activation_terms, routed_rows, routed_tokens
 from megalite.tools.plan.inputs import DTYPE_BYTES, GIB, layer_numels, positions, stage_parameters
 from megalite.tools.plan.json_forms import by_count, config_json, prediction_json, rejected_json
-from megalite.tools.plan.muon import muon_seconds
+from megalite.tools.plan.muon import muon_seconds, muon_state_saving
 from megalite.tools.plan.predict import Prediction, predict, stage_that_makes_it_fit, with_zero_stage
 from megalite.tools.plan.search import PlanResult
 from megalite.tools.plan.step_time import StepTime
@@ -156,14 +156,14 @@ def _explain_memory(pred: Prediction) -> list[str]:
     who = (f"{st.owned_numel:,} owned (this dp rank's shard of every bucket)" if lay.distributed_optimizer
            else f"{st.owned_numel:,} (every parameter)")
     none = ' (none: fp32 parameters are their own)' if not master else ''
-    if run.muon_tp_mode:  # Muon's matrices keep one moment: what the state holds less than Adam's
-        matrices = (st.owned_numel * (master + 8) - st.optimizer) // 4
+    moments = run.adam_moment_bytes
+    adam = f"{moments} B Adam exp_avg, exp_avg_sq{'' if moments == 8 else ' (bf16 stored)'}"
+    if run.muon_tp_mode:  # Muon's matrices keep one fp32 moment
+        matrices = muon_state_saving(pred.costs, pred.peak_stage) // 4
         out.append(f"  optimizer    ({master} B fp32 master{none} + 4 B Muon momentum) x {matrices:,} matrix elements "
-                   f"+ ({master} B + 8 B Adam exp_avg, exp_avg_sq) x {st.owned_numel - matrices:,} others = "
-                   f"{_gib(st.optimizer)} GiB")
+                   f"+ ({master} B + {adam}) x {st.owned_numel - matrices:,} others = {_gib(st.optimizer)} GiB")
     else:
-        out.append(f"  optimizer    ({master} B fp32 master{none} + 8 B Adam exp_avg, exp_avg_sq) x {who} = "
-                   f"{_gib(st.optimizer)} GiB")
+        out.append(f"  optimizer    ({master} B fp32 master{none} + {adam}) x {who} = {_gib(st.optimizer)} GiB")
     if st.experts is not None:
         out.append(_explain_expert_states(pred, st))
     if lay.zero_stage >= 2:
