@@ -41,6 +41,15 @@ def is_muon_matrix(p: torch.nn.Parameter) -> bool:
     return dims == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
 
 
+def muon_matrix(p: torch.nn.Parameter) -> tuple:
+    """(the matrix's (rows, cols), an expert's; the dim TP or ETP shards of it, 0 or 1, None if none),
+    or (None, None) where p is not Muon's: what the planner counts."""
+    if not is_muon_matrix(p):
+        return None, None
+    sharded = getattr(p, "tensor_model_parallel", False) or is_expert(p)
+    return tuple(p.shape[-2:]), p.partition_dim - (p.ndim - 2) if sharded else None
+
+
 @dataclass
 class Rows:
     """How a fused weight's rows split into the matrices Muon orthogonalizes: the rows repeat in units

@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 from megalite.checkpoint.layout import VOCAB_PARAMS
 from megalite.models import PRESETS, GPTModel, TransformerConfig
-from megalite.optim.muon import is_muon_matrix
+from megalite.optim.muon import muon_matrix
 from megalite.parallel.layers import pad_vocab_size
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, virtual_stage
 from megalite.pipeline.programs import is_one_chunk_program
@@ -316,7 +316,7 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
         counted = [(layer_of.get(id(p)), CountedParameter(p.numel(), getattr(p, "tensor_model_parallel", False),
                                                           name in VOCAB_PARAMS, getattr(p, "tied_embedding", False),
                                                           getattr(p, "expert_parallel", False), part_of.get(id(p)),
-                                                          *_muon_matrix(p)))
+                                                          *muon_matrix(p)))
                    for name, p in model.named_parameters()]
         first = next(i for i, (layer, _) in enumerate(counted) if layer is not None)
         last = max(i for i, (layer, _) in enumerate(counted) if layer is not None)
@@ -325,14 +325,6 @@ def stage_parameters(config: TransformerConfig, seq_length: int, pre: bool, post
         moe = kinds[-1] if config.is_moe else None
         _STAGES[key] = StageParameters(tuple(params[:first]), kinds[0], tuple(params[last + 1:]), moe)
     return _STAGES[key]
-
-
-def _muon_matrix(p) -> tuple:
-    """(matrix, split_dim) of CountedParameter: what --optimizer muon orthogonalizes of p."""
-    if not is_muon_matrix(p):
-        return None, None
-    sharded = getattr(p, "tensor_model_parallel", False) or getattr(p, "expert_parallel", False)
-    return tuple(p.shape[-2:]), p.partition_dim - (p.ndim - 2) if sharded else None
 
 
 def example_layers(config: TransformerConfig) -> list[int]:
