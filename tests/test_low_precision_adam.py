@@ -56,12 +56,12 @@ def test_a_skipped_step_changes_nothing_and_the_clip_divides():
     _, b, _, low = _pair(torch.bfloat16)
     b.grad = torch.randn(40, 24)
     low.step()
-    before = [b.clone(), low.state[b]["exp_avg"].clone(), low.state[b]["step"].clone()]
+    names = ("exp_avg", "exp_avg_sq", "step")
+    before = [b.clone()] + [low.state[b][k].clone() for k in names]
     b.grad = torch.full((40, 24), float("nan"))
     low.found_inf = torch.tensor(1.0)
     low.step()
-    assert torch.equal(b, before[0]) and torch.equal(low.state[b]["exp_avg"], before[1])
-    assert torch.equal(low.state[b]["step"], before[2])
+    assert torch.equal(b, before[0]) and all(torch.equal(low.state[b][k], t) for k, t in zip(names, before[1:]))
     _, c, _, other = _pair(torch.bfloat16)
     c.copy_(b)
     other.load_state_dict(low.state_dict())
@@ -111,6 +111,20 @@ def test_resume_across_layouts_and_into_fp32_moments(tmp_path):
     assert resumed[0][3] == ["torch.bfloat16"]
     [(into_fp32, _, _, dtypes)] = run_ranks(_losses_and_bytes, 1, args=(RUN + ["--load", str(tmp_path / "ck")],))
     assert dtypes == ["torch.float32"] and len(into_fp32) == 2
+    [fresh] = run_ranks(train_losses, 1, args=(RUN + ["--load", str(tmp_path / "ck"), "--no-load-optim"],))
+    assert into_fp32[1] != fresh[1]  # the moments were taken, not started anew
+
+
+def test_local_sgd_resumes_bf16_moments_into_fp32_ones_and_muon_into_adam(tmp_path):
+    local = RUN + ["--local-sgd-interval", "2", "--train-iters", "4"]
+    save = ["--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2"]
+    run_ranks(train_losses, 2, args=(local + LOW + save,))
+    resumed = run_ranks(_losses_and_bytes, 2, args=(local + ["--load", str(tmp_path / "ck")],))
+    assert resumed[0][3] == ["torch.float32"] and len(resumed[0][0]) == 2
+    muon = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest"]
+    run_ranks(train_losses, 2, args=(local + muon + save[:-3] + [str(tmp_path / "muon"), "--save-interval", "2"],))
+    adam = run_ranks(train_losses, 2, args=(local + ["--load", str(tmp_path / "muon")],))
+    assert len(adam[0]) == 2 and all(x == x for x in adam[0])  # Muon's matrices' Adam state starts anew
 
 
 def test_megatron_lms_flags_and_the_refusals():

@@ -60,6 +60,21 @@ def test_predicted_optimizer_bytes_of_bf16_moments_equal_what_megalite_allocates
             assert (f"{flag} bf16" in pred.command()) == (flag in flags), (flag, flags)
 
 
+def test_the_experts_part_counts_the_choices_too():
+    args = parse(TINY + MOE + ["--ep", "2"])
+    config = arguments.model_config(args)
+    layout = P.Layout(1, 1, 2, None, 2, "none", False, False, ep=2)
+
+    def experts(**fields):
+        run = P.Run(args.training.global_batch_size, args.model.seq_length, "fp32", 30000, **fields)
+        pred = P.predict(config, layout, P.Cluster(gpus=2), run=run)
+        return pred.memory.experts, pred.stages[pred.peak_stage].state.experts.owned_numel
+
+    (adam, owned), (low, _) = experts(), experts(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    (muon, _) = experts(muon_tp_mode="blockwise")
+    assert adam - low == 4 * owned and adam - muon == 4 * owned  # each expert weight a matrix: one moment
+
+
 def test_newton_schulz_flops_of_each_mode_by_hand():
     steps = 5
     # a 64 x 256 matrix: seen wide, g = 64, k = 256

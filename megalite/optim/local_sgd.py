@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import faults
+from megalite.optim.optimizer import moment_dtype, moment_names
 from megalite.parallel import traffic
 
 
@@ -215,10 +216,17 @@ def load_replica_state(sd: dict, local: LocalSGD, optimizer) -> None:
             piece.master.copy_(master.view_as(piece.master))
             state = optimizer.inner.state[piece.master]
             state.clear()
+            moments = moment_names(optimizer.inner, piece.master)
+            if any(k not in inner for k in moments):  # saved by an optimizer keeping fewer: start anew
+                continue
             for k, v in inner.items():
-                # Fused optimizers keep the step count on the masters' device; others on the host.
+                if k != "step" and k not in moments:  # (another optimizer's: Adam's second moment into Muon)
+                    continue
+                # Fused optimizers keep the step count on the masters' device; others on the host. A
+                # moment takes this run's dtype (--exp-avg-dtype may differ from the saving run's).
                 on_device = k != "step" or bool(optimizer.inner.defaults.get("fused"))
-                state[k] = v.to(piece.master.device if on_device else "cpu").clone()
+                dtype = v.dtype if k == "step" else moment_dtype(optimizer.inner, piece.master, k)
+                state[k] = v.to(piece.master.device if on_device else "cpu", dtype).clone()
     optimizer.loss_scaler.load_state_dict(sd["loss_scaler"])
     local.load_state_dict(sd["local_sgd"])
     optimizer.publish()

@@ -38,24 +38,42 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             for master in group["params"]:
                 if master.grad is None:
                     continue
-                grad = master.grad if self.grad_scale is None else master.grad / self.grad_scale
                 state = self.state[master]
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-                stored = [self._moment(state, "exp_avg", master), self._moment(state, "exp_avg_sq", master)]
-                exp_avg, exp_avg_sq = (s.float() for s in stored)  # (fresh fp32 copies)
                 step = state["step"] + 1
-                weights = master.mul(1 - lr * wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias1 = 1 - torch.pow(beta1, step)
+                bias1 = 1 - torch.pow(beta1, step)  # (fp32 on the device: within 1e-5 of the fused kernel's double)
                 bias2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
-                denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
-                weights.sub_(exp_avg / denom * (lr / bias1))
-                for into, value in ((master, weights), (stored[0], exp_avg), (stored[1], exp_avg_sq)):
-                    into.copy_(value if skip is None else torch.where(skip > 0, into.float(), value))
+                stored = [self._moment(state, "exp_avg", master).view(-1),
+                          self._moment(state, "exp_avg_sq", master).view(-1)]
+                flat, grads = master.view(-1), master.grad.reshape(-1)
+                # A chunk at a time: the fp32 temporaries stay a few chunks' (not the largest master's) size
+                for lo in range(0, flat.numel(), _CHUNK):
+                    part = slice(lo, lo + _CHUNK)
+                    self._update(flat[part], grads[part], stored[0][part], stored[1][part], lr, wd, eps, beta1, beta2,
+                                 bias1, bias2_sqrt, skip)
                 state["step"] = step if skip is None else state["step"] + (1 - skip)
         return None
+
+    def _update(self, weights, grad, m_stored, v_stored, lr, wd, eps, beta1, beta2, bias1, bias2_sqrt, skip):
+        grad = grad.float() if self.grad_scale is None else grad / self.grad_scale
+        m, v = m_stored.float(), v_stored.float()  # fresh fp32 copies
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        update = v.sqrt().div_(bias2_sqrt).add_(eps)  # the denominator, then the step
+        update = torch.div(m, update, out=update).mul_(lr / bias1)
+        update.add_(weights, alpha=lr * wd)  # + lr wd w: the decoupled decay
+        if skip is not None:  # a skipped step moves nothing (inf/NaN become zero steps)
+            keep = skip > 0
+            update = torch.where(keep, 0.0, update)
+            m = torch.where(keep, m_stored.float(), m)
+            v = torch.where(keep, v_stored.float(), v)
+        weights.sub_(update)
+        m_stored.copy_(m)
+        v_stored.copy_(v)
+
+
+_CHUNK = 1 << 24  # elements of a master updated at once
 
 
 def adamw(groups, *, lr: float, betas: tuple[float, float], eps: float, exp_avg_dtype: str = "fp32",

@@ -67,7 +67,8 @@ class LayoutCosts:
 
     @property
     def traffic(self) -> int:
-        return OPTIMIZER_TRAFFIC[self.run.dtype]
+        """Bytes an element; bf16 moments read and write 2 bytes each of 4 (as one fused kernel would)."""
+        return OPTIMIZER_TRAFFIC[self.run.dtype] - 2 * (8 - self.run.adam_moment_bytes)
 
     @property
     def hardware_flops(self) -> float:

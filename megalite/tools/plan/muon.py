@@ -7,6 +7,8 @@ is then the unsharded one: g the unsharded dim, k the shard's). The q/k/v split 
 matrix, and the TP collectives of duplicated and distributed are not counted."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megalite.tools.plan.costs import LayoutCosts
 from megalite.tools.plan.inputs import _rank_stages
 
@@ -23,18 +25,36 @@ def optimizer_of(section) -> dict | None:
     return out or None
 
 
-def _held(costs: LayoutCosts, r: int):
+def _held(costs: LayoutCosts, r: int, experts: bool | None = None):
+    """Muon's matrices pipeline rank r holds (experts True: the experts' only)."""
     layout, run = costs.layout, costs.run
     for stage, numbers in _rank_stages(costs.config, layout.pp, layout.vpp, r, run.seq_length, run.pipeline_layers,
                                        layout.v_shape):
         yield from (x for x in (*stage.head, *(y for n in numbers for y in stage.layer_params(costs.config, n)),
-                                *stage.tail) if x.matrix is not None)
+                                *stage.tail) if x.matrix is not None and experts in (None, x.expert))
 
 
-def muon_state_saving(costs: LayoutCosts, r: int) -> int:
-    """Bytes pipeline rank r's optimizer holds less than AdamW's: 4 an element of every matrix."""
+def muon_state_saving(costs: LayoutCosts, r: int, experts: bool | None = None) -> int:
+    """Bytes pipeline rank r's optimizer holds less than AdamW's: 4 an element of every matrix (experts
+    True: of the experts' matrices)."""
     layout = costs.layout
-    return 4 * sum(x.per_rank(costs.config, layout.tp, layout.ep, layout.etp) for x in _held(costs, r))
+    return 4 * sum(x.per_rank(costs.config, layout.tp, layout.ep, layout.etp) for x in _held(costs, r, experts))
+
+
+def with_optimizer_choices(costs: LayoutCosts, r: int, st):
+    """Rank r's StateBytes (and its experts' part) with Muon's one moment and bf16 moments counted."""
+    run = costs.run
+    if not run.muon_tp_mode and run.adam_moment_bytes == 8:
+        return st
+
+    def less(part, experts):
+        saving = muon_state_saving(costs, r, experts) if run.muon_tp_mode else 0
+        return replace(part, optimizer=part.optimizer - saving
+                       - (8 - run.adam_moment_bytes) * (part.owned_numel - saving // 4))
+
+    if st.experts is not None:
+        return replace(less(st, None), experts=less(st.experts, True))
+    return less(st, None)
 
 
 def ns_flops(rows: int, cols: int, split_dim: int | None, ranks: int, mode: str, steps: int) -> float:

@@ -18,7 +18,7 @@ from megalite.tools.plan.exposed import Exposure, cp_exposure, ep_exposure, expo
 from megalite.tools.plan.inputs import GIB, Cluster, Layout, Run, check_gpt, extra_warmup_of
 from megalite.tools.plan.json_forms import prediction_json
 from megalite.tools.plan.memory import Memory, over
-from megalite.tools.plan.muon import muon_seconds, muon_state_saving
+from megalite.tools.plan.muon import muon_seconds, with_optimizer_choices
 from megalite.tools.plan.states import StateBytes, rank_state_bytes
 from megalite.tools.plan.step_time import StepTime, layout_costs
 
@@ -185,10 +185,7 @@ def stage_result(costs: LayoutCosts, r: int) -> StageResult:
                           v_shape=layout.v_shape)
     if local_sgd:  # the outer parameters and their momentum, fp32 (megalite.optim.local_sgd)
         st = replace(st, optimizer=st.optimizer + 8 * st.numel)
-    muon_saving = muon_state_saving(costs, r) if run.muon_tp_mode else 0  # Muon's matrices keep one moment
-    if muon_saving or run.adam_moment_bytes != 8:  # (and bf16 moments keep 2 bytes each)
-        adam_elements = st.owned_numel - muon_saving // 4
-        st = replace(st, optimizer=st.optimizer - muon_saving - (8 - run.adam_moment_bytes) * adam_elements)
+    st = with_optimizer_choices(costs, r, st)  # Muon's matrices keep one moment, bf16 moments 2 bytes
     # Activations: in-flight chunks of this rank times the layers of an average chunk.
     chunks_in_flight = in_flight_chunks(p, r, costs.micro_batches, layout.vpp, layout.schedule,
                                         extra_warmup_of(layout, run))
