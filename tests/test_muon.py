@@ -298,3 +298,4 @@ def test_megatron_lms_flags_and_the_refusals():
     assert "query groups" in refusal(GQA[:-2] + ["--tp", "4"], 4)
     assert "--optimizer muon" in refusal(["--muon-momentum", "0.5"], 1)
     assert "multiple of 5" in refusal(GQA + ["--muon-num-ns-steps", "3"], 1)
+    assert "layer-wise" in refusal(GQA[:-6] + ["--optimizer", "dist_muon"], 1)

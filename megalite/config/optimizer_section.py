@@ -20,7 +20,7 @@ class OptimizerConfig:
     optimizer: str = opt("adam", "the (inner) optimizer: AdamW, SGD with --sgd-momentum (same lr schedule; "
                                  "SGD adds weight decay to the gradient, as Megatron-LM's), or Muon for the hidden "
                                  "weight matrices with AdamW for the rest (docs/optimizer.md)",
-                         choices=("adam", "sgd", "muon"))
+                         choices=("adam", "sgd", "muon", "dist_muon"))
     lr: float = opt(1e-3, "peak learning rate", check=POSITIVE)
     min_lr: float = opt(1e-4, "learning rate at the end of the decay", check=NON_NEGATIVE)
     lr_decay_style: str = opt("cosine", "shape of the decay after warm-up (WSD: constant, then "
@@ -155,6 +155,10 @@ class OptimizerConfig:
                                  "--use-apex-adam")
 
     def _check_muon(self) -> None:
+        if self.optimizer == "dist_muon":
+            raise ValueError("--optimizer dist_muon: Megatron-LM's layer-wise distributed Muon (each data-parallel "
+                             "rank updating whole matrices) is not in megalite: use --optimizer muon, whose state "
+                             "every data-parallel rank keeps whole")
         if self.optimizer != "muon":
             muon = [f for f in fields(self) if f.name.startswith("muon_") and getattr(self, f.name) != f.default]
             if muon:
