@@ -248,6 +248,38 @@ def test_training_at_tp2_dp2_pp2_cp2_ep2_etp2_gives_one_ranks_losses():
         assert rel_err(torch.tensor(got), torch.tensor(moe)) <= 1e-5, (layout, got, moe)
 
 
+DIST = GQA[:-6] + ["--optimizer", "dist_muon"] + GQA[-4:]  # duplicated, highest
+
+
+def _losses_and_state(rank, world, argv):
+    run = gpt_run(argv)
+    return [r["loss"] for r in run.records], run.optimizer.state_bytes()
+
+
+@pytest.mark.slow
+def test_dist_muon_shards_whole_layers_and_trains_as_one_rank(tmp_path):
+    [(want, whole)] = run_ranks(_losses_and_state, 1, args=(GQA,))
+    for world, layout in ((2, []), (4, ["--tp", "2"]), (2, ["--pp", "2"])):
+        results = run_ranks(_losses_and_state, world, args=(DIST + layout,))
+        got = results[-1][0]
+        assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, (layout, got, want)
+        if not layout:  # each parameter's state on one rank (whole layers: as even as they allow)
+            assert sum(r[1] for r in results) == whole and max(r[1] for r in results) < whole, (whole, results)
+    # bf16 weights (fp32 masters copied, the others' zeroed and summed) with QK-clip, clipping off (the
+    # gradient norm sums in another order over the layer-wise pieces): bitwise plain Muon's at dp 2
+    extra = ["--bf16", "--qk-clip", "--qk-clip-threshold", "0.05", "--clip-grad", "0"]
+    plain = run_ranks(train_losses, 2, args=(GQA + extra,))[0]
+    assert run_ranks(train_losses, 2, args=(DIST + extra,))[0] == plain
+    [moe] = run_ranks(train_losses, 1, args=(MOE,))
+    moe_dist = MOE[:-6] + ["--optimizer", "dist_muon"] + MOE[-4:]
+    got = run_ranks(train_losses, 4, args=(moe_dist + ["--ep", "2"],))[-1]  # experts over EDP 2
+    assert rel_err(torch.tensor(got), torch.tensor(moe)) <= 1e-5, got
+    save = DIST[:-6] + ["--train-iters", "2", "--save", str(tmp_path / "ck"), "--save-interval", "2"] + DIST[-6:]
+    run_ranks(train_losses, 2, args=(save,))
+    [resumed] = run_ranks(train_losses, 1, args=(GQA + ["--load", str(tmp_path / "ck")],))  # into plain Muon
+    assert rel_err(torch.tensor(resumed), torch.tensor(want[2:])) <= 1e-5
+
+
 def test_a_step_makes_no_host_sync():
     quiet = GQA[:-2] + ["--muon-tp-mode", "blockwise", "--bf16", "--log-interval", "100", "--train-iters", "5"]
     [counts] = run_ranks(steady_host_syncs, 1, args=([quiet],))  # (iterations 2 and 3 log nothing)
@@ -298,4 +330,5 @@ def test_megatron_lms_flags_and_the_refusals():
     assert "query groups" in refusal(GQA[:-2] + ["--tp", "4"], 4)
     assert "--optimizer muon" in refusal(["--muon-momentum", "0.5"], 1)
     assert "multiple of 5" in refusal(GQA + ["--muon-num-ns-steps", "3"], 1)
-    assert "layer-wise" in refusal(GQA[:-6] + ["--optimizer", "dist_muon"], 1)
+    assert "--local-sgd-interval" in refusal(DIST + ["--local-sgd-interval", "2"], 2)
+    assert "whole layers" in refusal(DIST + ["--use-distributed-optimizer"], 2)

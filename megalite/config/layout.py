@@ -216,7 +216,7 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     if model.fp32_residual_connection and not (config.precision.bf16 or config.precision.fp16):
         raise UsageError("--fp32-residual-connection keeps the residual stream in fp32 beside 16-bit weights: add "
                          "--bf16 or --fp16 (without them the stream is fp32 already)")
-    if config.optimizer.optimizer == "muon":
+    if config.optimizer.optimizer in ("muon", "dist_muon"):
         _check_muon(config, model)
     if config.optimizer.qk_clip or config.optimizer.log_max_attention_logit:
         _check_max_logits(config, model)
@@ -228,10 +228,14 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
 
 def _check_muon(config: RunConfig, model: TransformerConfig) -> None:
     """Muon orthogonalizes whole matrices (or each TP rank's block of one)."""
+    name = config.optimizer.optimizer
     if config.data_parallel.zero_stage:
-        raise UsageError("--optimizer muon orthogonalizes each weight matrix whole, which ZeRO's flat shards split "
-                         "(Megatron-LM refuses its distributed optimizer with Muon too): drop "
-                         "--use-distributed-optimizer / --zero-stage")
+        raise UsageError(f"--optimizer {name} orthogonalizes each weight matrix whole, which ZeRO's flat shards split "
+                         f"(Megatron-LM refuses its distributed optimizer with Muon too; --optimizer dist_muon shards "
+                         f"by whole layers): drop --use-distributed-optimizer / --zero-stage")
+    if name == "dist_muon" and config.local_sgd.local_sgd_interval:
+        raise UsageError("--optimizer dist_muon shards the optimizer over data parallelism, and --local-sgd-interval "
+                         "keeps each replica's whole: use --optimizer muon, or drop --local-sgd-interval")
     tp, groups = config.parallel.tp, model.num_query_groups
     if config.optimizer.muon_tp_mode == "blockwise" and groups is not None and tp > groups:
         raise UsageError(f"--muon-tp-mode blockwise orthogonalizes each TP rank's heads' q, k and v, but with --tp "

@@ -19,7 +19,8 @@ class OptimizerConfig:
     (Megatron-LM's sample-based schedules: divided by the global batch)."""
     optimizer: str = opt("adam", "the (inner) optimizer: AdamW, SGD with --sgd-momentum (same lr schedule; "
                                  "SGD adds weight decay to the gradient, as Megatron-LM's), or Muon for the hidden "
-                                 "weight matrices with AdamW for the rest (docs/optimizer.md)",
+                                 "weight matrices with AdamW for the rest; dist_muon: Muon with each data-parallel "
+                                 "rank updating whole layers (docs/optimizer.md)",
                          choices=("adam", "sgd", "muon", "dist_muon"))
     lr: float = opt(1e-3, "peak learning rate", check=POSITIVE)
     min_lr: float = opt(1e-4, "learning rate at the end of the decay", check=NON_NEGATIVE)
@@ -155,11 +156,7 @@ class OptimizerConfig:
                                  "--use-apex-adam")
 
     def _check_muon(self) -> None:
-        if self.optimizer == "dist_muon":
-            raise ValueError("--optimizer dist_muon: Megatron-LM's layer-wise distributed Muon (each data-parallel "
-                             "rank updating whole matrices) is not in megalite: use --optimizer muon, whose state "
-                             "every data-parallel rank keeps whole")
-        if self.optimizer != "muon":
+        if self.optimizer not in ("muon", "dist_muon"):
             muon = [f for f in fields(self) if f.name.startswith("muon_") and getattr(self, f.name) != f.default]
             if muon:
                 raise ValueError(f"{flag_of(muon[0])} applies to --optimizer muon (this run's is "

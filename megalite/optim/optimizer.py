@@ -1,4 +1,5 @@
-"""AdamW over fp32 master weights, plain or distributed (ZeRO-1), with loss scaling and clipping.
+"""AdamW over fp32 master weights, plain, distributed (ZeRO-1) or layer-wise (whole parameters per
+data-parallel rank: --optimizer dist_muon), with loss scaling and clipping.
 
 The model's parameters live in `ParamAndGradBuffer`s. The optimizer updates fp32 *master*
 tensors: with fp32 parameters and no sharding, the parameters themselves; otherwise fp32 copies of
@@ -38,9 +39,14 @@ class _Piece:
 class MegaliteOptimizer:
     def __init__(self, buffers: list[ParamAndGradBuffer], *, lr: float, weight_decay: float = 0.01,
                  betas=(0.9, 0.95), eps: float = 1e-8, distributed: bool = False, loss_scaler=None,
-                 use_apex: bool = False, separate_embedding_lr: bool = False, moe: bool = False):
+                 use_apex: bool = False, separate_embedding_lr: bool = False, moe: bool = False,
+                 owners: dict[int, int] | None = None):
         from megalite.optim.loss_scaler import ConstantLossScaler
 
+        # owners (--optimizer dist_muon, layer-wise): {id(param): the rank of its buffer's data-parallel
+        # group that updates it, whole}; the others' parameters come back in `publish`.
+        self.owners = owners
+        distributed = distributed or owners is not None
         self.buffers, self.distributed = buffers, distributed
         self.moe = moe  # the model has expert layers (on some stage): norms add the expert grid's sum
         self.loss_scaler = loss_scaler or ConstantLossScaler()
@@ -52,10 +58,14 @@ class MegaliteOptimizer:
         for buf in buffers:
             if buf.param_dtype != torch.float32 and not buf.has_fp32_init:
                 raise ValueError("low-precision parameters need their fp32 initial values (fp32_init)")
+            rank = dist.get_rank(buf.dp_group) if buf.dp_group is not None else 0
             for bucket in buf.buckets:
-                own_lo, own_hi = buf.owned_range(bucket) if distributed else (0, bucket.numel)
+                sharded = distributed and owners is None
+                own_lo, own_hi = buf.owned_range(bucket) if sharded else (0, bucket.numel)
                 own_lo, own_hi = bucket.start + own_lo, bucket.start + own_hi
                 for p in bucket.params:
+                    if owners is not None and owners[id(p)] != rank:
+                        continue
                     p_lo, p_hi = buf.param_range(p)
                     lo, hi = max(p_lo, own_lo), min(p_hi, own_hi)
                     if lo < hi:
@@ -258,12 +268,34 @@ class MegaliteOptimizer:
         return piece.master.data_ptr() == piece.buffer.param_slice(piece.lo, piece.hi).data_ptr()
 
     def publish(self) -> None:
-        """Write the masters into the parameters (cast) and all-gather the shards."""
+        """Write the masters into the parameters (cast) and all-gather the shards (layer-wise: every
+        buffer summed over its data-parallel group, each rank's parameters but its own zeroed first:
+        x + 0 + ... is x exactly)."""
         for piece in self._copied_pieces:
             piece.buffer.param_slice(piece.lo, piece.hi).copy_(piece.master.detach().reshape(-1))
-        if self.distributed:
+        if self.owners is not None:
+            for buf in self.buffers:
+                if buf.dp_size > 1:
+                    for lo, hi in self._others(buf):
+                        buf.param_data[lo:hi].zero_()
+                    traffic.counted_all_reduce("dp", buf.param_data, buf.dp_group)
+        elif self.distributed:
             for buf in self.buffers:
                 buf.all_gather_params()
+
+    def _others(self, buf) -> list[tuple[int, int]]:
+        """The runs of `buf`'s parameter data this rank does not update (layer-wise), computed once."""
+        if not hasattr(self, "_others_of"):
+            self._others_of = {}
+        if id(buf) not in self._others_of:
+            mine = sorted((p.lo, p.hi) for p in self.pieces if p.buffer is buf)
+            runs, at = [], 0
+            for lo, hi in mine + [(buf.param_data.numel(), buf.param_data.numel())]:
+                if lo > at:
+                    runs.append((at, lo))
+                at = max(at, hi)
+            self._others_of[id(buf)] = runs
+        return self._others_of[id(buf)]
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: fp32 masters that are copies, plus Adam's (or SGD's) states."""

@@ -21,7 +21,7 @@ from megalite.parallel import host_heap
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
-from megalite.training.muon_setup import use_muon
+from megalite.training.muon_setup import layer_wise_owners, use_muon
 from megalite.training.qk_clip import QKClip
 from megalite.training.task import Task
 
@@ -172,7 +172,9 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
     optimizer = MegaliteOptimizer(buffers, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                   eps=o.adam_eps, distributed=cfg.data_parallel.use_distributed_optimizer,
                                   loss_scaler=scaler, use_apex=o.use_apex_adam,
-                                  separate_embedding_lr=o.decoupled_lr is not None, moe=moe)
+                                  separate_embedding_lr=o.decoupled_lr is not None, moe=moe,
+                                  owners=layer_wise_owners(chunks, buffers, deferred) if o.optimizer == "dist_muon"
+                                  else None)
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)
     elif "bf16" in (o.exp_avg_dtype, o.exp_avg_sq_dtype) and o.optimizer == "adam":
@@ -180,7 +182,7 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                   for g in optimizer.inner.param_groups]
         optimizer.inner = adamw(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                 exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype)
-    if o.optimizer == "muon":
+    if o.optimizer in ("muon", "dist_muon"):
         use_muon(optimizer, cfg, chunks)
     optimizer.qk_clip = None
     if o.qk_clip or o.log_max_attention_logit:

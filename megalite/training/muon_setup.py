@@ -8,6 +8,7 @@ from megalite.optim import MegaliteOptimizer
 from megalite.optim.grads import is_expert
 from megalite.optim.low_precision_adam import adamw
 from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows, is_muon_matrix
+from megalite.optim.zero import layer_units
 
 _GROUP_KEYS = ("params", "weight_decay", "decays", "embedding_or_output")
 
@@ -78,3 +79,20 @@ def use_muon(optimizer: MegaliteOptimizer, cfg, chunks) -> None:
     adam = adamw(adam_groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                  exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype) if adam_groups else None
     optimizer.inner = MuonAndAdamW(muon, adam)
+
+
+def layer_wise_owners(chunks, buffers, deferred) -> dict[int, int]:
+    """--optimizer dist_muon (Megatron-LM's layer-wise distributed optimizer): {id(param): the rank of
+    its buffer's data-parallel group that updates it}. Whole layers (ZeRO-3's units: a layer, the rest
+    of the chunk, each deferred parameter) go to the least loaded rank in turn, so a rank holds the
+    optimizer state of about 1/dp of the elements and every matrix (q and kv together) whole. The same
+    on every rank of the group, and on its TP and ETP peers (their shards are alike)."""
+    owners = {}
+    for buf in buffers:
+        params = [p for bucket in buf.buckets for p in bucket.params]
+        load = [0] * buf.dp_size
+        for unit in layer_units(chunks[buf.chunk_index], params, deferred):
+            rank = min(range(buf.dp_size), key=lambda r: (load[r], r))
+            load[rank] += sum(params[k].numel() for k in unit)
+            owners.update({id(params[k]): rank for k in unit})
+    return owners

@@ -17,7 +17,7 @@ def optimizer_of(section) -> dict | None:
     """Run's optimizer fields from an optimizer section (or the planner's namespace): Muon's, and the
     bytes of Adam's two moments (bf16 ones: 2 each); None for AdamW with fp32 moments."""
     out = {}
-    if getattr(section, "optimizer", "adam") == "muon":
+    if getattr(section, "optimizer", "adam") in ("muon", "dist_muon"):  # (dist_muon's sharding not counted)
         out.update(muon_tp_mode=section.muon_tp_mode, muon_ns_steps=section.muon_num_ns_steps)
     for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if getattr(section, name, "fp32") != "fp32":
