@@ -263,8 +263,11 @@ def test_dist_muon_shards_whole_layers_and_trains_as_one_rank(tmp_path):
         results = run_ranks(_losses_and_state, world, args=(DIST + layout,))
         got = results[-1][0]
         assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, (layout, got, want)
-        if not layout:  # each parameter's state on one rank (whole layers: as even as they allow)
-            assert sum(r[1] for r in results) == whole and max(r[1] for r in results) < whole, (whole, results)
+        if not layout:  # each parameter's state on one rank, whole layers and parameters as even as they go
+            assert sum(r[1] for r in results) == whole and max(r[1] for r in results) < 0.6 * whole, (whole, results)
+    # pp 2 x dp 2: the tied embedding's two copies, each updated by its own stage's owner
+    got = run_ranks(train_losses, 4, args=(DIST + ["--pp", "2"],))[-1]
+    assert rel_err(torch.tensor(got), torch.tensor(want)) <= 1e-5, got
     # bf16 weights (fp32 masters copied, the others' zeroed and summed) with QK-clip, clipping off (the
     # gradient norm sums in another order over the layer-wise pieces): bitwise plain Muon's at dp 2
     extra = ["--bf16", "--qk-clip", "--qk-clip-threshold", "0.05", "--clip-grad", "0"]

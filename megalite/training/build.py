@@ -173,7 +173,7 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
                                   eps=o.adam_eps, distributed=cfg.data_parallel.use_distributed_optimizer,
                                   loss_scaler=scaler, use_apex=o.use_apex_adam,
                                   separate_embedding_lr=o.decoupled_lr is not None, moe=moe,
-                                  owners=layer_wise_owners(chunks, buffers, deferred) if o.optimizer == "dist_muon"
+                                  owners=layer_wise_owners(chunks, buffers) if o.optimizer == "dist_muon"
                                   else None)
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)

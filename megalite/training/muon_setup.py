@@ -8,7 +8,6 @@ from megalite.optim import MegaliteOptimizer
 from megalite.optim.grads import is_expert
 from megalite.optim.low_precision_adam import adamw
 from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows, is_muon_matrix
-from megalite.optim.zero import layer_units
 
 _GROUP_KEYS = ("params", "weight_decay", "decays", "embedding_or_output")
 
@@ -81,18 +80,31 @@ def use_muon(optimizer: MegaliteOptimizer, cfg, chunks) -> None:
     optimizer.inner = MuonAndAdamW(muon, adam)
 
 
-def layer_wise_owners(chunks, buffers, deferred) -> dict[int, int]:
+def layer_wise_owners(chunks, buffers) -> dict[int, int]:
     """--optimizer dist_muon (Megatron-LM's layer-wise distributed optimizer): {id(param): the rank of
-    its buffer's data-parallel group that updates it}. Whole layers (ZeRO-3's units: a layer, the rest
-    of the chunk, each deferred parameter) go to the least loaded rank in turn, so a rank holds the
-    optimizer state of about 1/dp of the elements and every matrix (q and kv together) whole. The same
-    on every rank of the group, and on its TP and ETP peers (their shards are alike)."""
-    owners = {}
+    its buffer's data-parallel group that updates it}. The units are whole transformer layers and every
+    other parameter alone (the embedding, output layer, final norm...), largest first to the least
+    loaded rank of the group (one load over all the buffers reduced over that group: the dense ones,
+    the experts' over expert data parallelism), so a rank holds about 1/dp of the optimizer's elements
+    and every matrix (q and kv together) whole. The same on every rank of a group and on its TP and ETP
+    peers, whose shards are alike."""
+    groups: dict[bool, list] = {}  # the dense buffers' units, and the experts' (another group)
+    size = {}
     for buf in buffers:
         params = [p for bucket in buf.buckets for p in bucket.params]
-        load = [0] * buf.dp_size
-        for unit in layer_units(chunks[buf.chunk_index], params, deferred):
-            rank = min(range(buf.dp_size), key=lambda r: (load[r], r))
-            load[rank] += sum(params[k].numel() for k in unit)
-            owners.update({id(params[k]): rank for k in unit})
+        held, units = {id(p) for p in params}, []
+        for layer in getattr(chunks[buf.chunk_index], "layers", []):
+            members = [p for p in layer.parameters() if id(p) in held]
+            if members:
+                units.append(members)
+        in_layers = {id(p) for u in units for p in u}
+        groups.setdefault(buf.experts, []).extend(units + [[p] for p in params if id(p) not in in_layers])
+        size[buf.experts] = buf.dp_size
+    owners = {}
+    for experts, units in groups.items():
+        load = [0] * size[experts]
+        for unit in sorted(units, key=lambda u: -sum(p.numel() for p in u)):  # (stable: ties in order)
+            rank = min(range(size[experts]), key=lambda r: (load[r], r))
+            load[rank] += sum(p.numel() for p in unit)
+            owners.update({id(p): rank for p in unit})
     return owners
