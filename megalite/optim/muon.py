@@ -222,7 +222,8 @@ class MuonAndAdamW:
             opt.step()
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict() if self.muon else None, "adam": self.adam.state_dict() if self.adam else None}
+        return {"muon": self.muon.state_dict() if self.muon else None,
+                "adam": self.adam.state_dict() if self.adam else None}
 
     def load_state_dict(self, sd: dict) -> None:
         for name, opt in (("muon", self.muon), ("adam", self.adam)):
