@@ -9,9 +9,9 @@ shared by all heads, alone). Values, biases and the output projection stay. The 
 megalite.models.max_logit, taken over data parallelism and gathered over tensor parallelism, so every
 copy of a weight is clipped alike. As Megatron-Core's, it scales weights, not biases: with q/k biases
 (--add-qkv-bias) the clipped logit stays somewhat above t. Refused with --qk-layernorm / --qk-l2-norm,
-whose norms after the projections would undo it. The clip multiplies the fp32 masters before they are published
-(cast, gathered), in place of the step: a step with inf/NaN gradients, which leaves every weight
-as it was, clips nothing. No host sync: the factors are 1 where nothing is clipped.
+whose norms after the projections would undo it. The clip multiplies the fp32 masters after the
+update and before they are published (cast, gathered); a step with inf/NaN gradients, which leaves
+every weight as it was, clips nothing. No host sync: the factors are 1 where nothing is clipped.
 """
 from __future__ import annotations
 
