@@ -52,6 +52,24 @@ def test_bf16_moments_step_by_hand_from_what_is_stored():
     assert not torch.equal(a, b)
 
 
+def test_without_pytorchs_fused_kernel_the_passes_give_its_numbers(monkeypatch):
+    import megalite.optim.low_precision_adam as low_module
+
+    results = []
+    for fused in (low_module._FUSED, None):
+        monkeypatch.setattr(low_module, "_FUSED", fused)
+        _, b, _, low = _pair(torch.bfloat16)
+        torch.manual_seed(5)
+        for t in range(3):
+            b.grad = torch.randn(40, 24) * (4 if t == 1 else 1)
+            low.grad_scale = torch.tensor(4.0) if t == 1 else None
+            low.found_inf = torch.tensor(1.0 if t == 2 else 0.0)
+            low.step()
+        results.append((b.clone(), low.state[b]["exp_avg_sq"].float(), low.state[b]["step"].clone()))
+    (w1, v1, s1), (w2, v2, s2) = results
+    assert rel_err(w2, w1) <= 1e-6 and rel_err(v2, v1) <= 1e-2 and torch.equal(s1, s2) and int(s1) == 2
+
+
 def test_a_skipped_step_changes_nothing_and_the_clip_divides():
     _, b, _, low = _pair(torch.bfloat16)
     b.grad = torch.randn(40, 24)

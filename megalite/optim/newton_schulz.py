@@ -6,7 +6,8 @@ The iteration, on X = G / ||G||_F (transposed first so that X X^T is the smaller
 with one (a, b, c) per step. The coefficients are the quintic ones Keller Jordan's modded-nanogpt
 published (five sets, applied in turn: the steps must be a multiple of five), which Megatron-Core's
 Muon uses by default. Under the "medium" fp32 matmul precision the iteration runs in bf16, as
-Megatron-Core's does; "high" (TF32 on a GPU) and "highest" keep fp32.
+Megatron-Core's does (off a GPU emulated: fp32 GEMMs of bf16 values, each result rounded to bf16);
+"high" (TF32 on a GPU) and "highest" keep fp32.
 
 Each step is equivariant under permutations of rows and of columns (P X Q in, P X' Q out), so the
 order a layout stores rows in (megalite's [gate; up], a TP rank's heads) does not change the result,
@@ -58,10 +59,13 @@ def _fma(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: 
 
 
 def newton_schulz(x: torch.Tensor, steps: int, precision: str = "medium", transpose: bool | None = None,
-                  group=None) -> torch.Tensor:
+                  group=None, emulate_bf16: bool | None = None) -> torch.Tensor:
     """The orthogonalized x (fp32, [..., m, n]; a leading dim stacks matrices done each alone).
     `group`: x is this rank's shard of a matrix whose rows (transpose True) or columns (False) are
-    sharded over the group, and the result is this rank's shard of the whole matrix's."""
+    sharded over the group, and the result is this rank's shard of the whole matrix's.
+    `emulate_bf16` (default: off a GPU): "medium"'s bf16 GEMMs as fp32 GEMMs of bf16 values with each
+    result rounded to bf16, what a bf16 GEMM with fp32 accumulation gives (to the order of its sums),
+    at fp32's speed on a CPU, whose bf16 GEMMs are tens of times slower."""
     if steps % len(QUINTIC):
         raise ValueError(f"Newton-Schulz steps {steps}: a multiple of {len(QUINTIC)} (the quintic coefficient sets)")
     if transpose is None:
@@ -72,15 +76,18 @@ def newton_schulz(x: torch.Tensor, steps: int, precision: str = "medium", transp
     if group is not None:
         traffic.counted_all_reduce("tp", square, group)
     x = x / square.sqrt().clamp_min(EPS)
-    with matmul_precision(precision):
+    emulate = precision == "medium" and (x.device.type != "cuda" if emulate_bf16 is None else emulate_bf16)
+    rounded = (lambda t: t.to(torch.bfloat16).float()) if emulate else (lambda t: t)  # noqa: E731
+    with matmul_precision("highest" if emulate else precision):
         if precision == "medium":  # PyTorch has no fp32-in, bf16-compute GEMM: the iteration in bf16
-            x = x.to(torch.bfloat16)
+            x = rounded(x) if emulate else x.to(torch.bfloat16)
         for a, b, c in QUINTIC * (steps // len(QUINTIC)):
             gram = x @ x.mT
             if group is not None:  # summed in fp32 over the shards
                 full = gram.float()
                 traffic.counted_all_reduce("tp", full, group)
                 gram = full.to(x.dtype)
-            x = _fma(x, _fma(gram, gram, gram, b, c), x, a, 1.0)
+            gram = rounded(gram)
+            x = rounded(_fma(x, rounded(_fma(gram, gram, gram, b, c)), x, a, 1.0))
     x = x.float()
     return x.mT if transpose else x
