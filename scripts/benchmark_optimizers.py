@@ -7,6 +7,7 @@ for the rest. Rounds interleave the optimizers; each reports its median step and
 median, and the bytes of optimizer state it holds (docs/BENCHMARKS.md).
 
     python scripts/benchmark_optimizers.py --hidden 512 --layers 2 --steps 5 --rounds 5
+    python scripts/benchmark_optimizers.py --device cuda --hidden 2048 --layers 4   # scripts/gpu_checks.sh optim
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from megalite.optim.low_precision_adam import LowPrecisionAdamW
 from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows
 
 
-def model_params(hidden: int, layers: int, ffn: int, groups_ratio: int = 4) -> tuple[list, list, list]:
+def model_params(hidden: int, layers: int, ffn: int, device: str, groups_ratio: int = 4) -> tuple[list, list, list]:
     """(matrices, their q/k/v rows or None, vectors) of `layers` Llama layers at tp 1."""
     head = 64
     groups = max(1, hidden // head // groups_ratio)  # key groups of head_dim 64
@@ -30,9 +31,9 @@ def model_params(hidden: int, layers: int, ffn: int, groups_ratio: int = 4) -> t
         shapes = [((hidden, hidden), None), ((2 * groups * head, hidden), Rows((head, head))), ((hidden, hidden), None),
                   ((2 * ffn, hidden), None), ((hidden, ffn), None)]
         for shape, row in shapes:
-            matrices.append(torch.randn(shape) * 0.02)
+            matrices.append(torch.randn(shape, device=device) * 0.02)
             rows.append(row)
-        vectors += [torch.ones(hidden), torch.ones(hidden)]
+        vectors += [torch.ones(hidden, device=device), torch.ones(hidden, device=device)]
     for p in matrices + vectors:
         p.grad = torch.randn_like(p) * 1e-3
     return matrices, rows, vectors
@@ -68,30 +69,34 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ffn = args.ffn or int(8 * args.hidden / 3 / 64) * 64
     torch.manual_seed(0)
     runs = {}
-    for name, opt in optimizers(*model_params(args.hidden, args.layers, ffn)).items():
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    for name, opt in optimizers(*model_params(args.hidden, args.layers, ffn, args.device)).items():
         opt.step()  # the states exist, first-step work done
         runs[name] = (opt, [])
     for _ in range(args.rounds):  # interleaved: a slow moment of the machine falls on every optimizer
         for name, (opt, times) in runs.items():
+            sync()
             start = time.perf_counter()
             for _ in range(args.steps):
                 opt.step()
+            sync()
             times.append((time.perf_counter() - start) / args.steps)
     base = statistics.median(runs["adamw (fused, baseline)"][1])
     rows = [{"optimizer": name, "ms_per_step": 1e3 * statistics.median(t), "ratio": statistics.median(t) / base,
              "state_bytes": state_bytes(opt)} for name, (opt, t) in runs.items()]
     if args.json:
-        print(json.dumps({"hidden": args.hidden, "layers": args.layers, "ffn": ffn, "threads": torch.get_num_threads(),
-                          "rows": rows}))
-        return 0
-    print(f"hidden {args.hidden}, {args.layers} layers, ffn {ffn}, {torch.get_num_threads()} threads; median of "
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "hidden": args.hidden, "layers": args.layers, "ffn": ffn,
+                       "threads": torch.get_num_threads(), "rows": rows}, f)
+    print(f"{args.device}: hidden {args.hidden}, {args.layers} layers, ffn {ffn}, {torch.get_num_threads()} threads; median of "
           f"{args.rounds} rounds of {args.steps} steps")
     print(f"{'optimizer':28} {'ms/step':>9} {'x adamw':>8} {'state bytes':>12}")
     for r in rows:

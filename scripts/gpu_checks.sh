@@ -9,11 +9,13 @@
 #                                        # with weights drawn on the GPU (the GPU tests run under `kernels`)
 #   bash scripts/gpu_checks.sh fp8       # fp8_step.py: FP8 recipes vs bf16 step time and TFLOP/s (GPT 1.3B- and
 #                                        # Llama 3 8B-shaped layers), then fp8_curves.py: the loss gap after 200 steps
+#   bash scripts/gpu_checks.sh optim     # pytest -m gpu of Muon (true bf16 Newton-Schulz against the CPU's
+#                                        # emulation), then benchmark_optimizers.py: Muon, bf16 moments vs fused AdamW
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  kernels|training|planner|gpupath|fp8) ;;
-  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner|gpupath|fp8}" >&2; exit 2 ;;
+  kernels|training|planner|gpupath|fp8|optim) ;;
+  *) echo "usage: bash scripts/gpu_checks.sh {kernels|training [benchmark_gpt.py flags]|planner|gpupath|fp8|optim}" >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -47,6 +49,11 @@ case "${1:-}" in
     python scripts/fp8_step.py --json "$out/fp8_step.json" 2>&1 | tee "$out/fp8_step.txt" || status=1
     python scripts/fp8_curves.py --models llama-tiny --json "$out/fp8_curves.json" --svg "$out/fp8_curves.svg" 2>&1 \
       | grep -v "^iter" | tee "$out/fp8_curves.txt" || status=1
+    ;;
+  optim)
+    python -m pytest -m gpu -q tests/test_muon.py 2>&1 | tee "$out/optim_tests.txt" || status=1
+    python scripts/benchmark_optimizers.py --device cuda --hidden 2048 --layers 4 --json "$out/optimizers.json" 2>&1 \
+      | tee "$out/optimizers.txt" || status=1
     ;;
 esac
 exit $status

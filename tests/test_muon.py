@@ -64,6 +64,14 @@ def test_newton_schulz_is_the_quintic_iteration(shape):
         newton_schulz(g, 3)
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_medium_runs_bf16_gemms_and_the_cpus_emulation_agrees():
+    torch.manual_seed(6)
+    g = torch.randn(256, 1024)
+    gpu = newton_schulz(g.cuda(), 5, "medium").cpu()  # true bf16 GEMMs (the CPU path: the emulation test above)
+    assert rel_err(gpu, newton_schulz(g, 5, "medium")) < 0.02 and 0 < rel_err(gpu, newton_schulz(g, 5, "highest"))
+
+
 def test_permuted_rows_and_columns_give_the_permuted_result():
     torch.manual_seed(1)
     g = torch.randn(8, 12)
