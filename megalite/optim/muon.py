@@ -168,11 +168,11 @@ class Muon(torch.optim.Optimizer):
 class _RoutedState(Mapping):
     """The states of both optimizers, each master's where its optimizer keeps it."""
 
-    def __init__(self, muon: Muon | None, adam):
-        self.muon, self.adam = muon, adam
+    def __init__(self, chain: "MuonAndAdamW"):
+        self.chain = chain
 
     def _of(self, master):
-        return self.muon.state if self.muon is not None and id(master) in self.muon.group_of else self.adam.state
+        return self.chain.optimizer_of(master).state
 
     def __getitem__(self, master):
         return self._of(master)[master]
@@ -188,7 +188,7 @@ class _RoutedState(Mapping):
         return sum(len(opt.state) for opt in self._optimizers())
 
     def _optimizers(self):
-        return [o for o in (self.muon, self.adam) if o is not None]
+        return self.chain.optimizers
 
 
 class MuonAndAdamW:
@@ -199,7 +199,7 @@ class MuonAndAdamW:
         self.muon, self.adam = muon, adam
         self.optimizers = [o for o in (muon, adam) if o is not None]
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
-        self.state = _RoutedState(muon, adam)
+        self.state = _RoutedState(self)
         self.defaults = {"fused": True}
 
     def optimizer_of(self, master):

@@ -72,6 +72,9 @@ class MegaliteOptimizer:
                         self.pieces.append(_Piece(p, buf, lo, hi, self._master(p, buf, lo, hi, p_lo, p_hi)))
         for buf in buffers:
             buf.drop_fp32_init()  # the masters hold these values now
+        # layer-wise: the runs of each buffer's parameter data this rank does not update (zeroed before
+        # `publish` sums the buffer over data parallelism)
+        self._others_of = {id(buf): self._not_mine(buf) for buf in buffers} if owners is not None else {}
         # What each step reads, fixed once the masters exist (a step walks these lists, and asks
         # nothing of each piece: on a small model the per-piece Python was a visible share of it).
         self._dense_norm_pieces = [p for p in self.pieces if counts_once(p.param) and not is_expert(p.param)]
@@ -109,6 +112,12 @@ class MegaliteOptimizer:
     @property
     def param_groups(self):
         return self.inner.param_groups
+
+    def plain_groups(self) -> list[dict]:
+        """The inner optimizer's groups as new dicts of megalite's keys only (for another optimizer
+        built over the same masters: SGD, Muon's AdamW part, bf16 moments)."""
+        return [{k: g[k] for k in ("params", "weight_decay", "decays", "embedding_or_output")}
+                for g in self.inner.param_groups]
 
     def set_weight_decay(self, weight_decay: float) -> None:
         """The weight decay of the next steps, on the weights that decay (not biases and norms)."""
@@ -276,26 +285,21 @@ class MegaliteOptimizer:
         if self.owners is not None:
             for buf in self.buffers:
                 if buf.dp_size > 1:
-                    for lo, hi in self._others(buf):
+                    for lo, hi in self._others_of[id(buf)]:
                         buf.param_data[lo:hi].zero_()
                     traffic.counted_all_reduce("dp", buf.param_data, buf.dp_group)
         elif self.distributed:
             for buf in self.buffers:
                 buf.all_gather_params()
 
-    def _others(self, buf) -> list[tuple[int, int]]:
-        """The runs of `buf`'s parameter data this rank does not update (layer-wise), computed once."""
-        if not hasattr(self, "_others_of"):
-            self._others_of = {}
-        if id(buf) not in self._others_of:
-            mine = sorted((p.lo, p.hi) for p in self.pieces if p.buffer is buf)
-            runs, at = [], 0
-            for lo, hi in mine + [(buf.param_data.numel(), buf.param_data.numel())]:
-                if lo > at:
-                    runs.append((at, lo))
-                at = max(at, hi)
-            self._others_of[id(buf)] = runs
-        return self._others_of[id(buf)]
+    def _not_mine(self, buf) -> list[tuple[int, int]]:
+        mine = sorted((p.lo, p.hi) for p in self.pieces if p.buffer is buf)
+        runs, at = [], 0
+        for lo, hi in mine + [(buf.param_data.numel(), buf.param_data.numel())]:
+            if lo > at:
+                runs.append((at, lo))
+            at = max(at, hi)
+        return runs
 
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: fp32 masters that are copies, plus Adam's (or SGD's) states."""

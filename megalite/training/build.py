@@ -178,9 +178,7 @@ def build_optimizer(cfg, chunks) -> tuple[list[ParamAndGradBuffer], MegaliteOpti
     if o.optimizer == "sgd":
         _use_plain_sgd(optimizer, o.lr, o.sgd_momentum)
     elif "bf16" in (o.exp_avg_dtype, o.exp_avg_sq_dtype) and o.optimizer == "adam":
-        groups = [{k: g[k] for k in ("params", "weight_decay", "decays", "embedding_or_output")}
-                  for g in optimizer.inner.param_groups]
-        optimizer.inner = adamw(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+        optimizer.inner = adamw(optimizer.plain_groups(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                                 exp_avg_dtype=o.exp_avg_dtype, exp_avg_sq_dtype=o.exp_avg_sq_dtype)
     if o.optimizer in ("muon", "dist_muon"):
         use_muon(optimizer, cfg, chunks)
@@ -252,9 +250,7 @@ def _use_plain_sgd(optimizer: MegaliteOptimizer, lr: float, momentum: float = 0.
     """--optimizer sgd: the same masters, groups and weight decay under SGD (megalite.optim.optimizer.sgd:
     Megatron-LM's, with --sgd-momentum). Without momentum, SGD's weight decay (added to the gradient) is
     AdamW's decoupled one: p - lr * (g + wd * p)."""
-    groups = [{k: g[k] for k in ("params", "weight_decay", "decays", "embedding_or_output")}
-              for g in optimizer.inner.param_groups]
-    optimizer.inner = sgd(groups, lr, momentum)
+    optimizer.inner = sgd(optimizer.plain_groups(), lr, momentum)
 
 
 def build_local_sgd(cfg, optimizer: MegaliteOptimizer) -> LocalSGD | None:

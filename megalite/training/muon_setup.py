@@ -9,8 +9,6 @@ from megalite.optim.grads import is_expert
 from megalite.optim.low_precision_adam import adamw
 from megalite.optim.muon import Matrix, Muon, MuonAndAdamW, Rows, is_muon_matrix
 
-_GROUP_KEYS = ("params", "weight_decay", "decays", "embedding_or_output")
-
 
 def _fused_rows(chunks, split_qkv: bool):
     """{id(weight): Rows} of the fused query/key/value weights split into q, k and v, and {id(query
@@ -65,8 +63,8 @@ def use_muon(optimizer: MegaliteOptimizer, cfg, chunks) -> None:
         masters = [piece.master] + ([master_of[id(joins[id(p)])]] if id(p) in joins else [])
         matrices.append(Matrix(masters, rows.get(id(p)), **_sharding(p)))
     muon_groups, adam_groups = [], []
-    for group in optimizer.inner.param_groups:
-        base = {k: group[k] for k in _GROUP_KEYS if k != "params"}
+    for group in optimizer.plain_groups():
+        base = {k: v for k, v in group.items() if k != "params"}
         mine = [m for m in group["params"] if id(m) in param_of and is_muon_matrix(param_of[id(m)])]
         taken = {id(m) for m in mine}
         rest = [m for m in group["params"] if id(m) not in taken]
