@@ -81,8 +81,8 @@ def _row(f: dataclasses.Field, hint) -> str:
     default = f.default if f.default is not dataclasses.MISSING else None
     kind = _type_name(hint) + (f": {', '.join(map(str, spec.choices))}" if spec.choices else "")
     cell = "" if default is None else f"`{default}`"
-    return (f"| `{f.name}` | `{flags[0]}` | {', '.join(f'`{a}`' for a in aliases)} | {kind} | {cell} | "
-            f"{spec.help.replace('|', '/')} |")
+    help_cell = spec.help.replace("|", r"\|")  # a bar in a help (a layout's stages) is not a column
+    return f"| `{f.name}` | `{flags[0]}` | {', '.join(f'`{a}`' for a in aliases)} | {kind} | {cell} | {help_cell} |"
 
 
 def reference_markdown() -> str:

@@ -14,7 +14,8 @@ from megalite.config.fields import in_user_spelling
 from megalite.errors import UsageError
 from megalite.models.config import TP_COMM_OVERLAP_NEEDS, TP_COMM_SPLITS_NEEDS, TransformerConfig
 from megalite.models.presets import PRESETS, preset
-from megalite.pipeline.partition import V_SCHEDULES, uneven_stage_counts
+from megalite.config.stage_split import mtp_layers, split_pipeline_layers, virtual_stages
+from megalite.pipeline.partition import V_SCHEDULES
 
 DEFAULT_TRAIN_ITERS, DEFAULT_WARMUP_ITERS = 100, 10
 
@@ -52,14 +53,14 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     no_warmup_given = o.lr_warmup_fraction is None and o.lr_warmup_samples is None
     warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None or not no_warmup_given else DEFAULT_WARMUP_ITERS
     vpp = p.vpp if "parallel.vpp" in given or p.num_layers_per_virtual_pipeline_stage is None else None
-    vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp)
+    vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp, given)
     if p.pipeline_schedule in V_SCHEDULES and p.pp > 1 and vpp is None:  # two chunks per rank, in a V
         vpp = 2
     # With --load and no --num-layers a split the preset's depth cannot take waits for the checkpoint's
     # (training.checkpoint_shape splits that again once its model is taken).
     defer = "model.num_layers" not in given and bool(config.checkpoint.load)
     p = dataclasses.replace(p, pipeline_layers=split_pipeline_layers(p, m.num_layers or PRESETS[name]["num_layers"],
-                                                                     vpp, given, defer))
+                                                                     vpp, given, defer, mtp_layers(m, name)))
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
@@ -111,27 +112,6 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     return dataclasses.replace(resolved, derived=frozenset(derived) | config.derived)
 
 
-def split_pipeline_layers(p, num_layers: int, vpp: int | None, given, defer: bool = False) -> list[int] | None:
-    """--pipeline-layers, or the split Megatron-LM's --decoder-first/last-pipeline-num-layers give of
-    `num_layers` (ConfigError where it does not fit; None instead with `defer`)."""
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if first is None and last is None:
-        return p.pipeline_layers
-    if "parallel.pipeline_layers" in given:
-        raise ConfigError("--pipeline-layers and --decoder-first/last-pipeline-num-layers both split the layers over "
-                          "the stages: keep one")
-    if p.pipeline_schedule in V_SCHEDULES:
-        raise ConfigError(f"--decoder-first/last-pipeline-num-layers size a pipeline rank's layers, but "
-                          f"--pipeline-schedule {p.pipeline_schedule} places two chunks per rank in a V: give "
-                          f"--pipeline-layers, one count per chunk in stage order")
-    try:
-        return uneven_stage_counts(num_layers, p.pp, vpp, first, last)
-    except ValueError as e:
-        if defer:
-            return None
-        raise ConfigError(str(e)) from None
-
-
 def _megatron_shaped(given) -> bool:
     """The model is Megatron-LM's flags' (no --model preset, and the sizes Megatron-LM requires given:
     --num-layers, --hidden-size, --num-attention-heads): its MLP's GeLU is then Megatron-LM's default,
@@ -159,22 +139,6 @@ def _with_step_schedule(t, given, seq: int):
 
 def _dotted(config: RunConfig) -> dict:
     return {f"{name}.{k}": v for name, section in config.sections() for k, v in dataclasses.asdict(section).items()}
-
-
-def virtual_stages(p, layers: int, vpp: int | None) -> int | None:
-    """--vpp, or the virtual stages Megatron-LM's --num-layers-per-virtual-pipeline-stage makes of
-    `layers` layers (none when one a rank)."""
-    per_stage = p.num_layers_per_virtual_pipeline_stage
-    if per_stage is None:
-        return vpp
-    per = per_stage * p.pp
-    if layers % per:
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_stage} x --pp {p.pp} does not divide the "
-                          f"{layers} layers")
-    if vpp is not None and vpp != layers // per:
-        raise ConfigError(f"--vpp {vpp} and --num-layers-per-virtual-pipeline-stage {per_stage} disagree "
-                          f"({layers // per} virtual stages)")
-    return layers // per if layers // per > 1 else None
 
 
 def lr_schedule_lengths(config: RunConfig) -> tuple[float, float, float | None]:

@@ -74,6 +74,16 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = opt(
         None, "layers on the last pipeline stage, the rest split evenly (Megatron-LM's; sets --pipeline-layers)",
         check=POSITIVE_INT)
+    pipeline_model_parallel_layout: str | None = opt(
+        None, "Megatron-LM's layout: each virtual stage's layers in stage order, e.g. 'Et*3|(tt|)*2,mL' (E embedding, "
+              "t layer, m MTP layer, L loss, '|' between stages; a stage may hold no layer; sets --pipeline-layers and "
+              "--vpp; docs/pipeline.md)", metavar="LAYOUT")
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "split the layers evenly as if the embedding were one more, on the first stage (Megatron-LM's; sets "
+               "--pipeline-layers)")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "split the layers evenly as if the loss were one more, on the last stage (Megatron-LM's; sets "
+               "--pipeline-layers)")
     sequence_parallel: bool = opt(False, "shard norms/dropout along the sequence (tp>1)")
     tp_comm_overlap: bool = opt(False, "pipeline sequence parallelism's all-gathers and reduce-scatters with the "
                                        "linear layers' GEMMs, shard by shard (needs --sequence-parallel; the same "
@@ -112,8 +122,8 @@ class ParallelConfig:
     def check(self) -> None:
         check_numbers(self)
         for i, n in enumerate(self.pipeline_layers or []):
-            if n < 1:
-                raise ValueError(f"--pipeline-layers: stage {i} gets {n} layers; every stage needs at least 1")
+            if n < 0:
+                raise ValueError(f"--pipeline-layers: stage {i} gets {n} layers; a stage holds 0 or more")
         if self.vpp and self.vpp > 1 and self.pp == 1:
             raise ValueError(f"--vpp {self.vpp} needs pipeline parallelism (--pp > 1)")
         if self.pipeline_schedule == "interleaved" and not (self.vpp and self.vpp > 1):

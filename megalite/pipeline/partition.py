@@ -27,7 +27,8 @@ def stage_layer_counts(num_layers: int, pp: int, vpp: int | None = None,
     """Layer count of each virtual stage, in virtual-stage order (chunk c of rank r is stage c*pp + r).
 
     Without an explicit split the layers must divide evenly; an explicit split lists one count per
-    virtual stage (pp * vpp of them), each >= 1, summing to num_layers.
+    virtual stage (pp * vpp of them), each >= 0 (a stage may hold only the embedding or the loss),
+    summing to num_layers.
     """
     v = vpp or 1
     stages = pp * v
@@ -35,8 +36,8 @@ def stage_layer_counts(num_layers: int, pp: int, vpp: int | None = None,
         if len(explicit) != stages:
             raise ValueError(f"--pipeline-layers lists {len(explicit)} stages but the layout has {stages} "
                              f"(--pp {pp} x --vpp {v}): give one layer count per virtual stage")
-        if any(n < 1 for n in explicit) or sum(explicit) != num_layers:
-            raise ValueError(f"--pipeline-layers {','.join(map(str, explicit))} must be counts >= 1 summing to "
+        if any(n < 0 for n in explicit) or sum(explicit) != num_layers:
+            raise ValueError(f"--pipeline-layers {','.join(map(str, explicit))} must be counts >= 0 summing to "
                              f"the number of layers ({num_layers})")
         return list(explicit)
     if pp > num_layers:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megalite import checkpoint
 from megalite.config import RunConfig, model_config, validate
-from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS, split_pipeline_layers, virtual_stages
+from megalite.config.rules import MLA_SIZES, MOE_FIELDS, YARN_FIELDS
+from megalite.config.stage_split import mtp_layers, split_pipeline_layers, split_rules, virtual_stages
 from megalite.models.presets import PRESETS
 from megalite.config.fields import section_fields, spec_of
 from megalite.config.run import ConfigError, flag_name
@@ -125,14 +126,15 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
 
 
 def _uneven_split(cfg: RunConfig) -> RunConfig:
-    """--decoder-first/last-pipeline-num-layers split again over the model's depth as it now stands (a
+    """Megatron-LM's split rule (--pipeline-model-parallel-layout, --decoder-first/last-pipeline-num-layers,
+    --account-for-embedding/loss-in-pipeline-split) applied again to the model's depth as it now stands (a
     checkpoint's, taken after the command line was resolved over the preset's)."""
     p = cfg.parallel
-    if p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
+    if not split_rules(p):
         return cfg
     try:
         counts = split_pipeline_layers(p, cfg.model.num_layers or PRESETS[cfg.model.model]["num_layers"], p.vpp,
-                                       cfg.explicit)
+                                       cfg.explicit, mtp=mtp_layers(cfg.model, cfg.model.model))
     except ConfigError as e:
         raise UsageError(str(e)) from None
     return dataclasses.replace(cfg.replace("parallel", pipeline_layers=counts), explicit=cfg.explicit,

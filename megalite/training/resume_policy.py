@@ -74,6 +74,7 @@ _TABLE = {
         local_sgd_warmup_iters""",
     FREE: """tp pp vpp num_layers_per_virtual_pipeline_stage pipeline_schedule pipeline_pass_costs pipeline_extra_warmup
         pipeline_layers decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
+        pipeline_model_parallel_layout account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
         sequence_parallel tp_comm_overlap tp_comm_overlap_splits overlap_moe_expert_parallel_comm
         delay_wgrad_compute
         moe_dispatch_chunks cp cp_comm_type expert_model_parallel_size expert_tensor_parallel_size
