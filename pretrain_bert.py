@@ -13,6 +13,7 @@ import torch
 from megalite import runtime
 from megalite.data import data_tokenizer
 from megalite.data.bert_dataset import build_bert_datasets
+from megalite.data.blends import split_blends
 from megalite.data.synthetic import SyntheticBERT
 from megalite.models import BERTModel
 from megalite.errors import UsageError
@@ -21,8 +22,10 @@ from megalite.training import Task, entry, prepare_data, train_valid_datasets
 
 def prepare(cfg):
     cfg = prepare_data(cfg, kind="bert")
-    if cfg.data.data_path and len(cfg.data.data_path) != 1:
-        raise UsageError("pretrain_bert.py takes one --data-path prefix (blending is for GPT)")
+    for flag, words in (("--data-path", cfg.data.data_path), ("--train-data-path", cfg.data.train_data_path),
+                        ("--valid-data-path", cfg.data.valid_data_path), ("--test-data-path", cfg.data.test_data_path)):
+        if words and len(words) != 1:
+            raise UsageError(f"pretrain_bert.py takes one {flag} prefix (blending is for GPT)")
     if cfg.parallel.cp > 1:
         raise UsageError("--cp splits causal (GPT) attention; BERT's bidirectional attention with padding masks is "
                          "not context-parallel: drop --cp")
@@ -38,9 +41,15 @@ def build_data(config, cfg):
     masking = dict(mask_prob=d.mask_prob, binary_head=config.add_binary_head)
 
     def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
-        return build_bert_datasets(d.data_path[0], d.split, cfg.model.seq_length, samples, cfg.training.seed,
-                                   data_tokenizer(d), vocab_size=config.vocab_size, lock_timeout=lock_timeout,
-                                   short_seq_prob=d.short_seq_prob, **masking)
+        whole, per_split = split_blends(d)
+        for words in (whole, *(per_split or ())):
+            if words is not None and len(words) != 1:  # (read from a file: checked here)
+                raise ValueError(f"pretrain_bert.py reads one prefix a split, not {' '.join(words)} (blending is "
+                                 f"for GPT)")
+        return build_bert_datasets(whole[0] if whole else None, d.split, cfg.model.seq_length, samples,
+                                   cfg.training.seed, data_tokenizer(d), vocab_size=config.vocab_size,
+                                   lock_timeout=lock_timeout, short_seq_prob=d.short_seq_prob,
+                                   per_split=per_split and tuple(w and w[0] for w in per_split), **masking)
 
     return train_valid_datasets(cfg, config.vocab_size, functools.partial(SyntheticBERT, **masking), datasets)
 

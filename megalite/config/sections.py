@@ -154,6 +154,20 @@ class DataConfig:
     """Where the tokens come from."""
     data_path: list[str] | None = opt(None, "indexed dataset prefix, or weight-prefix pairs to blend (default: "
                                             "the embedded corpus)", metavar="[WEIGHT] PREFIX")
+    train_data_path: list[str] | None = opt(
+        None, "Megatron-LM's per-split data: the training split's prefix or weight-prefix pairs, every document of "
+              "them (instead of --data-path and --split; docs/data.md)", metavar="[WEIGHT] PREFIX")
+    valid_data_path: list[str] | None = opt(
+        None, "the validation split's prefix or weight-prefix pairs, every document of them (with --train-data-path; "
+              "none: no validation)", metavar="[WEIGHT] PREFIX")
+    test_data_path: list[str] | None = opt(
+        None, "the test split's prefix or weight-prefix pairs (with --train-data-path; megalite reads no test split)",
+        metavar="[WEIGHT] PREFIX")
+    data_args_path: str | None = opt(
+        None, "a file holding --data-path's words (Megatron-LM's; whitespace-separated)", metavar="FILE")
+    per_split_data_args_path: str | None = opt(
+        None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...}, each a list (or string) of "
+              "--train/valid/test-data-path's words (Megatron-LM's)", metavar="FILE")
     tokenizer: str | None = opt(None, "SentencePiece .model file or Hugging Face tokenizer directory")
     tokenizer_type: str | None = opt(
         None, "Megatron-LM's tokenizer kinds: the files they read are --vocab-file/--merge-file/--tokenizer-model",
@@ -179,11 +193,24 @@ class DataConfig:
 
     def check(self) -> None:
         split_weights(self.split)
-        if self.data_path and self.mock_data:
-            raise ValueError("--mock-data and --data-path exclude each other")
-        if self.sft_data_path and (self.data_path or self.mock_data):
+        given = [flag for flag, v in (("--data-path", self.data_path), ("--data-args-path", self.data_args_path),
+                                      ("--train-data-path", self.train_data_path),
+                                      ("--valid-data-path", self.valid_data_path),
+                                      ("--test-data-path", self.test_data_path),
+                                      ("--per-split-data-args-path", self.per_split_data_args_path)) if v]
+        whole = [f for f in given if f in ("--data-path", "--data-args-path")]
+        if len(whole) == 2 or (whole and len(given) > 1):
+            raise ValueError(f"{given[0]} and {given[1]} both name the data: keep one ({whole[0]} is split by --split; "
+                             f"the per-split flags name each split's data)")
+        if "--per-split-data-args-path" in given and len(given) > 1:
+            raise ValueError(f"--per-split-data-args-path names every split's data: drop {given[0]}")
+        if given and not whole and not {"--train-data-path", "--per-split-data-args-path"} & set(given):
+            raise ValueError(f"{given[0]} needs --train-data-path: the training split's data")
+        if given and self.mock_data:
+            raise ValueError(f"--mock-data and {given[0]} exclude each other")
+        if self.sft_data_path and (given or self.mock_data):
             raise ValueError(f"--sft-data-path trains on its conversations alone: drop "
-                             f"{'--data-path' if self.data_path else '--mock-data'}")
+                             f"{given[0] if given else '--mock-data'}")
         if self.sft_no_packing and not self.sft_data_path:
             raise ValueError("--sft-no-packing is about --sft-data-path's conversations: give --sft-data-path")
 

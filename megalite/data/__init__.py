@@ -32,21 +32,31 @@ def resolve_data(data: DataConfig, vocab_size: int | None,
             if not data.tokenizer and not megatron_kind:
                 raise UsageError("--sft-data-path needs --tokenizer: the tokenizer of the model being fine-tuned "
                                  "(a Hugging Face directory renders \"messages\" with its chat template)")
-        elif not data.data_path:
+        elif not named_data(data):
             if data.tokenizer or megatron_kind:
                 raise UsageError("--tokenizer needs --data-path (data preprocessed with that tokenizer)")
             corpus = embedded_corpus(log=say)
             data = dataclasses.replace(data, data_path=[corpus.gpt_prefix if kind == "gpt" else corpus.bert_prefix],
                                        tokenizer=corpus.tokenizer)
         elif not data.tokenizer and not megatron_kind:
-            raise UsageError("--data-path needs --tokenizer (or Megatron-LM's --tokenizer-type and its files): the "
-                             "tokenizer the data was preprocessed with")
+            raise UsageError(f"{named_data(data)} needs --tokenizer (or Megatron-LM's --tokenizer-type and its files): "
+                             f"the tokenizer the data was preprocessed with")
         tokenizer = data_tokenizer(data)
     except (FileNotFoundError, ImportError, DatasetError, OSError) as e:
         raise UsageError(str(e)) from None
     if vocab_size is not None and vocab_size < tokenizer.vocab_size:
         raise UsageError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
     return data, vocab_size or tokenizer.vocab_size, tokenizer
+
+
+def named_data(data: DataConfig) -> str | None:
+    """The flag that names the run's indexed data, if one does."""
+    for flag, value in (("--data-path", data.data_path), ("--data-args-path", data.data_args_path),
+                        ("--train-data-path", data.train_data_path),
+                        ("--per-split-data-args-path", data.per_split_data_args_path)):
+        if value:
+            return flag
+    return None
 
 
 def data_tokenizer(data: DataConfig) -> Tokenizer:

@@ -116,23 +116,32 @@ class BERTDataset:
         return {key: torch.from_numpy(np.stack([s[key] for s in samples])) for key in samples[0]}
 
 
-def build_bert_datasets(prefix: str, split: str, seq_length: int, num_samples: tuple[int, int, int], seed: int,
-                        tokenizer, vocab_size: int | None = None, lock_timeout: float | None = None,
-                        mask_prob: float = 0.15, short_seq_prob: float = 0.1, binary_head: bool = True) -> tuple:
-    """(train, valid, test); None for a split with no documents or no samples asked. The dataset's
-    ids must lie below `vocab_size` (the model's; default the tokenizer's), else DatasetError.
-    `lock_timeout`: seconds to wait for another rank building the cache. `mask_prob`,
-    `short_seq_prob`, `binary_head`: Megatron-LM's --mask-prob, --short-seq-prob and (False)
-    --bert-no-binary-head."""
+def build_bert_datasets(prefix: str | None, split: str, seq_length: int, num_samples: tuple[int, int, int],
+                        seed: int, tokenizer, vocab_size: int | None = None, lock_timeout: float | None = None,
+                        mask_prob: float = 0.15, short_seq_prob: float = 0.1, binary_head: bool = True,
+                        per_split: tuple | None = None) -> tuple:
+    """(train, valid, test); None for a split with no documents or no samples asked. `prefix` is cut
+    into the splits by `split`, or `per_split` names each split's prefix (every document of it; None
+    for a split not named). The datasets' ids must lie below `vocab_size` (the model's; default the
+    tokenizer's), else DatasetError. `lock_timeout`: seconds to wait for another rank building the
+    cache. `mask_prob`, `short_seq_prob`, `binary_head`: Megatron-LM's --mask-prob, --short-seq-prob
+    and (False) --bert-no-binary-head."""
     tokenizer.require("cls", "sep", "mask", "pad")
     if seq_length < 8:
         raise ValueError(f"--seq-length {seq_length} is too short for BERT sentence pairs (at least 8)")
-    indexed = IndexedDataset(prefix)
-    indexed.check_token_ids(vocab_size or tokenizer.vocab_size, lock_timeout)
+    prefixes = (prefix,) * 3 if per_split is None else per_split
+    opened = {p: IndexedDataset(p) for p in dict.fromkeys(prefixes) if p is not None}
+    for indexed in opened.values():
+        indexed.check_token_ids(vocab_size or tokenizer.vocab_size, lock_timeout)
     specials = {k: getattr(tokenizer, k) for k in ("cls", "sep", "mask", "pad")}
     out = []
     for which, name in enumerate(("train", "valid", "test")):
-        lo, hi = split_ranges(indexed.num_documents, split)[which]
+        if prefixes[which] is None:
+            out.append(None)
+            continue
+        indexed = opened[prefixes[which]]
+        lo, hi = (split_ranges(indexed.num_documents, split)[which] if per_split is None
+                  else (0, indexed.num_documents))
         n = num_samples[which]
         out.append(BERTDataset(indexed, (lo, hi), n, seq_length, seed, tokenizer.vocab_size, specials, name,
                                mask_prob, short_seq_prob, lock_timeout, binary_head) if hi > lo and n > 0 else None)

@@ -141,20 +141,31 @@ def parse_data_path(spec: list[str]) -> list[tuple[float, str]]:
     return pairs
 
 
-def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, num_samples: tuple[int, int, int],
-                       seed: int, vocab_size: int | None = None, lock_timeout: float | None = None):
+def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int, num_samples: tuple[int, int, int],
+                       seed: int, vocab_size: int | None = None, lock_timeout: float | None = None,
+                       per_split: tuple | None = None):
     """(train, valid, test) datasets; a split with no documents or no samples asked gives None.
+    `data_path` is cut into the splits by `split`; or `per_split` names each split's own data
+    (Megatron-LM's --train/valid/test-data-path: every document of them; None for a split not named).
     With `vocab_size`, a dataset holding an id outside it is refused (DatasetError). `lock_timeout`:
     seconds to wait for another rank building a cache (megalite.data.cache.lock_timeout_s)."""
-    pairs = parse_data_path(data_path)
-    indexed = [(w, IndexedDataset(p)) for w, p in pairs]
-    if vocab_size is not None:
-        for _, ds in indexed:
-            ds.check_token_ids(vocab_size, lock_timeout)
+    if per_split is None:
+        pairs = parse_data_path(data_path)
+        blends = [pairs] * 3
+    else:
+        blends = [None if words is None else parse_data_path(words) for words in per_split]
+    opened: dict[str, IndexedDataset] = {}  # a prefix in several splits is opened (and checked) once
+    for _, prefix in (pair for blend in blends if blend for pair in blend):
+        if prefix not in opened:
+            opened[prefix] = IndexedDataset(prefix)
+            if vocab_size is not None:
+                opened[prefix].check_token_ids(vocab_size, lock_timeout)
     out = []
     for which, name in enumerate(("train", "valid", "test")):
         n = num_samples[which]
-        with_docs = [(w, ds, split_ranges(ds.num_documents, split)[which]) for w, ds in indexed]
+        blend = blends[which] or []
+        with_docs = [(w, opened[p], split_ranges(opened[p].num_documents, split)[which] if per_split is None
+                      else (0, opened[p].num_documents)) for w, p in blend]
         with_docs = [(w, ds, r) for w, ds, r in with_docs if r[1] > r[0]]
         total = sum(w for w, _, _ in with_docs)  # shares among the datasets this split has
         parts = []

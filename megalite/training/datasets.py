@@ -33,7 +33,9 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if train is None:
-        raise UsageError(f"--split {cfg.data.split} leaves no training documents")
+        d = cfg.data
+        raise UsageError(f"--split {d.split} leaves no training documents" if d.data_path or d.data_args_path else
+                         "the training split's data (--train-data-path) holds no documents")
     return train, valid
 
 

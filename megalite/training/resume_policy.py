@@ -59,7 +59,8 @@ _TABLE = {
         yarn_factor yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow yarn_mscale
         yarn_mscale_all_dim yarn_correction_range_round_to_int mtp_loss_scaling_factor norm_epsilon
         fp32_residual_connection
-        data_path tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
+        data_path train_data_path valid_data_path test_data_path data_args_path per_split_data_args_path
+        tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
         short_seq_prob
         reset_attention_mask reset_position_ids eod_mask_loss sft_data_path sft_no_packing
         train_iters train_samples seed calculate_per_token_loss moe_router_force_load_balancing moe_input_jitter_eps
