@@ -57,6 +57,9 @@ def test_mtp_layers_go_with_the_loss():
     for layout in ("Ett|t|m|L", "Ettm|tL", "Ett|mtL"):  # Megatron-LM's standalone MTP stage, MTP before a layer
         with pytest.raises(ValueError, match="put every m in the last stage, just before L"):
             layout_layer_counts(layout, 2, 3, 1)
+    for layout in ("Ettm|tmL", "Emtt|tmL"):  # the count is right, but one m is elsewhere
+        with pytest.raises(ValueError, match="put every m in the last stage, just before L"):
+            layout_layer_counts(layout, 2, 3, 2)
 
 
 def test_accounting_for_the_embedding_and_the_loss_by_hand():
@@ -97,10 +100,20 @@ def test_the_flags_set_pipeline_layers_and_vpp_and_refuse_what_disagrees(capsys)
         ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1", LAYOUT, "E|tt|t|tL"], capsys)
     assert "--pipeline-layers and --pipeline-model-parallel-layout both split" in refused(
         ["--pp", "2", LAYOUT, "Ett|ttL", "--pipeline-layers", "2,2"], capsys)
-    assert "--pipeline-model-parallel-layout and --account-for-embedding/loss-in-pipeline-split both split" in refused(
+    assert "--pipeline-model-parallel-layout and --account-for-loss-in-pipeline-split both split" in refused(
         ["--pp", "2", LAYOUT, "Ett|ttL", LOSS], capsys)
-    assert "--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split both" in refused(
+    assert "--decoder-first/last-pipeline-num-layers and --account-for-embedding-in-pipeline-split both" in refused(
         ["--pp", "2", "--decoder-first-pipeline-num-layers", "1", EMBEDDING], capsys)
+    # the stages per rank a layout names, checked as a --vpp would be, naming the layout
+    assert "names 2 stages, which --pp 1 would run as chunks of one rank: give --pp 2" in refused(
+        [LAYOUT, "Ett|ttL"], capsys)
+    assert "names 2 stages per pipeline rank, but --pipeline-schedule zb-h1 runs one" in refused(
+        ["--pp", "2", "--pipeline-schedule", "zb-h1", LAYOUT, "E|tt|tt|L"], capsys)
+    assert "interleaved runs model chunks per rank, but --pipeline-model-parallel-layout names one stage" in refused(
+        ["--pp", "2", "--pipeline-schedule", "interleaved", LAYOUT, "Ett|ttL"], capsys)
+    # the accounting split is one count per virtual stage: in a V too (rank 0 holds the first and the last)
+    v = parse(["--num-layers", "6", "--pp", "2", "--pipeline-schedule", "dualpipev", EMBEDDING, LOSS]).parallel
+    assert (v.vpp, v.pipeline_layers) == (2, [1, 2, 2, 1])
     assert "runs two chunks per rank in a V: give 4 stages" in refused(
         ["--pp", "2", "--pipeline-schedule", "zb-v", LAYOUT, "Ett|ttL"], capsys)
     assert "places 1 MTP layers (m) but the model has 0" in refused(["--pp", "2", LAYOUT, "Ett|ttmL"], capsys)
@@ -136,3 +149,54 @@ def test_training_on_a_layout_gives_one_ranks_losses(tmp_path):
     # a checkpoint saved with the loss's stage empty resumes on one rank
     [resumed] = run_ranks(train_losses, 1, args=(GPT + ["--load", str(tmp_path / "ck")],))
     assert resumed == want[tuple(GPT)][2:]
+
+
+def _generate_on_a_layout(rank, world, counts, vpp):
+    """Greedy tokens of gpt-tiny with this rank's chunks of `counts` (one layer count per virtual stage)."""
+    from megalite import parallel
+    from megalite.generation import generate
+    from megalite.models import GPTModel
+    from megalite.pipeline.partition import layers_of, virtual_stage
+    from training_ranks import built_model
+
+    config = built_model(["--model", "gpt-tiny"])
+    parallel.initialize_model_parallel(1, world, virtual_pipeline_model_parallel_size=vpp)
+    chunks = []
+    for c in range(vpp or 1):
+        stage = virtual_stage(world, rank, c)
+        chunks.append(GPTModel(config, stage == 0, stage == len(counts) - 1, layers_of(counts, stage), seed=5).eval())
+    return generate(chunks, [[5, 6, 7], [9, 3]], max_new_tokens=4, eos_id=None).tokens
+
+
+@pytest.mark.slow
+def test_generation_runs_through_stages_of_no_layer_and_ranks_of_no_weight():
+    [want] = run_ranks(_generate_on_a_layout, 1, args=([4], None))
+    assert run_ranks(_generate_on_a_layout, 2, args=([1, 0, 3, 0], 2)) == [want] * 2  # E | (nothing) | ttt | L
+    assert run_ranks(_generate_on_a_layout, 3, args=([4, 0, 0], None)) == [want] * 3  # a middle rank of no weight
+
+
+def test_the_planner_takes_a_pipeline_rank_of_no_weight_under_zero_3(capsys):
+    from megalite.tools.plan.cli import main
+
+    main(["--model", "gpt2-350m", "--gpus", "8", "--global-batch-size", "64", "--compare",
+          "tp=1,pp=4,dp=2,mb=1,zero=3,layers=12+0+12+0"])
+    out = capsys.readouterr().out
+    assert "compared tp=1,pp=4,dp=2,mb=1,zero=3,layers=12+0+12+0: tp 1 pp 4 dp 2" in out, out[-2000:]
+
+
+def test_with_load_the_checkpoints_depth_gives_the_virtual_stages_and_the_split(tmp_path, monkeypatch):
+    from test_resume_policy import saved_checkpoint
+    from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ckpt = saved_checkpoint(tmp_path / "ck", ["--mock-data", "--num-layers", "6", "--seq-length", "16"])
+    # the preset's 4 layers + embedding + loss do not fill 2 x 2-layer virtual stages; the checkpoint's 6 do
+    argv = ["--load", str(ckpt), "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2", EMBEDDING, LOSS]
+    cfg = adopt_checkpoint_shape(parse(argv))
+    assert (cfg.model.num_layers, cfg.parallel.vpp, cfg.parallel.pipeline_layers) == (6, 2, [1, 2, 2, 1])
+    cfg = adopt_checkpoint_shape(parse(["--load", str(ckpt), "--pp", "2", LAYOUT, "Ett|tt|t|tL"]))
+    assert (cfg.parallel.vpp, cfg.parallel.pipeline_layers) == (2, [2, 2, 1, 1])
+    # a shape flag given keeps the preset's model (4 layers), whose depth the virtual stages then take
+    cfg = adopt_checkpoint_shape(parse(["--load", str(ckpt), "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                                        "--hidden-size", "128"]))
+    assert cfg.parallel.vpp == 2

@@ -52,13 +52,17 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
         o = dataclasses.replace(o, lr_decay_samples=t.train_samples)
     no_warmup_given = o.lr_warmup_fraction is None and o.lr_warmup_samples is None
     warmup = o.lr_warmup_iters if o.lr_warmup_iters is not None or not no_warmup_given else DEFAULT_WARMUP_ITERS
-    vpp = p.vpp if "parallel.vpp" in given or p.num_layers_per_virtual_pipeline_stage is None else None
-    vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp, given)
-    if p.pipeline_schedule in V_SCHEDULES and p.pp > 1 and vpp is None:  # two chunks per rank, in a V
-        vpp = 2
     # With --load and no --num-layers a split the preset's depth cannot take waits for the checkpoint's
     # (training.checkpoint_shape splits that again once its model is taken).
     defer = "model.num_layers" not in given and bool(config.checkpoint.load)
+    vpp = p.vpp if "parallel.vpp" in given or p.num_layers_per_virtual_pipeline_stage is None else None
+    try:
+        vpp = virtual_stages(p, m.num_layers or PRESETS[name]["num_layers"], vpp, given)
+    except ConfigError:
+        if not defer or p.num_layers_per_virtual_pipeline_stage is None:
+            raise
+    if p.pipeline_schedule in V_SCHEDULES and p.pp > 1 and vpp is None:  # two chunks per rank, in a V
+        vpp = 2
     p = dataclasses.replace(p, pipeline_layers=split_pipeline_layers(p, m.num_layers or PRESETS[name]["num_layers"],
                                                                      vpp, given, defer, mtp_layers(m, name)))
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megalite.config.run import ConfigError
 from megalite.models.presets import PRESETS
-from megalite.pipeline.layer_layout import accounted_layer_counts, layout_layer_counts, layout_stages
+from megalite.pipeline.layer_layout import account_flags, accounted_layer_counts, layout_layer_counts, layout_stages
 from megalite.pipeline.partition import V_SCHEDULES, uneven_stage_counts
 
 LAYOUT = "--pipeline-model-parallel-layout"
@@ -26,6 +26,13 @@ def split_rules(p) -> list[str]:
         (ACCOUNT, p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split)) if on]
 
 
+def _spelled(p, rule: str) -> str:
+    """A rule as the flags the user gave."""
+    if rule == ACCOUNT:
+        return account_flags(p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)
+    return rule
+
+
 def split_pipeline_layers(p, num_layers: int, vpp: int | None, given, defer: bool = False,
                           mtp: int = 0) -> list[int] | None:
     """--pipeline-layers, or the split of `num_layers` one of Megatron-LM's rules gives (ConfigError
@@ -34,10 +41,10 @@ def split_pipeline_layers(p, num_layers: int, vpp: int | None, given, defer: boo
     if not rules:
         return p.pipeline_layers
     if "parallel.pipeline_layers" in given or len(rules) > 1:
-        pair = rules[:2] if len(rules) > 1 else ["--pipeline-layers", rules[0]]
+        pair = [_spelled(p, r) for r in rules[:2]] if len(rules) > 1 else ["--pipeline-layers", _spelled(p, rules[0])]
         raise ConfigError(f"{pair[0]} and {pair[1]} both split the layers over the stages: keep one")
     rule, v_shape = rules[0], p.pipeline_schedule in V_SCHEDULES
-    if v_shape and rule != LAYOUT:
+    if v_shape and rule == FIRST_LAST:
         raise ConfigError(f"{rule} size a pipeline rank's layers, but --pipeline-schedule {p.pipeline_schedule} "
                           f"places two chunks per rank in a V: give --pipeline-layers (or {LAYOUT}), one count per "
                           f"chunk in stage order")
@@ -76,6 +83,16 @@ def virtual_stages(p, layers: int, vpp: int | None, given=frozenset()) -> int | 
         if "parallel.vpp" in given and named is not None and (vpp or 1) != named:
             raise ConfigError(f"--vpp {vpp} and {LAYOUT} ({named} virtual stages per pipeline rank) disagree: "
                               f"drop --vpp")
+        if named is not None:  # what the schedule's own checks would say of a --vpp, said of the layout
+            if named > 1 and p.pp == 1:
+                raise ConfigError(f"{LAYOUT} names {stages} stages, which --pp 1 would run as chunks of one rank: "
+                                  f"give --pp {stages} (or a layout of one stage)")
+            if named > 1 and p.pipeline_schedule == "zb-h1":
+                raise ConfigError(f"{LAYOUT} names {named} stages per pipeline rank, but --pipeline-schedule zb-h1 "
+                                  f"runs one: give {p.pp} stages, or use --pipeline-schedule interleaved")
+            if named == 1 and p.pipeline_schedule == "interleaved":
+                raise ConfigError(f"--pipeline-schedule interleaved runs model chunks per rank, but {LAYOUT} names "
+                                  f"one stage per pipeline rank: give {2 * p.pp} stages or more (a multiple of --pp)")
         return named if named and named > 1 else None
     if per_stage is None:
         return vpp

@@ -31,6 +31,7 @@ except ImportError as e:  # an optional dependency: one line that says how to ge
 
 from megalite.generation.generate import generate
 from megalite.generation.scoring import score
+from megalite.generation.stages import chunks_device
 
 
 class MegaliteLM(TemplateLM):
@@ -51,7 +52,7 @@ class MegaliteLM(TemplateLM):
         self._max_length = int(max_length or config.max_position_embeddings)
         self._max_gen_toks, self.add_bos_token, self.seed = max_gen_toks, add_bos_token, seed
         self.batch_size = int(batch_size)
-        self._device = next(self.chunks[0].parameters()).device
+        self._device = chunks_device(self.chunks)
         self._group = None
         if shard_over_data_parallel:
             from megalite import parallel

@@ -20,12 +20,31 @@ from megalite.pipeline import p2p
 from megalite.pipeline.partition import stage_rank, virtual_stage
 
 
-def _stream_dtype(chunk) -> torch.dtype:
+_STREAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def chunks_device(chunks) -> torch.device:
+    """The device of this rank's weights; where its virtual stages hold none (a layout's empty stages),
+    the rank's current device."""
+    weight = next((p for chunk in chunks for p in chunk.parameters()), None)
+    if weight is not None:
+        return weight.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _stream_dtype(chunks, device: torch.device, pp: int) -> torch.dtype:
     """The hidden states' dtype between stages: fp32 under --fp32-residual-connection, else the weights'
-    (not the config's params_dtype: a training run builds its model in fp32 and trains it in bf16)."""
-    if chunk.config.fp32_residual_connection:
+    (not the config's params_dtype: a training run builds its model in fp32 and trains it in bf16). Over
+    pipeline ranks it is agreed on once (a rank whose stages hold no weight, a layout's, takes the others')."""
+    if chunks[0].config.fp32_residual_connection:
         return torch.float32
-    return next(p.dtype for p in chunk.parameters() if p.dtype.is_floating_point and p.dtype.itemsize >= 2)
+    mine = next((p.dtype for chunk in chunks for p in chunk.parameters()
+                 if p.dtype.is_floating_point and p.dtype.itemsize >= 2), None)
+    if pp == 1:
+        return mine
+    code = torch.tensor([_STREAM_DTYPES.index(mine) if mine is not None else -1], device=device)
+    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=state.get_pipeline_model_parallel_group())
+    return _STREAM_DTYPES[int(code.item())]
 
 
 class Stages:
@@ -46,8 +65,8 @@ class Stages:
         self.tp = state.get_tensor_model_parallel_world_size()
         self.sequence_parallel = self.config.sequence_parallel and self.tp > 1
         self.vocab_size = self.config.vocab_size
-        self.device = next(self.chunks[0].parameters()).device
-        self.dtype = _stream_dtype(self.chunks[0])
+        self.device = chunks_device(self.chunks)
+        self.dtype = _stream_dtype(self.chunks, self.device, self.pp)
 
     @property
     def samples(self) -> bool:

@@ -52,7 +52,7 @@ def layout_layer_counts(layout: str, pp: int, num_layers: int, mtp_layers: int) 
         raise ValueError(f"{flag}: the embedding (E) comes first, in the first stage (megalite runs it there)")
     if not stages[-1].endswith("L"):
         raise ValueError(f"{flag}: the loss (L) comes last, in the last stage (megalite runs it there)")
-    if mtp_layers and not re.fullmatch(r"t*m+L", stages[-1]):
+    if mtp_layers and (not re.fullmatch(r"t*m+L", stages[-1]) or stages[-1].count("m") != mtp_layers):
         raise ValueError(f"{flag}: megalite runs the MTP layers (m) with the loss, after the last transformer "
                          f"layer: put every m in the last stage, just before L")
     return len(stages) // pp, [stage.count("t") for stage in stages]
@@ -64,15 +64,17 @@ def accounted_layer_counts(num_layers: int, pp: int, vpp: int | None, embedding:
     stage's share less the embedding and the last's less the loss (a stage may be left empty)."""
     v = vpp or 1
     total = num_layers + int(embedding) + int(loss)
-    flags = "--account-for-embedding/loss-in-pipeline-split"
     if total % (pp * v):
-        raise ValueError(f"{flags}: {num_layers} layers + {int(embedding) + int(loss)} do not split evenly over "
-                         f"--pp {pp}{f' x --vpp {v}' if v > 1 else ''} virtual stages: change the layers or the "
-                         f"sizes (or give --pipeline-layers)")
-    counts = [total // (pp * v)] * (pp * v)
+        raise ValueError(f"{account_flags(embedding, loss)}: {num_layers} layers + {int(embedding) + int(loss)} do "
+                         f"not split evenly over --pp {pp}{f' x --vpp {v}' if v > 1 else ''} virtual stages: change "
+                         f"the layers or the sizes (or give --pipeline-layers instead)")
+    counts = [total // (pp * v)] * (pp * v)  # at least one each: the embedding or the loss leaves 0 or more
     counts[0] -= int(embedding)
     counts[-1] -= int(loss)
-    if min(counts) < 0:
-        raise ValueError(f"{flags}: one layer a virtual stage leaves none for the embedding or the loss to replace: "
-                         f"use fewer stages")
     return counts
+
+
+def account_flags(embedding: bool, loss: bool) -> str:
+    """The account-for flags given, as the user spelled them."""
+    return " and ".join(f for f, on in (("--account-for-embedding-in-pipeline-split", embedding),
+                                        ("--account-for-loss-in-pipeline-split", loss)) if on)

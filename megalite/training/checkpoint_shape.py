@@ -89,7 +89,7 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     refused; unchanged when there is no checkpoint (yet)."""
     c = cfg.checkpoint
     if not c.load or not checkpoint.checkpoint_exists(c.load):  # megalite's, or Megatron-LM's torch_dist
-        return _uneven_split(cfg)
+        return _uneven_split(_virtual_stages(cfg))
     reader = checkpoint.open_checkpoint(c.load)  # megalite's, or a MegatronCheckpoint
     adoption = policy.Adoption(str(reader.path))
     run_config = reader.metadata.get("run_config", {})
@@ -103,10 +103,7 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
     adopted = policy.adopt_schedule(adopted, run_config, adoption)
     adopted = policy.adopt_kept_and_note(adopted, run_config, adoption)
     adoption.notes.append(policy.old_bert_loss_note(reader.metadata, reader.model_kind, adopted))
-    p = adopted.parallel
-    if p.num_layers_per_virtual_pipeline_stage is not None and not cfg.given("vpp"):
-        adopted = adopted.replace("parallel", vpp=virtual_stages(p, adopted.model.num_layers, None))
-    adopted = _uneven_split(adopted)
+    adopted = _uneven_split(_virtual_stages(adopted))
     built = _checked(adopted, adoption)
     if model_said:
         differs = [k for k in checkpoint.SHAPE_FIELDS + checkpoint.LLAMA_SHAPE_FIELDS
@@ -123,6 +120,19 @@ def adopt_checkpoint_shape(cfg: RunConfig) -> RunConfig:
         if line:
             say(line)
     return adopted
+
+
+def _virtual_stages(cfg: RunConfig) -> RunConfig:
+    """--num-layers-per-virtual-pipeline-stage's virtual stages of the model's depth as it now stands (a
+    checkpoint's; resolve leaves them to this when the preset's depth cannot take them)."""
+    p = cfg.parallel
+    if p.num_layers_per_virtual_pipeline_stage is None or cfg.given("vpp"):
+        return cfg
+    try:
+        vpp = virtual_stages(p, cfg.model.num_layers or PRESETS[cfg.model.model]["num_layers"], None)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return cfg.replace("parallel", vpp=vpp)
 
 
 def _uneven_split(cfg: RunConfig) -> RunConfig:

@@ -205,7 +205,8 @@ def _build_peak(stage, dtype, pb, gb, dp, reals, pads, owned, buckets) -> int:
     per_elem = pb * param_share + init * param_share + gb * grad_share
     unit = 0
     if stage == 3:
-        unit = max((b.end - b.start) * (4 + (pb if dtype != "fp32" else 0)) for chunk in buckets for b in chunk)
+        unit = max(((b.end - b.start) * (4 + (pb if dtype != "fp32" else 0)) for chunk in buckets for b in chunk),
+                   default=0)  # a rank whose stages hold no weight (a layout's empty stages) has none
     build = max(per_elem * sum(pads[:c + 1]) + 4 * sum(reals[c:]) + unit for c in range(len(pads)))
     if dtype != "fp32":
         build = max(build, per_elem * sum(pads) + 4 * owned)
