@@ -8,7 +8,7 @@ tokenized once into a cache); --mock-data uses a synthetic token stream.
 
 from megalite import runtime
 from megalite.data import build_gpt_datasets
-from megalite.data.blends import split_blends
+from megalite.data.blends import split_blends, split_flags
 from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
 from megalite.models.mtp import WithMTPTargets
@@ -28,7 +28,8 @@ def build_data(config, cfg):
     def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
         whole, per_split = split_blends(cfg.data)
         return build_gpt_datasets(whole, cfg.data.split, cfg.model.seq_length, samples, cfg.training.seed,
-                                  vocab_size=config.vocab_size, lock_timeout=lock_timeout, per_split=per_split)
+                                  vocab_size=config.vocab_size, lock_timeout=lock_timeout, per_split=per_split,
+                                  flags=split_flags(cfg.data))
 
     if cfg.data.sft_data_path:  # fine-tuning on conversations, each a document (docs/sft.md)
         train, valid = sft_datasets(cfg)

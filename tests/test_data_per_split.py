@@ -5,6 +5,7 @@ flags are refused in one line; GPT and BERT train on them."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -81,13 +82,20 @@ def test_the_files_are_read_as_megatron_lm_reads_them(tmp_path):
     assert split_blends(data) == (None, (["/d/a"], ["0.2", "/d/b", "0.8", "/d/c"], None))
     assert split_blends(parse(["--data-path", "/d/a"]).data) == (["/d/a"], None)
     for text, says in (("{not json", "not JSON"), (json.dumps({"valid": ["/d/c"]}), 'with "train"'),
-                       (json.dumps({"train": {"a": 1}}), '"train" is neither a list nor a string')):
+                       (json.dumps({"train": {"a": 1}}), '"train" is neither a list nor a string'),
+                       (json.dumps({"train": [True]}), '"train" is neither a list nor a string'),
+                       (json.dumps({"train": ["/d/a"], "validation": ["/d/b"]}),
+                        "'validation' is not a split (did you mean 'valid'?)"),
+                       (json.dumps({"train": " ", "valid": ["/d/b"]}), '"train" names no data')):
         (tmp_path / "bad.json").write_text(text)
-        with pytest.raises(ValueError, match=says) as e:
+        with pytest.raises(ValueError, match=re.escape(says)) as e:
             split_blends(parse(["--per-split-data-args-path", str(tmp_path / "bad.json")]).data)
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="--data-args-path .*missing.txt: cannot be read"):
         split_blends(parse(["--data-args-path", str(tmp_path / "missing.txt")]).data)
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="empty.txt is empty: it should hold --data-path's words"):
+        split_blends(parse(["--data-args-path", str(tmp_path / "empty.txt")]).data)
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -97,6 +105,11 @@ def test_the_files_are_read_as_megatron_lm_reads_them(tmp_path):
     (["--train-data-path", "/d/a", "--per-split-data-args-path", "f"], "--per-split-data-args-path names every split"),
     (["--mock-data", "--train-data-path", "/d/a"], "--mock-data and --train-data-path exclude each other"),
     (["--sft-data-path", "c.jsonl", "--train-data-path", "/d/a"], "drop --train-data-path"),
+    (["--mock-data", "--valid-data-path", "/d/b"], "--mock-data and --valid-data-path exclude each other"),
+    (["--train-data-path", "/d/a", "--valid-data-path", "/d/b", "--per-split-data-args-path", "f"],
+     "drop --train-data-path and --valid-data-path"),
+    (["--data-args-path", ""], "--data-args-path is empty: give the file's path"),
+    (["--per-split-data-args-path", " "], "--per-split-data-args-path is empty"),
 ])
 def test_mixed_or_partial_data_flags_are_refused_in_one_line(argv, says):
     assert says in refusal(argv, 1)
@@ -161,3 +174,12 @@ def test_the_entry_points_build_each_splits_data_and_bert_refuses_a_blend(tmp_pa
     assert len(pretrain_gpt.build_data(model, parse(blend))[0]) >= 4
     with pytest.raises(UsageError, match="pretrain_bert.py reads one prefix a split, not 0.5"):
         pretrain_bert.build_data(model, parse(blend))
+    # a message about a split's words names the flag they came from
+    for argv, says in ((["--valid-data-path", "x", b], "--valid-data-path: 'x' is not a weight"),
+                       (["--valid-data-path", "0", b], "--valid-data-path: weights must be positive")):
+        with pytest.raises(UsageError, match=says):
+            pretrain_gpt.build_data(model, parse(run[:-2] + argv))
+    (tmp_path / "odd.txt").write_text(f"0.5 {a} {b}")
+    with pytest.raises(UsageError, match="--data-args-path .*odd.txt takes one prefix, or weight-prefix pairs"):
+        pretrain_gpt.build_data(model, parse(run[:-4] + ["--data-args-path", str(tmp_path / "odd.txt")]))
+    assert "--split (each split reads every document of its own data" in parse(run + ["--split", "1,0,0"]).ignored_flags[0]

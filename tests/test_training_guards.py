@@ -59,7 +59,7 @@ def _check(argv, world=1):
     (["--timeline-iters", "0"], "--timeline-iters must be an integer >= 1, got 0"),
     (["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
     (["--num-layers", "0"], "--num-layers must be an integer >= 1, got 0"),
-    (["--pipeline-layers", "2,0", "--pp", "2"], "--pipeline-layers: stage 1 gets 0 layers"),
+    (["--pipeline-layers", "5,-1", "--pp", "2"], "--pipeline-layers: stage 1 gets -1 layers; a stage holds 0 or more"),
     (["--finetune"], "--finetune needs --load DIR"),
 ], ids=lambda v: v if isinstance(v, str) and v.startswith("-") else None)
 def test_bad_numbers_are_refused_before_anything_starts(argv, message):

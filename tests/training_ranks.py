@@ -26,8 +26,8 @@ def parse(argv):
     """Tests train on the synthetic stream unless they name data. On it, a run that says nothing of
     validation validates on one global batch, not the default four: the same code at each layout, a
     quarter of the time (a test that asserts on validation names its --eval-iters)."""
-    if not {"--data-path", "--sft-data-path", "--train-data-path", "--data-args-path",
-            "--per-split-data-args-path"} & set(argv):
+    if not {"--data-path", "--sft-data-path", "--train-data-path", "--valid-data-path", "--test-data-path",
+            "--data-args-path", "--per-split-data-args-path"} & set(argv):
         argv = ["--mock-data", *([] if {"--eval-iters", "--config"} & set(argv) else ["--eval-iters", "1"]), *argv]
     return arguments.build_parser("test", default_model="gpt-tiny").parse_args(argv)
 

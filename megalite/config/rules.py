@@ -68,6 +68,9 @@ def resolve(config: RunConfig, default_model: str | None, explicit=frozenset(), 
     if p.sequence_parallel and p.tp == 1:  # as Megatron-LM: nothing to shard over, so off (said in a note)
         p = dataclasses.replace(p, sequence_parallel=False)
         ignored = (*ignored, "--sequence-parallel (with --tp 1)")
+    if "data.split" in given and (config.data.train_data_path or config.data.per_split_data_args_path):
+        ignored = (*ignored, "--split (each split reads every document of its own data, as Megatron-LM's per-split "
+                             "paths do)")
     ckpt = config.checkpoint
     if ckpt.save_interval is not None and not ckpt.save:  # as Megatron-LM: accepted, nothing to save
         ckpt = dataclasses.replace(ckpt, save_interval=None)

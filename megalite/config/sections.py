@@ -193,24 +193,29 @@ class DataConfig:
 
     def check(self) -> None:
         split_weights(self.split)
+        for flag, path in (("--data-args-path", self.data_args_path),
+                           ("--per-split-data-args-path", self.per_split_data_args_path)):
+            if path is not None and not path.strip():
+                raise ValueError(f"{flag} is empty: give the file's path (an unset shell variable?)")
         given = [flag for flag, v in (("--data-path", self.data_path), ("--data-args-path", self.data_args_path),
                                       ("--train-data-path", self.train_data_path),
                                       ("--valid-data-path", self.valid_data_path),
                                       ("--test-data-path", self.test_data_path),
                                       ("--per-split-data-args-path", self.per_split_data_args_path)) if v]
+        if given and self.mock_data:
+            raise ValueError(f"--mock-data and {given[0]} exclude each other")
+        if self.sft_data_path and (given or self.mock_data):
+            raise ValueError(f"--sft-data-path trains on its conversations alone: drop "
+                             f"{' and '.join(given) if given else '--mock-data'}")
         whole = [f for f in given if f in ("--data-path", "--data-args-path")]
         if len(whole) == 2 or (whole and len(given) > 1):
             raise ValueError(f"{given[0]} and {given[1]} both name the data: keep one ({whole[0]} is split by --split; "
                              f"the per-split flags name each split's data)")
         if "--per-split-data-args-path" in given and len(given) > 1:
-            raise ValueError(f"--per-split-data-args-path names every split's data: drop {given[0]}")
+            others = " and ".join(f for f in given if f != "--per-split-data-args-path")
+            raise ValueError(f"--per-split-data-args-path names every split's data: drop {others}")
         if given and not whole and not {"--train-data-path", "--per-split-data-args-path"} & set(given):
             raise ValueError(f"{given[0]} needs --train-data-path: the training split's data")
-        if given and self.mock_data:
-            raise ValueError(f"--mock-data and {given[0]} exclude each other")
-        if self.sft_data_path and (given or self.mock_data):
-            raise ValueError(f"--sft-data-path trains on its conversations alone: drop "
-                             f"{given[0] if given else '--mock-data'}")
         if self.sft_no_packing and not self.sft_data_path:
             raise ValueError("--sft-no-packing is about --sft-data-path's conversations: give --sft-data-path")
 

@@ -54,7 +54,7 @@ def named_data(data: DataConfig) -> str | None:
     for flag, value in (("--data-path", data.data_path), ("--data-args-path", data.data_args_path),
                         ("--train-data-path", data.train_data_path),
                         ("--per-split-data-args-path", data.per_split_data_args_path)):
-        if value:
+        if value is not None and value != []:
             return flag
     return None
 
@@ -68,4 +68,5 @@ def data_tokenizer(data: DataConfig) -> Tokenizer:
 
 __all__ = ["BlendedDataset", "DatasetError", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter",
            "SyntheticTokens", "Tokenizer", "TokenizerError", "build_gpt_datasets", "build_tokenizer", "data_tokenizer",
+           "named_data",
            "resolve_data", "train_sentencepiece"]

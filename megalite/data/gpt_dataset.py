@@ -43,7 +43,7 @@ class GPTDataset:
         tokens_per_epoch = int(lengths.sum())
         if tokens_per_epoch <= seq_length:
             raise DatasetError(f"the {name} split of {indexed.prefix} has {tokens_per_epoch} tokens, too few for "
-                               f"one sample of {seq_length + 1}: use more data or change --split")
+                               f"one sample of {seq_length + 1}: use more data, a shorter --seq-length or another --split")
         idx_path = Path(indexed.prefix + ".idx")
         key = {"kind": f"gpt-{name}", "prefix": os.path.realpath(indexed.prefix), "size": idx_path.stat().st_size,
                "mtime": idx_path.stat().st_mtime_ns, "sequences": [seq_lo, seq_hi], "num_samples": num_samples,
@@ -123,37 +123,40 @@ class BlendedDataset:
                 "loss_mask": torch.ones(len(tokens), tokens.shape[1] - 1)}
 
 
-def parse_data_path(spec: list[str]) -> list[tuple[float, str]]:
-    """['A'] or ['0.7', 'A', '0.3', 'B'] -> [(weight, prefix), ...]."""
+def parse_data_path(spec: list[str], flag: str = "--data-path") -> list[tuple[float, str]]:
+    """['A'] or ['0.7', 'A', '0.3', 'B'] -> [(weight, prefix), ...]; `flag` names where they came from."""
     if len(spec) == 1:
         return [(1.0, spec[0])]
     if len(spec) % 2:
-        raise ValueError("--data-path takes one prefix, or weight-prefix pairs: --data-path 0.7 A 0.3 B")
+        raise ValueError(f"{flag} takes one prefix, or weight-prefix pairs (0.7 A 0.3 B), not {' '.join(spec)}")
     pairs = []
     for w, p in zip(spec[::2], spec[1::2]):
         try:
             weight = float(w)
         except ValueError:
-            raise ValueError(f"--data-path: {w!r} is not a weight (pairs are: weight prefix)") from None
+            raise ValueError(f"{flag}: {w!r} is not a weight (pairs are: weight prefix)") from None
         if weight <= 0:
-            raise ValueError(f"--data-path: weights must be positive, got {weight}")
+            raise ValueError(f"{flag}: weights must be positive, got {weight}")
         pairs.append((weight, p))
     return pairs
 
 
 def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int, num_samples: tuple[int, int, int],
                        seed: int, vocab_size: int | None = None, lock_timeout: float | None = None,
-                       per_split: tuple | None = None):
+                       per_split: tuple | None = None, flags: tuple[str, str, str] | None = None):
     """(train, valid, test) datasets; a split with no documents or no samples asked gives None.
     `data_path` is cut into the splits by `split`; or `per_split` names each split's own data
     (Megatron-LM's --train/valid/test-data-path: every document of them; None for a split not named).
     With `vocab_size`, a dataset holding an id outside it is refused (DatasetError). `lock_timeout`:
-    seconds to wait for another rank building a cache (megalite.data.cache.lock_timeout_s)."""
+    seconds to wait for another rank building a cache (megalite.data.cache.lock_timeout_s). `flags`:
+    where each split's words came from, for the messages (megalite.data.blends.split_flags)."""
+    flags = flags or (("--data-path",) * 3 if per_split is None else
+                      ("--train-data-path", "--valid-data-path", "--test-data-path"))
     if per_split is None:
-        pairs = parse_data_path(data_path)
+        pairs = parse_data_path(data_path, flags[0])
         blends = [pairs] * 3
     else:
-        blends = [None if words is None else parse_data_path(words) for words in per_split]
+        blends = [None if words is None else parse_data_path(words, flag) for words, flag in zip(per_split, flags)]
     opened: dict[str, IndexedDataset] = {}  # a prefix in several splits is opened (and checked) once
     for _, prefix in (pair for blend in blends if blend for pair in blend):
         if prefix not in opened:

@@ -138,8 +138,8 @@ class IndexedDataset:
         idx_path, bin_path = Path(self.prefix + ".idx"), Path(self.prefix + ".bin")
         for path in (idx_path, bin_path):
             if not path.is_file():
-                raise DatasetError(f"dataset file {path} does not exist: --data-path takes the prefix of a "
-                                   f".bin/.idx pair written by `python -m megalite.data.preprocess`")
+                raise DatasetError(f"dataset file {path} does not exist: a data path (--data-path, --train-data-path, ...) "
+                                   f"names the prefix of a .bin/.idx pair written by `python -m megalite.data.preprocess`")
         idx_size = idx_path.stat().st_size
         if idx_size < _HEADER.size:
             raise DatasetError(f"{idx_path} is truncated ({idx_size} bytes, shorter than the header)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import RunConfig
-from megalite.data import data_tokenizer, resolve_data
+from megalite.data import data_tokenizer, named_data, resolve_data
 from megalite.data.documents import DocumentFlags, WithDocuments, flags_given
 from megalite.data.sft import build_sft_datasets
 from megalite.errors import UsageError
@@ -35,7 +35,7 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
     if train is None:
         d = cfg.data
         raise UsageError(f"--split {d.split} leaves no training documents" if d.data_path or d.data_args_path else
-                         "the training split's data (--train-data-path) holds no documents")
+                         f"the training split's data ({named_data(d)}) holds no documents")
     return train, valid
 
 
