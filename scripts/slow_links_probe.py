@@ -80,16 +80,16 @@ def exchange_seconds(net: netns.Network, nbytes: int, rounds: int = 5, port: int
 
 
 def measure_link(net: netns.Network, rate_mbit: float | None, nbytes: int = 4 << 20,
-                 cpus: list[str] | None = None) -> dict:
+                 cpus: list[str] | None = None, probes: int = 12) -> dict:
     """The links at `rate_mbit` (None: unlimited) as one TCP stream and as gloo's all-reduce see them
     (bytes/s; the all-reduce's "bus bandwidth" is the planner's link bandwidth); the start-up of an
     exchange; the bytes a limited link's bucket lets through at once once it idles (`bucket_bytes`,
-    its ranks on `cpus` as the runs' under --pin)."""
+    its ranks on `cpus` as the runs' under --pin, pooled over `probes` pairs of connections)."""
     net.limit(netns.LinkLimit(rate_mbit) if rate_mbit else None)
     tcp = net.throughput(1, 0, nbytes=max(nbytes, int((rate_mbit or 0) * 1e6 / 8)))
     bus = nbytes / statistics.median(exchange_seconds(net, nbytes))
     latency = statistics.median(exchange_seconds(net, 4, rounds=30))  # one fp32: start-up alone
-    burst = bucket_bytes(net, tcp, latency, cpus=cpus) if rate_mbit else 0.0
+    burst = bucket_bytes(net, tcp, latency, probes=probes, cpus=cpus) if rate_mbit else 0.0
     what = f"tbf {rate_mbit:g} Mbit/s" if rate_mbit else "unlimited veth"
     share = f" ({tcp * 8 / 1e6 / rate_mbit:.2f} of the rate)" if rate_mbit else ""
     print(f"link, {what}: one TCP stream host1 -> host0 {tcp / 1e6:.2f} MB/s{share}; gloo all-reduce of "

@@ -64,7 +64,9 @@ def test_the_link_carries_the_configured_rate(net):
     idle = min(slow_links_probe.exchange_seconds(net, 1 << 16, rounds=15, idle_s=0.02, op="all_to_all"))
     at_rate = (1 << 15) / rate
     assert idle < 0.85 * at_rate, f"after idling {idle * 1e3:.2f} ms, its bytes at the rate {at_rate * 1e3:.2f} ms"
-    burst = slow_links_probe.measure_link(net, RATE)["burst"]  # by trimmed mean: at most the bucket
+    # By trimmed mean: at most the bucket. Two probes, not the suite's 12: each is a fresh pair of
+    # ranks (about 5 s), and the bound holds for any one of them.
+    burst = slow_links_probe.measure_link(net, RATE, probes=2)["burst"]
     assert 0 <= burst <= 1.5 * netns.LinkLimit(RATE).burst_bytes, f"bucket measured {burst:.0f} B"
     # The limit is what holds the rate down: without it the same veths are many times faster.
     net.limit(None)
