@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the repository, in parts that each fit one 10-minute call on
 # the H100 (the device tool's limit); results go to $OUT (or ./gpu-results).
-#   bash scripts/gpu_checks.sh kernels   # build the kernels, pytest -m gpu (MoE grouped GEMM, the zero-bubble split backward, attention sinks too), bench_kernels.py, activation memory
+#   bash scripts/gpu_checks.sh kernels   # build the kernels, pytest -m gpu (MoE grouped GEMM, the zero-bubble split backward, attention sinks, --deterministic-mode too), bench_kernels.py, activation memory
 #   bash scripts/gpu_checks.sh training [--presets gpt2-350m]  # benchmark_gpt.py (plain eager/compile,
 #                                        # megalite eager/compile, log MFU); one preset a call if the two overrun
 #   bash scripts/gpu_checks.sh planner   # validate_planner.py: predicted vs measured memory and step time
@@ -27,7 +27,7 @@ status=0
 case "${1:-}" in
   kernels)
     python -c "from megalite import ops; print(ops.kernels_available())" 2>&1 | tee "$out/build.txt"
-    python -m pytest -m gpu -q tests/test_gpu.py tests/test_documents.py tests/test_softmax_sink.py 2>&1 | tee "$out/pytest_gpu.txt" || status=1
+    python -m pytest -m gpu -q tests/test_gpu.py tests/test_documents.py tests/test_softmax_sink.py tests/test_deterministic.py 2>&1 | tee "$out/pytest_gpu.txt" || status=1
     python scripts/bench_kernels.py --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt" || status=1
     python scripts/activation_memory.py --json "$out/act.json" 2>&1 | tee "$out/act.txt" || status=1
     ;;

@@ -258,6 +258,10 @@ class TrainingConfig:
                                                 "(default, as Megatron-LM: the mean of each micro-batch's mean; "
                                                 "the two differ where loss masks differ: --eod-mask-loss, SFT, "
                                                 "BERT's masking)")
+    deterministic_mode: bool = opt(False, "the same numbers from every run of one command: PyTorch's deterministic "
+                                          "algorithms (an operation without one raises), NCCL_ALGO and "
+                                          "CUBLAS_WORKSPACE_CONFIG set or checked (Megatron-LM's flag; "
+                                          "docs/reproducibility.md)")
     plan: bool = opt(False, "before training, predict memory and step time of this layout and warn if it will "
                             "not fit")
     plan_gpu_memory_gib: float | None = opt(None, "GPU memory for --plan (default: this GPU's)", check=POSITIVE)

@@ -22,6 +22,7 @@ from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_un
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
 from megalite.training.muon_setup import layer_wise_owners, use_muon
+from megalite.training import determinism
 from megalite.training.qk_clip import QKClip
 from megalite.training.task import Task
 
@@ -58,6 +59,10 @@ def setup(cfg, world_size: int):
     """Validate the layout, start the process groups, seed the RNG streams. Returns (model config,
     data-parallel size, device)."""
     device = select_device()  # first: validation may build the fused kernels on the current GPU
+    if cfg.training.deterministic_mode:  # before NCCL and cuBLAS start: they read the environment once
+        set_here = determinism.enable("nccl" if device.type == "cuda" else "gloo")
+        if set_here:
+            say(f"megalite: --deterministic-mode: set {', '.join(set_here)}")
     if device.type == "cpu" and cfg.parallel.overlap_moe_expert_parallel_comm:
         host_heap.share_one_heap()  # before gloo's threads: the forward lane's own heap costs page faults
     if device.type == "cpu" and cfg.parallel.delay_wgrad_compute:
