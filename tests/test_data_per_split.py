@@ -175,11 +175,11 @@ def test_the_entry_points_build_each_splits_data_and_bert_refuses_a_blend(tmp_pa
     with pytest.raises(UsageError, match="pretrain_bert.py reads one prefix a split, not 0.5"):
         pretrain_bert.build_data(model, parse(blend))
     # a message about a split's words names the flag they came from
-    for argv, says in ((["--valid-data-path", "x", b], "--valid-data-path: 'x' is not a weight"),
+    for argv, says in ((["--valid-data-path", "x", b, "0.5"], "--valid-data-path: x .* 0.5 mixes weights and prefixes"),
                        (["--valid-data-path", "0", b], "--valid-data-path: weights must be positive")):
         with pytest.raises(UsageError, match=says):
             pretrain_gpt.build_data(model, parse(run[:-2] + argv))
     (tmp_path / "odd.txt").write_text(f"0.5 {a} {b}")
-    with pytest.raises(UsageError, match="--data-args-path .*odd.txt takes one prefix, or weight-prefix pairs"):
+    with pytest.raises(UsageError, match="--data-args-path .*odd.txt: 0.5 .* mixes weights and prefixes"):
         pretrain_gpt.build_data(model, parse(run[:-4] + ["--data-args-path", str(tmp_path / "odd.txt")]))
     assert "--split (each split reads every document of its own data" in parse(run + ["--split", "1,0,0"]).ignored_flags[0]

@@ -152,16 +152,17 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
-    data_path: list[str] | None = opt(None, "indexed dataset prefix, or weight-prefix pairs to blend (default: "
+    data_path: list[str] | None = opt(None, "indexed dataset prefix, weight-prefix pairs to blend, or prefixes "
+                                            "alone (each read once, blended by its size, as Megatron-LM) (default: "
                                             "the embedded corpus)", metavar="[WEIGHT] PREFIX")
     train_data_path: list[str] | None = opt(
-        None, "Megatron-LM's per-split data: the training split's prefix or weight-prefix pairs, every document of "
+        None, "Megatron-LM's per-split data: the training split's prefix(es) or weight-prefix pairs, every document of "
               "them (instead of --data-path and --split; docs/data.md)", metavar="[WEIGHT] PREFIX")
     valid_data_path: list[str] | None = opt(
-        None, "the validation split's prefix or weight-prefix pairs, every document of them (with --train-data-path; "
+        None, "the validation split's prefix(es) or weight-prefix pairs, every document of them (with --train-data-path; "
               "none: no validation)", metavar="[WEIGHT] PREFIX")
     test_data_path: list[str] | None = opt(
-        None, "the test split's prefix or weight-prefix pairs (with --train-data-path; megalite reads no test split)",
+        None, "the test split's prefix(es) or weight-prefix pairs (with --train-data-path; megalite reads no test split)",
         metavar="[WEIGHT] PREFIX")
     data_args_path: str | None = opt(
         None, "a file holding --data-path's words (Megatron-LM's; whitespace-separated)", metavar="FILE")

@@ -16,7 +16,7 @@ def split_blends(data) -> tuple[list[str] | None, tuple | None]:
         words = _read(data.data_args_path, "--data-args-path").split()
         if not words:
             raise ValueError(f"--data-args-path {data.data_args_path} is empty: it should hold --data-path's words "
-                             f"(a prefix, or weight-prefix pairs)")
+                             f"(a prefix, weight-prefix pairs, or prefixes alone)")
         return words, None
     if data.per_split_data_args_path is not None:
         path = data.per_split_data_args_path

@@ -10,7 +10,8 @@ every run, rank and data-parallel size sees the same samples in the same order:
 - shuffle: a seeded permutation of the samples.
 Sample k of training is `shuffle[k]`, so resuming from N consumed samples continues exactly.
 Blending several datasets (`--data-path 0.7 A 0.3 B`) assigns each global sample to a dataset so
-that every prefix of the stream keeps the weights as closely as possible.
+that every prefix of the stream keeps the weights as closely as possible; prefixes without weights
+(`--data-path A B`) are each read once, weighted by their samples, as Megatron-LM blends them.
 """
 from __future__ import annotations
 
@@ -123,22 +124,38 @@ class BlendedDataset:
                 "loss_mask": torch.ones(len(tokens), tokens.shape[1] - 1)}
 
 
-def parse_data_path(spec: list[str], flag: str = "--data-path") -> list[tuple[float, str]]:
-    """['A'] or ['0.7', 'A', '0.3', 'B'] -> [(weight, prefix), ...]; `flag` names where they came from."""
+def _number(word: str) -> float | None:
+    try:
+        return float(word)
+    except ValueError:
+        return None
+
+
+def parse_data_path(spec: list[str], flag: str = "--data-path") -> list[tuple[float | None, str]]:
+    """['A'] or ['0.7', 'A', '0.3', 'B'] -> [(weight, prefix), ...]; prefixes alone, ['A', 'B'], ->
+    [(None, 'A'), (None, 'B')]: Megatron-LM blends them by their sizes (`build_gpt_datasets`).
+    `flag` names where the words came from."""
     if len(spec) == 1:
         return [(1.0, spec[0])]
-    if len(spec) % 2:
-        raise ValueError(f"{flag} takes one prefix, or weight-prefix pairs (0.7 A 0.3 B), not {' '.join(spec)}")
-    pairs = []
-    for w, p in zip(spec[::2], spec[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
-            raise ValueError(f"{flag}: {w!r} is not a weight (pairs are: weight prefix)") from None
-        if weight <= 0:
-            raise ValueError(f"{flag}: weights must be positive, got {weight}")
-        pairs.append((weight, p))
-    return pairs
+    numbers = [_number(w) for w in spec]
+    if len(spec) % 2 == 0 and all(n is not None for n in numbers[::2]):
+        pairs = []
+        for weight, p in zip(numbers[::2], spec[1::2]):
+            if not weight > 0:
+                raise ValueError(f"{flag}: weights must be positive, got {weight}")
+            pairs.append((weight, p))
+        return pairs
+    if any(n is not None for n in numbers):  # Megatron-LM would look for a file named like a weight
+        raise ValueError(f"{flag}: {' '.join(spec)} mixes weights and prefixes: give weight-prefix pairs "
+                         f"(0.7 A 0.3 B), or prefixes alone (A B: blended by their sizes)")
+    return [(None, p) for p in spec]
+
+
+def epoch_samples(indexed: IndexedDataset, documents: tuple[int, int], seq_length: int) -> int:
+    """Samples of seq_length + 1 tokens in one pass over `documents` (Megatron-LM's count: the last
+    token only ever a label)."""
+    lo, hi = int(indexed.document_indices[documents[0]]), int(indexed.document_indices[documents[1]])
+    return max(0, (int(indexed.sequence_lengths[lo:hi].astype(np.int64).sum()) - 1) // seq_length)
 
 
 def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int, num_samples: tuple[int, int, int],
@@ -170,11 +187,24 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
         with_docs = [(w, opened[p], split_ranges(opened[p].num_documents, split)[which] if per_split is None
                       else (0, opened[p].num_documents)) for w, p in blend]
         with_docs = [(w, ds, r) for w, ds, r in with_docs if r[1] > r[0]]
-        total = sum(w for w, _, _ in with_docs)  # shares among the datasets this split has
         parts = []
-        for w, ds, (lo, hi) in with_docs if n > 0 else []:
-            parts.append((w, GPTDataset(ds, (lo, hi), int(math.ceil(n * w / total * 1.005)) + 1, seq_length,
-                                        seed, name, lock_timeout)))
+        if with_docs and n > 0 and with_docs[0][0] is None:
+            # Prefixes without weights (Megatron-LM's blend of a list): each read once, one epoch of its
+            # documents in the split, weighted by its samples; the split no larger than them all.
+            sizes = [(epoch_samples(ds, r, seq_length), ds, r) for _, ds, r in with_docs]
+            held = sum(size for size, _, _ in sizes)
+            if which == 0 and n > held:
+                raise DatasetError(f"{flags[0]}: prefixes without weights are each read once (one epoch, as "
+                                   f"Megatron-LM blends them): the training split holds {held} samples of "
+                                   f"{seq_length + 1} tokens, the run reads {n}: give weights (0.5 A 0.5 B) to "
+                                   f"read them repeatedly, or train fewer samples")
+            n = min(n, held)  # validation wraps around
+            parts = [(size, GPTDataset(ds, r, max(size, 1), seq_length, seed, name, lock_timeout))
+                     for size, ds, r in sizes]
+        elif n > 0:
+            total = sum(w for w, _, _ in with_docs)  # shares among the datasets this split has
+            parts = [(w, GPTDataset(ds, (lo, hi), int(math.ceil(n * w / total * 1.005)) + 1, seq_length,
+                                    seed, name, lock_timeout)) for w, ds, (lo, hi) in with_docs]
         if not parts:
             out.append(None)
         elif len(parts) == 1:
