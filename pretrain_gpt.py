@@ -14,6 +14,7 @@ from megalite.models import GPTModel
 from megalite.models.mtp import WithMTPTargets
 from megalite.training import Task, entry, gpt_forward_step, prepare_data, train_valid_datasets
 from megalite.training.datasets import document_flags, sft_datasets, with_document_flags
+from megalite.training.validation_sets import each_dataset
 
 
 def prepare(cfg):
@@ -29,17 +30,20 @@ def build_data(config, cfg):
         whole, per_split = split_blends(cfg.data)
         return build_gpt_datasets(whole, cfg.data.split, cfg.model.seq_length, samples, cfg.training.seed,
                                   vocab_size=config.vocab_size, lock_timeout=lock_timeout, per_split=per_split,
-                                  flags=split_flags(cfg.data))
+                                  flags=split_flags(cfg.data), valid_epoch=cfg.training.full_validation,
+                                  valid_sets=cfg.training.multiple_validation_sets)
 
     if cfg.data.sft_data_path:  # fine-tuning on conversations, each a document (docs/sft.md)
         train, valid = sft_datasets(cfg)
     else:
         train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
         # Packed documents (--reset-attention-mask ...): before MTP's targets, which shift the loss mask.
-        train, valid = with_document_flags((train, valid), document_flags(cfg, config.vocab_size))
+        flags = document_flags(cfg, config.vocab_size)
+        train, valid = with_document_flags((train,), flags)[0], each_dataset(
+            valid, lambda d: with_document_flags((d,), flags)[0])
     depth = getattr(config, "mtp_num_layers", 0)  # (a config of another type may not know of it)
     if depth:  # multi-token prediction reads tokens further on, cut before CP splits sequences
-        train, valid = (None if d is None else WithMTPTargets(d, depth) for d in (train, valid))
+        train, valid = WithMTPTargets(train, depth), each_dataset(valid, lambda d: WithMTPTargets(d, depth))
     return train, valid
 
 

@@ -240,6 +240,12 @@ class TrainingConfig:
     seed: int = opt(1234, "seed of the weights, dropout and data order", check=_SEED)
     eval_interval: int = opt(100, "validate every N iterations (0: never)", check=NON_NEGATIVE)
     eval_iters: int = opt(4, "global batches per validation", check=NON_NEGATIVE)
+    full_validation: bool = opt(False, "each validation reads every sample of the validation data once, in whole "
+                                       "global batches (--eval-iters unused; GPT; Megatron-LM's flag)")
+    multiple_validation_sets: bool = opt(False, "each prefix of --valid-data-path validated on its own, with a loss of "
+                                                "its own (weights unused; GPT; Megatron-LM's flag)")
+    validation_set_names: list[str] | None = opt(None, "with --multiple-validation-sets: a name for each prefix's "
+                                                       "loss (default 0, 1, ...)", metavar="NAME")
     eval_prompts: str | None = opt(None, "a file of prompts (one a line) completed greedily at each validation, "
                                          "printed and written to TensorBoard (GPT; docs/generate.md)", metavar="FILE")
     eval_tasks: str | None = opt(None, "lm-eval task names, comma-separated, scored at each validation and logged as "

@@ -158,15 +158,25 @@ def epoch_samples(indexed: IndexedDataset, documents: tuple[int, int], seq_lengt
     return max(0, (int(indexed.sequence_lengths[lo:hi].astype(np.int64).sum()) - 1) // seq_length)
 
 
+def _share(n: int, fraction: float) -> int:
+    """Samples a dataset of a blend builds for its `fraction` of n: a margin, so the blend's choice
+    never runs past its end."""
+    return int(math.ceil(n * fraction * 1.005)) + 1
+
+
 def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int, num_samples: tuple[int, int, int],
                        seed: int, vocab_size: int | None = None, lock_timeout: float | None = None,
-                       per_split: tuple | None = None, flags: tuple[str, str, str] | None = None):
+                       per_split: tuple | None = None, flags: tuple[str, str, str] | None = None,
+                       valid_epoch: bool = False, valid_sets: bool = False):
     """(train, valid, test) datasets; a split with no documents or no samples asked gives None.
     `data_path` is cut into the splits by `split`; or `per_split` names each split's own data
     (Megatron-LM's --train/valid/test-data-path: every document of them; None for a split not named).
     With `vocab_size`, a dataset holding an id outside it is refused (DatasetError). `lock_timeout`:
     seconds to wait for another rank building a cache (megalite.data.cache.lock_timeout_s). `flags`:
-    where each split's words came from, for the messages (megalite.data.blends.split_flags)."""
+    where each split's words came from, for the messages (megalite.data.blends.split_flags).
+    `valid_epoch` (--full-validation): the validation split holds every sample of its data once, not
+    num_samples[1]. `valid_sets` (--multiple-validation-sets): the validation split is a list of
+    (prefix, dataset), one per prefix of its data (weights unused, as Megatron-LM's)."""
     flags = flags or (("--data-path",) * 3 if per_split is None else
                       ("--train-data-path", "--valid-data-path", "--test-data-path"))
     if per_split is None:
@@ -187,24 +197,38 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
         with_docs = [(w, opened[p], split_ranges(opened[p].num_documents, split)[which] if per_split is None
                       else (0, opened[p].num_documents)) for w, p in blend]
         with_docs = [(w, ds, r) for w, ds, r in with_docs if r[1] > r[0]]
+        if which == 1 and n > 0 and valid_epoch:
+            n = None  # every sample once: each dataset's own epoch
+            if len(with_docs) > 1 and with_docs[0][0] is not None:
+                raise DatasetError(f"{flags[1]}: --full-validation reads every sample of the validation data once, "
+                                   f"and weights would read some prefixes more than others: give the prefixes "
+                                   f"without weights, or drop --full-validation")
+        if which == 1 and n != 0 and valid_sets and with_docs:  # each prefix as if it were the split's only one
+            out.append([(ds.prefix, GPTDataset(ds, r, _share(n, 1.0) if n else max(epoch_samples(ds, r, seq_length), 1),
+                                               seq_length, seed, name, lock_timeout)) for _, ds, r in with_docs])
+            continue
         parts = []
-        if with_docs and n > 0 and with_docs[0][0] is None:
+        if with_docs and n is None and with_docs[0][0] is not None:  # one prefix, read once
+            (_, ds, r), = with_docs
+            parts = [(1.0, GPTDataset(ds, r, max(epoch_samples(ds, r, seq_length), 1), seq_length, seed, name,
+                                      lock_timeout))]
+        elif with_docs and n != 0 and with_docs[0][0] is None:
             # Prefixes without weights (Megatron-LM's blend of a list): each read once, one epoch of its
             # documents in the split, weighted by its samples; the split no larger than them all.
             sizes = [(epoch_samples(ds, r, seq_length), ds, r) for _, ds, r in with_docs]
             held = sum(size for size, _, _ in sizes)
-            if which == 0 and n > held:
+            if which == 0 and n > held:  # (n is None: the validation split read whole)
                 raise DatasetError(f"{flags[0]}: prefixes without weights are each read once (one epoch, as "
                                    f"Megatron-LM blends them): the training split holds {held} samples of "
                                    f"{seq_length + 1} tokens, the run reads {n}: give weights (0.5 A 0.5 B) to "
                                    f"read them repeatedly, or train fewer samples")
-            n = min(n, held)  # validation wraps around
+            n = held if n is None else min(n, held)  # validation wraps around
             parts = [(size, GPTDataset(ds, r, max(size, 1), seq_length, seed, name, lock_timeout))
                      for size, ds, r in sizes]
-        elif n > 0:
+        elif n:
             total = sum(w for w, _, _ in with_docs)  # shares among the datasets this split has
-            parts = [(w, GPTDataset(ds, (lo, hi), int(math.ceil(n * w / total * 1.005)) + 1, seq_length,
-                                    seed, name, lock_timeout)) for w, ds, (lo, hi) in with_docs]
+            parts = [(w, GPTDataset(ds, (lo, hi), _share(n, w / total), seq_length, seed, name, lock_timeout))
+                     for w, ds, (lo, hi) in with_docs]
         if not parts:
             out.append(None)
         elif len(parts) == 1:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.determinism import prefix_sums
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -43,7 +45,7 @@ def filtered(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     if top_p < 1.0:
         ordered, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(ordered, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # the probability of the tokens ranked above
+        before = prefix_sums(probs) - probs  # the probability of the tokens ranked above
         ordered = ordered.masked_fill(before >= top_p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     return logits

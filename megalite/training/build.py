@@ -6,7 +6,7 @@ import datetime
 
 import torch
 
-from megalite import parallel
+from megalite import determinism, parallel
 from megalite.models import compile_layers
 from megalite.models.fp8 import enable_fp8
 from megalite.config import lr_schedule_lengths, model_config, model_dtype, validate, weight_decay_steps
@@ -22,7 +22,6 @@ from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_un
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
 from megalite.training.muon_setup import layer_wise_owners, use_muon
-from megalite.training import determinism
 from megalite.training.qk_clip import QKClip
 from megalite.training.task import Task
 

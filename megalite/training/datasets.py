@@ -26,7 +26,8 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
     if cfg.data.mock_data:
         return (synthetic(vocab_size, cfg.model.seq_length, seed=cfg.training.seed),
                 synthetic(vocab_size, cfg.model.seq_length, seed=cfg.training.seed + 1))
-    valid_samples = cfg.training.eval_iters * cfg.training.global_batch_size if cfg.training.eval_interval else 0
+    t = cfg.training  # --full-validation: any count asks for the validation data, read whole
+    valid_samples = (1 if t.full_validation else t.eval_iters) * t.global_batch_size if t.eval_interval else 0
     try:
         train, valid, _ = build((cfg.training.train_iters * cfg.training.global_batch_size, valid_samples, 0),
                                 cfg.parallel.distributed_timeout_minutes * 60)

@@ -16,15 +16,18 @@ from megalite.training.step import TrainStep
 from megalite.training.task import Task
 
 
-def evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
-    """Mean loss (and the task's loss terms) over `--eval-iters` global batches of `data` (the same
-    ones each time), forward only through the pipeline (`program`) over `step`'s chunks; the same
-    values on every rank. Its communication is not counted in the training steps' traffic."""
+def evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device,
+             batches: int | None = None) -> dict[str, float]:
+    """Mean loss (and the task's loss terms) over the first `batches` (default `--eval-iters`) global
+    batches of `data` (the same ones each time), forward only through the pipeline (`program`) over
+    `step`'s chunks; the same values on every rank. Its communication is not counted in the training
+    steps' traffic."""
     with traffic.excluded():
-        return _evaluate(cfg, task, step, program, data, device)
+        return _evaluate(cfg, task, step, program, data, device,
+                         cfg.training.eval_iters if batches is None else batches)
 
 
-def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device) -> dict[str, float]:
+def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device, iters: int) -> dict[str, float]:
     chunks = step.chunks
     dp = parallel.get_data_parallel_world_size()  # samples dealt over DP, sums over DP x CP
     dp_group = parallel.get_data_parallel_group(with_context_parallel=True)
@@ -33,7 +36,7 @@ def _evaluate(cfg, task: Task, step: TrainStep, program: list[Op], data, device)
     sums = torch.zeros(1 + len(task.loss_terms), device=device)  # loss, then the terms
     tokens = torch.zeros((), device=device)
     with torch.no_grad():
-        for j in range(cfg.training.eval_iters):
+        for j in range(iters):
             batches = micro_batches(data, j, cfg, dp, parallel.get_data_parallel_rank(), device)
             n = global_normalizer(batches, cfg.training.global_batch_size, dp_group)
             if micro_batch_means_apply(cfg, task.loss_counts_vary):  # as training's loss

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite import faults, ops, parallel
+from megalite import determinism, faults, ops, parallel
 from megalite.optim import LocalSGD, MegaliteOptimizer, ParamAndGradBuffer
 from megalite.config import model_config, model_dtype, validate
 from megalite.config.batch_schedule import batch_schedule, check_schedule_layout
@@ -28,6 +28,7 @@ from megalite.training.saving import CheckpointAndExit
 from megalite.training.sample_log import SampleLog, agreed_run_id
 from megalite.training.step import TrainStep
 from megalite.training.task import Task, check_task_flags, with_config_terms
+from megalite.training.validation_sets import validation_sets
 
 
 @dataclass
@@ -85,7 +86,12 @@ def _due(every: int, iteration: int, last: int) -> bool:
 
 
 def pretrain(cfg, task: Task) -> TrainingRun:
-    """Train as `cfg` say."""
+    """Train as `cfg` say (--deterministic-mode's switches last the run only)."""
+    with determinism.scoped():
+        return _pretrain(cfg, task)
+
+
+def _pretrain(cfg, task: Task) -> TrainingRun:
     _, world_size, _ = env_world()
     check_task_flags(cfg, task)
     cfg = adopt_checkpoint_shape(cfg)  # --load without shape flags: the checkpoint's model
@@ -117,6 +123,7 @@ def pretrain(cfg, task: Task) -> TrainingRun:
     schedule, embedding_schedule = lr_schedules(cfg)
     decay_schedule = weight_decay_schedule(cfg)  # None: --weight-decay throughout
     data, valid_data = task.build_data(config, cfg)
+    valid_sets = validation_sets(valid_data, cfg)  # [] when the run does not validate
 
     step = TrainStep.for_run(cfg, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
     m = step.micro_batches
@@ -178,10 +185,11 @@ def pretrain(cfg, task: Task) -> TrainingRun:
         t = cfg.training
         if _due(t.eval_interval, iteration, t.train_iters):
             optimizer.finish_param_gather()  # --overlap-param-gather: what follows reads every parameter
-        if valid_data is not None and t.eval_iters and _due(t.eval_interval, iteration, t.train_iters):
+        if valid_sets and _due(t.eval_interval, iteration, t.train_iters):
             set_phase(f"iteration {iteration}: validation")
-            progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, valid_data, device),
-                                       task.perplexity_of)
+            for v in valid_sets:
+                progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, v.data, device,
+                                                               v.batches), task.perplexity_of, v.name)
         if samples is not None and _due(t.eval_interval, iteration, t.train_iters):
             set_phase(f"iteration {iteration}: samples of --eval-prompts")
             samples.log(step, iteration, progress.logger)

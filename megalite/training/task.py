@@ -51,6 +51,9 @@ class Task:
 
 def check_task_flags(cfg: RunConfig, task: Task) -> None:
     """Flags that only some tasks train, refused in one line before anything starts."""
+    from megalite.training.validation_sets import check_flags
+
+    check_flags(cfg, task.model_kind)
     if task.model_kind != "gpt" and cfg.model.mtp_num_layers:
         raise UsageError(f"--mtp-num-layers: multi-token prediction is for GPT models (pretrain_gpt.py); a "
                          f"{task.model_kind} model does not predict the next tokens: drop it")
