@@ -126,7 +126,7 @@ def _one_line_error(argv, capsys, entry="pretrain_gpt.py") -> str:
     ('[parallel]\ntp = "two"\n', "parallel.tp must be a int, got 'two'"),
     ('[training]\nmicro_batch_size = 1.5\n', "training.micro_batch_size must be a int"),
     ('[precision]\nbf16 = 1\n', "precision.bf16 must be true or false"),
-    ('[parallel]\ncp_comm_type = "ring"\n', "parallel.cp_comm_type must be one of p2p, a2a, got 'ring'"),
+    ('[parallel]\ncp_comm_type = "ring"\n', "parallel.cp_comm_type must be one of p2p, a2a, a2a+p2p, got 'ring'"),
     ('[parallel\ntp = 2\n', "not valid TOML"),
 ], ids=["section", "key", "misplaced", "type", "float-for-int", "bool", "choice", "syntax"])
 def test_a_bad_file_is_refused_in_one_line_naming_the_key_and_the_file(tmp_path, capsys, text, says):

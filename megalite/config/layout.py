@@ -27,12 +27,31 @@ def _check_context_parallel(config: RunConfig, world_size: int, model: Transform
     if config.model.attention_dropout:
         raise UsageError(f"--cp attends over ranks without attention dropout: drop --attention-dropout "
                          f"{config.model.attention_dropout} (hidden dropout is fine)")
-    if p.cp_comm_type == "a2a":
+    sizes = p.hierarchical_context_parallel_sizes
+    a2a = cp if p.cp_comm_type == "a2a" else sizes[0] if p.cp_comm_type == "a2a+p2p" else 1
+    if a2a > 1:
         heads = model.num_attention_heads // tp
         kv_heads = max(1, (model.num_query_groups or model.num_attention_heads) // tp)  # this rank's
-        if heads % cp or kv_heads % cp:
-            raise UsageError(f"--cp-comm-type a2a exchanges heads for sequence: this rank's {heads} attention heads "
-                             f"(and its key/value groups) must be divisible by --cp {cp}; use --cp-comm-type p2p")
+        if heads % a2a or kv_heads % a2a:
+            what = (f"--cp {cp}; use --cp-comm-type p2p" if p.cp_comm_type == "a2a" else
+                    f"the all-to-all's {a2a} ranks; choose a smaller first --hierarchical-context-parallel-sizes")
+            raise UsageError(f"--cp-comm-type {p.cp_comm_type} exchanges heads for sequence: this rank's {heads} "
+                             f"attention heads (and its key/value groups) must be divisible by {what}")
+
+
+def _check_hierarchy(p) -> None:
+    """--cp-comm-type a2a+p2p and --hierarchical-context-parallel-sizes: together, their product --cp."""
+    sizes, cp = p.hierarchical_context_parallel_sizes, p.cp
+    if sizes is not None and p.cp_comm_type != "a2a+p2p":
+        raise UsageError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} splits --cp for "
+                         f"--cp-comm-type a2a+p2p: add it, or drop the sizes")
+    if p.cp_comm_type == "a2a+p2p":
+        if sizes is None:
+            raise UsageError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A2A P2P (the "
+                             f"all-to-all's ranks and the ring's, their product --cp {cp})")
+        if min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+            raise UsageError(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: the product must be --cp "
+                             f"{cp}, each at least 1")
 
 
 def _check_batches(config: RunConfig, dp: int) -> None:
@@ -180,6 +199,7 @@ def _validate(config: RunConfig, world_size: int, model: TransformerConfig, mach
     if world_size % (tp * pp):
         raise UsageError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of ranks ({world_size}): "
                          f"launch a multiple of {tp * pp} ranks or change --tp/--pp")
+    _check_hierarchy(p)
     if cp > 1:
         _check_context_parallel(config, world_size, model)
     dp = world_size // (tp * cp * pp)

@@ -321,6 +321,7 @@ def _model_config(config: RunConfig) -> TransformerConfig:
                        attention_backend="sdpa" if m.attention_backend == "auto" else m.attention_backend,
                        norm_backend=m.norm_backend, recompute_method=m.recompute_method,
                        recompute_num_layers=m.recompute_num_layers, cp_comm_type=p.cp_comm_type,
+                       cp_a2a_size=(p.hierarchical_context_parallel_sizes or [1])[0] if p.cp_comm_type == "a2a+p2p" else 1,
                        **overrides)
     except ValueError as e:
         raise UsageError(str(e)) from None

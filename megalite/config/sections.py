@@ -108,9 +108,13 @@ class ParallelConfig:
            "the same numbers; docs/communication.md)", metavar="N", check=POSITIVE_INT)
     cp: int = opt(1, "context-parallel size: each sequence split over N ranks (ring attention; "
                      "docs/context-parallel.md)", flags=("--cp", "--context-parallel-size"), check=POSITIVE_INT)
-    cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p) or heads "
+    cp_comm_type: str = opt("p2p", "context parallelism's attention: keys/values around a ring (p2p), heads "
                                    "exchanged for the sequence (a2a, DeepSpeed-Ulysses; heads and KV groups "
-                                   "divisible by --cp)", choices=("p2p", "a2a"))
+                                   "divisible by --cp), or both (a2a+p2p: --hierarchical-context-parallel-sizes)",
+                            choices=("p2p", "a2a", "a2a+p2p"))
+    hierarchical_context_parallel_sizes: list[int] | None = opt(
+        None, "--cp-comm-type a2a+p2p: the all-to-all's size A (consecutive CP ranks: one node) and the ring's P, "
+              "A x P = --cp (Megatron-LM's flag; docs/context-parallel.md)", nargs=2, metavar=("A2A", "P2P"))
     expert_model_parallel_size: int = opt(1, "expert-parallel size: the experts of each MoE layer split over N "
                                              "ranks (folded onto TP x CP x DP; docs/moe.md)",
                                           flags=("--ep", "--expert-model-parallel-size"), check=POSITIVE_INT)

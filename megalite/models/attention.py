@@ -31,6 +31,7 @@ from megalite.models.window import band_mask, binding, windowed_mask
 from megalite.parallel import state, weight_grad
 from megalite.parallel.context_parallel import ring_attention
 from megalite.parallel.context_parallel_a2a import a2a_attention
+from megalite.parallel.context_parallel_hierarchy import get_hierarchy, hierarchical_attention
 from megalite.parallel.layers import ColumnParallelLinear, RowParallelLinear, part_of_rows
 from megalite.parallel.mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                         sum_over_tensor_model_parallel_region)
@@ -121,10 +122,12 @@ def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, w
         else:
             whole = None
         return a2a_attention(q, k, v, group, ranks, causal=True, attend=whole)
-    return ring_attention(q, k, v, group, ranks, causal=True,
-                          query_starts=None if documents is None else documents.starts,
-                          document_bounds=None if documents is None else documents.bounds,
-                          window_left=None if window is None else window[0], sink=sink)
+    masks = dict(query_starts=None if documents is None else documents.starts,
+                 document_bounds=None if documents is None else documents.bounds,
+                 window_left=None if window is None else window[0], sink=sink)
+    if config.cp_comm_type == "a2a+p2p":  # the all-to-all inside each node, the ring across them
+        return hierarchical_attention(q, k, v, get_hierarchy(config.cp_a2a_size), causal=True, **masks)
+    return ring_attention(q, k, v, group, ranks, causal=True, **masks)
 
 
 def local_core(q, k, v, attention_mask, config: TransformerConfig, dropout_p: float, window=None, sink=None,

@@ -54,6 +54,7 @@ class TransformerConfig:
     # Context parallelism (the size is the process groups'): p2p rings keys and values, a2a exchanges
     # heads for the sequence (megalite.parallel.context_parallel).
     cp_comm_type: str = "p2p"
+    cp_a2a_size: int = 1  # a2a+p2p: the all-to-all's ranks (megalite.parallel.context_parallel_hierarchy)
     recompute: str = "none"  # none | selective | full
     recompute_num_layers: int | None = None  # full: how many layers per stage (default all)
     recompute_method: str = "uniform"  # full: uniform | block

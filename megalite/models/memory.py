@@ -135,13 +135,15 @@ def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1,
                                      comm_type: str = "p2p", head_dim: int | None = None) -> float:
     """Bytes the context-parallel attention keeps on one rank besides what the layer formula counts:
     the fp32 log-sum-exp of s/cp query rows and a/t heads, and for a2a SDPA's own output (see the
-    module docstring). 0 at cp = 1, where the attention backend's count holds."""
-    if comm_type not in ("p2p", "a2a"):
-        raise ValueError(f"the context-parallel communication is p2p or a2a, got {comm_type!r}")
+    module docstring); a2a+p2p keeps the ring's (its gathered q, k, v as many elements as the
+    layer's own) and at most a2a's index vectors. 0 at cp = 1, where the attention backend's count
+    holds."""
+    if comm_type not in ("p2p", "a2a", "a2a+p2p"):
+        raise ValueError(f"the context-parallel communication is p2p, a2a or a2a+p2p, got {comm_type!r}")
     if cp == 1:
         return 0.0
-    if comm_type == "p2p":
-        return float(s // cp) * b * h * (4.0 * a / h) / t
+    if comm_type != "a2a":
+        return float(s // cp) * b * h * (4.0 * a / h) / t + (16.0 * s if comm_type == "a2a+p2p" else 0.0)
     output = 2.0 * (1.0 if head_dim is None else a * head_dim / h)  # SDPA's output, heads x head_dim wide
     return float(s // cp) * b * h * (output + 4.0 * a / h) / t + 16.0 * s
 

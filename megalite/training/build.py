@@ -18,6 +18,7 @@ from megalite.optim.low_precision_adam import adamw
 from megalite.optim.optimizer import sgd
 from megalite.optim.param_gather import attach_gather_waits
 from megalite.parallel import host_heap
+from megalite.parallel.context_parallel_hierarchy import initialize_hierarchy
 from megalite.optim.zero import ShardedGradBuffer, ShardedParamBuffer, attach_unit_hooks, layer_units
 from megalite.pipeline.partition import V_SCHEDULES, layers_of, stage_layer_counts, stage_rank, virtual_stage
 from megalite.runtime import UsageError, init_distributed, say, select_device
@@ -77,6 +78,9 @@ def setup(cfg, world_size: int):
                                        context_parallel_size=cfg.parallel.cp,
                                        expert_model_parallel_size=cfg.parallel.expert_model_parallel_size,
                                        expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
+    if cfg.parallel.cp_comm_type == "a2a+p2p":  # the all-to-all's groups and the ring's, inside each CP group
+        initialize_hierarchy(cfg.parallel.hierarchical_context_parallel_sizes[0],
+                             timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     parallel.model_parallel_manual_seed(cfg.training.seed)
     return config, dp, device
 

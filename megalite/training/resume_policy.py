@@ -78,7 +78,7 @@ _TABLE = {
         pipeline_model_parallel_layout account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
         sequence_parallel tp_comm_overlap tp_comm_overlap_splits overlap_moe_expert_parallel_comm
         delay_wgrad_compute deterministic_mode full_validation multiple_validation_sets validation_set_names
-        moe_dispatch_chunks cp cp_comm_type expert_model_parallel_size expert_tensor_parallel_size
+        moe_dispatch_chunks cp cp_comm_type hierarchical_context_parallel_sizes expert_model_parallel_size expert_tensor_parallel_size
         distributed_timeout_minutes
         init_method_std init_method_xavier_uniform embedding_init_method_std
         recompute recompute_method recompute_num_layers attention_backend torch_compile norm_backend
