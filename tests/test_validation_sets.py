@@ -46,6 +46,13 @@ def test_each_prefix_is_a_set_and_a_whole_pass_reads_every_sample_once(tmp_path)
     with pytest.raises(ValueError, match="--valid-data-path: --full-validation reads every sample .* without weights"):
         build_gpt_datasets(None, "1", SEQ, (8, 4, 0), seed=3, per_split=([a], ["0.5", b, "0.5", c], None),
                            valid_epoch=True)
+    # as sets, each read whole: the weights unused, as Megatron-LM's
+    weighted = build_gpt_datasets(None, "1", SEQ, (8, 4, 0), seed=3, per_split=([a], ["0.5", b, "0.5", c], None),
+                                  valid_epoch=True, valid_sets=True)[1]
+    assert [(p, len(d)) for p, d in weighted] == [(p, len(d)) for p, d in each]
+    # every sample of a set once: all distinct
+    whole_b = each[0][1]
+    assert len({tuple(whole_b.sample(k)) for k in range(len(whole_b))}) == len(whole_b)
     # with --split: the validation documents of --data-path, once
     split = build_gpt_datasets([a], "80,20,0", SEQ, (8, 4, 0), seed=3, valid_epoch=True)[1]
     assert len(split) == epoch_samples(IndexedDataset(a), (24, 30), SEQ)
@@ -76,6 +83,12 @@ def test_each_set_is_named_and_a_whole_pass_reads_its_full_global_batches():
 
 
 @pytest.mark.parametrize("argv, entry, says", [
+    (["--multiple-validation-sets", "--validation-set-names", "a", "--train-data-path", "x", "--valid-data-path", "y",
+      "z", "--eval-interval", "0"], "gpt", "--validation-set-names gives 1 names for 2 validation sets (y, z)"),
+    (["--multiple-validation-sets", "--validation-set-names", "a", "a", "--train-data-path", "x", "--valid-data-path",
+      "y", "z"], "gpt", "--validation-set-names a a: each name once, not empty and without '/'"),
+    (["--multiple-validation-sets", "--validation-set-names", "a/b", "--train-data-path", "x", "--valid-data-path",
+      "y"], "gpt", "--validation-set-names a/b: each name once"),
     (["--multiple-validation-sets", "--data-path", "x"], "gpt", "--multiple-validation-sets validates each prefix of "
                                                                 "the validation data named per split"),
     (["--full-validation", "--mock-data"], "gpt", "--full-validation reads indexed validation data; --mock-data"),
@@ -134,6 +147,10 @@ def test_the_entry_point_builds_the_sets_with_their_wrappers(tmp_path, tokenizer
     model = SimpleNamespace(vocab_size=600, mtp_num_layers=1)
     _, valid = pretrain_gpt.build_data(model, parse(common + ["--reset-position-ids"]))
     assert [p for p, _ in valid] == [b, c]
+    from megalite.training.validation_sets import validation_sets as sets_of
+
+    whole = sets_of(valid, parse(common + ["--reset-position-ids", "--full-validation"]))  # len() through the wrappers
+    assert [s.batches for s in whole] == [len(d.dataset.dataset) // 2 for _, d in valid]
     batch = valid[1][1].batch(range(2))
     assert "mtp_labels" in batch or any("mtp" in k for k in batch), list(batch)  # MTP's targets on each set
     assert "position_ids" in batch, list(batch)  # and the documents' flags

@@ -90,6 +90,17 @@ class BatchSchedule:
             steps += 1
         return steps + max(0, samples - consumed) // self.global_batch_size
 
+    def samples_for_steps(self, steps: int) -> int:
+        """Samples that `steps` optimizer steps train on: step by step while the batch still changes,
+        then the final batch each."""
+        if not self.varies:
+            return steps * self.global_batch_size
+        settled = self.steps[-1][0] if self.steps is not None else self.rampup[2]  # consumed: final batch on
+        consumed = 0
+        while steps and consumed <= settled:
+            consumed, steps = consumed + self.at(consumed), steps - 1
+        return consumed + steps * self.global_batch_size
+
     def ahead(self, consumed: int) -> list[int]:
         """The batches still to come after `consumed` samples (the current one first)."""
         if self.steps is None:

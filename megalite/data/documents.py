@@ -98,5 +98,8 @@ class WithDocuments:
     def batch(self, sample_indices) -> dict:
         return with_documents(self.dataset.batch(sample_indices), self.flags)
 
+    def __len__(self) -> int:
+        return len(self.dataset)
+
     def __getattr__(self, name):
         return getattr(self.dataset, name)

@@ -158,6 +158,16 @@ def epoch_samples(indexed: IndexedDataset, documents: tuple[int, int], seq_lengt
     return max(0, (int(indexed.sequence_lengths[lo:hi].astype(np.int64).sum()) - 1) // seq_length)
 
 
+def _check_one_sample_each(with_docs, seq_length: int, name: str, flag: str, cut_by_split: bool) -> None:
+    """Each prefix read on its own (without weights, or as a validation set) must hold a sample."""
+    for _, ds, r in with_docs:
+        if not epoch_samples(ds, r, seq_length):
+            where = f"the {name} split of {ds.prefix}" if cut_by_split else ds.prefix
+            raise DatasetError(f"{flag}: {where} holds too few tokens for one sample of {seq_length + 1}: drop it "
+                               f"from {flag}, or use a shorter --seq-length"
+                               + (" or another --split" if cut_by_split else ""))
+
+
 def _share(n: int, fraction: float) -> int:
     """Samples a dataset of a blend builds for its `fraction` of n: a margin, so the blend's choice
     never runs past its end."""
@@ -199,10 +209,13 @@ def build_gpt_datasets(data_path: list[str] | None, split: str, seq_length: int,
         with_docs = [(w, ds, r) for w, ds, r in with_docs if r[1] > r[0]]
         if which == 1 and n > 0 and valid_epoch:
             n = None  # every sample once: each dataset's own epoch
-            if len(with_docs) > 1 and with_docs[0][0] is not None:
+            if len(with_docs) > 1 and with_docs[0][0] is not None and not valid_sets:
                 raise DatasetError(f"{flags[1]}: --full-validation reads every sample of the validation data once, "
-                                   f"and weights would read some prefixes more than others: give the prefixes "
-                                   f"without weights, or drop --full-validation")
+                                   f"and weights would read some prefixes more than others: name the validation "
+                                   f"data on its own without weights (--train-data-path with --valid-data-path A B), "
+                                   f"or drop --full-validation")
+        if n != 0 and (which == 1 and (valid_epoch or valid_sets) or with_docs and with_docs[0][0] is None):
+            _check_one_sample_each(with_docs, seq_length, name, flags[which], per_split is None)
         if which == 1 and n != 0 and valid_sets and with_docs:  # each prefix as if it were the split's only one
             out.append([(ds.prefix, GPTDataset(ds, r, _share(n, 1.0) if n else max(epoch_samples(ds, r, seq_length), 1),
                                                seq_length, seed, name, lock_timeout)) for _, ds, r in with_docs])

@@ -109,5 +109,8 @@ class WithMTPTargets:
     def batch(self, sample_indices: range) -> dict:
         return with_mtp_targets(self.dataset.batch(sample_indices), self.depth)
 
+    def __len__(self) -> int:
+        return len(self.dataset)
+
     def __getattr__(self, name):
         return getattr(self.dataset, name)

@@ -8,6 +8,7 @@ from megalite.config import RunConfig
 from megalite.data import data_tokenizer, named_data, resolve_data
 from megalite.data.documents import DocumentFlags, WithDocuments, flags_given
 from megalite.data.sft import build_sft_datasets
+from megalite.config.batch_schedule import batch_schedule
 from megalite.errors import UsageError
 
 
@@ -29,8 +30,9 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
     t = cfg.training  # --full-validation: any count asks for the validation data, read whole
     valid_samples = (1 if t.full_validation else t.eval_iters) * t.global_batch_size if t.eval_interval else 0
     try:
-        train, valid, _ = build((cfg.training.train_iters * cfg.training.global_batch_size, valid_samples, 0),
-                                cfg.parallel.distributed_timeout_minutes * 60)
+        # the samples the run reads: a ramp-up or step schedule's batches, not train_iters full ones
+        train_samples = batch_schedule(t, cfg.model.seq_length).samples_for_steps(t.train_iters)
+        train, valid, _ = build((train_samples, valid_samples, 0), cfg.parallel.distributed_timeout_minutes * 60)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if train is None:
