@@ -4,6 +4,8 @@ test_recompute.py."""
 import importlib.util
 from pathlib import Path
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,13 +94,18 @@ def test_measured_llama_layer_activations_follow_the_general_formula_on_cpu(arch
 
 
 
-def _context_parallel_layer_bytes(rank, world, s, b, h, a, comm_type):
+def _context_parallel_layer_bytes(rank, world, s, b, h, a, comm_type, a2a_size=1):
     """Bytes one CP rank's GPT layer keeps for backward on its s/cp tokens (saved-tensor hooks)."""
     from megalite import parallel
+    from megalite.parallel.context_parallel_hierarchy import initialize_hierarchy
 
     parallel.initialize_model_parallel(1, context_parallel_size=world)
+    extra = {}
+    if comm_type == "a2a+p2p":
+        initialize_hierarchy(a2a_size)
+        extra = {"cp_a2a_size": a2a_size}
     return _script().measure(s // world, b, h, a, "none", torch.device("cpu"), attention_backend="sdpa",
-                             attention_dropout=0.0, cp_comm_type=comm_type, max_position_embeddings=s)
+                             attention_dropout=0.0, cp_comm_type=comm_type, max_position_embeddings=s, **extra)
 
 
 def test_context_parallel_layer_activations_fall_as_one_over_cp_and_follow_the_formula():
@@ -123,6 +130,24 @@ def test_context_parallel_layer_activations_fall_as_one_over_cp_and_follow_the_f
     for cp in (2, 4):  # a2a's copy of the attention output and its index vectors, to the byte
         extra = measured["a2a", cp] - measured["p2p", cp]
         assert extra == pytest.approx(formula["a2a", cp] - formula["p2p", cp], rel=0.01), cp
+
+
+def test_hierarchical_context_parallel_keeps_what_the_formula_says_to_the_byte():
+    """a2a+p2p at cp 4: the ring's bytes, and at an all-to-all of 2 or 4 ranks also the ring's output
+    beside the all-to-all's copy and the gathered tokens' index vectors, over p2p's."""
+    from megalite.models.memory import layer_activation_bytes
+
+    s, b, h, a = 256, 2, 128, 4
+    config = _script().build_layer(s, h, a, "none", torch.device("cpu"), torch.bfloat16, attention_backend="sdpa",
+                                   attention_dropout=0.0)[1]
+    p2p = run_ranks(_context_parallel_layer_bytes, 4, args=(s, b, h, a, "p2p"))[0]
+    for a2a_size in (1, 2, 4):
+        ranks = run_ranks(_context_parallel_layer_bytes, 4, args=(s, b, h, a, "a2a+p2p", a2a_size))
+        assert len(set(ranks)) == 1, ranks
+        hierarchical = dataclasses.replace(config, cp_comm_type="a2a+p2p", cp_a2a_size=a2a_size)
+        extra = layer_activation_bytes(hierarchical, s, b, cp=4) - layer_activation_bytes(config, s, b, cp=4,
+                                                                                          cp_comm_type="p2p")
+        assert ranks[0] - p2p == pytest.approx(extra, abs=8), (a2a_size, ranks[0] - p2p, extra)
 
 
 def test_context_parallel_formula_terms():

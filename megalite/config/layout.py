@@ -42,6 +42,9 @@ def _check_context_parallel(config: RunConfig, world_size: int, model: Transform
 def _check_hierarchy(p) -> None:
     """--cp-comm-type a2a+p2p and --hierarchical-context-parallel-sizes: together, their product --cp."""
     sizes, cp = p.hierarchical_context_parallel_sizes, p.cp
+    if sizes is not None and len(sizes) != 2:  # (a configuration file's list: the command line takes two)
+        raise UsageError(f"--hierarchical-context-parallel-sizes takes two sizes, the all-to-all's and the ring's, "
+                         f"not {len(sizes)}: {sizes}")
     if sizes is not None and p.cp_comm_type != "a2a+p2p":
         raise UsageError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} splits --cp for "
                          f"--cp-comm-type a2a+p2p: add it, or drop the sizes")

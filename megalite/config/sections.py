@@ -113,8 +113,9 @@ class ParallelConfig:
                                    "divisible by --cp), or both (a2a+p2p: --hierarchical-context-parallel-sizes)",
                             choices=("p2p", "a2a", "a2a+p2p"))
     hierarchical_context_parallel_sizes: list[int] | None = opt(
-        None, "--cp-comm-type a2a+p2p: the all-to-all's size A (consecutive CP ranks: one node) and the ring's P, "
-              "A x P = --cp (Megatron-LM's flag; docs/context-parallel.md)", nargs=2, metavar=("A2A", "P2P"))
+        None, "--cp-comm-type a2a+p2p: the all-to-all's size A (consecutive CP ranks: A x --tp GPUs, one node's "
+              "at most) and the ring's P, A x P = --cp (Megatron-LM's flag; docs/context-parallel.md)", nargs=2,
+        metavar=("A2A", "P2P"))
     expert_model_parallel_size: int = opt(1, "expert-parallel size: the experts of each MoE layer split over N "
                                              "ranks (folded onto TP x CP x DP; docs/moe.md)",
                                           flags=("--ep", "--expert-model-parallel-size"), check=POSITIVE_INT)

@@ -98,7 +98,7 @@ ATTENTION_BACKENDS = {"sdpa": _sdpa_attention, "fused": _fused_softmax_attention
 
 def _context_parallel_core(q, k, v, attention_mask, config: TransformerConfig, window=None, sink=None):
     """Attention over the sequence split across the context-parallel group: keys and values
-    around a ring (p2p) or heads exchanged for the sequence (a2a). Causal, no dropout, no mask but
+    around a ring (p2p), heads exchanged for the sequence (a2a), or both (a2a+p2p). Causal, no dropout, no mask but
     packed documents' (`PackedDocuments`) and the layer's sliding `window` (left, 0); `sink` [heads]:
     attention sinks (the all-to-all's rank attends with its block of them)."""
     documents = attention_mask if isinstance(attention_mask, PackedDocuments) else None

@@ -52,7 +52,7 @@ class TransformerConfig:
     # its own transfer's tail.
     tp_comm_overlap_splits: int = 1
     # Context parallelism (the size is the process groups'): p2p rings keys and values, a2a exchanges
-    # heads for the sequence (megalite.parallel.context_parallel).
+    # heads for the sequence, a2a+p2p both (megalite.parallel.context_parallel, _a2a, _hierarchy).
     cp_comm_type: str = "p2p"
     cp_a2a_size: int = 1  # a2a+p2p: the all-to-all's ranks (megalite.parallel.context_parallel_hierarchy)
     recompute: str = "none"  # none | selective | full

@@ -132,20 +132,32 @@ def mla_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, s
 
 
 def context_parallel_attention_bytes(s: int, b: int, h: int, a: int, t: int = 1, cp: int = 1,
-                                     comm_type: str = "p2p", head_dim: int | None = None) -> float:
+                                     comm_type: str = "p2p", head_dim: int | None = None,
+                                     a2a_size: int = 1) -> float:
     """Bytes the context-parallel attention keeps on one rank besides what the layer formula counts:
     the fp32 log-sum-exp of s/cp query rows and a/t heads, and for a2a SDPA's own output (see the
-    module docstring); a2a+p2p keeps the ring's (its gathered q, k, v as many elements as the
-    layer's own) and at most a2a's index vectors. 0 at cp = 1, where the attention backend's count
-    holds."""
+    module docstring) and its index vectors (int64, 16 s). a2a+p2p with an all-to-all of `a2a_size`
+    ranks > 1 keeps the ring's output beside the copy the all-to-all returns, as a2a keeps SDPA's,
+    and index vectors of the tokens it gathers (16 s / P); at 1 it is the ring. 0 at cp = 1, where
+    the attention backend's count holds."""
     if comm_type not in ("p2p", "a2a", "a2a+p2p"):
         raise ValueError(f"the context-parallel communication is p2p, a2a or a2a+p2p, got {comm_type!r}")
     if cp == 1:
         return 0.0
-    if comm_type != "a2a":
-        return float(s // cp) * b * h * (4.0 * a / h) / t + (16.0 * s if comm_type == "a2a+p2p" else 0.0)
-    output = 2.0 * (1.0 if head_dim is None else a * head_dim / h)  # SDPA's output, heads x head_dim wide
-    return float(s // cp) * b * h * (output + 4.0 * a / h) / t + 16.0 * s
+    if comm_type == "p2p" or (comm_type == "a2a+p2p" and a2a_size == 1):
+        return float(s // cp) * b * h * (4.0 * a / h) / t
+    output = 2.0 * (1.0 if head_dim is None else a * head_dim / h)  # the attention's output, heads x head_dim wide
+    indices = 16.0 * s if comm_type == "a2a" else 16.0 * s * a2a_size / cp
+    return float(s // cp) * b * h * (output + 4.0 * a / h) / t + indices
+
+
+def _index_bytes(s: int, cp: int, comm_type: str, config) -> float:
+    """The all-to-all's int64 index vectors (to position order and back): a2a's of s tokens,
+    a2a+p2p's of the s / P its inner group gathers."""
+    if comm_type == "a2a":
+        return 16.0 * s
+    a2a_size = getattr(config, "cp_a2a_size", 1)
+    return 16.0 * s * a2a_size / cp if comm_type == "a2a+p2p" and a2a_size > 1 else 0.0
 
 
 def widened_stream_bytes(config, s: int, b: int, t: int, sequence_parallel: bool, recompute: str) -> float:
@@ -189,7 +201,7 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
         comm_type = getattr(config, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
         # the log-sum-exp (and a2a's index vectors); the padded output is in the MLA count
         return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t,
-                                                       cp, "p2p") + (16.0 * s if comm_type == "a2a" else 0.0)
+                                                       cp, "p2p") + _index_bytes(s, cp, comm_type, config)
     kept = widened + activation_bytes_per_layer(
         local, b, config.hidden_size, config.num_attention_heads, t, sp, recompute,
         kv_heads=config.num_query_groups if sdpa else None, ffn=config.ffn_hidden_size,
@@ -200,4 +212,5 @@ def layer_activation_bytes(config, s: int, b: int, t: int = 1, recompute: str | 
         return kept
     comm_type = getattr(config, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
     return kept + context_parallel_attention_bytes(s, b, config.hidden_size, config.num_attention_heads, t, cp,
-                                                   comm_type, head_dim=config.head_dim)
+                                                   comm_type, head_dim=config.head_dim,
+                                                   a2a_size=getattr(config, "cp_a2a_size", 1))

@@ -10,6 +10,8 @@ Two ways to attend (docs/context-parallel.md):
 - `a2a_attention` (DeepSpeed-Ulysses style; megalite.parallel.context_parallel_a2a): all-to-all
   trades the sequence split for a head split, plain causal attention on the whole sequence,
   all-to-all back.
+- both (`--cp-comm-type a2a+p2p`; megalite.parallel.context_parallel_hierarchy): the all-to-all
+  inside groups of consecutive CP ranks, then this ring across them.
 Every collective takes the CP group explicitly; `ranks` are its global ranks, CP rank 0 first.
 """
 from __future__ import annotations

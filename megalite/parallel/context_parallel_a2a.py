@@ -16,7 +16,8 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> to
     size = dist.get_world_size(group)
     pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
     received = [torch.empty_like(p) for p in pieces]
-    traffic.gather_or_scatter("cp", x.nbytes, size)
+    if not torch.compiler.is_compiling():  # (a compiled graph's sizes may be symbolic: counted outside)
+        traffic.gather_or_scatter("cp", x.nbytes, size)
     lanes.collective(dist.all_to_all, received, pieces, group=group, kind="cp")
     return torch.cat(received, dim=gather_dim)
 

@@ -27,6 +27,7 @@ class Hierarchy:
     inner_ranks: tuple[int, ...]  # global ranks, inner rank 0 first: the all-to-all
     outer_group: object
     outer_ranks: tuple[int, ...]  # global ranks, outer rank 0 first: the ring
+    cp_ranks: tuple[int, ...] = ()  # the CP group it splits (a later layout's groups are other ones)
 
     @property
     def inner_rank(self) -> int:
@@ -60,14 +61,15 @@ def initialize_hierarchy(inner: int, timeout=None) -> Hierarchy | None:
             if dist.get_rank() in outer_ranks:
                 mine_outer = (group, tuple(outer_ranks))
         if dist.get_rank() in ranks:
-            mine = Hierarchy(*mine_inner, *mine_outer)
+            mine = Hierarchy(*mine_inner, *mine_outer, tuple(ranks))
     if mine is not None:
         _HIERARCHY[inner] = mine
     return mine
 
 
 def get_hierarchy(inner: int) -> Hierarchy:
-    if inner not in _HIERARCHY:
+    """This rank's hierarchy of `inner`, for the CP groups in place now."""
+    if inner not in _HIERARCHY or _HIERARCHY[inner].cp_ranks != tuple(state.get_context_parallel_ranks()):
         raise RuntimeError(f"hierarchical context parallelism with an all-to-all of {inner} ranks is not set up: "
                            f"call megalite.parallel.context_parallel_hierarchy.initialize_hierarchy({inner}) after "
                            f"initialize_model_parallel")
@@ -87,7 +89,8 @@ def position_order(inner: int, local: int, device=None) -> torch.Tensor:
 def _gather_starts(starts: torch.Tensor, h: Hierarchy) -> torch.Tensor:
     """query_starts [b, local] of every rank of the inner group, joined along the sequence."""
     pieces = [torch.empty_like(starts) for _ in h.inner_ranks]
-    traffic.gather_or_scatter("cp", starts.nbytes * len(pieces), len(pieces))
+    if not torch.compiler.is_compiling():
+        traffic.gather_or_scatter("cp", starts.nbytes * len(pieces), len(pieces))
     lanes.collective(dist.all_gather, pieces, starts.contiguous(), group=h.inner_group, kind="cp", hand_over=False)
     return torch.cat(pieces, dim=1)
 
