@@ -243,6 +243,9 @@ class TrainingConfig:
               "suffixes), the first 0; a step takes the batch of the last threshold reached; sets --global-batch-size "
               "to the last batch (megalite.config.batch_schedule)", metavar="SCHEDULE")
     seed: int = opt(1234, "seed of the weights, dropout and data order", check=_SEED)
+    data_parallel_random_init: bool = opt(False, "each data-parallel rank's dropout streams seeded apart (seed + 10 x "
+                                                 "its DP rank, Megatron-LM's flag); the weights stay every "
+                                                 "replica's alike, as Megatron-LM broadcasts DP rank 0's")
     eval_interval: int = opt(100, "validate every N iterations (0: never)", check=NON_NEGATIVE)
     eval_iters: int = opt(4, "global batches per validation", check=NON_NEGATIVE)
     full_validation: bool = opt(False, "each validation reads every sample of the validation data once, in whole "

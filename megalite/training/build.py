@@ -81,7 +81,10 @@ def setup(cfg, world_size: int):
     if cfg.parallel.cp_comm_type == "a2a+p2p":  # the all-to-all's groups and the ring's, inside each CP group
         initialize_hierarchy(cfg.parallel.hierarchical_context_parallel_sizes[0],
                              timeout=datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-    parallel.model_parallel_manual_seed(cfg.training.seed)
+    # --data-parallel-random-init: Megatron-LM's offset of the runtime streams per DP rank (the weights
+    # come from per-component generators, so every replica still starts alike)
+    offset = 10 * parallel.get_data_parallel_rank() if cfg.training.data_parallel_random_init else 0
+    parallel.model_parallel_manual_seed(cfg.training.seed + offset)
     return config, dp, device
 
 

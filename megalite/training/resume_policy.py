@@ -63,7 +63,7 @@ _TABLE = {
         tokenizer tokenizer_type vocab_file merge_file tokenizer_model split mock_data mask_prob
         short_seq_prob
         reset_attention_mask reset_position_ids eod_mask_loss sft_data_path sft_no_packing
-        train_iters train_samples seed calculate_per_token_loss moe_router_force_load_balancing moe_input_jitter_eps
+        train_iters train_samples seed data_parallel_random_init calculate_per_token_loss moe_router_force_load_balancing moe_input_jitter_eps
         optimizer adam_beta1 adam_beta2 adam_eps clip_grad sgd_momentum muon_momentum muon_use_nesterov
         muon_split_qkv muon_scale_mode muon_extra_scale_factor muon_num_ns_steps muon_fp32_matmul_prec muon_tp_mode
         qk_clip qk_clip_alpha qk_clip_threshold log_max_attention_logit use_precision_aware_optimizer exp_avg_dtype
