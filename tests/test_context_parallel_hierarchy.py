@@ -11,6 +11,7 @@ from megalite.data.documents import document_bounds
 from megalite.parallel import context_parallel as cp
 from megalite.parallel.context_parallel_hierarchy import position_order
 from megalite.testing import run_ranks
+from test_ring_document_blocks import _starts
 from training_ranks import refusal, several, train_losses
 
 SEQ, CP = 32, 4
@@ -26,16 +27,6 @@ def test_the_gathered_tokens_in_position_order_are_the_rings_layout_at_the_outer
             local = SEQ * 3 // size
             assert torch.equal(gathered[position_order(inner, local)],
                                cp.context_parallel_positions(SEQ * 3, o, outer)), (inner, outer, o)
-
-
-def _starts(lengths_per_row):
-    rows = []
-    for lengths in lengths_per_row:
-        row, at = [], 0
-        for n in lengths:
-            row, at = row + [at] * n, at + n
-        rows.append(row)
-    return torch.tensor(rows)
 
 
 def _attention(rank, world, inner, case):
