@@ -52,7 +52,7 @@ def writer_identity() -> dict:
 
 
 def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rng: bool = True,
-                       replica: dict | None = None):
+                       replica: dict | None = None, with_optim: bool = True):
     """This rank's slices: ([(key, tensor)], structure). The tensors are the live ones (no copies):
     write them before training goes on, or snapshot them. `replica`: state of this rank's own that
     no other rank holds (local SGD's replicas), stored as it is under "replica"."""
@@ -79,7 +79,7 @@ def collect_rank_state(model_chunks, optimizer=None, iteration: int = 0, with_rn
         for name, t in fp8_scaling_state(model_chunks, experts=True):  # each expert's, from one of its holders
             model[name] = [{"tensor": add(f"model/{name}", t), "dim": None, "start": 0, "full": None}]
     meta: dict = {"iteration": iteration, "writer": writer_identity(), "model": model}
-    if optimizer is not None:
+    if optimizer is not None and with_optim:
         meta.update(_collect_optimizer(model_chunks, optimizer, add))
     if with_rng:
         rng = {"cpu": torch.get_rng_state(), "tracker": get_rng_tracker().get_states(),
@@ -120,11 +120,16 @@ def _collect_optimizer(model_chunks, optimizer, add) -> dict:
     return {"optim": optim, "step": step, "loss_scaler": optimizer.loss_scaler.state_dict()}
 
 
-def restore_rng(reader: CheckpointReader, layout: dict) -> bool:
-    """Each rank's RNG streams, when the layout is unchanged (else the seed's streams stand)."""
+def layout_changed(reader: CheckpointReader, layout: dict) -> bool:
     saved = reader.metadata["layout"]
-    if any(saved.get(k, 1 if k == "cp" else None) != layout.get(k, 1 if k == "cp" else None)
-           for k in ("tp", "cp", "pp", "dp", "vpp", "placement", "world")):
+    return any(saved.get(k, 1 if k == "cp" else None) != layout.get(k, 1 if k == "cp" else None)
+               for k in ("tp", "cp", "pp", "dp", "vpp", "placement", "world"))
+
+
+def restore_rng(reader: CheckpointReader, layout: dict) -> bool:
+    """Each rank's RNG streams, when the layout is unchanged (else the seed's streams stand) and the
+    checkpoint holds them (not saved with --no-save-rng)."""
+    if layout_changed(reader, layout):
         return False
     rng = reader.rng(dist.get_rank())
     if rng is None:

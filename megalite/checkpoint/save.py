@@ -52,9 +52,11 @@ class Checkpointer:
     from rank 0 as soon as every rank's file is written. `poll()` says, without a collective, whether
     a save failed; `finalize()` waits for the pending commit; `close()` also gives the directory up."""
 
-    def __init__(self, directory: str, async_save: bool = False):
+    def __init__(self, directory: str, async_save: bool = False, with_optim: bool = True, with_rng: bool = True):
         self.directory = Path(directory)
         self.async_save = async_save
+        # Megalite's checkpoints hold both, so a resume is exact; --no-save-optim / --no-save-rng drop them
+        self.contents = {"with_optim": with_optim, "with_rng": with_rng}
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._world = dist.get_world_size() if dist.is_initialized() else 1
         self._pending: _Save | None = None
@@ -103,10 +105,10 @@ class Checkpointer:
         if stage == 3:
             unit_keys = optimizer.unit_storage_keys()
             with optimizer.non_layer_units_gathered():  # the embeddings' padding is cut off while whole
-                entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica)
+                entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica, **self.contents)
                 entries = self._snapshot.take(entries, unit_keys, optimizer.units_gathered_in_turn())
         else:
-            entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica)
+            entries, structure = collect_rank_state(model_chunks, optimizer, iteration, replica=replica, **self.contents)
             if self.async_save or any(t.device.type != "cpu" for _, t in entries):
                 entries = self._snapshot.take(entries)
         structure["writer"] = {**structure["writer"], "save": token}
@@ -143,7 +145,8 @@ class Checkpointer:
         stand_in = _after_first_step(optimizer) if optimizer is not None else None
 
         def collect():
-            return collect_rank_state(model_chunks, stand_in, replica=replica(stand_in) if replica else None)[0]
+            return collect_rank_state(model_chunks, stand_in, replica=replica(stand_in) if replica else None,
+                                      **self.contents)[0]
 
         if _zero_stage(optimizer) == 3:
             optimizer.unit_storage_keys()  # as a save: parked parameters get their shapes back

@@ -90,13 +90,13 @@ class BatchSchedule:
             steps += 1
         return steps + max(0, samples - consumed) // self.global_batch_size
 
-    def samples_for_steps(self, steps: int) -> int:
-        """Samples that `steps` optimizer steps train on: step by step while the batch still changes,
-        then the final batch each."""
+    def samples_for_steps(self, steps: int, start: int = 0) -> int:
+        """Where `steps` optimizer steps from sample `start` end: the samples they train on, step by step
+        while the batch still changes, then the final batch each, after `start`."""
         if not self.varies:
-            return steps * self.global_batch_size
+            return start + steps * self.global_batch_size
         settled = self.steps[-1][0] if self.steps is not None else self.rampup[2]  # consumed: final batch on
-        consumed = 0
+        consumed = start
         while steps and consumed <= settled:
             consumed, steps = consumed + self.at(consumed), steps - 1
         return consumed + steps * self.global_batch_size

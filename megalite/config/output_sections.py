@@ -17,9 +17,15 @@ class CheckpointConfig:
                                     check=(lambda v: v >= 0, "an integer >= 0"))
     save_async: bool = opt(False, "write checkpoints in the background", flags=("--save-async", "--async-save"))
     no_load_optim: bool = opt(False, "load weights only (fresh optimizer)")
+    no_save_optim: bool = opt(False, "checkpoints without the optimizer state (smaller; a resume starts it fresh)")
+    no_save_rng: bool = opt(False, "checkpoints without the RNG streams (a resume draws dropout from the seed)")
     no_load_rng: bool = opt(False, "do not restore the RNG streams (dropout draws start from the seed)")
     finetune: bool = opt(False, "with --load: take the weights only and start a new run (iteration 0, data from "
                                 "the start, fresh optimizer and RNG streams)")
+    ckpt_step: int | None = opt(None, "with --load DIR: the checkpoint of iteration N there, not the newest",
+                                check=(lambda v: v >= 0, "an integer >= 0"), metavar="N")
+    exit_on_missing_checkpoint: bool = opt(False, "with --load: stop when it holds no checkpoint, even where --load "
+                                                  "is --save's directory (the restart idiom: else from scratch)")
     use_checkpoint_args: bool = opt(False, "with --load: take the model's shape from the checkpoint (also the "
                                            "default when no shape flag is given)")
     override_opt_param_scheduler: bool = opt(
@@ -34,6 +40,10 @@ class CheckpointConfig:
         check_numbers(self)
         if self.finetune and not self.load:
             raise ValueError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+        for flag, given in (("--ckpt-step", self.ckpt_step is not None),
+                            ("--exit-on-missing-checkpoint", self.exit_on_missing_checkpoint)):
+            if given and not self.load:
+                raise ValueError(f"{flag} needs --load DIR (the directory of the checkpoints)")
         if self.use_checkpoint_args and not self.load:
             raise ValueError("--use-checkpoint-args needs --load DIR (the checkpoint whose shape to take)")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:

@@ -20,6 +20,8 @@ class PrecisionConfig:
     min_loss_scale: float = opt(1.0, "fp16: the dynamic scale's floor", check=POSITIVE)
     no_tf32: bool = opt(False, "fp32 runs: full-FP32 matmuls instead of TF32 tensor cores (MFU then against the "
                                "FP32 peak)")
+    disable_bf16_reduced_precision_matmul: bool = opt(
+        False, "bf16 GEMMs: every partial sum in fp32 (PyTorch's allow_bf16_reduced_precision_reduction off; CUDA)")
     fp8_format: str | None = opt(None, "the transformer layers' linear GEMMs in FP8: e4m3 everywhere, or hybrid "
                                        "(E4M3 forward, E5M2 gradients); docs/fp8.md", choices=FORMATS)
     fp8_recipe: str = opt("delayed", "FP8 scales: tensorwise (this tensor's amax), delayed (earlier steps' "

@@ -34,6 +34,12 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+def set_bf16_reduction(reduced: bool) -> None:
+    """cuBLAS may keep a bf16 GEMM's partial sums in bf16 (PyTorch's default, True); Megatron-LM's
+    --disable-bf16-reduced-precision-matmul keeps them in fp32. Set by every run, so none inherits it."""
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
 def _plan_warning(cfg, world_size: int) -> None:
     """--plan: the layout planner's prediction for this run, with a warning if it will not fit."""
     from megalite.training.plan_check import check_run
@@ -70,6 +76,7 @@ def setup(cfg, world_size: int):
     config = model_config(cfg)
     dp = validate(cfg, world_size, config)
     set_tf32(not cfg.precision.no_tf32)
+    set_bf16_reduction(not cfg.precision.disable_bf16_reduced_precision_matmul)
     if cfg.training.plan:
         _plan_warning(cfg, world_size)
     device = init_distributed(cfg.parallel.distributed_timeout_minutes)

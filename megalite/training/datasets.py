@@ -10,6 +10,7 @@ from megalite.data.documents import DocumentFlags, WithDocuments, flags_given
 from megalite.data.sft import build_sft_datasets
 from megalite.config.batch_schedule import batch_schedule
 from megalite.errors import UsageError
+from megalite.training import upcycling
 
 
 def prepare_data(cfg: RunConfig, kind: str) -> RunConfig:
@@ -32,6 +33,7 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
     try:
         # the samples the run reads: a ramp-up or step schedule's batches, not train_iters full ones
         train_samples = batch_schedule(t, cfg.model.seq_length).samples_for_steps(t.train_iters)
+        train_samples = upcycling.train_samples(cfg, train_samples)  # from the dense run's position on
         train, valid, _ = build((train_samples, valid_samples, 0), cfg.parallel.distributed_timeout_minutes * 60)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -23,12 +23,13 @@ from megalite.training.build import (build_local_sgd, lr_schedules, build_model_
 from megalite.training.evaluate import EvalSamples, EvalTasks, evaluate
 from megalite.training.progress import Progress
 from megalite.training.restarts import ProgressRecord, restart_line
-from megalite.training.resume import load_checkpoint, resume, resume_local_sgd, say_resumed
+from megalite.training.resume import chosen_step, load_checkpoint, resume, resume_local_sgd, say_resumed
 from megalite.training.saving import CheckpointAndExit
 from megalite.training.sample_log import SampleLog, agreed_run_id
 from megalite.training.step import TrainStep
 from megalite.training.task import Task, check_task_flags, with_config_terms
 from megalite.training.validation_sets import validation_sets
+from megalite.training import upcycling
 
 
 @dataclass
@@ -94,6 +95,8 @@ def pretrain(cfg, task: Task) -> TrainingRun:
 def _pretrain(cfg, task: Task) -> TrainingRun:
     _, world_size, _ = env_world()
     check_task_flags(cfg, task)
+    cfg = chosen_step(cfg)  # --ckpt-step N: --load's iteration N
+    cfg = upcycling.requeued(cfg)  # --moe-use-upcycling in a requeued job: its own checkpoints
     cfg = adopt_checkpoint_shape(cfg)  # --load without shape flags: the checkpoint's model
     # The layout before the data: a refusal should not first build the embedded corpus (seconds to a
     # minute, once a machine). What the data sets (the vocabulary size) only refines the model here.
@@ -110,16 +113,18 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
               "world": world_size}
     if cfg.parallel.pipeline_schedule in V_SCHEDULES:  # which rank holds which chunk: rank files differ
         layout["placement"] = "v"
-    start = resume(cfg, reader, chunks, optimizer, layout)
+    start = resume(cfg, reader, chunks, optimizer, layout, config)
     local_sgd = build_local_sgd(cfg, optimizer)  # after resume: it starts from the loaded masters
     resume_local_sgd(cfg, reader, local_sgd, optimizer, layout)
     say_resumed(start)
     run = agreed_run_id() if cfg.checkpoint.save or cfg.logging.sample_log else None
     checkpoints = CheckpointAndExit(cfg, config, task.model_kind, layout, local_sgd, run,
-                                    loss_form(cfg, task.loss_counts_vary))
+                                    loss_form(cfg, task.loss_counts_vary), start.lineage())
     samples_log = SampleLog(cfg.logging.sample_log, run)
     samples_log.resumed(start.iteration, start.run)
     checkpoints.prepare(chunks, optimizer)  # --save-async: the host buffer, while training starts
+    if start.upcycled:  # the upcycled model, saved before it trains (Megatron-LM's iteration 1)
+        checkpoints.save_now(start.iteration, start.consumed_samples, chunks, optimizer)
     schedule, embedding_schedule = lr_schedules(cfg)
     decay_schedule = weight_decay_schedule(cfg)  # None: --weight-decay throughout
     data, valid_data = task.build_data(config, cfg)
@@ -167,7 +172,9 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
             replicas = 1 if local_sgd is not None else dp  # local SGD: each replica's own mean
             micro_batch_means(batches, num_tokens, replicas, parallel.get_context_parallel_group())
         # The schedule runs on steps; with a growing batch on samples seen, in final batches (Megatron-LM's).
-        at = iteration - 1 if not batches_by.varies else consumed / cfg.training.global_batch_size
+        # (counted from where the schedule started: after upcycling, iteration 1 and the dense run's samples)
+        at = (iteration - 1 - start.schedule_start[0] if not batches_by.varies
+              else (consumed - start.schedule_start[1]) / cfg.training.global_batch_size)
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(at)
         embedding_lr = embedding_schedule(at) if embedding_schedule is not None else None
         if decay_schedule is not None:

@@ -9,8 +9,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megalite import checkpoint
+from megalite.checkpoint.layout import ITER_NAME
+from megalite.checkpoint.rank_state import layout_changed
 from megalite.optim.local_sgd import load_replica_state
 from megalite.runtime import UsageError, say
+from megalite.training import upcycling
 
 
 @dataclass(frozen=True)
@@ -19,10 +22,39 @@ class StartPoint:
     consumed_samples: int = 0
     run: str | None = None  # the run that saved the checkpoint resumed from
     announcement: list[str] = field(default_factory=list)  # said by say_resumed, once all is loaded
+    # (iteration, samples) where the learning-rate schedule started: (0, 0) but after upcycling
+    schedule_start: tuple[int, int] = (0, 0)
+    upcycled: bool = False  # --moe-use-upcycling: this run starts the experts from a dense checkpoint
+    upcycled_from: str | None = None  # the dense checkpoint's directory, for this run and its resumes
+
+    def lineage(self) -> dict:
+        """What every checkpoint of the run carries on (after upcycling: the schedule's start, the source)."""
+        if self.upcycled_from is None:
+            return {}
+        return {"schedule_start": list(self.schedule_start), "upcycled_from": self.upcycled_from}
 
 
 def _same_directory(a: str, b: str | None) -> bool:
     return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def chosen_step(cfg):
+    """--ckpt-step N: `--load DIR` read as DIR/iter_000000N (megalite's or Megatron-LM's), the choice
+    checked before anything reads it."""
+    c = cfg.checkpoint
+    if c.ckpt_step is None:
+        return cfg
+    path = Path(c.load)
+    if ITER_NAME.match(path.name):
+        raise UsageError(f"--ckpt-step {c.ckpt_step} picks an iteration in --load's directory, and --load {c.load} "
+                         f"is one already: give the directory above it, or drop --ckpt-step")
+    chosen = path / f"iter_{c.ckpt_step:07d}"
+    if not chosen.is_dir():
+        held = sorted(int(p.name[5:]) for p in path.glob("iter_*") if ITER_NAME.match(p.name) and p.is_dir())
+        raise UsageError(f"--ckpt-step {c.ckpt_step}: {c.load} holds no checkpoint of iteration {c.ckpt_step} "
+                         + (f"(it holds iterations {', '.join(map(str, held))}): give one of them" if held else
+                            "(it holds none): check --load"))
+    return cfg.replace("checkpoint", load=str(chosen))
 
 
 def load_checkpoint(cfg, task, config, chunks):
@@ -33,7 +65,8 @@ def load_checkpoint(cfg, task, config, chunks):
     if not cfg.checkpoint.load:
         return None, cfg
     c = cfg.checkpoint
-    if c.finetune and c.save and not _same_directory(c.load, c.save) and checkpoint.CheckpointReader.exists(c.save):
+    if (c.finetune and not cfg.moe.moe_use_upcycling and c.save and not _same_directory(c.load, c.save)
+            and checkpoint.CheckpointReader.exists(c.save)):
         # A requeued fine-tuning job: its own checkpoints are newer than the weights it started from.
         say(f"megalite: --save {cfg.checkpoint.save} already holds this fine-tuning run's checkpoints: resuming them "
             f"instead of starting again from --load {cfg.checkpoint.load}")
@@ -43,6 +76,10 @@ def load_checkpoint(cfg, task, config, chunks):
         if path.is_file():
             raise UsageError(f"--load {cfg.checkpoint.load} is a file: give the directory that --save wrote "
                              f"(or one of its iter_NNNNNNN directories)")
+        if cfg.checkpoint.exit_on_missing_checkpoint:
+            raise UsageError(f"--exit-on-missing-checkpoint: --load {cfg.checkpoint.load} holds no checkpoint (no "
+                             f"'latest' file, no metadata.json): check the path, or drop the flag to start from "
+                             f"scratch where --load is --save's directory")
         if _same_directory(cfg.checkpoint.load, cfg.checkpoint.save):
             say(f"megalite: no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
             return None, cfg
@@ -52,14 +89,19 @@ def load_checkpoint(cfg, task, config, chunks):
         raise UsageError(f"--load {cfg.checkpoint.load} holds no checkpoint (no 'latest' file, no metadata.json): "
                          f"give a directory written by --save or by `python -m megalite.tools.convert_hf import`")
     reader = checkpoint.open_checkpoint(cfg.checkpoint.load)
+    if cfg.moe.moe_use_upcycling:
+        upcycling.load(reader, cfg, task, config, chunks)
+        return reader, cfg
     checkpoint.check_compatible(reader, config, task.model_kind)
     checkpoint.load_model_weights(reader.path, chunks, reader)
     return reader, cfg
 
 
-def resume_point(cfg, reader) -> StartPoint:
-    """Where the checkpoint stopped, or the start with --finetune (a new run from loaded weights).
-    A checkpoint past --train-iters is refused."""
+def resume_point(cfg, reader, config=None) -> StartPoint:
+    """Where the checkpoint stopped, or the start with --finetune (a new run from loaded weights), or
+    after upcycling (`config`: the model's). A checkpoint past --train-iters is refused."""
+    if reader is not None and cfg.moe.moe_use_upcycling:
+        return upcycling.start(cfg, reader, config, StartPoint)
     if reader is None or cfg.checkpoint.finetune:
         return StartPoint()
     iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
@@ -67,31 +109,37 @@ def resume_point(cfg, reader) -> StartPoint:
         raise UsageError(f"the checkpoint {reader.path} is at iteration {iteration}, past --train-iters "
                          f"{cfg.training.train_iters}: raise --train-iters to continue it, or add --finetune to train "
                          f"{cfg.training.train_iters} new iterations from its weights")
-    return StartPoint(iteration, consumed, reader.metadata.get("run"))
+    return StartPoint(iteration, consumed, reader.metadata.get("run"),
+                      schedule_start=tuple(reader.metadata.get("schedule_start", (0, 0))),
+                      upcycled_from=reader.metadata.get("upcycled_from"))
 
 
-def resume(cfg, reader, chunks, optimizer, layout: dict) -> StartPoint:
+def resume(cfg, reader, chunks, optimizer, layout: dict, config=None) -> StartPoint:
     """After the optimizer exists: the start point, with the optimizer state and RNG streams of a
     resumed run restored, and the line saying what was restored (for `say_resumed`, after the rest
     of the state, local SGD's, is loaded too)."""
-    start = resume_point(cfg, reader)
-    if reader is None:
+    start = resume_point(cfg, reader, config)
+    if reader is None or start.upcycled:
         return start
     if cfg.checkpoint.finetune:
         say(f"megalite: fine-tuning from the weights of {reader.path} (iteration {reader.metadata['iteration']}): "
             f"iteration, data position, optimizer state and RNG streams start anew")
         return start
+    optim = "fresh"
     if isinstance(reader, checkpoint.MegatronCheckpoint):  # its weights, args and iteration only
         loaded_optim, rng = False, "from the seed"
         start.announcement.append(reader.load_note())
     else:
         loaded_optim = not cfg.checkpoint.no_load_optim and checkpoint.load_optimizer_state(reader, chunks, optimizer)
+        if not loaded_optim and not cfg.checkpoint.no_load_optim:
+            optim = "fresh (the checkpoint holds none)"
         same_rng = not cfg.checkpoint.no_load_rng and checkpoint.restore_rng(reader, layout)
         rng = ("restored" if same_rng else "from the seed (--no-load-rng)" if cfg.checkpoint.no_load_rng
-               else "from the seed (layout changed)")
+               else "from the seed (layout changed)" if layout_changed(reader, layout)
+               else "from the seed (the checkpoint holds none)")
     start.announcement.append(
         f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
-        f"consumed; optimizer state {'loaded' if loaded_optim else 'fresh'}; RNG streams {rng})")
+        f"consumed; optimizer state {'loaded' if loaded_optim else optim}; RNG streams {rng})")
     if start.iteration == cfg.training.train_iters:
         start.announcement.append(
             f"megalite: the checkpoint is already at --train-iters {cfg.training.train_iters}: nothing to train "
@@ -118,7 +166,7 @@ def resume_local_sgd(cfg, reader, local_sgd, optimizer, layout: dict) -> None:
     the step within the round, an async round's averaged pseudo-gradient) from its rank file. It
     resumes at the same layout only; a checkpoint without it (a plain run's) starts the outer loop
     from the loaded weights."""
-    if reader is None or cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim:
+    if reader is None or cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim or cfg.moe.moe_use_upcycling:
         return
     saved_run = reader.metadata.get("local_sgd")
     if local_sgd is None:

@@ -78,17 +78,17 @@ _TABLE = {
         pipeline_model_parallel_layout account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
         sequence_parallel tp_comm_overlap tp_comm_overlap_splits overlap_moe_expert_parallel_comm
         delay_wgrad_compute deterministic_mode full_validation multiple_validation_sets validation_set_names
-        moe_dispatch_chunks cp cp_comm_type hierarchical_context_parallel_sizes expert_model_parallel_size expert_tensor_parallel_size
+        moe_dispatch_chunks moe_use_upcycling moe_upcycling_granularity cp cp_comm_type hierarchical_context_parallel_sizes expert_model_parallel_size expert_tensor_parallel_size
         distributed_timeout_minutes
         init_method_std init_method_xavier_uniform embedding_init_method_std
         recompute recompute_method recompute_num_layers attention_backend torch_compile norm_backend
         no_bias_gelu_fusion
         micro_batch_size eval_interval eval_iters eval_prompts eval_tasks eval_tasks_path eval_tasks_limit
         exit_interval exit_duration_in_mins no_exit_signal_handler
-        max_skipped_iters plan plan_gpu_memory_gib use_apex_adam no_tf32
+        max_skipped_iters plan plan_gpu_memory_gib use_apex_adam no_tf32 disable_bf16_reduced_precision_matmul
         use_distributed_optimizer zero_stage zero_reshard_after_forward zero_keep_params_for_step ddp_bucket_size
         grad_reduce_dtype overlap_grad_reduce overlap_param_gather
-        save load save_interval save_async no_load_optim no_load_rng finetune use_checkpoint_args
+        save load ckpt_step exit_on_missing_checkpoint save_interval save_async no_save_optim no_save_rng no_load_optim no_load_rng finetune use_checkpoint_args
         override_opt_param_scheduler use_checkpoint_opt_param_scheduler
         log_interval metrics_file sample_log tensorboard_dir log_params_norm timeline timeline_iters no_progress_bar peak_tflops
         wandb_project wandb_exp_name wandb_save_dir wandb_entity""",
@@ -193,8 +193,10 @@ def merge_moe(cfg: RunConfig, saved: dict, model, adoption: Adoption, model_said
     moe section (empty for a dense model); `model`: its TransformerConfig; `model_said`: the
     "model from" line names the checkpoint's model (its experts' shape too)."""
     names = [f.name for f in dataclasses.fields(cfg.moe)]
-    given = [n for n in names if cfg.given(n)]
+    given = [n for n in names if cfg.given(n) and POLICY[n] != FREE]
     if not saved.get("num_experts"):
+        if cfg.moe.moe_use_upcycling:  # the experts are this run's flags (megalite.checkpoint.upcycle)
+            return cfg
         if given:
             flags = ", ".join(flag_name(n) for n in given)
             raise UsageError(f"{flags}: the checkpoint {adoption.path} holds a dense model (no experts): drop "
@@ -202,7 +204,7 @@ def merge_moe(cfg: RunConfig, saved: dict, model, adoption: Adoption, model_said
                              f"checkpoint")
         return cfg
     taken = {}
-    for name in names:
+    for name in (n for n in names if POLICY[n] != FREE):
         mine, theirs = getattr(cfg.moe, name), saved.get(name, saved_value({}, name))
         if name not in given:
             taken[name] = theirs
@@ -291,8 +293,8 @@ def adopt_schedule(cfg: RunConfig, run_config: dict, adoption: Adoption) -> RunC
     """The learning-rate schedule: the checkpoint's where no flag gives it; a given one that differs is
     refused unless one of Megatron-LM's two scheduler flags settles it."""
     c = cfg.checkpoint
-    if "optimizer" not in run_config or c.finetune or c.no_load_optim:
-        return cfg
+    if "optimizer" not in run_config or c.finetune or c.no_load_optim or cfg.moe.moe_use_upcycling:
+        return cfg  # (upcycling: a new run on a dense run's weights, as --finetune)
     theirs = cfg.replace("optimizer", **{n: saved_value(run_config, n) for g in _SCHEDULE_GROUPS for n in g})
     theirs = theirs.replace("training", **{n: saved_value(run_config, n) for n in
                                            ("train_iters", "train_samples", "global_batch_size")})
@@ -342,8 +344,8 @@ def adopt_schedule(cfg: RunConfig, run_config: dict, adoption: Adoption) -> RunC
 def adopt_kept_and_note(cfg: RunConfig, run_config: dict, adoption: Adoption) -> RunConfig:
     """Kept fields the checkpoint's where not given (the experts' are merged by `merge_moe`); every
     kept and noted field that differs from the checkpoint's said in one line. A new run
-    (--finetune) compares nothing."""
-    if cfg.checkpoint.finetune:
+    (--finetune, or upcycling a dense checkpoint) compares nothing."""
+    if cfg.checkpoint.finetune or cfg.moe.moe_use_upcycling:
         return cfg
     taken = {}
     for name, kind in POLICY.items():

@@ -9,18 +9,23 @@ import torch
 from megalite import checkpoint
 from megalite.exits import ExitWatch
 from megalite.optim.local_sgd import replica_state
-from megalite.runtime import say, set_phase
+from megalite.runtime import UsageError, say, set_phase
 
 
 class CheckpointAndExit:
     def __init__(self, cfg, config, model_kind: str, layout: dict, local_sgd=None, run: str | None = None,
-                 loss: str = "per_token"):
+                 loss: str = "per_token", lineage: dict | None = None):
         self.cfg, self.config, self.model_kind, self.layout = cfg, config, model_kind, layout
         self.loss = loss  # the loss's form (datasets.loss_form), recorded so a resume can compare it
         self.run = run  # recorded in each checkpoint: which start of the job saved it
+        self.lineage = lineage or {}  # carried by every checkpoint: after upcycling, the schedule's start
         self.local_sgd = local_sgd  # its replicas differ: every rank also saves its own state
         c = cfg.checkpoint
-        self.saver = checkpoint.Checkpointer(c.save, c.save_async) if c.save else None
+        if c.save and c.no_save_optim and local_sgd is not None:
+            raise UsageError("--no-save-optim with --local-sgd-interval: a local-SGD checkpoint is its replicas' "
+                             "weights and optimizer states; drop --no-save-optim")
+        self.saver = checkpoint.Checkpointer(c.save, c.save_async, with_optim=not c.no_save_optim,
+                                             with_rng=not c.no_save_rng) if c.save else None
         self.exits = ExitWatch(cfg, checkpoint_error=self.saver.poll if self.saver is not None else lambda: None,
                                watch_checkpoints=self.saver is not None and cfg.checkpoint.save_async)
 
@@ -52,6 +57,7 @@ class CheckpointAndExit:
         meta["loss"] = self.loss
         if self.run is not None:
             meta["run"] = self.run
+        meta.update(self.lineage)
         replica = None
         if self.local_sgd is not None:
             s = self.cfg.local_sgd
@@ -62,6 +68,11 @@ class CheckpointAndExit:
         say(f"megalite: checkpoint iteration {iteration} writing in the background to {self.cfg.checkpoint.save} "
             f"(committed when every rank has written)" if self.cfg.checkpoint.save_async else
             f"megalite: saved checkpoint iteration {iteration} to {self.cfg.checkpoint.save}")
+
+    def save_now(self, iteration: int, consumed: int, chunks, optimizer) -> None:
+        """A checkpoint outside the intervals (the upcycled model, before it trains), if --save is given."""
+        if self.saver is not None:
+            self._save(iteration, consumed, chunks, optimizer)
 
     def abandon(self) -> None:
         """Every rank stops here together (an error they all see): commit a pending async save, and
