@@ -18,6 +18,7 @@ from megalite.data.synthetic import SyntheticBERT
 from megalite.models import BERTModel
 from megalite.errors import UsageError
 from megalite.training import Task, entry, prepare_data, train_valid_datasets
+from megalite.training.datasets import test_dataset
 
 
 def prepare(cfg):
@@ -36,7 +37,8 @@ def build_model(config, cfg, device, pre_process=True, post_process=True, layer_
     return BERTModel(config, pre_process, post_process, layer_numbers, seed=cfg.training.seed, device=device)
 
 
-def build_data(config, cfg):
+def _bert_data(config, cfg):
+    """(the synthetic stream with this masking, the datasets builder)"""
     d = cfg.data
     masking = dict(mask_prob=d.mask_prob, binary_head=config.add_binary_head)
 
@@ -51,7 +53,15 @@ def build_data(config, cfg):
                                    lock_timeout=lock_timeout, short_seq_prob=d.short_seq_prob,
                                    per_split=per_split and tuple(w and w[0] for w in per_split), **masking)
 
-    return train_valid_datasets(cfg, config.vocab_size, functools.partial(SyntheticBERT, **masking), datasets)
+    return functools.partial(SyntheticBERT, **masking), datasets
+
+
+def build_data(config, cfg):
+    return train_valid_datasets(cfg, config.vocab_size, *_bert_data(config, cfg))
+
+
+def build_test_data(config, cfg):
+    return test_dataset(cfg, config.vocab_size, *_bert_data(config, cfg))
 
 
 def bert_forward_step(model, batch):
@@ -78,7 +88,8 @@ def bert_forward_step(model, batch):
 
 def task() -> Task:
     return Task(build_model, build_data, bert_forward_step, prepare, model_kind="bert",
-                loss_terms=("mlm_loss", "sop_loss"), perplexity_of="mlm_loss", loss_counts_vary=True)
+                loss_terms=("mlm_loss", "sop_loss"), perplexity_of="mlm_loss", loss_counts_vary=True,
+                build_test_data=build_test_data)
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,7 @@ from megalite.data.synthetic import SyntheticTokens
 from megalite.models import GPTModel
 from megalite.models.mtp import WithMTPTargets
 from megalite.training import Task, entry, gpt_forward_step, prepare_data, train_valid_datasets
-from megalite.training.datasets import document_flags, sft_datasets, with_document_flags
+from megalite.training.datasets import document_flags, sft_datasets, test_dataset, with_document_flags
 from megalite.training.validation_sets import each_dataset
 
 
@@ -25,30 +25,42 @@ def build_model(config, cfg, device, pre_process=True, post_process=True, layer_
     return GPTModel(config, pre_process, post_process, layer_numbers, seed=cfg.training.seed, device=device)
 
 
-def build_data(config, cfg):
+def _datasets(config, cfg):
     def datasets(samples, lock_timeout):  # token ids are checked against the model's vocabulary
         whole, per_split = split_blends(cfg.data)
         return build_gpt_datasets(whole, cfg.data.split, cfg.model.seq_length, samples, cfg.training.seed,
                                   vocab_size=config.vocab_size, lock_timeout=lock_timeout, per_split=per_split,
                                   flags=split_flags(cfg.data), valid_epoch=cfg.training.full_validation,
                                   valid_sets=cfg.training.multiple_validation_sets)
+    return datasets
 
+
+def _as_trained(config, cfg, data):
+    """A split's samples as the model reads them: packed documents (--reset-attention-mask ...) before
+    multi-token prediction's targets, which shift the loss mask."""
+    data = with_document_flags((data,), document_flags(cfg, config.vocab_size))[0]
+    depth = getattr(config, "mtp_num_layers", 0)  # (a config of another type may not know of it)
+    return WithMTPTargets(data, depth) if depth else data  # MTP reads tokens further on, cut before CP splits
+
+
+def build_data(config, cfg):
     if cfg.data.sft_data_path:  # fine-tuning on conversations, each a document (docs/sft.md)
         train, valid = sft_datasets(cfg)
-    else:
-        train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, datasets)
-        # Packed documents (--reset-attention-mask ...): before MTP's targets, which shift the loss mask.
-        flags = document_flags(cfg, config.vocab_size)
-        train, valid = with_document_flags((train,), flags)[0], each_dataset(
-            valid, lambda d: with_document_flags((d,), flags)[0])
-    depth = getattr(config, "mtp_num_layers", 0)  # (a config of another type may not know of it)
-    if depth:  # multi-token prediction reads tokens further on, cut before CP splits sequences
-        train, valid = WithMTPTargets(train, depth), each_dataset(valid, lambda d: WithMTPTargets(d, depth))
-    return train, valid
+        depth = getattr(config, "mtp_num_layers", 0)
+        if depth:
+            train, valid = WithMTPTargets(train, depth), each_dataset(valid, lambda d: WithMTPTargets(d, depth))
+        return train, valid
+    train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, _datasets(config, cfg))
+    return _as_trained(config, cfg, train), each_dataset(valid, lambda d: _as_trained(config, cfg, d))
+
+
+def build_test_data(config, cfg):
+    test = test_dataset(cfg, config.vocab_size, SyntheticTokens, _datasets(config, cfg))
+    return None if test is None else _as_trained(config, cfg, test)
 
 
 def task() -> Task:
-    return Task(build_model, build_data, gpt_forward_step, prepare)
+    return Task(build_model, build_data, gpt_forward_step, prepare, build_test_data=build_test_data)
 
 
 def main(argv=None) -> int:

@@ -386,23 +386,24 @@ class TrainingLogger:
         self._scalars(scalars, record["iteration"])
 
     def evaluation(self, iteration: int, values: dict[str, float], perplexity_of: str | None = None,
-                   name: str | None = None) -> None:
+                   name: str | None = None, split: str = "valid") -> None:
         """values: {'loss': mean loss, and the task's named terms}. The perplexity is exp of the
         term `perplexity_of` (BERT: the MLM loss alone), else of the whole loss. `name`: which of
-        --multiple-validation-sets (in the line, the record's "valid_set", TensorBoard's valid/NAME/)."""
+        --multiple-validation-sets (in the line, the record's "valid_set", TensorBoard's valid/NAME/).
+        `split` "test": the test split once training ends (test_loss, TensorBoard's test/)."""
         if not self.active:
             return
         loss = values["loss"]
         ppl = math.exp(min(values[perplexity_of or "loss"], 80.0))
-        terms = {f"valid_{k}": v for k, v in values.items() if k != "loss"}
+        terms = {f"{split}_{k}": v for k, v in values.items() if k != "loss"}
         what = f"{perplexity_of.removesuffix('_loss')} perplexity" if perplexity_of else "perplexity"
-        self.say(" | ".join([f"validation{'' if name is None else f' ({name})'} at iteration {iteration}",
-                             f"loss {loss:.6f}", *(f"{k.removeprefix('valid_')} {v:.6f}" for k, v in terms.items()),
-                             f"{what} {ppl:.3f}"]))
-        self.metrics.write({"iteration": iteration, "split": "valid", **({} if name is None else {"valid_set": name}),
-                            "valid_loss": loss, **terms, "valid_ppl": ppl})
-        tag = "valid/" if name is None else f"valid/{name}/"
-        self._scalars({f"{tag}loss": loss, **{f"{tag}{k.removeprefix('valid_')}": v for k, v in terms.items()},
+        self.say(" | ".join([f"{'validation' if split == 'valid' else split}{'' if name is None else f' ({name})'} at "
+                             f"iteration {iteration}", f"loss {loss:.6f}",
+                             *(f"{k.removeprefix(split + '_')} {v:.6f}" for k, v in terms.items()), f"{what} {ppl:.3f}"]))
+        self.metrics.write({"iteration": iteration, "split": split, **({} if name is None else {"valid_set": name}),
+                            f"{split}_loss": loss, **terms, f"{split}_ppl": ppl})
+        tag = f"{split}/" if name is None else f"{split}/{name}/"
+        self._scalars({f"{tag}loss": loss, **{f"{tag}{k.removeprefix(split + '_')}": v for k, v in terms.items()},
                        f"{tag}ppl": ppl}, iteration)
 
     def tasks(self, iteration: int, scores: dict[str, float]) -> None:

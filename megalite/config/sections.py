@@ -167,7 +167,7 @@ class DataConfig:
         None, "the validation split's prefix(es) or weight-prefix pairs, every document of them (with --train-data-path; "
               "none: no validation)", metavar="[WEIGHT] PREFIX")
     test_data_path: list[str] | None = opt(
-        None, "the test split's prefix(es) or weight-prefix pairs (with --train-data-path; megalite reads no test split)",
+        None, "the test split's prefix(es) or weight-prefix pairs (with --train-data-path; evaluated once training ends)",
         metavar="[WEIGHT] PREFIX")
     data_args_path: str | None = opt(
         None, "a file holding --data-path's words (Megatron-LM's; whitespace-separated)", metavar="FILE")
@@ -263,6 +263,8 @@ class TrainingConfig:
                                             "--include_path)", metavar="DIR")
     eval_tasks_limit: float | None = opt(None, "documents per --eval-tasks task at each validation (a fraction if < 1; "
                                                "default: all)", check=POSITIVE)
+    skip_train: bool = opt(False, "evaluate only: the validation and test splits at the loaded iteration, no step "
+                                  "(Megatron-LM's flag)")
     exit_interval: int | None = opt(None, "save and exit at an iteration divisible by N", check=POSITIVE_INT)
     exit_duration_in_mins: float | None = opt(None, "save and exit after this long", check=POSITIVE)
     no_exit_signal_handler: bool = opt(False, "do not turn SIGTERM/SIGUSR1 into save-and-exit",
@@ -283,6 +285,9 @@ class TrainingConfig:
 
     def check(self) -> None:
         check_numbers(self)
+        if self.skip_train and not (self.eval_iters and self.eval_interval):
+            raise ValueError(f"--skip-train evaluates the validation and test splits: give --eval-iters above 0 and "
+                             f"leave --eval-interval above 0 (got {self.eval_iters} and {self.eval_interval})")
         if self.rampup_batch_size is not None:
             if len(self.rampup_batch_size) != 3:
                 raise ValueError(f"--rampup-batch-size takes START INCREMENT SAMPLES, got {self.rampup_batch_size}")

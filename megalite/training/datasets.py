@@ -46,6 +46,21 @@ def train_valid_datasets(cfg, vocab_size: int, synthetic, build) -> tuple:
 
 
 
+def test_dataset(cfg, vocab_size: int, synthetic, build):
+    """Megatron-LM's test split, evaluated on --eval-iters global batches once training ends: a
+    `synthetic(vocab_size, seq_length, seed)` stream with --mock-data, else `build`'s third dataset (None
+    where the data has no test split, e.g. --split 90,10,0, and when the run never evaluates)."""
+    t = cfg.training
+    if not (t.eval_iters and t.eval_interval) or cfg.data.sft_data_path:
+        return None
+    if cfg.data.mock_data:
+        return synthetic(vocab_size, cfg.model.seq_length, seed=t.seed + 2)
+    try:
+        return build((0, 0, t.eval_iters * t.global_batch_size), cfg.parallel.distributed_timeout_minutes * 60)[2]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def sft_datasets(cfg: RunConfig) -> tuple:
     """(train, valid or None) of --sft-data-path: conversations packed into sequences whose documents
     attend to themselves with positions from 0 (megalite.data.sft, megalite.data.documents)."""

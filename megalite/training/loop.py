@@ -82,6 +82,22 @@ def _batch_schedule(cfg, dp: int, consumed: int):
     return schedule
 
 
+def _final_evaluations(cfg, task, step, eval_program, device, progress, iteration: int, valid_sets, test_data,
+                       optimizer) -> None:
+    """The validation sets (under --skip-train) and the test split, on --eval-iters global batches."""
+    if not valid_sets and test_data is None:
+        return
+    optimizer.finish_param_gather()  # --overlap-param-gather: evaluation reads every parameter
+    for v in valid_sets:
+        set_phase(f"iteration {iteration}: validation")
+        progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, v.data, device, v.batches),
+                                   task.perplexity_of, v.name)
+    if test_data is not None:
+        set_phase(f"iteration {iteration}: the test split")
+        progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, test_data, device,
+                                                       cfg.training.eval_iters), task.perplexity_of, split="test")
+
+
 def _due(every: int, iteration: int, last: int) -> bool:
     return bool(every) and (iteration % every == 0 or iteration == last)
 
@@ -128,6 +144,7 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
     schedule, embedding_schedule = lr_schedules(cfg)
     decay_schedule = weight_decay_schedule(cfg)  # None: --weight-decay throughout
     data, valid_data = task.build_data(config, cfg)
+    test_data = task.build_test_data(config, cfg) if task.build_test_data is not None else None
     valid_sets = validation_sets(valid_data, cfg)  # [] when the run does not validate
 
     step = TrainStep.for_run(cfg, config.hidden_size, chunks, task.forward_step, buffers, optimizer, local_sgd)
@@ -152,9 +169,10 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
     progress.start(start.consumed_samples)
     for c in chunks:
         c.train()
-    consumed, stop_reason = start.consumed_samples, None
+    consumed, stop_reason, reached = start.consumed_samples, None, start.iteration
     batches_by = _batch_schedule(cfg, dp, consumed)
-    for iteration in range(start.iteration + 1, cfg.training.train_iters + 1):  # 1-based: the iteration being run
+    last = start.iteration if cfg.training.skip_train else cfg.training.train_iters  # --skip-train: evaluate only
+    for iteration in range(start.iteration + 1, last + 1):  # 1-based: the iteration being run
         faults.set_iteration(iteration, start.iteration)
         record_spans = progress.records_spans(iteration - 1 - start.iteration)
         set_phase(f"iteration {iteration}: the forward/backward schedule")
@@ -204,11 +222,15 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
             set_phase(f"iteration {iteration}: the lm-eval tasks of --eval-tasks")
             scored_tasks.log(step, iteration, progress.logger)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
+        reached = iteration
         record.after_iteration(iteration)
         faults.point("term")
         faults.point("step")
         if stop_reason:
             break
+    if not stop_reason:  # Megatron-LM's evaluations once training ends (--skip-train: all there is)
+        _final_evaluations(cfg, task, step, eval_program, device, progress, reached,
+                           valid_sets if cfg.training.skip_train else [], test_data, optimizer)
     if local_sgd is not None:
         local_sgd.settle()  # async: no all-reduce left in flight when the process group goes
     checkpoints.close()
@@ -217,6 +239,6 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
     optimizer.finish_param_gather()  # the returned parameters are whole (below ZeRO-3)
     for buf in buffers:  # ZeRO-3: read the returned parameters inside run.optimizer.whole_parameters()
         buf.park()
-    if not progress.records and not stop_reason and start.iteration < cfg.training.train_iters:
+    if not progress.records and not stop_reason and start.iteration < last:
         raise UsageError("no iteration was run: --train-iters must be >= 1")
     return TrainingRun(progress.records, chunks, optimizer, buffers, local_sgd)

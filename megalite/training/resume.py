@@ -105,7 +105,7 @@ def resume_point(cfg, reader, config=None) -> StartPoint:
     if reader is None or cfg.checkpoint.finetune:
         return StartPoint()
     iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]
-    if iteration > cfg.training.train_iters:
+    if iteration > cfg.training.train_iters and not cfg.training.skip_train:
         raise UsageError(f"the checkpoint {reader.path} is at iteration {iteration}, past --train-iters "
                          f"{cfg.training.train_iters}: raise --train-iters to continue it, or add --finetune to train "
                          f"{cfg.training.train_iters} new iterations from its weights")
@@ -140,7 +140,7 @@ def resume(cfg, reader, chunks, optimizer, layout: dict, config=None) -> StartPo
     start.announcement.append(
         f"megalite: resumed from {reader.path} (iteration {start.iteration}, {start.consumed_samples} samples "
         f"consumed; optimizer state {'loaded' if loaded_optim else optim}; RNG streams {rng})")
-    if start.iteration == cfg.training.train_iters:
+    if start.iteration == cfg.training.train_iters and not cfg.training.skip_train:
         start.announcement.append(
             f"megalite: the checkpoint is already at --train-iters {cfg.training.train_iters}: nothing to train "
             f"(raise --train-iters to continue, or add --finetune to start a new run from these weights)")

@@ -84,7 +84,7 @@ _TABLE = {
         recompute recompute_method recompute_num_layers attention_backend torch_compile norm_backend
         no_bias_gelu_fusion
         micro_batch_size eval_interval eval_iters eval_prompts eval_tasks eval_tasks_path eval_tasks_limit
-        exit_interval exit_duration_in_mins no_exit_signal_handler
+        skip_train exit_interval exit_duration_in_mins no_exit_signal_handler
         max_skipped_iters plan plan_gpu_memory_gib use_apex_adam no_tf32 disable_bf16_reduced_precision_matmul
         use_distributed_optimizer zero_stage zero_reshard_after_forward zero_keep_params_for_step ddp_bucket_size
         grad_reduce_dtype overlap_grad_reduce overlap_param_gather

@@ -33,6 +33,7 @@ class Task:
     build_model: BuildModel
     # build_data(config, cfg) -> (train, valid or None)
     build_data: Callable[[TransformerConfig, RunConfig], tuple[Dataset, Dataset | None]]
+    # build_test_data(config, cfg) -> the test split or None: evaluated once training ends (Megatron-LM's)
     # forward_step(chunk, batch): summed loss on the last stage, hidden states elsewhere
     forward_step: Callable[[torch.nn.Module, dict], torch.Tensor]
     # prepare(cfg) -> cfg: before anything else, the data and tokenizer resolved (the vocabulary size too)
@@ -47,6 +48,7 @@ class Task:
     # Whether micro-batches count different numbers of loss tokens whatever the flags (BERT: random
     # masking), so Megatron-LM's mean of micro-batch means differs from the per-token mean.
     loss_counts_vary: bool = False
+    build_test_data: Callable[[TransformerConfig, RunConfig], Dataset | None] | None = None
 
 
 def check_task_flags(cfg: RunConfig, task: Task) -> None:
