@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from megalite.errors import UsageError
@@ -35,6 +36,9 @@ def _runs(rank, world, d):
     # from iteration 2 of four saved: iterations 3, 4 again, as the run that saved them trained them
     out["from 2"] = [r["loss"] for r in gpt_run(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt",
                                                        "--ckpt-step", "2"]).records]
+    megatron = str(Path(__file__).parent / "fixtures" / "megatron_ckpt" / "gpt")  # Megatron-LM's, iteration 7
+    out["megatron step 7"] = [r["iteration"] for r in gpt_run(RUN + ["--train-iters", "8", "--load", megatron,
+                                                                      "--ckpt-step", "7"]).records]
     out["refused"] = [
         _refused(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt", "--ckpt-step", "7"]),
         _refused(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt/iter_0000002", "--ckpt-step", "2"]),
@@ -66,6 +70,7 @@ def _runs(rank, world, d):
 def test_ckpt_step_and_exit_on_missing_checkpoint_and_bf16_reduction(tmp_path):
     out = run_ranks(_runs, 1, args=(str(tmp_path),))[0]
     assert out["from 2"] == out["whole"][2:]
+    assert out["megatron step 7"] == [8]  # a torch_dist iteration directory read as Megatron-LM's
     missing, already, exit_missing, local_sgd = out["refused"]
     assert "--no-save-optim with --local-sgd-interval" in local_sgd
     assert "--ckpt-step 7:" in missing and "holds no checkpoint of iteration 7 (it holds iterations 1, 2, 3, 4)" in missing
@@ -83,3 +88,11 @@ def test_ckpt_step_and_exit_on_missing_checkpoint_and_bf16_reduction(tmp_path):
     assert "optim" not in json.dumps(meta) and "rng" not in json.dumps(meta)
     full = (Path(tmp_path) / "ckpt" / "iter_0000002" / "rank_00000.safetensors").stat().st_size
     assert len(header) < full / 2
+    # --print-config resolves the checkpoint the run would load
+    import pretrain_gpt
+    from megalite.training.entry import print_config
+    from training_ranks import parse
+
+    with pytest.raises(UsageError, match="--ckpt-step 99: .* holds no checkpoint of iteration 99"):
+        print_config(parse(RUN + ["--train-iters", "4", "--load", f"{tmp_path}/ckpt", "--ckpt-step", "99"]),
+                     pretrain_gpt.task())

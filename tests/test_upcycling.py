@@ -1,6 +1,6 @@
 """`--moe-use-upcycling`: a dense checkpoint's weights as the experts' (megalite.checkpoint.upcycle,
-Megatron-Core's formulas), saved as iteration 1 and trained on from the dense run's data position with
-a fresh optimizer and learning-rate schedule (megalite.training.upcycling).
+Megatron-Core's formulas), saved before training (as iteration 0) and trained on from the dense run's
+data position with a fresh optimizer and learning-rate schedule (megalite.training.upcycling).
 
 Where the upcycled function is the dense one (softmax after the top-k; granularity 1, or squared ReLU
 at any granularity), the upcycled model's first loss is the dense model's loss on the same batch, and
@@ -59,9 +59,9 @@ def _one_device(rank, world, d, tokenizer):
                                                           "--load", f"{d}/llama", "--save", f"{d}/g2"]))
     out["finetune"] = [(r["iteration"], r["loss"]) for r in gpt_run(
         LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/llama", "--finetune"]).records]
-    # what a plain run makes of the upcycled checkpoint of iteration 1: the same iterations 2..4
+    # what a plain run makes of the upcycled checkpoint (iteration 0): the same iterations 1..4
     out["resumed"] = _losses(gpt_run(LLAMA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff",
-                                              "0", "--train-iters", "5", "--load", f"{d}/up/iter_0000001"]))
+                                              "0", "--train-iters", "5", "--load", f"{d}/up/iter_0000000"]))
     # the job requeued with the flag still on: its own checkpoints, not a second upcycling
     out["requeued"] = _losses(gpt_run(LLAMA + EXPERTS + ["--train-iters", "5", "--load", f"{d}/llama",
                                                          "--save", f"{d}/up"]))
@@ -77,7 +77,7 @@ def _one_device(rank, world, d, tokenizer):
                           "--moe-use-upcycling", "--train-iters", "2", "--load", f"{d}/llama"]),
         _refused(LLAMA + EXPERTS + ["--hidden-size", "64", "--train-iters", "2", "--load", f"{d}/llama"]),
     ]
-    # real data: iterations 2..4 read samples 8..19 of a corpus a run of 4 iterations from scratch reads 16 of;
+    # real data: iterations 1..4 read samples 8..23 of a corpus a run of 4 iterations from scratch reads 16 of;
     # a resume of its checkpoint builds the same data (the schedule's start in the checkpoint)
     data = ["--data-path", _write(f"{d}/corpus", 40, 100), "--tokenizer", tokenizer, "--seq-length", "16"]
     gpt_run(LLAMA + data + ["--train-iters", "2", "--save", f"{d}/on_data"])
@@ -108,8 +108,8 @@ def one_device(tmp_path_factory, tokenizer):
 def test_the_upcycled_model_computes_the_dense_function_where_the_formulas_are_exact(one_device):
     _, out = one_device
     # SwiGLU at granularity 1 (every expert a copy), squared ReLU at granularity 2 (s^3 = 2):
-    # iteration 2 of the upcycled run reads the batch iteration 3 of the dense run reads
-    assert out["llama up"][0][0] == 2
+    # iteration 1 of the upcycled run reads the batch iteration 3 of the dense run reads
+    assert out["llama up"][0][0] == 1
     assert out["llama up"][0][1] == pytest.approx(out["llama dense"][0], rel=1e-6)
     assert out["squared up"][0] == pytest.approx(out["squared dense"][0], rel=1e-5)
     # SwiGLU at granularity 2: s = 2^(1/3) is the paper's heuristic, not exact (silu is not homogeneous)
@@ -117,32 +117,32 @@ def test_the_upcycled_model_computes_the_dense_function_where_the_formulas_are_e
     assert out["swiglu g2"][0] == pytest.approx(out["llama dense"][0], rel=0.05)
 
 
-def test_the_run_starts_at_iteration_1_with_the_schedule_from_its_start(one_device):
+def test_the_run_trains_every_iteration_with_the_schedule_from_its_start(one_device):
     d, out = one_device
     records = out["llama up"]
-    assert [r[0] for r in records] == [2, 3, 4]
-    # the schedule's first values at iterations 2, 3: a run from scratch's at iterations 1, 2
-    assert [r[2] for r in records[:2]] == out["llama from scratch"]
-    meta = checkpoint.CheckpointReader(Path(d) / "up" / "iter_0000001").metadata
-    assert (meta["iteration"], meta["consumed_samples"], meta["schedule_start"]) == (1, 8, [1, 8])
-    # --finetune: data from sample 0 (iteration 2's loss is then not the dense run's iteration 3's)
-    assert [r[0] for r in out["finetune"]] == [2]
+    assert [r[0] for r in records] == [1, 2, 3, 4]
+    assert [r[2] for r in records[:2]] == out["llama from scratch"]  # a run from scratch's rates
+    assert out["decay upcycled"] == out["decay from scratch"]  # the command line's schedule, not the dense run's
+    meta = checkpoint.CheckpointReader(Path(d) / "up" / "iter_0000000").metadata
+    assert (meta["iteration"], meta["consumed_samples"], meta["schedule_start"]) == (0, 8, [0, 8])
+    assert meta["upcycled_from"] == str((Path(d) / "llama").resolve())
+    # --finetune: data from sample 0 (iteration 1's loss is then not the dense run's iteration 3's)
+    assert [r[0] for r in out["finetune"]] == [1, 2]
     assert out["finetune"][0][1] != pytest.approx(out["llama up"][0][1], rel=1e-6)
-    assert [i for i, _ in out["on data"]] == [2, 3, 4]  # the data built to reach past the dense run's position
-    assert out["on data resumed"] == [loss for _, loss in out["on data"][1:]]
-    assert out["decay upcycled"] == out["decay from scratch"][:4]
+    assert [i for i, _ in out["on data"]] == [1, 2, 3, 4]  # the data built to reach past the dense run's position
+    assert out["on data resumed"] == [loss for _, loss in out["on data"][2:]]
 
 
 def test_a_resumed_or_requeued_run_continues_the_upcycled_one(one_device):
     _, out = one_device
-    assert out["resumed"][:3] == [r[1] for r in out["llama up"]]  # the schedule's start travels in the checkpoint
-    assert out["requeued"] == out["resumed"][3:]  # iteration 5 from the checkpoint of iteration 4
+    assert out["resumed"][:4] == [r[1] for r in out["llama up"]]  # the schedule's start travels in the checkpoint
+    assert out["requeued"] == out["resumed"][4:]  # iteration 5 from the checkpoint of iteration 4
 
 
 def test_granular_experts_hold_the_scaled_parts_and_the_router_rows_are_tied(one_device):
     d, _ = one_device
     _, _, dense = checkpoint.load_full_state_dict(Path(d) / "llama")
-    config, _, moe = checkpoint.load_full_state_dict(Path(d) / "g2" / "iter_0000001")
+    config, _, moe = checkpoint.load_full_state_dict(Path(d) / "g2" / "iter_0000000")
     s = weight_scale(config, 2)
     assert s == pytest.approx(2 ** (1 / 3))
     for layer in range(config.num_layers):

@@ -377,6 +377,8 @@ def open_checkpoint(path):
     directory resumes its own checkpoints), else a MegatronCheckpoint."""
     from megalite.checkpoint.reader import CheckpointReader
 
+    if _is_dist_dir(Path(path)) and not (Path(path) / "latest").is_file():  # torch_dist's iteration directory
+        return MegatronCheckpoint(path)                                       # (its metadata.json is its own)
     if CheckpointReader.exists(path) or not is_megatron_checkpoint(path):
         return CheckpointReader(path)
     return MegatronCheckpoint(path)

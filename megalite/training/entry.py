@@ -10,7 +10,9 @@ from megalite.config import RunConfig, build_parser, expanded, model_config, to_
 from megalite.errors import UsageError
 from megalite.runtime import env_world, run_main, say
 from megalite.training.checkpoint_shape import adopt_checkpoint_shape
+from megalite.training import upcycling
 from megalite.training.loop import pretrain
+from megalite.training.resume import chosen_step
 from megalite.training.task import Task, check_task_flags
 
 
@@ -25,6 +27,7 @@ def print_config(cfg: RunConfig, task: Task) -> None:
     world = int(world)
     check_task_flags(cfg, task)
     with contextlib.redirect_stdout(sys.stderr):
+        cfg = upcycling.requeued(chosen_step(cfg))  # the checkpoint the run would load (--ckpt-step, a requeue)
         cfg = adopt_checkpoint_shape(cfg)  # what the run would train: --load without shape flags
         dp = validate(cfg, world, model_config(cfg), machine=False)
     if env_world()[0] == 0:

@@ -139,7 +139,7 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
     samples_log = SampleLog(cfg.logging.sample_log, run)
     samples_log.resumed(start.iteration, start.run)
     checkpoints.prepare(chunks, optimizer)  # --save-async: the host buffer, while training starts
-    if start.upcycled:  # the upcycled model, saved before it trains (Megatron-LM's iteration 1)
+    if start.upcycled:  # the upcycled model, saved before it trains (iteration 0: a resume of it is this run)
         checkpoints.save_now(start.iteration, start.consumed_samples, chunks, optimizer)
     schedule, embedding_schedule = lr_schedules(cfg)
     decay_schedule = weight_decay_schedule(cfg)  # None: --weight-decay throughout

@@ -1,9 +1,11 @@
 """`--moe-use-upcycling` as Megatron-LM runs it: the experts start from `--load`'s dense checkpoint
-(`megalite.checkpoint.upcycle`), the upcycled model is saved to `--save` as iteration 1 before
-training, and the run trains iterations 2.. with a fresh optimizer and a learning-rate schedule that
-starts at its beginning, from the dense run's data position (sample 0 with --finetune). The schedule's
-start (iteration 1, that sample) travels in every later checkpoint, so a resumed run keeps it.
-Upcycling runs once: a requeued job finds its own checkpoints in --save and resumes them."""
+(`megalite.checkpoint.upcycle`), the upcycled model is saved to `--save` before training, and the
+run trains iterations 1.. --train-iters with a fresh optimizer and learning-rate schedule, from the
+dense run's data position (sample 0 with --finetune). Megatron-LM labels that first checkpoint
+iteration 1 but trains from iteration 0 (its first own checkpoint of iteration 1 then replaces it);
+megalite labels it iteration 0, so that a resume of it is this run. The samples where the schedule
+started travel in every later checkpoint (a batch ramp counts from them), with the dense checkpoint's
+directory. Upcycling runs once: a requeued job finds its own checkpoints in --save and resumes them."""
 from __future__ import annotations
 
 import os
@@ -15,11 +17,11 @@ from megalite.checkpoint.upcycle import load_upcycled_weights, weight_scale
 from megalite.config.batch_schedule import batch_schedule
 from megalite.runtime import UsageError, say
 
-UPCYCLED_ITERATION = 1  # Megatron-LM's: the upcycled checkpoint is iteration 1
+UPCYCLED_ITERATION = 0  # the upcycled model, before any step (Megatron-LM trains from iteration 0 too)
 
 
 def _same(a: str, b: str | None) -> bool:
-    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+    return b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def requeued(cfg):
@@ -59,15 +61,15 @@ def load(reader, cfg, task, config, chunks) -> None:
 
 
 def start(cfg, reader, config, start_point_type):
-    """Iteration 1, the dense run's data position (0 with --finetune), the schedule from here."""
+    """Iteration 0, the dense run's data position (0 with --finetune), the schedule from here."""
     consumed = 0 if cfg.checkpoint.finetune else int(reader.metadata.get("consumed_samples", 0))
     g = cfg.moe.moe_upcycling_granularity
     line = (f"megalite: upcycled {reader.path} (iteration {reader.metadata['iteration']}) into {config.num_moe_experts} "
             f"experts of width {config.moe_ffn_hidden_size} (granularity {g}, weights x {weight_scale(config, g):.4g}): "
-            f"iteration {UPCYCLED_ITERATION}, optimizer state fresh, learning-rate schedule from its start, data from "
+            f"iterations 1..{cfg.training.train_iters} with a fresh optimizer and learning-rate schedule, data from "
             f"sample {consumed}" + (" (--finetune)" if cfg.checkpoint.finetune else " (the dense run's position)"))
     return start_point_type(UPCYCLED_ITERATION, consumed, None, [line], (UPCYCLED_ITERATION, consumed), True,
-                            os.path.abspath(cfg.checkpoint.load))
+                            os.path.realpath(cfg.checkpoint.load))
 
 
 def train_samples(cfg, samples: int) -> int:
