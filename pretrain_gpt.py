@@ -35,10 +35,10 @@ def _datasets(config, cfg):
     return datasets
 
 
-def _as_trained(config, cfg, data):
-    """A split's samples as the model reads them: packed documents (--reset-attention-mask ...) before
-    multi-token prediction's targets, which shift the loss mask."""
-    data = with_document_flags((data,), document_flags(cfg, config.vocab_size))[0]
+def _as_trained(config, flags, data):
+    """A split's samples as the model reads them: packed documents (--reset-attention-mask ...: `flags`,
+    `document_flags`) before multi-token prediction's targets, which shift the loss mask."""
+    data = with_document_flags((data,), flags)[0]
     depth = getattr(config, "mtp_num_layers", 0)  # (a config of another type may not know of it)
     return WithMTPTargets(data, depth) if depth else data  # MTP reads tokens further on, cut before CP splits
 
@@ -51,12 +51,13 @@ def build_data(config, cfg):
             train, valid = WithMTPTargets(train, depth), each_dataset(valid, lambda d: WithMTPTargets(d, depth))
         return train, valid
     train, valid = train_valid_datasets(cfg, config.vocab_size, SyntheticTokens, _datasets(config, cfg))
-    return _as_trained(config, cfg, train), each_dataset(valid, lambda d: _as_trained(config, cfg, d))
+    flags = document_flags(cfg, config.vocab_size)
+    return _as_trained(config, flags, train), each_dataset(valid, lambda d: _as_trained(config, flags, d))
 
 
 def build_test_data(config, cfg):
     test = test_dataset(cfg, config.vocab_size, SyntheticTokens, _datasets(config, cfg))
-    return None if test is None else _as_trained(config, cfg, test)
+    return None if test is None else _as_trained(config, document_flags(cfg, config.vocab_size), test)
 
 
 def task() -> Task:

@@ -386,11 +386,12 @@ class TrainingLogger:
         self._scalars(scalars, record["iteration"])
 
     def evaluation(self, iteration: int, values: dict[str, float], perplexity_of: str | None = None,
-                   name: str | None = None, split: str = "valid") -> None:
+                   name: str | None = None, split: str = "valid", scalars: bool = True) -> None:
         """values: {'loss': mean loss, and the task's named terms}. The perplexity is exp of the
         term `perplexity_of` (BERT: the MLM loss alone), else of the whole loss. `name`: which of
         --multiple-validation-sets (in the line, the record's "valid_set", TensorBoard's valid/NAME/).
-        `split` "test": the test split once training ends (test_loss, TensorBoard's test/)."""
+        `split` "test": the test split once training ends (test_loss, TensorBoard's test/). `scalars`
+        False: the line and the record only (--skip-train, as Megatron-LM writes no TensorBoard then)."""
         if not self.active:
             return
         loss = values["loss"]
@@ -403,8 +404,9 @@ class TrainingLogger:
         self.metrics.write({"iteration": iteration, "split": split, **({} if name is None else {"valid_set": name}),
                             f"{split}_loss": loss, **terms, f"{split}_ppl": ppl})
         tag = f"{split}/" if name is None else f"{split}/{name}/"
-        self._scalars({f"{tag}loss": loss, **{f"{tag}{k.removeprefix(split + '_')}": v for k, v in terms.items()},
-                       f"{tag}ppl": ppl}, iteration)
+        if scalars:
+            self._scalars({f"{tag}loss": loss, **{f"{tag}{k.removeprefix(split + '_')}": v for k, v in terms.items()},
+                           f"{tag}ppl": ppl}, iteration)
 
     def tasks(self, iteration: int, scores: dict[str, float]) -> None:
         """--eval-tasks: lm-eval's metrics ('task/metric' -> value)."""

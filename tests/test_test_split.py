@@ -29,12 +29,24 @@ def _runs(rank, world, d, tok):
     out = {}
     gpt_run(RUN + ["--train-iters", "4", "--save", f"{d}/mock", "--metrics-file", f"{d}/mock.jsonl"])
     out["mock"] = _evaluations(f"{d}/mock.jsonl")
-    gpt_run(RUN + ["--train-iters", "4", "--load", f"{d}/mock", "--skip-train", "--metrics-file", f"{d}/skip.jsonl"])
+    before = {p.name: p.stat().st_mtime_ns for p in Path(f"{d}/mock").rglob("*")}
+    gpt_run(RUN + ["--train-iters", "4", "--load", f"{d}/mock", "--skip-train", "--metrics-file", f"{d}/skip.jsonl",
+                   "--tensorboard-dir", f"{d}/tb", "--save", f"{d}/mock"])
     out["skip"] = _evaluations(f"{d}/skip.jsonl")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    written = EventAccumulator(f"{d}/tb")
+    written.Reload()
+    out["skip wrote"] = written.Tags()["scalars"]
+    out["save unchanged"] = before == {p.name: p.stat().st_mtime_ns for p in Path(f"{d}/mock").rglob("*")}
     data = ["--data-path", _write(f"{d}/corpus", 60, 100), "--tokenizer", tok, "--seq-length", "16"]
     for split in ("80,10,10", "90,10,0"):
         gpt_run(RUN + data + ["--split", split, "--train-iters", "2", "--metrics-file", f"{d}/{split}.jsonl"])
         out[split] = _evaluations(f"{d}/{split}.jsonl")
+    # a sliver of a test split (one document shorter than a sample): training goes on without it
+    sliver = ["--data-path", _write(f"{d}/short", 60, 100), "--tokenizer", tok, "--seq-length", "64", "--split",
+              "49,10,1"]
+    gpt_run(RUN + sliver + ["--train-iters", "2", "--metrics-file", f"{d}/sliver.jsonl"])
+    out["sliver"] = _evaluations(f"{d}/sliver.jsonl")
     gpt_run(RUN + ["--train-iters", "2", "--eval-interval", "0", "--metrics-file", f"{d}/none.jsonl"])
     out["no validation"] = _evaluations(f"{d}/none.jsonl")
     bert = pretrain_bert.task()
@@ -58,12 +70,15 @@ def test_training_ends_with_the_test_split_where_the_data_has_one(runs):
     assert [s for _, s, _ in runs["80,10,10"]] == ["valid", "test"]
     assert [s for _, s, _ in runs["90,10,0"]] == ["valid"]  # no test documents: no test evaluation
     assert runs["no validation"] == []  # --eval-interval 0: the run evaluates nothing
+    assert [s for _, s, _ in runs["sliver"]] == ["valid"]  # too short a test split: noted, not refused
     (bert,) = runs["bert"]
     assert {"test_loss", "test_mlm_loss", "test_sop_loss", "test_ppl"} <= set(bert)
 
 
 def test_skip_train_evaluates_the_checkpoint_as_its_run_did(runs):
     assert runs["skip"] == runs["mock"][1:]  # the same validation and test losses at iteration 4, no step
+    assert runs["skip wrote"] == []  # no TensorBoard point, as Megatron-LM's --skip-train
+    assert runs["save unchanged"]  # nothing written to --save
 
 
 def test_skip_train_needs_evaluations():

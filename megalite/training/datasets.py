@@ -10,6 +10,7 @@ from megalite.data.documents import DocumentFlags, WithDocuments, flags_given
 from megalite.data.sft import build_sft_datasets
 from megalite.config.batch_schedule import batch_schedule
 from megalite.errors import UsageError
+from megalite.runtime import say
 from megalite.training import upcycling
 
 
@@ -58,7 +59,13 @@ def test_dataset(cfg, vocab_size: int, synthetic, build):
     try:
         return build((0, 0, t.eval_iters * t.global_batch_size), cfg.parallel.distributed_timeout_minutes * 60)[2]
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        if cfg.data.test_data_path or cfg.data.per_split_data_args_path:  # named for its own sake: it must be right
+            raise UsageError(str(e)) from None
+        # --split's test part of data chosen for training (the default 969,30,1 leaves a sliver): training
+        # goes on without the test evaluation, said once
+        say(f"megalite: note: no test evaluation: {e} (the test split is --split's third part; --split X,Y,0 "
+            f"gives none)")
+        return None
 
 
 def sft_datasets(cfg: RunConfig) -> tuple:

@@ -55,7 +55,8 @@ def _announce(cfg, config, world_size: int, dp: int, m: int, device) -> None:
          (", async" if s.local_sgd_async else "") + ")" if s.local_sgd_interval else "") +
         f", global batch {cfg.training.global_batch_size} x {cfg.model.seq_length} tokens, {m} micro-batches per step")
     outputs = [(what, path) for what, path in (
-        ("checkpoints", cfg.checkpoint.save), ("metrics", cfg.logging.metrics_file),
+        ("checkpoints", cfg.checkpoint.save if not cfg.training.skip_train else None),
+        ("metrics", cfg.logging.metrics_file),
         ("configuration", cfg.logging.metrics_file and cfg.logging.metrics_file + ".config.toml"),
         ("TensorBoard", cfg.logging.tensorboard_dir), ("timeline", cfg.logging.timeline),
         ("the samples consumed", cfg.logging.sample_log)) if path]
@@ -83,19 +84,25 @@ def _batch_schedule(cfg, dp: int, consumed: int):
 
 
 def _final_evaluations(cfg, task, step, eval_program, device, progress, iteration: int, valid_sets, test_data,
-                       optimizer) -> None:
-    """The validation sets (under --skip-train) and the test split, on --eval-iters global batches."""
-    if not valid_sets and test_data is None:
+                       optimizer, extra=()) -> None:
+    """The validation sets, --eval-prompts and --eval-tasks (`extra`) under --skip-train, and the test
+    split, on --eval-iters global batches; under --skip-train no TensorBoard or W&B point (Megatron-LM's)."""
+    if not valid_sets and test_data is None and not extra:
         return
     optimizer.finish_param_gather()  # --overlap-param-gather: evaluation reads every parameter
+    scalars = not cfg.training.skip_train
     for v in valid_sets:
         set_phase(f"iteration {iteration}: validation")
         progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, v.data, device, v.batches),
-                                   task.perplexity_of, v.name)
+                                   task.perplexity_of, v.name, scalars=scalars)
+    for what in extra:  # EvalSamples, EvalTasks
+        set_phase(f"iteration {iteration}: {type(what).__name__}")
+        what.log(step, iteration, progress.logger)
     if test_data is not None:
         set_phase(f"iteration {iteration}: the test split")
         progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, test_data, device,
-                                                       cfg.training.eval_iters), task.perplexity_of, split="test")
+                                                       cfg.training.eval_iters), task.perplexity_of, split="test",
+                                   scalars=scalars)
 
 
 def _due(every: int, iteration: int, last: int) -> bool:
@@ -229,8 +236,9 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
         if stop_reason:
             break
     if not stop_reason:  # Megatron-LM's evaluations once training ends (--skip-train: all there is)
-        _final_evaluations(cfg, task, step, eval_program, device, progress, reached,
-                           valid_sets if cfg.training.skip_train else [], test_data, optimizer)
+        skip = cfg.training.skip_train
+        _final_evaluations(cfg, task, step, eval_program, device, progress, reached, valid_sets if skip else [],
+                           test_data, optimizer, [e for e in (samples, scored_tasks) if e is not None] if skip else [])
     if local_sgd is not None:
         local_sgd.settle()  # async: no all-reduce left in flight when the process group goes
     checkpoints.close()
