@@ -50,9 +50,9 @@ def train_recording_split(rank, world, case, placed=False):
         cls._grad_ready = patched
     evaluation, run_original = originals[2][2], originals[3][2]
 
-    def recording_evaluation(self, iteration, values, *rest):
+    def recording_evaluation(self, iteration, values, *rest, **named):
         evals.append(values["loss"])
-        return evaluation(self, iteration, values, *rest)
+        return evaluation(self, iteration, values, *rest, **named)
     metrics.TrainingLogger.evaluation = recording_evaluation
 
     def counting_run(self):
