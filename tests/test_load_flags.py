@@ -15,18 +15,9 @@ import torch
 
 from megalite.errors import UsageError
 from megalite.testing import run_ranks
-from training_ranks import gpt_run
+from training_ranks import gpt_run, run_refusal
 
 RUN = ["--global-batch-size", "4", "--micro-batch-size", "2", "--log-interval", "1", "--eval-interval", "0"]
-
-
-def _refused(argv) -> str:
-    try:
-        gpt_run(argv)
-    except UsageError as e:
-        assert "\n" not in str(e), str(e)
-        return str(e)
-    raise AssertionError(f"accepted: {argv}")
 
 
 def _runs(rank, world, d):
@@ -40,9 +31,9 @@ def _runs(rank, world, d):
     out["megatron step 7"] = [r["iteration"] for r in gpt_run(RUN + ["--train-iters", "8", "--load", megatron,
                                                                       "--ckpt-step", "7"]).records]
     out["refused"] = [
-        _refused(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt", "--ckpt-step", "7"]),
-        _refused(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt/iter_0000002", "--ckpt-step", "2"]),
-        _refused(RUN + ["--train-iters", "2", "--load", f"{d}/fresh", "--save", f"{d}/fresh",
+        run_refusal(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt", "--ckpt-step", "7"]),
+        run_refusal(RUN + ["--train-iters", "4", "--load", f"{d}/ckpt/iter_0000002", "--ckpt-step", "2"]),
+        run_refusal(RUN + ["--train-iters", "2", "--load", f"{d}/fresh", "--save", f"{d}/fresh",
                         "--exit-on-missing-checkpoint"]),
     ]
     # the restart idiom without the flag: from scratch, as before
@@ -58,7 +49,7 @@ def _runs(rank, world, d):
         if quiet is not None:
             os.environ["MEGALITE_QUIET"] = quiet
     out["said"] = said.getvalue()
-    out["refused"].append(_refused(RUN + ["--train-iters", "2", "--save", f"{d}/lsgd", "--no-save-optim",
+    out["refused"].append(run_refusal(RUN + ["--train-iters", "2", "--save", f"{d}/lsgd", "--no-save-optim",
                                           "--local-sgd-interval", "2"]))
     gpt_run(RUN + ["--train-iters", "1", "--disable-bf16-reduced-precision-matmul"])
     out["reduced after the flag"] = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction

@@ -15,12 +15,11 @@ import torch
 from megalite import checkpoint, parallel
 from megalite.checkpoint.megatron_dist import MegatronCheckpoint
 from megalite.checkpoint.upcycle import load_upcycled_weights, weight_scale
-from megalite.errors import UsageError
 from megalite.models import GPTModel
 from helpers import sentencepiece_fixture
 from megalite.testing import run_ranks
 from test_data_per_split import _write
-from training_ranks import gpt_run, one_device_each, side_by_side, train_losses
+from training_ranks import gpt_run, one_device_each, run_refusal, side_by_side, train_losses
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_ckpt"
 STEPS = ["--hidden-dropout", "0", "--attention-dropout", "0", "--global-batch-size", "4", "--micro-batch-size", "2",
@@ -33,15 +32,6 @@ GRANULAR = [*EXPERTS, "--moe-upcycling-granularity", "2", "--moe-ffn-hidden-size
 
 def _losses(run):
     return [r["loss"] for r in run.records]
-
-
-def _refused(argv) -> str:
-    try:
-        gpt_run(argv)
-    except UsageError as e:
-        assert "\n" not in str(e), str(e)
-        return str(e)
-    raise AssertionError(f"accepted: {argv}")
 
 
 def _one_device(rank, world, d, tokenizer):
@@ -66,16 +56,16 @@ def _one_device(rank, world, d, tokenizer):
     out["requeued"] = _losses(gpt_run(LLAMA + EXPERTS + ["--train-iters", "5", "--load", f"{d}/llama",
                                                          "--save", f"{d}/up"]))
     out["refusals"] = [
-        _refused(LLAMA + EXPERTS + ["--train-iters", "2"]),
-        _refused(LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/llama", "--save", f"{d}/llama"]),
-        _refused(LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/llama", "--save", f"{d}/squared"]),
-        _refused(LLAMA + EXPERTS + ["--train-iters", "6", "--load", f"{d}/up"]),
-        _refused(LLAMA + EXPERTS + ["--moe-upcycling-granularity", "2", "--train-iters", "2", "--load", f"{d}/llama"]),
-        _refused(LLAMA + EXPERTS + ["--moe-upcycling-granularity", "3", "--moe-ffn-hidden-size", "85",
+        run_refusal(LLAMA + EXPERTS + ["--train-iters", "2"]),
+        run_refusal(LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/llama", "--save", f"{d}/llama"]),
+        run_refusal(LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/llama", "--save", f"{d}/squared"]),
+        run_refusal(LLAMA + EXPERTS + ["--train-iters", "6", "--load", f"{d}/up"]),
+        run_refusal(LLAMA + EXPERTS + ["--moe-upcycling-granularity", "2", "--train-iters", "2", "--load", f"{d}/llama"]),
+        run_refusal(LLAMA + EXPERTS + ["--moe-upcycling-granularity", "3", "--moe-ffn-hidden-size", "85",
                                     "--train-iters", "2", "--load", f"{d}/llama"]),
-        _refused(LLAMA + ["--num-experts", "3", "--moe-upcycling-granularity", "2", "--moe-ffn-hidden-size", "128",
+        run_refusal(LLAMA + ["--num-experts", "3", "--moe-upcycling-granularity", "2", "--moe-ffn-hidden-size", "128",
                           "--moe-use-upcycling", "--train-iters", "2", "--load", f"{d}/llama"]),
-        _refused(LLAMA + EXPERTS + ["--hidden-size", "64", "--train-iters", "2", "--load", f"{d}/llama"]),
+        run_refusal(LLAMA + EXPERTS + ["--hidden-size", "64", "--train-iters", "2", "--load", f"{d}/llama"]),
     ]
     # real data: iterations 1..4 read samples 8..23 of a corpus a run of 4 iterations from scratch reads 16 of;
     # a resume of its checkpoint builds the same data (the schedule's start in the checkpoint)
@@ -86,7 +76,7 @@ def _one_device(rank, world, d, tokenizer):
                                   "--save-interval", "1"]).records]
     out["on data resumed"] = _losses(gpt_run(LLAMA + data + EXPERTS[:-1] + ["--train-iters", "4", "--load",
                                                                             f"{d}/on_data_up/iter_0000002"]))
-    out["refusals"].append(_refused(LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/on_data",
+    out["refusals"].append(run_refusal(LLAMA + EXPERTS + ["--train-iters", "2", "--load", f"{d}/on_data",
                                                        "--save", f"{d}/up"]))
     # the schedule is this command line's, not the dense checkpoint's (2 iterations long)
     decay = ["--lr", "1e-3", "--lr-warmup-iters", "0", "--lr-decay-style", "linear", "--min-lr", "0", "--train-iters",

@@ -57,6 +57,19 @@ def refusal(argv, world: int) -> str:
     raise AssertionError(f"accepted: {argv}")
 
 
+def run_refusal(argv) -> str:
+    """The UsageError a training run of `argv` ends with (checks made once the run starts: the
+    checkpoint, the data), checked to be one line."""
+    from megalite.errors import UsageError
+
+    try:
+        gpt_run(argv)
+    except UsageError as e:
+        assert "\n" not in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"accepted: {argv}")
+
+
 def built_model(argv):
     """The TransformerConfig `argv` builds (a section check's error as the UsageError the run would raise)."""
     from megalite.config import model_config
