@@ -2,7 +2,7 @@
 (`megalite.checkpoint.upcycle`), the upcycled model is saved to `--save` before training, and the
 run trains iterations 1.. --train-iters with a fresh optimizer and learning-rate schedule, from the
 dense run's data position (sample 0 with --finetune). Megatron-LM labels that first checkpoint
-iteration 1 but trains from iteration 0 (its first own checkpoint of iteration 1 then replaces it);
+iteration 1 but trains from iteration 0 (a resume of it there starts a step late);
 megalite labels it iteration 0, so that a resume of it is this run. The samples where the schedule
 started travel in every later checkpoint (a batch ramp counts from them), with the dense checkpoint's
 directory. Upcycling runs once: a requeued job finds its own checkpoints in --save and resumes them."""
