@@ -228,7 +228,7 @@ class MoEConfig:
                                                           check=POSITIVE_INT, shape=True)
     moe_shared_expert_gate: bool = opt(False, "the shared expert's output times sigmoid(x . w)", shape=True)
     moe_use_upcycling: bool = opt(False, "start the experts from --load's dense checkpoint (upcycling), save them to "
-                                         "--save as iteration 1 and train on (docs/moe.md)")
+                                         "--save before training and train on (docs/moe.md)")
     moe_upcycling_granularity: int = opt(1, "upcycling: the dense MLP's width over one expert's (its features cut "
                                             "into this many experts)", check=POSITIVE_INT)
 

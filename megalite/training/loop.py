@@ -83,28 +83,6 @@ def _batch_schedule(cfg, dp: int, consumed: int):
     return schedule
 
 
-def _final_evaluations(cfg, task, step, eval_program, device, progress, iteration: int, valid_sets, test_data,
-                       optimizer, extra=()) -> None:
-    """The validation sets, --eval-prompts and --eval-tasks (`extra`) under --skip-train, and the test
-    split, on --eval-iters global batches; under --skip-train no TensorBoard or W&B point (Megatron-LM's)."""
-    if not valid_sets and test_data is None and not extra:
-        return
-    optimizer.finish_param_gather()  # --overlap-param-gather: evaluation reads every parameter
-    scalars = not cfg.training.skip_train
-    for v in valid_sets:
-        set_phase(f"iteration {iteration}: validation")
-        progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, v.data, device, v.batches),
-                                   task.perplexity_of, v.name, scalars=scalars)
-    for what in extra:  # EvalSamples, EvalTasks
-        set_phase(f"iteration {iteration}: {type(what).__name__}")
-        what.log(step, iteration, progress.logger)
-    if test_data is not None:
-        set_phase(f"iteration {iteration}: the test split")
-        progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, test_data, device,
-                                                       cfg.training.eval_iters), task.perplexity_of, split="test",
-                                   scalars=scalars)
-
-
 def _due(every: int, iteration: int, last: int) -> bool:
     return bool(every) and (iteration % every == 0 or iteration == last)
 
@@ -168,6 +146,21 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
     # Local SGD: each replica (its CP ranks) trains on the mean loss of its own share of the batch.
     replica_group = parallel.get_context_parallel_group() if cfg.parallel.cp > 1 else None
 
+    def evaluations(iteration: int, scalars: bool = True) -> None:
+        """What each validation runs: the validation sets, --eval-prompts' samples, --eval-tasks' scores."""
+        optimizer.finish_param_gather()  # --overlap-param-gather: what follows reads every parameter
+        if valid_sets:
+            set_phase(f"iteration {iteration}: validation")
+            for v in valid_sets:
+                progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, v.data, device,
+                                                               v.batches), task.perplexity_of, v.name, scalars=scalars)
+        if samples is not None:
+            set_phase(f"iteration {iteration}: samples of --eval-prompts")
+            samples.log(step, iteration, progress.logger)
+        if scored_tasks is not None:
+            set_phase(f"iteration {iteration}: the lm-eval tasks of --eval-tasks")
+            scored_tasks.log(step, iteration, progress.logger)
+
     line = restart_line(cfg, start.iteration)
     if line:
         say(line)
@@ -197,7 +190,7 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
             replicas = 1 if local_sgd is not None else dp  # local SGD: each replica's own mean
             micro_batch_means(batches, num_tokens, replicas, parallel.get_context_parallel_group())
         # The schedule runs on steps; with a growing batch on samples seen, in final batches (Megatron-LM's).
-        # (counted from where the schedule started: after upcycling, iteration 1 and the dense run's samples)
+        # (counted from where the schedule started: after upcycling, the dense run's samples)
         at = (iteration - 1 - start.schedule_start[0] if not batches_by.varies
               else (consumed - start.schedule_start[1]) / cfg.training.global_batch_size)
         loss_scale, lr = optimizer.loss_scaler.scale, schedule(at)
@@ -216,18 +209,7 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
             raise
         t = cfg.training
         if _due(t.eval_interval, iteration, t.train_iters):
-            optimizer.finish_param_gather()  # --overlap-param-gather: what follows reads every parameter
-        if valid_sets and _due(t.eval_interval, iteration, t.train_iters):
-            set_phase(f"iteration {iteration}: validation")
-            for v in valid_sets:
-                progress.logger.evaluation(iteration, evaluate(cfg, task, step, eval_program, v.data, device,
-                                                               v.batches), task.perplexity_of, v.name)
-        if samples is not None and _due(t.eval_interval, iteration, t.train_iters):
-            set_phase(f"iteration {iteration}: samples of --eval-prompts")
-            samples.log(step, iteration, progress.logger)
-        if scored_tasks is not None and _due(t.eval_interval, iteration, t.train_iters):
-            set_phase(f"iteration {iteration}: the lm-eval tasks of --eval-tasks")
-            scored_tasks.log(step, iteration, progress.logger)
+            evaluations(iteration)
         stop_reason = checkpoints.after_iteration(iteration, consumed, chunks, optimizer, progress.logger.say)
         reached = iteration
         record.after_iteration(iteration)
@@ -236,9 +218,14 @@ def _pretrain(cfg, task: Task) -> TrainingRun:
         if stop_reason:
             break
     if not stop_reason:  # Megatron-LM's evaluations once training ends (--skip-train: all there is)
-        skip = cfg.training.skip_train
-        _final_evaluations(cfg, task, step, eval_program, device, progress, reached, valid_sets if skip else [],
-                           test_data, optimizer, [e for e in (samples, scored_tasks) if e is not None] if skip else [])
+        if cfg.training.skip_train:
+            evaluations(reached, scalars=False)  # (no TensorBoard or W&B point, as Megatron-LM's)
+        if test_data is not None:
+            optimizer.finish_param_gather()
+            set_phase(f"iteration {reached}: the test split")
+            progress.logger.evaluation(reached, evaluate(cfg, task, step, eval_program, test_data, device,
+                                                         cfg.training.eval_iters), task.perplexity_of, split="test",
+                                       scalars=not cfg.training.skip_train)
     if local_sgd is not None:
         local_sgd.settle()  # async: no all-reduce left in flight when the process group goes
     checkpoints.close()

@@ -101,7 +101,9 @@ def resume_point(cfg, reader, config=None) -> StartPoint:
     """Where the checkpoint stopped, or the start with --finetune (a new run from loaded weights), or
     after upcycling (`config`: the model's). A checkpoint past --train-iters is refused."""
     if reader is not None and cfg.moe.moe_use_upcycling:
-        return upcycling.start(cfg, reader, config, StartPoint)
+        consumed, line = upcycling.start(cfg, reader, config)
+        return StartPoint(upcycling.UPCYCLED_ITERATION, consumed, None, [line], (upcycling.UPCYCLED_ITERATION, consumed),
+                          upcycled=True, upcycled_from=os.path.realpath(cfg.checkpoint.load))
     if reader is None or cfg.checkpoint.finetune:
         return StartPoint()
     iteration, consumed = reader.metadata["iteration"], reader.metadata["consumed_samples"]

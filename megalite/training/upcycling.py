@@ -60,16 +60,16 @@ def load(reader, cfg, task, config, chunks) -> None:
     load_upcycled_weights(reader, chunks, config, cfg.moe.moe_upcycling_granularity)
 
 
-def start(cfg, reader, config, start_point_type):
-    """Iteration 0, the dense run's data position (0 with --finetune), the schedule from here."""
+def start(cfg, reader, config) -> tuple[int, str]:
+    """The samples consumed where the run starts (iteration 0): the dense run's data position (0 with
+    --finetune), where the schedule starts too; and the line that says so."""
     consumed = 0 if cfg.checkpoint.finetune else int(reader.metadata.get("consumed_samples", 0))
     g = cfg.moe.moe_upcycling_granularity
     line = (f"megalite: upcycled {reader.path} (iteration {reader.metadata['iteration']}) into {config.num_moe_experts} "
             f"experts of width {config.moe_ffn_hidden_size} (granularity {g}, weights x {weight_scale(config, g):.4g}): "
             f"iterations 1..{cfg.training.train_iters} with a fresh optimizer and learning-rate schedule, data from "
             f"sample {consumed}" + (" (--finetune)" if cfg.checkpoint.finetune else " (the dense run's position)"))
-    return start_point_type(UPCYCLED_ITERATION, consumed, None, [line], (UPCYCLED_ITERATION, consumed), True,
-                            os.path.realpath(cfg.checkpoint.load))
+    return consumed, line
 
 
 def train_samples(cfg, samples: int) -> int:
@@ -79,6 +79,8 @@ def train_samples(cfg, samples: int) -> int:
     c = cfg.checkpoint
     if c.finetune or not c.load or not checkpoint.checkpoint_exists(c.load):
         return samples
+    if not cfg.moe.moe_use_upcycling and not checkpoint.CheckpointReader.exists(c.load):
+        return samples  # (Megatron-LM's checkpoints carry no schedule start: not read again for it)
     metadata = checkpoint.open_checkpoint(c.load).metadata
     if cfg.moe.moe_use_upcycling:
         iteration, consumed = UPCYCLED_ITERATION, int(metadata.get("consumed_samples", 0))
